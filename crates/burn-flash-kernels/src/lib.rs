@@ -1,0 +1,9 @@
+//! CubeCL kernels of burn-flash, usable without Burn: device code plus host launch functions
+//! that take a cubecl `ComputeClient` and device buffers.
+//!
+//! - [`softmax`]: fused row softmax, log-softmax and quiet softmax (forward and backward).
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod reduce;
+pub mod softmax;

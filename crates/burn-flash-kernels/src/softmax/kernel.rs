@@ -1,0 +1,540 @@
+//! Device code of the softmax family.
+//!
+//! Every kernel sees its tensors with the softmax dimension moved last (the host permutes the
+//! metadata), so a "row" is one fibre along the last dimension and rows enumerate the remaining
+//! indices. Values are stored in `F` and all arithmetic is in f32.
+//!
+//! Three row schemes, picked on the host (see `plan.rs`):
+//! - `*_rows`: the whole row is held in registers by `units_per_row` units (one plane or one
+//!   cube), so every element is read once and written once;
+//! - `*_split_partials` + `*_split_finish`: rows too long for one cube are cut in chunks; the
+//!   first kernel writes each chunk's `(m, l)`, the second merges them and normalises its chunk;
+//! - `*_strided`: the softmax dimension is not contiguous; one unit per row, neighbouring units
+//!   take neighbouring rows so that loads coalesce.
+
+use cubecl::prelude::*;
+
+use crate::reduce::{GroupShape, group_reduce, row_offset};
+
+/// Member of the softmax family computed by a kernel (a comptime flag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SoftmaxVariant {
+    /// `y = e^x / Σ e^x`.
+    Softmax,
+    /// `y = x − ln Σ e^x`.
+    LogSoftmax,
+    /// `y = e^x / (1 + Σ e^x)`, as Burn's `quiet_softmax`.
+    QuietSoftmax,
+}
+
+/// Comptime configuration of the row kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowConfig {
+    /// Which softmax.
+    pub variant: SoftmaxVariant,
+    /// Layout of units over rows and how they reduce.
+    pub group: GroupShape,
+    /// Vectors each unit holds in registers (per row, or per chunk for the split scheme).
+    pub vectors_per_unit: u32,
+}
+
+/// The shift subtracted before exponentiating, from the row maximum `m`.
+///
+/// If `m` is −inf every element was −inf (a fully masked row): `x − m` would be
+/// `−inf − (−inf) = NaN`, so shift by 0 instead and let every exponential be 0. Quiet softmax
+/// also never shifts below 0, so that its implicit extra term `e^0 = 1` stays representable.
+#[cube]
+fn softmax_shift(m: f32, neg_inf: f32, #[comptime] variant: SoftmaxVariant) -> f32 {
+    let shift = select(m == neg_inf, 0.0f32, m);
+    match variant {
+        SoftmaxVariant::QuietSoftmax => f32::max(shift, 0.0f32),
+        _ => shift,
+    }
+}
+
+/// Turns the shifted sum `s = Σ e^(x − shift)` into the factor (or log-sum-exp) the output needs.
+///
+/// Softmax: `1/s`, or 0 for a fully masked row (`s = 0`). Quiet: `1/(e^−shift + s)`.
+/// Log-softmax: `shift + ln s`, or +inf for a fully masked row so that its output is −inf.
+#[cube]
+fn softmax_norm(s: f32, shift: f32, neg_inf: f32, #[comptime] variant: SoftmaxVariant) -> f32 {
+    match variant {
+        SoftmaxVariant::Softmax => select(s == 0.0f32, 0.0f32, 1.0f32 / s),
+        SoftmaxVariant::QuietSoftmax => 1.0f32 / (f32::exp(-shift) + s),
+        SoftmaxVariant::LogSoftmax => select(s == 0.0f32, -neg_inf, shift + f32::ln(s)),
+    }
+}
+
+/// One output vector from an input vector, given the row's shift and norm.
+#[cube]
+fn softmax_apply<F: Float, N: Size>(
+    x: Vector<F, N>,
+    shift: f32,
+    norm: f32,
+    #[comptime] variant: SoftmaxVariant,
+) -> Vector<F, N> {
+    let xf = Vector::<f32, N>::cast_from(x);
+    match variant {
+        SoftmaxVariant::LogSoftmax => Vector::cast_from(xf - Vector::new(norm)),
+        _ => Vector::cast_from(Vector::exp(xf - Vector::new(shift)) * Vector::new(norm)),
+    }
+}
+
+#[cube]
+fn vector_max<F: Float, N: Size>(acc: f32, v: Vector<F, N>) -> f32 {
+    let vf = Vector::<f32, N>::cast_from(v);
+    let mut m = acc;
+    #[unroll]
+    for i in 0..N::value() {
+        m = f32::max(m, vf[i]);
+    }
+    m
+}
+
+#[cube]
+fn vector_exp_sum<F: Float, N: Size>(acc: f32, v: Vector<F, N>, shift: f32) -> f32 {
+    let e = Vector::exp(Vector::<f32, N>::cast_from(v) - Vector::new(shift));
+    let mut s = acc;
+    #[unroll]
+    for i in 0..N::value() {
+        s += e[i];
+    }
+    s
+}
+
+#[cube]
+fn vector_sum<N: Size>(acc: f32, v: Vector<f32, N>) -> f32 {
+    let mut s = acc;
+    #[unroll]
+    for i in 0..N::value() {
+        s += v[i];
+    }
+    s
+}
+
+/// Index of the first row of this cube and whether the calling unit's row exists.
+#[cube]
+fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
+    let row = CUBE_POS * comptime!(group.rows_per_cube as usize) + UNIT_POS_Y as usize;
+    let active = row < num_rows;
+    (select(active, row, 0), active)
+}
+
+/// Forward, whole row in registers: one read and one write per element.
+#[cube(launch_unchecked)]
+pub fn softmax_rows<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    num_rows: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let dim = input.rank() - 1;
+    let (row, active) = cube_row(num_rows, cfg.group);
+    let n_vec = input.shape(dim) / N::value();
+    let in_base = row_offset(input, row, dim) / N::value();
+    let out_base = row_offset(output, row, dim) / N::value();
+    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    // -- load the row once, track the maximum --
+    let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut local_max = neg_inf;
+    #[unroll]
+    for k in 0..k_count {
+        let j = (UNIT_POS_X + k * x) as usize;
+        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
+        if active && j < n_vec {
+            v = input[in_base + j];
+        }
+        regs[k as usize] = v;
+        local_max = vector_max(local_max, v);
+    }
+    let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
+    let shift = softmax_shift(m, neg_inf, cfg.variant);
+
+    // -- l = Σ e^(x − shift) --
+    let mut local_sum = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
+    }
+    let s = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
+    let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+
+    // -- write once --
+    #[unroll]
+    for k in 0..k_count {
+        let j = (UNIT_POS_X + k * x) as usize;
+        if active && j < n_vec {
+            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+        }
+    }
+}
+
+/// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with
+/// `l = Σ e^(x − m)` (shifted by 0 if the chunk is fully −inf).
+#[cube(launch_unchecked)]
+pub fn softmax_split_partials<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    partial_max: &mut Array<f32>,
+    partial_sum: &mut Array<f32>,
+    num_rows: usize,
+    num_chunks: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let row = CUBE_POS / num_chunks;
+    let chunk = CUBE_POS % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = input.rank() - 1;
+    let n_vec = input.shape(dim) / N::value();
+    let in_base = row_offset(input, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut local_max = neg_inf;
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
+        if j < n_vec {
+            v = input[in_base + j];
+        }
+        regs[k as usize] = v;
+        local_max = vector_max(local_max, v);
+    }
+    let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
+    let shift = select(m == neg_inf, 0.0f32, m);
+    let mut local_sum = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
+    }
+    let l = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
+    if UNIT_POS == 0 {
+        partial_max[CUBE_POS] = m;
+        partial_sum[CUBE_POS] = l;
+    }
+}
+
+/// Forward, split rows, second pass: merge the row's partials and normalise this cube's chunk.
+#[cube(launch_unchecked)]
+pub fn softmax_split_finish<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    partial_max: &Array<f32>,
+    partial_sum: &Array<f32>,
+    num_rows: usize,
+    num_chunks: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let row = CUBE_POS / num_chunks;
+    let chunk = CUBE_POS % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = input.rank() - 1;
+    let n_vec = input.shape(dim) / N::value();
+    let in_base = row_offset(input, row, dim) / N::value();
+    let out_base = row_offset(output, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    // -- merge partials: M = max(m_a, m_b), L = l_a·e^(m_a−M) + l_b·e^(m_b−M) --
+    let mut m = neg_inf;
+    let mut l = 0.0f32;
+    let mut p = UNIT_POS_X as usize;
+    while p < num_chunks {
+        let pm = partial_max[row * num_chunks + p];
+        let pl = partial_sum[row * num_chunks + p];
+        // The partial's l was taken with shift 0 when its chunk was fully −inf (pl = 0 then).
+        let ps = select(pm == neg_inf, 0.0f32, pm);
+        let merged = f32::max(m, pm);
+        let ms = select(merged == neg_inf, 0.0f32, merged);
+        let cur = select(m == neg_inf, 0.0f32, m);
+        l = l * f32::exp(cur - ms) + pl * f32::exp(ps - ms);
+        m = merged;
+        p += x as usize;
+    }
+    let row_max = group_reduce(m, &mut smem_max, true, cfg.group);
+    let shift = softmax_shift(row_max, neg_inf, cfg.variant);
+    let own = select(m == neg_inf, 0.0f32, m);
+    let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
+    let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        if j < n_vec {
+            output[out_base + j] = softmax_apply(input[in_base + j], shift, norm, cfg.variant);
+        }
+    }
+}
+
+/// Forward for a non-contiguous softmax dimension: one unit per row, online `(m, l)` then a
+/// writing pass.
+#[cube(launch_unchecked)]
+pub fn softmax_strided<F: Float>(
+    input: &Tensor<F>,
+    output: &mut Tensor<F>,
+    num_rows: usize,
+    neg_inf: f32,
+    #[comptime] variant: SoftmaxVariant,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = ABSOLUTE_POS;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = input.rank() - 1;
+    let n = input.shape(dim);
+    let in_stride = input.stride(dim);
+    let out_stride = output.stride(dim);
+    let in_base = row_offset(input, row, dim);
+    let out_base = row_offset(output, row, dim);
+
+    // -- online: m' = max(m, x), l' = l·e^(m − m') + e^(x − m') --
+    let mut m = neg_inf;
+    let mut l = 0.0f32;
+    for j in 0..n {
+        let v = f32::cast_from(input[in_base + j * in_stride]);
+        let merged = f32::max(m, v);
+        let ms = select(merged == neg_inf, 0.0f32, merged);
+        let cur = select(m == neg_inf, 0.0f32, m);
+        l = l * f32::exp(cur - ms) + f32::exp(v - ms);
+        m = merged;
+    }
+    let shift = softmax_shift(m, neg_inf, variant);
+    let own = select(m == neg_inf, 0.0f32, m);
+    let s = l * f32::exp(own - shift);
+    let norm = softmax_norm(s, shift, neg_inf, variant);
+    for j in 0..n {
+        let v = f32::cast_from(input[in_base + j * in_stride]);
+        let y = match variant {
+            SoftmaxVariant::LogSoftmax => v - norm,
+            _ => f32::exp(v - shift) * norm,
+        };
+        output[out_base + j * out_stride] = F::cast_from(y);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward.
+//   softmax and quiet softmax: dx = y ⊙ (dy − Σ dy ⊙ y)
+//   log-softmax:               dx = dy − e^y ⊙ Σ dy
+// Quiet softmax has the same Jacobian form `diag(y) − y yᵀ` as softmax (its rows just do not sum
+// to 1), hence the same formula.
+// ---------------------------------------------------------------------------------------------
+
+/// The per-element term whose row sum the backward needs.
+#[cube]
+fn backward_term<F: Float, N: Size>(
+    y: Vector<F, N>,
+    dy: Vector<F, N>,
+    #[comptime] variant: SoftmaxVariant,
+) -> Vector<f32, N> {
+    let dyf = Vector::<f32, N>::cast_from(dy);
+    match variant {
+        SoftmaxVariant::LogSoftmax => dyf,
+        _ => dyf * Vector::<f32, N>::cast_from(y),
+    }
+}
+
+#[cube]
+fn backward_apply<F: Float, N: Size>(
+    y: Vector<F, N>,
+    dy: Vector<F, N>,
+    s: f32,
+    #[comptime] variant: SoftmaxVariant,
+) -> Vector<F, N> {
+    let yf = Vector::<f32, N>::cast_from(y);
+    let dyf = Vector::<f32, N>::cast_from(dy);
+    match variant {
+        SoftmaxVariant::LogSoftmax => Vector::cast_from(dyf - Vector::exp(yf) * Vector::new(s)),
+        _ => Vector::cast_from(yf * (dyf - Vector::new(s))),
+    }
+}
+
+/// Backward, whole row in registers: two reads and one write per element.
+#[cube(launch_unchecked)]
+pub fn softmax_backward_rows<F: Float, N: Size>(
+    y: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    num_rows: usize,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let dim = y.rank() - 1;
+    let (row, active) = cube_row(num_rows, cfg.group);
+    let n_vec = y.shape(dim) / N::value();
+    let y_base = row_offset(y, row, dim) / N::value();
+    let dy_base = row_offset(dy, row, dim) / N::value();
+    let dx_base = row_offset(dx, row, dim) / N::value();
+    let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    let mut regs_y = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut regs_dy = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut local = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        let j = (UNIT_POS_X + k * x) as usize;
+        let mut vy = Vector::<F, N>::new(F::new(0.0));
+        let mut vdy = Vector::<F, N>::new(F::new(0.0));
+        if active && j < n_vec {
+            vy = y[y_base + j];
+            vdy = dy[dy_base + j];
+        }
+        regs_y[k as usize] = vy;
+        regs_dy[k as usize] = vdy;
+        local = vector_sum(local, backward_term(vy, vdy, cfg.variant));
+    }
+    let s = group_reduce(local, &mut smem, false, cfg.group);
+    #[unroll]
+    for k in 0..k_count {
+        let j = (UNIT_POS_X + k * x) as usize;
+        if active && j < n_vec {
+            dx[dx_base + j] =
+                backward_apply(regs_y[k as usize], regs_dy[k as usize], s, cfg.variant);
+        }
+    }
+}
+
+/// Backward, split rows, first pass: each chunk's share of the row sum.
+#[cube(launch_unchecked)]
+pub fn softmax_backward_split_partials<F: Float, N: Size>(
+    y: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    partial_sum: &mut Array<f32>,
+    num_rows: usize,
+    num_chunks: usize,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let row = CUBE_POS / num_chunks;
+    let chunk = CUBE_POS % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = y.rank() - 1;
+    let n_vec = y.shape(dim) / N::value();
+    let y_base = row_offset(y, row, dim) / N::value();
+    let dy_base = row_offset(dy, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    let mut local = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        if j < n_vec {
+            local = vector_sum(local, backward_term(y[y_base + j], dy[dy_base + j], cfg.variant));
+        }
+    }
+    let s = group_reduce(local, &mut smem, false, cfg.group);
+    if UNIT_POS == 0 {
+        partial_sum[CUBE_POS] = s;
+    }
+}
+
+/// Backward, split rows, second pass: add the row's partial sums and write this chunk of `dx`.
+#[cube(launch_unchecked)]
+pub fn softmax_backward_split_finish<F: Float, N: Size>(
+    y: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    partial_sum: &Array<f32>,
+    num_rows: usize,
+    num_chunks: usize,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let row = CUBE_POS / num_chunks;
+    let chunk = CUBE_POS % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = y.rank() - 1;
+    let n_vec = y.shape(dim) / N::value();
+    let y_base = row_offset(y, row, dim) / N::value();
+    let dy_base = row_offset(dy, row, dim) / N::value();
+    let dx_base = row_offset(dx, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    let mut local = 0.0f32;
+    let mut p = UNIT_POS_X as usize;
+    while p < num_chunks {
+        local += partial_sum[row * num_chunks + p];
+        p += x as usize;
+    }
+    let s = group_reduce(local, &mut smem, false, cfg.group);
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        if j < n_vec {
+            dx[dx_base + j] = backward_apply(y[y_base + j], dy[dy_base + j], s, cfg.variant);
+        }
+    }
+}
+
+/// Backward for a non-contiguous softmax dimension: one unit per row.
+#[cube(launch_unchecked)]
+pub fn softmax_backward_strided<F: Float>(
+    y: &Tensor<F>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    num_rows: usize,
+    #[comptime] variant: SoftmaxVariant,
+    #[define(F)] _dtype: StorageType,
+) {
+    let row = ABSOLUTE_POS;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = y.rank() - 1;
+    let n = y.shape(dim);
+    let (sy, sdy, sdx) = (y.stride(dim), dy.stride(dim), dx.stride(dim));
+    let y_base = row_offset(y, row, dim);
+    let dy_base = row_offset(dy, row, dim);
+    let dx_base = row_offset(dx, row, dim);
+    let mut s = 0.0f32;
+    for j in 0..n {
+        let vdy = f32::cast_from(dy[dy_base + j * sdy]);
+        s += match variant {
+            SoftmaxVariant::LogSoftmax => vdy,
+            _ => vdy * f32::cast_from(y[y_base + j * sy]),
+        };
+    }
+    for j in 0..n {
+        let vy = f32::cast_from(y[y_base + j * sy]);
+        let vdy = f32::cast_from(dy[dy_base + j * sdy]);
+        let g = match variant {
+            SoftmaxVariant::LogSoftmax => vdy - f32::exp(vy) * s,
+            _ => vy * (vdy - s),
+        };
+        dx[dx_base + j * sdx] = F::cast_from(g);
+    }
+}

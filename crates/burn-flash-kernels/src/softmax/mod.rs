@@ -1,0 +1,390 @@
+//! Fused row softmax, log-softmax and quiet softmax, forward and backward.
+//!
+//! Host entry points: [`launch_softmax`] and [`launch_softmax_backward`]. Each validates its
+//! arguments, asks [`plan`](plan::plan) for a launch, and runs one kernel (two for rows too long
+//! for one cube). Outputs are allocated by the caller with any strides.
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod kernel;
+mod plan;
+
+use core::fmt;
+
+use cubecl::{prelude::*, server::Handle};
+
+pub use kernel::SoftmaxVariant;
+pub use plan::SoftmaxPlan;
+use plan::{DeviceFacts, Layout};
+
+/// Row scheme of a launch. [`SoftmaxOptions::tier`] forces one (tests do, to cover each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SoftmaxTier {
+    /// Short rows: one plane (or part of one) per row, several rows per cube, row in registers.
+    Plane,
+    /// Medium rows: one cube per row, row in registers.
+    Cube,
+    /// Long rows: chunks of a row on several cubes; per-chunk `(m, l)` merged by a second kernel.
+    Split,
+    /// Softmax dimension not contiguous: one unit per row, neighbouring units on neighbouring
+    /// rows.
+    Strided,
+}
+
+/// Overrides of the host heuristic. The default (`None` everywhere) is what users want.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SoftmaxOptions {
+    /// Force a row scheme; an impossible choice is an error, not a fallback.
+    pub tier: Option<SoftmaxTier>,
+    /// Force plane (warp) operations on or off. On needs a runtime with a fixed plane width
+    /// (lavapipe has one, though cubecl does not advertise plane operations there).
+    pub plane_ops: Option<bool>,
+}
+
+/// Why a softmax launch was refused. Nothing is launched when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SoftmaxError {
+    /// `dim` is not a dimension of the tensor.
+    InvalidDim {
+        /// The dimension asked for.
+        dim: usize,
+        /// The tensor's rank.
+        rank: usize,
+    },
+    /// A tensor does not have the shape of the input.
+    ShapeMismatch {
+        /// Which argument.
+        arg: &'static str,
+        /// The input's shape.
+        expected: Vec<usize>,
+        /// The argument's shape.
+        got: Vec<usize>,
+    },
+    /// The element type is not f32, f16 or bf16, or the device cannot run it.
+    UnsupportedDType {
+        /// The element type, as cubecl names it.
+        dtype: String,
+    },
+    /// A forced [`SoftmaxTier`] cannot run this shape.
+    TierUnavailable {
+        /// The forced tier.
+        tier: SoftmaxTier,
+        /// Length of the softmax dimension.
+        row_len: usize,
+        /// Why not.
+        reason: &'static str,
+    },
+    /// More cubes than the device can launch.
+    TooLarge {
+        /// Cubes the launch would need.
+        cubes: usize,
+    },
+}
+
+impl fmt::Display for SoftmaxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::InvalidDim { dim, rank } => {
+                write!(f, "dim {dim} is out of range for a tensor of rank {rank}")
+            }
+            Self::ShapeMismatch { arg, expected, got } => {
+                write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
+            }
+            Self::UnsupportedDType { dtype } => write!(
+                f,
+                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
+            ),
+            Self::TierUnavailable {
+                tier,
+                row_len,
+                reason,
+            } => write!(f, "tier {tier:?} cannot run rows of length {row_len}: {reason}"),
+            Self::TooLarge { cubes } => {
+                write!(f, "the launch needs {cubes} cubes, more than the device allows")
+            }
+        }
+    }
+}
+
+impl core::error::Error for SoftmaxError {}
+
+/// A tensor in device memory as the launch functions see it: a buffer, its shape and its
+/// strides (in elements, any layout).
+#[derive(Debug, Clone, Copy)]
+pub struct TensorRef<'a> {
+    /// The buffer.
+    pub handle: &'a Handle,
+    /// Shape.
+    pub shape: &'a [usize],
+    /// Strides in elements.
+    pub strides: &'a [usize],
+}
+
+/// Checks that `dtype` is a float type the kernels are written for and the device supports.
+pub fn check_dtype<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+) -> Result<(), SoftmaxError> {
+    use cubecl::ir::{ElemType, FloatKind};
+    let is_float = matches!(
+        dtype,
+        StorageType::Scalar(ElemType::Float(FloatKind::F32 | FloatKind::F16 | FloatKind::BF16))
+    );
+    if !is_float || !client.properties().supports_type(dtype) {
+        return Err(SoftmaxError::UnsupportedDType {
+            dtype: format!("{dtype:?}"),
+        });
+    }
+    Ok(())
+}
+
+/// Permutation that moves `dim` last and orders the other dimensions by decreasing stride of
+/// `reference`, so that consecutive rows are as close in memory as the layout allows.
+fn row_major_permutation(reference: &TensorRef<'_>, dim: usize) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..reference.shape.len()).filter(|&d| d != dim).collect();
+    perm.sort_by(|&a, &b| reference.strides[b].cmp(&reference.strides[a]));
+    perm.push(dim);
+    perm
+}
+
+struct Permuted {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl Permuted {
+    fn new(t: &TensorRef<'_>, perm: &[usize]) -> Self {
+        Self {
+            shape: perm.iter().map(|&d| t.shape[d]).collect(),
+            strides: perm.iter().map(|&d| t.strides[d]).collect(),
+        }
+    }
+
+    fn layout(&self) -> Layout<'_> {
+        Layout {
+            shape: &self.shape,
+            strides: &self.strides,
+        }
+    }
+
+    fn arg<R: Runtime>(&self, handle: &Handle) -> TensorArg<R> {
+        // SAFETY: shape and strides describe the buffer as the caller's TensorRef did, only
+        // with the dimensions reordered.
+        unsafe {
+            TensorArg::from_raw_parts(
+                handle.clone(),
+                self.strides.clone().into(),
+                self.shape.clone().into(),
+            )
+        }
+    }
+}
+
+fn check_same_shape(arg: &'static str, reference: &[usize], t: &TensorRef<'_>) -> Result<(), SoftmaxError> {
+    if t.shape != reference || t.strides.len() != reference.len() {
+        return Err(SoftmaxError::ShapeMismatch {
+            arg,
+            expected: reference.to_vec(),
+            got: t.shape.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// The plan [`launch_softmax`] would use, without launching.
+pub fn plan_softmax<R: Runtime>(
+    client: &ComputeClient<R>,
+    tensors: &[TensorRef<'_>],
+    dim: usize,
+    dtype: StorageType,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> Result<SoftmaxPlan, SoftmaxError> {
+    let rank = tensors[0].shape.len();
+    if dim >= rank {
+        return Err(SoftmaxError::InvalidDim { dim, rank });
+    }
+    check_dtype(client, dtype)?;
+    let perm = row_major_permutation(&tensors[0], dim);
+    let permuted: Vec<Permuted> = tensors.iter().map(|t| Permuted::new(t, &perm)).collect();
+    let layouts: Vec<Layout<'_>> = permuted.iter().map(Permuted::layout).collect();
+    let facts = DeviceFacts::new(client, dtype.size(), &options);
+    plan::plan(&facts, &layouts, dtype.size(), variant, &options)
+}
+
+/// `output = softmax(input)` along `dim` (or its log / quiet variant).
+///
+/// `output` must have the input's shape; its strides are free. Returns the plan that ran (or
+/// `None` for an empty tensor, where nothing runs).
+pub fn launch_softmax<R: Runtime>(
+    client: &ComputeClient<R>,
+    input: TensorRef<'_>,
+    output: TensorRef<'_>,
+    dim: usize,
+    dtype: StorageType,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
+    check_same_shape("output", input.shape, &output)?;
+    let plan = plan_softmax(client, &[input, output], dim, dtype, variant, options)?;
+    if input.shape.contains(&0) {
+        return Ok(None);
+    }
+    let perm = row_major_permutation(&input, dim);
+    let (x, y) = (Permuted::new(&input, &perm), Permuted::new(&output, &perm));
+    let neg_inf = f32::NEG_INFINITY;
+    let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
+    let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
+    // SAFETY (all launches): every index is bounds-checked in the kernels against the shapes
+    // passed here, which describe the caller's buffers.
+    unsafe {
+        match plan.tier {
+            SoftmaxTier::Plane | SoftmaxTier::Cube => kernel::softmax_rows::launch_unchecked::<R>(
+                client,
+                count,
+                cube_dim,
+                v,
+                x.arg(input.handle),
+                y.arg(output.handle),
+                rows,
+                neg_inf,
+                cfg,
+                dtype,
+            ),
+            SoftmaxTier::Split => {
+                let partial_max = client.empty(rows * chunks * 4);
+                let partial_sum = client.empty(rows * chunks * 4);
+                kernel::softmax_split_partials::launch_unchecked::<R>(
+                    client,
+                    count.clone(),
+                    cube_dim,
+                    v,
+                    x.arg(input.handle),
+                    ArrayArg::from_raw_parts(partial_max.clone(), rows * chunks),
+                    ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
+                    rows,
+                    chunks,
+                    neg_inf,
+                    cfg,
+                    dtype,
+                );
+                kernel::softmax_split_finish::launch_unchecked::<R>(
+                    client,
+                    count,
+                    cube_dim,
+                    v,
+                    x.arg(input.handle),
+                    y.arg(output.handle),
+                    ArrayArg::from_raw_parts(partial_max, rows * chunks),
+                    ArrayArg::from_raw_parts(partial_sum, rows * chunks),
+                    rows,
+                    chunks,
+                    neg_inf,
+                    cfg,
+                    dtype,
+                );
+            }
+            SoftmaxTier::Strided => kernel::softmax_strided::launch_unchecked::<R>(
+                client,
+                count,
+                cube_dim,
+                x.arg(input.handle),
+                y.arg(output.handle),
+                rows,
+                neg_inf,
+                cfg.variant,
+                dtype,
+            ),
+        }
+    }
+    Ok(Some(plan))
+}
+
+/// `dx` from the forward output `y` and the output gradient `dy`, along `dim`:
+/// softmax and quiet softmax `dx = y ⊙ (dy − Σ dy ⊙ y)`; log-softmax `dx = dy − e^y ⊙ Σ dy`.
+pub fn launch_softmax_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    y: TensorRef<'_>,
+    dy: TensorRef<'_>,
+    dx: TensorRef<'_>,
+    dim: usize,
+    dtype: StorageType,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
+    check_same_shape("grad", y.shape, &dy)?;
+    check_same_shape("output", y.shape, &dx)?;
+    let plan = plan_softmax(client, &[y, dy, dx], dim, dtype, variant, options)?;
+    if y.shape.contains(&0) {
+        return Ok(None);
+    }
+    let perm = row_major_permutation(&y, dim);
+    let (py, pdy, pdx) = (
+        Permuted::new(&y, &perm),
+        Permuted::new(&dy, &perm),
+        Permuted::new(&dx, &perm),
+    );
+    let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
+    let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
+    // SAFETY: as in `launch_softmax`.
+    unsafe {
+        match plan.tier {
+            SoftmaxTier::Plane | SoftmaxTier::Cube => {
+                kernel::softmax_backward_rows::launch_unchecked::<R>(
+                    client,
+                    count,
+                    cube_dim,
+                    v,
+                    py.arg(y.handle),
+                    pdy.arg(dy.handle),
+                    pdx.arg(dx.handle),
+                    rows,
+                    cfg,
+                    dtype,
+                )
+            }
+            SoftmaxTier::Split => {
+                let partial_sum = client.empty(rows * chunks * 4);
+                kernel::softmax_backward_split_partials::launch_unchecked::<R>(
+                    client,
+                    count.clone(),
+                    cube_dim,
+                    v,
+                    py.arg(y.handle),
+                    pdy.arg(dy.handle),
+                    ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
+                    rows,
+                    chunks,
+                    cfg,
+                    dtype,
+                );
+                kernel::softmax_backward_split_finish::launch_unchecked::<R>(
+                    client,
+                    count,
+                    cube_dim,
+                    v,
+                    py.arg(y.handle),
+                    pdy.arg(dy.handle),
+                    pdx.arg(dx.handle),
+                    ArrayArg::from_raw_parts(partial_sum, rows * chunks),
+                    rows,
+                    chunks,
+                    cfg,
+                    dtype,
+                );
+            }
+            SoftmaxTier::Strided => kernel::softmax_backward_strided::launch_unchecked::<R>(
+                client,
+                count,
+                cube_dim,
+                py.arg(y.handle),
+                pdy.arg(dy.handle),
+                pdx.arg(dx.handle),
+                rows,
+                cfg.variant,
+                dtype,
+            ),
+        }
+    }
+    Ok(Some(plan))
+}

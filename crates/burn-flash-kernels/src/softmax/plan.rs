@@ -1,0 +1,210 @@
+//! Host heuristic: which row scheme, vector size and cube shape a softmax launch uses.
+//!
+//! The plan depends only on the shape, the strides, the element size and a few device
+//! properties, so it costs nothing at run time and there is no first-call pause: no autotuning.
+
+use cubecl::{CubeCount, CubeDim, features::Plane, prelude::*};
+
+use super::{SoftmaxError, SoftmaxOptions, SoftmaxTier};
+use crate::reduce::GroupShape;
+use crate::softmax::kernel::{RowConfig, SoftmaxVariant};
+
+/// Bytes of one row that one unit keeps in registers in the register tiers. 128 B is 32 f32
+/// registers: with 1024 units per cube that is half of an NVIDIA SM's 64 K registers, which
+/// leaves room for the kernel's own and avoids spills. So one cube holds rows of up to 128 KiB
+/// (32 768 f32, 65 536 f16); longer rows take the split scheme.
+const ROW_BYTES_PER_UNIT: usize = 128;
+/// Most units a cube uses in the register tiers (NVIDIA's and most Vulkan drivers' limit).
+const MAX_UNITS_PER_CUBE: u32 = 1024;
+/// Units per cube in the plane tier: 8 warps, several rows per cube, enough for the SM's
+/// scheduler to hide load latency with short rows.
+const PLANE_TIER_UNITS: u32 = 256;
+/// Units per cube of the split scheme's chunk. 256 units × 128 B = 32 KiB of row per cube: a
+/// 2^20 f32 row is 32 chunks, enough cubes to fill the GPU even for a single row.
+const SPLIT_UNITS: u32 = 256;
+/// Units per cube of the strided scheme (one unit per row).
+const STRIDED_UNITS: u32 = 256;
+/// Group width used to lay out rows when the runtime has no plane operations (the reduction
+/// then goes through shared memory, whatever this width).
+const VIRTUAL_PLANE: u32 = 32;
+
+/// The launch a softmax call will make (forward or backward), as chosen by [`plan`].
+#[derive(Debug, Clone)]
+pub struct SoftmaxPlan {
+    /// Row scheme.
+    pub tier: SoftmaxTier,
+    /// Elements per vector load/store.
+    pub vector_size: usize,
+    /// Comptime configuration of the row kernels (unused by the strided tier but for `variant`).
+    pub config: RowConfig,
+    /// Rows (product of every dimension but the softmax one).
+    pub num_rows: usize,
+    /// Length of a row.
+    pub row_len: usize,
+    /// Chunks per row (split tier only; 1 otherwise).
+    pub num_chunks: usize,
+    /// Units per cube.
+    pub cube_dim: CubeDim,
+    /// Cubes launched (one dimension's count spread over two when over the device limit).
+    pub cube_count: CubeCount,
+}
+
+/// Device facts the heuristic needs.
+#[derive(Debug, Clone)]
+pub(crate) struct DeviceFacts {
+    plane_size: Option<u32>,
+    max_units: u32,
+    max_cube_count: (u32, u32, u32),
+    vector_sizes: Vec<usize>,
+}
+
+impl DeviceFacts {
+    pub(crate) fn new<R: Runtime>(
+        client: &ComputeClient<R>,
+        elem_size: usize,
+        options: &SoftmaxOptions,
+    ) -> Self {
+        let props = client.properties();
+        let hw = &props.hardware;
+        let has_planes = props.features.plane.contains(Plane::Ops);
+        let fixed_plane = hw.plane_size_min == hw.plane_size_max && hw.plane_size_max.is_power_of_two();
+        // Plane operations are used when the runtime advertises them and the plane width is fixed
+        // (the butterfly's lane masks depend on it). `plane_ops` forces the choice either way;
+        // forcing them on still needs a fixed width.
+        let use_planes = options.plane_ops.unwrap_or(has_planes) && fixed_plane;
+        Self {
+            plane_size: use_planes.then_some(hw.plane_size_max),
+            max_units: hw.max_units_per_cube.min(MAX_UNITS_PER_CUBE),
+            max_cube_count: hw.max_cube_count,
+            vector_sizes: client.io_optimized_vector_sizes(elem_size).collect(),
+        }
+    }
+}
+
+/// Metadata of one tensor taking part in a launch, already permuted so that the softmax
+/// dimension is last.
+pub(crate) struct Layout<'a> {
+    pub shape: &'a [usize],
+    pub strides: &'a [usize],
+}
+
+/// Chooses the launch for rows of `layouts[0].shape` (softmax dim last) over all `layouts`
+/// (every tensor the kernel touches: they share the shape, not necessarily the strides).
+pub(crate) fn plan(
+    facts: &DeviceFacts,
+    layouts: &[Layout<'_>],
+    elem_size: usize,
+    variant: SoftmaxVariant,
+    options: &SoftmaxOptions,
+) -> Result<SoftmaxPlan, SoftmaxError> {
+    let shape = layouts[0].shape;
+    let rank = shape.len();
+    let row_len = shape[rank - 1];
+    let num_rows: usize = shape[..rank - 1].iter().product();
+    let contiguous_rows = row_len == 1 || layouts.iter().all(|l| l.strides[rank - 1] == 1);
+
+    let vector_size = if contiguous_rows {
+        facts
+            .vector_sizes
+            .iter()
+            .copied()
+            .find(|&v| {
+                row_len.is_multiple_of(v)
+                    && layouts.iter().all(|l| {
+                        (0..rank - 1).all(|d| l.shape[d] == 1 || l.strides[d].is_multiple_of(v))
+                    })
+            })
+            .unwrap_or(1)
+    } else {
+        1
+    };
+    let n_vec = row_len / vector_size;
+    let plane = facts.plane_size.unwrap_or(VIRTUAL_PLANE);
+    let max_k = (ROW_BYTES_PER_UNIT / (vector_size * elem_size)).max(1);
+    let cube_max_vec = facts.max_units as usize * max_k;
+
+    let auto = if !contiguous_rows {
+        SoftmaxTier::Strided
+    } else if n_vec <= plane as usize * max_k {
+        SoftmaxTier::Plane
+    } else if n_vec <= cube_max_vec {
+        SoftmaxTier::Cube
+    } else {
+        SoftmaxTier::Split
+    };
+    let tier = options.tier.unwrap_or(auto);
+    let unavailable = |reason: &'static str| SoftmaxError::TierUnavailable {
+        tier,
+        row_len,
+        reason,
+    };
+    if tier != SoftmaxTier::Strided && !contiguous_rows {
+        return Err(unavailable("the softmax dimension is not contiguous in every tensor"));
+    }
+
+    let plane_size = facts.plane_size.unwrap_or(0);
+    let (units_per_row, rows_per_cube, k) = match tier {
+        SoftmaxTier::Plane => {
+            if n_vec > plane as usize * max_k {
+                return Err(unavailable("the row does not fit in one plane's registers"));
+            }
+            let x = (n_vec.next_power_of_two() as u32).min(plane);
+            let y = (PLANE_TIER_UNITS / x).clamp(1, facts.max_units / x);
+            (x, y, n_vec.div_ceil(x as usize).max(1))
+        }
+        SoftmaxTier::Cube => {
+            if n_vec > cube_max_vec {
+                return Err(unavailable("the row does not fit in one cube's registers"));
+            }
+            let x = (n_vec.div_ceil(max_k).next_power_of_two() as u32)
+                .max(plane)
+                .min(facts.max_units);
+            (x, 1, n_vec.div_ceil(x as usize).max(1))
+        }
+        SoftmaxTier::Split => (SPLIT_UNITS.min(facts.max_units), 1, max_k),
+        SoftmaxTier::Strided => (STRIDED_UNITS.min(facts.max_units), 1, 1),
+    };
+    let config = RowConfig {
+        variant,
+        group: GroupShape {
+            units_per_row,
+            rows_per_cube,
+            plane_size,
+        },
+        vectors_per_unit: k as u32,
+    };
+    let (num_chunks, cubes) = match tier {
+        SoftmaxTier::Plane => (1, num_rows.div_ceil(rows_per_cube as usize)),
+        SoftmaxTier::Cube => (1, num_rows),
+        SoftmaxTier::Split => {
+            let chunks = n_vec.div_ceil(units_per_row as usize * k);
+            (chunks, num_rows * chunks)
+        }
+        SoftmaxTier::Strided => (1, num_rows.div_ceil(units_per_row as usize)),
+    };
+    Ok(SoftmaxPlan {
+        tier,
+        vector_size: if tier == SoftmaxTier::Strided { 1 } else { vector_size },
+        config,
+        num_rows,
+        row_len,
+        num_chunks,
+        cube_dim: CubeDim::new_2d(units_per_row, rows_per_cube),
+        cube_count: spread_cube_count(cubes, facts.max_cube_count)?,
+    })
+}
+
+/// A linear count of cubes as a 2-D grid within the device's per-dimension limits. Kernels read
+/// the linear `CUBE_POS` and ignore cubes past the end.
+fn spread_cube_count(cubes: usize, max: (u32, u32, u32)) -> Result<CubeCount, SoftmaxError> {
+    let max_x = max.0 as usize;
+    if cubes <= max_x {
+        return Ok(CubeCount::Static(cubes.max(1) as u32, 1, 1));
+    }
+    let y = cubes.div_ceil(max_x);
+    if y > max.1 as usize {
+        return Err(SoftmaxError::TooLarge { cubes });
+    }
+    let x = cubes.div_ceil(y);
+    Ok(CubeCount::Static(x as u32, y as u32, 1))
+}

@@ -1,0 +1,146 @@
+//! The backend extension: the ops burn-flash adds to a Burn backend.
+//!
+//! [`FlashBackend`] is implemented for
+//! - `CubeBackend<R, F, I, BT>` for every CubeCL runtime (one impl serves CUDA and wgpu): our
+//!   kernels;
+//! - `Fusion<B>`: an opaque custom operation that runs `B`'s kernels;
+//! - `Autodiff<B, C>`: forward through `B`, gradients through `B`'s backward op;
+//! - NdArray (feature `ndarray`): the trait's default bodies, composed from stock Burn ops.
+//!
+//! Any other backend gets the composed fallback with an empty `impl FlashBackend for … {}`.
+
+use burn::tensor::{backend::Backend, ops::FloatTensor};
+use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
+
+use crate::softmax;
+
+/// A Burn backend with burn-flash's fused operations.
+///
+/// The provided method bodies are the always-correct fallback made of stock Burn ops; the
+/// CubeCL backends override them with fused kernels. Users call the free functions
+/// ([`crate::softmax()`] …), not these.
+pub trait FlashBackend: Backend {
+    /// Softmax family along `dim` of a float tensor of any rank.
+    fn flash_softmax(
+        x: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        let _ = options;
+        softmax::reference::forward::<Self>(x, dim, variant)
+    }
+
+    /// Gradient of [`FlashBackend::flash_softmax`] from its output `y` and the output gradient
+    /// `dy`.
+    fn flash_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        let _ = options;
+        softmax::reference::backward::<Self>(y, dy, dim, variant)
+    }
+}
+
+/// An autodiff backend whose inner backend has burn-flash's ops.
+pub trait FlashAutodiffBackend: FlashBackend + burn::tensor::backend::AutodiffBackend {}
+
+impl<B: FlashBackend + burn::tensor::backend::AutodiffBackend> FlashAutodiffBackend for B {}
+
+mod cube {
+    use super::*;
+    use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+    impl<R, F, I, BT> FlashBackend for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn flash_softmax(
+            x: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::cube::forward(x, dim, variant, options)
+        }
+
+        fn flash_softmax_backward(
+            y: FloatTensor<Self>,
+            dy: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::cube::backward(y, dy, dim, variant, options)
+        }
+    }
+}
+
+mod fusion {
+    use super::*;
+    use burn_fusion::{Fusion, FusionBackend};
+
+    impl<B: FusionBackend + FlashBackend> FlashBackend for Fusion<B> {
+        fn flash_softmax(
+            x: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::fusion::forward::<B>(x, dim, variant, options)
+        }
+
+        fn flash_softmax_backward(
+            y: FloatTensor<Self>,
+            dy: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::fusion::backward::<B>(y, dy, dim, variant, options)
+        }
+    }
+}
+
+mod autodiff {
+    use super::*;
+    use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
+
+    impl<B: FlashBackend, C: CheckpointStrategy> FlashBackend for Autodiff<B, C> {
+        fn flash_softmax(
+            x: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::autodiff::forward::<B, C>(x, dim, variant, options)
+        }
+
+        fn flash_softmax_backward(
+            y: FloatTensor<Self>,
+            dy: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            softmax::autodiff::backward::<B, C>(y, dy, dim, variant, options)
+        }
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl<E, I, Q> FlashBackend for burn::backend::NdArray<E, I, Q>
+where
+    E: burn::backend::ndarray::FloatNdArrayElement,
+    I: burn::backend::ndarray::IntNdArrayElement,
+    Q: burn::backend::ndarray::QuantElement,
+    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>
+        + From<burn::backend::ndarray::SharedArray<I>>,
+{
+}

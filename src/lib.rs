@@ -1,0 +1,30 @@
+//! # burn-flash
+//!
+//! Fused softmax-family kernels (and, later, flash attention) for [Burn](https://burn.dev),
+//! written once as CubeCL kernels and run on both the CUDA and wgpu runtimes, forward and
+//! backward.
+//!
+//! ```no_run
+//! use burn::backend::{Autodiff, Wgpu};
+//! use burn::tensor::{Distribution, Tensor};
+//!
+//! let device = Default::default();
+//! let x = Tensor::<Autodiff<Wgpu>, 3>::random([8, 128, 1000], Distribution::Default, &device)
+//!     .require_grad();
+//! // Same signature as `burn::tensor::activation::softmax`.
+//! let y = burn_flash::softmax(x.clone(), 2);
+//! let grads = (y * 2.0).sum().backward();
+//! let dx = x.grad(&grads).unwrap();
+//! ```
+//!
+//! The ops live on [`FlashBackend`], implemented for CubeCL backends (fused kernels), `Fusion`,
+//! `Autodiff`, and NdArray (stock-ops fallback).
+
+mod backend;
+pub mod softmax;
+
+pub use backend::{FlashAutodiffBackend, FlashBackend};
+pub use burn_flash_kernels as kernels;
+pub use softmax::{
+    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,
+};

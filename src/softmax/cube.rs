@@ -1,0 +1,99 @@
+//! Softmax on `CubeBackend`: validate, allocate, launch.
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::{CubeRuntime, ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use burn_flash_kernels::softmax::{
+    SoftmaxOptions, SoftmaxVariant, TensorRef, launch_softmax, launch_softmax_backward,
+};
+
+use super::{check_dim, variant_name};
+
+fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
+    TensorRef {
+        handle: &t.handle,
+        shape: t.meta.shape(),
+        strides: t.meta.strides(),
+    }
+}
+
+/// Panics unless `dtype` is one the kernels run (the message names the argument).
+fn check_dtype(op: &str, arg: &str, dtype: DType) {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        panic!("burn_flash::{op}: `{arg}` has dtype {dtype:?}; supported: F32, F16, BF16");
+    }
+}
+
+/// An uninitialised tensor of `like`'s shape whose dimensions are laid out in the same order
+/// of strides as `like`'s (a transposed input gives a transposed output), so that the kernels
+/// read and write with the same access pattern.
+pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
+    let shape = like.meta.shape();
+    let strides = like.meta.strides();
+    let mut order: Vec<usize> = (0..shape.len()).collect();
+    order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
+    let permuted = Shape::from(order.iter().map(|&d| shape[d]).collect::<Vec<_>>());
+    let out = empty_device_dtype(like.client.clone(), like.device.clone(), permuted, like.dtype);
+    if order.iter().enumerate().all(|(i, &d)| i == d) {
+        return out;
+    }
+    let mut inverse = vec![0; order.len()];
+    for (i, &d) in order.iter().enumerate() {
+        inverse[d] = i;
+    }
+    burn_cubecl::ops::permute(out, &inverse)
+}
+
+pub(crate) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> CubeTensor<R> {
+    let op = variant_name(variant);
+    check_dim(op, dim, x.shape().num_dims());
+    check_dtype(op, "tensor", x.dtype);
+    let output = empty_like(&x);
+    launch_softmax::<R>(
+        &x.client,
+        tensor_ref(&x),
+        tensor_ref(&output),
+        dim,
+        x.dtype.into(),
+        variant,
+        options,
+    )
+    .unwrap_or_else(|err| panic!("burn_flash::{op}: {err}"));
+    output
+}
+
+pub(crate) fn backward<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    dy: CubeTensor<R>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> CubeTensor<R> {
+    let op = variant_name(variant);
+    check_dim(op, dim, y.shape().num_dims());
+    check_dtype(op, "output", y.dtype);
+    y.assert_is_on_same_device(&dy);
+    if dy.dtype != y.dtype {
+        panic!(
+            "burn_flash::{op} backward: `grad` has dtype {:?}, the output has {:?}",
+            dy.dtype, y.dtype
+        );
+    }
+    let dx = empty_like(&y);
+    launch_softmax_backward::<R>(
+        &y.client,
+        tensor_ref(&y),
+        tensor_ref(&dy),
+        tensor_ref(&dx),
+        dim,
+        y.dtype.into(),
+        variant,
+        options,
+    )
+    .unwrap_or_else(|err| panic!("burn_flash::{op} backward: {err}"));
+    dx
+}

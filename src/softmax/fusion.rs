@@ -1,0 +1,98 @@
+//! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels. It ends the
+//! fused block around it (Burn's fuser cannot see inside).
+
+use core::marker::PhantomData;
+
+use burn::backend::ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+use burn::tensor::ops::FloatTensor;
+use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
+use burn_fusion::{
+    Fusion, FusionBackend, FusionRuntime,
+    stream::{Operation, OperationStreams},
+};
+
+use crate::FlashBackend;
+
+#[derive(Debug)]
+struct SoftmaxOp<B> {
+    desc: CustomOpIr,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([x], [y]) = self.desc.as_fixed();
+        let x = handles.get_float_tensor::<B>(x);
+        let out = B::flash_softmax(x, self.dim, self.variant, self.options);
+        handles.register_float_tensor::<B>(&y.id, out);
+    }
+}
+
+#[derive(Debug)]
+struct SoftmaxBackwardOp<B> {
+    desc: CustomOpIr,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxBackwardOp<B> {
+    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+        let ([y, dy], [dx]) = self.desc.as_fixed();
+        let y = handles.get_float_tensor::<B>(y);
+        let dy = handles.get_float_tensor::<B>(dy);
+        let out = B::flash_softmax_backward(y, dy, self.dim, self.variant, self.options);
+        handles.register_float_tensor::<B>(&dx.id, out);
+    }
+}
+
+pub(crate) fn forward<B: FusionBackend + FlashBackend>(
+    x: FloatTensor<Fusion<B>>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> FloatTensor<Fusion<B>> {
+    super::check_dim(super::variant_name(variant), dim, x.shape.num_dims());
+    let client = x.client.clone();
+    let streams = OperationStreams::with_inputs([&x]);
+    let out = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
+    let desc = CustomOpIr::new("burn_flash::softmax", &[x.into_ir()], &[out]);
+    let op = SoftmaxOp::<B> {
+        desc: desc.clone(),
+        dim,
+        variant,
+        options,
+        _backend: PhantomData,
+    };
+    client.register(streams, OperationIr::Custom(desc), op).output()
+}
+
+pub(crate) fn backward<B: FusionBackend + FlashBackend>(
+    y: FloatTensor<Fusion<B>>,
+    dy: FloatTensor<Fusion<B>>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> FloatTensor<Fusion<B>> {
+    super::check_dim(super::variant_name(variant), dim, y.shape.num_dims());
+    let client = y.client.clone();
+    let streams = OperationStreams::with_inputs([&y, &dy]);
+    let out = TensorIr::uninit(client.create_empty_handle(), y.shape.clone(), y.dtype);
+    let desc = CustomOpIr::new(
+        "burn_flash::softmax_backward",
+        &[y.into_ir(), dy.into_ir()],
+        &[out],
+    );
+    let op = SoftmaxBackwardOp::<B> {
+        desc: desc.clone(),
+        dim,
+        variant,
+        options,
+        _backend: PhantomData,
+    };
+    client.register(streams, OperationIr::Custom(desc), op).output()
+}

@@ -1,0 +1,80 @@
+//! Softmax, log-softmax and quiet softmax as fused Burn operations.
+//!
+//! Semantics are those of `burn::tensor::activation` with one documented difference: a row
+//! whose elements are all −inf (a fully masked row) gives zeros from [`softmax`] and
+//! [`quiet_softmax`] and −inf from [`log_softmax`], never NaN. A row containing NaN gives NaN.
+
+pub(crate) mod autodiff;
+pub(crate) mod cube;
+pub(crate) mod fusion;
+pub mod reference;
+
+use burn::tensor::{Tensor, TensorPrimitive};
+pub use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxTier, SoftmaxVariant};
+
+use crate::FlashBackend;
+
+/// Panics with Burn's message style when `dim` is not a dimension of a rank-`rank` tensor.
+pub(crate) fn check_dim(op: &str, dim: usize, rank: usize) {
+    if dim >= rank {
+        panic!("burn_flash::{op}: `dim` is {dim}, out of range for a tensor of rank {rank}");
+    }
+}
+
+/// Fused softmax along `dim`: `y = e^x / Σ e^x`. Drop-in for
+/// `burn::tensor::activation::softmax`.
+///
+/// # Panics
+/// If `dim >= D`, or (CubeCL backends) if the tensor's dtype is not f32, f16 or bf16 or the
+/// device does not support it.
+pub fn softmax<const D: usize, B: FlashBackend>(tensor: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
+    softmax_with(tensor, dim, SoftmaxVariant::Softmax, SoftmaxOptions::default())
+}
+
+/// Fused log-softmax along `dim`: `y = x − ln Σ e^x`. Drop-in for
+/// `burn::tensor::activation::log_softmax`.
+///
+/// # Panics
+/// As [`softmax`].
+pub fn log_softmax<const D: usize, B: FlashBackend>(
+    tensor: Tensor<B, D>,
+    dim: usize,
+) -> Tensor<B, D> {
+    softmax_with(tensor, dim, SoftmaxVariant::LogSoftmax, SoftmaxOptions::default())
+}
+
+/// Fused quiet softmax along `dim`: `y = e^x / (1 + Σ e^x)`. Drop-in for
+/// `burn::tensor::activation::quiet_softmax`.
+///
+/// # Panics
+/// As [`softmax`].
+pub fn quiet_softmax<const D: usize, B: FlashBackend>(
+    tensor: Tensor<B, D>,
+    dim: usize,
+) -> Tensor<B, D> {
+    softmax_with(tensor, dim, SoftmaxVariant::QuietSoftmax, SoftmaxOptions::default())
+}
+
+/// Any member of the softmax family with explicit launch options (forcing a row scheme or
+/// plane operations; the defaults are what [`softmax`] uses).
+///
+/// # Panics
+/// As [`softmax`], and if a forced scheme cannot run this shape.
+pub fn softmax_with<const D: usize, B: FlashBackend>(
+    tensor: Tensor<B, D>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> Tensor<B, D> {
+    check_dim(variant_name(variant), dim, D);
+    let y = B::flash_softmax(tensor.into_primitive().tensor(), dim, variant, options);
+    Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+pub(crate) fn variant_name(variant: SoftmaxVariant) -> &'static str {
+    match variant {
+        SoftmaxVariant::Softmax => "softmax",
+        SoftmaxVariant::LogSoftmax => "log_softmax",
+        SoftmaxVariant::QuietSoftmax => "quiet_softmax",
+    }
+}
