@@ -9,8 +9,10 @@
 //!
 //! Any other backend gets the composed fallback with an empty `impl FlashBackend for … {}`.
 
-use burn::tensor::{backend::Backend, ops::FloatTensor};
-use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
+use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn_flash_kernels::softmax::{
+    RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
+};
 
 use crate::softmax;
 
@@ -43,6 +45,54 @@ pub trait FlashBackend: Backend {
         let _ = options;
         softmax::reference::backward::<Self>(y, dy, dim, variant)
     }
+
+    /// The launch the fused softmax would make for a tensor of `shape` and `strides` (`None`:
+    /// this backend has no fused kernel and uses the composed fallback).
+    fn flash_softmax_plan(
+        device: &Self::Device,
+        shape: &[usize],
+        strides: &[usize],
+        dim: usize,
+        dtype: DType,
+        options: SoftmaxOptions,
+    ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+        let _ = (device, shape, strides, dim, dtype, options);
+        None
+    }
+
+    /// Longest rows of the register tiers on `device` (`None` without fused kernels).
+    fn flash_softmax_row_limits(
+        device: &Self::Device,
+        dtype: DType,
+        options: SoftmaxOptions,
+    ) -> Option<Result<RowLimits, SoftmaxError>> {
+        let _ = (device, dtype, options);
+        None
+    }
+}
+
+/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
+macro_rules! forward_planning {
+    ($inner:ty) => {
+        fn flash_softmax_plan(
+            device: &Self::Device,
+            shape: &[usize],
+            strides: &[usize],
+            dim: usize,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, options)
+        }
+
+        fn flash_softmax_row_limits(
+            device: &Self::Device,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<RowLimits, SoftmaxError>> {
+            <$inner>::flash_softmax_row_limits(device, dtype, options)
+        }
+    };
 }
 
 /// An autodiff backend whose inner backend has burn-flash's ops.
@@ -79,6 +129,35 @@ mod cube {
         ) -> FloatTensor<Self> {
             softmax::cube::backward(y, dy, dim, variant, options)
         }
+
+        fn flash_softmax_plan(
+            device: &Self::Device,
+            shape: &[usize],
+            strides: &[usize],
+            dim: usize,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+            let client = R::client(device);
+            Some(burn_flash_kernels::softmax::plan_softmax(
+                &client,
+                shape,
+                &[strides, strides],
+                dim,
+                dtype.into(),
+                SoftmaxVariant::Softmax,
+                options,
+            ))
+        }
+
+        fn flash_softmax_row_limits(
+            device: &Self::Device,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<RowLimits, SoftmaxError>> {
+            let client = R::client(device);
+            Some(burn_flash_kernels::softmax::row_limits(&client, dtype.into(), options))
+        }
     }
 }
 
@@ -105,6 +184,8 @@ mod fusion {
         ) -> FloatTensor<Self> {
             softmax::fusion::backward::<B>(y, dy, dim, variant, options)
         }
+
+        forward_planning!(B);
     }
 }
 
@@ -131,6 +212,8 @@ mod autodiff {
         ) -> FloatTensor<Self> {
             softmax::autodiff::backward::<B, C>(y, dy, dim, variant, options)
         }
+
+        forward_planning!(B);
     }
 }
 

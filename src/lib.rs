@@ -25,6 +25,7 @@ pub mod softmax;
 
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
+pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use softmax::{
     SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,
 };

@@ -1,9 +1,15 @@
 //! Softmax on `CubeBackend`: validate, allocate, launch.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_cubecl::{CubeRuntime, ops::numeric::empty_device_dtype, tensor::CubeTensor};
+use burn_cubecl::{
+    CubeRuntime,
+    kernel::into_contiguous,
+    ops::{numeric::empty_device_dtype, permute},
+    tensor::CubeTensor,
+};
 use burn_flash_kernels::softmax::{
-    SoftmaxOptions, SoftmaxVariant, TensorRef, launch_softmax, launch_softmax_backward,
+    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
+    launch_softmax_backward,
 };
 
 use super::{check_dim, variant_name};
@@ -17,10 +23,29 @@ fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
 }
 
 /// Panics unless `dtype` is one the kernels run (the message names the argument).
-fn check_dtype(op: &str, arg: &str, dtype: DType) {
+pub(crate) fn check_dtype(op: &str, arg: &str, dtype: DType) {
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         panic!("burn_flash::{op}: `{arg}` has dtype {dtype:?}; supported: F32, F16, BF16");
     }
+}
+
+/// Whether a forced row scheme needs `t` relaid out: the row tiers read the softmax dimension
+/// with unit stride.
+fn needs_relayout<R: CubeRuntime>(t: &CubeTensor<R>, dim: usize, options: &SoftmaxOptions) -> bool {
+    matches!(options.tier, Some(tier) if tier != SoftmaxTier::Strided)
+        && t.meta.shape()[dim] > 1
+        && t.meta.strides()[dim] != 1
+}
+
+/// `t` with `dim` moved last and made contiguous, and the permutation that undoes the move.
+fn dim_last_contiguous<R: CubeRuntime>(t: CubeTensor<R>, dim: usize) -> (CubeTensor<R>, Vec<usize>) {
+    let rank = t.meta.num_dims();
+    let perm: Vec<usize> = (0..rank).filter(|&d| d != dim).chain([dim]).collect();
+    let mut inverse = vec![0; rank];
+    for (i, &d) in perm.iter().enumerate() {
+        inverse[d] = i;
+    }
+    (into_contiguous(permute(t, &perm)), inverse)
 }
 
 /// An uninitialised tensor of `like`'s shape whose dimensions are laid out in the same order
@@ -40,7 +65,7 @@ pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> 
     for (i, &d) in order.iter().enumerate() {
         inverse[d] = i;
     }
-    burn_cubecl::ops::permute(out, &inverse)
+    permute(out, &inverse)
 }
 
 pub(crate) fn forward<R: CubeRuntime>(
@@ -52,6 +77,11 @@ pub(crate) fn forward<R: CubeRuntime>(
     let op = variant_name(variant);
     check_dim(op, dim, x.shape().num_dims());
     check_dtype(op, "tensor", x.dtype);
+    if needs_relayout(&x, dim, &options) {
+        let (x, inverse) = dim_last_contiguous(x, dim);
+        let last = x.meta.num_dims() - 1;
+        return permute(forward(x, last, variant, options), &inverse);
+    }
     let output = empty_like(&x);
     launch_softmax::<R>(
         &x.client,
@@ -82,6 +112,12 @@ pub(crate) fn backward<R: CubeRuntime>(
             "burn_flash::{op} backward: `grad` has dtype {:?}, the output has {:?}",
             dy.dtype, y.dtype
         );
+    }
+    if needs_relayout(&y, dim, &options) || needs_relayout(&dy, dim, &options) {
+        let (y, inverse) = dim_last_contiguous(y, dim);
+        let (dy, _) = dim_last_contiguous(dy, dim);
+        let last = y.meta.num_dims() - 1;
+        return permute(backward(y, dy, last, variant, options), &inverse);
     }
     let dx = empty_like(&y);
     launch_softmax_backward::<R>(

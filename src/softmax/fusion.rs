@@ -50,13 +50,41 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxBac
     }
 }
 
+/// Fusion runs the op later, on its own thread, where a panic would only surface at the next
+/// sync: check everything the shape tells now (dim, dtype, a forced scheme's feasibility).
+fn validate<B: FusionBackend + FlashBackend>(
+    x: &FloatTensor<Fusion<B>>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+    arg: &str,
+) {
+    let op = super::variant_name(variant);
+    let shape = x.shape.clone();
+    super::check_dim(op, dim, shape.num_dims());
+    super::cube::check_dtype(op, arg, x.dtype);
+    // Strides of the layout the op will run on: `dim` contiguous (the cube layer relays a
+    // forced row scheme's input out that way), others in order.
+    let dims: Vec<usize> = shape.iter().copied().collect();
+    let mut strides = vec![0; dims.len()];
+    let mut acc = 1;
+    for d in core::iter::once(dim).chain((0..dims.len()).rev().filter(|&d| d != dim)) {
+        strides[d] = acc;
+        acc *= dims[d];
+    }
+    let device = x.client.device().clone();
+    if let Some(Err(err)) = B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, options) {
+        panic!("burn_flash::{op}: {err}");
+    }
+}
+
 pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     x: FloatTensor<Fusion<B>>,
     dim: usize,
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> FloatTensor<Fusion<B>> {
-    super::check_dim(super::variant_name(variant), dim, x.shape.num_dims());
+    validate::<B>(&x, dim, variant, options, "tensor");
     let client = x.client.clone();
     let streams = OperationStreams::with_inputs([&x]);
     let out = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
@@ -78,7 +106,15 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> FloatTensor<Fusion<B>> {
-    super::check_dim(super::variant_name(variant), dim, y.shape.num_dims());
+    validate::<B>(&y, dim, variant, options, "output");
+    if dy.shape != y.shape {
+        panic!(
+            "burn_flash::{} backward: `grad` has shape {:?}, the output has {:?}",
+            super::variant_name(variant),
+            dy.shape,
+            y.shape
+        );
+    }
     let client = y.client.clone();
     let streams = OperationStreams::with_inputs([&y, &dy]);
     let out = TensorIr::uninit(client.create_empty_handle(), y.shape.clone(), y.dtype);

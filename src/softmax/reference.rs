@@ -4,7 +4,9 @@
 //! It follows burn-flash's semantics for fully masked rows (zeros, or −inf for log-softmax),
 //! which Burn's own composition does not (it gives NaN).
 
-use burn::tensor::{Shape, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor};
+use burn::tensor::{
+    DType, FloatDType, Shape, Tensor, TensorPrimitive, backend::Backend, ops::FloatTensor,
+};
 use burn_flash_kernels::softmax::SoftmaxVariant;
 
 /// The tensor as `[outer, dim, inner]`, so one rank-3 expression serves every rank.
@@ -21,10 +23,34 @@ fn from_rank3<B: Backend>(x: Tensor<B, 3>, shape: Shape) -> FloatTensor<B> {
     B::float_reshape(x.into_primitive().tensor(), shape)
 }
 
+/// Runs `f` in f64 where the backend has it (the stock sums accumulate in the tensor's dtype:
+/// a 2^20-element f32 row sum drifts by ~1e-3 on NdArray), else in the tensor's own dtype.
+fn in_f64<B: Backend>(
+    tensors: Vec<Tensor<B, 3>>,
+    f: impl FnOnce(Vec<Tensor<B, 3>>) -> Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    let dtype = tensors[0].dtype();
+    let device = tensors[0].device();
+    if tensors[0].shape().num_elements() == 0 {
+        return tensors.into_iter().next().expect("one tensor");
+    }
+    if dtype != DType::F64 && B::supports_dtype(&device, DType::F64) {
+        let up = tensors.into_iter().map(|t| t.cast(FloatDType::F64)).collect();
+        let out = f(up);
+        out.cast(FloatDType::from(dtype))
+    } else {
+        f(tensors)
+    }
+}
+
 /// Forward of `variant` along `dim`, composed from stock ops.
 pub fn forward<B: Backend>(x: FloatTensor<B>, dim: usize, variant: SoftmaxVariant) -> FloatTensor<B> {
     let (x, shape) = as_rank3::<B>(x, dim);
-    from_rank3(forward_rank3(x, variant), shape)
+    let y = in_f64(vec![x], |t| {
+        let [x] = <[_; 1]>::try_from(t).expect("one tensor");
+        forward_rank3(x, variant)
+    });
+    from_rank3(y, shape)
 }
 
 /// Forward on a rank-3 tensor along dim 1 (tracked by autodiff if `x` is).
@@ -63,11 +89,14 @@ pub fn backward<B: Backend>(
 ) -> FloatTensor<B> {
     let (y, shape) = as_rank3::<B>(y, dim);
     let (dy, _) = as_rank3::<B>(dy, dim);
-    let dx = match variant {
-        // dx = dy − e^y ⊙ Σ dy
-        SoftmaxVariant::LogSoftmax => dy.clone() - y.exp() * dy.sum_dim(1),
-        // dx = y ⊙ (dy − Σ dy ⊙ y)
-        _ => y.clone() * (dy.clone() - (dy * y).sum_dim(1)),
-    };
+    let dx = in_f64(vec![y, dy], |t| {
+        let [y, dy] = <[_; 2]>::try_from(t).expect("two tensors");
+        match variant {
+            // dx = dy − e^y ⊙ Σ dy
+            SoftmaxVariant::LogSoftmax => dy.clone() - y.exp() * dy.sum_dim(1),
+            // dx = y ⊙ (dy − Σ dy ⊙ y)
+            _ => y.clone() * (dy.clone() - (dy * y).sum_dim(1)),
+        }
+    });
     from_rank3(dx, shape)
 }

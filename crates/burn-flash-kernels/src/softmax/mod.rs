@@ -15,6 +15,7 @@ use cubecl::{prelude::*, server::Handle};
 
 pub use kernel::SoftmaxVariant;
 pub use plan::SoftmaxPlan;
+
 use plan::{DeviceFacts, Layout};
 
 /// Row scheme of a launch. [`SoftmaxOptions::tier`] forces one (tests do, to cover each).
@@ -74,6 +75,13 @@ pub enum SoftmaxError {
         /// Why not.
         reason: &'static str,
     },
+    /// Plane operations were forced on, but this runtime's plane width is not fixed.
+    PlaneOpsUnavailable {
+        /// Smallest plane width the runtime reports.
+        min: u32,
+        /// Largest plane width the runtime reports.
+        max: u32,
+    },
     /// More cubes than the device can launch.
     TooLarge {
         /// Cubes the launch would need.
@@ -99,6 +107,10 @@ impl fmt::Display for SoftmaxError {
                 row_len,
                 reason,
             } => write!(f, "tier {tier:?} cannot run rows of length {row_len}: {reason}"),
+            Self::PlaneOpsUnavailable { min, max } => write!(
+                f,
+                "plane operations were forced on, but the plane width varies from {min} to {max}"
+            ),
             Self::TooLarge { cubes } => {
                 write!(f, "the launch needs {cubes} cubes, more than the device allows")
             }
@@ -140,9 +152,9 @@ pub fn check_dtype<R: Runtime>(
 
 /// Permutation that moves `dim` last and orders the other dimensions by decreasing stride of
 /// `reference`, so that consecutive rows are as close in memory as the layout allows.
-fn row_major_permutation(reference: &TensorRef<'_>, dim: usize) -> Vec<usize> {
-    let mut perm: Vec<usize> = (0..reference.shape.len()).filter(|&d| d != dim).collect();
-    perm.sort_by(|&a, &b| reference.strides[b].cmp(&reference.strides[a]));
+fn row_major_permutation(strides: &[usize], dim: usize) -> Vec<usize> {
+    let mut perm: Vec<usize> = (0..strides.len()).filter(|&d| d != dim).collect();
+    perm.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
     perm.push(dim);
     perm
 }
@@ -153,10 +165,10 @@ struct Permuted {
 }
 
 impl Permuted {
-    fn new(t: &TensorRef<'_>, perm: &[usize]) -> Self {
+    fn new(shape: &[usize], strides: &[usize], perm: &[usize]) -> Self {
         Self {
-            shape: perm.iter().map(|&d| t.shape[d]).collect(),
-            strides: perm.iter().map(|&d| t.strides[d]).collect(),
+            shape: perm.iter().map(|&d| shape[d]).collect(),
+            strides: perm.iter().map(|&d| strides[d]).collect(),
         }
     }
 
@@ -191,25 +203,51 @@ fn check_same_shape(arg: &'static str, reference: &[usize], t: &TensorRef<'_>) -
     Ok(())
 }
 
-/// The plan [`launch_softmax`] would use, without launching.
+/// The plan a launch over tensors of `shape` with the given `strides` (one entry per tensor the
+/// kernel touches: input and output, or `y`, `dy` and `dx`) would use, without launching.
 pub fn plan_softmax<R: Runtime>(
     client: &ComputeClient<R>,
-    tensors: &[TensorRef<'_>],
+    shape: &[usize],
+    strides: &[&[usize]],
     dim: usize,
     dtype: StorageType,
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> Result<SoftmaxPlan, SoftmaxError> {
-    let rank = tensors[0].shape.len();
+    let rank = shape.len();
     if dim >= rank {
         return Err(SoftmaxError::InvalidDim { dim, rank });
     }
     check_dtype(client, dtype)?;
-    let perm = row_major_permutation(&tensors[0], dim);
-    let permuted: Vec<Permuted> = tensors.iter().map(|t| Permuted::new(t, &perm)).collect();
+    let facts = DeviceFacts::new(client, dtype.size(), &options)?;
+    let perm = row_major_permutation(strides[0], dim);
+    let permuted: Vec<Permuted> = strides
+        .iter()
+        .map(|s| Permuted::new(shape, s, &perm))
+        .collect();
     let layouts: Vec<Layout<'_>> = permuted.iter().map(Permuted::layout).collect();
-    let facts = DeviceFacts::new(client, dtype.size(), &options);
     plan::plan(&facts, &layouts, dtype.size(), variant, &options)
+}
+
+/// Longest rows each register tier takes on this device for this element type (the same for
+/// every vector size): rows up to `plane` elements go to [`SoftmaxTier::Plane`], up to `cube`
+/// to [`SoftmaxTier::Cube`], longer ones to [`SoftmaxTier::Split`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowLimits {
+    /// Longest row of the plane tier.
+    pub plane: usize,
+    /// Longest row of the cube tier.
+    pub cube: usize,
+}
+
+/// The [`RowLimits`] of this device for `dtype`.
+pub fn row_limits<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    options: SoftmaxOptions,
+) -> Result<RowLimits, SoftmaxError> {
+    check_dtype(client, dtype)?;
+    Ok(DeviceFacts::new(client, dtype.size(), &options)?.row_limits(dtype.size()))
 }
 
 /// `output = softmax(input)` along `dim` (or its log / quiet variant).
@@ -226,12 +264,21 @@ pub fn launch_softmax<R: Runtime>(
     options: SoftmaxOptions,
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
     check_same_shape("output", input.shape, &output)?;
-    let plan = plan_softmax(client, &[input, output], dim, dtype, variant, options)?;
+    let plan = plan_softmax(
+        client,
+        input.shape,
+        &[input.strides, output.strides],
+        dim,
+        dtype,
+        variant,
+        options,
+    )?;
     if input.shape.contains(&0) {
         return Ok(None);
     }
-    let perm = row_major_permutation(&input, dim);
-    let (x, y) = (Permuted::new(&input, &perm), Permuted::new(&output, &perm));
+    let perm = row_major_permutation(input.strides, dim);
+    let x = Permuted::new(input.shape, input.strides, &perm);
+    let y = Permuted::new(output.shape, output.strides, &perm);
     let neg_inf = f32::NEG_INFINITY;
     let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
     let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
@@ -314,16 +361,22 @@ pub fn launch_softmax_backward<R: Runtime>(
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
     check_same_shape("grad", y.shape, &dy)?;
     check_same_shape("output", y.shape, &dx)?;
-    let plan = plan_softmax(client, &[y, dy, dx], dim, dtype, variant, options)?;
+    let plan = plan_softmax(
+        client,
+        y.shape,
+        &[y.strides, dy.strides, dx.strides],
+        dim,
+        dtype,
+        variant,
+        options,
+    )?;
     if y.shape.contains(&0) {
         return Ok(None);
     }
-    let perm = row_major_permutation(&y, dim);
-    let (py, pdy, pdx) = (
-        Permuted::new(&y, &perm),
-        Permuted::new(&dy, &perm),
-        Permuted::new(&dx, &perm),
-    );
+    let perm = row_major_permutation(y.strides, dim);
+    let py = Permuted::new(y.shape, y.strides, &perm);
+    let pdy = Permuted::new(dy.shape, dy.strides, &perm);
+    let pdx = Permuted::new(dx.shape, dx.strides, &perm);
     let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
     let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
     // SAFETY: as in `launch_softmax`.

@@ -63,7 +63,7 @@ impl DeviceFacts {
         client: &ComputeClient<R>,
         elem_size: usize,
         options: &SoftmaxOptions,
-    ) -> Self {
+    ) -> Result<Self, SoftmaxError> {
         let props = client.properties();
         let hw = &props.hardware;
         let has_planes = props.features.plane.contains(Plane::Ops);
@@ -71,12 +71,26 @@ impl DeviceFacts {
         // Plane operations are used when the runtime advertises them and the plane width is fixed
         // (the butterfly's lane masks depend on it). `plane_ops` forces the choice either way;
         // forcing them on still needs a fixed width.
+        if options.plane_ops == Some(true) && !fixed_plane {
+            return Err(SoftmaxError::PlaneOpsUnavailable {
+                min: hw.plane_size_min,
+                max: hw.plane_size_max,
+            });
+        }
         let use_planes = options.plane_ops.unwrap_or(has_planes) && fixed_plane;
-        Self {
+        Ok(Self {
             plane_size: use_planes.then_some(hw.plane_size_max),
             max_units: hw.max_units_per_cube.min(MAX_UNITS_PER_CUBE),
             max_cube_count: hw.max_cube_count,
             vector_sizes: client.io_optimized_vector_sizes(elem_size).collect(),
+        })
+    }
+
+    pub(crate) fn row_limits(&self, elem_size: usize) -> super::RowLimits {
+        let per_unit = (ROW_BYTES_PER_UNIT / elem_size).max(1);
+        super::RowLimits {
+            plane: self.plane_size.unwrap_or(VIRTUAL_PLANE) as usize * per_unit,
+            cube: self.max_units as usize * per_unit,
         }
     }
 }

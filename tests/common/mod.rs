@@ -1,0 +1,239 @@
+//! Shared test machinery: f64 CPU references, random inputs, tolerance checks.
+
+#![allow(dead_code)]
+
+use burn::tensor::{Distribution, FloatDType, Tensor, TensorData, backend::Backend};
+use burn_flash::SoftmaxVariant;
+use rand::{Rng, SeedableRng, rngs::StdRng};
+
+/// Absolute and relative tolerance of one dtype: `|got − want| ≤ atol + rtol·|want|`.
+#[derive(Debug, Clone, Copy)]
+pub struct Tol {
+    pub atol: f64,
+    pub rtol: f64,
+}
+
+/// Per-dtype tolerances for softmax outputs (values in [0, 1]). The relative part is a few
+/// units of the dtype's rounding (f32 2^-24, f16 2^-11, bf16 2^-8) plus the f32 exp's error.
+pub fn tol(dtype: FloatDType) -> Tol {
+    match dtype {
+        FloatDType::F32 | FloatDType::Flex32 => Tol { atol: 1e-7, rtol: 2e-5 },
+        FloatDType::F16 => Tol { atol: 2e-5, rtol: 2e-3 },
+        FloatDType::BF16 => Tol { atol: 2e-4, rtol: 1.6e-2 },
+        FloatDType::F64 => Tol { atol: 1e-12, rtol: 1e-10 },
+    }
+}
+
+/// Tolerance for a variant on inputs of magnitude up to `max_abs`: log-softmax outputs are
+/// differences of numbers as large as the inputs, so their absolute error scales with them.
+pub fn tol_for(dtype: FloatDType, variant: SoftmaxVariant, max_abs: f64) -> Tol {
+    let t = tol(dtype);
+    match variant {
+        SoftmaxVariant::LogSoftmax => Tol {
+            atol: t.rtol * (1.0 + max_abs),
+            rtol: t.rtol,
+        },
+        _ => t,
+    }
+}
+
+/// A fresh seed per call, so every run draws new inputs; printed on failure via the context.
+pub fn fresh_seed() -> u64 {
+    rand::rng().random()
+}
+
+pub fn uniform(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n).map(|_| rng.random_range(lo..hi)).collect()
+}
+
+/// Uploads `values` (row-major) as a tensor of `dtype`. The values tests use as reference inputs
+/// must be read back from the device (rounded to `dtype`), not taken from `values`.
+pub fn tensor<B: Backend, const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    Tensor::<B, D>::from_data(TensorData::new(values, shape), device).cast(dtype)
+}
+
+/// A random tensor of `dtype` with values uniform in `[lo, hi)`.
+pub fn random<B: Backend, const D: usize>(
+    shape: [usize; D],
+    lo: f32,
+    hi: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let n = shape.iter().product();
+    tensor::<B, D>(uniform(n, lo, hi, fresh_seed()), shape, dtype, device)
+}
+
+/// Device values in logical row-major order, as f64.
+pub fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
+    let data = t.into_data().convert::<f32>();
+    data.to_vec::<f32>()
+        .expect("f32 data")
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// Best-effort poisoning: allocates and frees NaN-filled buffers of the output's size, so that
+/// Burn's memory pool hands one of them to the op under test; an element the kernel forgets to
+/// write then reads back as NaN and fails the comparison.
+pub fn poison<B: Backend, const D: usize>(shape: [usize; D], dtype: FloatDType, device: &B::Device) {
+    if shape.contains(&0) {
+        return;
+    }
+    let t = Tensor::<B, D>::full(shape, f32::NAN, device).cast(dtype);
+    let _ = t.clone().sum();
+    B::sync(device).expect("sync after poisoning");
+    drop(t);
+}
+
+/// Waits for the device and fails the test if any kernel failed (compilation errors surface
+/// only here).
+pub fn sync<B: Backend>(device: &B::Device) {
+    B::sync(device).expect("device sync: a kernel failed");
+}
+
+/// f64 reference of the softmax family along `dim` of a row-major `shape`, with burn-flash's
+/// semantics: a fully −inf row gives 0 (softmax, quiet) or −inf (log); a NaN poisons its row.
+pub fn softmax_ref(x: &[f64], shape: &[usize], dim: usize, variant: SoftmaxVariant) -> Vec<f64> {
+    let n = shape[dim];
+    let inner: usize = shape[dim + 1..].iter().product();
+    let outer: usize = shape[..dim].iter().product();
+    let mut y = vec![0.0; x.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let idx = |j: usize| (o * n + j) * inner + i;
+            let row: Vec<f64> = (0..n).map(|j| x[idx(j)]).collect();
+            let out = softmax_row_ref(&row, variant);
+            for j in 0..n {
+                y[idx(j)] = out[j];
+            }
+        }
+    }
+    y
+}
+
+pub fn softmax_row_ref(row: &[f64], variant: SoftmaxVariant) -> Vec<f64> {
+    if row.iter().any(|v| v.is_nan()) {
+        return vec![f64::NAN; row.len()];
+    }
+    let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let m = if m == f64::NEG_INFINITY { 0.0 } else { m };
+    let shift = match variant {
+        SoftmaxVariant::QuietSoftmax => m.max(0.0),
+        _ => m,
+    };
+    let s: f64 = row.iter().map(|v| (v - shift).exp()).sum();
+    row.iter()
+        .map(|v| match variant {
+            SoftmaxVariant::Softmax => {
+                if s == 0.0 {
+                    0.0
+                } else {
+                    (v - shift).exp() / s
+                }
+            }
+            SoftmaxVariant::QuietSoftmax => (v - shift).exp() / ((-shift).exp() + s),
+            SoftmaxVariant::LogSoftmax => {
+                if s == 0.0 {
+                    f64::NEG_INFINITY
+                } else {
+                    v - shift - s.ln()
+                }
+            }
+        })
+        .collect()
+}
+
+/// f64 reference of the backward along `dim` from `y` and `dy` (row-major).
+pub fn softmax_backward_ref(
+    y: &[f64],
+    dy: &[f64],
+    shape: &[usize],
+    dim: usize,
+    variant: SoftmaxVariant,
+) -> Vec<f64> {
+    let n = shape[dim];
+    let inner: usize = shape[dim + 1..].iter().product();
+    let outer: usize = shape[..dim].iter().product();
+    let mut dx = vec![0.0; y.len()];
+    for o in 0..outer {
+        for i in 0..inner {
+            let idx = |j: usize| (o * n + j) * inner + i;
+            let s: f64 = (0..n)
+                .map(|j| match variant {
+                    SoftmaxVariant::LogSoftmax => dy[idx(j)],
+                    _ => dy[idx(j)] * y[idx(j)],
+                })
+                .sum();
+            for j in 0..n {
+                dx[idx(j)] = match variant {
+                    SoftmaxVariant::LogSoftmax => dy[idx(j)] - y[idx(j)].exp() * s,
+                    _ => y[idx(j)] * (dy[idx(j)] - s),
+                };
+            }
+        }
+    }
+    dx
+}
+
+/// Asserts `got ≈ want` element-wise: NaN where and only where the reference is NaN, exact
+/// infinities, finite values within `tol`.
+pub fn assert_close(got: &[f64], want: &[f64], tol: Tol, context: &str) {
+    assert_eq!(got.len(), want.len(), "{context}: length");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tol.atol + tol.rtol * w.abs()
+        };
+        assert!(
+            ok,
+            "{context}: element {i}: got {g:e}, want {w:e} (tol {tol:?}); {} elements",
+            got.len()
+        );
+        if w.is_finite() {
+            let excess = (g - w).abs() / (tol.atol + tol.rtol * w.abs());
+            if excess > worst.0 {
+                worst = (excess, i);
+            }
+        }
+    }
+}
+
+/// Rows (along `dim`) of a softmax output sum to 1 and every value is in [0, 1].
+pub fn assert_probabilities(y: &[f64], shape: &[usize], dim: usize, dtype: FloatDType, context: &str) {
+    let n = shape[dim];
+    let inner: usize = shape[dim + 1..].iter().product();
+    let outer: usize = shape[..dim].iter().product();
+    let t = tol(dtype);
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut s = 0.0;
+            for j in 0..n {
+                let v = y[(o * n + j) * inner + i];
+                assert!((0.0..=1.0).contains(&v), "{context}: value {v} outside [0, 1]");
+                s += v;
+            }
+            // Each of n outputs is rounded to the dtype: the sum drifts by up to ~rtol per unit.
+            assert!(
+                (s - 1.0).abs() <= 4.0 * t.rtol + 1e-6,
+                "{context}: row ({o}, {i}) sums to {s}"
+            );
+        }
+    }
+}
+
+/// Random tensor helper for autodiff tests (standard normal values).
+pub fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}

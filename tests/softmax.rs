@@ -1,0 +1,544 @@
+//! The softmax-family suite: each test body is written once, generic over the backend, and
+//! instantiated per backend and dtype at the bottom (wgpu always; CUDA with `--features cuda`;
+//! NdArray for the composed fallback).
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::backend::Autodiff;
+use burn::tensor::{DType, FloatDType, Tensor, activation};
+use burn_flash::{
+    FlashBackend, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, softmax, softmax_with,
+};
+use common::*;
+
+const VARIANTS: [SoftmaxVariant; 3] = [
+    SoftmaxVariant::Softmax,
+    SoftmaxVariant::LogSoftmax,
+    SoftmaxVariant::QuietSoftmax,
+];
+
+/// Runs the op on `x` (poisoned output, synced) and compares with the f64 reference of the
+/// values actually on the device. Returns the output.
+fn check_forward<B: FlashBackend, const D: usize>(
+    x: Tensor<B, D>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+    dtype: FloatDType,
+    context: &str,
+) -> Vec<f64> {
+    let device = x.device();
+    let shape = x.dims();
+    let xv = read(x.clone());
+    poison::<B, D>(shape, dtype, &device);
+    let y = softmax_with(x, dim, variant, options);
+    assert_eq!(y.dims(), shape, "{context}: output shape");
+    sync::<B>(&device);
+    let got = read(y);
+    let want = softmax_ref(&xv, &shape, dim, variant);
+    let max_abs = xv.iter().filter(|v| v.is_finite()).fold(0.0f64, |a, v| a.max(v.abs()));
+    let context = format!("{context} {variant:?} dim {dim} shape {shape:?} {dtype:?}");
+    assert_close(&got, &want, tol_for(dtype, variant, max_abs), &context);
+    if variant == SoftmaxVariant::Softmax && xv.iter().all(|v| v.is_finite()) {
+        assert_probabilities(&got, &shape, dim, dtype, &context);
+    }
+    got
+}
+
+fn row_limits<B: FlashBackend>(device: &B::Device, dtype: FloatDType) -> Option<burn_flash::RowLimits> {
+    B::flash_softmax_row_limits(device, dtype.into(), SoftmaxOptions::default())
+        .map(|r| r.expect("row limits"))
+}
+
+/// Row lengths that cross every tier boundary: the fixed list of the issue plus the device's
+/// own plane/cube and cube/split switches ± 1.
+fn boundary_lengths<B: FlashBackend>(device: &B::Device, dtype: FloatDType) -> Vec<usize> {
+    let mut lengths = vec![1, 2, 31, 32, 33, 255, 256, 257, 1023, 1024, 1025];
+    if let Some(limits) = row_limits::<B>(device, dtype) {
+        for l in [limits.plane, limits.cube] {
+            lengths.extend([l - 1, l, l + 1]);
+        }
+    } else {
+        // The fallback has no tiers; still cover a long row.
+        lengths.extend([8191, 8192, 8193]);
+    }
+    lengths.sort();
+    lengths.dedup();
+    lengths
+}
+
+fn row_lengths_cross_every_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for n in boundary_lengths::<B>(device, dtype) {
+        let rows = if n > 4096 { 3 } else { 7 };
+        for variant in VARIANTS {
+            let x = random::<B, 2>([rows, n], -8.0, 8.0, dtype, device);
+            check_forward(x, 1, variant, SoftmaxOptions::default(), dtype, "row lengths");
+        }
+    }
+}
+
+fn large_shapes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for variant in VARIANTS {
+        let x = random::<B, 2>([1823, 781], -6.0, 6.0, dtype, device);
+        check_forward(x, 1, variant, SoftmaxOptions::default(), dtype, "1823x781");
+    }
+    for shape in [[4096, 4097], [1, 1 << 20], [2, (1 << 22) + 3]] {
+        let x = random::<B, 2>(shape, -6.0, 6.0, dtype, device);
+        check_forward(x, 1, SoftmaxVariant::Softmax, SoftmaxOptions::default(), dtype, "large");
+    }
+}
+
+fn every_rank_and_dim<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxOptions::default();
+    for variant in VARIANTS {
+        check_forward(random::<B, 1>([1000], -5.0, 5.0, dtype, device), 0, variant, opts, dtype, "rank 1");
+        for dim in 0..2 {
+            let x = random::<B, 2>([37, 129], -5.0, 5.0, dtype, device);
+            check_forward(x, dim, variant, opts, dtype, "rank 2");
+        }
+        for dim in 0..3 {
+            let x = random::<B, 3>([5, 33, 64], -5.0, 5.0, dtype, device);
+            check_forward(x, dim, variant, opts, dtype, "rank 3");
+        }
+        for dim in 0..4 {
+            let x = random::<B, 4>([3, 4, 17, 40], -5.0, 5.0, dtype, device);
+            check_forward(x, dim, variant, opts, dtype, "rank 4");
+        }
+    }
+}
+
+fn non_contiguous_inputs<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxOptions::default();
+    for variant in VARIANTS {
+        for dim in 0..2 {
+            let x = random::<B, 2>([300, 257], -5.0, 5.0, dtype, device).swap_dims(0, 1);
+            check_forward(x, dim, variant, opts, dtype, "transposed");
+        }
+        for dim in 0..3 {
+            let x = random::<B, 3>([8, 50, 33], -5.0, 5.0, dtype, device).permute([2, 0, 1]);
+            check_forward(x, dim, variant, opts, dtype, "permuted");
+        }
+        for dim in 0..2 {
+            let x = random::<B, 2>([64, 300], -5.0, 5.0, dtype, device).slice([0..64, 10..260]);
+            check_forward(x, dim, variant, opts, dtype, "sliced columns");
+            let x = random::<B, 2>([64, 300], -5.0, 5.0, dtype, device).narrow(0, 3, 50);
+            check_forward(x, dim, variant, opts, dtype, "sliced rows");
+        }
+    }
+}
+
+/// Rows with some −inf, rows entirely −inf (→ 0 for softmax and quiet, −inf for log), a row
+/// with one finite value, in every tier.
+fn neg_inf_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let mut lengths = vec![100, 3000];
+    if let Some(limits) = row_limits::<B>(device, dtype) {
+        lengths.push(limits.cube + 1);
+    }
+    for n in lengths {
+        let mut values = uniform(4 * n, -4.0, 4.0, fresh_seed());
+        for j in (0..n).step_by(3) {
+            values[n + j] = f32::NEG_INFINITY;
+        }
+        values[2 * n..3 * n].fill(f32::NEG_INFINITY);
+        values[3 * n..4 * n].fill(f32::NEG_INFINITY);
+        values[3 * n + n / 2] = 1.5;
+        for variant in VARIANTS {
+            let x = tensor::<B, 2>(values.clone(), [4, n], dtype, device);
+            let y = check_forward(x.clone(), 1, variant, SoftmaxOptions::default(), dtype, "-inf");
+            let masked = &y[2 * n..3 * n];
+            let expected = if variant == SoftmaxVariant::LogSoftmax { f64::NEG_INFINITY } else { 0.0 };
+            assert!(masked.iter().all(|&v| v == expected), "{variant:?}: fully masked row");
+            // The same rows through the strided tier.
+            let xt = x.swap_dims(0, 1);
+            check_forward(xt, 0, variant, SoftmaxOptions::default(), dtype, "-inf strided");
+        }
+    }
+}
+
+fn huge_magnitudes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for n in [40, 3000] {
+        for variant in VARIANTS {
+            let x = random::<B, 2>([9, n], -1e4, 1e4, dtype, device);
+            check_forward(x, 1, variant, SoftmaxOptions::default(), dtype, "±1e4");
+        }
+    }
+}
+
+/// `softmax(x + 1000) = softmax(x)`: exact only where `x + 1000` is representable, i.e. f32.
+fn shift_invariance<B: FlashBackend>(device: &B::Device) {
+    for n in [64, 2000, 70000] {
+        let x = random::<B, 2>([5, n], -10.0, 10.0, FloatDType::F32, device);
+        let a = read(softmax(x.clone(), 1));
+        let b = read(softmax(x + 1000.0, 1));
+        sync::<B>(device);
+        // x + 1000 rounds x to 2^-14: the outputs differ by that much relative.
+        assert_close(&b, &a, Tol { atol: 1e-7, rtol: 2e-4 }, "shift invariance");
+    }
+}
+
+fn nan_propagates<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let mut lengths = vec![300];
+    if let Some(limits) = row_limits::<B>(device, dtype) {
+        lengths.push(limits.cube + 1);
+    }
+    for n in lengths {
+        let mut values = uniform(4 * n, -3.0, 3.0, fresh_seed());
+        values[n + 17] = f32::NAN;
+        for variant in VARIANTS {
+            let x = tensor::<B, 2>(values.clone(), [4, n], dtype, device);
+            let y = check_forward(x.clone(), 1, variant, SoftmaxOptions::default(), dtype, "NaN");
+            assert!(y[n..2 * n].iter().all(|v| v.is_nan()), "NaN row");
+            assert!(y[..n].iter().all(|v| v.is_finite()), "clean row");
+            check_forward(x.swap_dims(0, 1), 0, variant, SoftmaxOptions::default(), dtype, "NaN strided");
+        }
+    }
+}
+
+fn empty_tensors<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for shape in [[0, 16], [16, 0]] {
+        for variant in VARIANTS {
+            for dim in 0..2 {
+                let x = Tensor::<B, 2>::zeros(shape, device).cast(dtype);
+                let y = softmax_with(x.clone(), dim, variant, SoftmaxOptions::default());
+                assert_eq!(y.dims(), shape);
+                let dx = B::flash_softmax_backward(
+                    y.clone().into_primitive().tensor(),
+                    x.into_primitive().tensor(),
+                    dim,
+                    variant,
+                    SoftmaxOptions::default(),
+                );
+                let dx = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(dx));
+                assert_eq!(dx.dims(), shape);
+                sync::<B>(device);
+            }
+        }
+    }
+}
+
+/// Every row scheme, forced, computes the same function (plane operations on and off where the
+/// runtime can run both).
+fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let plane_choices: Vec<Option<bool>> = [None, Some(false), Some(true)]
+        .into_iter()
+        .filter(|p| {
+            let opts = SoftmaxOptions { tier: None, plane_ops: *p };
+            matches!(B::flash_softmax_row_limits(device, dtype.into(), opts), Some(Ok(_)))
+        })
+        .collect();
+    assert!(plane_choices.len() >= 2, "shared-memory and default paths both available");
+    for plane_ops in plane_choices {
+        let opts = SoftmaxOptions { tier: None, plane_ops };
+        let limits = B::flash_softmax_row_limits(device, dtype.into(), opts).unwrap().unwrap();
+        // Lengths every tier can run: up to the plane tier's limit (256 with lavapipe's 8-wide
+        // planes), odd ones for scalar loads.
+        let lengths = [5, 199, limits.plane.min(1000)];
+        for tier in [SoftmaxTier::Plane, SoftmaxTier::Cube, SoftmaxTier::Split, SoftmaxTier::Strided] {
+            for n in lengths {
+                for variant in VARIANTS {
+                    let opts = SoftmaxOptions { tier: Some(tier), plane_ops };
+                    let x = random::<B, 2>([13, n], -6.0, 6.0, dtype, device);
+                    let ctx = format!("forced {tier:?} planes {plane_ops:?}");
+                    check_forward(x.clone(), 1, variant, opts, dtype, &ctx);
+                    // A forced row scheme on a non-contiguous softmax dim relays the input out.
+                    check_forward(x.swap_dims(0, 1), 0, variant, opts, dtype, &ctx);
+                    check_backward::<B, 2>([13, n], 1, variant, opts, dtype, device, false, &ctx);
+                }
+            }
+        }
+    }
+}
+
+/// The heuristic picks the tier the limits say, and the strided tier for a non-contiguous
+/// softmax dimension.
+fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("a fused backend reports its limits");
+    let plan = |shape: [usize; 2], strides: [usize; 2]| {
+        B::flash_softmax_plan(device, &shape, &strides, 1, dtype.into(), SoftmaxOptions::default())
+            .expect("fused backend")
+            .expect("plan")
+            .tier
+    };
+    for (n, tier) in [
+        (1, SoftmaxTier::Plane),
+        (limits.plane, SoftmaxTier::Plane),
+        (limits.plane + 1, SoftmaxTier::Cube),
+        (limits.cube, SoftmaxTier::Cube),
+        (limits.cube + 1, SoftmaxTier::Split),
+        (1 << 22, SoftmaxTier::Split),
+    ] {
+        assert_eq!(plan([4, n], [n, 1]), tier, "row length {n}");
+    }
+    assert_eq!(plan([64, 100], [1, 64]), SoftmaxTier::Strided, "transposed");
+}
+
+fn panic_message(f: impl FnOnce()) -> String {
+    let err = catch_unwind(AssertUnwindSafe(f)).expect_err("expected a panic");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+fn bad_dim_is_refused<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
+    let x = random::<B, 2>([3, 4], -1.0, 1.0, FloatDType::F32, device);
+    for (variant, name) in [
+        (SoftmaxVariant::Softmax, "softmax"),
+        (SoftmaxVariant::LogSoftmax, "log_softmax"),
+        (SoftmaxVariant::QuietSoftmax, "quiet_softmax"),
+    ] {
+        let msg = panic_message(|| {
+            softmax_with(x.clone(), 2, variant, SoftmaxOptions::default());
+        });
+        assert_eq!(msg, format!("burn_flash::{name}: `dim` is 2, out of range for a tensor of rank 2"));
+    }
+}
+
+fn impossible_forced_tier_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("fused backend");
+    let n = limits.plane + 1;
+    let x = random::<B, 2>([2, n], -1.0, 1.0, dtype, device);
+    let opts = SoftmaxOptions { tier: Some(SoftmaxTier::Plane), plane_ops: None };
+    let msg = panic_message(|| {
+        softmax_with(x.clone(), 1, SoftmaxVariant::Softmax, opts);
+    });
+    assert_eq!(
+        msg,
+        format!(
+            "burn_flash::softmax: tier Plane cannot run rows of length {n}: the row does not fit \
+             in one plane's registers"
+        )
+    );
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn unsupported_dtype_is_refused<B: FlashBackend>(device: &B::Device) {
+    let x = random::<B, 2>([3, 4], -1.0, 1.0, FloatDType::F32, device).cast(FloatDType::F64);
+    let msg = panic_message(|| {
+        softmax(x.clone(), 1);
+    });
+    assert_eq!(msg, "burn_flash::softmax: `tensor` has dtype F64; supported: F32, F16, BF16");
+}
+
+/// Gradient of `variant` through `Autodiff<B>` against the f64 reference backward and, unless
+/// `masked`, against Burn's own autodiff of its composed activation on the same backend.
+fn check_backward<B: FlashBackend, const D: usize>(
+    shape: [usize; D],
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+    dtype: FloatDType,
+    device: &B::Device,
+    transpose: bool,
+    context: &str,
+) {
+    type A<B> = Autodiff<B>;
+    let prepare = |t: Tensor<A<B>, D>| if transpose { t.swap_dims(0, D - 1) } else { t };
+    let x0 = random::<A<B>, D>(shape, -5.0, 5.0, dtype, device);
+    let w0 = random::<A<B>, D>(shape, -1.0, 1.0, dtype, device);
+    let (x, w) = (prepare(x0), prepare(w0));
+    let logical = x.dims();
+
+    let xg = x.clone().detach().require_grad();
+    let y = softmax_with(xg.clone(), dim, variant, options);
+    let grads = (y.clone() * w.clone().detach()).sum().backward();
+    let dx = read(xg.grad(&grads).expect("gradient"));
+    sync::<B>(device);
+
+    let yv = read(y.detach());
+    let dy = read(w.clone());
+    let want = softmax_backward_ref(&yv, &dy, &logical, dim, variant);
+    let max_dy = dy.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+    let n = logical[dim] as f64;
+    let t = tol(dtype);
+    // dx is a difference of terms as large as max|dy| (·n·max e^y for log-softmax's row sum).
+    let scale = match variant {
+        SoftmaxVariant::LogSoftmax => max_dy * (1.0 + n.sqrt()),
+        _ => max_dy,
+    };
+    let gt = Tol { atol: 4.0 * t.rtol * scale + t.atol, rtol: 4.0 * t.rtol };
+    let ctx = format!("{context} backward {variant:?} shape {logical:?} dim {dim} {dtype:?}");
+    assert_close(&dx, &want, gt, &ctx);
+
+    // Burn's autodiff of its own composed activation. It runs on NdArray in f32: on wgpu,
+    // Burn's fused composition itself returned wrong values for rows of 65 537 elements
+    // (burn 0.21, lavapipe), which would make it no reference at all.
+    #[cfg(feature = "ndarray")]
+    {
+        type R = Autodiff<burn::backend::NdArray>;
+        let cpu = Default::default();
+        let xv = read(x.detach());
+        let as_cpu = |v: &[f64]| {
+            let v: Vec<f32> = v.iter().map(|&a| a as f32).collect();
+            Tensor::<R, D>::from_data(burn::tensor::TensorData::new(v, logical), &cpu)
+        };
+        let xb = as_cpu(&xv).require_grad();
+        let yb = match variant {
+            SoftmaxVariant::Softmax => activation::softmax(xb.clone(), dim),
+            SoftmaxVariant::LogSoftmax => activation::log_softmax(xb.clone(), dim),
+            SoftmaxVariant::QuietSoftmax => activation::quiet_softmax(xb.clone(), dim),
+        };
+        let grads = (yb * as_cpu(&dy)).sum().backward();
+        let dxb = read(xb.grad(&grads).expect("gradient"));
+        let gt2 = Tol { atol: 2.0 * gt.atol, rtol: 2.0 * gt.rtol };
+        assert_close(&dx, &dxb, gt2, &format!("{ctx} vs Burn autodiff"));
+    }
+}
+
+fn gradients_every_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let mut lengths = vec![1, 33, 1000];
+    if let Some(limits) = row_limits::<B>(device, dtype) {
+        lengths.extend([limits.plane + 1, limits.cube + 1]);
+    } else {
+        lengths.push(9000);
+    }
+    let opts = SoftmaxOptions::default();
+    for variant in VARIANTS {
+        for &n in &lengths {
+            check_backward::<B, 2>([5, n], 1, variant, opts, dtype, device, false, "rows");
+        }
+        check_backward::<B, 2>([300, 70], 1, variant, opts, dtype, device, true, "strided");
+        check_backward::<B, 3>([4, 6, 50], 1, variant, opts, dtype, device, false, "middle dim");
+    }
+}
+
+/// Fully masked rows have zero gradient for softmax and quiet softmax (their output is 0
+/// whatever the input), and `dx = dy` for log-softmax.
+fn gradients_of_masked_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let n = 70;
+    let mut values = uniform(3 * n, -3.0, 3.0, fresh_seed());
+    values[n..2 * n].fill(f32::NEG_INFINITY);
+    for variant in VARIANTS {
+        let x = tensor::<Autodiff<B>, 2>(values.clone(), [3, n], dtype, device).require_grad();
+        let w = random::<Autodiff<B>, 2>([3, n], -1.0, 1.0, dtype, device);
+        let y = softmax_with(x.clone(), 1, variant, SoftmaxOptions::default());
+        let grads = (y * w.clone()).sum().backward();
+        let dx = read(x.grad(&grads).unwrap());
+        sync::<B>(device);
+        let dy = read(w);
+        for j in 0..n {
+            let want = if variant == SoftmaxVariant::LogSoftmax { dy[n + j] } else { 0.0 };
+            assert!((dx[n + j] - want).abs() <= 1e-6 + tol(dtype).rtol * want.abs(), "{variant:?}");
+        }
+        assert!(dx.iter().all(|v| v.is_finite()), "{variant:?}: finite gradients");
+    }
+}
+
+/// The dtype a backend's tensors are created with is the one asked for (guards the suite
+/// against silently testing f32 twice).
+fn dtype_is_honoured<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let x = random::<B, 2>([2, 8], -1.0, 1.0, dtype, device);
+    let y = softmax(x, 1);
+    assert_eq!(y.dtype(), DType::from(dtype));
+    sync::<B>(device);
+}
+
+/// One test per suite function, for one backend and dtype.
+macro_rules! suite {
+    ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
+        mod $module {
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    let device = Default::default();
+                    super::$test::<$backend>(&device, $dtype);
+                }
+            )*
+        }
+    };
+}
+
+/// Tests every backend runs.
+macro_rules! common_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!($module, $backend, $dtype, [
+            row_lengths_cross_every_tier,
+            large_shapes,
+            every_rank_and_dim,
+            non_contiguous_inputs,
+            neg_inf_rows,
+            huge_magnitudes,
+            nan_propagates,
+            empty_tensors,
+            bad_dim_is_refused,
+            gradients_every_tier,
+            gradients_of_masked_rows,
+            dtype_is_honoured,
+        ]);
+    };
+}
+
+/// Tests of the fused kernels' own machinery (tiers, forced options).
+macro_rules! fused_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!($module, $backend, $dtype, [
+            forced_tiers_agree,
+            tier_choice_follows_limits,
+            impossible_forced_tier_is_refused,
+        ]);
+    };
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    // Burn's default wgpu backend (Fusion over CubeBackend): the path users take.
+    type W = burn::backend::Wgpu;
+    common_suite!(f32, W, FloatDType::F32);
+    common_suite!(f16, W, FloatDType::F16);
+    fused_suite!(fused_f32, W, FloatDType::F32);
+    fused_suite!(fused_f16, W, FloatDType::F16);
+
+    #[test]
+    fn shift_invariance_f32() {
+        super::shift_invariance::<W>(&Default::default());
+    }
+
+    // CubeBackend without the Fusion wrapper.
+    mod unfused {
+        use super::*;
+        type U = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+        suite!(f32, U, FloatDType::F32, [row_lengths_cross_every_tier, gradients_every_tier]);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    type C = burn::backend::Cuda;
+    common_suite!(f32, C, FloatDType::F32);
+    common_suite!(f16, C, FloatDType::F16);
+    common_suite!(bf16, C, FloatDType::BF16);
+    fused_suite!(fused_f32, C, FloatDType::F32);
+    fused_suite!(fused_f16, C, FloatDType::F16);
+    fused_suite!(fused_bf16, C, FloatDType::BF16);
+
+    #[test]
+    fn shift_invariance_f32() {
+        super::shift_invariance::<C>(&Default::default());
+    }
+
+    // CUDA has f64 tensors; the kernels do not take them.
+    #[test]
+    fn f64_is_refused() {
+        super::unsupported_dtype_is_refused::<C>(&Default::default());
+    }
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    // The composed fallback. The fused-machinery suite does not apply (no tiers, no kernels).
+    type N = burn::backend::NdArray;
+    common_suite!(f32, N, FloatDType::F32);
+
+    #[test]
+    fn shift_invariance_f32() {
+        super::shift_invariance::<N>(&Default::default());
+    }
+}
+
+
