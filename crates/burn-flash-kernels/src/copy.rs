@@ -1,0 +1,49 @@
+//! A vectorised device-to-device copy: the bandwidth ceiling the benchmarks compare against,
+//! measured with the same launch path and timing as the kernels.
+
+use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
+
+#[cube(launch_unchecked)]
+fn copy_kernel<F: Float, N: Size>(
+    input: &Array<Vector<F, N>>,
+    output: &mut Array<Vector<F, N>>,
+    #[define(F)] _dtype: StorageType,
+) {
+    if ABSOLUTE_POS < input.len() {
+        output[ABSOLUTE_POS] = input[ABSOLUTE_POS];
+    }
+}
+
+/// Copies `len` elements of `dtype` from `input` to `output` (both contiguous, at least `len`
+/// elements long).
+pub fn launch_copy<R: Runtime>(
+    client: &ComputeClient<R>,
+    input: &Handle,
+    output: &Handle,
+    len: usize,
+    dtype: StorageType,
+) {
+    let vector = client
+        .io_optimized_vector_sizes(dtype.size())
+        .find(|v| len.is_multiple_of(*v))
+        .unwrap_or(1);
+    let units = len / vector;
+    let cube_dim = CubeDim::new_1d(256);
+    let cubes = units.div_ceil(256).max(1);
+    let max_x = client.properties().hardware.max_cube_count.0 as usize;
+    let y = cubes.div_ceil(max_x);
+    let count = CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1);
+    // SAFETY: the kernel checks its index against the input length, and the caller guarantees
+    // both buffers hold `len` elements.
+    unsafe {
+        copy_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            cube_dim,
+            vector,
+            ArrayArg::from_raw_parts(input.clone(), units),
+            ArrayArg::from_raw_parts(output.clone(), units),
+            dtype,
+        );
+    }
+}
