@@ -42,7 +42,18 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
     let csv_path = out_path("softmax.csv");
     let mut csv = Csv::new(
         &csv_path,
-        &["backend", "dtype", "M", "N", "direction", "impl", "median_us", "GB_per_s", "pct_of_copy", "note"],
+        &[
+            "backend",
+            "dtype",
+            "M",
+            "N",
+            "direction",
+            "impl",
+            "median_us",
+            "GB_per_s",
+            "pct_of_copy",
+            "note",
+        ],
     );
     // Fusion's sync drains its lazy queue, then syncs the device both backends share.
     let sync = || Fu::<R, BT>::sync(&device).expect("sync");
@@ -61,14 +72,30 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
             let bytes_fwd = (2 * m * n * elem) as f64;
             let bytes_bwd = (3 * m * n * elem) as f64;
             let mut record = |direction, implementation, result: Result<f64, String>| {
-                rows.push(Row { dtype: label, n, direction, implementation, result });
+                rows.push(Row {
+                    dtype: label,
+                    n,
+                    direction,
+                    implementation,
+                    result,
+                });
             };
             if !supported {
-                record("forward", "burn-flash", Err("dtype unsupported on this device".into()));
+                record(
+                    "forward",
+                    "burn-flash",
+                    Err("dtype unsupported on this device".into()),
+                );
                 continue;
             }
-            let fx = || Tensor::<Fu<R, BT>, 2>::random([m, n], Distribution::Normal(0.0, 2.0), &device).cast(dtype);
-            let ux = || Tensor::<Un<R, BT>, 2>::random([m, n], Distribution::Normal(0.0, 2.0), &device).cast(dtype);
+            let fx = || {
+                Tensor::<Fu<R, BT>, 2>::random([m, n], Distribution::Normal(0.0, 2.0), &device)
+                    .cast(dtype)
+            };
+            let ux = || {
+                Tensor::<Un<R, BT>, 2>::random([m, n], Distribution::Normal(0.0, 2.0), &device)
+                    .cast(dtype)
+            };
 
             // -- device-to-device copy of one tensor (read + write) --
             let copy = attempt(|| {
@@ -76,7 +103,13 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
                 let out = x.client.empty(m * n * elem);
                 median_us(
                     || {
-                        burn_flash::kernels::copy::launch_copy(&x.client, &x.handle, &out, m * n, x.dtype.into())
+                        burn_flash::kernels::copy::launch_copy(
+                            &x.client,
+                            &x.handle,
+                            &out,
+                            m * n,
+                            x.dtype.into(),
+                        )
                     },
                     sync,
                     samples,
@@ -85,75 +118,120 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
             record("copy", "copy", copy.clone());
 
             // -- forward --
-            record("forward", "burn-flash", attempt(|| {
-                let x = fx();
-                median_us(|| burn_flash::softmax(x.clone(), 1), sync, samples)
-            }));
-            record("forward", "burn (fused)", attempt(|| {
-                let x = fx();
-                median_us(|| activation::softmax(x.clone(), 1), sync, samples)
-            }));
-            record("forward", "naive 5-op", attempt(|| {
-                let x = ux();
-                median_us(
-                    || {
-                        let max = x.clone().max_dim(1);
-                        let e = (x.clone() - max).exp();
-                        let s = e.clone().sum_dim(1);
-                        e / s
-                    },
-                    sync,
-                    samples,
-                )
-            }));
+            record(
+                "forward",
+                "burn-flash",
+                attempt(|| {
+                    let x = fx();
+                    median_us(|| burn_flash::softmax(x.clone(), 1), sync, samples)
+                }),
+            );
+            // The same kernel without Burn's Fusion wrapper: the difference is Fusion's
+            // per-op host cost.
+            record(
+                "forward",
+                "burn-flash (CubeBackend)",
+                attempt(|| {
+                    let x = ux();
+                    median_us(|| burn_flash::softmax(x.clone(), 1), sync, samples)
+                }),
+            );
+            record(
+                "forward",
+                "burn (fused)",
+                attempt(|| {
+                    let x = fx();
+                    median_us(|| activation::softmax(x.clone(), 1), sync, samples)
+                }),
+            );
+            record(
+                "forward",
+                "naive 5-op",
+                attempt(|| {
+                    let x = ux();
+                    median_us(
+                        || {
+                            let max = x.clone().max_dim(1);
+                            let e = (x.clone() - max).exp();
+                            let s = e.clone().sum_dim(1);
+                            e / s
+                        },
+                        sync,
+                        samples,
+                    )
+                }),
+            );
 
             // -- backward: dx = y ⊙ (dy − Σ dy ⊙ y) --
-            record("backward", "burn-flash", attempt(|| {
-                let y = burn_flash::softmax(fx(), 1).into_primitive().tensor();
-                let dy = fx().into_primitive().tensor();
-                median_us(
-                    || {
-                        Fu::<R, BT>::flash_softmax_backward(
-                            y.clone(),
-                            dy.clone(),
-                            1,
-                            SoftmaxVariant::Softmax,
-                            SoftmaxOptions::default(),
-                        )
-                    },
-                    sync,
-                    samples,
-                )
-            }));
-            record("backward", "burn (fused)", attempt(|| {
-                let y = activation::softmax(fx(), 1);
-                let dy = fx();
-                median_us(
-                    || y.clone() * (dy.clone() - (dy.clone() * y.clone()).sum_dim(1)),
-                    sync,
-                    samples,
-                )
-            }));
-            record("backward", "naive", attempt(|| {
-                let y = activation::softmax(ux(), 1);
-                let dy = ux();
-                median_us(
-                    || y.clone() * (dy.clone() - (dy.clone() * y.clone()).sum_dim(1)),
-                    sync,
-                    samples,
-                )
-            }));
+            record(
+                "backward",
+                "burn-flash",
+                attempt(|| {
+                    let y = burn_flash::softmax(fx(), 1).into_primitive().tensor();
+                    let dy = fx().into_primitive().tensor();
+                    median_us(
+                        || {
+                            Fu::<R, BT>::flash_softmax_backward(
+                                y.clone(),
+                                dy.clone(),
+                                1,
+                                SoftmaxVariant::Softmax,
+                                SoftmaxOptions::default(),
+                            )
+                        },
+                        sync,
+                        samples,
+                    )
+                }),
+            );
+            record(
+                "backward",
+                "burn (fused)",
+                attempt(|| {
+                    let y = activation::softmax(fx(), 1);
+                    let dy = fx();
+                    median_us(
+                        || y.clone() * (dy.clone() - (dy.clone() * y.clone()).sum_dim(1)),
+                        sync,
+                        samples,
+                    )
+                }),
+            );
+            record(
+                "backward",
+                "naive",
+                attempt(|| {
+                    let y = activation::softmax(ux(), 1);
+                    let dy = ux();
+                    median_us(
+                        || y.clone() * (dy.clone() - (dy.clone() * y.clone()).sum_dim(1)),
+                        sync,
+                        samples,
+                    )
+                }),
+            );
 
             let copy_gbps = copy.as_ref().ok().map(|us| bytes_fwd / us / 1e3);
             for row in rows.drain(..) {
-                let bytes = if row.direction == "backward" { bytes_bwd } else { bytes_fwd };
+                let bytes = if row.direction == "backward" {
+                    bytes_bwd
+                } else {
+                    bytes_fwd
+                };
                 let (us, gbps, pct, note) = match &row.result {
                     Ok(us) => {
                         let gbps = bytes / us / 1e3;
-                        let pct = copy_gbps.map(|c| format!("{:.1}", 100.0 * gbps / c)).unwrap_or_default();
+                        let pct = copy_gbps
+                            .map(|c| format!("{:.1}", 100.0 * gbps / c))
+                            .unwrap_or_default();
                         (format!("{us:.2}"), format!("{gbps:.1}"), pct, String::new())
                     }
-                    Err(e) => (String::new(), String::new(), String::new(), format!("failed: {e}")),
+                    Err(e) => (
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        format!("failed: {e}"),
+                    ),
                 };
                 println!(
                     "{backend:6} {:5} M={m} N={:7} {:9} {:14} {:>10} us {:>8} GB/s {:>6} % {}",
@@ -185,24 +263,40 @@ fn plot_csv(csv: &std::path::Path, png: &std::path::Path) {
     for line in text.lines().skip(1) {
         let f: Vec<&str> = line.split(',').collect();
         let (dtype, n, direction, implementation, gbps) = (f[1], f[3], f[4], f[5], f[7]);
-        let (Ok(n), Ok(gbps)) = (n.parse::<f64>(), gbps.parse::<f64>()) else { continue };
-        let title = if direction == "copy" { None } else { Some(format!("{dtype} {direction}")) };
+        let (Ok(n), Ok(gbps)) = (n.parse::<f64>(), gbps.parse::<f64>()) else {
+            continue;
+        };
+        let title = if direction == "copy" {
+            None
+        } else {
+            Some(format!("{dtype} {direction}"))
+        };
         let titles: Vec<String> = match title {
             Some(t) => vec![t],
             // The copy line goes on every panel of its dtype.
-            None => ["forward", "backward"].iter().map(|d| format!("{dtype} {d}")).collect(),
+            None => ["forward", "backward"]
+                .iter()
+                .map(|d| format!("{dtype} {d}"))
+                .collect(),
         };
         for title in titles {
             let panel = match panels.iter_mut().position(|p| p.title == title) {
                 Some(i) => &mut panels[i],
                 None => {
-                    panels.push(Panel { title: title.clone(), y_label: "GB/s".into(), series: vec![] });
+                    panels.push(Panel {
+                        title: title.clone(),
+                        y_label: "GB/s".into(),
+                        series: vec![],
+                    });
                     panels.last_mut().unwrap()
                 }
             };
             match panel.series.iter_mut().find(|s| s.label == implementation) {
                 Some(s) => s.points.push((n, gbps)),
-                None => panel.series.push(Series { label: implementation.into(), points: vec![(n, gbps)] }),
+                None => panel.series.push(Series {
+                    label: implementation.into(),
+                    points: vec![(n, gbps)],
+                }),
             }
         }
     }
@@ -213,7 +307,7 @@ fn plot_csv(csv: &std::path::Path, png: &std::path::Path) {
 fn main() {
     #[cfg(feature = "cuda")]
     {
-        bench::<burn::backend::cuda::CudaRuntime, u8>(Default::default(), "cuda");
+        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "cuda");
     }
     #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
     {

@@ -15,9 +15,15 @@ fn demo<B: FlashBackend>(device: &B::Device) {
     // Same signature as `burn::tensor::activation::softmax`: swap one import.
     let ours = burn_flash::softmax(x.clone(), 2);
     let burns = activation::softmax(x.clone(), 2);
-    let diff = (ours.clone() - burns).abs().max().into_scalar().elem::<f32>();
+    let diff = (ours.clone() - burns)
+        .abs()
+        .max()
+        .into_scalar()
+        .elem::<f32>();
     let row_sum = ours.sum_dim(2).mean().into_scalar().elem::<f32>();
-    println!("softmax      [8, 128, 1000]: max |burn-flash − burn| = {diff:.2e}, mean row sum = {row_sum:.6}");
+    println!(
+        "softmax      [8, 128, 1000]: max |burn-flash − burn| = {diff:.2e}, mean row sum = {row_sum:.6}"
+    );
 
     let log = burn_flash::log_softmax(x.clone(), 1);
     let log_ref = activation::log_softmax(x.clone(), 1);
@@ -27,20 +33,28 @@ fn demo<B: FlashBackend>(device: &B::Device) {
     // A fully masked row gives zeros, not NaN.
     let masked = Tensor::<B, 2>::full([2, 4], f32::NEG_INFINITY, device);
     let y = burn_flash::softmax(masked, 1);
-    println!("softmax of an all −inf row:  {:?}", y.into_data().to_vec::<f32>().unwrap());
+    println!(
+        "softmax of an all −inf row:  {:?}",
+        y.into_data().to_vec::<f32>().unwrap()
+    );
 }
 
 fn gradients<B: FlashBackend>(device: &B::Device) {
     type A<B> = Autodiff<B>;
-    let x = Tensor::<A<B>, 2>::random([64, 512], Distribution::Normal(0.0, 2.0), device).require_grad();
+    let x =
+        Tensor::<A<B>, 2>::random([64, 512], Distribution::Normal(0.0, 2.0), device).require_grad();
     let w = Tensor::<A<B>, 2>::random([64, 512], Distribution::Default, device);
-    let grads = (burn_flash::softmax(x.clone(), 1) * w.clone()).sum().backward();
+    let grads = (burn_flash::softmax(x.clone(), 1) * w.clone())
+        .sum()
+        .backward();
     let ours = x.grad(&grads).unwrap();
     let x2 = x.detach().require_grad();
     let grads = (activation::softmax(x2.clone(), 1) * w).sum().backward();
     let burns = x2.grad(&grads).unwrap();
     let diff = (ours - burns).abs().max().into_scalar().elem::<f32>();
-    println!("gradient     [64, 512]:      max |burn-flash − burn| = {diff:.2e} (fused backward kernel)");
+    println!(
+        "gradient     [64, 512]:      max |burn-flash − burn| = {diff:.2e} (fused backward kernel)"
+    );
 }
 
 fn run<B: FlashBackend>(device: B::Device) {
@@ -58,7 +72,10 @@ fn try_cuda() -> bool {
     }
     let probe = std::panic::catch_unwind(|| {
         let device = CudaDevice::default();
-        Tensor::<Cuda, 1>::ones([4], &device).sum().into_scalar().elem::<f32>()
+        Tensor::<Cuda, 1>::ones([4], &device)
+            .sum()
+            .into_scalar()
+            .elem::<f32>()
     });
     match probe {
         Ok(_) => {
@@ -81,8 +98,15 @@ fn run_wgpu() {
     let setup = init_setup::<AutoGraphicsApi>(&device, Default::default());
     let info = setup.adapter.get_info();
     let kind = format!("{:?}", info.device_type);
-    let what = if kind == "Cpu" { "Mesa lavapipe on the CPU" } else { "a GPU" };
-    println!("device: wgpu on {} ({kind}, {:?}) — {what}", info.name, info.backend);
+    let what = if kind == "Cpu" {
+        "Mesa lavapipe on the CPU"
+    } else {
+        "a GPU"
+    };
+    println!(
+        "device: wgpu on {} ({kind}, {:?}) — {what}",
+        info.name, info.backend
+    );
     run::<Wgpu>(device);
 }
 

@@ -156,7 +156,11 @@ mod cube {
             options: SoftmaxOptions,
         ) -> Option<Result<RowLimits, SoftmaxError>> {
             let client = R::client(device);
-            Some(burn_flash_kernels::softmax::row_limits(&client, dtype.into(), options))
+            Some(burn_flash_kernels::softmax::row_limits(
+                &client,
+                dtype.into(),
+                options,
+            ))
         }
     }
 }
@@ -223,7 +227,7 @@ where
     E: burn::backend::ndarray::FloatNdArrayElement,
     I: burn::backend::ndarray::IntNdArrayElement,
     Q: burn::backend::ndarray::QuantElement,
-    burn::backend::ndarray::NdArrayTensor: From<burn::backend::ndarray::SharedArray<E>>
-        + From<burn::backend::ndarray::SharedArray<I>>,
+    burn::backend::ndarray::NdArrayTensor:
+        From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
 {
 }

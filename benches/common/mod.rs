@@ -70,7 +70,10 @@ impl Csv {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).expect("create bench output dir");
         }
-        let mut csv = Self { path: path.to_owned(), text: String::new() };
+        let mut csv = Self {
+            path: path.to_owned(),
+            text: String::new(),
+        };
         csv.push(header.iter().map(|s| s.to_string()).collect());
         csv
     }
@@ -84,7 +87,9 @@ impl Csv {
 /// Command-line value of `--name VALUE`.
 pub fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 pub fn flag(name: &str) -> bool {
@@ -103,13 +108,26 @@ pub fn out_path(name: &str) -> PathBuf {
 /// Loads a TrueType font for plot labels: `BURN_FLASH_FONT`, then DejaVu where Debian or
 /// matplotlib put it. Without one the plot is drawn without text.
 fn load_font() -> bool {
-    let mut candidates: Vec<PathBuf> = std::env::var("BURN_FLASH_FONT").ok().map(PathBuf::from).into_iter().collect();
+    let mut candidates: Vec<PathBuf> = std::env::var("BURN_FLASH_FONT")
+        .ok()
+        .map(PathBuf::from)
+        .into_iter()
+        .collect();
     candidates.push("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf".into());
-    for root in ["/usr/lib", "/usr/local/lib", "/opt/conda/lib", "/root/.local/lib"] {
+    for root in [
+        "/usr/lib",
+        "/usr/local/lib",
+        "/opt/conda/lib",
+        "/root/.local/lib",
+    ] {
         if let Ok(entries) = std::fs::read_dir(root) {
             for e in entries.flatten() {
                 for site in ["site-packages", "dist-packages"] {
-                    candidates.push(e.path().join(site).join("matplotlib/mpl-data/fonts/ttf/DejaVuSans.ttf"));
+                    candidates.push(
+                        e.path()
+                            .join(site)
+                            .join("matplotlib/mpl-data/fonts/ttf/DejaVuSans.ttf"),
+                    );
                 }
             }
         }
@@ -174,7 +192,12 @@ pub fn plot(path: &Path, x_label: &str, panels: &[Panel]) {
                 .draw()
                 .expect("plot");
         } else {
-            chart.configure_mesh().disable_x_mesh().disable_y_mesh().draw().ok();
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .disable_y_mesh()
+                .draw()
+                .ok();
         }
         for (i, s) in panel.series.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();

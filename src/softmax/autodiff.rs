@@ -26,7 +26,10 @@ impl<B: FlashBackend> Backward<B, 1> for SoftmaxBackward {
         let dy = grads.consume::<B>(&ops.node);
         let (y, dim, variant, options) = ops.state;
         if let Some(node) = parent {
-            grads.register::<B>(node.id, B::flash_softmax_backward(y, dy, dim, variant, options));
+            grads.register::<B>(
+                node.id,
+                B::flash_softmax_backward(y, dy, dim, variant, options),
+            );
         }
     }
 }
@@ -46,7 +49,9 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
             let y = B::flash_softmax(x.primitive, dim, variant, options);
             prep.finish((y.clone(), dim, variant, options), y)
         }
-        OpsKind::UnTracked(prep) => prep.finish(B::flash_softmax(x.primitive, dim, variant, options)),
+        OpsKind::UnTracked(prep) => {
+            prep.finish(B::flash_softmax(x.primitive, dim, variant, options))
+        }
     }
 }
 

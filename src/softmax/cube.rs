@@ -8,8 +8,7 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use burn_flash_kernels::softmax::{
-    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
-    launch_softmax_backward,
+    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax, launch_softmax_backward,
 };
 
 use super::{check_dim, variant_name};
@@ -38,7 +37,10 @@ fn needs_relayout<R: CubeRuntime>(t: &CubeTensor<R>, dim: usize, options: &Softm
 }
 
 /// `t` with `dim` moved last and made contiguous, and the permutation that undoes the move.
-fn dim_last_contiguous<R: CubeRuntime>(t: CubeTensor<R>, dim: usize) -> (CubeTensor<R>, Vec<usize>) {
+fn dim_last_contiguous<R: CubeRuntime>(
+    t: CubeTensor<R>,
+    dim: usize,
+) -> (CubeTensor<R>, Vec<usize>) {
     let rank = t.meta.num_dims();
     let perm: Vec<usize> = (0..rank).filter(|&d| d != dim).chain([dim]).collect();
     let mut inverse = vec![0; rank];
@@ -57,7 +59,12 @@ pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> 
     let mut order: Vec<usize> = (0..shape.len()).collect();
     order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
     let permuted = Shape::from(order.iter().map(|&d| shape[d]).collect::<Vec<_>>());
-    let out = empty_device_dtype(like.client.clone(), like.device.clone(), permuted, like.dtype);
+    let out = empty_device_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        permuted,
+        like.dtype,
+    );
     if order.iter().enumerate().all(|(i, &d)| i == d) {
         return out;
     }

@@ -23,7 +23,10 @@ struct SoftmaxOp<B> {
 }
 
 impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
         let ([x], [y]) = self.desc.as_fixed();
         let x = handles.get_float_tensor::<B>(x);
         let out = B::flash_softmax(x, self.dim, self.variant, self.options);
@@ -41,7 +44,10 @@ struct SoftmaxBackwardOp<B> {
 }
 
 impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxBackwardOp<B> {
-    fn execute(&self, handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>) {
+    fn execute(
+        &self,
+        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
+    ) {
         let ([y, dy], [dx]) = self.desc.as_fixed();
         let y = handles.get_float_tensor::<B>(y);
         let dy = handles.get_float_tensor::<B>(dy);
@@ -96,7 +102,9 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
         options,
         _backend: PhantomData,
     };
-    client.register(streams, OperationIr::Custom(desc), op).output()
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .output()
 }
 
 pub(crate) fn backward<B: FusionBackend + FlashBackend>(
@@ -130,5 +138,7 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
         options,
         _backend: PhantomData,
     };
-    client.register(streams, OperationIr::Custom(desc), op).output()
+    client
+        .register(streams, OperationIr::Custom(desc), op)
+        .output()
 }

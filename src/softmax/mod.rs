@@ -28,7 +28,12 @@ pub(crate) fn check_dim(op: &str, dim: usize, rank: usize) {
 /// If `dim >= D`, or (CubeCL backends) if the tensor's dtype is not f32, f16 or bf16 or the
 /// device does not support it.
 pub fn softmax<const D: usize, B: FlashBackend>(tensor: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
-    softmax_with(tensor, dim, SoftmaxVariant::Softmax, SoftmaxOptions::default())
+    softmax_with(
+        tensor,
+        dim,
+        SoftmaxVariant::Softmax,
+        SoftmaxOptions::default(),
+    )
 }
 
 /// Fused log-softmax along `dim`: `y = x − ln Σ e^x`. Drop-in for
@@ -40,7 +45,12 @@ pub fn log_softmax<const D: usize, B: FlashBackend>(
     tensor: Tensor<B, D>,
     dim: usize,
 ) -> Tensor<B, D> {
-    softmax_with(tensor, dim, SoftmaxVariant::LogSoftmax, SoftmaxOptions::default())
+    softmax_with(
+        tensor,
+        dim,
+        SoftmaxVariant::LogSoftmax,
+        SoftmaxOptions::default(),
+    )
 }
 
 /// Fused quiet softmax along `dim`: `y = e^x / (1 + Σ e^x)`. Drop-in for
@@ -52,7 +62,12 @@ pub fn quiet_softmax<const D: usize, B: FlashBackend>(
     tensor: Tensor<B, D>,
     dim: usize,
 ) -> Tensor<B, D> {
-    softmax_with(tensor, dim, SoftmaxVariant::QuietSoftmax, SoftmaxOptions::default())
+    softmax_with(
+        tensor,
+        dim,
+        SoftmaxVariant::QuietSoftmax,
+        SoftmaxOptions::default(),
+    )
 }
 
 /// Any member of the softmax family with explicit launch options (forcing a row scheme or

@@ -35,7 +35,10 @@ fn in_f64<B: Backend>(
         return tensors.into_iter().next().expect("one tensor");
     }
     if dtype != DType::F64 && B::supports_dtype(&device, DType::F64) {
-        let up = tensors.into_iter().map(|t| t.cast(FloatDType::F64)).collect();
+        let up = tensors
+            .into_iter()
+            .map(|t| t.cast(FloatDType::F64))
+            .collect();
         let out = f(up);
         out.cast(FloatDType::from(dtype))
     } else {
@@ -44,7 +47,11 @@ fn in_f64<B: Backend>(
 }
 
 /// Forward of `variant` along `dim`, composed from stock ops.
-pub fn forward<B: Backend>(x: FloatTensor<B>, dim: usize, variant: SoftmaxVariant) -> FloatTensor<B> {
+pub fn forward<B: Backend>(
+    x: FloatTensor<B>,
+    dim: usize,
+    variant: SoftmaxVariant,
+) -> FloatTensor<B> {
     let (x, shape) = as_rank3::<B>(x, dim);
     let y = in_f64(vec![x], |t| {
         let [x] = <[_; 1]>::try_from(t).expect("one tensor");

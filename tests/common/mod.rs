@@ -17,10 +17,22 @@ pub struct Tol {
 /// units of the dtype's rounding (f32 2^-24, f16 2^-11, bf16 2^-8) plus the f32 exp's error.
 pub fn tol(dtype: FloatDType) -> Tol {
     match dtype {
-        FloatDType::F32 | FloatDType::Flex32 => Tol { atol: 1e-7, rtol: 2e-5 },
-        FloatDType::F16 => Tol { atol: 2e-5, rtol: 2e-3 },
-        FloatDType::BF16 => Tol { atol: 2e-4, rtol: 1.6e-2 },
-        FloatDType::F64 => Tol { atol: 1e-12, rtol: 1e-10 },
+        FloatDType::F32 | FloatDType::Flex32 => Tol {
+            atol: 1e-7,
+            rtol: 2e-5,
+        },
+        FloatDType::F16 => Tol {
+            atol: 2e-5,
+            rtol: 2e-3,
+        },
+        FloatDType::BF16 => Tol {
+            atol: 2e-4,
+            rtol: 1.6e-2,
+        },
+        FloatDType::F64 => Tol {
+            atol: 1e-12,
+            rtol: 1e-10,
+        },
     }
 }
 
@@ -83,7 +95,11 @@ pub fn read<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f64> {
 /// Best-effort poisoning: allocates and frees NaN-filled buffers of the output's size, so that
 /// Burn's memory pool hands one of them to the op under test; an element the kernel forgets to
 /// write then reads back as NaN and fails the comparison.
-pub fn poison<B: Backend, const D: usize>(shape: [usize; D], dtype: FloatDType, device: &B::Device) {
+pub fn poison<B: Backend, const D: usize>(
+    shape: [usize; D],
+    dtype: FloatDType,
+    device: &B::Device,
+) {
     if shape.contains(&0) {
         return;
     }
@@ -211,7 +227,13 @@ pub fn assert_close(got: &[f64], want: &[f64], tol: Tol, context: &str) {
 }
 
 /// Rows (along `dim`) of a softmax output sum to 1 and every value is in [0, 1].
-pub fn assert_probabilities(y: &[f64], shape: &[usize], dim: usize, dtype: FloatDType, context: &str) {
+pub fn assert_probabilities(
+    y: &[f64],
+    shape: &[usize],
+    dim: usize,
+    dtype: FloatDType,
+    context: &str,
+) {
     let n = shape[dim];
     let inner: usize = shape[dim + 1..].iter().product();
     let outer: usize = shape[..dim].iter().product();
@@ -221,7 +243,10 @@ pub fn assert_probabilities(y: &[f64], shape: &[usize], dim: usize, dtype: Float
             let mut s = 0.0;
             for j in 0..n {
                 let v = y[(o * n + j) * inner + i];
-                assert!((0.0..=1.0).contains(&v), "{context}: value {v} outside [0, 1]");
+                assert!(
+                    (0.0..=1.0).contains(&v),
+                    "{context}: value {v} outside [0, 1]"
+                );
                 s += v;
             }
             // Each of n outputs is rounded to the dtype: the sum drifts by up to ~rtol per unit.

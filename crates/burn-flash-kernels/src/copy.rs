@@ -41,8 +41,9 @@ pub fn launch_copy<R: Runtime>(
             count,
             cube_dim,
             vector,
-            ArrayArg::from_raw_parts(input.clone(), units),
-            ArrayArg::from_raw_parts(output.clone(), units),
+            // Array lengths are in scalars; the kernel sees them in vectors.
+            ArrayArg::from_raw_parts(input.clone(), len),
+            ArrayArg::from_raw_parts(output.clone(), len),
             dtype,
         );
     }

@@ -33,7 +33,11 @@ impl GroupShape {
 
 #[cube]
 fn combine(a: f32, b: f32, #[comptime] is_max: bool) -> f32 {
-    if comptime!(is_max) { f32::max(a, b) } else { a + b }
+    if comptime!(is_max) {
+        f32::max(a, b)
+    } else {
+        a + b
+    }
 }
 
 /// Reduces `value` over the units of the calling unit's row (max or sum) and returns the result
@@ -65,7 +69,8 @@ pub fn group_reduce(
         if comptime!(x > ps) {
             let planes_per_row = comptime!(x / ps);
             let base = uy * planes_per_row;
-            if ux % ps == 0 {
+            let lane = ux % ps;
+            if lane == 0 {
                 smem[(base + ux / ps) as usize] = v;
             }
             sync_cube();

@@ -448,7 +448,10 @@ pub fn softmax_backward_split_partials<F: Float, N: Size>(
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
-            local = vector_sum(local, backward_term(y[y_base + j], dy[dy_base + j], cfg.variant));
+            local = vector_sum(
+                local,
+                backward_term(y[y_base + j], dy[dy_base + j], cfg.variant),
+            );
         }
     }
     let s = group_reduce(local, &mut smem, false, cfg.group);

@@ -106,13 +106,19 @@ impl fmt::Display for SoftmaxError {
                 tier,
                 row_len,
                 reason,
-            } => write!(f, "tier {tier:?} cannot run rows of length {row_len}: {reason}"),
+            } => write!(
+                f,
+                "tier {tier:?} cannot run rows of length {row_len}: {reason}"
+            ),
             Self::PlaneOpsUnavailable { min, max } => write!(
                 f,
                 "plane operations were forced on, but the plane width varies from {min} to {max}"
             ),
             Self::TooLarge { cubes } => {
-                write!(f, "the launch needs {cubes} cubes, more than the device allows")
+                write!(
+                    f,
+                    "the launch needs {cubes} cubes, more than the device allows"
+                )
             }
         }
     }
@@ -140,7 +146,9 @@ pub fn check_dtype<R: Runtime>(
     use cubecl::ir::{ElemType, FloatKind};
     let is_float = matches!(
         dtype,
-        StorageType::Scalar(ElemType::Float(FloatKind::F32 | FloatKind::F16 | FloatKind::BF16))
+        StorageType::Scalar(ElemType::Float(
+            FloatKind::F32 | FloatKind::F16 | FloatKind::BF16
+        ))
     );
     if !is_float || !client.properties().supports_type(dtype) {
         return Err(SoftmaxError::UnsupportedDType {
@@ -192,7 +200,11 @@ impl Permuted {
     }
 }
 
-fn check_same_shape(arg: &'static str, reference: &[usize], t: &TensorRef<'_>) -> Result<(), SoftmaxError> {
+fn check_same_shape(
+    arg: &'static str,
+    reference: &[usize],
+    t: &TensorRef<'_>,
+) -> Result<(), SoftmaxError> {
     if t.shape != reference || t.strides.len() != reference.len() {
         return Err(SoftmaxError::ShapeMismatch {
             arg,
@@ -230,14 +242,19 @@ pub fn plan_softmax<R: Runtime>(
 }
 
 /// Longest rows each register tier takes on this device for this element type (the same for
-/// every vector size): rows up to `plane` elements go to [`SoftmaxTier::Plane`], up to `cube`
-/// to [`SoftmaxTier::Cube`], longer ones to [`SoftmaxTier::Split`].
+/// every vector size): forward rows up to `plane` elements go to [`SoftmaxTier::Plane`], up to
+/// `cube` to [`SoftmaxTier::Cube`], longer ones to [`SoftmaxTier::Split`]. The backward holds
+/// two tensors of the row, so its limits are half.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowLimits {
-    /// Longest row of the plane tier.
+    /// Longest forward row of the plane tier.
     pub plane: usize,
-    /// Longest row of the cube tier.
+    /// Longest forward row of the cube tier.
     pub cube: usize,
+    /// Longest backward row of the plane tier.
+    pub backward_plane: usize,
+    /// Longest backward row of the cube tier.
+    pub backward_cube: usize,
 }
 
 /// The [`RowLimits`] of this device for `dtype`.

@@ -67,7 +67,8 @@ impl DeviceFacts {
         let props = client.properties();
         let hw = &props.hardware;
         let has_planes = props.features.plane.contains(Plane::Ops);
-        let fixed_plane = hw.plane_size_min == hw.plane_size_max && hw.plane_size_max.is_power_of_two();
+        let fixed_plane =
+            hw.plane_size_min == hw.plane_size_max && hw.plane_size_max.is_power_of_two();
         // Plane operations are used when the runtime advertises them and the plane width is fixed
         // (the butterfly's lane masks depend on it). `plane_ops` forces the choice either way;
         // forcing them on still needs a fixed width.
@@ -88,9 +89,13 @@ impl DeviceFacts {
 
     pub(crate) fn row_limits(&self, elem_size: usize) -> super::RowLimits {
         let per_unit = (ROW_BYTES_PER_UNIT / elem_size).max(1);
+        let plane = self.plane_size.unwrap_or(VIRTUAL_PLANE) as usize * per_unit;
+        let cube = self.max_units as usize * per_unit;
         super::RowLimits {
-            plane: self.plane_size.unwrap_or(VIRTUAL_PLANE) as usize * per_unit,
-            cube: self.max_units as usize * per_unit,
+            plane,
+            cube,
+            backward_plane: plane / 2,
+            backward_cube: cube / 2,
         }
     }
 }
@@ -134,7 +139,9 @@ pub(crate) fn plan(
     };
     let n_vec = row_len / vector_size;
     let plane = facts.plane_size.unwrap_or(VIRTUAL_PLANE);
-    let max_k = (ROW_BYTES_PER_UNIT / (vector_size * elem_size)).max(1);
+    // The backward holds two tensors of the row (y and dy): half the vectors each.
+    let held = if layouts.len() > 2 { 2 } else { 1 };
+    let max_k = (ROW_BYTES_PER_UNIT / (held * vector_size * elem_size)).max(1);
     let cube_max_vec = facts.max_units as usize * max_k;
 
     let auto = if !contiguous_rows {
@@ -153,7 +160,9 @@ pub(crate) fn plan(
         reason,
     };
     if tier != SoftmaxTier::Strided && !contiguous_rows {
-        return Err(unavailable("the softmax dimension is not contiguous in every tensor"));
+        return Err(unavailable(
+            "the softmax dimension is not contiguous in every tensor",
+        ));
     }
 
     let plane_size = facts.plane_size.unwrap_or(0);
@@ -198,7 +207,11 @@ pub(crate) fn plan(
     };
     Ok(SoftmaxPlan {
         tier,
-        vector_size: if tier == SoftmaxTier::Strided { 1 } else { vector_size },
+        vector_size: if tier == SoftmaxTier::Strided {
+            1
+        } else {
+            vector_size
+        },
         config,
         num_rows,
         row_len,
