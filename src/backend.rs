@@ -46,17 +46,18 @@ pub trait FlashBackend: Backend {
         softmax::reference::backward::<Self>(y, dy, dim, variant)
     }
 
-    /// The launch the fused softmax would make for a tensor of `shape` and `strides` (`None`:
-    /// this backend has no fused kernel and uses the composed fallback).
+    /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
+    /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
     fn flash_softmax_plan(
         device: &Self::Device,
         shape: &[usize],
         strides: &[usize],
         dim: usize,
         dtype: DType,
+        backward: bool,
         options: SoftmaxOptions,
     ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-        let _ = (device, shape, strides, dim, dtype, options);
+        let _ = (device, shape, strides, dim, dtype, backward, options);
         None
     }
 
@@ -80,9 +81,10 @@ macro_rules! forward_planning {
             strides: &[usize],
             dim: usize,
             dtype: DType,
+            backward: bool,
             options: SoftmaxOptions,
         ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, options)
+            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, backward, options)
         }
 
         fn flash_softmax_row_limits(
@@ -136,13 +138,19 @@ mod cube {
             strides: &[usize],
             dim: usize,
             dtype: DType,
+            backward: bool,
             options: SoftmaxOptions,
         ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
             let client = R::client(device);
+            let tensors: &[&[usize]] = if backward {
+                &[strides, strides, strides]
+            } else {
+                &[strides, strides]
+            };
             Some(burn_flash_kernels::softmax::plan_softmax(
                 &client,
                 shape,
-                &[strides, strides],
+                tensors,
                 dim,
                 dtype.into(),
                 SoftmaxVariant::Softmax,

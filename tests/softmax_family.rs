@@ -320,9 +320,9 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let limits = B::flash_softmax_row_limits(device, dtype.into(), opts)
             .unwrap()
             .unwrap();
-        // Lengths every tier can run: up to the plane tier's limit (256 with lavapipe's 8-wide
-        // planes), odd ones for scalar loads.
-        let lengths = [5, 199, limits.plane.min(1000)];
+        // Lengths every tier can run forward and backward: up to the plane tier's backward
+        // limit (128 with lavapipe's 8-wide planes), odd ones for scalar loads.
+        let lengths = [5, 99, limits.backward_plane.min(1000)];
         for tier in [
             SoftmaxTier::Plane,
             SoftmaxTier::Cube,
@@ -351,30 +351,37 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 /// softmax dimension.
 fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let limits = row_limits::<B>(device, dtype).expect("a fused backend reports its limits");
-    let plan = |shape: [usize; 2], strides: [usize; 2]| {
-        B::flash_softmax_plan(
-            device,
-            &shape,
-            &strides,
-            1,
-            dtype.into(),
-            SoftmaxOptions::default(),
-        )
-        .expect("fused backend")
-        .expect("plan")
-        .tier
+    let plan = |shape: [usize; 2], strides: [usize; 2], backward: bool| {
+        let opts = SoftmaxOptions::default();
+        B::flash_softmax_plan(device, &shape, &strides, 1, dtype.into(), backward, opts)
+            .expect("fused backend")
+            .expect("plan")
+            .tier
     };
-    for (n, tier) in [
-        (1, SoftmaxTier::Plane),
-        (limits.plane, SoftmaxTier::Plane),
-        (limits.plane + 1, SoftmaxTier::Cube),
-        (limits.cube, SoftmaxTier::Cube),
-        (limits.cube + 1, SoftmaxTier::Split),
-        (1 << 22, SoftmaxTier::Split),
+    for (backward, plane, cube) in [
+        (false, limits.plane, limits.cube),
+        (true, limits.backward_plane, limits.backward_cube),
     ] {
-        assert_eq!(plan([4, n], [n, 1]), tier, "row length {n}");
+        for (n, tier) in [
+            (1, SoftmaxTier::Plane),
+            (plane, SoftmaxTier::Plane),
+            (plane + 1, SoftmaxTier::Cube),
+            (cube, SoftmaxTier::Cube),
+            (cube + 1, SoftmaxTier::Split),
+            (1 << 22, SoftmaxTier::Split),
+        ] {
+            assert_eq!(
+                plan([4, n], [n, 1], backward),
+                tier,
+                "row length {n}, backward {backward}"
+            );
+        }
+        assert_eq!(
+            plan([64, 100], [1, 64], backward),
+            SoftmaxTier::Strided,
+            "transposed"
+        );
     }
-    assert_eq!(plan([64, 100], [1, 64]), SoftmaxTier::Strided, "transposed");
 }
 
 fn panic_message(f: impl FnOnce()) -> String {

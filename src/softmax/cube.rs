@@ -84,6 +84,10 @@ pub(crate) fn forward<R: CubeRuntime>(
     let op = variant_name(variant);
     check_dim(op, dim, x.shape().num_dims());
     check_dtype(op, "tensor", x.dtype);
+    if x.meta.num_elements() == 0 {
+        // Nothing to compute: an empty tensor of the right shape is the input itself.
+        return x;
+    }
     if needs_relayout(&x, dim, &options) {
         let (x, inverse) = dim_last_contiguous(x, dim);
         let last = x.meta.num_dims() - 1;
@@ -119,6 +123,9 @@ pub(crate) fn backward<R: CubeRuntime>(
             "burn_flash::{op} backward: `grad` has dtype {:?}, the output has {:?}",
             dy.dtype, y.dtype
         );
+    }
+    if y.meta.num_elements() == 0 {
+        return dy;
     }
     if needs_relayout(&y, dim, &options) || needs_relayout(&dy, dim, &options) {
         let (y, inverse) = dim_last_contiguous(y, dim);

@@ -64,6 +64,7 @@ fn validate<B: FusionBackend + FlashBackend>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
     arg: &str,
+    backward: bool,
 ) {
     let op = super::variant_name(variant);
     let shape = x.shape.clone();
@@ -79,7 +80,9 @@ fn validate<B: FusionBackend + FlashBackend>(
         acc *= dims[d];
     }
     let device = x.client.device().clone();
-    if let Some(Err(err)) = B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, options) {
+    if let Some(Err(err)) =
+        B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, backward, options)
+    {
         panic!("burn_flash::{op}: {err}");
     }
 }
@@ -90,7 +93,7 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> FloatTensor<Fusion<B>> {
-    validate::<B>(&x, dim, variant, options, "tensor");
+    validate::<B>(&x, dim, variant, options, "tensor", false);
     let client = x.client.clone();
     let streams = OperationStreams::with_inputs([&x]);
     let out = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
@@ -114,7 +117,7 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> FloatTensor<Fusion<B>> {
-    validate::<B>(&y, dim, variant, options, "output");
+    validate::<B>(&y, dim, variant, options, "output", true);
     if dy.shape != y.shape {
         panic!(
             "burn_flash::{} backward: `grad` has shape {:?}, the output has {:?}",
