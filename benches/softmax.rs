@@ -5,7 +5,8 @@
 //! 3·M·N (reads y and dy, writes dx). "% of copy" divides by the copy kernel's GB/s for the same
 //! bytes, measured in the same run.
 //!
-//! `cargo bench --bench softmax [-- --quick] [--out DIR] [--dtypes f32,f16,bf16]`; CUDA when
+//! `cargo bench --bench softmax [-- --quick] [--out DIR] [--dtypes f32,f16,bf16] [--m M]
+//! [--ns N1,N2] [--profile]` (`--profile`: one call each, to run under `ncu`); CUDA when
 //! built with `--features cuda`, else wgpu. Writes `softmax.csv` and `softmax.png` under
 //! `target/bench/` (or `--out`).
 
@@ -32,7 +33,17 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
     type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
     type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
     let quick = flag("--quick");
-    let (m, ns): (usize, &[usize]) = if quick { (64, &NS[..4]) } else { (M, &NS) };
+    let (m, ns): (usize, Vec<usize>) = if quick {
+        (64, NS[..4].to_vec())
+    } else {
+        (M, NS.to_vec())
+    };
+    let m = arg("--m").map(|v| v.parse().expect("--m")).unwrap_or(m);
+    let ns: Vec<usize> = arg("--ns")
+        .map(|v| v.split(',').map(|n| n.parse().expect("--ns")).collect())
+        .unwrap_or(ns);
+    // `--profile`: one forward and one backward call per configuration, for `ncu`.
+    let profile = flag("--profile");
     let samples = if quick { 5 } else { 20 };
     let dtypes: Vec<String> = arg("--dtypes")
         .unwrap_or_else(|| "f32,f16,bf16".into())
@@ -67,7 +78,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
             other => panic!("unknown dtype {other}"),
         };
         let supported = Un::<R, BT>::supports_dtype(&device, DType::from(dtype));
-        for &n in ns {
+        for &n in &ns {
             let elem = DType::from(dtype).size();
             let bytes_fwd = (2 * m * n * elem) as f64;
             let bytes_bwd = (3 * m * n * elem) as f64;

@@ -18,7 +18,8 @@ use plotters::{prelude::*, style::register_font};
 /// that the host sync does not dominate short kernels; outputs stay alive until the batch is
 /// synced so that a lazy (fusion) backend cannot skip their computation. Warm-up first.
 pub fn median_us<T>(mut run: impl FnMut() -> T, sync: impl Fn(), samples: usize) -> f64 {
-    for _ in 0..3 {
+    // Ten warm-up calls: compilation, Burn's autotuning and the memory pool settle first.
+    for _ in 0..10 {
         let out = run();
         sync();
         drop(out);
