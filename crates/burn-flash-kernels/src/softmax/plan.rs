@@ -14,11 +14,6 @@ use crate::softmax::kernel::{RowConfig, SoftmaxVariant};
 /// leaves room for the kernel's own and avoids spills. So one cube holds rows of up to 128 KiB
 /// (32 768 f32, 65 536 f16); longer rows take the split scheme.
 const ROW_BYTES_PER_UNIT: usize = 128;
-/// Bytes of row per unit the cube tier aims for before it uses more units. 64 B (16 f32) keeps a
-/// unit near 40 registers: at 128 B the kernels need 63–64 registers and ncu showed 50 %
-/// occupancy, register-limited, with 77 % (f32) and 51 % (f16) of peak DRAM throughput at
-/// N = 16384 on an H200.
-const ROW_BYTES_PER_UNIT_PREFERRED: usize = 64;
 /// Most units a cube uses in the register tiers (NVIDIA's and most Vulkan drivers' limit).
 const MAX_UNITS_PER_CUBE: u32 = 1024;
 /// Units per cube in the plane tier: 8 warps, several rows per cube, enough for the SM's
@@ -184,11 +179,7 @@ pub(crate) fn plan(
             if n_vec > cube_max_vec {
                 return Err(unavailable("the row does not fit in one cube's registers"));
             }
-            // Spread the row over more units (up to the cube limit) before giving each more
-            // than the preferred bytes.
-            let preferred_k =
-                (ROW_BYTES_PER_UNIT_PREFERRED / (held * vector_size * elem_size)).clamp(1, max_k);
-            let x = (n_vec.div_ceil(preferred_k).next_power_of_two() as u32)
+            let x = (n_vec.div_ceil(max_k).next_power_of_two() as u32)
                 .max(plane)
                 .min(facts.max_units);
             (x, 1, n_vec.div_ceil(x as usize).max(1))
