@@ -615,7 +615,6 @@ macro_rules! common_suite {
                 neg_inf_rows,
                 huge_magnitudes,
                 nan_propagates,
-                empty_tensors,
                 bad_dim_is_refused,
                 gradients_every_tier,
                 gradients_of_masked_rows,
