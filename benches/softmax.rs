@@ -6,7 +6,8 @@
 //! bytes, measured in the same run.
 //!
 //! `cargo bench --bench softmax [-- --quick] [--out DIR] [--dtypes f32,f16,bf16] [--m M]
-//! [--ns N1,N2] [--profile]` (`--profile`: one call each, to run under `ncu`); CUDA when
+//! [--ns N1,N2] [--profile] [--plot CSV]` (`--profile`: one call each, to run under `ncu`;
+//! `--plot`: redraw the PNG of an earlier run's CSV); CUDA when
 //! built with `--features cuda`, else wgpu. Writes `softmax.csv` and `softmax.png` under
 //! `target/bench/` (or `--out`).
 
@@ -107,6 +108,21 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
                 Tensor::<Un<R, BT>, 2>::random([m, n], Distribution::Normal(0.0, 2.0), &device)
                     .cast(dtype)
             };
+            if profile {
+                let y = burn_flash::softmax(ux(), 1);
+                let dy = ux().into_primitive().tensor();
+                let dx = Un::<R, BT>::flash_softmax_backward(
+                    y.into_primitive().tensor(),
+                    dy,
+                    1,
+                    SoftmaxVariant::Softmax,
+                    SoftmaxOptions::default(),
+                );
+                drop(dx);
+                sync();
+                println!("profiled {label} M={m} N={n}");
+                continue;
+            }
 
             // -- device-to-device copy of one tensor (read + write) --
             let copy = attempt(|| {
@@ -316,6 +332,12 @@ fn plot_csv(csv: &std::path::Path, png: &std::path::Path) {
 }
 
 fn main() {
+    // `--plot CSV`: redraw the PNG of an earlier run's CSV (e.g. one from the GPU machine).
+    if let Some(csv) = arg("--plot") {
+        let csv = std::path::PathBuf::from(csv);
+        plot_csv(&csv, &csv.with_extension("png"));
+        return;
+    }
     #[cfg(feature = "cuda")]
     {
         bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "cuda");

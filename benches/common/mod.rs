@@ -158,13 +158,22 @@ pub struct Panel {
     pub series: Vec<Series>,
 }
 
-/// Draws panels side by side in a PNG, x on a log2 axis.
+/// Draws panels two per row in a PNG, x on a log2 axis.
 pub fn plot(path: &Path, x_label: &str, panels: &[Panel]) {
     let text = load_font();
-    let width = 640 * panels.len().max(1) as u32;
-    let root = BitMapBackend::new(path, (width, 480)).into_drawing_area();
+    let cols = panels.len().clamp(1, 2);
+    let rows = panels.len().div_ceil(cols).max(1);
+    let size = (640 * cols as u32, 400 * rows as u32);
+    let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).expect("plot");
-    let areas = root.split_evenly((1, panels.len().max(1)));
+    let areas = root.split_evenly((rows, cols));
+    // One colour per label across all panels.
+    let mut labels: Vec<&str> = Vec::new();
+    for s in panels.iter().flat_map(|p| &p.series) {
+        if !labels.contains(&s.label.as_str()) {
+            labels.push(&s.label);
+        }
+    }
     for (area, panel) in areas.iter().zip(panels) {
         let points = panel.series.iter().flat_map(|s| s.points.iter());
         let (mut x0, mut x1, mut y1) = (f64::MAX, f64::MIN, 0.0f64);
@@ -200,7 +209,8 @@ pub fn plot(path: &Path, x_label: &str, panels: &[Panel]) {
                 .draw()
                 .ok();
         }
-        for (i, s) in panel.series.iter().enumerate() {
+        for s in &panel.series {
+            let i = labels.iter().position(|l| *l == s.label).unwrap_or(0);
             let color = Palette99::pick(i).to_rgba();
             let line = chart
                 .draw_series(LineSeries::new(

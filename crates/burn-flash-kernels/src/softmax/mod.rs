@@ -1,7 +1,7 @@
 //! Fused row softmax, log-softmax and quiet softmax, forward and backward.
 //!
 //! Host entry points: [`launch_softmax`] and [`launch_softmax_backward`]. Each validates its
-//! arguments, asks [`plan`](plan::plan) for a launch, and runs one kernel (two for rows too long
+//! arguments, asks [`plan_softmax`] for a launch, and runs one kernel (two for rows too long
 //! for one cube). Outputs are allocated by the caller with any strides.
 
 // `#[cube]` expands every function into undocumented helper items.

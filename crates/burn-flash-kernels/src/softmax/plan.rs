@@ -28,7 +28,8 @@ const STRIDED_UNITS: u32 = 256;
 /// then goes through shared memory, whatever this width).
 const VIRTUAL_PLANE: u32 = 32;
 
-/// The launch a softmax call will make (forward or backward), as chosen by [`plan`].
+/// The launch a softmax call will make (forward or backward), as chosen by
+/// [`plan_softmax`](super::plan_softmax).
 #[derive(Debug, Clone)]
 pub struct SoftmaxPlan {
     /// Row scheme.
