@@ -279,8 +279,96 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
             }
         }
     }
+    if !quick && !profile {
+        strided_section::<R, BT>(&device, backend, samples, &mut csv);
+    }
     println!("wrote {}", csv_path.display());
     plot_csv(&csv_path, &out_path("softmax.png"));
+}
+
+/// A non-contiguous softmax dim: `x = a.swap_dims(0, 1)` with `a` contiguous `[n, rows]`, so
+/// the softmax dim has stride `rows`. The strided kernel reads it in place (two reads, one
+/// write); the alternative copies to a dim-last layout first (read + write, then the row
+/// kernel's read + write). 2^26 f32 elements, rows from 2^12 to 2^20. GB/s counts the
+/// softmax's own 2·rows·n elements for every row, so the figures compare directly.
+fn strided_section<R: CubeRuntime, BT: BoolElement>(
+    device: &R::Device,
+    backend: &str,
+    samples: usize,
+    csv: &mut Csv,
+) {
+    type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
+    type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
+    let sync = || Fu::<R, BT>::sync(device).expect("sync");
+    let total = 1usize << 26;
+    for rows in [1usize << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20] {
+        let n = total / rows;
+        let x = Tensor::<Un<R, BT>, 2>::random([n, rows], Distribution::Normal(0.0, 2.0), device)
+            .swap_dims(0, 1);
+        let strided = SoftmaxOptions {
+            tier: Some(burn_flash::SoftmaxTier::Strided),
+            plane_ops: None,
+        };
+        let cases: [(&str, Result<f64, String>); 3] = [
+            (
+                "strided kernel (in place)",
+                attempt(|| {
+                    median_us(
+                        || burn_flash::softmax_with(x.clone(), 1, SoftmaxVariant::Softmax, strided),
+                        sync,
+                        samples,
+                    )
+                }),
+            ),
+            (
+                "contiguous first",
+                attempt(|| {
+                    median_us(
+                        || {
+                            let prim = x.clone().into_primitive().tensor();
+                            let c = burn_cubecl::kernel::into_contiguous(prim);
+                            let c = Tensor::<Un<R, BT>, 2>::from_primitive(
+                                burn::tensor::TensorPrimitive::Float(c),
+                            );
+                            burn_flash::softmax(c, 1)
+                        },
+                        sync,
+                        samples,
+                    )
+                }),
+            ),
+            (
+                "burn-flash (heuristic)",
+                attempt(|| median_us(|| burn_flash::softmax(x.clone(), 1), sync, samples)),
+            ),
+        ];
+        for (name, result) in cases {
+            let bytes = (2 * total * 4) as f64;
+            let (us, gbps, note) = match result {
+                Ok(us) => (
+                    format!("{us:.2}"),
+                    format!("{:.1}", bytes / us / 1e3),
+                    String::new(),
+                ),
+                Err(e) => (String::new(), String::new(), format!("failed: {e}")),
+            };
+            println!(
+                "{backend:6} f32   rows={rows:8} N={n:7} strided   {name:26} {us:>10} us {gbps:>8} GB/s {note}"
+            );
+            csv.push(vec![
+                backend.into(),
+                "f32".into(),
+                rows.to_string(),
+                n.to_string(),
+                "strided".into(),
+                name.into(),
+                us,
+                gbps,
+                String::new(),
+                note,
+            ]);
+        }
+    }
 }
 
 /// GB/s against N, one line per implementation, one panel per dtype and direction.
@@ -293,6 +381,9 @@ fn plot_csv(csv: &std::path::Path, png: &std::path::Path) {
         let (Ok(n), Ok(gbps)) = (n.parse::<f64>(), gbps.parse::<f64>()) else {
             continue;
         };
+        if direction == "strided" {
+            continue;
+        }
         let title = if direction == "copy" {
             None
         } else {

@@ -142,6 +142,14 @@ mod cube {
             options: SoftmaxOptions,
         ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
             let client = R::client(device);
+            // What the op does with a non-contiguous softmax dim and few rows: relay out first.
+            let relaid;
+            let strides = if softmax::cube::relayout_first(shape, strides, dim, &options) {
+                relaid = softmax::cube::dim_last_strides(shape, dim);
+                &relaid[..]
+            } else {
+                strides
+            };
             let tensors: &[&[usize]] = if backward {
                 &[strides, strides, strides]
             } else {

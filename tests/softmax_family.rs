@@ -13,6 +13,14 @@ use burn_flash::{
 };
 use common::*;
 
+/// The strided scheme, forced (small non-contiguous inputs are otherwise copied first).
+const STRIDED: SoftmaxOptions = SoftmaxOptions {
+    tier: Some(SoftmaxTier::Strided),
+    plane_ops: None,
+};
+
+use burn_flash::kernels::softmax::STRIDED_MAX_LEN;
+
 const VARIANTS: [SoftmaxVariant; 3] = [
     SoftmaxVariant::Softmax,
     SoftmaxVariant::LogSoftmax,
@@ -191,16 +199,14 @@ fn neg_inf_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 masked.iter().all(|&v| v == expected),
                 "{variant:?}: fully masked row"
             );
-            // The same rows through the strided tier.
+            // The same rows through the strided tier (forced: this shape alone would be copied to
+            // a dim-last layout first), and through that copy.
             let xt = x.swap_dims(0, 1);
-            check_forward(
-                xt,
-                0,
-                variant,
-                SoftmaxOptions::default(),
-                dtype,
-                "-inf strided",
-            );
+            if n <= STRIDED_MAX_LEN {
+                check_forward(xt.clone(), 0, variant, STRIDED, dtype, "-inf strided");
+            }
+            let opts = SoftmaxOptions::default();
+            check_forward(xt, 0, variant, opts, dtype, "-inf relaid");
         }
     }
 }
@@ -254,14 +260,12 @@ fn nan_propagates<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             );
             assert!(y[n..2 * n].iter().all(|v| v.is_nan()), "NaN row");
             assert!(y[..n].iter().all(|v| v.is_finite()), "clean row");
-            check_forward(
-                x.swap_dims(0, 1),
-                0,
-                variant,
-                SoftmaxOptions::default(),
-                dtype,
-                "NaN strided",
-            );
+            let xt = x.swap_dims(0, 1);
+            if n <= STRIDED_MAX_LEN {
+                check_forward(xt.clone(), 0, variant, STRIDED, dtype, "NaN strided");
+            }
+            let opts = SoftmaxOptions::default();
+            check_forward(xt, 0, variant, opts, dtype, "NaN relaid");
         }
     }
 }
@@ -376,10 +380,15 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
                 "row length {n}, backward {backward}"
             );
         }
+        // A non-contiguous softmax dim is read in place (strided) only with many rows; with
+        // few, the op copies to a dim-last layout first and takes a row tier.
+        let many = 1 << 18;
+        let strided = plan([many, 100], [1, many], backward);
+        assert_eq!(strided, SoftmaxTier::Strided, "many rows");
         assert_eq!(
             plan([64, 100], [1, 64], backward),
-            SoftmaxTier::Strided,
-            "transposed"
+            SoftmaxTier::Plane,
+            "few rows"
         );
     }
 }
@@ -529,7 +538,17 @@ fn gradients_every_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
         for &n in &lengths {
             check_backward::<B, 2>([5, n], 1, variant, opts, dtype, device, false, "rows");
         }
-        check_backward::<B, 2>([300, 70], 1, variant, opts, dtype, device, true, "strided");
+        check_backward::<B, 2>([300, 70], 1, variant, opts, dtype, device, true, "relaid");
+        check_backward::<B, 2>(
+            [300, 70],
+            1,
+            variant,
+            STRIDED,
+            dtype,
+            device,
+            true,
+            "strided",
+        );
         check_backward::<B, 3>(
             [4, 6, 50],
             1,

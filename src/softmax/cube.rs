@@ -8,7 +8,8 @@ use burn_cubecl::{
     tensor::CubeTensor,
 };
 use burn_flash_kernels::softmax::{
-    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax, launch_softmax_backward,
+    STRIDED_MAX_LEN, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
+    launch_softmax_backward,
 };
 
 use super::{check_dim, variant_name};
@@ -28,12 +29,42 @@ pub(crate) fn check_dtype(op: &str, arg: &str, dtype: DType) {
     }
 }
 
-/// Whether a forced row scheme needs `t` relaid out: the row tiers read the softmax dimension
-/// with unit stride.
+/// Fewest rows (fibres along the softmax dim) for which the heuristic reads a non-contiguous
+/// softmax dim in place with the strided scheme; below, it copies to a dim-last layout first.
+/// The strided scheme has one unit per row and one load in flight per unit: on an H200 it needs
+/// ~2^18 rows to keep enough loads in flight (see `benches/softmax.rs`, "strided" rows).
+pub(crate) const STRIDED_MIN_ROWS: usize = 1 << 18;
+
+/// Whether the op copies a tensor of this layout to a dim-last layout before launching: a forced
+/// row scheme reads the softmax dim with unit stride, and the heuristic avoids the strided
+/// scheme below [`STRIDED_MIN_ROWS`] rows or above [`STRIDED_MAX_LEN`] elements per row.
+pub(crate) fn relayout_first(
+    shape: &[usize],
+    strides: &[usize],
+    dim: usize,
+    options: &SoftmaxOptions,
+) -> bool {
+    let strided = shape[dim] > 1 && strides[dim] != 1;
+    let rows = shape.iter().product::<usize>() / shape[dim].max(1);
+    match options.tier {
+        Some(tier) => tier != SoftmaxTier::Strided && strided,
+        None => strided && (rows < STRIDED_MIN_ROWS || shape[dim] > STRIDED_MAX_LEN),
+    }
+}
+
+/// Strides of `shape` laid out with `dim` contiguous and the other dims in order.
+pub(crate) fn dim_last_strides(shape: &[usize], dim: usize) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for d in core::iter::once(dim).chain((0..shape.len()).rev().filter(|&d| d != dim)) {
+        strides[d] = acc;
+        acc *= shape[d];
+    }
+    strides
+}
+
 fn needs_relayout<R: CubeRuntime>(t: &CubeTensor<R>, dim: usize, options: &SoftmaxOptions) -> bool {
-    matches!(options.tier, Some(tier) if tier != SoftmaxTier::Strided)
-        && t.meta.shape()[dim] > 1
-        && t.meta.strides()[dim] != 1
+    relayout_first(t.meta.shape(), t.meta.strides(), dim, options)
 }
 
 /// `t` with `dim` moved last and made contiguous, and the permutation that undoes the move.

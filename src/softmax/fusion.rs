@@ -74,15 +74,10 @@ fn validate<B: FusionBackend + FlashBackend>(
         // The heuristic's own plan always runs: only forced options can make it fail.
         return;
     }
-    // Strides of the layout the op will run on: `dim` contiguous (the cube layer relays a
-    // forced row scheme's input out that way), others in order.
+    // The layout the op will run on: `dim` contiguous (the cube layer relays a forced row
+    // scheme's input out that way).
     let dims: Vec<usize> = shape.iter().copied().collect();
-    let mut strides = vec![0; dims.len()];
-    let mut acc = 1;
-    for d in core::iter::once(dim).chain((0..dims.len()).rev().filter(|&d| d != dim)) {
-        strides[d] = acc;
-        acc *= dims[d];
-    }
+    let strides = super::cube::dim_last_strides(&dims, dim);
     let device = x.client.device().clone();
     if let Some(Err(err)) =
         B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, backward, options)

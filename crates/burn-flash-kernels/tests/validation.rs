@@ -207,3 +207,37 @@ fn impossible_forced_tier_is_refused() {
         "tier Cube cannot run rows of length 2: the softmax dimension is not contiguous in every tensor"
     );
 }
+
+#[test]
+fn strided_scheme_refuses_rows_longer_than_its_limit() {
+    let client = client();
+    let n = burn_flash_kernels::softmax::STRIDED_MAX_LEN + 1;
+    let (input, output) = buffers(&client, &vec![0.5; n]);
+    let (shape, strides) = ([1usize, n], [n, 1usize]);
+    let t = |h| TensorRef {
+        handle: h,
+        shape: &shape,
+        strides: &strides,
+    };
+    let opts = SoftmaxOptions {
+        tier: Some(SoftmaxTier::Strided),
+        plane_ops: None,
+    };
+    let err = launch_softmax(
+        &client,
+        t(&input),
+        t(&output),
+        1,
+        f32_type(),
+        SoftmaxVariant::Softmax,
+        opts,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "tier Strided cannot run rows of length {n}: the strided scheme takes rows of at most \
+             16384 elements; make the softmax dimension contiguous first"
+        )
+    );
+}

@@ -14,7 +14,7 @@ use core::fmt;
 use cubecl::{prelude::*, server::Handle};
 
 pub use kernel::SoftmaxVariant;
-pub use plan::SoftmaxPlan;
+pub use plan::{STRIDED_MAX_LEN, SoftmaxPlan};
 
 use plan::{DeviceFacts, Layout};
 

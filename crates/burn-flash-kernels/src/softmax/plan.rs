@@ -24,6 +24,11 @@ const PLANE_TIER_UNITS: u32 = 256;
 const SPLIT_UNITS: u32 = 256;
 /// Units per cube of the strided scheme (one unit per row).
 const STRIDED_UNITS: u32 = 256;
+/// Longest row the strided scheme takes. Its units loop over the row twice, and on lavapipe
+/// (Mesa 22, wgpu 0.10's Vulkan path) a unit's loops stopped after ~65 536 iterations in all,
+/// silently leaving the rest of the row unwritten (rows of 40 000 went wrong from element
+/// 25 528); 16 384 keeps a 2× margin. Longer non-contiguous rows must be relaid out first.
+pub const STRIDED_MAX_LEN: usize = 16384;
 /// Group width used to lay out rows when the runtime has no plane operations (the reduction
 /// then goes through shared memory, whatever this width).
 const VIRTUAL_PLANE: u32 = 32;
@@ -163,6 +168,12 @@ pub(crate) fn plan(
     if tier != SoftmaxTier::Strided && !contiguous_rows {
         return Err(unavailable(
             "the softmax dimension is not contiguous in every tensor",
+        ));
+    }
+    if tier == SoftmaxTier::Strided && row_len > STRIDED_MAX_LEN {
+        return Err(unavailable(
+            "the strided scheme takes rows of at most 16384 elements; make the softmax \
+             dimension contiguous first",
         ));
     }
 
