@@ -105,7 +105,13 @@ fn large_shapes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let x = random::<B, 2>([1823, 781], -6.0, 6.0, dtype, device);
         check_forward(x, 1, variant, SoftmaxOptions::default(), dtype, "1823x781");
     }
-    for shape in [[4096, 4097], [1, 1 << 20], [2, (1 << 22) + 3]] {
+    // 2^24 + 1: the longest row the issue asks for, plus a tail.
+    for shape in [
+        [4096, 4097],
+        [1, 1 << 20],
+        [2, (1 << 22) + 3],
+        [1, (1 << 24) + 1],
+    ] {
         let x = random::<B, 2>(shape, -6.0, 6.0, dtype, device);
         check_forward(
             x,
