@@ -35,6 +35,36 @@ fn f32_type() -> StorageType {
     f32::as_type_native_unchecked().storage_type()
 }
 
+/// Launches a forward softmax over a row-major f32 buffer of `shape` (with `strides`) that must
+/// be refused; returns the error and the output buffer's contents afterwards.
+fn refused(
+    shape: &[usize],
+    strides: &[usize],
+    dim: usize,
+    dtype: StorageType,
+    options: SoftmaxOptions,
+) -> (SoftmaxError, Vec<f32>) {
+    let client = client();
+    let len = shape.iter().product();
+    let (input, output) = buffers(&client, &vec![0.5; len]);
+    let t = |h| TensorRef {
+        handle: h,
+        shape,
+        strides,
+    };
+    let err = launch_softmax(
+        &client,
+        t(&input),
+        t(&output),
+        dim,
+        dtype,
+        SoftmaxVariant::Softmax,
+        options,
+    )
+    .unwrap_err();
+    (err, read(&client, output))
+}
+
 #[test]
 fn launch_without_burn_computes_softmax() {
     let client = client();
@@ -75,56 +105,19 @@ fn launch_without_burn_computes_softmax() {
 
 #[test]
 fn invalid_dim_is_refused() {
-    let client = client();
-    let (input, output) = buffers(&client, &[1.0; 6]);
-    let (shape, strides) = ([2usize, 3], [3usize, 1]);
-    let t = |h| TensorRef {
-        handle: h,
-        shape: &shape,
-        strides: &strides,
-    };
-    let err = launch_softmax(
-        &client,
-        t(&input),
-        t(&output),
-        2,
-        f32_type(),
-        SoftmaxVariant::Softmax,
-        SoftmaxOptions::default(),
-    )
-    .unwrap_err();
+    let (err, output) = refused(&[2, 3], &[3, 1], 2, f32_type(), SoftmaxOptions::default());
     assert_eq!(err, SoftmaxError::InvalidDim { dim: 2, rank: 2 });
     assert_eq!(
         err.to_string(),
         "dim 2 is out of range for a tensor of rank 2"
     );
-    assert!(
-        read(&client, output).iter().all(|v| v.is_nan()),
-        "nothing was launched"
-    );
+    assert!(output.iter().all(|v| v.is_nan()), "nothing was launched");
 }
 
 #[test]
 fn non_float_dtype_is_refused() {
-    let client = client();
-    let (input, output) = buffers(&client, &[1.0; 6]);
-    let (shape, strides) = ([2usize, 3], [3usize, 1]);
-    let t = |h| TensorRef {
-        handle: h,
-        shape: &shape,
-        strides: &strides,
-    };
     let int = i32::as_type_native_unchecked().storage_type();
-    let err = launch_softmax(
-        &client,
-        t(&input),
-        t(&output),
-        1,
-        int,
-        SoftmaxVariant::Softmax,
-        SoftmaxOptions::default(),
-    )
-    .unwrap_err();
+    let (err, _) = refused(&[2, 3], &[3, 1], 1, int, SoftmaxOptions::default());
     assert!(matches!(err, SoftmaxError::UnsupportedDType { .. }));
     assert!(err.to_string().starts_with("dtype "), "{err}");
     assert!(
@@ -180,28 +173,11 @@ fn mismatched_shapes_are_refused() {
 
 #[test]
 fn impossible_forced_tier_is_refused() {
-    let client = client();
-    let (input, output) = buffers(&client, &[1.0; 6]);
-    let (shape, strides) = ([3usize, 2], [1usize, 3]);
-    let t = |h| TensorRef {
-        handle: h,
-        shape: &shape,
-        strides: &strides,
-    };
     let opts = SoftmaxOptions {
         tier: Some(SoftmaxTier::Cube),
         plane_ops: None,
     };
-    let err = launch_softmax(
-        &client,
-        t(&input),
-        t(&output),
-        1,
-        f32_type(),
-        SoftmaxVariant::Softmax,
-        opts,
-    )
-    .unwrap_err();
+    let (err, _) = refused(&[3, 2], &[1, 3], 1, f32_type(), opts);
     assert_eq!(
         err.to_string(),
         "tier Cube cannot run rows of length 2: the softmax dimension is not contiguous in every tensor"
@@ -210,29 +186,12 @@ fn impossible_forced_tier_is_refused() {
 
 #[test]
 fn strided_scheme_refuses_rows_longer_than_its_limit() {
-    let client = client();
     let n = burn_flash_kernels::softmax::STRIDED_MAX_LEN + 1;
-    let (input, output) = buffers(&client, &vec![0.5; n]);
-    let (shape, strides) = ([1usize, n], [n, 1usize]);
-    let t = |h| TensorRef {
-        handle: h,
-        shape: &shape,
-        strides: &strides,
-    };
     let opts = SoftmaxOptions {
         tier: Some(SoftmaxTier::Strided),
         plane_ops: None,
     };
-    let err = launch_softmax(
-        &client,
-        t(&input),
-        t(&output),
-        1,
-        f32_type(),
-        SoftmaxVariant::Softmax,
-        opts,
-    )
-    .unwrap_err();
+    let (err, _) = refused(&[1, n], &[n, 1], 1, f32_type(), opts);
     assert_eq!(
         err.to_string(),
         format!(
