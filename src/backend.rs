@@ -14,7 +14,11 @@ use burn_flash_kernels::softmax::{
     RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
 };
 
-use crate::softmax;
+use burn_flash_kernels::softmax_matmul::{
+    SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
+};
+
+use crate::{softmax, softmax_matmul};
 
 /// A Burn backend with burn-flash's fused operations.
 ///
@@ -70,6 +74,41 @@ pub trait FlashBackend: Backend {
         let _ = (device, dtype, options);
         None
     }
+
+    /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
+    /// `[batch or 1, d2, d3]`; the log-sum-exp (`[batch, d1]`) is what the backward needs.
+    fn flash_softmax_matmul(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = options;
+        softmax_matmul::reference::forward::<Self>(x, v)
+    }
+
+    /// Gradients `(dx, dv)` of [`FlashBackend::flash_softmax_matmul`] from its inputs, its
+    /// outputs and the output gradient `d_out`.
+    fn flash_softmax_matmul_backward(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (out, lse);
+        softmax_matmul::reference::backward::<Self>(x, v, d_out)
+    }
+
+    /// The forward launch the fused `softmax(X)·V` would make (`None`: composed fallback).
+    fn flash_softmax_matmul_plan(
+        device: &Self::Device,
+        dims: SmmDims,
+        dtype: DType,
+        options: SoftmaxMatmulOptions,
+    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
 }
 
 /// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
@@ -93,6 +132,15 @@ macro_rules! forward_planning {
             options: SoftmaxOptions,
         ) -> Option<Result<RowLimits, SoftmaxError>> {
             <$inner>::flash_softmax_row_limits(device, dtype, options)
+        }
+
+        fn flash_softmax_matmul_plan(
+            device: &Self::Device,
+            dims: SmmDims,
+            dtype: DType,
+            options: SoftmaxMatmulOptions,
+        ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+            <$inner>::flash_softmax_matmul_plan(device, dims, dtype, options)
         }
     };
 }
@@ -178,6 +226,39 @@ mod cube {
                 options,
             ))
         }
+
+        fn flash_softmax_matmul(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            options: SoftmaxMatmulOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::cube::forward(x, v, options)
+        }
+
+        fn flash_softmax_matmul_backward(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::cube::backward(x, v, out, lse, d_out)
+        }
+
+        fn flash_softmax_matmul_plan(
+            device: &Self::Device,
+            dims: SmmDims,
+            dtype: DType,
+            options: SoftmaxMatmulOptions,
+        ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+            let client = R::client(device);
+            Some(burn_flash_kernels::softmax_matmul::plan_softmax_matmul(
+                &client,
+                dims,
+                dtype.into(),
+                options,
+            ))
+        }
     }
 }
 
@@ -203,6 +284,24 @@ mod fusion {
             options: SoftmaxOptions,
         ) -> FloatTensor<Self> {
             softmax::fusion::backward::<B>(y, dy, dim, variant, options)
+        }
+
+        fn flash_softmax_matmul(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            options: SoftmaxMatmulOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::fusion::forward::<B>(x, v, options)
+        }
+
+        fn flash_softmax_matmul_backward(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::fusion::backward::<B>(x, v, out, lse, d_out)
         }
 
         forward_planning!(B);
@@ -231,6 +330,24 @@ mod autodiff {
             options: SoftmaxOptions,
         ) -> FloatTensor<Self> {
             softmax::autodiff::backward::<B, C>(y, dy, dim, variant, options)
+        }
+
+        fn flash_softmax_matmul(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            options: SoftmaxMatmulOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::autodiff::forward::<B, C>(x, v, options)
+        }
+
+        fn flash_softmax_matmul_backward(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            softmax_matmul::autodiff::backward::<B, C>(x, v, out, lse, d_out)
         }
 
         forward_planning!(B);

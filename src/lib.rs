@@ -22,10 +22,14 @@
 
 mod backend;
 pub mod softmax;
+pub mod softmax_matmul;
 
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use softmax::{
     SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,
+};
+pub use softmax_matmul::{
+    SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
 };

@@ -1,0 +1,531 @@
+//! `softmax(X)·V` without ever writing the softmax matrix: forward (online softmax, plus the
+//! row log-sum-exp the backward needs) and backward (`dX`, `dV` from the saved log-sum-exp).
+//!
+//! Tensors are 3-D, `[batch, rows, cols]`: `x` is `[batch, d1, d2]`, `v` is `[batch, d2, d3]`
+//! or `[1, d2, d3]` (one `V` shared by every batch), the output `[batch, d1, d3]` and the
+//! log-sum-exp `[batch, d1]` in f32. Any strides.
+//!
+//! Two inner-product paths, chosen by [`plan_softmax_matmul`]:
+//! - [`SmmPath::Units`]: every runtime and float type; register-tiled f32 products on plain
+//!   units ([`kernel`]);
+//! - [`SmmPath::MatrixUnits`]: the `P·V` product on the GPU's matrix units (`mma`), for f16 and
+//!   bf16, and for f32 only when TF32 is explicitly allowed ([`mma`]).
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod kernel;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod mma;
+
+use core::fmt;
+
+use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
+
+use crate::softmax::TensorRef;
+use kernel::{ForwardTiles, GRID, ProductTiles, UNITS};
+
+/// Block sizes a caller may force, for `block_1` (rows of `X` per cube) and `block_2` (columns
+/// of `X` per online-softmax step).
+pub const BLOCK_SIZES: [usize; 3] = [16, 32, 64];
+
+/// Which inner-product path runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SmmPath {
+    /// Plain units, f32 arithmetic: every runtime, every float type.
+    Units,
+    /// Matrix units (`mma`, f32 accumulation): f16/bf16, or f32 rounded to TF32 when allowed.
+    MatrixUnits,
+}
+
+/// Overrides of the host heuristic. The default is what users want.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct SoftmaxMatmulOptions {
+    /// Force `(block_1, block_2)`, each one of [`BLOCK_SIZES`]; an impossible choice is an
+    /// error, never a silent fallback.
+    pub blocks: Option<(usize, usize)>,
+    /// Allow f32 inputs to be rounded to TF32 (10-bit mantissa) for the matrix units. Off by
+    /// default: f32 stays full f32.
+    pub allow_tf32: bool,
+    /// Force an inner-product path (the default picks matrix units where they exist).
+    pub path: Option<SmmPath>,
+}
+
+/// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SoftmaxMatmulError {
+    /// A tensor's shape does not fit the others.
+    ShapeMismatch {
+        /// Which argument.
+        arg: &'static str,
+        /// The shape it should have.
+        expected: Vec<usize>,
+        /// Its shape.
+        got: Vec<usize>,
+    },
+    /// The element type is not f32, f16 or bf16, or the device cannot run it.
+    UnsupportedDType {
+        /// The element type, as cubecl names it.
+        dtype: String,
+    },
+    /// A forced block size cannot run.
+    InvalidBlocks {
+        /// `(block_1, block_2)` as asked.
+        blocks: (usize, usize),
+        /// Why not.
+        reason: String,
+    },
+    /// The forced path is not available for this dtype on this device.
+    PathUnavailable {
+        /// The forced path.
+        path: SmmPath,
+        /// Why not.
+        reason: String,
+    },
+    /// More cubes along one grid axis than the device can launch.
+    TooLarge {
+        /// Cubes along each axis the launch would need.
+        cubes: (usize, usize, usize),
+    },
+}
+
+impl fmt::Display for SoftmaxMatmulError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ShapeMismatch { arg, expected, got } => {
+                write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
+            }
+            Self::UnsupportedDType { dtype } => write!(
+                f,
+                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
+            ),
+            Self::InvalidBlocks { blocks, reason } => {
+                write!(f, "block sizes {blocks:?} cannot run: {reason}")
+            }
+            Self::PathUnavailable { path, reason } => {
+                write!(f, "path {path:?} is not available: {reason}")
+            }
+            Self::TooLarge { cubes } => write!(
+                f,
+                "the launch needs {cubes:?} cubes along (x, y, z), more than the device allows"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for SoftmaxMatmulError {}
+
+/// Problem sizes of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SmmDims {
+    /// Batch (product of the leading dimensions).
+    pub batch: usize,
+    /// Rows of `X`.
+    pub d1: usize,
+    /// Columns of `X`, rows of `V` (the softmax dimension).
+    pub d2: usize,
+    /// Columns of `V`.
+    pub d3: usize,
+}
+
+/// The forward launch [`plan_softmax_matmul`] chose.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SoftmaxMatmulPlan {
+    /// Inner-product path.
+    pub path: SmmPath,
+    /// Rows of `X` per cube.
+    pub block_1: usize,
+    /// Columns of `X` per online-softmax step.
+    pub block_2: usize,
+    /// Output columns per cube.
+    pub tile_3: usize,
+    /// Units per cube.
+    pub units: u32,
+    /// Cubes along `(x, y, z)` = (output column tiles, row blocks, batch).
+    pub cubes: (usize, usize, usize),
+}
+
+/// Checks that `dtype` is a float type the kernels are written for and the device supports.
+pub fn check_dtype<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+) -> Result<(), SoftmaxMatmulError> {
+    crate::softmax::check_dtype(client, dtype).map_err(|_| SoftmaxMatmulError::UnsupportedDType {
+        dtype: format!("{dtype:?}"),
+    })
+}
+
+fn elem_is(dtype: StorageType, kind: cubecl::ir::FloatKind) -> bool {
+    dtype == StorageType::Scalar(cubecl::ir::ElemType::Float(kind))
+}
+
+/// Shared memory of the units forward kernel, in bytes.
+fn units_forward_shared(b1: usize, b2: usize, t3: usize) -> usize {
+    (b1 * b2 + b2 * t3 + 2 * UNITS as usize + b1) * 4
+}
+
+fn check_cubes<R: Runtime>(
+    client: &ComputeClient<R>,
+    cubes: (usize, usize, usize),
+) -> Result<CubeCount, SoftmaxMatmulError> {
+    let (mx, my, mz) = client.properties().hardware.max_cube_count;
+    if cubes.0 > mx as usize || cubes.1 > my as usize || cubes.2 > mz as usize {
+        return Err(SoftmaxMatmulError::TooLarge { cubes });
+    }
+    Ok(CubeCount::Static(
+        cubes.0 as u32,
+        cubes.1 as u32,
+        cubes.2 as u32,
+    ))
+}
+
+/// The forward launch for `dims`, without launching.
+///
+/// Heuristic (no autotuning): matrix units for f16/bf16 where the device has `mma` for the type
+/// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise;
+/// `block_1 = 64` (fewer when `d1` is short), `block_2 = 32` on units, 64 on matrix units; the
+/// output tile as wide as shared memory and `d3` allow (up to 128 columns), since each column
+/// tile re-reads `X`.
+pub fn plan_softmax_matmul<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    options: SoftmaxMatmulOptions,
+) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
+    use cubecl::ir::FloatKind;
+    check_dtype(client, dtype)?;
+    let is_f32 = elem_is(dtype, FloatKind::F32);
+    let mma_ok = mma::supported(client, dtype);
+    let path = match options.path {
+        Some(SmmPath::MatrixUnits) => {
+            if is_f32 && !options.allow_tf32 {
+                return Err(SoftmaxMatmulError::PathUnavailable {
+                    path: SmmPath::MatrixUnits,
+                    reason: "f32 on matrix units rounds to TF32: set `allow_tf32`".into(),
+                });
+            }
+            if !mma_ok {
+                return Err(SoftmaxMatmulError::PathUnavailable {
+                    path: SmmPath::MatrixUnits,
+                    reason: format!("this device has no manual mma for {dtype:?}"),
+                });
+            }
+            SmmPath::MatrixUnits
+        }
+        Some(SmmPath::Units) => SmmPath::Units,
+        None if mma_ok && (!is_f32 || options.allow_tf32) => SmmPath::MatrixUnits,
+        None => SmmPath::Units,
+    };
+    let max_shared = client.properties().hardware.max_shared_memory_size;
+    let (b1, b2) = match options.blocks {
+        Some((b1, b2)) => {
+            if !BLOCK_SIZES.contains(&b1) || !BLOCK_SIZES.contains(&b2) {
+                return Err(SoftmaxMatmulError::InvalidBlocks {
+                    blocks: (b1, b2),
+                    reason: format!("each block size must be one of {BLOCK_SIZES:?}"),
+                });
+            }
+            (b1, b2)
+        }
+        None => {
+            let b1 = if dims.d1 <= 16 {
+                16
+            } else if dims.d1 <= 32 {
+                32
+            } else {
+                64
+            };
+            let b2 = match path {
+                SmmPath::Units => 32,
+                SmmPath::MatrixUnits => 64,
+            };
+            (b1, b2)
+        }
+    };
+    let d3_cap = dims.d3.next_power_of_two().clamp(GRID as usize, 128);
+    let (units, t3) = match path {
+        SmmPath::Units => {
+            let t3 = [128, 64, 32, 16]
+                .into_iter()
+                .find(|&t3| t3 <= d3_cap && units_forward_shared(b1, b2, t3) <= max_shared)
+                .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
+                    blocks: (b1, b2),
+                    reason: format!("needs more than the device's {max_shared} B of shared memory"),
+                })?;
+            (UNITS, t3)
+        }
+        SmmPath::MatrixUnits => {
+            let t3 = [128, 64, 32, 16]
+                .into_iter()
+                .find(|&t3| t3 <= d3_cap && mma::shared_bytes(b1, b2, t3, dtype) <= max_shared)
+                .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
+                    blocks: (b1, b2),
+                    reason: format!("needs more than the device's {max_shared} B of shared memory"),
+                })?;
+            (mma::units(b1), t3)
+        }
+    };
+    let cubes = (
+        dims.d3.div_ceil(t3).max(1),
+        dims.d1.div_ceil(b1).max(1),
+        dims.batch.max(1),
+    );
+    check_cubes(client, cubes)?;
+    Ok(SoftmaxMatmulPlan {
+        path,
+        block_1: b1,
+        block_2: b2,
+        tile_3: t3,
+        units,
+        cubes,
+    })
+}
+
+/// Reads the sizes of a call from `x` and `v` and checks every tensor's shape.
+fn dims_of(
+    x: &TensorRef<'_>,
+    v: &TensorRef<'_>,
+    others: &[(&'static str, &TensorRef<'_>, [usize; 3])],
+) -> Result<SmmDims, SoftmaxMatmulError> {
+    if x.shape.len() != 3 || x.strides.len() != 3 {
+        return Err(SoftmaxMatmulError::ShapeMismatch {
+            arg: "x",
+            expected: vec![0, 0, 0],
+            got: x.shape.to_vec(),
+        });
+    }
+    let dims = SmmDims {
+        batch: x.shape[0],
+        d1: x.shape[1],
+        d2: x.shape[2],
+        d3: v.shape.get(2).copied().unwrap_or(0),
+    };
+    let v_ok = v.shape.len() == 3
+        && v.strides.len() == 3
+        && (v.shape[0] == dims.batch || v.shape[0] == 1)
+        && v.shape[1] == dims.d2;
+    if !v_ok {
+        return Err(SoftmaxMatmulError::ShapeMismatch {
+            arg: "v",
+            expected: vec![dims.batch, dims.d2, dims.d3],
+            got: v.shape.to_vec(),
+        });
+    }
+    for (arg, t, expected) in others {
+        let expected = expected.map(|e| match e {
+            BATCH => dims.batch,
+            D1 => dims.d1,
+            D2 => dims.d2,
+            D3 => dims.d3,
+            other => other,
+        });
+        let expected: Vec<usize> = expected.into_iter().filter(|&e| e != NONE).collect();
+        if t.shape != expected || t.strides.len() != expected.len() {
+            return Err(SoftmaxMatmulError::ShapeMismatch {
+                arg,
+                expected,
+                got: t.shape.to_vec(),
+            });
+        }
+    }
+    Ok(dims)
+}
+
+// Placeholders of `dims_of`'s expected shapes.
+const BATCH: usize = usize::MAX;
+const D1: usize = usize::MAX - 1;
+const D2: usize = usize::MAX - 2;
+const D3: usize = usize::MAX - 3;
+const NONE: usize = usize::MAX - 4;
+
+/// A tensor argument; `broadcast_batch` gives a batch-1 tensor batch stride 0.
+fn arg<R: Runtime>(t: &TensorRef<'_>, broadcast_batch: bool) -> TensorArg<R> {
+    let mut strides = t.strides.to_vec();
+    if broadcast_batch {
+        strides[0] = 0;
+    }
+    // SAFETY: shape and strides describe the caller's buffer; a zero batch stride only makes
+    // every batch read batch 0.
+    unsafe { TensorArg::from_raw_parts(t.handle.clone(), strides.into(), t.shape.to_vec().into()) }
+}
+
+/// `out = softmax(x)·v` along the last dimension of `x`, and `lse` = the row log-sum-exp of
+/// `x` (f32; −inf for a row without a finite score, whose output row is 0).
+///
+/// Returns the plan that ran. Nothing is launched when an error is returned; with an empty
+/// tensor, nothing is launched either and the plan is returned.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_softmax_matmul<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: TensorRef<'_>,
+    v: TensorRef<'_>,
+    out: TensorRef<'_>,
+    lse: TensorRef<'_>,
+    dtype: StorageType,
+    options: SoftmaxMatmulOptions,
+) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
+    let dims = dims_of(
+        &x,
+        &v,
+        &[
+            ("out", &out, [BATCH, D1, D3]),
+            ("lse", &lse, [BATCH, D1, NONE]),
+        ],
+    )?;
+    let plan = plan_softmax_matmul(client, dims, dtype, options)?;
+    if dims.batch * dims.d1 * dims.d3 == 0 {
+        return Ok(plan);
+    }
+    let shared_v = v.shape[0] == 1 && dims.batch > 1;
+    let count = check_cubes(client, plan.cubes)?;
+    let tiles = ForwardTiles {
+        block_1: plan.block_1 as u32,
+        block_2: plan.block_2 as u32,
+        tile_3: plan.tile_3 as u32,
+    };
+    // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
+    let lse_arg = arg::<R>(&lse, false);
+    // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
+    // caller's buffers (`dims_of` checked that they agree).
+    unsafe {
+        match plan.path {
+            SmmPath::Units => kernel::smm_forward::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_1d(UNITS),
+                arg(&x, false),
+                arg(&v, shared_v),
+                arg(&out, false),
+                lse_arg,
+                tiles,
+                dtype,
+            ),
+            SmmPath::MatrixUnits => mma::launch_forward::<R>(
+                client,
+                count,
+                arg(&x, false),
+                arg(&v, shared_v),
+                arg(&out, false),
+                lse_arg,
+                tiles,
+                dtype,
+                elem_is(dtype, cubecl::ir::FloatKind::F32),
+            ),
+        }
+    }
+    Ok(plan)
+}
+
+/// Tiles of the backward product kernels: 64 × 64 outputs per cube, 16 deep.
+const BACKWARD_TILES: ProductTiles = ProductTiles {
+    rows: 64,
+    cols: 64,
+    depth: 16,
+};
+
+/// Gradients of [`launch_softmax_matmul`]: `dx` (`[batch, d1, d2]`) and `dv` (`v`'s shape; a
+/// shared `v` gets the sum over batches) from the forward's `out` and `lse` and the output
+/// gradient `d_out`. Needs one f32 per row of scratch, nothing of size `d1 × d2` but `dx`.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_softmax_matmul_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    x: TensorRef<'_>,
+    v: TensorRef<'_>,
+    out: TensorRef<'_>,
+    lse: TensorRef<'_>,
+    d_out: TensorRef<'_>,
+    dx: TensorRef<'_>,
+    dv: TensorRef<'_>,
+    dtype: StorageType,
+) -> Result<(), SoftmaxMatmulError> {
+    let v_batch = v.shape.first().copied().unwrap_or(0);
+    let dims = dims_of(
+        &x,
+        &v,
+        &[
+            ("out", &out, [BATCH, D1, D3]),
+            ("lse", &lse, [BATCH, D1, NONE]),
+            ("d_out", &d_out, [BATCH, D1, D3]),
+            ("dx", &dx, [BATCH, D1, D2]),
+            ("dv", &dv, [v_batch, D2, D3]),
+        ],
+    )?;
+    check_dtype(client, dtype)?;
+    let SmmDims { batch, d1, d2, d3 } = dims;
+    let shared_v = v_batch == 1 && batch > 1;
+    let t = BACKWARD_TILES;
+    let dx_count = check_cubes(
+        client,
+        (
+            d2.div_ceil(t.cols as usize).max(1),
+            d1.div_ceil(t.rows as usize).max(1),
+            batch.max(1),
+        ),
+    )?;
+    let dv_count = check_cubes(
+        client,
+        (
+            d3.div_ceil(t.cols as usize).max(1),
+            d2.div_ceil(t.rows as usize).max(1),
+            if shared_v { 1 } else { batch.max(1) },
+        ),
+    )?;
+    let rows = batch * d1;
+    let delta: Handle = client.empty(rows.max(1) * 4);
+    let delta_shape = [batch, d1];
+    let delta_strides = [d1, 1];
+    let delta_ref = TensorRef {
+        handle: &delta,
+        shape: &delta_shape,
+        strides: &delta_strides,
+    };
+    let neg_inf = f32::NEG_INFINITY;
+    // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
+    // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
+    unsafe {
+        if rows > 0 {
+            // With d3 = 0 the loop is empty and delta = 0 (and so is dX).
+            kernel::smm_delta::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                arg(&d_out, false),
+                arg(&out, false),
+                arg(&delta_ref, false),
+                dtype,
+            );
+        }
+        if rows > 0 && d2 > 0 {
+            kernel::smm_backward_dx::launch_unchecked::<R>(
+                client,
+                dx_count,
+                CubeDim::new_1d(UNITS),
+                arg(&x, false),
+                arg(&v, shared_v),
+                arg(&d_out, false),
+                arg(&lse, false),
+                arg(&delta_ref, false),
+                arg(&dx, false),
+                neg_inf,
+                t,
+                dtype,
+            );
+        }
+        if dv.shape.iter().product::<usize>() > 0 {
+            kernel::smm_backward_dv::launch_unchecked::<R>(
+                client,
+                dv_count,
+                CubeDim::new_1d(UNITS),
+                arg(&x, false),
+                arg(&d_out, false),
+                arg(&lse, false),
+                arg(&dv, false),
+                if shared_v { batch } else { 1 },
+                neg_inf,
+                t,
+                dtype,
+            );
+        }
+    }
+    Ok(())
+}

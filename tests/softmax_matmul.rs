@@ -1,0 +1,685 @@
+//! The `softmax(X)·V` suite: test bodies generic over the backend, instantiated per backend and
+//! dtype at the bottom (wgpu always; CUDA with `--features cuda`; NdArray for the fallback).
+//! Every check compares with an f64 reference of the values actually on the device, on fresh
+//! random inputs, with the output buffer poisoned and the device synced before reading.
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use burn::backend::Autodiff;
+use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
+use burn_flash::kernels::softmax_matmul::{BLOCK_SIZES, SmmDims, SmmPath};
+use burn_flash::{
+    FlashBackend, SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
+};
+use common::*;
+
+/// Unit roundoff of a dtype's storage.
+fn eps(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => 2f64.powi(-11),
+        FloatDType::BF16 => 2f64.powi(-8),
+        _ => 2f64.powi(-24),
+    }
+}
+
+/// Absolute tolerance of an output `Σ_j p_j v_j` with `max|v| = v_max`: rounding of the result
+/// to the dtype, of `P` (to the operand type on matrix units) and of `V`, plus f32 summation
+/// and `exp` error over the row (`64 · 2^-24`, ~4e-6 relative).
+fn out_tol(dtype: FloatDType, options: &SoftmaxMatmulOptions, v_max: f64) -> Tol {
+    let e = if options.allow_tf32 && dtype == FloatDType::F32 {
+        2f64.powi(-11)
+    } else {
+        eps(dtype)
+    };
+    Tol {
+        atol: (4.0 * e + 64.0 * 2f64.powi(-24)) * v_max.max(1e-30),
+        rtol: 2.0 * e,
+    }
+}
+
+/// The problem as `[batch, d1, d2]` / `[batch or 1, d2, d3]` row-major f64 values.
+struct Problem {
+    batch: usize,
+    d1: usize,
+    d2: usize,
+    d3: usize,
+    shared_v: bool,
+    x: Vec<f64>,
+    v: Vec<f64>,
+}
+
+impl Problem {
+    fn read<B: Backend, const D: usize, const DV: usize>(
+        x: &Tensor<B, D>,
+        v: &Tensor<B, DV>,
+    ) -> Self {
+        let (xs, vs) = (x.dims(), v.dims());
+        let batch = xs[..D - 2].iter().product();
+        let v_batch: usize = vs[..DV - 2].iter().product();
+        Self {
+            batch,
+            d1: xs[D - 2],
+            d2: xs[D - 1],
+            d3: vs[DV - 1],
+            shared_v: v_batch == 1,
+            x: read(x.clone()),
+            v: read(v.clone()),
+        }
+    }
+
+    fn x_at(&self, b: usize, i: usize, j: usize) -> f64 {
+        self.x[(b * self.d1 + i) * self.d2 + j]
+    }
+
+    fn v_at(&self, b: usize, j: usize, c: usize) -> f64 {
+        let b = if self.shared_v { 0 } else { b };
+        self.v[(b * self.d2 + j) * self.d3 + c]
+    }
+
+    /// Row `(b, i)` of the softmax in f64; zeros for a row without a finite score.
+    fn p_row(&self, b: usize, i: usize) -> Vec<f64> {
+        let row: Vec<f64> = (0..self.d2).map(|j| self.x_at(b, i, j)).collect();
+        let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
+        if m == f64::NEG_INFINITY {
+            return vec![0.0; self.d2];
+        }
+        let e: Vec<f64> = row.iter().map(|&v| (v - m).exp()).collect();
+        let s: f64 = e.iter().sum();
+        e.into_iter().map(|v| v / s).collect()
+    }
+
+    fn forward(&self) -> Vec<f64> {
+        let mut out = vec![0.0; self.batch * self.d1 * self.d3];
+        for b in 0..self.batch {
+            for i in 0..self.d1 {
+                let p = self.p_row(b, i);
+                for (j, &pj) in p.iter().enumerate() {
+                    for c in 0..self.d3 {
+                        out[(b * self.d1 + i) * self.d3 + c] += pj * self.v_at(b, j, c);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// `(dx, dv)` for the output gradient `g` (`[batch, d1, d3]`).
+    fn backward(&self, g: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let v_batches = if self.shared_v { 1 } else { self.batch };
+        let mut dx = vec![0.0; self.batch * self.d1 * self.d2];
+        let mut dv = vec![0.0; v_batches * self.d2 * self.d3];
+        for b in 0..self.batch {
+            let vb = if self.shared_v { 0 } else { b };
+            for i in 0..self.d1 {
+                let p = self.p_row(b, i);
+                let gi = &g[(b * self.d1 + i) * self.d3..][..self.d3];
+                let dp: Vec<f64> = (0..self.d2)
+                    .map(|j| (0..self.d3).map(|c| gi[c] * self.v_at(b, j, c)).sum())
+                    .collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..self.d2 {
+                    dx[(b * self.d1 + i) * self.d2 + j] = p[j] * (dp[j] - delta);
+                    for c in 0..self.d3 {
+                        dv[(vb * self.d2 + j) * self.d3 + c] += p[j] * gi[c];
+                    }
+                }
+            }
+        }
+        (dx, dv)
+    }
+}
+
+fn max_abs(v: &[f64]) -> f64 {
+    v.iter()
+        .filter(|a| a.is_finite())
+        .fold(0.0f64, |a, b| a.max(b.abs()))
+}
+
+fn max_err(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(
+            0.0f64,
+            |a, b| if b.is_nan() { f64::INFINITY } else { a.max(b) },
+        )
+}
+
+/// Runs the op (output poisoned, device synced) and compares it with the f64 reference; where
+/// every score is finite, also with the naive composition in the same dtype: the fused error
+/// must stay within 2× the naive one (plus one rounding of the largest output).
+fn check_forward<B: FlashBackend, const D: usize, const DV: usize>(
+    x: Tensor<B, D>,
+    v: Tensor<B, DV>,
+    options: SoftmaxMatmulOptions,
+    dtype: FloatDType,
+    context: &str,
+) {
+    let device = x.device();
+    let p = Problem::read(&x, &v);
+    let mut out_shape = x.dims();
+    out_shape[D - 1] = p.d3;
+    poison::<B, D>(out_shape, dtype, &device);
+    let out = softmax_matmul_with(x.clone(), v.clone(), options);
+    assert_eq!(out.dims(), out_shape, "{context}: output shape");
+    sync::<B>(&device);
+    let got = read(out);
+    let want = p.forward();
+    let ctx = format!(
+        "{context}: x {:?} v {:?} {dtype:?} {options:?}",
+        x.dims(),
+        v.dims()
+    );
+    let v_max = max_abs(&p.v);
+    assert_close(&got, &want, out_tol(dtype, &options, v_max), &ctx);
+    if p.x.iter().all(|a| a.is_finite()) && p.d2 > 0 && !options.allow_tf32 {
+        let naive = activation::softmax(x, D - 1).matmul({
+            let dims = v.dims();
+            v.reshape(v_as_rank::<D, DV>(dims))
+        });
+        let naive = read(naive);
+        let (e_fused, e_naive) = (max_err(&got, &want), max_err(&naive, &want));
+        let floor = eps(dtype) * max_abs(&want);
+        assert!(
+            e_fused <= 2.0 * e_naive + floor,
+            "{ctx}: fused error {e_fused:e} > 2 × naive error {e_naive:e} + {floor:e}"
+        );
+    }
+}
+
+/// `v`'s shape at rank `D`: its own when it has `x`'s rank, else `[1, .., 1, d2, d3]` (Burn's
+/// matmul broadcasts unit batch dims).
+fn v_as_rank<const D: usize, const DV: usize>(v_dims: [usize; DV]) -> [usize; D] {
+    let mut s = [1usize; D];
+    s[D - 2] = v_dims[DV - 2];
+    s[D - 1] = v_dims[DV - 1];
+    if DV == D {
+        s.copy_from_slice(&v_dims[..D]);
+    }
+    s
+}
+
+fn rand3<B: Backend>(
+    shape: [usize; 3],
+    scale: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 3> {
+    random::<B, 3>(shape, -scale, scale, dtype, device)
+}
+
+/// Every listed size of each dimension, with the other two small; `d1` around the default
+/// block (64) too.
+fn odd_and_boundary_sizes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions::default();
+    for d1 in [1, 7, 63, 64, 65, 97] {
+        let x = rand3::<B>([2, d1, 65], 4.0, dtype, device);
+        let v = rand3::<B>([2, 65, 59], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("d1 = {d1}"));
+    }
+    for d2 in [1, 63, 64, 65, 1025, 4099] {
+        let x = rand3::<B>([1, 7, d2], 4.0, dtype, device);
+        let v = rand3::<B>([1, d2, 8], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("d2 = {d2}"));
+    }
+    for d3 in [1, 8, 59, 512, 1024] {
+        let x = rand3::<B>([1, 97, 65], 4.0, dtype, device);
+        let v = rand3::<B>([1, 65, d3], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("d3 = {d3}"));
+    }
+}
+
+/// 0, 1 and 2 batch dims; `v` shared as a 2-D tensor or with all-ones batch dims.
+fn batch_dims_and_shared_v<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions::default();
+    let x = random::<B, 2>([33, 70], -4.0, 4.0, dtype, device);
+    let v = random::<B, 2>([70, 24], -1.0, 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "no batch dims");
+    let x = rand3::<B>([3, 33, 70], 4.0, dtype, device);
+    let v = rand3::<B>([3, 70, 24], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "one batch dim");
+    let x = random::<B, 4>([2, 3, 33, 70], -4.0, 4.0, dtype, device);
+    let v = random::<B, 4>([2, 3, 70, 24], -1.0, 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "two batch dims");
+    let x = random::<B, 4>([2, 3, 33, 70], -4.0, 4.0, dtype, device);
+    let v = random::<B, 2>([70, 24], -1.0, 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "shared 2-D v");
+    let x = random::<B, 4>([2, 3, 33, 70], -4.0, 4.0, dtype, device);
+    let v = random::<B, 4>([1, 1, 70, 24], -1.0, 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "shared v with unit batch dims");
+    // A transposed (non-contiguous) x and v.
+    let x = rand3::<B>([2, 70, 33], 4.0, dtype, device).swap_dims(1, 2);
+    let v = rand3::<B>([2, 24, 70], 1.0, dtype, device).swap_dims(1, 2);
+    check_forward(x, v, opts, dtype, "transposed inputs");
+}
+
+/// Scores of ±50: the running maximum moves by far more than `exp` can absorb, so a missing
+/// or wrong rescale of the accumulator shows. Rows whose maximum grows along the row too.
+fn large_magnitudes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions::default();
+    for d2 in [65, 1025] {
+        let x = rand3::<B>([2, 40, d2], 50.0, dtype, device);
+        let v = rand3::<B>([2, d2, 40], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("±50, d2 = {d2}"));
+    }
+    // Increasing ramp + noise: the maximum is in the last block of every row.
+    let d2 = 300;
+    let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
+    let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
+    let x = rand3::<B>([1, 20, d2], 2.0, dtype, device) + ramp;
+    let v = rand3::<B>([1, d2, 16], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "maximum in the last block");
+}
+
+/// Rows that are entirely −inf give zeros; partly −inf rows ignore the −inf scores.
+fn masked_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (d1, d2, d3) = (9, 130, 20);
+    let x = rand3::<B>([2, d1, d2], 4.0, dtype, device);
+    // Row 0: fully masked; row 3: masked after column 5; row 8: only the last column finite.
+    let mut mask = vec![false; 2 * d1 * d2];
+    for b in 0..2 {
+        for j in 0..d2 {
+            mask[(b * d1) * d2 + j] = true;
+            mask[(b * d1 + 3) * d2 + j] = j > 5;
+            mask[(b * d1 + 8) * d2 + j] = j + 1 < d2;
+        }
+    }
+    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(mask, [2, d1, d2]),
+        device,
+    );
+    let x = x.mask_fill(mask, f32::NEG_INFINITY);
+    let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
+    let opts = SoftmaxMatmulOptions::default();
+    check_forward(x.clone(), v.clone(), opts, dtype, "masked rows");
+    let out = read(softmax_matmul(x, v));
+    assert!(
+        out[..d3]
+            .iter()
+            .chain(&out[d1 * d3..][..d3])
+            .all(|&a| a == 0.0),
+        "fully masked rows must be exactly 0"
+    );
+}
+
+/// Every forced `(block_1, block_2)` gives the reference result, with `d1` and `d2` just off
+/// the block sizes.
+fn every_forced_block_size<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for b1 in BLOCK_SIZES {
+        for b2 in BLOCK_SIZES {
+            let opts = SoftmaxMatmulOptions {
+                blocks: Some((b1, b2)),
+                ..Default::default()
+            };
+            let x = rand3::<B>([2, b1 + 1, 2 * b2 + 1], 8.0, dtype, device);
+            let v = rand3::<B>([2, 2 * b2 + 1, 40], 1.0, dtype, device);
+            check_forward(x, v, opts, dtype, &format!("blocks ({b1}, {b2})"));
+            let x = rand3::<B>([1, b1 - 1, b2 - 1], 8.0, dtype, device);
+            let v = rand3::<B>([1, b2 - 1, 17], 1.0, dtype, device);
+            check_forward(
+                x,
+                v,
+                opts,
+                dtype,
+                &format!("blocks ({b1}, {b2}), sizes − 1"),
+            );
+        }
+    }
+}
+
+/// Both inner-product paths (where the device has matrix units) agree with the reference.
+fn every_path<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for path in [SmmPath::Units, SmmPath::MatrixUnits] {
+        let opts = SoftmaxMatmulOptions {
+            path: Some(path),
+            ..Default::default()
+        };
+        let dims = SmmDims {
+            batch: 2,
+            d1: 70,
+            d2: 300,
+            d3: 72,
+        };
+        match softmax_matmul_plan::<B>(device, dims, dtype.into(), opts) {
+            Some(Ok(plan)) => assert_eq!(plan.path, path),
+            Some(Err(err)) => {
+                // Only the matrix units may be missing (no `mma` on this device, or f32).
+                assert_eq!(path, SmmPath::MatrixUnits, "{err}");
+                continue;
+            }
+            None => return,
+        }
+        let x = rand3::<B>([2, 70, 300], 8.0, dtype, device);
+        let v = rand3::<B>([2, 300, 72], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("{path:?}"));
+    }
+}
+
+/// f32 on the matrix units only with the explicit TF32 opt-in, then with TF32's precision.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn tf32_opt_in<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
+    let dims = SmmDims {
+        batch: 2,
+        d1: 70,
+        d2: 300,
+        d3: 72,
+    };
+    let plain = softmax_matmul_plan::<B>(device, dims, DType::F32, Default::default())
+        .expect("fused backend")
+        .expect("plan");
+    assert_eq!(
+        plain.path,
+        SmmPath::Units,
+        "f32 must stay off TF32 by default"
+    );
+    let opts = SoftmaxMatmulOptions {
+        allow_tf32: true,
+        ..Default::default()
+    };
+    let x = rand3::<B>([2, 70, 300], 8.0, FloatDType::F32, device);
+    let v = rand3::<B>([2, 300, 72], 1.0, FloatDType::F32, device);
+    check_forward(x, v, opts, FloatDType::F32, "TF32 opt-in");
+}
+
+fn panic_message(f: impl FnOnce()) -> String {
+    let err = catch_unwind(AssertUnwindSafe(f)).expect_err("must panic");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// Bad input panics before any launch with a message naming the problem.
+fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let x = rand3::<B>([2, 8, 16], 1.0, dtype, device);
+    let msg = panic_message(|| {
+        softmax_matmul(x.clone(), rand3::<B>([2, 15, 4], 1.0, dtype, device));
+    });
+    assert!(
+        msg.contains("`v` has 15 rows but `x` has 16 columns"),
+        "{msg}"
+    );
+    let msg = panic_message(|| {
+        softmax_matmul(x.clone(), rand3::<B>([3, 16, 4], 1.0, dtype, device));
+    });
+    assert!(
+        msg.contains("batch dims [3] differ from `x`'s [2]"),
+        "{msg}"
+    );
+    let msg = panic_message(|| {
+        softmax_matmul(
+            x.clone(),
+            random::<B, 4>([1, 2, 16, 4], -1.0, 1.0, dtype, device),
+        );
+    });
+    assert!(msg.contains("rank of `x` (3) or rank 2"), "{msg}");
+    let other = match dtype {
+        FloatDType::F32 if B::supports_dtype(device, DType::F16) => FloatDType::F16,
+        FloatDType::F32 => FloatDType::F64,
+        _ => FloatDType::F32,
+    };
+    let msg = panic_message(|| {
+        softmax_matmul(x.clone(), rand3::<B>([2, 16, 4], 1.0, other, device));
+    });
+    assert!(msg.contains("`v` has dtype"), "{msg}");
+    sync::<B>(device);
+}
+
+/// A forced block size outside the supported set is an error naming the choice, before launch.
+fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let x = rand3::<B>([2, 8, 16], 1.0, dtype, device);
+    let v = rand3::<B>([2, 16, 4], 1.0, dtype, device);
+    for blocks in [(48, 32), (32, 8), (128, 64)] {
+        let opts = SoftmaxMatmulOptions {
+            blocks: Some(blocks),
+            ..Default::default()
+        };
+        let msg = panic_message(|| {
+            softmax_matmul_with(x.clone(), v.clone(), opts);
+        });
+        assert!(
+            msg.contains(&format!("block sizes {blocks:?} cannot run")),
+            "{blocks:?}: {msg}"
+        );
+    }
+    sync::<B>(device);
+}
+
+/// Gradients of both inputs against the f64 reference and against Burn's autodiff of the
+/// composed `softmax(x)·v` (NdArray, f32), for plain, shared-`v` and masked inputs.
+fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    type A<B> = Autodiff<B>;
+    let cases: [([usize; 3], [usize; 3], bool); 4] = [
+        ([2, 37, 70], [2, 70, 24], false),
+        ([3, 65, 129], [1, 129, 33], false),
+        ([1, 7, 1025], [1, 1025, 8], false),
+        ([2, 9, 40], [2, 40, 16], true),
+    ];
+    for (xs, vs, masked) in cases {
+        let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?}");
+        let mut x = rand3::<A<B>>(xs, 4.0, dtype, device);
+        if masked {
+            // Row 1 of each batch fully −inf, row 2 half.
+            let mut m = vec![false; xs.iter().product()];
+            for b in 0..xs[0] {
+                for j in 0..xs[2] {
+                    m[(b * xs[1] + 1) * xs[2] + j] = true;
+                    m[(b * xs[1] + 2) * xs[2] + j] = j % 2 == 0;
+                }
+            }
+            let m = Tensor::<A<B>, 3, burn::tensor::Bool>::from_data(
+                burn::tensor::TensorData::new(m, xs),
+                device,
+            );
+            x = x.mask_fill(m, f32::NEG_INFINITY);
+        }
+        let x = x.detach().require_grad();
+        let v = rand3::<A<B>>(vs, 1.0, dtype, device).require_grad();
+        let w = rand3::<A<B>>([xs[0], xs[1], vs[2]], 1.0, dtype, device);
+        let out = softmax_matmul(x.clone(), v.clone());
+        let grads = (out * w.clone()).sum().backward();
+        let dx = read(x.grad(&grads).expect("dx"));
+        let dv = read(v.grad(&grads).expect("dv"));
+        sync::<B>(device);
+
+        let p = Problem::read(&x.clone().inner(), &v.clone().inner());
+        let g = read(w.clone().inner());
+        let (want_dx, want_dv) = p.backward(&g);
+        let e = eps(dtype);
+        // dx = P ⊙ (dP − delta): terms of size max|g|·max|v|·d3; dv sums d1 terms of P·g.
+        let dx_tol = Tol {
+            atol: (8.0 * e + 256.0 * 2f64.powi(-24)) * (p.d3 as f64).sqrt(),
+            rtol: 4.0 * e,
+        };
+        let dv_tol = Tol {
+            atol: (8.0 * e + 256.0 * 2f64.powi(-24)) * max_abs(&want_dv).max(1.0),
+            rtol: 4.0 * e,
+        };
+        assert_close(&dx, &want_dx, dx_tol, &format!("{ctx}: dx"));
+        assert_close(&dv, &want_dv, dv_tol, &format!("{ctx}: dv"));
+
+        #[cfg(feature = "ndarray")]
+        if !masked {
+            // Burn's autodiff of its composed expression (NaN on masked rows, so unmasked only).
+            type R = Autodiff<burn::backend::NdArray>;
+            let cpu = Default::default();
+            let up = |vals: &[f64], shape: [usize; 3]| {
+                let vals: Vec<f32> = vals.iter().map(|&a| a as f32).collect();
+                Tensor::<R, 3>::from_data(burn::tensor::TensorData::new(vals, shape), &cpu)
+            };
+            let xb = up(&p.x, xs).require_grad();
+            let vb = up(&p.v, vs).require_grad();
+            let yb = activation::softmax(xb.clone(), 2).matmul(vb.clone());
+            let grads = (yb * up(&g, [xs[0], xs[1], vs[2]])).sum().backward();
+            let dxb = read(xb.grad(&grads).expect("dx"));
+            let dvb = read(vb.grad(&grads).expect("dv"));
+            let twice = |t: Tol| Tol {
+                atol: 2.0 * t.atol,
+                rtol: 2.0 * t.rtol,
+            };
+            assert_close(&dx, &dxb, twice(dx_tol), &format!("{ctx}: dx vs Burn"));
+            assert_close(&dv, &dvb, twice(dv_tol), &format!("{ctx}: dv vs Burn"));
+        }
+    }
+}
+
+/// Peak device memory of the forward: inputs + output + 5%. The pool keeps freed pages
+/// reserved until a cleanup, so after a cleanup the growth of reserved memory across the call
+/// bounds the call's own allocations (no pooled page can be reused without having been
+/// reserved before).
+fn peak_memory<B: FlashBackend, R: burn_cubecl::cubecl::Runtime>(
+    device: &B::Device,
+    dtype: FloatDType,
+) where
+    R::Device: From<B::Device>,
+{
+    let (b, d1, d2, d3) = (4, 512, 2048, 64);
+    let client = R::client(&R::Device::from(device.clone()));
+    let x = rand3::<B>([b, d1, d2], 4.0, dtype, device);
+    let v = rand3::<B>([b, d2, d3], 1.0, dtype, device);
+    sync::<B>(device);
+    client.memory_cleanup();
+    let before = client.memory_usage().expect("memory usage");
+    let out = softmax_matmul(x.clone(), v.clone());
+    sync::<B>(device);
+    let after = client.memory_usage().expect("memory usage");
+    let elem = DType::from(dtype).size() as u64;
+    let inputs = ((b * d1 * d2 + b * d2 * d3) as u64) * elem;
+    let output = (b * d1 * d3) as u64 * elem;
+    let grown = after.bytes_reserved.saturating_sub(before.bytes_reserved);
+    let peak = inputs + grown;
+    assert!(
+        peak as f64 <= 1.05 * (inputs + output) as f64,
+        "peak {peak} B (inputs {inputs} B + {grown} B allocated by the call) > 1.05 × (inputs \
+         + output {output} B)"
+    );
+    drop((x, v, out));
+}
+
+/// The fallback (and any backend) returns the dtype it was given.
+fn dtype_is_honoured<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let x = rand3::<B>([2, 4, 8], 1.0, dtype, device);
+    let v = rand3::<B>([2, 8, 3], 1.0, dtype, device);
+    assert_eq!(softmax_matmul(x, v).dtype(), DType::from(dtype));
+    sync::<B>(device);
+}
+
+macro_rules! suite {
+    ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
+        mod $module {
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    let device = Default::default();
+                    super::$test::<$backend>(&device, $dtype);
+                }
+            )*
+        }
+    };
+}
+
+/// Tests every backend runs.
+macro_rules! common_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!(
+            $module,
+            $backend,
+            $dtype,
+            [
+                odd_and_boundary_sizes,
+                batch_dims_and_shared_v,
+                large_magnitudes,
+                masked_rows,
+                bad_input_is_refused,
+                gradients,
+                dtype_is_honoured,
+            ]
+        );
+    };
+}
+
+/// Tests of the fused kernels' own machinery.
+macro_rules! fused_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!(
+            $module,
+            $backend,
+            $dtype,
+            [
+                every_forced_block_size,
+                every_path,
+                impossible_blocks_are_refused
+            ]
+        );
+    };
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    type W = burn::backend::Wgpu;
+    common_suite!(f32, W, FloatDType::F32);
+    common_suite!(f16, W, FloatDType::F16);
+    fused_suite!(fused_f32, W, FloatDType::F32);
+    fused_suite!(fused_f16, W, FloatDType::F16);
+
+    #[test]
+    fn peak_memory_f32() {
+        peak_memory::<W, burn::backend::wgpu::WgpuRuntime>(&Default::default(), FloatDType::F32);
+    }
+
+    #[test]
+    fn empty_and_degenerate() {
+        let device = Default::default();
+        // d2 = 0: every row is empty, hence "fully masked": zeros.
+        let x = Tensor::<W, 3>::zeros([2, 3, 0], &device);
+        let v = Tensor::<W, 3>::zeros([2, 0, 4], &device);
+        let out = softmax_matmul(x, v);
+        sync::<W>(&device);
+        assert_eq!(out.dims(), [2, 3, 4]);
+        assert!(read(out).iter().all(|&a| a == 0.0));
+        let x = Tensor::<W, 3>::zeros([2, 0, 5], &device);
+        let v = Tensor::<W, 3>::ones([2, 5, 4], &device);
+        assert_eq!(softmax_matmul(x, v).dims(), [2, 0, 4]);
+        sync::<W>(&device);
+    }
+
+    mod unfused {
+        use super::*;
+        type U = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
+        suite!(f32, U, FloatDType::F32, [odd_and_boundary_sizes, gradients]);
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    type C = burn::backend::Cuda;
+    common_suite!(f32, C, FloatDType::F32);
+    common_suite!(f16, C, FloatDType::F16);
+    common_suite!(bf16, C, FloatDType::BF16);
+    fused_suite!(fused_f32, C, FloatDType::F32);
+    fused_suite!(fused_f16, C, FloatDType::F16);
+    fused_suite!(fused_bf16, C, FloatDType::BF16);
+    suite!(tf32, C, FloatDType::F32, [tf32_opt_in]);
+
+    #[test]
+    fn peak_memory_f32() {
+        peak_memory::<C, burn::backend::cuda::CudaRuntime>(&Default::default(), FloatDType::F32);
+    }
+
+    #[test]
+    fn peak_memory_f16() {
+        peak_memory::<C, burn::backend::cuda::CudaRuntime>(&Default::default(), FloatDType::F16);
+    }
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    type N = burn::backend::NdArray;
+    common_suite!(f32, N, FloatDType::F32);
+}
