@@ -14,6 +14,9 @@ use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 
 use crate::FlashBackend;
 
+/// Two float tensors of `Autodiff<B, C>`: the op's two results.
+type Pair<B, C> = (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>);
+
 #[derive(Debug)]
 struct SoftmaxMatmulBackward;
 
@@ -44,7 +47,7 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     v: FloatTensor<Autodiff<B, C>>,
     options: SoftmaxMatmulOptions,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+) -> Pair<B, C> {
     let (out, lse) = match SoftmaxMatmulBackward
         .prepare::<C>([x.node.clone(), v.node.clone()])
         .compute_bound()
@@ -75,7 +78,7 @@ pub(crate) fn backward<B: FlashBackend, C: CheckpointStrategy>(
     out: FloatTensor<Autodiff<B, C>>,
     lse: FloatTensor<Autodiff<B, C>>,
     d_out: FloatTensor<Autodiff<B, C>>,
-) -> (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>) {
+) -> Pair<B, C> {
     use burn::tensor::backend::AutodiffBackend;
     let (dx, dv) = B::flash_softmax_matmul_backward(
         x.primitive,

@@ -318,8 +318,8 @@ pub fn smm_forward_mma<F: Float, M: Float, NI: Size, NC: Size>(
                     }
                     b_frag[i] = vec;
                 }
-                let mut c_frag = acc.index_mut(nt as usize);
-                def.execute_inplace(a, &b_frag, &mut c_frag);
+                let c_frag = acc.index_mut(nt as usize);
+                def.execute_inplace(a, &b_frag, c_frag);
             }
         }
         sync_cube();
@@ -332,7 +332,7 @@ pub fn smm_forward_mma<F: Float, M: Float, NI: Size, NC: Size>(
         let total = quad_sum(l[r]);
         inv[r] = select(total == 0.0f32, 0.0f32, 1.0f32 / total);
         let row = row0 + (lane / 4 + r as u32 * 8) as usize;
-        if lane % 4 == 0 && row < d1 && CUBE_POS_X == 0 {
+        if (lane & 3) == 0 && row < d1 && CUBE_POS_X == 0 {
             // ln 0 = −inf: a row without a finite score gets lse = −inf.
             let at = batch * lse.stride(0) + row * lse.stride(1);
             lse[at] = m[r] + f32::ln(total);
