@@ -86,7 +86,7 @@ fn wgpu_forward_within_inputs_plus_output() {
 #[test]
 fn cuda_forward_within_inputs_plus_output() {
     type C = burn::backend::Cuda;
-    type R = burn::backend::cuda::CudaRuntime;
+    type R = burn_cubecl::cubecl::cuda::CudaRuntime;
     let device = Default::default();
     peak_memory::<C, R>(&device, FloatDType::F32, true);
     peak_memory::<C, R>(&device, FloatDType::F32, false);
