@@ -8,7 +8,11 @@
 //! `tx, tx + 16, …` of the cube's output tile, so that the 16 units of a half-plane read 16
 //! consecutive columns of the second operand and one broadcast row of the first.
 
-use cubecl::prelude::*;
+use cubecl::{ir::FastMath, prelude::*};
+
+// The kernels below let `exp` (and `ln`) lower to the hardware's approximate versions
+// (`ex2.approx` on CUDA: ~2 ulp; +0 for −inf, NaN for NaN), as FlashAttention does: the f32
+// reference comparisons in the tests hold with that precision.
 
 /// Units per cube of every kernel here (a 16 × 16 grid).
 pub const UNITS: u32 = 256;
@@ -91,7 +95,10 @@ pub fn tile_fma(
 /// Per step of `block_2` columns: the units of each row (`UNITS / block_1` of them, columns
 /// interleaved so loads coalesce) find the step's maximum `m'`, write `P = e^(x − m')` to shared
 /// memory and sum it; the accumulator is rescaled by `e^(m − m')` and `P·V_j` is added.
-#[cube(launch_unchecked)]
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 pub fn smm_forward<F: Float>(
     x: &Tensor<F>,
     v: &Tensor<F>,
@@ -280,7 +287,10 @@ fn probability(x: f32, lse: f32, neg_inf: f32) -> f32 {
 ///
 /// Grid: `(column tiles of d2, row tiles of d1, batch)`. The product `dO·Vᵀ` is accumulated over
 /// `d3` in steps of `depth`; `x` is read only in the epilogue.
-#[cube(launch_unchecked)]
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn smm_backward_dx<F: Float>(
     x: &Tensor<F>,
@@ -389,7 +399,10 @@ pub fn smm_backward_dx<F: Float>(
 ///
 /// Grid: `(column tiles of d3, row tiles of d2, batch / inner_batches)`; the product runs over
 /// `d1` in steps of `depth`.
-#[cube(launch_unchecked)]
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 #[allow(clippy::too_many_arguments)]
 pub fn smm_backward_dv<F: Float>(
     x: &Tensor<F>,

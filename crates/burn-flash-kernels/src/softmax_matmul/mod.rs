@@ -257,7 +257,9 @@ pub fn plan_softmax_matmul<R: Runtime>(
         SmmPath::MatrixUnits => {
             let t3 = [128, 64, 32, 16]
                 .into_iter()
-                .find(|&t3| t3 <= d3_cap && mma::shared_bytes(b1, b2, t3, dtype) <= max_shared)
+                .find(|&t3| {
+                    t3 <= d3_cap && mma::shared_bytes(client, b1, b2, t3, dtype) <= max_shared
+                })
                 .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
                     blocks: (b1, b2),
                     reason: format!("needs more than the device's {max_shared} B of shared memory"),
@@ -383,6 +385,10 @@ pub fn launch_softmax_matmul<R: Runtime>(
         block_2: plan.block_2 as u32,
         tile_3: plan.tile_3 as u32,
     };
+    let mut v_strides = v.strides.to_vec();
+    if shared_v {
+        v_strides[0] = 0;
+    }
     // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
     let lse_arg = arg::<R>(&lse, false);
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
@@ -410,6 +416,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
                 tiles,
                 dtype,
                 elem_is(dtype, cubecl::ir::FloatKind::F32),
+                mma::load_vector((x.shape, x.strides), (v.shape, &v_strides), dtype),
             ),
         }
     }
