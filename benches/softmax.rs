@@ -30,7 +30,7 @@ struct Row {
     result: Result<f64, String>,
 }
 
-fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
+fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str, suffix: &str) {
     type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
     type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
     let quick = flag("--quick");
@@ -51,7 +51,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
         .split(',')
         .map(str::to_owned)
         .collect();
-    let csv_path = out_path("softmax.csv");
+    let csv_path = out_path(&format!("softmax{suffix}.csv"));
     let mut csv = Csv::new(
         &csv_path,
         &[
@@ -283,7 +283,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, backend: &str) {
         strided_section::<R, BT>(&device, backend, samples, &mut csv);
     }
     println!("wrote {}", csv_path.display());
-    plot_csv(&csv_path, &out_path("softmax.png"));
+    plot_csv(&csv_path, &csv_path.with_extension("png"));
 }
 
 /// A non-contiguous softmax dim: `x = a.swap_dims(0, 1)` with `a` contiguous `[n, rows]`, so
@@ -429,12 +429,15 @@ fn main() {
         plot_csv(&csv, &csv.with_extension("png"));
         return;
     }
+    // With both runtimes built in, both run in this process: CUDA's files keep the plain
+    // names, wgpu's get a `-wgpu` suffix.
     #[cfg(feature = "cuda")]
     {
-        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "cuda");
+        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "cuda", "");
     }
-    #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+    #[cfg(feature = "wgpu")]
     {
-        bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), "wgpu");
+        let suffix = if cfg!(feature = "cuda") { "-wgpu" } else { "" };
+        bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), "wgpu", suffix);
     }
 }

@@ -14,8 +14,9 @@
 //! configuration (out of memory, unsupported block) is logged and recorded with empty
 //! measurements, and the sweep goes on. PNG plots next to the CSVs.
 //!
-//! `cargo bench --bench softmax_matmul [-- --quick] [--out DIR] [--d2s 64,128]` (CUDA with
-//! `--features cuda`, else wgpu).
+//! `cargo bench --bench softmax_matmul [-- --quick] [--out DIR] [--d2s 64,128]`: wgpu by
+//! default; with `--features cuda` CUDA, and wgpu too in the same process when both features
+//! are on (its files then end in `-wgpu`).
 
 mod common;
 
@@ -161,8 +162,9 @@ struct PlotRow {
     mib: f64,
 }
 
-fn bench<R: CubeRuntime>(device: R::Device) {
-    type B<R> = burn_fusion::Fusion<burn_cubecl::CubeBackend<R, f32, i32, u8>>;
+/// One runtime's sweeps; `suffix` tells the output files of a second runtime apart.
+fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix: &str) {
+    type B<R, BT> = burn_fusion::Fusion<burn_cubecl::CubeBackend<R, f32, i32, BT>>;
     let quick = flag("--quick");
     let (batch, d1, d3) = if quick { (2, 256, 64) } else { (BATCH, D1, D3) };
     let d2s: Vec<usize> = arg("--d2s")
@@ -176,13 +178,13 @@ fn bench<R: CubeRuntime>(device: R::Device) {
         });
     let passes = if quick { (2, 5) } else { (10, 100) };
     let client = R::client(&device);
-    let sync = || B::<R>::sync(&device).expect("sync");
+    let sync = || B::<R, BT>::sync(&device).expect("sync");
     let with_tf32 = cfg!(feature = "cuda");
     let mut plot_rows: Vec<PlotRow> = Vec::new();
 
     // -- f32 forward: the exact CSV --
     let mut csv = Csv::new(
-        &out_path("softmax_matmul.csv"),
+        &out_path(&format!("softmax_matmul{suffix}.csv")),
         &[
             "batch_size",
             "d1",
@@ -212,12 +214,13 @@ fn bench<R: CubeRuntime>(device: R::Device) {
     for &d2 in &d2s {
         for imp in impls(with_tf32) {
             let result = attempt(|| {
-                let x = Tensor::<B<R>, 3>::random(
+                let x = Tensor::<B<R, BT>, 3>::random(
                     [batch, d1, d2],
                     Distribution::Normal(0.0, 2.0),
                     &device,
                 );
-                let v = Tensor::<B<R>, 3>::random([batch, d2, d3], Distribution::Default, &device);
+                let v =
+                    Tensor::<B<R, BT>, 3>::random([batch, d2, d3], Distribution::Default, &device);
                 let inputs = ((batch * d1 * d2 + batch * d2 * d3) * 4) as u64;
                 measure(
                     &client,
@@ -274,7 +277,7 @@ fn bench<R: CubeRuntime>(device: R::Device) {
 
     // -- f16 / bf16 forward (heuristic) and forward + backward (f32, d2 ≤ 4096) --
     let mut lowp = Csv::new(
-        &out_path("softmax_matmul_lowp.csv"),
+        &out_path(&format!("softmax_matmul{suffix}_lowp.csv")),
         &[
             "dtype",
             "batch_size",
@@ -293,7 +296,7 @@ fn bench<R: CubeRuntime>(device: R::Device) {
     for (dtype, label) in [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")] {
         // A dtype the device lacks is recorded, not run (a failed launch would poison Fusion's
         // stream for the rest of the process).
-        if !B::<R>::supports_dtype(&device, dtype.into()) {
+        if !B::<R, BT>::supports_dtype(&device, dtype.into()) {
             println!("{label}: not supported by this device, skipped");
             lowp.push(vec![
                 label.into(),
@@ -314,15 +317,18 @@ fn bench<R: CubeRuntime>(device: R::Device) {
         for &d2 in &d2s {
             for imp in [Impl::Flash(Default::default()), Impl::Composed] {
                 let result = attempt(|| {
-                    let x = Tensor::<B<R>, 3>::random(
+                    let x = Tensor::<B<R, BT>, 3>::random(
                         [batch, d1, d2],
                         Distribution::Normal(0.0, 2.0),
                         &device,
                     )
                     .cast(dtype);
-                    let v =
-                        Tensor::<B<R>, 3>::random([batch, d2, d3], Distribution::Default, &device)
-                            .cast(dtype);
+                    let v = Tensor::<B<R, BT>, 3>::random(
+                        [batch, d2, d3],
+                        Distribution::Default,
+                        &device,
+                    )
+                    .cast(dtype);
                     let inputs = ((batch * d1 * d2 + batch * d2 * d3) * 2) as u64;
                     measure(
                         &client,
@@ -365,7 +371,7 @@ fn bench<R: CubeRuntime>(device: R::Device) {
     }
 
     let mut bwd = Csv::new(
-        &out_path("softmax_matmul_backward.csv"),
+        &out_path(&format!("softmax_matmul{suffix}_backward.csv")),
         &[
             "dtype",
             "batch_size",
@@ -381,19 +387,21 @@ fn bench<R: CubeRuntime>(device: R::Device) {
             "note",
         ],
     );
-    type A<R> = Autodiff<B<R>>;
+    type A<R, BT> = Autodiff<B<R, BT>>;
     for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096) {
         for imp in [Impl::Flash(Default::default()), Impl::Composed] {
             let result = attempt(|| {
-                let x = Tensor::<A<R>, 3>::random(
+                let x = Tensor::<A<R, BT>, 3>::random(
                     [batch, d1, d2],
                     Distribution::Normal(0.0, 2.0),
                     &device,
                 )
                 .require_grad();
-                let v = Tensor::<A<R>, 3>::random([batch, d2, d3], Distribution::Default, &device)
-                    .require_grad();
-                let w = Tensor::<A<R>, 3>::random([batch, d1, d3], Distribution::Default, &device);
+                let v =
+                    Tensor::<A<R, BT>, 3>::random([batch, d2, d3], Distribution::Default, &device)
+                        .require_grad();
+                let w =
+                    Tensor::<A<R, BT>, 3>::random([batch, d1, d3], Distribution::Default, &device);
                 let inputs = ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * 4) as u64;
                 measure(
                     &client,
@@ -439,8 +447,8 @@ fn bench<R: CubeRuntime>(device: R::Device) {
         }
     }
 
-    matmul_precision::<B<R>>(&device);
-    draw(&plot_rows);
+    matmul_precision::<B<R, BT>>(&device, suffix);
+    draw(&plot_rows, suffix);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -507,7 +515,7 @@ fn report(
 
 /// Whether Burn's f32 matmul rounds its operands to TF32: its error against an f64 product
 /// on the host (f32 accumulation of 1024 terms: ~1e-6 relative; TF32 operands: ~1e-3).
-fn matmul_precision<B: Backend>(device: &B::Device) {
+fn matmul_precision<B: Backend>(device: &B::Device, suffix: &str) {
     let (m, k, n) = (256, 1024, 256);
     let a: Vec<f32> = (0..m * k)
         .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
@@ -542,7 +550,7 @@ fn matmul_precision<B: Backend>(device: &B::Device) {
         "full f32"
     };
     println!("Burn f32 matmul {m}x{k}x{n}: max |error| / Σ|a·b| = {worst:.2e} → {verdict}");
-    let path = out_path("matmul_precision.txt");
+    let path = out_path(&format!("matmul_precision{suffix}.txt"));
     std::fs::write(
         &path,
         format!("burn_f32_matmul_rel_error,{worst:e},{verdict}\n"),
@@ -550,7 +558,7 @@ fn matmul_precision<B: Backend>(device: &B::Device) {
     .expect("write");
 }
 
-fn draw(rows: &[PlotRow]) {
+fn draw(rows: &[PlotRow], suffix: &str) {
     let mut panels: Vec<Panel> = Vec::new();
     for r in rows {
         for (title, y_label, y) in [
@@ -578,18 +586,21 @@ fn draw(rows: &[PlotRow]) {
             }
         }
     }
-    let png = out_path("softmax_matmul.png");
+    let png = out_path(&format!("softmax_matmul{suffix}.png"));
     plot(&png, "d2", &panels);
     println!("wrote {}", png.display());
 }
 
 fn main() {
+    // With both runtimes built in, both run in this process: CUDA's files keep the plain names,
+    // wgpu's get a `-wgpu` suffix.
     #[cfg(feature = "cuda")]
     {
-        bench::<cubecl::cuda::CudaRuntime>(Default::default());
+        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "");
     }
-    #[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+    #[cfg(feature = "wgpu")]
     {
-        bench::<burn::backend::wgpu::WgpuRuntime>(Default::default());
+        let suffix = if cfg!(feature = "cuda") { "-wgpu" } else { "" };
+        bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), suffix);
     }
 }

@@ -90,8 +90,13 @@ fn wgpu_forward_within_inputs_plus_output() {
     peak_memory::<W, R>(&device, FloatDType::F16, false, WGPU_SIZE);
 }
 
+/// Not a check on CUDA yet: cubecl's CUDA pool had 7 GB reserved before the call on an H100
+/// (1.6 GB in an earlier process), so even a 2 GiB score matrix caused no growth and the
+/// self-check (the composed op must fail) did not trip. Run with `--ignored` to see that; the
+/// CUDA memory claim is unverified until the measurement reads the driver's free memory.
 #[cfg(feature = "cuda")]
 #[test]
+#[ignore = "reserved-memory growth cannot see the op's allocations in cubecl's CUDA pool"]
 fn cuda_forward_within_inputs_plus_output() {
     type C = burn::backend::Cuda;
     type R = burn_cubecl::cubecl::cuda::CudaRuntime;

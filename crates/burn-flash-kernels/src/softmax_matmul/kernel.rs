@@ -4,7 +4,7 @@
 //! 0 shares one `V` between batches). Values are stored in `F`; all arithmetic is in f32.
 //!
 //! A cube has [`UNITS`] units in a 16 × 16 grid. Products of two shared-memory tiles are
-//! register-tiled ([`tile_fma`]): unit `(ty, tx)` owns rows `ty·TM .. ty·TM + TM` and columns
+//! register-tiled ([`tile_fma()`]): unit `(ty, tx)` owns rows `ty·TM .. ty·TM + TM` and columns
 //! `tx, tx + 16, …` of the cube's output tile, so that the 16 units of a half-plane read 16
 //! consecutive columns of the second operand and one broadcast row of the first.
 
@@ -19,7 +19,7 @@ pub const UNITS: u32 = 256;
 /// Side of the unit grid.
 pub const GRID: u32 = 16;
 
-/// Comptime configuration of [`smm_forward`].
+/// Comptime configuration of [`smm_forward()`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ForwardTiles {
     /// Rows of `X` (and of the output) per cube.
@@ -86,20 +86,30 @@ pub fn tile_fma(
     }
 }
 
+/// Columns of the forward's unit grid: a plane per grid row, so that every unit of a plane
+/// reads the same `P` vector (a broadcast) and 32 consecutive `V` vectors.
+pub const FORWARD_GRID_X: u32 = 32;
+/// Rows of the forward's unit grid.
+pub const FORWARD_GRID_Y: u32 = UNITS / FORWARD_GRID_X;
+
 /// `out = softmax(x)·v` row block by row block, never storing the softmax, plus the row
 /// log-sum-exp `lse = m + ln l` (−inf for a row without a finite score, whose output is 0).
 ///
 /// Grid: `(output column tiles, row blocks, batch)`; column tiles are the fastest axis so that
 /// the cubes reading the same rows of `x` run together and share them through L2.
 ///
-/// Per step of `block_2` columns: the units of each row (`UNITS / block_1` of them, columns
-/// interleaved so loads coalesce) find the step's maximum `m'`, write `P = e^(x − m')` to shared
-/// memory and sum it; the accumulator is rescaled by `e^(m − m')` and `P·V_j` is added.
+/// Per step of `block_2` columns: each unit takes groups of 4 consecutive scores of one row
+/// (`block_1 · block_2 / 4` groups), the row's step maximum `m'` is reduced through shared
+/// memory, `P = e^(x − m')` is written to shared memory as 4-vectors along the row and summed,
+/// the accumulator is rescaled by `e^(m − m')` and `P·V_j` is added. In the product, unit
+/// `(ty, tx)` of the 8 × 32 grid owns rows `ty·tm ..` and the `NT` consecutive columns
+/// `tx·NT ..`: per 4 steps of `k` it reads `tm` broadcast `P` vectors and 4 `V` vectors for
+/// `16·tm·NT`… FMAs, so shared memory feeds the FMA units.
 #[cube(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
-pub fn smm_forward<F: Float>(
+pub fn smm_forward<F: Float, NT: Size>(
     x: &Tensor<F>,
     v: &Tensor<F>,
     out: &mut Tensor<F>,
@@ -107,13 +117,15 @@ pub fn smm_forward<F: Float>(
     #[comptime] t: ForwardTiles,
     #[define(F)] _dtype: StorageType,
 ) {
+    let nt = NT::value();
     let b1 = comptime!(t.block_1);
     let b2 = comptime!(t.block_2);
     let t3 = comptime!(t.tile_3);
-    let per_row = comptime!(UNITS / t.block_1);
-    let per_unit = comptime!(t.block_1 * t.block_2 / UNITS);
-    let tm = comptime!(t.block_1 / GRID);
-    let tn = comptime!(t.tile_3 / GRID);
+    // Groups of 4 scores per row, and the pitch of a `P` row in 4-vectors.
+    let groups = comptime!(t.block_2 / 4);
+    let tm = comptime!(t.block_1 / FORWARD_GRID_Y);
+    let group_rounds = comptime!((t.block_1 * t.block_2 / 4).div_ceil(UNITS));
+    let v_pitch = comptime!(t.tile_3 as usize / nt);
 
     let batch = CUBE_POS_Z as usize;
     let row0 = (CUBE_POS_Y * b1) as usize;
@@ -125,111 +137,166 @@ pub fn smm_forward<F: Float>(
     let v_base = batch * v.stride(0);
     let (xs1, xs2) = (x.stride(1), x.stride(2));
     let (vs1, vs2) = (v.stride(1), v.stride(2));
+    let ty = UNIT_POS / FORWARD_GRID_X;
+    let tx = UNIT_POS % FORWARD_GRID_X;
 
-    // Statistics role: row `sr` of the block, columns `sq + per_row·k` of each step.
-    let sr = UNIT_POS / per_row;
-    let sq = UNIT_POS % per_row;
-    let srow = row0 + sr as usize;
-    let srow_ok = srow < d1;
-    // Product role: unit (ty, tx) of the 16 × 16 grid.
-    let ty = UNIT_POS / GRID;
-    let tx = UNIT_POS % GRID;
-
-    let mut p_s = SharedMemory::<f32>::new(comptime!((t.block_1 * t.block_2) as usize));
-    let mut v_s = SharedMemory::<f32>::new(comptime!((t.block_2 * t.tile_3) as usize));
-    let mut red_max = SharedMemory::<f32>::new(UNITS as usize);
-    let mut red_sum = SharedMemory::<f32>::new(UNITS as usize);
+    let mut p_s =
+        SharedMemory::<Vector<f32, Const<4>>>::new(comptime!((t.block_1 * t.block_2 / 4) as usize));
+    let mut v_s = SharedMemory::<Vector<f32, NT>>::new(comptime!(t.block_2 as usize * v_pitch));
+    let mut red = SharedMemory::<f32>::new(comptime!((t.block_1 * t.block_2 / 4) as usize));
     let mut row_s = SharedMemory::<f32>::new(comptime!(t.block_1 as usize));
 
-    let mut acc = Array::<f32>::new(comptime!((tm * tn) as usize));
+    let mut acc = Array::<Vector<f32, NT>>::new(comptime!(tm as usize));
     #[unroll]
-    for i in 0..tm * tn {
-        acc[i as usize] = 0.0f32;
+    for i in 0..tm {
+        acc[i as usize] = Vector::new(0.0f32);
     }
-    let mut xv = Array::<f32>::new(comptime!(per_unit as usize));
-    let mut m = f32::min_value();
-    let mut l = 0.0f32;
+    // Statistics of the rows of this unit's groups (one row per round).
+    let mut m = Array::<f32>::new(comptime!(group_rounds as usize));
+    let mut l = Array::<f32>::new(comptime!(group_rounds as usize));
+    let mut xg = Array::<Vector<f32, Const<4>>>::new(comptime!(group_rounds as usize));
+    let mut alpha = Array::<f32>::new(comptime!(group_rounds as usize));
+    #[unroll]
+    for e in 0..group_rounds {
+        m[e as usize] = f32::min_value();
+        l[e as usize] = 0.0f32;
+    }
 
     let steps = d2.div_ceil(b2 as usize);
     for step in 0..steps {
         let j0 = step * b2 as usize;
-        // -- this step's scores of row `sr`, and their maximum --
-        let mut step_max = f32::min_value();
+        // -- a. this unit's groups of scores and their maxima; the V tile --
         #[unroll]
-        for k in 0..per_unit {
-            let col = j0 + (sq + k * per_row) as usize;
-            let mut val = f32::min_value();
-            if srow_ok && col < d2 {
-                val = f32::cast_from(x[x_base + srow * xs1 + col * xs2]);
-            }
-            xv[k as usize] = val;
-            step_max = f32::max(step_max, val);
-        }
-        red_max[UNIT_POS as usize] = step_max;
-        // -- this step's tile of V (zeros past the edges) --
-        #[unroll]
-        for e in 0..comptime!(t.block_2 * t.tile_3 / UNITS) {
+        for e in 0..group_rounds {
             let idx = UNIT_POS + e * UNITS;
-            let kk = (idx / t3) as usize;
-            let cc = (idx % t3) as usize;
-            let mut val = 0.0f32;
-            if j0 + kk < d2 && col0 + cc < d3 {
-                val = f32::cast_from(v[v_base + (j0 + kk) * vs1 + (col0 + cc) * vs2]);
+            if idx < b1 * groups {
+                let (r, g) = (idx / groups, idx % groups);
+                let row = row0 + r as usize;
+                let mut vec = Vector::<f32, Const<4>>::new(f32::min_value());
+                let mut gmax = f32::min_value();
+                #[unroll]
+                for q in 0..4u32 {
+                    let col = j0 + (g * 4 + q) as usize;
+                    if row < d1 && col < d2 {
+                        let val = f32::cast_from(x[x_base + row * xs1 + col * xs2]);
+                        vec[q as usize] = val;
+                        gmax = f32::max(gmax, val);
+                    }
+                }
+                xg[e as usize] = vec;
+                red[idx as usize] = gmax;
             }
-            v_s[idx as usize] = val;
+        }
+        #[unroll]
+        for e in 0..comptime!((t.block_2 as usize * v_pitch).div_ceil(UNITS as usize)) {
+            let idx = UNIT_POS as usize + e * UNITS as usize;
+            if idx < comptime!(t.block_2 as usize * v_pitch) {
+                let (k, cv) = (idx / v_pitch, idx % v_pitch);
+                let mut vec = Vector::<f32, NT>::new(0.0f32);
+                #[unroll]
+                for c in 0..nt {
+                    let col = col0 + cv * nt + c;
+                    if j0 + k < d2 && col < d3 {
+                        vec[c] = f32::cast_from(v[v_base + (j0 + k) * vs1 + col * vs2]);
+                    }
+                }
+                v_s[idx] = vec;
+            }
         }
         sync_cube();
 
-        let mut m_new = m;
+        // -- b. new row maxima, P = e^(x − m') (0 outside the row), its partial sums --
+        let mut psum = Array::<f32>::new(comptime!(group_rounds as usize));
         #[unroll]
-        for q in 0..per_row {
-            m_new = f32::max(m_new, red_max[(sr * per_row + q) as usize]);
-        }
-        // Both finite (seeded with the lowest finite value), so never −inf − (−inf).
-        let alpha = f32::exp(m - m_new);
-        let mut step_sum = 0.0f32;
-        #[unroll]
-        for k in 0..per_unit {
-            let col = j0 + (sq + k * per_row) as usize;
-            let mut p = 0.0f32;
-            if col < d2 {
-                p = f32::exp(xv[k as usize] - m_new);
+        for e in 0..group_rounds {
+            let idx = UNIT_POS + e * UNITS;
+            psum[e as usize] = 0.0f32;
+            if idx < b1 * groups {
+                let (r, g) = (idx / groups, idx % groups);
+                let mut m_new = m[e as usize];
+                for q in 0..groups {
+                    m_new = f32::max(m_new, red[(r * groups + q) as usize]);
+                }
+                // Both finite (seeded with the lowest finite value): never −inf − (−inf).
+                alpha[e as usize] = f32::exp(m[e as usize] - m_new);
+                m[e as usize] = m_new;
+                let xv = xg[e as usize];
+                let mut p = Vector::<f32, Const<4>>::new(0.0f32);
+                #[unroll]
+                for q in 0..4u32 {
+                    if j0 + ((g * 4 + q) as usize) < d2 {
+                        p[q as usize] = f32::exp(xv[q as usize] - m_new);
+                    }
+                }
+                p_s[idx as usize] = p;
+                psum[e as usize] = p[0usize] + p[1usize] + p[2usize] + p[3usize];
             }
-            p_s[(sr * b2 + sq + k * per_row) as usize] = p;
-            step_sum += p;
         }
-        red_sum[UNIT_POS as usize] = step_sum;
-        if sq == 0 {
-            row_s[sr as usize] = alpha;
+        sync_cube();
+        #[unroll]
+        for e in 0..group_rounds {
+            let idx = UNIT_POS + e * UNITS;
+            if idx < b1 * groups {
+                red[idx as usize] = psum[e as usize];
+                let g = idx % groups;
+                if g == 0 {
+                    row_s[(idx / groups) as usize] = alpha[e as usize];
+                }
+            }
         }
-        m = m_new;
         sync_cube();
 
-        let mut total = 0.0f32;
+        // -- c. running sums; rescale the accumulator; acc += P·V_j --
         #[unroll]
-        for q in 0..per_row {
-            total += red_sum[(sr * per_row + q) as usize];
+        for e in 0..group_rounds {
+            let idx = UNIT_POS + e * UNITS;
+            if idx < b1 * groups {
+                let r = idx / groups;
+                let mut total = 0.0f32;
+                for q in 0..groups {
+                    total += red[(r * groups + q) as usize];
+                }
+                l[e as usize] = alpha[e as usize] * l[e as usize] + total;
+            }
         }
-        l = alpha * l + total;
         #[unroll]
         for i in 0..tm {
-            let scale = row_s[(ty * tm + i) as usize];
+            acc[i as usize] = acc[i as usize] * Vector::new(row_s[(ty * tm + i) as usize]);
+        }
+        let a_base = (ty * tm * groups) as usize;
+        for kv in 0..groups {
+            let mut a = Array::<Vector<f32, Const<4>>>::new(comptime!(tm as usize));
             #[unroll]
-            for c in 0..tn {
-                acc[(i * tn + c) as usize] *= scale;
+            for i in 0..tm {
+                a[i as usize] = p_s[a_base + (i * groups + kv) as usize];
+            }
+            #[unroll]
+            for kk in 0..4u32 {
+                let bv = v_s[(kv * 4 + kk) as usize * v_pitch + tx as usize];
+                #[unroll]
+                for i in 0..tm {
+                    let ai = a[i as usize];
+                    acc[i as usize] += Vector::new(ai[kk as usize]) * bv;
+                }
             }
         }
-        tile_fma(&p_s, &v_s, &mut acc, ty, tx, b2, 1u32, t3, 1u32, b2, tm, tn);
         sync_cube();
     }
 
     // -- normalise and store --
-    if sq == 0 {
-        row_s[sr as usize] = l;
-        if srow_ok && CUBE_POS_X == 0 {
-            // ln 0 = −inf: a row without a finite score gets lse = −inf.
-            let at = batch * lse.stride(0) + srow * lse.stride(1);
-            lse[at] = m + f32::ln(l);
+    #[unroll]
+    for e in 0..group_rounds {
+        let idx = UNIT_POS + e * UNITS;
+        let g = idx % groups;
+        if idx < b1 * groups && g == 0 {
+            let r = idx / groups;
+            row_s[r as usize] = l[e as usize];
+            let row = row0 + r as usize;
+            if row < d1 && CUBE_POS_X == 0 {
+                // ln 0 = −inf: a row without a finite score gets lse = −inf.
+                let at = batch * lse.stride(0) + row * lse.stride(1);
+                lse[at] = m[e as usize] + f32::ln(l[e as usize]);
+            }
         }
     }
     sync_cube();
@@ -241,12 +308,12 @@ pub fn smm_forward<F: Float>(
         let row = row0 + r as usize;
         let sum = row_s[r as usize];
         let inv = select(sum == 0.0f32, 0.0f32, 1.0f32 / sum);
+        let vec = acc[i as usize];
         #[unroll]
-        for c in 0..tn {
-            let col = col0 + (tx + c * GRID) as usize;
+        for c in 0..nt {
+            let col = col0 + tx as usize * nt + c;
             if row < d1 && col < d3 {
-                out[o_base + row * os1 + col * os2] =
-                    F::cast_from(acc[(i * tn + c) as usize] * inv);
+                out[o_base + row * os1 + col * os2] = F::cast_from(vec[c] * inv);
             }
         }
     }

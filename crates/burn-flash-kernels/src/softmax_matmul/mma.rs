@@ -69,7 +69,7 @@ pub fn units(block_1: usize) -> u32 {
     (block_1 as u32 / MMA_M) * PLANE
 }
 
-/// Whether the 16-bit kernel ([`smm_forward_mma16`], `ldmatrix` loads) runs for `dtype`.
+/// Whether the 16-bit kernel ([`smm_forward_mma16()`], `ldmatrix` loads) runs for `dtype`.
 fn uses_ldmatrix<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
     dtype.size() == 2
         && client
@@ -101,7 +101,10 @@ pub fn shared_bytes<R: Runtime>(
 /// along the row, row and batch strides and row lengths multiples of it.
 pub fn load_vector(x: (&[usize], &[usize]), v: (&[usize], &[usize]), dtype: StorageType) -> usize {
     let fits = |shape: &[usize], strides: &[usize], n: usize| {
-        strides[2] == 1 && shape[2] % n == 0 && strides[1] % n == 0 && strides[0] % n == 0
+        strides[2] == 1
+            && shape[2].is_multiple_of(n)
+            && strides[1].is_multiple_of(n)
+            && strides[0].is_multiple_of(n)
     };
     [16 / dtype.size(), 4, 2]
         .into_iter()
@@ -109,7 +112,7 @@ pub fn load_vector(x: (&[usize], &[usize]), v: (&[usize], &[usize]), dtype: Stor
         .unwrap_or(1)
 }
 
-/// Launches [`smm_forward_mma`]; `tf32` selects TF32 operands for f32 inputs.
+/// Launches [`smm_forward_mma()`]; `tf32` selects TF32 operands for f32 inputs.
 ///
 /// # Safety
 /// The tensor arguments must describe valid buffers of the shapes [`super::dims_of`] checked.
@@ -188,7 +191,7 @@ fn quad_sum(v: f32) -> f32 {
     v + plane_shuffle_xor(v, 2)
 }
 
-/// `out = softmax(x)·v` and `lse`, as [`super::kernel::smm_forward`], on the matrix units.
+/// `out = softmax(x)·v` and `lse`, as [`super::kernel::smm_forward()`], on the matrix units.
 ///
 /// `F` is the storage type, `M` the operand type of the `mma` (`F`, or TF32 for f32), `NI` the
 /// operand register width and `NC` the accumulator's. Grid: `(output column tiles, row blocks,
@@ -454,7 +457,6 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
     let units = comptime!((t.block_1 / MMA_M) * PLANE);
 
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let a_len = def.elems_per_lane(MatrixIdent::A);
     let c_vecs = def.vectors_per_lane(MatrixIdent::Accumulator);
 
     let batch = CUBE_POS_Z as usize;
@@ -483,12 +485,6 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
             frag[i] = Vector::new(0.0f32);
         }
         acc.push(frag);
-    }
-    let mut s = Array::<f32>::new(comptime!(k_steps as usize * a_len));
-    let mut a_frags = Sequence::<Array<Vector<F, Const<2>>>>::new();
-    #[unroll]
-    for _ in 0..k_steps {
-        a_frags.push(Array::<Vector<F, Const<2>>>::new(4usize));
     }
     let mut m = Array::<f32>::new(2usize);
     let mut l = Array::<f32>::new(2usize);
@@ -560,7 +556,6 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
                     if col < d2 {
                         val = f32::cast_from(regs[i][n]);
                     }
-                    s[kc as usize * a_len + e] = val;
                     let sl = slot_of(er);
                     step_max[sl] = f32::max(step_max[sl], val);
                 }
@@ -573,30 +568,6 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
             alpha[r] = f32::exp(m[r] - m_new);
             m[r] = m_new;
             l[r] *= alpha[r];
-        }
-
-        // -- P = e^(x − m) as A fragments (0 past the end of the row) --
-        #[unroll]
-        for kc in 0..k_steps {
-            let frag = a_frags.index_mut(kc as usize);
-            #[unroll]
-            for i in 0..4usize {
-                let mut vec = Vector::<F, Const<2>>::empty();
-                #[unroll]
-                for n in 0..2usize {
-                    let e = i * 2 + n;
-                    let (er, ec) = def.position_of_nth(lane, e as u32, MatrixIdent::A);
-                    let col = j0 + (kc * 16 + ec) as usize;
-                    let sl = slot_of(er);
-                    let mut p = 0.0f32;
-                    if col < d2 {
-                        p = f32::exp(s[kc as usize * a_len + e] - m[sl]);
-                    }
-                    l[sl] += p;
-                    vec[n] = F::cast_from(p);
-                }
-                frag[i] = vec;
-            }
         }
 
         // -- rescale the accumulators --
@@ -616,10 +587,39 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
             }
         }
 
-        // -- acc += P·V_j, two 8-column tiles per `ldmatrix.x4.trans` --
+        // -- per 16 columns: P = e^(x − m) as an A fragment (scores reloaded from shared
+        // memory rather than kept in registers), then acc += P·V, two 8-column tiles of V per
+        // `ldmatrix.x4.trans` --
         #[unroll]
         for kc in 0..k_steps {
-            let a = a_frags.index(kc as usize);
+            let r = plane * MMA_M + (mat % 2) * 8 + mat_row;
+            let c = kc * 16 + (mat / 2) * 8;
+            let start = (r * x_ld + c) as usize / nv;
+            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &x_s.slice(start, start + comptime!(8 / nv)),
+                MatrixIdent::A,
+                4usize,
+                false,
+            );
+            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+            #[unroll]
+            for i in 0..4usize {
+                let mut vec = Vector::<F, Const<2>>::empty();
+                #[unroll]
+                for n in 0..2usize {
+                    let e = i * 2 + n;
+                    let (er, ec) = def.position_of_nth(lane, e as u32, MatrixIdent::A);
+                    let col = j0 + (kc * 16 + ec) as usize;
+                    let sl = slot_of(er);
+                    let mut p = 0.0f32;
+                    if col < d2 {
+                        p = f32::exp(f32::cast_from(regs[i][n]) - m[sl]);
+                    }
+                    l[sl] += p;
+                    vec[n] = F::cast_from(p);
+                }
+                a[i] = vec;
+            }
             #[unroll]
             for np in 0..n_pairs {
                 let k = kc * 16 + (mat % 2) * 8 + mat_row;
@@ -638,9 +638,9 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
                 b1[0usize] = regs[2usize];
                 b1[1usize] = regs[3usize];
                 let c0 = acc.index_mut(comptime!(2 * np) as usize);
-                def.execute_inplace(a, &b0, c0);
+                def.execute_inplace(&a, &b0, c0);
                 let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
-                def.execute_inplace(a, &b1, c1);
+                def.execute_inplace(&a, &b1, c1);
             }
         }
         sync_cube();

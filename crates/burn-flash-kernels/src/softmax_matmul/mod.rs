@@ -23,7 +23,7 @@ use core::fmt;
 use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
 
 use crate::softmax::TensorRef;
-use kernel::{ForwardTiles, GRID, ProductTiles, UNITS};
+use kernel::{FORWARD_GRID_X, ForwardTiles, GRID, ProductTiles, UNITS};
 
 /// Block sizes a caller may force, for `block_1` (rows of `X` per cube) and `block_2` (columns
 /// of `X` per online-softmax step).
@@ -159,9 +159,10 @@ fn elem_is(dtype: StorageType, kind: cubecl::ir::FloatKind) -> bool {
     dtype == StorageType::Scalar(cubecl::ir::ElemType::Float(kind))
 }
 
-/// Shared memory of the units forward kernel, in bytes.
+/// Shared memory of the units forward kernel, in bytes: `P` tile, `V` tile, one partial per
+/// group of 4 scores, one value per row.
 fn units_forward_shared(b1: usize, b2: usize, t3: usize) -> usize {
-    (b1 * b2 + b2 * t3 + 2 * UNITS as usize + b1) * 4
+    (b1 * b2 + b2 * t3 + b1 * b2 / 4 + b1) * 4
 }
 
 fn check_cubes<R: Runtime>(
@@ -242,10 +243,14 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, b2)
         }
     };
-    let d3_cap = dims.d3.next_power_of_two().clamp(GRID as usize, 128);
     let (units, t3) = match path {
         SmmPath::Units => {
-            let t3 = [128, 64, 32, 16]
+            // 32 units across, 1 to 4 columns each.
+            let d3_cap = dims
+                .d3
+                .next_power_of_two()
+                .clamp(FORWARD_GRID_X as usize, 128);
+            let t3 = [128, 64, 32]
                 .into_iter()
                 .find(|&t3| t3 <= d3_cap && units_forward_shared(b1, b2, t3) <= max_shared)
                 .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
@@ -255,6 +260,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (UNITS, t3)
         }
         SmmPath::MatrixUnits => {
+            let d3_cap = dims.d3.next_power_of_two().clamp(GRID as usize, 128);
             let t3 = [128, 64, 32, 16]
                 .into_iter()
                 .find(|&t3| {
@@ -399,6 +405,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
                 client,
                 count,
                 CubeDim::new_1d(UNITS),
+                plan.tile_3 / FORWARD_GRID_X as usize,
                 arg(&x, false),
                 arg(&v, shared_v),
                 arg(&out, false),
