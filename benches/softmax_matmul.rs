@@ -33,6 +33,21 @@ const D1: usize = 2048;
 const D3: usize = 512;
 const D2S: [usize; 8] = [64, 128, 256, 512, 1024, 2048, 4096, 8192];
 const BLOCKS: [usize; 3] = [16, 32, 64];
+/// Columns of the backward and f16/bf16 sweeps' CSVs.
+const SWEEP_COLUMNS: &[&str] = &[
+    "dtype",
+    "batch_size",
+    "d1",
+    "d2",
+    "d3",
+    "impl",
+    "ms_mean",
+    "ms_std",
+    "ms_median",
+    "TFLOP_per_s",
+    "peak_MiB",
+    "note",
+];
 
 /// Timings of one configuration, in ms.
 struct Stats {
@@ -278,20 +293,7 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
     // -- f16 / bf16 forward (heuristic) and forward + backward (f32, d2 ≤ 4096) --
     let mut lowp = Csv::new(
         &out_path(&format!("softmax_matmul{suffix}_lowp.csv")),
-        &[
-            "dtype",
-            "batch_size",
-            "d1",
-            "d2",
-            "d3",
-            "impl",
-            "ms_mean",
-            "ms_std",
-            "ms_median",
-            "TFLOP_per_s",
-            "peak_MiB",
-            "note",
-        ],
+        SWEEP_COLUMNS,
     );
     for (dtype, label) in [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")] {
         // A dtype the device lacks is recorded, not run (a failed launch would poison Fusion's
@@ -372,20 +374,7 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
 
     let mut bwd = Csv::new(
         &out_path(&format!("softmax_matmul{suffix}_backward.csv")),
-        &[
-            "dtype",
-            "batch_size",
-            "d1",
-            "d2",
-            "d3",
-            "impl",
-            "ms_mean",
-            "ms_std",
-            "ms_median",
-            "TFLOP_per_s",
-            "peak_MiB",
-            "note",
-        ],
+        SWEEP_COLUMNS,
     );
     type A<R, BT> = Autodiff<B<R, BT>>;
     for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096) {

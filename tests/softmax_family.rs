@@ -4,8 +4,6 @@
 
 mod common;
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
 use burn::backend::Autodiff;
 use burn::tensor::{DType, FloatDType, Tensor, activation};
 use burn_flash::{
@@ -399,14 +397,6 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
     }
 }
 
-fn panic_message(f: impl FnOnce()) -> String {
-    let err = catch_unwind(AssertUnwindSafe(f)).expect_err("expected a panic");
-    err.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
-}
-
 fn bad_dim_is_refused<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
     let x = random::<B, 2>([3, 4], -1.0, 1.0, FloatDType::F32, device);
     for (variant, name) in [
@@ -607,22 +597,6 @@ fn dtype_is_honoured<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let y = softmax(x, 1);
     assert_eq!(y.dtype(), DType::from(dtype));
     sync::<B>(device);
-}
-
-/// One test per suite function, for one backend and dtype.
-macro_rules! suite {
-    ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
-        mod $module {
-            use super::*;
-            $(
-                #[test]
-                fn $test() {
-                    let device = Default::default();
-                    super::$test::<$backend>(&device, $dtype);
-                }
-            )*
-        }
-    };
 }
 
 /// Tests every backend runs.

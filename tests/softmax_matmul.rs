@@ -5,8 +5,6 @@
 
 mod common;
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
 use burn::backend::Autodiff;
 use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
 use burn_flash::kernels::softmax_matmul::{BLOCK_SIZES, SmmDims, SmmPath};
@@ -201,15 +199,6 @@ fn v_as_rank<const D: usize, const DV: usize>(v_dims: [usize; DV]) -> [usize; D]
     s
 }
 
-fn rand3<B: Backend>(
-    shape: [usize; 3],
-    scale: f32,
-    dtype: FloatDType,
-    device: &B::Device,
-) -> Tensor<B, 3> {
-    random::<B, 3>(shape, -scale, scale, dtype, device)
-}
-
 /// Every listed size of each dimension, with the other two small; `d1` around the default
 /// block (64) too.
 fn odd_and_boundary_sizes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
@@ -383,14 +372,6 @@ fn tf32_opt_in<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
     check_forward(x, v, opts, FloatDType::F32, "TF32 opt-in");
 }
 
-fn panic_message(f: impl FnOnce()) -> String {
-    let err = catch_unwind(AssertUnwindSafe(f)).expect_err("must panic");
-    err.downcast_ref::<String>()
-        .cloned()
-        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
-        .unwrap_or_default()
-}
-
 /// Bad input panics before any launch with a message naming the problem.
 fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let x = rand3::<B>([2, 8, 16], 1.0, dtype, device);
@@ -531,21 +512,6 @@ fn dtype_is_honoured<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let v = rand3::<B>([2, 8, 3], 1.0, dtype, device);
     assert_eq!(softmax_matmul(x, v).dtype(), DType::from(dtype));
     sync::<B>(device);
-}
-
-macro_rules! suite {
-    ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
-        mod $module {
-            use super::*;
-            $(
-                #[test]
-                fn $test() {
-                    let device = Default::default();
-                    super::$test::<$backend>(&device, $dtype);
-                }
-            )*
-        }
-    };
 }
 
 /// Tests every backend runs.

@@ -4,18 +4,9 @@
 
 mod common;
 
-use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
+use burn::tensor::{DType, FloatDType, Tensor, activation};
 use burn_flash::{FlashBackend, softmax_matmul};
 use common::*;
-
-fn rand3<B: Backend>(
-    shape: [usize; 3],
-    scale: f32,
-    dtype: FloatDType,
-    device: &B::Device,
-) -> Tensor<B, 3> {
-    random::<B, 3>(shape, -scale, scale, dtype, device)
-}
 
 /// Peak device memory of the forward: inputs + output + 5%.
 ///

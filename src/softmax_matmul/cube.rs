@@ -27,13 +27,7 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) 
 }
 
 fn check<R: CubeRuntime>(x: &CubeTensor<R>, v: &CubeTensor<R>) {
-    crate::softmax::cube::check_dtype("softmax_matmul", "x", x.dtype);
-    if v.dtype != x.dtype {
-        panic!(
-            "burn_flash::softmax_matmul: `v` has dtype {:?}, `x` has {:?}",
-            v.dtype, x.dtype
-        );
-    }
+    super::check_dtypes(x.dtype, v.dtype);
     x.assert_is_on_same_device(v);
 }
 

@@ -65,13 +65,7 @@ fn validate<B: FusionBackend + FlashBackend>(
     v: &FloatTensor<Fusion<B>>,
     options: SoftmaxMatmulOptions,
 ) {
-    crate::softmax::cube::check_dtype("softmax_matmul", "x", x.dtype);
-    if v.dtype != x.dtype {
-        panic!(
-            "burn_flash::softmax_matmul: `v` has dtype {:?}, `x` has {:?}",
-            v.dtype, x.dtype
-        );
-    }
+    super::check_dtypes(x.dtype, v.dtype);
     let dims = dims_of(&x.shape, &v.shape);
     let device = x.client.device().clone();
     if let Some(Err(err)) = B::flash_softmax_matmul_plan(&device, dims, x.dtype, options) {

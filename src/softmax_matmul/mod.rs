@@ -111,11 +111,7 @@ fn as_rank3<B: FlashBackend, const D: usize, const DV: usize>(
              ones, or a 2-D `v`)"
         );
     };
-    let (xd, vd) = (x.dtype(), v.dtype());
-    crate::softmax::cube::check_dtype("softmax_matmul", "x", xd);
-    if vd != xd {
-        panic!("{OP}: `v` has dtype {vd:?}, `x` has {xd:?}");
-    }
+    check_dtypes(x.dtype(), v.dtype());
     if x.device() != v.device() {
         panic!("{OP}: `x` is on {:?}, `v` on {:?}", x.device(), v.device());
     }
@@ -126,6 +122,14 @@ fn as_rank3<B: FlashBackend, const D: usize, const DV: usize>(
         v.reshape([v_batch, d2, d3]),
         Shape::from(out_shape),
     )
+}
+
+/// Panics unless `x` has a dtype the kernels run and `v` has the same.
+pub(crate) fn check_dtypes(x: DType, v: DType) {
+    crate::softmax::cube::check_dtype("softmax_matmul", "x", x);
+    if v != x {
+        panic!("burn_flash::softmax_matmul: `v` has dtype {v:?}, `x` has {x:?}");
+    }
 }
 
 /// Panics with the op's name unless `v` is `[1 or batch, d2, d3]` for `x` of `[batch, d1, d2]`

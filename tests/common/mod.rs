@@ -269,3 +269,42 @@ pub fn assert_probabilities(
 pub fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
+
+/// A `[d0, d1, d2]` tensor of `dtype`, uniform in `[-scale, scale)`.
+pub fn rand3<B: Backend>(
+    shape: [usize; 3],
+    scale: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 3> {
+    random::<B, 3>(shape, -scale, scale, dtype, device)
+}
+
+/// The message of the panic `f` must raise.
+pub fn panic_message(f: impl FnOnce()) -> String {
+    let err =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).expect_err("expected a panic");
+    err.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| err.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// One `#[test]` per listed suite function, instantiated for one backend and dtype.
+#[allow(unused_macros)]
+macro_rules! suite {
+    ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
+        mod $module {
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    let device = Default::default();
+                    super::$test::<$backend>(&device, $dtype);
+                }
+            )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use suite;
