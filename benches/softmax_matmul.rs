@@ -14,9 +14,11 @@
 //! configuration (out of memory, unsupported block) is logged and recorded with empty
 //! measurements, and the sweep goes on. PNG plots next to the CSVs.
 //!
-//! `cargo bench --bench softmax_matmul [-- --quick] [--out DIR] [--d2s 64,128]`: wgpu by
+//! `cargo bench --bench softmax_matmul [-- --quick] [--out DIR] [--d2s 64,128]
+//! [--sweeps f32,lowp,backward] [--runtimes cuda,wgpu] [--lowp-blocks 64x64,64x32]`: wgpu by
 //! default; with `--features cuda` CUDA, and wgpu too in the same process when both features
-//! are on (its files then end in `-wgpu`).
+//! are on (its files then end in `-wgpu`). `--sweeps` and `--runtimes` pick a subset (all by
+//! default); `--lowp-blocks` adds forced `(block_1, block_2)` rows to the f16/bf16 sweep.
 
 mod common;
 
@@ -116,12 +118,38 @@ impl Impl {
         }
     }
 
+    /// The name, with the forced blocks `(block_1, block_2)` when there are any.
+    fn label(&self) -> String {
+        match self {
+            Impl::Flash(SoftmaxMatmulOptions {
+                blocks: Some((b1, b2)),
+                ..
+            }) => format!("{}_{b1}x{b2}", self.name()),
+            _ => self.name().into(),
+        }
+    }
+
     fn forward<B: FlashBackend>(&self, x: Tensor<B, 3>, v: Tensor<B, 3>) -> Tensor<B, 3> {
         match self {
             Impl::Composed => activation::softmax(x, 2).matmul(v),
             Impl::Flash(o) => softmax_matmul_with(x, v, *o),
         }
     }
+}
+
+/// The f16/bf16 sweep's rows: the heuristic, the `(block_1, block_2)` pairs given as
+/// `--lowp-blocks 64x64,64x32`, and Burn's composed op.
+fn lowp_impls() -> Vec<Impl> {
+    let mut v = vec![Impl::Flash(Default::default())];
+    for pair in arg("--lowp-blocks").iter().flat_map(|a| a.split(',')) {
+        let (b1, b2) = pair.split_once('x').expect("--lowp-blocks B1xB2,…");
+        v.push(Impl::Flash(SoftmaxMatmulOptions {
+            blocks: Some((b1.parse().expect("B1"), b2.parse().expect("B2"))),
+            ..Default::default()
+        }));
+    }
+    v.push(Impl::Composed);
+    v
 }
 
 fn impls(with_tf32: bool) -> Vec<Impl> {
@@ -196,6 +224,8 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
     let sync = || B::<R, BT>::sync(&device).expect("sync");
     let with_tf32 = cfg!(feature = "cuda");
     let mut plot_rows: Vec<PlotRow> = Vec::new();
+    let sweeps = arg("--sweeps").unwrap_or_else(|| "f32,lowp,backward".into());
+    let runs = |name: &str| sweeps.split(',').any(|s| s == name);
 
     // -- f32 forward: the exact CSV --
     let mut csv = Csv::new(
@@ -226,7 +256,7 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
         "TFLOP/s",
         "peak_MiB"
     );
-    for &d2 in &d2s {
+    for &d2 in d2s.iter().filter(|_| runs("f32")) {
         for imp in impls(with_tf32) {
             let result = attempt(|| {
                 let x = Tensor::<B<R, BT>, 3>::random(
@@ -295,7 +325,8 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
         &out_path(&format!("softmax_matmul{suffix}_lowp.csv")),
         SWEEP_COLUMNS,
     );
-    for (dtype, label) in [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")] {
+    let lowp_dtypes = [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")];
+    for (dtype, label) in lowp_dtypes.into_iter().filter(|_| runs("lowp")) {
         // A dtype the device lacks is recorded, not run (a failed launch would poison Fusion's
         // stream for the rest of the process).
         if !B::<R, BT>::supports_dtype(&device, dtype.into()) {
@@ -317,7 +348,8 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
             continue;
         }
         for &d2 in &d2s {
-            for imp in [Impl::Flash(Default::default()), Impl::Composed] {
+            for imp in lowp_impls() {
+                let name = imp.label();
                 let result = attempt(|| {
                     let x = Tensor::<B<R, BT>, 3>::random(
                         [batch, d1, d2],
@@ -340,28 +372,19 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
                         passes,
                     )
                 });
-                lowp.push(stats_row(
-                    label,
-                    batch,
-                    d1,
-                    d2,
-                    d3,
-                    imp.name(),
-                    &result,
-                    1.0,
-                ));
+                lowp.push(stats_row(label, batch, d1, d2, d3, &name, &result, 1.0));
                 report(
                     label,
                     "forward",
                     d2,
-                    imp.name(),
+                    &name,
                     &result,
                     flops(batch, d1, d2, d3),
                 );
                 if let Ok((s, mib)) = &result {
                     plot_rows.push(PlotRow {
                         panel: format!("{label} forward"),
-                        label: imp.name().into(),
+                        label: name.clone(),
                         d2: d2 as f64,
                         ms: s.median,
                         mib: *mib,
@@ -377,7 +400,7 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
         SWEEP_COLUMNS,
     );
     type A<R, BT> = Autodiff<B<R, BT>>;
-    for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096) {
+    for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096 && runs("backward")) {
         for imp in [Impl::Flash(Default::default()), Impl::Composed] {
             let result = attempt(|| {
                 let x = Tensor::<A<R, BT>, 3>::random(
@@ -583,12 +606,14 @@ fn draw(rows: &[PlotRow], suffix: &str) {
 fn main() {
     // With both runtimes built in, both run in this process: CUDA's files keep the plain names,
     // wgpu's get a `-wgpu` suffix.
+    let runtimes = arg("--runtimes").unwrap_or_else(|| "cuda,wgpu".into());
+    let runs = |name: &str| runtimes.split(',').any(|s| s == name);
     #[cfg(feature = "cuda")]
-    {
+    if runs("cuda") {
         bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "");
     }
     #[cfg(feature = "wgpu")]
-    {
+    if runs("wgpu") {
         let suffix = if cfg!(feature = "cuda") { "-wgpu" } else { "" };
         bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), suffix);
     }

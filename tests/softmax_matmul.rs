@@ -318,6 +318,58 @@ fn every_forced_block_size<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
     }
 }
 
+/// Rows whose lengths and strides are multiples of 16 bytes, the layout the pipelined 16-bit
+/// matrix-unit kernel takes on CUDA (scores loaded 8 at a time, `V` copied asynchronously):
+/// `d2` and `d3` multiples of 8 but not of the blocks, ±50 scores, masked rows, shared `v`,
+/// and every forced block size.
+fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions::default();
+    for (d1, d2, d3) in [(1, 8, 8), (97, 72, 136), (130, 1032, 520), (17, 4104, 64)] {
+        let x = rand3::<B>([2, d1, d2], 8.0, dtype, device);
+        let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("aligned {d1}×{d2}×{d3}"));
+    }
+    let x = rand3::<B>([2, 40, 1032], 50.0, dtype, device);
+    let v = rand3::<B>([1, 1032, 40], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "aligned, ±50, shared v");
+    for b1 in BLOCK_SIZES {
+        for b2 in BLOCK_SIZES {
+            let opts = SoftmaxMatmulOptions {
+                blocks: Some((b1, b2)),
+                ..Default::default()
+            };
+            let x = rand3::<B>([1, b1 + 3, 2 * b2 + 8], 8.0, dtype, device);
+            let v = rand3::<B>([1, 2 * b2 + 8, 24], 1.0, dtype, device);
+            check_forward(x, v, opts, dtype, &format!("aligned, blocks ({b1}, {b2})"));
+        }
+    }
+    // Fully masked rows (0 and 5), a row finite only in its last 8 columns (3) and one
+    // finite only in its first column (6).
+    let (d1, d2, d3) = (9, 136, 16);
+    let mut mask = vec![false; d1 * d2];
+    for j in 0..d2 {
+        mask[j] = true;
+        mask[5 * d2 + j] = true;
+        mask[3 * d2 + j] = j + 8 < d2;
+        mask[6 * d2 + j] = j > 0;
+    }
+    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(mask, [1, d1, d2]),
+        device,
+    );
+    let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
+    let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
+    check_forward(x.clone(), v.clone(), opts, dtype, "aligned, masked rows");
+    let out = read(softmax_matmul(x, v));
+    assert!(
+        out[..d3]
+            .iter()
+            .chain(&out[5 * d3..][..d3])
+            .all(|&a| a == 0.0),
+        "fully masked rows must be exactly 0"
+    );
+}
+
 /// Both inner-product paths (where the device has matrix units) agree with the reference.
 fn every_path<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     for path in [SmmPath::Units, SmmPath::MatrixUnits] {
@@ -543,6 +595,7 @@ macro_rules! fused_suite {
             $dtype,
             [
                 every_forced_block_size,
+                aligned_rows,
                 every_path,
                 impossible_blocks_are_refused
             ]

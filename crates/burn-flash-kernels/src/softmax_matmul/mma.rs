@@ -91,7 +91,8 @@ pub fn shared_bytes<R: Runtime>(
     let pad = V_PAD as usize;
     let v_tile = block_2 * (tile_3 + pad) * dtype.size();
     if uses_ldmatrix(client, dtype) {
-        v_tile + block_1 * (block_2 + pad) * dtype.size()
+        let unpipelined = v_tile + block_1 * (block_2 + pad) * dtype.size();
+        unpipelined.max(super::pipelined::shared_bytes(block_2, tile_3))
     } else {
         v_tile
     }
@@ -133,6 +134,29 @@ pub(super) unsafe fn launch_forward<R: Runtime>(
     // Contiguous elements per register: 32 bits' worth of the operand, 2 for the accumulator.
     let operand_vector = if tf32 { 1 } else { 2 };
     let units = units(tiles.block_1 as usize);
+    let pipelined = !tf32
+        && uses_ldmatrix(client, dtype)
+        && client.properties().features.copy_async
+        && vector * dtype.size() == 16
+        && super::pipelined::tiles_fit(tiles);
+    if pipelined {
+        // SAFETY: forwarded from the caller; 16-byte vectors divide every row and stride.
+        unsafe {
+            super::pipelined::smm_forward_pipelined::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_1d(units),
+                vector,
+                x,
+                v,
+                out,
+                lse,
+                tiles,
+                dtype,
+            );
+        }
+        return;
+    }
     if !tf32 && uses_ldmatrix(client, dtype) {
         // SAFETY: forwarded from the caller; `vector` divides every row and stride.
         unsafe {

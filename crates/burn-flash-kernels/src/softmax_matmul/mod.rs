@@ -17,6 +17,9 @@ pub mod kernel;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod mma;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod pipelined;
 
 use core::fmt;
 
@@ -184,9 +187,10 @@ fn check_cubes<R: Runtime>(
 ///
 /// Heuristic (no autotuning): matrix units for f16/bf16 where the device has `mma` for the type
 /// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise;
-/// `block_1 = 64` (fewer when `d1` is short), `block_2 = 32` on units, 64 on matrix units; the
-/// output tile as wide as shared memory and `d3` allow (up to 128 columns), since each column
-/// tile re-reads `X`.
+/// `block_1 = 64` (fewer when `d1` is short; 128 for f16/bf16 on matrix units when the grid
+/// still has at least 4 cubes per multiprocessor), `block_2 = 32` (64 for TF32); the output
+/// tile as wide as shared memory and `d3` allow (up to 128 columns), since each column tile
+/// re-reads `X`.
 pub fn plan_softmax_matmul<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
@@ -229,15 +233,29 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, b2)
         }
         None => {
+            let sixteen_bit = path == SmmPath::MatrixUnits && !is_f32;
+            // 16-bit matrix units: 8 planes per cube share each V tile (half the V traffic of
+            // 4), where that still gives every multiprocessor a few cubes.
+            let sms = client
+                .properties()
+                .hardware
+                .num_streaming_multiprocessors
+                .unwrap_or(1) as usize;
+            let wide = dims.d3.div_ceil(128) * dims.d1.div_ceil(128) * dims.batch >= 4 * sms;
             let b1 = if dims.d1 <= 16 {
                 16
             } else if dims.d1 <= 32 {
                 32
+            } else if sixteen_bit && wide {
+                128
             } else {
                 64
             };
+            // 32 columns per step: the pipelined 16-bit kernel keeps two steps of scores in
+            // registers, and 64 would spill.
             let b2 = match path {
                 SmmPath::Units => 32,
+                SmmPath::MatrixUnits if sixteen_bit => 32,
                 SmmPath::MatrixUnits => 64,
             };
             (b1, b2)
