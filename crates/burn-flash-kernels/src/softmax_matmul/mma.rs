@@ -19,13 +19,13 @@ use cubecl::{
 use super::kernel::ForwardTiles;
 
 /// Lanes per plane the matrix-unit kernel is written for.
-const PLANE: u32 = 32;
+pub(super) const PLANE: u32 = 32;
 /// Rows of an `mma` tile (`m`) and columns of its output tile (`n`).
-const MMA_M: u32 = 16;
-const MMA_N: u32 = 8;
+pub(super) const MMA_M: u32 = 16;
+pub(super) const MMA_N: u32 = 8;
 /// Padding of a row of the shared `V` tile, in elements: staggers the rows across memory
 /// banks so that a fragment load is conflict-free.
-const V_PAD: u32 = 8;
+pub(super) const V_PAD: u32 = 8;
 
 /// The `mma` reduction depth for an operand type: 16 for f16/bf16, 8 for TF32.
 fn mma_k(dtype: StorageType) -> u32 {
@@ -203,9 +203,40 @@ fn slot_of(row: u32) -> usize {
 
 /// Maximum over the 4 lanes that share a row.
 #[cube]
-fn quad_max(v: f32) -> f32 {
+pub(super) fn quad_max(v: f32) -> f32 {
     let v = f32::max(v, plane_shuffle_xor(v, 1));
     f32::max(v, plane_shuffle_xor(v, 2))
+}
+
+/// `acc[2·np] += a·B₀` and `acc[2·np + 1] += a·B₁` (m16n8k16), where `B₀`, `B₁` are two
+/// adjacent 16 × 8 tiles of `V` loaded by one `ldmatrix.x4.trans` from this lane's row at
+/// `start` (rows k and k + 8 for matrices 0/2 and 1/3, columns + 8 for matrices 2/3).
+#[cube]
+pub(super) fn mma_v_pair<F: Float, NV: Size>(
+    a: &Array<Vector<F, Const<2>>>,
+    v_s: &SharedMemory<Vector<F, NV>>,
+    start: usize,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] np: u32,
+) {
+    let nv = NV::value();
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+        &v_s.slice(start, start + comptime!(8 / nv)),
+        MatrixIdent::B,
+        4usize,
+        true,
+    );
+    let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+    let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+    b0[0usize] = regs[0usize];
+    b0[1usize] = regs[1usize];
+    b1[0usize] = regs[2usize];
+    b1[1usize] = regs[3usize];
+    let c0 = acc.index_mut(comptime!(2 * np) as usize);
+    def.execute_inplace(a, &b0, c0);
+    let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
+    def.execute_inplace(a, &b1, c1);
 }
 
 /// Sum over the 4 lanes that share a row.
@@ -649,22 +680,7 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
                 let k = kc * 16 + (mat % 2) * 8 + mat_row;
                 let c = np * 16 + (mat / 2) * 8;
                 let start = (k * v_ld + c) as usize / nv;
-                let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                    &v_s.slice(start, start + comptime!(8 / nv)),
-                    MatrixIdent::B,
-                    4usize,
-                    true,
-                );
-                let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-                let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-                b0[0usize] = regs[0usize];
-                b0[1usize] = regs[1usize];
-                b1[0usize] = regs[2usize];
-                b1[1usize] = regs[3usize];
-                let c0 = acc.index_mut(comptime!(2 * np) as usize);
-                def.execute_inplace(&a, &b0, c0);
-                let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
-                def.execute_inplace(&a, &b1, c1);
+                mma_v_pair::<F, NV>(&a, &v_s, start, &mut acc, np);
             }
         }
         sync_cube();

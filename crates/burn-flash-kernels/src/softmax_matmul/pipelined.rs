@@ -26,18 +26,9 @@ use cubecl::{
 };
 
 use super::kernel::ForwardTiles;
-
-/// Lanes per plane.
-const PLANE: u32 = 32;
-/// Rows of an `mma` tile.
-const MMA_M: u32 = 16;
-/// Columns of an `mma` output tile.
-const MMA_N: u32 = 8;
+use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max};
 /// Columns of `X` one lane-quad loads per chunk: 4 lanes × 8 elements (16 bytes each).
 pub const CHUNK: u32 = 32;
-/// Padding of a shared `V` row, in elements (one 16-byte vector): consecutive rows start in
-/// different banks.
-const V_PAD: u32 = 8;
 
 /// Shared memory of [`smm_forward_pipelined()`]: two padded `V` buffers of 16-bit elements.
 pub fn shared_bytes(block_2: usize, tile_3: usize) -> usize {
@@ -132,13 +123,6 @@ fn load_x<F: Float, NV: Size>(
             xr[c as usize * 2 + h] = x[(x_base + r * xs1 + col) / nv];
         }
     }
-}
-
-/// Maximum over the 4 lanes that share a row.
-#[cube]
-fn quad_max(v: f32) -> f32 {
-    let v = f32::max(v, plane_shuffle_xor(v, 1));
-    f32::max(v, plane_shuffle_xor(v, 2))
 }
 
 /// How far the running maximum may rise above the reference `m` the exponentials are taken
@@ -261,22 +245,7 @@ fn pv_step<F: Float, NV: Size>(
             for np in 0..n_pairs {
                 let start =
                     lane_base + comptime!((kc * 16) as usize * v_ldv + (np * 16) as usize / nv);
-                let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                    &v_s.slice(start, start + comptime!(8 / nv)),
-                    MatrixIdent::B,
-                    4usize,
-                    true,
-                );
-                let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-                let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-                b0[0usize] = regs[0usize];
-                b0[1usize] = regs[1usize];
-                b1[0usize] = regs[2usize];
-                b1[1usize] = regs[3usize];
-                let c0 = acc.index_mut(comptime!(2 * np) as usize);
-                def.execute_inplace(&a, &b0, c0);
-                let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
-                def.execute_inplace(&a, &b1, c1);
+                mma_v_pair::<F, NV>(&a, v_s, start, acc, np);
             }
         }
     }
