@@ -187,8 +187,8 @@ fn check_cubes<R: Runtime>(
 ///
 /// Heuristic (no autotuning): matrix units for f16/bf16 where the device has `mma` for the type
 /// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise;
-/// `block_1 = 64` (fewer when `d1` is short; 128 for f16/bf16 on matrix units when the grid
-/// still has at least 4 cubes per multiprocessor), `block_2 = 32` (64 for TF32); the output
+/// `block_1 = 64` (fewer when `d1` is short; 32 on wgpu's plain units; 128 for f16/bf16 on
+/// matrix units when the grid still has at least 4 cubes per multiprocessor), `block_2 = 32` (64 for TF32); the output
 /// tile as wide as shared memory and `d3` allow (up to 128 columns), since each column tile
 /// re-reads `X`.
 pub fn plan_softmax_matmul<R: Runtime>(
@@ -242,9 +242,13 @@ pub fn plan_softmax_matmul<R: Runtime>(
                 .num_streaming_multiprocessors
                 .unwrap_or(1) as usize;
             let wide = dims.d3.div_ceil(128) * dims.d1.div_ceil(128) * dims.batch >= 4 * sms;
+            // On wgpu the plain-unit kernel runs faster with 32 rows per cube (measured on an
+            // H200 through Vulkan: (32, 32) beat (64, 32) by 19–22 % at every d2 of the bench,
+            // `benches/results/h200-2026-11-22-softmax_matmul-wgpu.csv`); on CUDA 64 wins.
+            let wgpu = R::name(client).starts_with("wgpu");
             let b1 = if dims.d1 <= 16 {
                 16
-            } else if dims.d1 <= 32 {
+            } else if dims.d1 <= 32 || (path == SmmPath::Units && wgpu) {
                 32
             } else if sixteen_bit && wide {
                 128
