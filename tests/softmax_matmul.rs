@@ -370,6 +370,83 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     );
 }
 
+/// The register-tiled plain-unit kernel (the heuristic's choice on plain units for outputs of
+/// at least 65 × 65, where the runtime has plane shuffles): partial 128 × 128 output tiles and
+/// partial 16-column steps, vector widths 4, 2 and 1, ±50 scores and a rising maximum (lazy
+/// rescale), masked rows, shared and transposed inputs. The plan says the tiled kernel runs (128
+/// rows per cube on plain units).
+fn tiled_units<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions {
+        path: Some(SmmPath::Units),
+        ..Default::default()
+    };
+    let dims = SmmDims {
+        batch: 2,
+        d1: 130,
+        d2: 1025,
+        d3: 200,
+    };
+    match softmax_matmul_plan::<B>(device, dims, dtype.into(), opts) {
+        Some(Ok(plan)) => {
+            assert_eq!(plan.path, SmmPath::Units);
+            let tiled = (plan.block_1, plan.block_2, plan.tile_3, plan.cubes);
+            assert_eq!(tiled, (128, 16, 128, (2, 2, 2)), "the tiled kernel's plan");
+        }
+        Some(Err(err)) => panic!("{err}"),
+        None => return,
+    }
+    // (d1, d2, d3): vectors of 1 (odd), 2 and 4 elements; one step, many, a partial last one.
+    for (d1, d2, d3) in [
+        (130, 1025, 200),
+        (129, 18, 130),
+        (200, 1032, 520),
+        (65, 1, 65),
+        (97, 4099, 66),
+    ] {
+        let x = rand3::<B>([2, d1, d2], 8.0, dtype, device);
+        let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("tiled {d1}×{d2}×{d3}"));
+    }
+    let x = rand3::<B>([2, 140, 1040], 50.0, dtype, device);
+    let v = rand3::<B>([1, 1040, 72], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "tiled, ±50, shared v");
+    let x = rand3::<B>([2, 300, 150], 4.0, dtype, device).swap_dims(1, 2);
+    let v = rand3::<B>([2, 90, 300], 1.0, dtype, device).swap_dims(1, 2);
+    check_forward(x, v, opts, dtype, "tiled, transposed inputs");
+    // The maximum rises along every row: the reference maximum moves many times.
+    let d2 = 333;
+    let ramp: Vec<f32> = (0..d2).map(|j| 0.25 * j as f32).collect();
+    let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
+    let x = rand3::<B>([1, 150, d2], 2.0, dtype, device) + ramp;
+    let v = rand3::<B>([1, d2, 80], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "tiled, rising maximum");
+    // Fully masked rows (0 and 129), one finite only in its last column (5), one only in its
+    // first (77).
+    let (d1, d2, d3) = (130, 70, 72);
+    let mut mask = vec![false; d1 * d2];
+    for j in 0..d2 {
+        mask[j] = true;
+        mask[129 * d2 + j] = true;
+        mask[5 * d2 + j] = j + 1 < d2;
+        mask[77 * d2 + j] = j > 0;
+    }
+    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(mask, [1, d1, d2]),
+        device,
+    );
+    let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
+    let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
+    check_forward(x.clone(), v.clone(), opts, dtype, "tiled, masked rows");
+    let out = read(softmax_matmul_with(x, v, opts));
+    assert!(
+        out[..d3]
+            .iter()
+            .chain(&out[129 * d3..][..d3])
+            .all(|&a| a == 0.0),
+        "fully masked rows must be exactly 0"
+    );
+}
+
 /// Both inner-product paths (where the device has matrix units) agree with the reference.
 fn every_path<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     for path in [SmmPath::Units, SmmPath::MatrixUnits] {
@@ -484,8 +561,10 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 /// composed `softmax(x)·v` (NdArray, f32), for plain, shared-`v` and masked inputs.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     type A<B> = Autodiff<B>;
-    let cases: [([usize; 3], [usize; 3], bool); 4] = [
+    let cases: [([usize; 3], [usize; 3], bool); 5] = [
         ([2, 37, 70], [2, 70, 24], false),
+        // The tiled units kernel's forward (and its log-sum-exp) where it runs.
+        ([2, 70, 100], [2, 100, 80], false),
         ([3, 65, 129], [1, 129, 33], false),
         ([1, 7, 1025], [1, 1025, 8], false),
         ([2, 9, 40], [2, 40, 16], true),
@@ -596,6 +675,7 @@ macro_rules! fused_suite {
             [
                 every_forced_block_size,
                 aligned_rows,
+                tiled_units,
                 every_path,
                 impossible_blocks_are_refused
             ]

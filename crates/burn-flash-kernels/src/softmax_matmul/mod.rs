@@ -7,7 +7,8 @@
 //!
 //! Two inner-product paths, chosen by [`plan_softmax_matmul`]:
 //! - [`SmmPath::Units`]: every runtime and float type; register-tiled f32 products on plain
-//!   units ([`kernel`]);
+//!   units ([`tiled`] for the heuristic's choice where the runtime has plane shuffles and the
+//!   output is at least 65 × 65, [`kernel`] otherwise and for forced block sizes);
 //! - [`SmmPath::MatrixUnits`]: the `P·V` product on the GPU's matrix units (`mma`), for f16 and
 //!   bf16, and for f32 only when TF32 is explicitly allowed ([`mma`]).
 
@@ -20,10 +21,13 @@ pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod pipelined;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod tiled;
 
 use core::fmt;
 
-use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
+use cubecl::{CubeCount, CubeDim, features::Plane, prelude::*, server::Handle};
 
 use crate::softmax::TensorRef;
 use kernel::{FORWARD_GRID_X, ForwardTiles, GRID, ProductTiles, UNITS};
@@ -186,7 +190,9 @@ fn check_cubes<R: Runtime>(
 /// The forward launch for `dims`, without launching.
 ///
 /// Heuristic (no autotuning): matrix units for f16/bf16 where the device has `mma` for the type
-/// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise;
+/// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise. On plain
+/// units, the register-tiled kernel ([`tiled`]: 128 × 128 output tiles, 16 columns per step)
+/// where it fits (see `tiled_fits`); else and for matrix units,
 /// `block_1 = 64` (fewer when `d1` is short; 32 on wgpu's plain units; 128 for f16/bf16 on
 /// matrix units when the grid still has at least 4 cubes per multiprocessor), `block_2 = 32` (64 for TF32); the output
 /// tile as wide as shared memory and `d3` allow (up to 128 columns), since each column tile
@@ -265,6 +271,22 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, b2)
         }
     };
+    if path == SmmPath::Units && options.blocks.is_none() && tiled_fits(client, dims) {
+        let cubes = (
+            dims.d3.div_ceil(tiled::TILE_N as usize),
+            dims.d1.div_ceil(tiled::TILE_M as usize),
+            dims.batch.max(1),
+        );
+        check_cubes(client, cubes)?;
+        return Ok(SoftmaxMatmulPlan {
+            path,
+            block_1: tiled::TILE_M as usize,
+            block_2: tiled::STEP as usize,
+            tile_3: tiled::TILE_N as usize,
+            units: tiled::UNITS,
+            cubes,
+        });
+    }
     let (units, t3) = match path {
         SmmPath::Units => {
             // 32 units across, 1 to 4 columns each.
@@ -309,6 +331,45 @@ pub fn plan_softmax_matmul<R: Runtime>(
         units,
         cubes,
     })
+}
+
+/// Whether the tiled units kernel can exchange row maxima by plane shuffles: plane operations
+/// over a fixed plane width that is a multiple of 4.
+fn tiled_planes<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    let props = client.properties();
+    let hw = &props.hardware;
+    props.features.plane.contains(Plane::Ops)
+        && hw.plane_size_min == hw.plane_size_max
+        && hw.plane_size_max >= 4
+        && hw.plane_size_max.is_multiple_of(4)
+}
+
+/// Whether the register-tiled units kernel ([`tiled`]) runs for `dims`: the runtime has 256
+/// units per cube and the kernel's shared memory, and the output fills most of a 128 × 128 tile
+/// (smaller outputs waste its work).
+fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
+    let hw = &client.properties().hardware;
+    hw.max_units_per_cube >= tiled::UNITS
+        && hw.max_shared_memory_size >= tiled::shared_bytes(tiled_planes(client))
+        && dims.d1 > 64
+        && dims.d3 > 64
+        && dims.d2 > 0
+}
+
+/// The widest vector (4, 2 or 1 elements) dividing the rows and strides of every tensor of the
+/// tiled kernel (a row's last stride must then be 1).
+fn tiled_vector(tensors: &[(&[usize], &[usize])]) -> usize {
+    [4, 2]
+        .into_iter()
+        .find(|&n| {
+            tensors.iter().all(|(shape, strides)| {
+                strides[2] == 1
+                    && shape[2].is_multiple_of(n)
+                    && strides[1].is_multiple_of(n)
+                    && strides[0].is_multiple_of(n)
+            })
+        })
+        .unwrap_or(1)
 }
 
 /// Reads the sizes of a call from `x` and `v` and checks every tensor's shape.
@@ -423,6 +484,24 @@ pub fn launch_softmax_matmul<R: Runtime>(
     // caller's buffers (`dims_of` checked that they agree).
     unsafe {
         match plan.path {
+            SmmPath::Units if plan.units == tiled::UNITS && plan.block_1 == tiled::TILE_M as usize => {
+                tiled::smm_forward_tiled::launch_unchecked::<R>(
+                    client,
+                    count,
+                    CubeDim::new_1d(tiled::UNITS),
+                    tiled_vector(&[
+                        (x.shape, x.strides),
+                        (v.shape, &v_strides),
+                        (out.shape, out.strides),
+                    ]),
+                    arg(&x, false),
+                    arg(&v, shared_v),
+                    arg(&out, false),
+                    lse_arg,
+                    tiled_planes(client),
+                    dtype,
+                )
+            }
             SmmPath::Units => kernel::smm_forward::launch_unchecked::<R>(
                 client,
                 count,
