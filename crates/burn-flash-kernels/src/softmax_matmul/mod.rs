@@ -484,7 +484,9 @@ pub fn launch_softmax_matmul<R: Runtime>(
     // caller's buffers (`dims_of` checked that they agree).
     unsafe {
         match plan.path {
-            SmmPath::Units if plan.units == tiled::UNITS && plan.block_1 == tiled::TILE_M as usize => {
+            SmmPath::Units
+                if plan.units == tiled::UNITS && plan.block_1 == tiled::TILE_M as usize =>
+            {
                 tiled::smm_forward_tiled::launch_unchecked::<R>(
                     client,
                     count,

@@ -347,7 +347,11 @@ pub fn smm_forward_tiled<F: Float, NV: Size>(
         p_s: SharedMemory::new(comptime!(bufs * BUF as usize)),
         v_s: SharedMemory::new(comptime!(bufs * BUF as usize)),
         a_s: SharedMemory::new(comptime!((bufs + 1) * VECS as usize)),
-        mx_s: SharedMemory::new(comptime!(if planes { 1usize } else { SCORE_UNITS as usize })),
+        mx_s: SharedMemory::new(comptime!(if planes {
+            1usize
+        } else {
+            SCORE_UNITS as usize
+        })),
     };
 
     let mut acc = Array::<Vector<f32, Const<4>>>::new(16usize);
@@ -384,7 +388,9 @@ pub fn smm_forward_tiled<F: Float, NV: Size>(
                 &pre, &mut m, &mut l, &mut sh, pbuf, abuf, j0, d2, planes, false,
             );
         } else {
-            build_step::<F, NV>(&pre, &mut m, &mut l, &mut sh, pbuf, abuf, j0, d2, planes, true);
+            build_step::<F, NV>(
+                &pre, &mut m, &mut l, &mut sh, pbuf, abuf, j0, d2, planes, true,
+            );
         }
         let next = usize::min(s + 1, steps - 1) * step;
         load_step::<F, NV>(x, v, &mut pre, next, row0, col0, x_at, v_at, dims);
