@@ -7,7 +7,7 @@
 //!
 //! Two inner-product paths, chosen by [`plan_softmax_matmul`]:
 //! - [`SmmPath::Units`]: every runtime and float type; register-tiled f32 products on plain
-//!   units ([`tiled`] for the heuristic's choice where the runtime has plane shuffles and the
+//!   units ([`tiled`] for the heuristic's choice where 256 units and its shared memory fit and the
 //!   output is at least 65 × 65, [`kernel`] otherwise and for forced block sizes);
 //! - [`SmmPath::MatrixUnits`]: the `P·V` product on the GPU's matrix units (`mma`), for f16 and
 //!   bf16, and for f32 only when TF32 is explicitly allowed ([`mma`]).
