@@ -10,7 +10,9 @@
 //! Sweeps: f32 forward → `softmax_matmul.csv` (exact columns
 //! `batch_size,d1,d2,d3,impl,BLOCK,forward_ms_mean,forward_ms_std,forward_peak_MiB`); forward +
 //! backward through `Autodiff` (d2 ≤ 4096) → `softmax_matmul_backward.csv`; f16/bf16 forward →
-//! `softmax_matmul_lowp.csv`; whether Burn's f32 matmul rounds to TF32 → printed. A failed
+//! `softmax_matmul_lowp.csv`, with a `…_back_to_back` row per configuration (20 passes between
+//! two syncs: the rate without each pass's launch and sync cost; the note gives the time of an
+//! idle sync); whether Burn's f32 matmul rounds to TF32 → printed. A failed
 //! configuration (out of memory, unsupported block) is logged and recorded with empty
 //! measurements, and the sweep goes on. PNG plots next to the CSVs.
 //!
@@ -87,6 +89,22 @@ fn time_passes<T>(
         std: var.sqrt(),
         median: ms[ms.len() / 2],
     }
+}
+
+/// Per-pass ms of `passes` calls issued back to back between two syncs (outputs kept alive
+/// until the sync), and ms of a sync with nothing queued: how much of a synchronised pass is the
+/// host's launch and sync cost rather than the device's work.
+fn time_back_to_back<T>(mut run: impl FnMut() -> T, sync: impl Fn(), passes: usize) -> (f64, f64) {
+    sync();
+    let start = Instant::now();
+    let outs: Vec<T> = (0..passes).map(|_| run()).collect();
+    sync();
+    let per_pass = start.elapsed().as_secs_f64() * 1e3 / passes as f64;
+    drop(outs);
+    sync();
+    let start = Instant::now();
+    sync();
+    (per_pass, start.elapsed().as_secs_f64() * 1e3)
 }
 
 /// One implementation under test.
@@ -364,15 +382,46 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
                     )
                     .cast(dtype);
                     let inputs = ((batch * d1 * d2 + batch * d2 * d3) * 2) as u64;
-                    measure(
+                    let measured = measure(
                         &client,
                         inputs,
                         || imp.forward(x.clone(), v.clone()),
                         &sync,
                         passes,
-                    )
+                    );
+                    let back_to_back =
+                        time_back_to_back(|| imp.forward(x.clone(), v.clone()), &sync, 20);
+                    (measured, back_to_back)
                 });
+                let (result, back_to_back) = match result {
+                    Ok((measured, b2b)) => (Ok(measured), Some(b2b)),
+                    Err(err) => (Err(err), None),
+                };
                 lowp.push(stats_row(label, batch, d1, d2, d3, &name, &result, 1.0));
+                if let Some((ms, idle_sync)) = back_to_back {
+                    let tflops = flops(batch, d1, d2, d3) / ms / 1e9;
+                    println!(
+                        "  {label} d2 {d2:5} {name}: {ms:.3} ms per pass back to back \
+                         ({tflops:.1} TFLOP/s), idle sync {idle_sync:.3} ms"
+                    );
+                    lowp.push(vec![
+                        label.into(),
+                        batch.to_string(),
+                        d1.to_string(),
+                        d2.to_string(),
+                        d3.to_string(),
+                        format!("{name}_back_to_back"),
+                        String::new(),
+                        String::new(),
+                        format!("{ms:.4}"),
+                        format!("{tflops:.1}"),
+                        String::new(),
+                        format!(
+                            "20 passes between two syncs (not the issue's protocol); \
+                             idle sync {idle_sync:.4} ms"
+                        ),
+                    ]);
+                }
                 report(
                     label,
                     "forward",
