@@ -561,10 +561,14 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 /// composed `softmax(x)·v` (NdArray, f32), for plain, shared-`v` and masked inputs.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     type A<B> = Autodiff<B>;
-    let cases: [([usize; 3], [usize; 3], bool); 5] = [
+    let cases: [([usize; 3], [usize; 3], bool); 8] = [
         ([2, 37, 70], [2, 70, 24], false),
-        // The tiled units kernel's forward (and its log-sum-exp) where it runs.
+        // The tiled units kernels (forward, and both backward products) where they run: vectors
+        // of 4, 2 and 1 elements, partial tiles and steps, shared `v` with masked rows.
         ([2, 70, 100], [2, 100, 80], false),
+        ([2, 97, 66], [2, 66, 130], false),
+        ([1, 67, 129], [1, 129, 67], false),
+        ([3, 130, 260], [1, 260, 72], true),
         ([3, 65, 129], [1, 129, 33], false),
         ([1, 7, 1025], [1, 1025, 8], false),
         ([2, 9, 40], [2, 40, 16], true),

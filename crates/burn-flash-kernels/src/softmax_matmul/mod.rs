@@ -24,6 +24,9 @@ pub mod pipelined;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod tiled;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod tiled_backward;
 
 use core::fmt;
 
@@ -356,6 +359,17 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
         && dims.d2 > 0
 }
 
+/// Whether the register-tiled backward ([`tiled_backward`]) runs: 256 units and its shared
+/// memory, and both gradients at least 65 × 65 (smaller ones waste most of a 128 × 128 tile).
+fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
+    let hw = &client.properties().hardware;
+    hw.max_units_per_cube >= tiled::UNITS
+        && hw.max_shared_memory_size >= tiled_backward::SHARED_BYTES
+        && dims.d1 > 64
+        && dims.d2 > 64
+        && dims.d3 > 64
+}
+
 /// The widest vector (4, 2 or 1 elements) dividing the rows and strides of every tensor of the
 /// tiled kernel (a row's last stride must then be 1).
 fn tiled_vector(tensors: &[(&[usize], &[usize])]) -> usize {
@@ -597,9 +611,79 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         strides: &delta_strides,
     };
     let neg_inf = f32::NEG_INFINITY;
+    let tiled = tiled_backward_fits(client, dims);
+    let tiled_count = |n: usize, m: usize, z: usize| {
+        check_cubes(
+            client,
+            (
+                n.div_ceil(tiled::TILE_N as usize),
+                m.div_ceil(tiled::TILE_M as usize),
+                z,
+            ),
+        )
+    };
+    let tiled_dx_count = tiled_count(d2, d1, batch)?;
+    let tiled_dv_count = tiled_count(d3, d2, if shared_v { 1 } else { batch })?;
+    let mut v_strides = v.strides.to_vec();
+    if shared_v {
+        v_strides[0] = 0;
+    }
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
     unsafe {
+        if tiled && rows > 0 {
+            kernel::smm_delta::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                arg(&d_out, false),
+                arg(&out, false),
+                arg(&delta_ref, false),
+                dtype,
+            );
+            tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
+                client,
+                tiled_dx_count,
+                CubeDim::new_1d(tiled::UNITS),
+                tiled_vector(&[
+                    (x.shape, x.strides),
+                    (v.shape, &v_strides),
+                    (d_out.shape, d_out.strides),
+                    (dx.shape, dx.strides),
+                ]),
+                arg(&d_out, false),
+                arg(&v, shared_v),
+                arg(&x, false),
+                arg(&lse, false),
+                arg(&delta_ref, false),
+                arg(&dx, false),
+                1,
+                neg_inf,
+                false,
+                dtype,
+            );
+            tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
+                client,
+                tiled_dv_count,
+                CubeDim::new_1d(tiled::UNITS),
+                tiled_vector(&[
+                    (x.shape, x.strides),
+                    (d_out.shape, d_out.strides),
+                    (dv.shape, dv.strides),
+                ]),
+                arg(&x, false),
+                arg(&d_out, false),
+                arg(&x, false),
+                arg(&lse, false),
+                arg(&delta_ref, false),
+                arg(&dv, false),
+                if shared_v { batch } else { 1 },
+                neg_inf,
+                true,
+                dtype,
+            );
+            return Ok(());
+        }
         if rows > 0 {
             // With d3 = 0 the loop is empty and delta = 0 (and so is dX).
             kernel::smm_delta::launch_unchecked::<R>(

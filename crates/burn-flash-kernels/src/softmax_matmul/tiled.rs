@@ -42,11 +42,11 @@ pub const STEP: u32 = 16;
 const LAZY_RESCALE: f32 = 8.0;
 
 /// Units that build `P` (the others stage `V`).
-const SCORE_UNITS: u32 = 128;
+pub(super) const SCORE_UNITS: u32 = 128;
 /// 4-vectors per row of a `P`ᵀ / `V` tile.
-const VECS: u32 = TILE_M / 4;
+pub(super) const VECS: u32 = TILE_M / 4;
 /// 4-vectors of one buffer of the `P`ᵀ or `V` tile.
-const BUF: u32 = STEP * VECS;
+pub(super) const BUF: u32 = STEP * VECS;
 
 /// Shared memory of [`smm_forward_tiled()`], in bytes: `P`ᵀ, `V` and row-scale buffers (two
 /// of each with `planes`), the row sums, and without `planes` the chunk maxima.
@@ -258,22 +258,28 @@ fn build_step<F: Float, NV: Size>(
     }
 }
 
-/// The product phase of one step: rescale the rows whose scale is not 1, then `acc += P·V`
-/// over the step's `STEP` columns from the buffers at `pbuf` / `abuf`.
+/// The product phase of one step: with `rescale`, rescale the rows whose scale in `a_s` (at
+/// `abuf`) is not 1; then `acc += A·B` over the step's `STEP` reduction indices, from `A` (`P`ᵀ
+/// here) and `B` (`V` here) tiles stored `[k][4-vector]` at `pbuf` in `p_s` and `v_s`; the
+/// 4-vector index of `A`, and of `B` with `swizzle_b`, is XOR-swizzled by `2·(k / 4)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product_step(
+pub(super) fn product_step(
     acc: &mut Array<Vector<f32, Const<4>>>,
-    sh: &Buffers,
+    p_s: &SharedMemory<Vector<f32, Const<4>>>,
+    v_s: &SharedMemory<Vector<f32, Const<4>>>,
+    a_s: &SharedMemory<Vector<f32, Const<4>>>,
     pbuf: usize,
     abuf: usize,
     ty: u32,
     tx: u32,
+    #[comptime] rescale: bool,
+    #[comptime] swizzle_b: bool,
 ) {
     // acc[(4·h + i)·2 + g]: row 64·h + 4·ty + i, columns 64·g + 4·tx ..
     #[unroll]
-    for h in 0..2u32 {
-        let alpha = sh.a_s[abuf + (16 * h + ty) as usize];
+    for h in 0..comptime!(if rescale { 2u32 } else { 0u32 }) {
+        let alpha = a_s[abuf + (16 * h + ty) as usize];
         if alpha[0usize] != 1.0f32
             || alpha[1usize] != 1.0f32
             || alpha[2usize] != 1.0f32
@@ -297,8 +303,12 @@ fn product_step(
         let mut vb = Array::<Vector<f32, Const<4>>>::new(2usize);
         #[unroll]
         for h in 0..2u32 {
-            pa[h as usize] = sh.p_s[row + (16 * h + (ty ^ swz)) as usize];
-            vb[h as usize] = sh.v_s[row + (16 * h + tx) as usize];
+            pa[h as usize] = p_s[row + (16 * h + (ty ^ swz)) as usize];
+            let mut bx = tx;
+            if comptime!(swizzle_b) {
+                bx = tx ^ swz;
+            }
+            vb[h as usize] = v_s[row + (16 * h + bx) as usize];
         }
         #[unroll]
         for h in 0..2u32 {
@@ -398,7 +408,9 @@ pub fn smm_forward_tiled<F: Float, NV: Size>(
         let next = usize::min(s + 1, steps - 1) * step;
         load_step::<F, NV>(x, v, &mut pre, next, row0, col0, x_at, v_at, dims);
         sync_cube();
-        product_step(&mut acc, &sh, pbuf, abuf, ty, tx);
+        product_step(
+            &mut acc, &sh.p_s, &sh.v_s, &sh.a_s, pbuf, abuf, ty, tx, true, false,
+        );
     }
 
     // -- row sums and log-sum-exp (score units), then normalise and store --
