@@ -9,7 +9,8 @@
 //!
 //! Sweeps: f32 forward → `softmax_matmul.csv` (exact columns
 //! `batch_size,d1,d2,d3,impl,BLOCK,forward_ms_mean,forward_ms_std,forward_peak_MiB`); forward +
-//! backward through `Autodiff` (d2 ≤ 4096) → `softmax_matmul_backward.csv`; f16/bf16 forward →
+//! backward through `Autodiff` (d2 ≤ 4096; `(out ⊙ w).backward()`, output gradient `w`) →
+//! `softmax_matmul_backward.csv`; f16/bf16 forward →
 //! `softmax_matmul_lowp.csv`, with a `…_back_to_back` row per configuration (20 passes between
 //! two syncs: the rate without each pass's launch and sync cost; the note gives the time of an
 //! idle sync); whether Burn's f32 matmul rounds to TF32 → printed. A failed
@@ -469,7 +470,10 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
                     inputs,
                     || {
                         let out = imp.forward(x.clone(), v.clone());
-                        let grads = (out * w.clone()).sum().backward();
+                        // `backward` seeds a non-scalar root with ones: the output
+                        // gradient is `w`, and no reduction (Burn's `sum` costs ~0.7 ms
+                        // here) is timed with the op.
+                        let grads = (out * w.clone()).backward();
                         (x.grad(&grads), v.grad(&grads))
                     },
                     &sync,

@@ -315,7 +315,14 @@ pub fn smm_forward<F: Float, NT: Size>(
     }
 }
 
-/// `delta[b, i] = Σ_c dO[b, i, c] · O[b, i, c]`, one unit per row (f32 accumulation).
+/// Rows of `delta` per cube of [`smm_delta()`].
+pub const DELTA_ROWS: u32 = 8;
+/// Units per cube of [`smm_delta()`]: 32 per row.
+pub const DELTA_UNITS: u32 = 32 * DELTA_ROWS;
+
+/// `delta[b, i] = Σ_c dO[b, i, c] · O[b, i, c]` (f32 accumulation): 32 units per row read it
+/// coalesced, their partial sums are added through shared memory. Grid: rows / [`DELTA_ROWS`]
+/// cubes, along x then y.
 #[cube(launch_unchecked)]
 pub fn smm_delta<F: Float>(
     d_out: &Tensor<F>,
@@ -324,20 +331,36 @@ pub fn smm_delta<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let d1 = out.shape(1);
+    let d3 = out.shape(2);
     let rows = out.shape(0) * d1;
-    let r = ABSOLUTE_POS;
-    if r >= rows {
-        terminate!();
-    }
+    let lane = (UNIT_POS % 32) as usize;
+    let group = UNIT_POS / 32;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let r = cube * DELTA_ROWS as usize + group as usize;
     let (b, i) = (r / d1, r % d1);
-    let g_base = b * d_out.stride(0) + i * d_out.stride(1);
-    let o_base = b * out.stride(0) + i * out.stride(1);
-    let (gs, os) = (d_out.stride(2), out.stride(2));
-    let mut sum = 0.0f32;
-    for c in 0..out.shape(2) {
-        sum += f32::cast_from(d_out[g_base + c * gs]) * f32::cast_from(out[o_base + c * os]);
+    let mut partial = 0.0f32;
+    if r < rows {
+        let g_base = b * d_out.stride(0) + i * d_out.stride(1);
+        let o_base = b * out.stride(0) + i * out.stride(1);
+        let (gs, os) = (d_out.stride(2), out.stride(2));
+        for s in 0..d3.div_ceil(32) {
+            let c = s * 32 + lane;
+            if c < d3 {
+                partial +=
+                    f32::cast_from(d_out[g_base + c * gs]) * f32::cast_from(out[o_base + c * os]);
+            }
+        }
     }
-    delta[b * delta.stride(0) + i * delta.stride(1)] = sum;
+    let mut part_s = SharedMemory::<f32>::new(DELTA_UNITS as usize);
+    part_s[UNIT_POS as usize] = partial;
+    sync_cube();
+    if lane == 0 && r < rows {
+        let mut sum = 0.0f32;
+        for q in 0..32u32 {
+            sum += part_s[(group * 32 + q) as usize];
+        }
+        delta[b * delta.stride(0) + i * delta.stride(1)] = sum;
+    }
 }
 
 /// The softmax probability `P = e^(x − lse)`, 0 where the row had no finite score.

@@ -611,6 +611,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         strides: &delta_strides,
     };
     let neg_inf = f32::NEG_INFINITY;
+    // Cubes of the delta kernel, on a 2-D grid past 65535.
+    let delta_cubes = rows.div_ceil(kernel::DELTA_ROWS as usize).max(1);
+    let delta_x = delta_cubes.min(65535);
+    let delta_count = check_cubes(client, (delta_x, delta_cubes.div_ceil(delta_x), 1))?;
     let tiled = tiled_backward_fits(client, dims);
     let tiled_count = |n: usize, m: usize, z: usize| {
         check_cubes(
@@ -631,16 +635,19 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
     unsafe {
-        if tiled && rows > 0 {
+        if rows > 0 {
+            // With d3 = 0 the loop is empty and delta = 0 (and so is dX).
             kernel::smm_delta::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
-                CubeDim::new_1d(256),
+                delta_count,
+                CubeDim::new_1d(kernel::DELTA_UNITS),
                 arg(&d_out, false),
                 arg(&out, false),
                 arg(&delta_ref, false),
                 dtype,
             );
+        }
+        if tiled && rows > 0 {
             tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                 client,
                 tiled_dx_count,
@@ -683,18 +690,6 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 dtype,
             );
             return Ok(());
-        }
-        if rows > 0 {
-            // With d3 = 0 the loop is empty and delta = 0 (and so is dX).
-            kernel::smm_delta::launch_unchecked::<R>(
-                client,
-                CubeCount::Static(rows.div_ceil(256) as u32, 1, 1),
-                CubeDim::new_1d(256),
-                arg(&d_out, false),
-                arg(&out, false),
-                arg(&delta_ref, false),
-                dtype,
-            );
         }
         if rows > 0 && d2 > 0 {
             kernel::smm_backward_dx::launch_unchecked::<R>(
