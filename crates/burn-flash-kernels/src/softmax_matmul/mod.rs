@@ -667,6 +667,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 1,
                 neg_inf,
                 false,
+                false,
                 dtype,
             );
             tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
@@ -687,6 +688,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 if shared_v { batch } else { 1 },
                 neg_inf,
                 true,
+                shared_v,
                 dtype,
             );
             return Ok(());

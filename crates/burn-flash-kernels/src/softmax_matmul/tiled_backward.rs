@@ -163,8 +163,70 @@ fn build_step<F: Float, NV: Size>(
     }
 }
 
-/// `dv` (`dv = true`: `a = x`, `b = d_out`, `out = dV`, summed over `inner_batches` consecutive
-/// batches) or `dX` (`a = d_out`, `b = v`, `out = dX`) by the register-tiled product of the
+/// The product of one batch: every step of `k` (double buffers from `parity`), accumulated
+/// into `acc`; `at = (stride of k, stride of m/n, first row/column of m/n, length of m/n, K)` of
+/// this unit's operand. Returns the parity after the last step.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn product_batch<F: Float, NV: Size>(
+    a: &Tensor<Vector<F, NV>>,
+    b: &Tensor<Vector<F, NV>>,
+    lse: &Tensor<f32>,
+    a_s: &mut SharedMemory<Vector<f32, Const<4>>>,
+    b_s: &mut SharedMemory<Vector<f32, Const<4>>>,
+    acc: &mut Array<Vector<f32, Const<4>>>,
+    pre: &mut Array<Vector<F, NV>>,
+    lse_pre: &mut Array<f32>,
+    batch: usize,
+    parity: usize,
+    at: (usize, usize, usize, usize, usize),
+    ty: u32,
+    tx: u32,
+    neg_inf: f32,
+    #[comptime] dv: bool,
+) -> usize {
+    let (s_k, s_mn, o0, mn_len, k_len) = at;
+    let is_a = UNIT_POS < SCORE_UNITS;
+    let step = STEP as usize;
+    let steps = k_len.div_ceil(step);
+    let full_steps = k_len / step;
+    let src_at = (batch * select(is_a, a.stride(0), b.stride(0)), s_k, s_mn);
+    let lse_base = batch * lse.stride(0);
+    if is_a {
+        load_step::<F, NV>(
+            a, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, 0, dv,
+        );
+    } else {
+        load_step::<F, NV>(
+            b, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, 0, dv,
+        );
+    }
+    for s in 0..steps {
+        let pbuf = ((parity + s) % 2) * BUF as usize;
+        let k0 = s * step;
+        if s < full_steps {
+            build_step::<F, NV>(pre, lse_pre, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, false);
+        } else {
+            build_step::<F, NV>(pre, lse_pre, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, true);
+        }
+        let next = usize::min(s + 1, steps - 1) * step;
+        if is_a {
+            load_step::<F, NV>(
+                a, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, next, dv,
+            );
+        } else {
+            load_step::<F, NV>(
+                b, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, next, dv,
+            );
+        }
+        sync_cube();
+        product_step(acc, a_s, b_s, a_s, pbuf, 0, ty, tx, false, !dv);
+    }
+    (parity + steps) % 2
+}
+
+/// `dV` (`dv = true`: `a = x`, `b = d_out`, `out = dV`; with `sum_batches`, summed over
+/// `inner_batches` consecutive batches) or `dX` (`a = d_out`, `b = v`, `out = dX`) by the register-tiled product of the
 /// module docs. Grid: `(N / TILE_N, M / TILE_M, batch / inner_batches)` (rounded up),
 /// [`super::tiled::UNITS`] units. `NV` (1, 2 or 4) divides the rows and strides of every tensor (last stride 1).
 #[cube(launch_unchecked)]
@@ -179,6 +241,7 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
     inner_batches: usize,
     neg_inf: f32,
     #[comptime] dv: bool,
+    #[comptime] sum_batches: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let nv = NV::value();
@@ -209,9 +272,6 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
     let mut pre = Array::<Vector<F, NV>>::new(comptime!(16 / nv));
     let mut lse_pre = Array::<f32>::new(4usize);
 
-    let step = STEP as usize;
-    let steps = k_len.div_ceil(step);
-    let full_steps = k_len / step;
     let is_a = UNIT_POS < SCORE_UNITS;
     // This unit's operand: dV: A[k = i][m = j] = x[i, j], B[k = i][n = c] = dO[i, c]; dX:
     // A[k = c][m = i] = dO[i, c], B[k = c][n = j] = v[j, c].
@@ -223,86 +283,47 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
     }
     let o0 = select(is_a, m0, n0);
     let mn_len = select(is_a, m_len, n_len);
-    let mut parity = 0usize;
-    for bi in 0..inner_batches {
-        let batch = CUBE_POS_Z as usize * inner_batches + bi;
-        let at = (batch * select(is_a, a.stride(0), b.stride(0)), s_k, s_mn);
-        let lse_base = batch * lse.stride(0);
-        if is_a {
-            load_step::<F, NV>(
+    let at = (s_k, s_mn, o0, mn_len, k_len);
+    if comptime!(sum_batches) {
+        let mut parity = 0usize;
+        for bi in 0..inner_batches {
+            let batch = CUBE_POS_Z as usize * inner_batches + bi;
+            parity = product_batch::<F, NV>(
                 a,
-                lse,
-                &mut pre,
-                &mut lse_pre,
-                at,
-                o0,
-                mn_len,
-                k_len,
-                lse_base,
-                0,
-                dv,
-            );
-        } else {
-            load_step::<F, NV>(
                 b,
                 lse,
+                &mut a_s,
+                &mut b_s,
+                &mut acc,
                 &mut pre,
                 &mut lse_pre,
+                batch,
+                parity,
                 at,
-                o0,
-                mn_len,
-                k_len,
-                lse_base,
-                0,
+                ty,
+                tx,
+                neg_inf,
                 dv,
             );
         }
-        for s in 0..steps {
-            let pbuf = parity * BUF as usize;
-            let k0 = s * step;
-            if s < full_steps {
-                build_step::<F, NV>(
-                    &pre, &lse_pre, &mut a_s, &mut b_s, pbuf, k0, k_len, neg_inf, dv, false,
-                );
-            } else {
-                build_step::<F, NV>(
-                    &pre, &lse_pre, &mut a_s, &mut b_s, pbuf, k0, k_len, neg_inf, dv, true,
-                );
-            }
-            let next = usize::min(s + 1, steps - 1) * step;
-            if is_a {
-                load_step::<F, NV>(
-                    a,
-                    lse,
-                    &mut pre,
-                    &mut lse_pre,
-                    at,
-                    o0,
-                    mn_len,
-                    k_len,
-                    lse_base,
-                    next,
-                    dv,
-                );
-            } else {
-                load_step::<F, NV>(
-                    b,
-                    lse,
-                    &mut pre,
-                    &mut lse_pre,
-                    at,
-                    o0,
-                    mn_len,
-                    k_len,
-                    lse_base,
-                    next,
-                    dv,
-                );
-            }
-            sync_cube();
-            product_step(&mut acc, &a_s, &b_s, &a_s, pbuf, 0, ty, tx, false, !dv);
-            parity = 1 - parity;
-        }
+    } else {
+        product_batch::<F, NV>(
+            a,
+            b,
+            lse,
+            &mut a_s,
+            &mut b_s,
+            &mut acc,
+            &mut pre,
+            &mut lse_pre,
+            CUBE_POS_Z as usize,
+            0,
+            at,
+            ty,
+            tx,
+            neg_inf,
+            dv,
+        );
     }
 
     // -- epilogue: C (dV), or P ⊙ (C − δ) (dX) --
