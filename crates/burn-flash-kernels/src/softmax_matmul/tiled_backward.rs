@@ -28,21 +28,17 @@ pub const SHARED_BYTES: usize = (4 * BUF * 16) as usize;
 /// Loads this unit's part of step `k0` of its operand (`src`: `A` for units 0..128, `B` for
 /// the others; `at = (base, stride of k, stride of m/n)`, `o0` its first row/column of `m`/`n`,
 /// `mn_len` its length there) into `pre`: four 4-vectors along `m`/`n` at rows `k` (`dv`), or a
-/// 4 × 4 block of rows `m`/`n`, 4-vectors along `k` (else). For `dV`'s `A`, the log-sum-exp of
-/// its 4 rows goes to `lse_pre`.
+/// 4 × 4 block of rows `m`/`n`, 4-vectors along `k` (else).
 #[cube]
 // `offset` is assigned in both comptime branches.
 #[allow(clippy::too_many_arguments, unused_assignments)]
 fn load_step<F: Float, NV: Size>(
     src: &Tensor<Vector<F, NV>>,
-    lse: &Tensor<f32>,
     pre: &mut Array<Vector<F, NV>>,
-    lse_pre: &mut Array<f32>,
     at: (usize, usize, usize),
     o0: usize,
     mn_len: usize,
     k_len: usize,
-    lse_base: usize,
     k0: usize,
     #[comptime] dv: bool,
 ) {
@@ -72,16 +68,6 @@ fn load_step<F: Float, NV: Size>(
             pre[e * per4 + q] = src[offset / nv];
         }
     }
-    if comptime!(dv) {
-        if UNIT_POS < SCORE_UNITS {
-            #[unroll]
-            for e in 0..4usize {
-                let idx = u + e * SCORE_UNITS as usize;
-                let k = usize::min(k0 + idx / VECS as usize, k_len - 1);
-                lse_pre[e] = lse[lse_base + k * lse.stride(1)];
-            }
-        }
-    }
 }
 
 /// Element `c` (0..4) of 4-vector `g` of `pre`, as f32.
@@ -99,7 +85,8 @@ fn pre_at<F: Float, NV: Size>(pre: &Array<Vector<F, NV>>, g: usize, #[comptime] 
 #[allow(clippy::too_many_arguments)]
 fn build_step<F: Float, NV: Size>(
     pre: &Array<Vector<F, NV>>,
-    lse_pre: &Array<f32>,
+    lse: &Tensor<f32>,
+    lse_base: usize,
     a_s: &mut SharedMemory<Vector<f32, Const<4>>>,
     b_s: &mut SharedMemory<Vector<f32, Const<4>>>,
     pbuf: usize,
@@ -122,7 +109,9 @@ fn build_step<F: Float, NV: Size>(
                 vec[c] = pre_at::<F, NV>(pre, e, c);
             }
             if is_a {
-                let l = lse_pre[e];
+                // Read here rather than with the step's loads: fewer live registers.
+                let row = usize::min(k0 + k, k_len - 1);
+                let l = lse[lse_base + row * lse.stride(1)];
                 #[unroll]
                 for c in 0..4usize {
                     vec[c] = select(l == neg_inf, 0.0f32, f32::exp(vec[c] - l));
@@ -176,7 +165,6 @@ fn product_batch<F: Float, NV: Size>(
     b_s: &mut SharedMemory<Vector<f32, Const<4>>>,
     acc: &mut Array<Vector<f32, Const<4>>>,
     pre: &mut Array<Vector<F, NV>>,
-    lse_pre: &mut Array<f32>,
     batch: usize,
     parity: usize,
     at: (usize, usize, usize, usize, usize),
@@ -193,31 +181,27 @@ fn product_batch<F: Float, NV: Size>(
     let src_at = (batch * select(is_a, a.stride(0), b.stride(0)), s_k, s_mn);
     let lse_base = batch * lse.stride(0);
     if is_a {
-        load_step::<F, NV>(
-            a, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, 0, dv,
-        );
+        load_step::<F, NV>(a, pre, src_at, o0, mn_len, k_len, 0, dv);
     } else {
-        load_step::<F, NV>(
-            b, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, 0, dv,
-        );
+        load_step::<F, NV>(b, pre, src_at, o0, mn_len, k_len, 0, dv);
     }
     for s in 0..steps {
         let pbuf = ((parity + s) % 2) * BUF as usize;
         let k0 = s * step;
         if s < full_steps {
-            build_step::<F, NV>(pre, lse_pre, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, false);
+            build_step::<F, NV>(
+                pre, lse, lse_base, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, false,
+            );
         } else {
-            build_step::<F, NV>(pre, lse_pre, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, true);
+            build_step::<F, NV>(
+                pre, lse, lse_base, a_s, b_s, pbuf, k0, k_len, neg_inf, dv, true,
+            );
         }
         let next = usize::min(s + 1, steps - 1) * step;
         if is_a {
-            load_step::<F, NV>(
-                a, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, next, dv,
-            );
+            load_step::<F, NV>(a, pre, src_at, o0, mn_len, k_len, next, dv);
         } else {
-            load_step::<F, NV>(
-                b, lse, pre, lse_pre, src_at, o0, mn_len, k_len, lse_base, next, dv,
-            );
+            load_step::<F, NV>(b, pre, src_at, o0, mn_len, k_len, next, dv);
         }
         sync_cube();
         product_step(acc, a_s, b_s, a_s, pbuf, 0, ty, tx, false, !dv);
@@ -270,7 +254,6 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
         acc[i] = Vector::new(0.0f32);
     }
     let mut pre = Array::<Vector<F, NV>>::new(comptime!(16 / nv));
-    let mut lse_pre = Array::<f32>::new(4usize);
 
     let is_a = UNIT_POS < SCORE_UNITS;
     // This unit's operand: dV: A[k = i][m = j] = x[i, j], B[k = i][n = c] = dO[i, c]; dX:
@@ -289,21 +272,8 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
         for bi in 0..inner_batches {
             let batch = CUBE_POS_Z as usize * inner_batches + bi;
             parity = product_batch::<F, NV>(
-                a,
-                b,
-                lse,
-                &mut a_s,
-                &mut b_s,
-                &mut acc,
-                &mut pre,
-                &mut lse_pre,
-                batch,
-                parity,
-                at,
-                ty,
-                tx,
-                neg_inf,
-                dv,
+                a, b, lse, &mut a_s, &mut b_s, &mut acc, &mut pre, batch, parity, at, ty, tx,
+                neg_inf, dv,
             );
         }
     } else {
@@ -315,7 +285,6 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
             &mut b_s,
             &mut acc,
             &mut pre,
-            &mut lse_pre,
             CUBE_POS_Z as usize,
             0,
             at,
