@@ -391,7 +391,7 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
                         passes,
                     );
                     let back_to_back =
-                        time_back_to_back(|| imp.forward(x.clone(), v.clone()), &sync, 20);
+                        time_back_to_back(|| imp.forward(x.clone(), v.clone()), sync, 20);
                     (measured, back_to_back)
                 });
                 let (result, back_to_back) = match result {
