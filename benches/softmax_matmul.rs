@@ -9,7 +9,8 @@
 //!
 //! Sweeps: f32 forward → `softmax_matmul.csv` (exact columns
 //! `batch_size,d1,d2,d3,impl,BLOCK,forward_ms_mean,forward_ms_std,forward_peak_MiB`); forward +
-//! backward through `Autodiff` (d2 ≤ 4096; `(out ⊙ w).backward()`, output gradient `w`) →
+//! backward through `Autodiff` in f32, f16 and bf16 (d2 ≤ 4096; `(out ⊙ w).backward()`, output
+//! gradient `w`) →
 //! `softmax_matmul_backward.csv`; f16/bf16 forward →
 //! `softmax_matmul_lowp.csv`, with a `…_back_to_back` row per configuration (20 passes between
 //! two syncs: the rate without each pass's launch and sync cost; the note gives the time of an
@@ -28,7 +29,9 @@ mod common;
 use std::time::Instant;
 
 use burn::backend::Autodiff;
-use burn::tensor::{Distribution, FloatDType, Tensor, TensorData, activation, backend::Backend};
+use burn::tensor::{
+    DType, Distribution, FloatDType, Tensor, TensorData, activation, backend::Backend,
+};
 use burn_cubecl::CubeRuntime;
 use burn_flash::{FlashBackend, SoftmaxMatmulOptions, softmax_matmul_with};
 use common::*;
@@ -450,65 +453,90 @@ fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix
         SWEEP_COLUMNS,
     );
     type A<R, BT> = Autodiff<B<R, BT>>;
-    for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096 && runs("backward")) {
-        for imp in [Impl::Flash(Default::default()), Impl::Composed] {
-            let result = attempt(|| {
-                let x = Tensor::<A<R, BT>, 3>::random(
-                    [batch, d1, d2],
-                    Distribution::Normal(0.0, 2.0),
-                    &device,
-                )
-                .require_grad();
-                let v =
-                    Tensor::<A<R, BT>, 3>::random([batch, d2, d3], Distribution::Default, &device)
-                        .require_grad();
-                let w =
-                    Tensor::<A<R, BT>, 3>::random([batch, d1, d3], Distribution::Default, &device);
-                let inputs = ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * 4) as u64;
-                measure(
-                    &client,
-                    inputs,
-                    || {
-                        let out = imp.forward(x.clone(), v.clone());
-                        // `backward` seeds a non-scalar root with ones: the output
-                        // gradient is `w`, and no reduction (Burn's `sum` costs ~0.7 ms
-                        // here) is timed with the op.
-                        let grads = (out * w.clone()).backward();
-                        (x.grad(&grads), v.grad(&grads))
-                    },
-                    &sync,
-                    passes,
-                )
-            });
-            // Forward + backward = 3.5 × the forward's FLOPs (backward counted as 2.5×).
-            bwd.push(stats_row(
-                "f32",
-                batch,
-                d1,
-                d2,
-                d3,
-                imp.name(),
-                &result,
-                3.5,
-            ));
-            report(
-                "f32",
-                "fwd+bwd",
-                d2,
-                imp.name(),
-                &result,
-                3.5 * flops(batch, d1, d2, d3),
-            );
-            if let Ok((s, mib)) = &result {
-                plot_rows.push(PlotRow {
-                    panel: "f32 forward + backward".into(),
-                    label: imp.name().into(),
-                    d2: d2 as f64,
-                    ms: s.median,
-                    mib: *mib,
+    let bwd_dtypes = [
+        (FloatDType::F32, "f32"),
+        (FloatDType::F16, "f16"),
+        (FloatDType::BF16, "bf16"),
+    ];
+    let bwd_dtypes = bwd_dtypes.into_iter().filter(|(dtype, label)| {
+        let ok = B::<R, BT>::supports_dtype(&device, (*dtype).into());
+        if !ok && runs("backward") {
+            println!("{label} backward: not supported by this device, skipped");
+        }
+        ok
+    });
+    for (dtype, label) in bwd_dtypes {
+        for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096 && runs("backward")) {
+            for imp in [Impl::Flash(Default::default()), Impl::Composed] {
+                let result = attempt(|| {
+                    let x = Tensor::<A<R, BT>, 3>::random(
+                        [batch, d1, d2],
+                        Distribution::Normal(0.0, 2.0),
+                        &device,
+                    )
+                    .cast(dtype)
+                    .require_grad();
+                    let v = Tensor::<A<R, BT>, 3>::random(
+                        [batch, d2, d3],
+                        Distribution::Default,
+                        &device,
+                    )
+                    .cast(dtype)
+                    .require_grad();
+                    let w = Tensor::<A<R, BT>, 3>::random(
+                        [batch, d1, d3],
+                        Distribution::Default,
+                        &device,
+                    )
+                    .cast(dtype);
+                    let elem = DType::from(dtype).size();
+                    let inputs =
+                        ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * elem) as u64;
+                    measure(
+                        &client,
+                        inputs,
+                        || {
+                            let out = imp.forward(x.clone(), v.clone());
+                            // `backward` seeds a non-scalar root with ones: the output
+                            // gradient is `w`, and no reduction (Burn's `sum` costs ~0.7 ms
+                            // here) is timed with the op.
+                            let grads = (out * w.clone()).backward();
+                            (x.grad(&grads), v.grad(&grads))
+                        },
+                        &sync,
+                        passes,
+                    )
                 });
+                // Forward + backward = 3.5 × the forward's FLOPs (backward counted as 2.5×).
+                bwd.push(stats_row(
+                    label,
+                    batch,
+                    d1,
+                    d2,
+                    d3,
+                    imp.name(),
+                    &result,
+                    3.5,
+                ));
+                report(
+                    label,
+                    "fwd+bwd",
+                    d2,
+                    imp.name(),
+                    &result,
+                    3.5 * flops(batch, d1, d2, d3),
+                );
+                if let Ok((s, mib)) = &result {
+                    plot_rows.push(PlotRow {
+                        panel: format!("{label} forward + backward"),
+                        label: imp.name().into(),
+                        d2: d2 as f64,
+                        ms: s.median,
+                        mib: *mib,
+                    });
+                }
+                client.memory_cleanup();
             }
-            client.memory_cleanup();
         }
     }
 

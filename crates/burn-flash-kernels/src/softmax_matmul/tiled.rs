@@ -125,7 +125,11 @@ fn load_step<F: Float, NV: Size>(
 
 /// Element `c` (0..4) of 4-vector `g` of `pre`, as f32.
 #[cube]
-fn pre_at<F: Float, NV: Size>(pre: &Array<Vector<F, NV>>, g: usize, #[comptime] c: usize) -> f32 {
+pub(super) fn pre_at<F: Float, NV: Size>(
+    pre: &Array<Vector<F, NV>>,
+    g: usize,
+    #[comptime] c: usize,
+) -> f32 {
     let nv = NV::value();
     let per4 = comptime!(4 / nv);
     let vec = pre[g * per4 + comptime!(c / nv)];

@@ -20,7 +20,7 @@
 
 use cubecl::prelude::*;
 
-use super::tiled::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, product_step};
+use super::tiled::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
 /// Shared memory of [`smm_backward_tiled()`], in bytes: two `A` and two `B` buffers.
 pub const SHARED_BYTES: usize = (4 * BUF * 16) as usize;
@@ -68,15 +68,6 @@ fn load_step<F: Float, NV: Size>(
             pre[e * per4 + q] = src[offset / nv];
         }
     }
-}
-
-/// Element `c` (0..4) of 4-vector `g` of `pre`, as f32.
-#[cube]
-fn pre_at<F: Float, NV: Size>(pre: &Array<Vector<F, NV>>, g: usize, #[comptime] c: usize) -> f32 {
-    let nv = NV::value();
-    let per4 = comptime!(4 / nv);
-    let vec = pre[g * per4 + comptime!(c / nv)];
-    f32::cast_from(vec[comptime!(c % nv)])
 }
 
 /// Writes this unit's loaded part into the `A` (units 0..128) or `B` buffer at `pbuf`: `dV`'s `A`
