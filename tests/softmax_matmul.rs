@@ -561,8 +561,15 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 /// composed `softmax(x)·v` (NdArray, f32), for plain, shared-`v` and masked inputs.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     type A<B> = Autodiff<B>;
-    let cases: [([usize; 3], [usize; 3], bool); 8] = [
+    let cases: [([usize; 3], [usize; 3], bool); 12] = [
         ([2, 37, 70], [2, 70, 24], false),
+        // 16-byte rows (d2, d3 multiples of 8): the matrix-unit backward on CUDA f16/bf16, with
+        // partial cubes along d1 and d2, partial output tiles and reduction chunks (d3 = 264,
+        // d1 = 70), a shared `v` summed over batches with masked rows, and a tiny problem.
+        ([2, 200, 136], [2, 136, 264], false),
+        ([3, 70, 520], [1, 520, 40], true),
+        ([2, 64, 1024], [2, 1024, 128], false),
+        ([1, 33, 8], [1, 8, 8], false),
         // The tiled units kernels (forward, and both backward products) where they run: vectors
         // of 4, 2 and 1 elements, partial tiles and steps, shared `v` with masked rows.
         ([2, 70, 100], [2, 100, 80], false),
@@ -595,6 +602,10 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let v = rand3::<A<B>>(vs, 1.0, dtype, device).require_grad();
         let w = rand3::<A<B>>([xs[0], xs[1], vs[2]], 1.0, dtype, device);
         let out = softmax_matmul(x.clone(), v.clone());
+        // NaN-filled buffers of the gradients' sizes: an element the backward does not write
+        // reads back as NaN.
+        poison::<B, 3>(xs, dtype, device);
+        poison::<B, 3>(vs, dtype, device);
         let grads = (out * w.clone()).sum().backward();
         let dx = read(x.grad(&grads).expect("dx"));
         let dv = read(v.grad(&grads).expect("dv"));

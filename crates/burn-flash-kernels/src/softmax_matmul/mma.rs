@@ -70,7 +70,7 @@ pub fn units(block_1: usize) -> u32 {
 }
 
 /// Whether the 16-bit kernel ([`smm_forward_mma16()`], `ldmatrix` loads) runs for `dtype`.
-fn uses_ldmatrix<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
+pub(super) fn uses_ldmatrix<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
     dtype.size() == 2
         && client
             .properties()

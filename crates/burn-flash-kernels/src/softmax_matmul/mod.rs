@@ -20,6 +20,9 @@ pub mod kernel;
 pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
+pub mod mma_backward;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
 pub mod pipelined;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -370,6 +373,30 @@ fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> 
         && dims.d3 > 64
 }
 
+/// Whether the matrix-unit backward ([`mma_backward`]) runs: f16/bf16 with manual `mma`,
+/// `ldmatrix` and `cp.async`, and 16-byte vectors dividing every row and stride of `x`, `v`
+/// and `d_out`.
+fn mma_backward_fits<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    x: (&[usize], &[usize]),
+    v: (&[usize], &[usize]),
+    d_out: (&[usize], &[usize]),
+) -> bool {
+    let props = client.properties();
+    let hw = &props.hardware;
+    let units = mma_backward::PLANES * mma::PLANE;
+    dtype.size() == 2
+        && mma::supported(client, dtype)
+        && mma::uses_ldmatrix(client, dtype)
+        && props.features.copy_async
+        && hw.max_units_per_cube >= units
+        && hw.max_shared_memory_size
+            >= mma_backward::DX_SHARED_BYTES.max(mma_backward::DV_SHARED_BYTES)
+        && mma::load_vector(x, v, dtype) == 8
+        && mma::load_vector(d_out, v, dtype) == 8
+}
+
 /// The widest vector (4, 2 or 1 elements) dividing the rows and strides of every tensor of the
 /// tiled kernel (a row's last stride must then be 1).
 fn tiled_vector(tensors: &[(&[usize], &[usize])]) -> usize {
@@ -615,6 +642,33 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     let delta_cubes = rows.div_ceil(kernel::DELTA_ROWS as usize).max(1);
     let delta_x = delta_cubes.min(65535);
     let delta_count = check_cubes(client, (delta_x, delta_cubes.div_ceil(delta_x), 1))?;
+    let mut v_strides = v.strides.to_vec();
+    if shared_v {
+        v_strides[0] = 0;
+    }
+    let mma_bwd = mma_backward_fits(
+        client,
+        dtype,
+        (x.shape, x.strides),
+        (v.shape, &v_strides),
+        (d_out.shape, d_out.strides),
+    );
+    let mma_dx_count = check_cubes(
+        client,
+        (
+            d2.div_ceil(mma_backward::DX_COLS as usize).max(1),
+            d1.div_ceil(mma_backward::DX_ROWS as usize).max(1),
+            batch.max(1),
+        ),
+    )?;
+    let mma_dv_count = check_cubes(
+        client,
+        (
+            d3.div_ceil(mma_backward::DV_COLS as usize).max(1),
+            d2.div_ceil(mma_backward::DV_ROWS as usize).max(1),
+            if shared_v { 1 } else { batch.max(1) },
+        ),
+    )?;
     let tiled = tiled_backward_fits(client, dims);
     let tiled_count = |n: usize, m: usize, z: usize| {
         check_cubes(
@@ -628,10 +682,6 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     };
     let tiled_dx_count = tiled_count(d2, d1, batch)?;
     let tiled_dv_count = tiled_count(d3, d2, if shared_v { 1 } else { batch })?;
-    let mut v_strides = v.strides.to_vec();
-    if shared_v {
-        v_strides[0] = 0;
-    }
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
     unsafe {
@@ -646,6 +696,41 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 arg(&delta_ref, false),
                 dtype,
             );
+        }
+        if mma_bwd && rows > 0 {
+            let units = CubeDim::new_1d(mma_backward::PLANES * mma::PLANE);
+            if d2 > 0 {
+                mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
+                    client,
+                    mma_dx_count,
+                    units,
+                    8,
+                    arg(&d_out, false),
+                    arg(&v, shared_v),
+                    arg(&x, false),
+                    arg(&lse, false),
+                    arg(&delta_ref, false),
+                    arg(&dx, false),
+                    neg_inf,
+                    dtype,
+                );
+            }
+            if dv.shape.iter().product::<usize>() > 0 {
+                mma_backward::smm_backward_dv_mma::launch_unchecked::<R>(
+                    client,
+                    mma_dv_count,
+                    units,
+                    8,
+                    arg(&x, false),
+                    arg(&d_out, false),
+                    arg(&lse, false),
+                    arg(&dv, false),
+                    if shared_v { batch } else { 1 },
+                    neg_inf,
+                    dtype,
+                );
+            }
+            return Ok(());
         }
         if tiled && rows > 0 {
             tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
