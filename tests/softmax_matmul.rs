@@ -652,6 +652,48 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// The backward path of the `gradients` cases: with `matrix_units` (CUDA) the 16-byte aligned
+/// f16/bf16 cases take the matrix-unit kernels, so `gradients` checks those; everything else
+/// takes the plain-unit kernels (tiled from 65 × 65 gradients).
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
+    use burn_flash::kernels::softmax_matmul::{SmmBackwardPath as P, plan_softmax_matmul_backward};
+    let client = R::client(device);
+    let mma = |fallback: P| {
+        if matrix_units {
+            P::MatrixUnits
+        } else {
+            fallback
+        }
+    };
+    let cases = [
+        (FloatDType::F16, [2, 200, 136], 264, false, mma(P::Tiled)),
+        (FloatDType::BF16, [2, 200, 136], 264, false, mma(P::Tiled)),
+        (FloatDType::F16, [3, 70, 520], 40, true, mma(P::Units)),
+        (FloatDType::F16, [2, 64, 1024], 128, false, mma(P::Units)),
+        (FloatDType::F16, [1, 33, 8], 8, false, mma(P::Units)),
+        (FloatDType::F16, [2, 9, 40], 16, true, mma(P::Units)),
+        // Rows that 16-byte vectors do not divide, and f32: plain units.
+        (FloatDType::F16, [2, 70, 100], 80, false, P::Tiled),
+        (FloatDType::F16, [1, 7, 1025], 8, false, P::Units),
+        (FloatDType::F32, [2, 200, 136], 264, false, P::Tiled),
+    ];
+    for (dtype, [batch, d1, d2], d3, shared_v, want) in cases {
+        let dims = SmmDims { batch, d1, d2, d3 };
+        let v_shape = [if shared_v { 1 } else { batch }, d2, d3];
+        let v_strides = [if shared_v { 0 } else { d2 * d3 }, d3, 1];
+        let got = plan_softmax_matmul_backward(
+            &client,
+            dims,
+            DType::from(dtype).into(),
+            (&[batch, d1, d2], &[d1 * d2, d2, 1]),
+            (&v_shape, &v_strides),
+            (&[batch, d1, d3], &[d1 * d3, d3, 1]),
+        );
+        assert_eq!(got, want, "{dtype:?} x [{batch}, {d1}, {d2}], d3 {d3}");
+    }
+}
+
 /// The fallback (and any backend) returns the dtype it was given.
 fn dtype_is_honoured<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let x = rand3::<B>([2, 4, 8], 1.0, dtype, device);
@@ -723,6 +765,11 @@ mod wgpu {
         sync::<W>(&device);
     }
 
+    #[test]
+    fn backward_paths_on_plain_units() {
+        backward_paths::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false);
+    }
+
     mod unfused {
         use super::*;
         type U = burn_cubecl::CubeBackend<burn::backend::wgpu::WgpuRuntime, f32, i32, u32>;
@@ -741,6 +788,11 @@ mod cuda {
     fused_suite!(fused_f16, C, FloatDType::F16);
     fused_suite!(fused_bf16, C, FloatDType::BF16);
     suite!(tf32, C, FloatDType::F32, [tf32_opt_in]);
+
+    #[test]
+    fn backward_paths_take_the_matrix_units() {
+        backward_paths::<burn_cubecl::cubecl::cuda::CudaRuntime>(&Default::default(), true);
+    }
 }
 
 #[cfg(feature = "ndarray")]

@@ -373,6 +373,38 @@ fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> 
         && dims.d3 > 64
 }
 
+/// Which kernels compute the gradients of `softmax(X)·V`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SmmBackwardPath {
+    /// f16/bf16 products on the matrix units ([`mma_backward`]; CUDA, 16-byte aligned rows).
+    MatrixUnits,
+    /// Register-tiled products on plain units ([`tiled_backward`]; gradients ≥ 65 × 65).
+    Tiled,
+    /// 64 × 64-tile products on plain units ([`kernel`]).
+    Units,
+}
+
+/// The backward path [`launch_softmax_matmul_backward`] takes for tensors of these shapes and
+/// strides (`v`'s batch stride 0 when it is shared): the matrix units where
+/// [`mma_backward`] fits, else the tiled kernels for gradients of at least 65 × 65, else the
+/// small-tile kernels.
+pub fn plan_softmax_matmul_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    x: (&[usize], &[usize]),
+    v: (&[usize], &[usize]),
+    d_out: (&[usize], &[usize]),
+) -> SmmBackwardPath {
+    if mma_backward_fits(client, dtype, x, v, d_out) {
+        SmmBackwardPath::MatrixUnits
+    } else if tiled_backward_fits(client, dims) {
+        SmmBackwardPath::Tiled
+    } else {
+        SmmBackwardPath::Units
+    }
+}
+
 /// Whether the matrix-unit backward ([`mma_backward`]) runs: f16/bf16 with manual `mma`,
 /// `ldmatrix` and `cp.async`, and 16-byte vectors dividing every row and stride of `x`, `v`
 /// and `d_out`.
@@ -646,8 +678,9 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     if shared_v {
         v_strides[0] = 0;
     }
-    let mma_bwd = mma_backward_fits(
+    let path = plan_softmax_matmul_backward(
         client,
+        dims,
         dtype,
         (x.shape, x.strides),
         (v.shape, &v_strides),
@@ -669,7 +702,6 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             if shared_v { 1 } else { batch.max(1) },
         ),
     )?;
-    let tiled = tiled_backward_fits(client, dims);
     let tiled_count = |n: usize, m: usize, z: usize| {
         check_cubes(
             client,
@@ -697,7 +729,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 dtype,
             );
         }
-        if mma_bwd && rows > 0 {
+        if path == SmmBackwardPath::MatrixUnits && rows > 0 {
             let units = CubeDim::new_1d(mma_backward::PLANES * mma::PLANE);
             if d2 > 0 {
                 mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
@@ -732,7 +764,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             }
             return Ok(());
         }
-        if tiled && rows > 0 {
+        if path == SmmBackwardPath::Tiled && rows > 0 {
             tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                 client,
                 tiled_dx_count,
