@@ -16,7 +16,7 @@
 //!   shared) in chunks of 32. The tiles of `x` and `dO` are staged by `cp.async` (two buffers);
 //!   the A operand `Pᵀ` comes from `ldmatrix.trans` of the `x` tile, turned into
 //!   `e^(x − lse)` in registers, and `dO` is the B operand by `ldmatrix.trans`
-//!   ([`super::mma::mma_v_pair()`]).
+//!   (the forward's `mma_v_pair`).
 //!
 //! `NV` is 8 throughout (16-byte vectors of 16-bit elements): the host launches only rows that
 //! such vectors divide.
