@@ -239,6 +239,23 @@ pub(super) fn mma_v_pair<F: Float, NV: Size>(
     def.execute_inplace(a, &b1, c1);
 }
 
+/// Zeroed f32 accumulators of `n_tiles` m16n8 output tiles: per tile, this lane's two
+/// 2-vectors (rows `r` and `r + 8`).
+#[cube]
+pub(super) fn zero_accumulators(
+    #[comptime] n_tiles: u32,
+) -> Sequence<Array<Vector<f32, Const<2>>>> {
+    let mut acc = Sequence::<Array<Vector<f32, Const<2>>>>::new();
+    #[unroll]
+    for _ in 0..n_tiles {
+        let mut frag = Array::<Vector<f32, Const<2>>>::new(2usize);
+        frag[0usize] = Vector::new(0.0f32);
+        frag[1usize] = Vector::new(0.0f32);
+        acc.push(frag);
+    }
+    acc
+}
+
 /// Sum over the 4 lanes that share a row.
 #[cube]
 fn quad_sum(v: f32) -> f32 {

@@ -28,11 +28,12 @@
 use cubecl::{
     cmma::MmaDefinition,
     ir::{FastMath, MatrixIdent},
-    prelude::barrier::{Barrier, copy_async_checked},
+    prelude::barrier::Barrier,
     prelude::*,
 };
 
-use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair};
+use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, zero_accumulators};
+use super::pipelined::{commit_next, copy_vec, wait_step};
 
 /// Planes per cube of both kernels.
 pub const PLANES: u32 = 4;
@@ -65,26 +66,6 @@ const DV_O_BUF: u32 = CHUNK * DV_O_LD;
 pub const DX_SHARED_BYTES: usize = (2 * DX_BUF * 16) as usize;
 /// Shared memory of [`smm_backward_dv_mma()`], in bytes.
 pub const DV_SHARED_BYTES: usize = (2 * (DV_X_BUF + DV_O_BUF) * 16) as usize;
-
-/// Copies one 16-byte vector (`valid`) or zero-fills it, asynchronously.
-#[cube]
-fn copy_vec<F: Float, NV: Size>(
-    src: &Tensor<Vector<F, NV>>,
-    dst: &mut SharedMemory<Vector<F, NV>>,
-    src_at: usize,
-    dst_at: usize,
-    valid: bool,
-) {
-    let nv = NV::value();
-    // An invalid vector copies 0 bytes (zero fill) from a valid address.
-    let at = select(valid, src_at, 0);
-    let len = select(valid, 1usize, 0usize);
-    copy_async_checked(
-        &src.slice(at, at + len),
-        &mut dst.slice_mut(dst_at, dst_at + 1),
-        comptime!(nv as u32),
-    );
-}
 
 /// Issues the copies of `V`'s chunk `k0 .. k0 + 32` (columns) for rows `j0 .. j0 + DX_COLS`
 /// into the buffer at `buf`: row `n`, vector `q` at `buf + 4n + q`.
@@ -175,14 +156,7 @@ pub fn smm_backward_dx_mma<F: Float, NV: Size>(
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let mut acc = Sequence::<Array<Vector<f32, Const<2>>>>::new();
-    #[unroll]
-    for _ in 0..n_tiles {
-        let mut frag = Array::<Vector<f32, Const<2>>>::new(2usize);
-        frag[0usize] = Vector::new(0.0f32);
-        frag[1usize] = Vector::new(0.0f32);
-        acc.push(frag);
-    }
+    let mut acc = zero_accumulators(n_tiles);
     let steps = d3.div_ceil(CHUNK as usize);
     let mut cur = Array::<Vector<F, NV>>::new(2usize);
     let mut nxt = Array::<Vector<F, NV>>::new(2usize);
@@ -209,20 +183,10 @@ pub fn smm_backward_dx_mma<F: Float, NV: Size>(
                 d3,
             );
         }
-        if parity == 0 {
-            bar1.commit_copy_async();
-            let _token = bar1.arrive();
-        } else {
-            bar0.commit_copy_async();
-            let _token = bar0.arrive();
-        }
+        commit_next(&bar0, &bar1, step);
         let k_next = usize::min(next, steps - 1) * CHUNK as usize;
         load_do::<F, NV>(d_out, &mut nxt, o_base, os1, my_row, k_next, quad, d1, d3);
-        if parity == 0 {
-            bar0.wait_parity(((step / 2) % 2) as u32);
-        } else {
-            bar1.wait_parity(((step / 2) % 2) as u32);
-        }
+        wait_step(&bar0, &bar1, step);
         let buf = parity * DX_BUF as usize;
 
         // A operands of the two mma steps: register i holds row g + 8·(i % 2), elements
@@ -395,14 +359,7 @@ pub fn smm_backward_dv_mma<F: Float, NV: Size>(
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let mut acc = Sequence::<Array<Vector<f32, Const<2>>>>::new();
-    #[unroll]
-    for _ in 0..n_tiles {
-        let mut frag = Array::<Vector<f32, Const<2>>>::new(2usize);
-        frag[0usize] = Vector::new(0.0f32);
-        frag[1usize] = Vector::new(0.0f32);
-        acc.push(frag);
-    }
+    let mut acc = zero_accumulators(n_tiles);
     let chunks = d1.div_ceil(CHUNK as usize);
     let steps = chunks * batches;
 
@@ -439,22 +396,12 @@ pub fn smm_backward_dv_mma<F: Float, NV: Size>(
                 d3,
             );
         }
-        if parity == 0 {
-            bar1.commit_copy_async();
-            let _token = bar1.arrive();
-        } else {
-            bar0.commit_copy_async();
-            let _token = bar0.arrive();
-        }
+        commit_next(&bar0, &bar1, step);
         let b = b_first + step / chunks;
         let i0 = (step % chunks) * CHUNK as usize;
         let lse_base = b * lse.stride(0);
         let ls1 = lse.stride(1);
-        if parity == 0 {
-            bar0.wait_parity(((step / 2) % 2) as u32);
-        } else {
-            bar1.wait_parity(((step / 2) % 2) as u32);
-        }
+        wait_step(&bar0, &bar1, step);
         let xbuf = parity * DV_X_BUF as usize;
         let obuf = parity * DV_O_BUF as usize;
 

@@ -643,24 +643,55 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     check_dtype(client, dtype)?;
     let SmmDims { batch, d1, d2, d3 } = dims;
     let shared_v = v_batch == 1 && batch > 1;
-    let t = BACKWARD_TILES;
-    let dx_count = check_cubes(
-        client,
-        (
-            d2.div_ceil(t.cols as usize).max(1),
-            d1.div_ceil(t.rows as usize).max(1),
-            batch.max(1),
-        ),
-    )?;
-    let dv_count = check_cubes(
-        client,
-        (
-            d3.div_ceil(t.cols as usize).max(1),
-            d2.div_ceil(t.rows as usize).max(1),
-            if shared_v { 1 } else { batch.max(1) },
-        ),
-    )?;
+    let mut v_strides = v.strides.to_vec();
+    if shared_v {
+        v_strides[0] = 0;
+    }
     let rows = batch * d1;
+    // Without rows, dV is zero: the small-tile kernel writes it.
+    let path = if rows == 0 {
+        SmmBackwardPath::Units
+    } else {
+        plan_softmax_matmul_backward(
+            client,
+            dims,
+            dtype,
+            (x.shape, x.strides),
+            (v.shape, &v_strides),
+            (d_out.shape, d_out.strides),
+        )
+    };
+    // Output tile (columns, rows) of each gradient's kernel on this path.
+    let (dx_tile, dv_tile) = match path {
+        SmmBackwardPath::MatrixUnits => (
+            (mma_backward::DX_COLS, mma_backward::DX_ROWS),
+            (mma_backward::DV_COLS, mma_backward::DV_ROWS),
+        ),
+        SmmBackwardPath::Tiled => (
+            (tiled::TILE_N, tiled::TILE_M),
+            (tiled::TILE_N, tiled::TILE_M),
+        ),
+        SmmBackwardPath::Units => (
+            (BACKWARD_TILES.cols, BACKWARD_TILES.rows),
+            (BACKWARD_TILES.cols, BACKWARD_TILES.rows),
+        ),
+    };
+    let grid = |(cols, rows): (u32, u32), n: usize, m: usize, z: usize| {
+        check_cubes(
+            client,
+            (
+                n.div_ceil(cols as usize).max(1),
+                m.div_ceil(rows as usize).max(1),
+                z.max(1),
+            ),
+        )
+    };
+    let dx_count = grid(dx_tile, d2, d1, batch)?;
+    let dv_count = grid(dv_tile, d3, d2, if shared_v { 1 } else { batch })?;
+    // Cubes of the delta kernel, on a 2-D grid past 65535.
+    let delta_cubes = rows.div_ceil(kernel::DELTA_ROWS as usize).max(1);
+    let delta_x = delta_cubes.min(65535);
+    let delta_count = check_cubes(client, (delta_x, delta_cubes.div_ceil(delta_x), 1))?;
     let delta: Handle = client.empty(rows.max(1) * 4);
     let delta_shape = [batch, d1];
     let delta_strides = [d1, 1];
@@ -670,50 +701,8 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         strides: &delta_strides,
     };
     let neg_inf = f32::NEG_INFINITY;
-    // Cubes of the delta kernel, on a 2-D grid past 65535.
-    let delta_cubes = rows.div_ceil(kernel::DELTA_ROWS as usize).max(1);
-    let delta_x = delta_cubes.min(65535);
-    let delta_count = check_cubes(client, (delta_x, delta_cubes.div_ceil(delta_x), 1))?;
-    let mut v_strides = v.strides.to_vec();
-    if shared_v {
-        v_strides[0] = 0;
-    }
-    let path = plan_softmax_matmul_backward(
-        client,
-        dims,
-        dtype,
-        (x.shape, x.strides),
-        (v.shape, &v_strides),
-        (d_out.shape, d_out.strides),
-    );
-    let mma_dx_count = check_cubes(
-        client,
-        (
-            d2.div_ceil(mma_backward::DX_COLS as usize).max(1),
-            d1.div_ceil(mma_backward::DX_ROWS as usize).max(1),
-            batch.max(1),
-        ),
-    )?;
-    let mma_dv_count = check_cubes(
-        client,
-        (
-            d3.div_ceil(mma_backward::DV_COLS as usize).max(1),
-            d2.div_ceil(mma_backward::DV_ROWS as usize).max(1),
-            if shared_v { 1 } else { batch.max(1) },
-        ),
-    )?;
-    let tiled_count = |n: usize, m: usize, z: usize| {
-        check_cubes(
-            client,
-            (
-                n.div_ceil(tiled::TILE_N as usize),
-                m.div_ceil(tiled::TILE_M as usize),
-                z,
-            ),
-        )
-    };
-    let tiled_dx_count = tiled_count(d2, d1, batch)?;
-    let tiled_dv_count = tiled_count(d3, d2, if shared_v { 1 } else { batch })?;
+    let dv_batches = if shared_v { batch } else { 1 };
+    let dv_nonempty = dv.shape.iter().product::<usize>() > 0;
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
     unsafe {
@@ -729,117 +718,119 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 dtype,
             );
         }
-        if path == SmmBackwardPath::MatrixUnits && rows > 0 {
-            let units = CubeDim::new_1d(mma_backward::PLANES * mma::PLANE);
-            if d2 > 0 {
-                mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
+        match path {
+            SmmBackwardPath::MatrixUnits => {
+                let units = CubeDim::new_1d(mma_backward::PLANES * mma::PLANE);
+                if d2 > 0 {
+                    mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
+                        client,
+                        dx_count,
+                        units,
+                        8,
+                        arg(&d_out, false),
+                        arg(&v, shared_v),
+                        arg(&x, false),
+                        arg(&lse, false),
+                        arg(&delta_ref, false),
+                        arg(&dx, false),
+                        neg_inf,
+                        dtype,
+                    );
+                }
+                if dv_nonempty {
+                    mma_backward::smm_backward_dv_mma::launch_unchecked::<R>(
+                        client,
+                        dv_count,
+                        units,
+                        8,
+                        arg(&x, false),
+                        arg(&d_out, false),
+                        arg(&lse, false),
+                        arg(&dv, false),
+                        dv_batches,
+                        neg_inf,
+                        dtype,
+                    );
+                }
+            }
+            SmmBackwardPath::Tiled => {
+                tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                     client,
-                    mma_dx_count,
-                    units,
-                    8,
+                    dx_count,
+                    CubeDim::new_1d(tiled::UNITS),
+                    tiled_vector(&[
+                        (x.shape, x.strides),
+                        (v.shape, &v_strides),
+                        (d_out.shape, d_out.strides),
+                        (dx.shape, dx.strides),
+                    ]),
                     arg(&d_out, false),
                     arg(&v, shared_v),
                     arg(&x, false),
                     arg(&lse, false),
                     arg(&delta_ref, false),
                     arg(&dx, false),
+                    1,
                     neg_inf,
+                    false,
+                    false,
                     dtype,
                 );
-            }
-            if dv.shape.iter().product::<usize>() > 0 {
-                mma_backward::smm_backward_dv_mma::launch_unchecked::<R>(
+                tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                     client,
-                    mma_dv_count,
-                    units,
-                    8,
+                    dv_count,
+                    CubeDim::new_1d(tiled::UNITS),
+                    tiled_vector(&[
+                        (x.shape, x.strides),
+                        (d_out.shape, d_out.strides),
+                        (dv.shape, dv.strides),
+                    ]),
                     arg(&x, false),
                     arg(&d_out, false),
+                    arg(&x, false),
                     arg(&lse, false),
+                    arg(&delta_ref, false),
                     arg(&dv, false),
-                    if shared_v { batch } else { 1 },
+                    dv_batches,
                     neg_inf,
+                    true,
+                    shared_v,
                     dtype,
                 );
             }
-            return Ok(());
-        }
-        if path == SmmBackwardPath::Tiled && rows > 0 {
-            tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
-                client,
-                tiled_dx_count,
-                CubeDim::new_1d(tiled::UNITS),
-                tiled_vector(&[
-                    (x.shape, x.strides),
-                    (v.shape, &v_strides),
-                    (d_out.shape, d_out.strides),
-                    (dx.shape, dx.strides),
-                ]),
-                arg(&d_out, false),
-                arg(&v, shared_v),
-                arg(&x, false),
-                arg(&lse, false),
-                arg(&delta_ref, false),
-                arg(&dx, false),
-                1,
-                neg_inf,
-                false,
-                false,
-                dtype,
-            );
-            tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
-                client,
-                tiled_dv_count,
-                CubeDim::new_1d(tiled::UNITS),
-                tiled_vector(&[
-                    (x.shape, x.strides),
-                    (d_out.shape, d_out.strides),
-                    (dv.shape, dv.strides),
-                ]),
-                arg(&x, false),
-                arg(&d_out, false),
-                arg(&x, false),
-                arg(&lse, false),
-                arg(&delta_ref, false),
-                arg(&dv, false),
-                if shared_v { batch } else { 1 },
-                neg_inf,
-                true,
-                shared_v,
-                dtype,
-            );
-            return Ok(());
-        }
-        if rows > 0 && d2 > 0 {
-            kernel::smm_backward_dx::launch_unchecked::<R>(
-                client,
-                dx_count,
-                CubeDim::new_1d(UNITS),
-                arg(&x, false),
-                arg(&v, shared_v),
-                arg(&d_out, false),
-                arg(&lse, false),
-                arg(&delta_ref, false),
-                arg(&dx, false),
-                neg_inf,
-                t,
-                dtype,
-            );
-        }
-        if dv.shape.iter().product::<usize>() > 0 {
-            kernel::smm_backward_dv::launch_unchecked::<R>(
-                client,
-                dv_count,
-                CubeDim::new_1d(UNITS),
-                arg(&x, false),
-                arg(&d_out, false),
-                arg(&lse, false),
-                arg(&dv, false),
-                if shared_v { batch } else { 1 },
-                neg_inf,
-                t,
-                dtype,
-            );
+            SmmBackwardPath::Units => {
+                if rows > 0 && d2 > 0 {
+                    kernel::smm_backward_dx::launch_unchecked::<R>(
+                        client,
+                        dx_count,
+                        CubeDim::new_1d(UNITS),
+                        arg(&x, false),
+                        arg(&v, shared_v),
+                        arg(&d_out, false),
+                        arg(&lse, false),
+                        arg(&delta_ref, false),
+                        arg(&dx, false),
+                        neg_inf,
+                        BACKWARD_TILES,
+                        dtype,
+                    );
+                }
+                if dv_nonempty {
+                    kernel::smm_backward_dv::launch_unchecked::<R>(
+                        client,
+                        dv_count,
+                        CubeDim::new_1d(UNITS),
+                        arg(&x, false),
+                        arg(&d_out, false),
+                        arg(&lse, false),
+                        arg(&dv, false),
+                        dv_batches,
+                        neg_inf,
+                        BACKWARD_TILES,
+                        dtype,
+                    );
+                }
+            }
         }
     }
     Ok(())

@@ -26,7 +26,7 @@ use cubecl::{
 };
 
 use super::kernel::ForwardTiles;
-use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max};
+use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, zero_accumulators};
 /// Columns of `X` one lane-quad loads per chunk: 4 lanes × 8 elements (16 bytes each).
 pub const CHUNK: u32 = 32;
 
@@ -50,6 +50,51 @@ fn staged_row(p: usize) -> usize {
     // Column q of a chunk is 8·t + 4·s' + 2·s + n: lane-quad member t, mma step s', operand
     // half s, element n; in operand order it is row 16·s' + 8·s + 2·t + n of the chunk.
     (p - q) + 16 * ((q % 8) / 4) + 8 * ((q % 4) / 2) + 2 * (q / 8) + q % 2
+}
+
+/// Copies one vector from `src_at` to `dst_at` asynchronously (`valid`), or zero-fills it.
+#[cube]
+pub(super) fn copy_vec<F: Float, NV: Size>(
+    src: &Tensor<Vector<F, NV>>,
+    dst: &mut SharedMemory<Vector<F, NV>>,
+    src_at: usize,
+    dst_at: usize,
+    valid: bool,
+) {
+    let nv = NV::value();
+    // An invalid vector copies 0 bytes (zero fill) from a valid address.
+    let at = select(valid, src_at, 0);
+    let len = select(valid, 1usize, 0usize);
+    copy_async_checked(
+        &src.slice(at, at + len),
+        &mut dst.slice_mut(dst_at, dst_at + 1),
+        comptime!(nv as u32),
+    );
+}
+
+/// Commits the copies this unit issued for the step after `step` (into the other of two
+/// buffers, tracked by barrier `1 − step % 2`) and arrives on that barrier.
+#[cube]
+pub(super) fn commit_next(bar0: &Barrier, bar1: &Barrier, step: usize) {
+    let parity = step % 2;
+    if parity == 0 {
+        bar1.commit_copy_async();
+        let _token = bar1.arrive();
+    } else {
+        bar0.commit_copy_async();
+        let _token = bar0.arrive();
+    }
+}
+
+/// Waits for the copies of step `step` (barrier `step % 2`, in its `step / 2`-th phase).
+#[cube]
+pub(super) fn wait_step(bar0: &Barrier, bar1: &Barrier, step: usize) {
+    let parity = step % 2;
+    if parity == 0 {
+        bar0.wait_parity(((step / 2) % 2) as u32);
+    } else {
+        bar1.wait_parity(((step / 2) % 2) as u32);
+    }
 }
 
 /// Issues the asynchronous copies of one step's `V` tile (`block_2 × tile_3`, zeros past the
@@ -81,15 +126,8 @@ fn stage_v<F: Float, NV: Size>(
             let (p, cv) = (idx / per_row, idx % per_row);
             let (row, col) = (j0 + p, col0 + cv * nv);
             let valid = row < d2 && col < d3;
-            // An invalid chunk copies 0 bytes (zero fill) from a valid address.
-            let src = select(valid, (v_base + row * vs1 + col) / nv, 0);
-            let len = select(valid, 1usize, 0usize);
             let dst = buf + staged_row(p) * v_ldv + cv;
-            copy_async_checked(
-                &v.slice(src, src + len),
-                &mut v_s.slice_mut(dst, dst + 1),
-                comptime!(nv as u32),
-            );
+            copy_vec::<F, NV>(v, v_s, (v_base + row * vs1 + col) / nv, dst, valid);
         }
     }
 }
@@ -295,16 +333,7 @@ pub fn smm_forward_pipelined<F: Float, NV: Size>(
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let mut acc = Sequence::<Array<Vector<f32, Const<2>>>>::new();
-    #[unroll]
-    for _ in 0..comptime!(t.tile_3 / MMA_N) {
-        let mut frag = Array::<Vector<f32, Const<2>>>::new(c_vecs);
-        #[unroll]
-        for i in 0..c_vecs {
-            frag[i] = Vector::new(0.0f32);
-        }
-        acc.push(frag);
-    }
+    let mut acc = zero_accumulators(comptime!(t.tile_3 / MMA_N));
     let mut m = Array::<f32>::new(2usize);
     // Row sums `l`, as an `mma` accumulator: vector h holds (twice) the sum of row r + 8·h.
     let mut l = Array::<Vector<f32, Const<2>>>::new(2usize);
@@ -343,13 +372,7 @@ pub fn smm_forward_pipelined<F: Float, NV: Size>(
                 t,
             );
         }
-        if parity == 0 {
-            bar1.commit_copy_async();
-            let _token = bar1.arrive();
-        } else {
-            bar0.commit_copy_async();
-            let _token = bar0.arrive();
-        }
+        commit_next(&bar0, &bar1, step);
         let j0 = step * b2;
         load_x::<F, NV>(
             x,
@@ -365,11 +388,7 @@ pub fn smm_forward_pipelined<F: Float, NV: Size>(
         );
 
         let buf = parity * buf_len;
-        if parity == 0 {
-            bar0.wait_parity(((step / 2) % 2) as u32);
-        } else {
-            bar1.wait_parity(((step / 2) % 2) as u32);
-        }
+        wait_step(&bar0, &bar1, step);
         if step < full_steps {
             pv_step::<F, NV>(
                 &xr, &mut acc, &mut m, &mut l, &v_s, buf, j0, d2, quad, t, false,
