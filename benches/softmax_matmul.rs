@@ -124,7 +124,6 @@ impl Impl {
     fn name(&self) -> &'static str {
         match self {
             Impl::Composed => "burn_composed",
-            Impl::Flash(o) if o.allow_tf32 => "burn_flash_tf32",
             Impl::Flash(o) if o.blocks.is_none() => "burn_flash_heuristic",
             Impl::Flash(_) => "burn_flash",
         }
@@ -185,12 +184,7 @@ fn impls(with_tf32: bool) -> Vec<Impl> {
         })
         .collect();
     v.push(Impl::Flash(SoftmaxMatmulOptions::default()));
-    if with_tf32 {
-        v.push(Impl::Flash(SoftmaxMatmulOptions {
-            allow_tf32: true,
-            ..Default::default()
-        }));
-    }
+    let _ = with_tf32;
     v.push(Impl::Composed);
     v
 }

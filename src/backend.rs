@@ -251,13 +251,12 @@ mod cube {
             dtype: DType,
             options: SoftmaxMatmulOptions,
         ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+            use burn_flash_kernels::softmax_matmul::{contiguous_row_vector, plan_softmax_matmul};
             let client = R::client(device);
-            Some(burn_flash_kernels::softmax_matmul::plan_softmax_matmul(
-                &client,
-                dims,
-                dtype.into(),
-                options,
-            ))
+            let dtype = dtype.into();
+            // Contiguous tensors: the layout Burn gives new tensors.
+            let vector = contiguous_row_vector(dims, dtype);
+            Some(plan_softmax_matmul(&client, dims, dtype, vector, options))
         }
     }
 }

@@ -13,7 +13,8 @@ pub mod reference;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 
 pub use burn_flash_kernels::softmax_matmul::{
-    BLOCK_SIZES, SmmDims, SmmPath, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
+    BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath, SoftmaxMatmulError, SoftmaxMatmulOptions,
+    SoftmaxMatmulPlan,
 };
 
 use crate::FlashBackend;
@@ -47,7 +48,7 @@ pub fn softmax_matmul<B: FlashBackend, const D: usize, const DV: usize>(
     softmax_matmul_with(x, v, SoftmaxMatmulOptions::default())
 }
 
-/// [`softmax_matmul`] with the heuristic's choices overridden (block sizes, TF32, path). A
+/// [`softmax_matmul`] with the heuristic's choices overridden (block sizes, path). A
 /// forced choice the device or shape cannot run panics with the reason before any launch.
 pub fn softmax_matmul_with<B: FlashBackend, const D: usize, const DV: usize>(
     x: Tensor<B, D>,
@@ -63,8 +64,9 @@ pub fn softmax_matmul_with<B: FlashBackend, const D: usize, const DV: usize>(
     Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)).reshape(out_shape)
 }
 
-/// The plan the fused forward would run for `x` of shape `[..batch, d1, d2]` and `v` with
-/// `d3` columns on `device` (`None`: the backend uses the composed fallback).
+/// The plan the fused forward would run for contiguous `x` of shape `[..batch, d1, d2]` and `v`
+/// with `d3` columns on `device`: the kernel ([`SmmForwardKernel`]), its tiles and grid
+/// (`None`: the backend uses the composed fallback).
 pub fn softmax_matmul_plan<B: FlashBackend>(
     device: &B::Device,
     dims: SmmDims,

@@ -2,7 +2,9 @@
 
 #![allow(dead_code)]
 
-use burn::tensor::{Distribution, FloatDType, Tensor, TensorData, backend::Backend};
+use std::cell::RefCell;
+
+use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
 use burn_flash::SoftmaxVariant;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -49,9 +51,29 @@ pub fn tol_for(dtype: FloatDType, variant: SoftmaxVariant, max_abs: f64) -> Tol 
     }
 }
 
-/// A fresh seed per call, so every run draws new inputs; printed on failure via the context.
+thread_local! {
+    /// The test's input generator: seeded once per test (libtest runs each test on a thread
+    /// of its own), from `BURN_FLASH_SEED` when set, else at random.
+    static INPUTS: RefCell<Option<StdRng>> = const { RefCell::new(None) };
+}
+
+/// The next seed of this test's input stream. The first call of a test picks the test's seed
+/// and prints it; libtest shows a test's output when it fails, so a failure names its seed, and
+/// `BURN_FLASH_SEED=<seed> cargo test <name>` draws the same inputs again.
 pub fn fresh_seed() -> u64 {
-    rand::rng().random()
+    INPUTS.with(|inputs| {
+        inputs
+            .borrow_mut()
+            .get_or_insert_with(|| {
+                let seed = match std::env::var("BURN_FLASH_SEED") {
+                    Ok(s) => s.trim().parse().expect("BURN_FLASH_SEED: an integer"),
+                    Err(_) => rand::rng().random(),
+                };
+                eprintln!("inputs from seed {seed} (replay: BURN_FLASH_SEED={seed})");
+                StdRng::seed_from_u64(seed)
+            })
+            .random()
+    })
 }
 
 pub fn uniform(n: usize, lo: f32, hi: f32, seed: u64) -> Vec<f32> {
@@ -265,11 +287,6 @@ pub fn assert_probabilities(
     }
 }
 
-/// Random tensor helper for autodiff tests (standard normal values).
-pub fn normal<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
-}
-
 /// A `[d0, d1, d2]` tensor of `dtype`, uniform in `[-scale, scale)`.
 pub fn rand3<B: Backend>(
     shape: [usize; 3],
@@ -278,6 +295,105 @@ pub fn rand3<B: Backend>(
     device: &B::Device,
 ) -> Tensor<B, 3> {
     random::<B, 3>(shape, -scale, scale, dtype, device)
+}
+
+/// Unit roundoff of a dtype's storage.
+pub fn eps(dtype: FloatDType) -> f64 {
+    match dtype {
+        FloatDType::F16 => 2f64.powi(-11),
+        FloatDType::BF16 => 2f64.powi(-8),
+        FloatDType::F64 => 2f64.powi(-53),
+        _ => 2f64.powi(-24),
+    }
+}
+
+/// Largest finite magnitude.
+pub fn max_abs(v: &[f64]) -> f64 {
+    v.iter()
+        .filter(|a| a.is_finite())
+        .fold(0.0f64, |a, b| a.max(b.abs()))
+}
+
+/// Largest `|got − want|`; infinite when an element is NaN (or infinite) where `want` is
+/// finite, or differs where `want` is not finite.
+pub fn max_err(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "max_err: lengths");
+    got.iter().zip(want).fold(0.0f64, |worst, (&g, &w)| {
+        let e = if w.is_finite() {
+            (g - w).abs()
+        } else if g == w || (g.is_nan() && w.is_nan()) {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        if e.is_nan() {
+            f64::INFINITY
+        } else {
+            worst.max(e)
+        }
+    })
+}
+
+/// FlashAttention's rule: the fused result's largest error against the f64 reference `want`
+/// is at most twice that of the naive composition in the same dtype (`naive`, same inputs),
+/// plus a floor of `floor_ulps` roundings of the largest reference value. Elements where the
+/// naive result is NaN (Burn's composition on fully masked rows) do not count for its error.
+pub fn assert_within_naive(
+    got: &[f64],
+    naive: &[f64],
+    want: &[f64],
+    dtype: FloatDType,
+    floor_ulps: f64,
+    context: &str,
+) {
+    let e_fused = max_err(got, want);
+    let (n_kept, w_kept): (Vec<f64>, Vec<f64>) = naive
+        .iter()
+        .zip(want)
+        .filter(|(n, _)| !n.is_nan())
+        .map(|(&n, &w)| (n, w))
+        .unzip();
+    let e_naive = max_err(&n_kept, &w_kept);
+    let floor = floor_ulps * eps(dtype) * max_abs(want);
+    assert!(
+        e_fused <= 2.0 * e_naive + floor,
+        "{context}: error {e_fused:e} > 2 × naive error {e_naive:e} + floor {floor:e} \
+         (max |reference| {:e})",
+        max_abs(want)
+    );
+}
+
+/// Row by row (rows of `len` consecutive elements, or strided: element `j` of row `r` at
+/// `outer(r)·len·inner + j·inner + inner(r)`), `|got − want| ≤ rel · max_row |want|`: a
+/// tolerance scaled by each row's largest reference value, so that it shrinks with the
+/// gradient (a zero or half-computed row fails however small its values are).
+pub fn assert_rows_close(
+    got: &[f64],
+    want: &[f64],
+    shape: &[usize],
+    dim: usize,
+    rel: f64,
+    context: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{context}: length");
+    let n = shape[dim];
+    let inner: usize = shape[dim + 1..].iter().product();
+    let outer: usize = shape[..dim].iter().product();
+    for o in 0..outer {
+        for i in 0..inner {
+            let idx = |j: usize| (o * n + j) * inner + i;
+            let scale = (0..n).map(|j| want[idx(j)].abs()).fold(0.0f64, f64::max);
+            let allowed = rel * scale;
+            for j in 0..n {
+                let (g, w) = (got[idx(j)], want[idx(j)]);
+                assert!(
+                    (g - w).abs() <= allowed,
+                    "{context}: row ({o}, {i}) element {j}: got {g:e}, want {w:e}; allowed \
+                     {allowed:e} = {rel:e} × row max |want| {scale:e}"
+                );
+            }
+        }
+    }
 }
 
 /// The message of the panic `f` must raise.

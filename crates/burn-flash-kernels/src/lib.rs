@@ -3,7 +3,9 @@
 //!
 //! - [`softmax`]: fused row softmax, log-softmax and quiet softmax (forward and backward);
 //! - [`softmax_matmul`]: `softmax(X)·V` without the softmax matrix (forward and backward);
-//! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against.
+//! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
+//! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
+//!   helpers, `cp.async` double buffering).
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -11,5 +13,12 @@ pub mod reduce;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod copy;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod fragment;
+pub mod mutation;
+// `#[cube]` expands every function into undocumented helper items.
 pub mod softmax;
 pub mod softmax_matmul;
+#[allow(missing_docs)]
+pub mod staging;

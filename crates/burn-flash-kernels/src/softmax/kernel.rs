@@ -268,7 +268,11 @@ pub fn softmax_split_finish<F: Float, N: Size>(
         let merged = f32::max(m, pm);
         let ms = select(merged == neg_inf, 0.0f32, merged);
         let cur = select(m == neg_inf, 0.0f32, m);
-        l = l * f32::exp(cur - ms) + pl * f32::exp(ps - ms);
+        let mut alpha = f32::exp(cur - ms);
+        if comptime!(crate::mutation::no_rescale()) {
+            alpha = 1.0f32;
+        }
+        l = l * alpha + pl * f32::exp(ps - ms);
         m = merged;
         p += x as usize;
     }
@@ -317,7 +321,11 @@ pub fn softmax_strided<F: Float>(
         let merged = f32::max(m, v);
         let ms = select(merged == neg_inf, 0.0f32, merged);
         let cur = select(m == neg_inf, 0.0f32, m);
-        l = l * f32::exp(cur - ms) + f32::exp(v - ms);
+        let mut alpha = f32::exp(cur - ms);
+        if comptime!(crate::mutation::no_rescale()) {
+            alpha = 1.0f32;
+        }
+        l = l * alpha + f32::exp(v - ms);
         m = merged;
     }
     let shift = softmax_shift(m, neg_inf, variant);
@@ -365,10 +373,18 @@ fn backward_apply<F: Float, N: Size>(
 ) -> Vector<F, N> {
     let yf = Vector::<f32, N>::cast_from(y);
     let dyf = Vector::<f32, N>::cast_from(dy);
-    match variant {
-        SoftmaxVariant::LogSoftmax => Vector::cast_from(dyf - Vector::exp(yf) * Vector::new(s)),
-        _ => Vector::cast_from(yf * (dyf - Vector::new(s))),
+    let mut s = s;
+    if comptime!(crate::mutation::drop_delta()) {
+        s = 0.0f32;
     }
+    let mut g = match variant {
+        SoftmaxVariant::LogSoftmax => dyf - Vector::exp(yf) * Vector::new(s),
+        _ => yf * (dyf - Vector::new(s)),
+    };
+    if comptime!(crate::mutation::zero_dx()) {
+        g = Vector::new(0.0f32);
+    }
+    Vector::cast_from(g)
 }
 
 /// Backward, whole row in registers: two reads and one write per element.
@@ -531,13 +547,19 @@ pub fn softmax_backward_strided<F: Float>(
             _ => vdy * f32::cast_from(y[y_base + j * sy]),
         };
     }
+    if comptime!(crate::mutation::drop_delta()) {
+        s = 0.0f32;
+    }
     for j in 0..n {
         let vy = f32::cast_from(y[y_base + j * sy]);
         let vdy = f32::cast_from(dy[dy_base + j * sdy]);
-        let g = match variant {
+        let mut g = match variant {
             SoftmaxVariant::LogSoftmax => vdy - f32::exp(vy) * s,
             _ => vy * (vdy - s),
         };
+        if comptime!(crate::mutation::zero_dx()) {
+            g = 0.0f32;
+        }
         dx[dx_base + j * sdx] = F::cast_from(g);
     }
 }

@@ -215,6 +215,9 @@ pub fn smm_forward<F: Float, NT: Size>(
                 }
                 // Both finite (seeded with the lowest finite value): never −inf − (−inf).
                 alpha[e as usize] = f32::exp(m[e as usize] - m_new);
+                if comptime!(crate::mutation::no_rescale()) {
+                    alpha[e as usize] = 1.0f32;
+                }
                 m[e as usize] = m_new;
                 let xv = xg[e as usize];
                 let mut p = Vector::<f32, Const<4>>::new(0.0f32);
@@ -359,6 +362,9 @@ pub fn smm_delta<F: Float>(
         for q in 0..32u32 {
             sum += part_s[(group * 32 + q) as usize];
         }
+        if comptime!(crate::mutation::drop_delta()) {
+            sum = 0.0f32;
+        }
         delta[b * delta.stride(0) + i * delta.stride(1)] = sum;
     }
 }
@@ -469,7 +475,10 @@ pub fn smm_backward_dx<F: Float>(
                 if col < d2 {
                     let xv = f32::cast_from(x[x_base + row * x.stride(1) + col * x.stride(2)]);
                     let p = probability(xv, row_lse, neg_inf);
-                    let grad = p * (acc[(i * tn + c) as usize] - row_delta);
+                    let mut grad = p * (acc[(i * tn + c) as usize] - row_delta);
+                    if comptime!(crate::mutation::zero_dx()) {
+                        grad = 0.0f32;
+                    }
                     dx[dx_base + row * dxs1 + col * dxs2] = F::cast_from(grad);
                 }
             }

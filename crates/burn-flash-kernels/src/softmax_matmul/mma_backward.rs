@@ -32,8 +32,8 @@ use cubecl::{
     prelude::*,
 };
 
-use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, zero_accumulators};
-use super::pipelined::{commit_next, copy_vec, wait_step};
+use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, zero_accumulators};
+use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Planes per cube of both kernels.
 pub const PLANES: u32 = 4;
@@ -257,8 +257,11 @@ pub fn smm_backward_dx_mma<F: Float, NV: Size>(
                         let col = col8 + 2 * quad + n;
                         let xe = f32::cast_from(xv[2 * quad + n]);
                         let p = select(finite, f32::exp(xe - row_lse), 0.0f32);
-                        dx[dx_base + row * dxs1 + col * dxs2] =
-                            F::cast_from(p * (c[n] - row_delta));
+                        let mut grad = p * (c[n] - row_delta);
+                        if comptime!(crate::mutation::zero_dx()) {
+                            grad = 0.0f32;
+                        }
+                        dx[dx_base + row * dxs1 + col * dxs2] = F::cast_from(grad);
                     }
                 }
             }

@@ -5,12 +5,17 @@
 //! or `[1, d2, d3]` (one `V` shared by every batch), the output `[batch, d1, d3]` and the
 //! log-sum-exp `[batch, d1]` in f32. Any strides.
 //!
-//! Two inner-product paths, chosen by [`plan_softmax_matmul`]:
-//! - [`SmmPath::Units`]: every runtime and float type; register-tiled f32 products on plain
-//!   units ([`tiled`] for the heuristic's choice where 256 units and its shared memory fit and the
-//!   output is at least 65 × 65, [`kernel`] otherwise and for forced block sizes);
-//! - [`SmmPath::MatrixUnits`]: the `P·V` product on the GPU's matrix units (`mma`), for f16 and
-//!   bf16, and for f32 only when TF32 is explicitly allowed ([`mma`]).
+//! [`plan_softmax_matmul`] picks one forward kernel ([`SmmForwardKernel`]) once; the launch
+//! matches on it once. Two inner-product paths ([`SmmPath`]):
+//! - plain units, every runtime and float type, f32 arithmetic: [`tiled`] (register-tiled,
+//!   128 × 128 outputs) where 256 units and its shared memory fit and the output is at least
+//!   65 × 65, [`kernel`] otherwise and for forced block sizes;
+//! - matrix units (`mma` m16n8k16, f32 accumulators), f16/bf16 on CUDA: [`pipelined`] for
+//!   16-byte aligned rows, [`mma`] for the rest.
+//!
+//! f32 never runs on the matrix units: their f32 mode rounds the operands to TF32 (10-bit
+//! mantissa), and a TF32 kernel measured slower than the register-tiled f32 one at every `d2`
+//! on an H200 (10.43 against 8.12 ms at `d2 = 8192`), so it was removed.
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -35,6 +40,7 @@ use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, features::Plane, prelude::*, server::Handle};
 
+use crate::fragment;
 use crate::softmax::TensorRef;
 use kernel::{FORWARD_GRID_X, ForwardTiles, GRID, ProductTiles, UNITS};
 
@@ -47,8 +53,37 @@ pub const BLOCK_SIZES: [usize; 3] = [16, 32, 64];
 pub enum SmmPath {
     /// Plain units, f32 arithmetic: every runtime, every float type.
     Units,
-    /// Matrix units (`mma`, f32 accumulation): f16/bf16, or f32 rounded to TF32 when allowed.
+    /// Matrix units (`mma`, f32 accumulation): f16/bf16 where the device has them (CUDA).
     MatrixUnits,
+}
+
+/// The forward kernel of a launch, chosen once by [`plan_softmax_matmul`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SmmForwardKernel {
+    /// [`kernel::smm_forward()`]: plain units, `block_1 × block_2` steps, up to 128 output
+    /// columns per cube. Forced block sizes, outputs with at most 64 rows or columns, runtimes
+    /// without the tiled kernel's 256 units or shared memory.
+    Units,
+    /// [`tiled::smm_forward_tiled()`]: plain units, register-tiled 128 × 128 outputs, 16 columns
+    /// of `X` per step.
+    Tiled,
+    /// [`mma::smm_forward_mma16()`]: f16/bf16 on the matrix units, operands by `ldmatrix` from
+    /// shared memory. Rows that are not 16-byte aligned; forced blocks the pipelined kernel
+    /// cannot take.
+    MatrixUnits,
+    /// [`pipelined::smm_forward_pipelined()`]: f16/bf16 on the matrix units, `X` straight to
+    /// registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned rows).
+    Pipelined,
+}
+
+impl SmmForwardKernel {
+    /// The inner-product path the kernel runs on.
+    pub fn path(self) -> SmmPath {
+        match self {
+            Self::Units | Self::Tiled => SmmPath::Units,
+            Self::MatrixUnits | Self::Pipelined => SmmPath::MatrixUnits,
+        }
+    }
 }
 
 /// Overrides of the host heuristic. The default is what users want.
@@ -57,9 +92,6 @@ pub struct SoftmaxMatmulOptions {
     /// Force `(block_1, block_2)`, each one of [`BLOCK_SIZES`]; an impossible choice is an
     /// error, never a silent fallback.
     pub blocks: Option<(usize, usize)>,
-    /// Allow f32 inputs to be rounded to TF32 (10-bit mantissa) for the matrix units. Off by
-    /// default: f32 stays full f32.
-    pub allow_tf32: bool,
     /// Force an inner-product path (the default picks matrix units where they exist).
     pub path: Option<SmmPath>,
 }
@@ -144,18 +176,28 @@ pub struct SmmDims {
 /// The forward launch [`plan_softmax_matmul`] chose.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SoftmaxMatmulPlan {
-    /// Inner-product path.
-    pub path: SmmPath,
+    /// The kernel that runs.
+    pub kernel: SmmForwardKernel,
     /// Rows of `X` per cube.
     pub block_1: usize,
     /// Columns of `X` per online-softmax step.
     pub block_2: usize,
     /// Output columns per cube.
     pub tile_3: usize,
+    /// Vector width of the kernel, in elements: of its row loads (tiled and matrix-unit
+    /// kernels), or output columns per unit ([`SmmForwardKernel::Units`]).
+    pub vector: usize,
     /// Units per cube.
     pub units: u32,
     /// Cubes along `(x, y, z)` = (output column tiles, row blocks, batch).
     pub cubes: (usize, usize, usize),
+}
+
+impl SoftmaxMatmulPlan {
+    /// The inner-product path of the plan's kernel.
+    pub fn path(&self) -> SmmPath {
+        self.kernel.path()
+    }
 }
 
 /// Checks that `dtype` is a float type the kernels are written for and the device supports.
@@ -166,10 +208,6 @@ pub fn check_dtype<R: Runtime>(
     crate::softmax::check_dtype(client, dtype).map_err(|_| SoftmaxMatmulError::UnsupportedDType {
         dtype: format!("{dtype:?}"),
     })
-}
-
-fn elem_is(dtype: StorageType, kind: cubecl::ir::FloatKind) -> bool {
-    dtype == StorageType::Scalar(cubecl::ir::ElemType::Float(kind))
 }
 
 /// Shared memory of the units forward kernel, in bytes: `P` tile, `V` tile, one partial per
@@ -193,47 +231,79 @@ fn check_cubes<R: Runtime>(
     ))
 }
 
-/// The forward launch for `dims`, without launching.
+/// The widest vector, in elements (up to 16 bytes), that divides the row length and the row and
+/// batch strides of every tensor, each with a unit stride along its rows; 1 otherwise.
+pub fn row_vector(tensors: &[(&[usize], &[usize])], dtype: StorageType) -> usize {
+    let widest = (16 / dtype.size()).max(1);
+    [8, 4, 2]
+        .into_iter()
+        .filter(|&n| n <= widest)
+        .find(|&n| {
+            tensors.iter().all(|(shape, strides)| {
+                strides[2] == 1
+                    && shape[2].is_multiple_of(n)
+                    && strides[1].is_multiple_of(n)
+                    && strides[0].is_multiple_of(n)
+            })
+        })
+        .unwrap_or(1)
+}
+
+/// [`row_vector`] of row-major contiguous `x`, `v` and output of `dims` (Burn's layout of new
+/// tensors; CUDA's pitched rows are 512-byte multiples and give the same vector).
+pub fn contiguous_row_vector(dims: SmmDims, dtype: StorageType) -> usize {
+    let SmmDims { batch, d1, d2, d3 } = dims;
+    row_vector(
+        &[
+            (&[batch, d1, d2], &[d1 * d2, d2, 1]),
+            (&[batch, d2, d3], &[d2 * d3, d3, 1]),
+            (&[batch, d1, d3], &[d1 * d3, d3, 1]),
+        ],
+        dtype,
+    )
+}
+
+/// The forward launch for `dims`, without launching. `row_vector` is [`row_vector`] of `x`, `v`
+/// and the output ([`contiguous_row_vector`] for contiguous tensors).
 ///
-/// Heuristic (no autotuning): matrix units for f16/bf16 where the device has `mma` for the type
-/// (and for f32 with [`SoftmaxMatmulOptions::allow_tf32`]), plain units otherwise. On plain
-/// units, the register-tiled kernel ([`tiled`]: 128 × 128 output tiles, 16 columns per step)
-/// where it fits (see `tiled_fits`); else and for matrix units,
-/// `block_1 = 64` (fewer when `d1` is short; 32 on wgpu's plain units; 128 for f16/bf16 on
-/// matrix units when the grid still has at least 4 cubes per multiprocessor), `block_2 = 32` (64 for TF32); the output
-/// tile as wide as shared memory and `d3` allow (up to 128 columns), since each column tile
-/// re-reads `X`.
+/// Heuristic (no autotuning), one kernel per call:
+/// - f16/bf16 where the device has manual `mma` and `ldmatrix` for the type (CUDA): the matrix
+///   units, [`SmmForwardKernel::Pipelined`] when the rows are 16-byte aligned and the device
+///   has `cp.async`, [`SmmForwardKernel::MatrixUnits`] otherwise;
+/// - everything else on plain units: [`SmmForwardKernel::Tiled`] where it fits (see
+///   `tiled_fits`), [`SmmForwardKernel::Units`] otherwise and for forced blocks.
+///
+/// Blocks outside the tiled kernel: `block_1 = 64` (fewer when `d1` is short; 32 on wgpu's plain
+/// units; 128 on the matrix units when the grid still has at least 4 cubes per multiprocessor),
+/// `block_2 = 32`; the output tile as wide as shared memory and `d3` allow (up to 128 columns),
+/// since each column tile re-reads `X`.
 pub fn plan_softmax_matmul<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
     dtype: StorageType,
+    row_vector: usize,
     options: SoftmaxMatmulOptions,
 ) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
-    use cubecl::ir::FloatKind;
     check_dtype(client, dtype)?;
-    let is_f32 = elem_is(dtype, FloatKind::F32);
-    let mma_ok = mma::supported(client, dtype);
+    let mma_ok = fragment::supported(client, dtype);
     let path = match options.path {
-        Some(SmmPath::MatrixUnits) => {
-            if is_f32 && !options.allow_tf32 {
-                return Err(SoftmaxMatmulError::PathUnavailable {
-                    path: SmmPath::MatrixUnits,
-                    reason: "f32 on matrix units rounds to TF32: set `allow_tf32`".into(),
-                });
-            }
-            if !mma_ok {
-                return Err(SoftmaxMatmulError::PathUnavailable {
-                    path: SmmPath::MatrixUnits,
-                    reason: format!("this device has no manual mma for {dtype:?}"),
-                });
-            }
-            SmmPath::MatrixUnits
+        Some(SmmPath::MatrixUnits) if !mma_ok => {
+            let reason = if dtype.size() == 4 {
+                "f32 never runs on the matrix units (their f32 mode rounds to TF32)".into()
+            } else {
+                format!("this device has no manual mma and ldmatrix for {dtype:?}")
+            };
+            return Err(SoftmaxMatmulError::PathUnavailable {
+                path: SmmPath::MatrixUnits,
+                reason,
+            });
         }
-        Some(SmmPath::Units) => SmmPath::Units,
-        None if mma_ok && (!is_f32 || options.allow_tf32) => SmmPath::MatrixUnits,
+        Some(path) => path,
+        None if mma_ok => SmmPath::MatrixUnits,
         None => SmmPath::Units,
     };
-    let max_shared = client.properties().hardware.max_shared_memory_size;
+    let props = client.properties();
+    let max_shared = props.hardware.max_shared_memory_size;
     let (b1, b2) = match options.blocks {
         Some((b1, b2)) => {
             if !BLOCK_SIZES.contains(&b1) || !BLOCK_SIZES.contains(&b2) {
@@ -245,14 +315,9 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, b2)
         }
         None => {
-            let sixteen_bit = path == SmmPath::MatrixUnits && !is_f32;
-            // 16-bit matrix units: 8 planes per cube share each V tile (half the V traffic of
-            // 4), where that still gives every multiprocessor a few cubes.
-            let sms = client
-                .properties()
-                .hardware
-                .num_streaming_multiprocessors
-                .unwrap_or(1) as usize;
+            // Matrix units: 8 planes per cube share each V tile (half the V traffic of 4),
+            // where that still gives every multiprocessor a few cubes.
+            let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(1) as usize;
             let wide = dims.d3.div_ceil(128) * dims.d1.div_ceil(128) * dims.batch >= 4 * sms;
             // On wgpu the plain-unit kernel runs faster with 32 rows per cube (measured on an
             // H200 through Vulkan: (32, 32) beat (64, 32) by 19–22 % at every d2 of the bench,
@@ -262,19 +327,14 @@ pub fn plan_softmax_matmul<R: Runtime>(
                 16
             } else if dims.d1 <= 32 || (path == SmmPath::Units && wgpu) {
                 32
-            } else if sixteen_bit && wide {
+            } else if path == SmmPath::MatrixUnits && wide {
                 128
             } else {
                 64
             };
-            // 32 columns per step: the pipelined 16-bit kernel keeps two steps of scores in
+            // 32 columns per step: the pipelined kernel keeps two steps of scores in
             // registers, and 64 would spill.
-            let b2 = match path {
-                SmmPath::Units => 32,
-                SmmPath::MatrixUnits if sixteen_bit => 32,
-                SmmPath::MatrixUnits => 64,
-            };
-            (b1, b2)
+            (b1, 32)
         }
     };
     if path == SmmPath::Units && options.blocks.is_none() && tiled_fits(client, dims) {
@@ -285,15 +345,21 @@ pub fn plan_softmax_matmul<R: Runtime>(
         );
         check_cubes(client, cubes)?;
         return Ok(SoftmaxMatmulPlan {
-            path,
+            kernel: SmmForwardKernel::Tiled,
             block_1: tiled::TILE_M as usize,
             block_2: tiled::STEP as usize,
             tile_3: tiled::TILE_N as usize,
+            // The tiled kernel loads 4-vectors at most.
+            vector: row_vector.min(4),
             units: tiled::UNITS,
             cubes,
         });
     }
-    let (units, t3) = match path {
+    let no_room = || SoftmaxMatmulError::InvalidBlocks {
+        blocks: (b1, b2),
+        reason: format!("needs more than the device's {max_shared} B of shared memory"),
+    };
+    let (kernel, t3, vector, units) = match path {
         SmmPath::Units => {
             // 32 units across, 1 to 4 columns each.
             let d3_cap = dims
@@ -303,24 +369,34 @@ pub fn plan_softmax_matmul<R: Runtime>(
             let t3 = [128, 64, 32]
                 .into_iter()
                 .find(|&t3| t3 <= d3_cap && units_forward_shared(b1, b2, t3) <= max_shared)
-                .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
-                    blocks: (b1, b2),
-                    reason: format!("needs more than the device's {max_shared} B of shared memory"),
-                })?;
-            (UNITS, t3)
+                .ok_or_else(no_room)?;
+            let columns_per_unit = t3 / FORWARD_GRID_X as usize;
+            (SmmForwardKernel::Units, t3, columns_per_unit, UNITS)
         }
         SmmPath::MatrixUnits => {
             let d3_cap = dims.d3.next_power_of_two().clamp(GRID as usize, 128);
-            let t3 = [128, 64, 32, 16]
+            let aligned = props.features.copy_async && row_vector * dtype.size() == 16;
+            let (kernel, t3) = [128, 64, 32, 16]
                 .into_iter()
-                .find(|&t3| {
-                    t3 <= d3_cap && mma::shared_bytes(client, b1, b2, t3, dtype) <= max_shared
+                .filter(|&t3| t3 <= d3_cap)
+                .map(|t3| {
+                    let tiles = ForwardTiles {
+                        block_1: b1 as u32,
+                        block_2: b2 as u32,
+                        tile_3: t3 as u32,
+                    };
+                    if aligned && pipelined::tiles_fit(tiles) {
+                        let bytes = pipelined::shared_bytes(b2, t3);
+                        (SmmForwardKernel::Pipelined, t3, bytes)
+                    } else {
+                        let bytes = mma::shared_bytes(b1, b2, t3, dtype);
+                        (SmmForwardKernel::MatrixUnits, t3, bytes)
+                    }
                 })
-                .ok_or_else(|| SoftmaxMatmulError::InvalidBlocks {
-                    blocks: (b1, b2),
-                    reason: format!("needs more than the device's {max_shared} B of shared memory"),
-                })?;
-            (mma::units(b1), t3)
+                .find(|&(_, _, bytes)| bytes <= max_shared)
+                .map(|(kernel, t3, _)| (kernel, t3))
+                .ok_or_else(no_room)?;
+            (kernel, t3, row_vector, fragment::units_for_rows(b1))
         }
     };
     let cubes = (
@@ -330,10 +406,11 @@ pub fn plan_softmax_matmul<R: Runtime>(
     );
     check_cubes(client, cubes)?;
     Ok(SoftmaxMatmulPlan {
-        path,
+        kernel,
         block_1: b1,
         block_2: b2,
         tile_3: t3,
+        vector,
         units,
         cubes,
     })
@@ -417,32 +494,13 @@ fn mma_backward_fits<R: Runtime>(
 ) -> bool {
     let props = client.properties();
     let hw = &props.hardware;
-    let units = mma_backward::PLANES * mma::PLANE;
-    dtype.size() == 2
-        && mma::supported(client, dtype)
-        && mma::uses_ldmatrix(client, dtype)
+    let units = mma_backward::PLANES * fragment::PLANE;
+    fragment::supported(client, dtype)
         && props.features.copy_async
         && hw.max_units_per_cube >= units
         && hw.max_shared_memory_size
             >= mma_backward::DX_SHARED_BYTES.max(mma_backward::DV_SHARED_BYTES)
-        && mma::load_vector(x, v, dtype) == 8
-        && mma::load_vector(d_out, v, dtype) == 8
-}
-
-/// The widest vector (4, 2 or 1 elements) dividing the rows and strides of every tensor of the
-/// tiled kernel (a row's last stride must then be 1).
-fn tiled_vector(tensors: &[(&[usize], &[usize])]) -> usize {
-    [4, 2]
-        .into_iter()
-        .find(|&n| {
-            tensors.iter().all(|(shape, strides)| {
-                strides[2] == 1
-                    && shape[2].is_multiple_of(n)
-                    && strides[1].is_multiple_of(n)
-                    && strides[0].is_multiple_of(n)
-            })
-        })
-        .unwrap_or(1)
+        && row_vector(&[x, v, d_out], dtype) == 8
 }
 
 /// Reads the sizes of a call from `x` and `v` and checks every tensor's shape.
@@ -536,7 +594,20 @@ pub fn launch_softmax_matmul<R: Runtime>(
             ("lse", &lse, [BATCH, D1, NONE]),
         ],
     )?;
-    let plan = plan_softmax_matmul(client, dims, dtype, options)?;
+    let mut v_strides = v.strides.to_vec();
+    if v.shape[0] == 1 {
+        // A shared `v` is read at batch stride 0.
+        v_strides[0] = 0;
+    }
+    let vector = row_vector(
+        &[
+            (x.shape, x.strides),
+            (v.shape, &v_strides),
+            (out.shape, out.strides),
+        ],
+        dtype,
+    );
+    let plan = plan_softmax_matmul(client, dims, dtype, vector, options)?;
     if dims.batch * dims.d1 * dims.d3 == 0 {
         return Ok(plan);
     }
@@ -547,59 +618,66 @@ pub fn launch_softmax_matmul<R: Runtime>(
         block_2: plan.block_2 as u32,
         tile_3: plan.tile_3 as u32,
     };
-    let mut v_strides = v.strides.to_vec();
-    if shared_v {
-        v_strides[0] = 0;
-    }
-    // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
-    let lse_arg = arg::<R>(&lse, false);
+    let units = CubeDim::new_1d(plan.units);
+    let (x, v, out, lse) = (
+        arg(&x, false),
+        arg(&v, shared_v),
+        arg(&out, false),
+        // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
+        arg(&lse, false),
+    );
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
-    // caller's buffers (`dims_of` checked that they agree).
+    // caller's buffers (`dims_of` checked that they agree); the plan's vector width divides
+    // every row and stride it is used on (`row_vector`).
     unsafe {
-        match plan.path {
-            SmmPath::Units
-                if plan.units == tiled::UNITS && plan.block_1 == tiled::TILE_M as usize =>
-            {
-                tiled::smm_forward_tiled::launch_unchecked::<R>(
-                    client,
-                    count,
-                    CubeDim::new_1d(tiled::UNITS),
-                    tiled_vector(&[
-                        (x.shape, x.strides),
-                        (v.shape, &v_strides),
-                        (out.shape, out.strides),
-                    ]),
-                    arg(&x, false),
-                    arg(&v, shared_v),
-                    arg(&out, false),
-                    lse_arg,
-                    tiled_planes(client),
-                    dtype,
-                )
-            }
-            SmmPath::Units => kernel::smm_forward::launch_unchecked::<R>(
+        match plan.kernel {
+            SmmForwardKernel::Units => kernel::smm_forward::launch_unchecked::<R>(
                 client,
                 count,
-                CubeDim::new_1d(UNITS),
-                plan.tile_3 / FORWARD_GRID_X as usize,
-                arg(&x, false),
-                arg(&v, shared_v),
-                arg(&out, false),
-                lse_arg,
+                units,
+                plan.vector,
+                x,
+                v,
+                out,
+                lse,
                 tiles,
                 dtype,
             ),
-            SmmPath::MatrixUnits => mma::launch_forward::<R>(
+            SmmForwardKernel::Tiled => tiled::smm_forward_tiled::launch_unchecked::<R>(
                 client,
                 count,
-                arg(&x, false),
-                arg(&v, shared_v),
-                arg(&out, false),
-                lse_arg,
+                units,
+                plan.vector,
+                x,
+                v,
+                out,
+                lse,
+                tiled_planes(client),
+                dtype,
+            ),
+            SmmForwardKernel::MatrixUnits => mma::smm_forward_mma16::launch_unchecked::<R>(
+                client,
+                count,
+                units,
+                plan.vector,
+                x,
+                v,
+                out,
+                lse,
                 tiles,
                 dtype,
-                elem_is(dtype, cubecl::ir::FloatKind::F32),
-                mma::load_vector((x.shape, x.strides), (v.shape, &v_strides), dtype),
+            ),
+            SmmForwardKernel::Pipelined => pipelined::smm_forward_pipelined::launch_unchecked::<R>(
+                client,
+                count,
+                units,
+                plan.vector,
+                x,
+                v,
+                out,
+                lse,
+                tiles,
+                dtype,
             ),
         }
     }
@@ -720,7 +798,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         }
         match path {
             SmmBackwardPath::MatrixUnits => {
-                let units = CubeDim::new_1d(mma_backward::PLANES * mma::PLANE);
+                let units = CubeDim::new_1d(mma_backward::PLANES * fragment::PLANE);
                 if d2 > 0 {
                     mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
                         client,
@@ -758,12 +836,16 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     client,
                     dx_count,
                     CubeDim::new_1d(tiled::UNITS),
-                    tiled_vector(&[
-                        (x.shape, x.strides),
-                        (v.shape, &v_strides),
-                        (d_out.shape, d_out.strides),
-                        (dx.shape, dx.strides),
-                    ]),
+                    row_vector(
+                        &[
+                            (x.shape, x.strides),
+                            (v.shape, &v_strides),
+                            (d_out.shape, d_out.strides),
+                            (dx.shape, dx.strides),
+                        ],
+                        dtype,
+                    )
+                    .min(4),
                     arg(&d_out, false),
                     arg(&v, shared_v),
                     arg(&x, false),
@@ -780,11 +862,15 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     client,
                     dv_count,
                     CubeDim::new_1d(tiled::UNITS),
-                    tiled_vector(&[
-                        (x.shape, x.strides),
-                        (d_out.shape, d_out.strides),
-                        (dv.shape, dv.strides),
-                    ]),
+                    row_vector(
+                        &[
+                            (x.shape, x.strides),
+                            (d_out.shape, d_out.strides),
+                            (dv.shape, dv.strides),
+                        ],
+                        dtype,
+                    )
+                    .min(4),
                     arg(&x, false),
                     arg(&d_out, false),
                     arg(&x, false),

@@ -21,12 +21,13 @@
 use cubecl::{
     cmma::MmaDefinition,
     ir::{FastMath, MatrixIdent},
-    prelude::barrier::{Barrier, copy_async_checked},
+    prelude::barrier::Barrier,
     prelude::*,
 };
 
 use super::kernel::ForwardTiles;
-use super::mma::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, zero_accumulators};
+use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, zero_accumulators};
+use crate::staging::{commit_next, copy_vec, wait_step};
 /// Columns of `X` one lane-quad loads per chunk: 4 lanes × 8 elements (16 bytes each).
 pub const CHUNK: u32 = 32;
 
@@ -50,51 +51,6 @@ fn staged_row(p: usize) -> usize {
     // Column q of a chunk is 8·t + 4·s' + 2·s + n: lane-quad member t, mma step s', operand
     // half s, element n; in operand order it is row 16·s' + 8·s + 2·t + n of the chunk.
     (p - q) + 16 * ((q % 8) / 4) + 8 * ((q % 4) / 2) + 2 * (q / 8) + q % 2
-}
-
-/// Copies one vector from `src_at` to `dst_at` asynchronously (`valid`), or zero-fills it.
-#[cube]
-pub(super) fn copy_vec<F: Float, NV: Size>(
-    src: &Tensor<Vector<F, NV>>,
-    dst: &mut SharedMemory<Vector<F, NV>>,
-    src_at: usize,
-    dst_at: usize,
-    valid: bool,
-) {
-    let nv = NV::value();
-    // An invalid vector copies 0 bytes (zero fill) from a valid address.
-    let at = select(valid, src_at, 0);
-    let len = select(valid, 1usize, 0usize);
-    copy_async_checked(
-        &src.slice(at, at + len),
-        &mut dst.slice_mut(dst_at, dst_at + 1),
-        comptime!(nv as u32),
-    );
-}
-
-/// Commits the copies this unit issued for the step after `step` (into the other of two
-/// buffers, tracked by barrier `1 − step % 2`) and arrives on that barrier.
-#[cube]
-pub(super) fn commit_next(bar0: &Barrier, bar1: &Barrier, step: usize) {
-    let parity = step % 2;
-    if parity == 0 {
-        bar1.commit_copy_async();
-        let _token = bar1.arrive();
-    } else {
-        bar0.commit_copy_async();
-        let _token = bar0.arrive();
-    }
-}
-
-/// Waits for the copies of step `step` (barrier `step % 2`, in its `step / 2`-th phase).
-#[cube]
-pub(super) fn wait_step(bar0: &Barrier, bar1: &Barrier, step: usize) {
-    let parity = step % 2;
-    if parity == 0 {
-        bar0.wait_parity(((step / 2) % 2) as u32);
-    } else {
-        bar1.wait_parity(((step / 2) % 2) as u32);
-    }
 }
 
 /// Issues the asynchronous copies of one step's `V` tile (`block_2 × tile_3`, zeros past the
@@ -238,6 +194,9 @@ fn pv_step<F: Float, NV: Size>(
         for h in 0..2usize {
             // Every row moves to its exact maximum (finite: seeded with the lowest value).
             alpha[h] = f32::exp(m[h] - m_new[h]);
+            if comptime!(crate::mutation::no_rescale()) {
+                alpha[h] = 1.0f32;
+            }
             m[h] = m_new[h];
             l[h] = l[h] * Vector::new(alpha[h]);
         }

@@ -211,6 +211,9 @@ fn build_step<F: Float, NV: Size>(
             let mut a = 1.0f32;
             if rmax[i] > m[i] + LAZY_RESCALE {
                 a = f32::exp(m[i] - rmax[i]);
+                if comptime!(crate::mutation::no_rescale()) {
+                    a = 1.0f32;
+                }
                 m[i] = rmax[i];
                 l[i] *= a;
             }

@@ -327,7 +327,11 @@ pub fn smm_backward_tiled<F: Float, NV: Size>(
                                         0.0f32,
                                         f32::exp(f32::cast_from(xv[c]) - row_lse),
                                     );
-                                    o[c] = F::cast_from(p * (vec[q * nv + c] - row_delta));
+                                    let mut grad = p * (vec[q * nv + c] - row_delta);
+                                    if comptime!(crate::mutation::zero_dx()) {
+                                        grad = 0.0f32;
+                                    }
+                                    o[c] = F::cast_from(grad);
                                 }
                             }
                             out[(o_base + row * os1 + col * os2) / nv] = o;

@@ -1,0 +1,123 @@
+//! Helpers for kernels that drive the matrix units by hand (`mma` m16n8k16 on f16/bf16 with
+//! f32 accumulators, PTX's register layout): the tile constants, the device check, the row
+//! reductions across the 4 lanes that share a row of a fragment, and the `P·V` step from an
+//! `ldmatrix.trans` operand.
+//!
+//! Register layout: element positions come from cubecl's `position_of_nth`; the row statistics
+//! assume, as the CUDA `mma` layouts do, that a lane holds elements of rows `r` and `r + 8` only
+//! (`slot = row / 8`) and that the 4 lanes sharing a row differ in their two lowest bits
+//! (reduced with `plane_shuffle_xor` 1 and 2).
+
+use cubecl::{
+    cmma::MmaDefinition,
+    ir::{ElemType, FloatKind, MatrixIdent},
+    prelude::*,
+};
+
+/// Lanes per plane the matrix-unit kernels are written for.
+pub const PLANE: u32 = 32;
+/// Rows of an `mma` tile (`m`) and columns of its output tile (`n`).
+pub const MMA_M: u32 = 16;
+pub const MMA_N: u32 = 8;
+/// Reduction depth of an f16/bf16 `mma` (`k`).
+pub const MMA_K: u32 = 16;
+/// Padding of a row of a shared operand tile, in elements: staggers the rows across memory
+/// banks so that a fragment load is conflict-free.
+pub const V_PAD: u32 = 8;
+
+/// Whether the device has the manual `mma` (m16n8k16, f32 accumulators) and `ldmatrix` for
+/// operands of `dtype`: 16-bit floats on a runtime with 32-lane planes (CUDA sm_80+). f32 never
+/// takes the matrix units: their f32 mode rounds operands to TF32.
+pub fn supported<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> bool {
+    let props = client.properties();
+    let hw = &props.hardware;
+    let sixteen_bit = [FloatKind::F16, FloatKind::BF16]
+        .into_iter()
+        .any(|k| dtype == StorageType::Scalar(ElemType::Float(k)));
+    if !sixteen_bit || hw.plane_size_min != PLANE || hw.plane_size_max != PLANE {
+        return false;
+    }
+    let f32_acc = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let mma = props.features.matmul.mma.iter().any(|c| {
+        c.a_type == dtype
+            && c.b_type == dtype
+            && c.cd_type == f32_acc
+            && c.m == MMA_M
+            && c.n == MMA_N
+            && c.k == MMA_K
+    });
+    mma && props.features.matmul.ldmatrix.contains(&dtype)
+}
+
+/// Units per cube for `rows` rows: one plane per 16 rows.
+pub fn units_for_rows(rows: usize) -> u32 {
+    (rows as u32 / MMA_M) * PLANE
+}
+
+/// Slot (0 or 1) of a fragment element's row: the lane's rows are `r` and `r + 8`.
+#[cube]
+pub(crate) fn slot_of(row: u32) -> usize {
+    (row / 8) as usize
+}
+
+/// Maximum over the 4 lanes that share a row.
+#[cube]
+pub(crate) fn quad_max(v: f32) -> f32 {
+    let v = f32::max(v, plane_shuffle_xor(v, 1));
+    f32::max(v, plane_shuffle_xor(v, 2))
+}
+
+/// `acc[2·np] += a·B₀` and `acc[2·np + 1] += a·B₁` (m16n8k16), where `B₀`, `B₁` are two
+/// adjacent 16 × 8 tiles of `V` loaded by one `ldmatrix.x4.trans` from this lane's row at
+/// `start` (rows k and k + 8 for matrices 0/2 and 1/3, columns + 8 for matrices 2/3).
+#[cube]
+pub(crate) fn mma_v_pair<F: Float, NV: Size>(
+    a: &Array<Vector<F, Const<2>>>,
+    v_s: &SharedMemory<Vector<F, NV>>,
+    start: usize,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] np: u32,
+) {
+    let nv = NV::value();
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+        &v_s.slice(start, start + comptime!(8 / nv)),
+        MatrixIdent::B,
+        4usize,
+        true,
+    );
+    let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+    let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+    b0[0usize] = regs[0usize];
+    b0[1usize] = regs[1usize];
+    b1[0usize] = regs[2usize];
+    b1[1usize] = regs[3usize];
+    let c0 = acc.index_mut(comptime!(2 * np) as usize);
+    def.execute_inplace(a, &b0, c0);
+    let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
+    def.execute_inplace(a, &b1, c1);
+}
+
+/// Zeroed f32 accumulators of `n_tiles` m16n8 output tiles: per tile, this lane's two
+/// 2-vectors (rows `r` and `r + 8`).
+#[cube]
+pub(crate) fn zero_accumulators(
+    #[comptime] n_tiles: u32,
+) -> Sequence<Array<Vector<f32, Const<2>>>> {
+    let mut acc = Sequence::<Array<Vector<f32, Const<2>>>>::new();
+    #[unroll]
+    for _ in 0..n_tiles {
+        let mut frag = Array::<Vector<f32, Const<2>>>::new(2usize);
+        frag[0usize] = Vector::new(0.0f32);
+        frag[1usize] = Vector::new(0.0f32);
+        acc.push(frag);
+    }
+    acc
+}
+
+/// Sum over the 4 lanes that share a row.
+#[cube]
+pub(crate) fn quad_sum(v: f32) -> f32 {
+    let v = v + plane_shuffle_xor(v, 1);
+    v + plane_shuffle_xor(v, 2)
+}

@@ -1,0 +1,73 @@
+//! Deliberate bugs, to show that the test suites fail when a kernel is wrong.
+//!
+//! Compiled in only with the `mutants` feature (never in a release of the crate); the variable
+//! `BURN_FLASH_MUTATION` then names the one bug a process runs with. Without the feature every
+//! query is the constant `false` and the kernels are unchanged. The kernels ask at expansion
+//! time (`comptime!`), so a mutation changes the generated code, not a runtime branch.
+//!
+//! ```sh
+//! BURN_FLASH_MUTATION=zero-dx cargo test --features mutants --test softmax_matmul
+//! ```
+
+/// A bug the kernels can be built with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mutation {
+    /// `zero-dx`: every backward kernel writes `dX = 0`.
+    ZeroDx,
+    /// `drop-delta`: the backward drops its row term, `δ = rowsum(dO ⊙ O)` for `softmax(X)·V`,
+    /// `Σ dy ⊙ y` (softmax) or `Σ dy` (log-softmax), as if it were 0.
+    DropDelta,
+    /// `no-rescale`: the online softmax never rescales what it accumulated when the running
+    /// maximum grows (`e^(m − m')` forced to 1).
+    NoRescale,
+}
+
+impl Mutation {
+    /// The name `BURN_FLASH_MUTATION` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ZeroDx => "zero-dx",
+            Self::DropDelta => "drop-delta",
+            Self::NoRescale => "no-rescale",
+        }
+    }
+}
+
+/// Whether the kernels are built with `mutation`.
+#[cfg(feature = "mutants")]
+pub fn active(mutation: Mutation) -> bool {
+    static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let chosen = CHOSEN.get_or_init(|| {
+        let name = std::env::var("BURN_FLASH_MUTATION").ok()?;
+        let known = [Mutation::ZeroDx, Mutation::DropDelta, Mutation::NoRescale];
+        assert!(
+            known.iter().any(|m| m.name() == name),
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale"
+        );
+        eprintln!("burn-flash: kernels built with the mutation `{name}`");
+        Some(name)
+    });
+    chosen.as_deref() == Some(mutation.name())
+}
+
+/// Whether the kernels are built with `mutation`: never, without the `mutants` feature.
+#[cfg(not(feature = "mutants"))]
+pub fn active(mutation: Mutation) -> bool {
+    let _ = mutation;
+    false
+}
+
+/// [`Mutation::ZeroDx`] is active.
+pub fn zero_dx() -> bool {
+    active(Mutation::ZeroDx)
+}
+
+/// [`Mutation::DropDelta`] is active.
+pub fn drop_delta() -> bool {
+    active(Mutation::DropDelta)
+}
+
+/// [`Mutation::NoRescale`] is active.
+pub fn no_rescale() -> bool {
+    active(Mutation::NoRescale)
+}
