@@ -1,11 +1,15 @@
-//! Every validation path of the host launch functions refuses bad input with its message, and
-//! launches nothing. Runs on wgpu (lavapipe on CPU-only machines).
+//! Every validation path of the host launch functions (softmax and `softmax(X)·V`) refuses bad
+//! input with its message, and launches nothing. Runs on wgpu (lavapipe on CPU-only machines).
 
 #![cfg(feature = "wgpu")]
 
 use burn_flash_kernels::softmax::{
     SoftmaxError, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
     launch_softmax_backward,
+};
+use burn_flash_kernels::softmax_matmul::{
+    SmmPath, SoftmaxMatmulError, SoftmaxMatmulOptions, check_dtype, launch_softmax_matmul,
+    launch_softmax_matmul_backward,
 };
 use cubecl::{
     prelude::*,
@@ -197,6 +201,224 @@ fn strided_scheme_refuses_rows_longer_than_its_limit() {
         format!(
             "tier Strided cannot run rows of length {n}: the strided scheme takes rows of at most \
              16384 elements; make the softmax dimension contiguous first"
+        )
+    );
+}
+
+// -- softmax(X)·V --
+
+/// Buffers of a `softmax(X)·V` call: `x` `[b, d1, d2]`, `v` `[vb, d2, d3]`, `out` `[b, d1, d3]`
+/// (NaN), `lse` `[b, d1]` (NaN); the shapes of each can be overridden to be wrong.
+struct Smm {
+    client: ComputeClient<WgpuRuntime>,
+    x: cubecl::server::Handle,
+    v: cubecl::server::Handle,
+    out: cubecl::server::Handle,
+    lse: cubecl::server::Handle,
+    shapes: [Vec<usize>; 4],
+}
+
+impl Smm {
+    fn new(b: usize, vb: usize, d1: usize, d2: usize, d3: usize) -> Self {
+        let client = client();
+        let n = |s: &[usize]| s.iter().product::<usize>();
+        let shapes = [
+            vec![b, d1, d2],
+            vec![vb, d2, d3],
+            vec![b, d1, d3],
+            vec![b, d1],
+        ];
+        let fill = |s: &[usize], v: f32| client.create_from_slice(f32::as_bytes(&vec![v; n(s)]));
+        Self {
+            x: fill(&shapes[0], 0.5),
+            v: fill(&shapes[1], 0.25),
+            out: fill(&shapes[2], f32::NAN),
+            lse: fill(&shapes[3], f32::NAN),
+            client,
+            shapes,
+        }
+    }
+
+    /// Launches the forward with each tensor's (possibly overridden) shape and contiguous
+    /// strides; the error must come back and both outputs stay NaN.
+    fn refused(&self, dtype: StorageType, options: SoftmaxMatmulOptions) -> SoftmaxMatmulError {
+        let strides: Vec<Vec<usize>> = self.shapes.iter().map(|s| contiguous(s)).collect();
+        let t = |i: usize, h| TensorRef {
+            handle: h,
+            shape: &self.shapes[i],
+            strides: &strides[i],
+        };
+        let err = launch_softmax_matmul(
+            &self.client,
+            t(0, &self.x),
+            t(1, &self.v),
+            t(2, &self.out),
+            t(3, &self.lse),
+            dtype,
+            options,
+        )
+        .unwrap_err();
+        for h in [&self.out, &self.lse] {
+            let values = read(&self.client, h.clone());
+            assert!(values.iter().all(|v| v.is_nan()), "{err}: nothing launched");
+        }
+        err
+    }
+}
+
+fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+#[test]
+fn softmax_matmul_shape_errors_name_the_argument() {
+    let mut smm = Smm::new(2, 2, 5, 8, 3);
+    smm.shapes[1] = vec![2, 7, 3];
+    let err = smm.refused(f32_type(), Default::default());
+    assert_eq!(
+        err,
+        SoftmaxMatmulError::ShapeMismatch {
+            arg: "v",
+            expected: vec![2, 8, 3],
+            got: vec![2, 7, 3],
+        }
+    );
+    assert_eq!(
+        err.to_string(),
+        "`v` has shape [2, 7, 3], expected [2, 8, 3]"
+    );
+
+    let mut smm = Smm::new(2, 2, 5, 8, 3);
+    smm.shapes[2] = vec![2, 5, 4];
+    let err = smm.refused(f32_type(), Default::default());
+    assert_eq!(
+        err.to_string(),
+        "`out` has shape [2, 5, 4], expected [2, 5, 3]"
+    );
+
+    let mut smm = Smm::new(2, 2, 5, 8, 3);
+    smm.shapes[3] = vec![2, 4];
+    let err = smm.refused(f32_type(), Default::default());
+    assert_eq!(err.to_string(), "`lse` has shape [2, 4], expected [2, 5]");
+
+    let mut smm = Smm::new(2, 2, 5, 8, 3);
+    smm.shapes[0] = vec![10, 8];
+    let err = smm.refused(f32_type(), Default::default());
+    assert_eq!(err.to_string(), "`x` has shape [10, 8], expected [0, 0, 0]");
+}
+
+#[test]
+fn softmax_matmul_backward_shape_errors_name_the_argument() {
+    let client = client();
+    let (b, d1, d2, d3) = (2, 5, 8, 3);
+    let shapes: [Vec<usize>; 7] = [
+        vec![b, d1, d2],
+        vec![b, d2, d3],
+        vec![b, d1, d3],
+        vec![b, d1],
+        vec![b, d1, d3],
+        vec![b, d1, d2 + 1],
+        vec![b, d2, d3],
+    ];
+    let handles: Vec<_> = shapes
+        .iter()
+        .map(|s| {
+            let n = s.iter().product::<usize>();
+            client.create_from_slice(f32::as_bytes(&vec![f32::NAN; n]))
+        })
+        .collect();
+    let strides: Vec<Vec<usize>> = shapes.iter().map(|s| contiguous(s)).collect();
+    let t = |i: usize| TensorRef {
+        handle: &handles[i],
+        shape: &shapes[i],
+        strides: &strides[i],
+    };
+    let err = launch_softmax_matmul_backward(
+        &client,
+        t(0),
+        t(1),
+        t(2),
+        t(3),
+        t(4),
+        t(5),
+        t(6),
+        f32_type(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "`dx` has shape [2, 5, 9], expected [2, 5, 8]"
+    );
+    let dv = read(&client, handles[6].clone());
+    assert!(dv.iter().all(|v| v.is_nan()), "nothing launched");
+}
+
+#[test]
+fn softmax_matmul_dtype_and_block_errors() {
+    let smm = Smm::new(1, 1, 4, 8, 4);
+    let int = i32::as_type_native_unchecked().storage_type();
+    let err = smm.refused(int, Default::default());
+    assert!(matches!(err, SoftmaxMatmulError::UnsupportedDType { .. }));
+    assert!(
+        err.to_string()
+            .ends_with("is not supported (f32, f16 and bf16 are, where the device has them)"),
+        "{err}"
+    );
+
+    let options = SoftmaxMatmulOptions {
+        blocks: Some((48, 32)),
+        ..Default::default()
+    };
+    let err = smm.refused(f32_type(), options);
+    assert_eq!(
+        err.to_string(),
+        "block sizes (48, 32) cannot run: each block size must be one of [16, 32, 64]"
+    );
+}
+
+#[test]
+fn softmax_matmul_matrix_units_are_refused_where_missing() {
+    let smm = Smm::new(1, 1, 4, 8, 4);
+    let options = SoftmaxMatmulOptions {
+        path: Some(SmmPath::MatrixUnits),
+        ..Default::default()
+    };
+    // f32 never runs on the matrix units, on any device.
+    let err = smm.refused(f32_type(), options);
+    assert_eq!(
+        err.to_string(),
+        "path MatrixUnits is not available: f32 never runs on the matrix units (their f32 mode \
+         rounds to TF32)"
+    );
+    // wgpu has no manual mma for f16 either.
+    let f16_type = StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F16));
+    if check_dtype(&smm.client, f16_type).is_ok() {
+        let err = smm.refused(f16_type, options);
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "path MatrixUnits is not available: this device has no manual mma and ldmatrix \
+                 for {f16_type:?}"
+            )
+        );
+    }
+}
+
+#[test]
+fn softmax_matmul_refuses_more_cubes_than_the_device_launches() {
+    // One cube per batch along z: more batches than wgpu's 65 535 cubes per axis.
+    let batch = 70_000;
+    let smm = Smm::new(batch, batch, 1, 1, 1);
+    let err = smm.refused(f32_type(), Default::default());
+    assert!(matches!(err, SoftmaxMatmulError::TooLarge { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the launch needs (1, 1, {batch}) cubes along (x, y, z), more than the device allows"
         )
     );
 }
