@@ -295,13 +295,13 @@ fn every_forced_block_size<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
 /// and every forced block size.
 fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let opts = SoftmaxMatmulOptions::default();
-    for (d1, d2, d3) in [(1, 8, 8), (97, 72, 136), (130, 1032, 520), (17, 4104, 64)] {
+    for (d1, d2, d3) in [(1, 8, 8), (97, 72, 136), (130, 264, 272), (17, 1032, 64)] {
         let x = rand3::<B>([2, d1, d2], 8.0, dtype, device);
         let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
         check_forward(x, v, opts, dtype, &format!("aligned {d1}×{d2}×{d3}"));
     }
-    let x = rand3::<B>([2, 40, 1032], 50.0, dtype, device);
-    let v = rand3::<B>([1, 1032, 40], 1.0, dtype, device);
+    let x = rand3::<B>([2, 40, 264], 50.0, dtype, device);
+    let v = rand3::<B>([1, 264, 40], 1.0, dtype, device);
     check_forward(x, v, opts, dtype, "aligned, ±50, shared v");
     for b1 in BLOCK_SIZES {
         for b2 in BLOCK_SIZES {
@@ -368,18 +368,18 @@ fn tiled_units<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
     // (d1, d2, d3): vectors of 1 (odd), 2 and 4 elements; one step, many, a partial last one.
     for (d1, d2, d3) in [
-        (130, 1025, 200),
+        (130, 257, 200),
         (129, 18, 130),
-        (200, 1032, 520),
+        (200, 136, 264),
         (65, 1, 65),
-        (97, 4099, 66),
+        (97, 259, 66),
     ] {
         let x = rand3::<B>([2, d1, d2], 8.0, dtype, device);
         let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
         check_forward(x, v, opts, dtype, &format!("tiled {d1}×{d2}×{d3}"));
     }
-    let x = rand3::<B>([2, 140, 1040], 50.0, dtype, device);
-    let v = rand3::<B>([1, 1040, 72], 1.0, dtype, device);
+    let x = rand3::<B>([2, 140, 272], 50.0, dtype, device);
+    let v = rand3::<B>([1, 272, 72], 1.0, dtype, device);
     check_forward(x, v, opts, dtype, "tiled, ±50, shared v");
     let x = rand3::<B>([2, 300, 150], 4.0, dtype, device).swap_dims(1, 2);
     let v = rand3::<B>([2, 90, 300], 1.0, dtype, device).swap_dims(1, 2);
@@ -416,6 +416,28 @@ fn tiled_units<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .all(|&a| a == 0.0),
         "fully masked rows must be exactly 0"
     );
+}
+
+/// Long rows and wide outputs, on the default plan: many steps of every kernel, several output
+/// column tiles, 16-byte aligned and not. GPU runs only (minutes on a CPU); the CPU suites cover
+/// the same partial tiles and steps on smaller sizes.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn large_problems<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let opts = SoftmaxMatmulOptions::default();
+    for (d1, d2, d3) in [
+        (130, 1025, 200),
+        (200, 1032, 520),
+        (97, 4099, 66),
+        (130, 1032, 520),
+        (17, 4104, 64),
+    ] {
+        let x = rand3::<B>([2, d1, d2], 8.0, dtype, device);
+        let v = rand3::<B>([2, d2, d3], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("large {d1}×{d2}×{d3}"));
+    }
+    let x = rand3::<B>([2, 140, 1040], 50.0, dtype, device);
+    let v = rand3::<B>([1, 1040, 72], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "large, ±50, shared v");
 }
 
 /// Both inner-product paths (where the device has matrix units) agree with the reference.
@@ -504,7 +526,7 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 
 /// Gradients of both inputs against the f64 reference, by FlashAttention's rule: the largest
 /// error is at most twice that of Burn's autodiff of the composed `softmax(x)·v` on the same
-/// backend and dtype, plus two roundings of the largest reference gradient. Plain, shared-`v`
+/// backend and dtype, plus a few roundings of the largest reference gradient. Plain, shared-`v`
 /// and masked inputs; the gradient buffers are poisoned first.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     type A<B> = Autodiff<B>;
@@ -562,8 +584,12 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let g = read(w.clone().inner());
         let (want_dx, want_dv) = p.backward(&g);
         let (naive_dx, naive_dv) = naive_gradients::<B>(&p, &g, dtype, device);
-        assert_within_naive(&dx, &naive_dx, &want_dx, dtype, 2.0, &format!("{ctx}: dx"));
-        assert_within_naive(&dv, &naive_dv, &want_dv, dtype, 2.0, &format!("{ctx}: dv"));
+        // The backward rebuilds P = e^(x − lse) from the f32 log-sum-exp, whose rounding
+        // (2^-24·|lse|, |lse| ≈ max x + ln d2 ≈ 10) is ~10 f32 ulps of P: the floor allows 16.
+        // In f16/bf16 the storage rounding dominates and two ulps suffice.
+        let floor = if dtype == FloatDType::F32 { 16.0 } else { 2.0 };
+        assert_within_naive(&dx, &naive_dx, &want_dx, dtype, floor, &format!("{ctx}: dx"));
+        assert_within_naive(&dv, &naive_dv, &want_dv, dtype, floor, &format!("{ctx}: dv"));
     }
 }
 
@@ -869,6 +895,9 @@ mod cuda {
     fused_suite!(fused_f32, C, FloatDType::F32);
     fused_suite!(fused_f16, C, FloatDType::F16);
     fused_suite!(fused_bf16, C, FloatDType::BF16);
+    suite!(large_f32, C, FloatDType::F32, [large_problems]);
+    suite!(large_f16, C, FloatDType::F16, [large_problems]);
+    suite!(large_bf16, C, FloatDType::BF16, [large_problems]);
 
     #[test]
     fn backward_paths_take_the_matrix_units() {

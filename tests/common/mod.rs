@@ -363,13 +363,14 @@ pub fn assert_within_naive(
     );
 }
 
-/// Row by row (rows of `len` consecutive elements, or strided: element `j` of row `r` at
-/// `outer(r)·len·inner + j·inner + inner(r)`), `|got − want| ≤ rel · max_row |want|`: a
-/// tolerance scaled by each row's largest reference value, so that it shrinks with the
-/// gradient (a zero or half-computed row fails however small its values are).
+/// Row by row along `dim` of a row-major `shape`: `|got − want| ≤ rel · max_row scale`, where
+/// `scale` holds per element the magnitude of the terms that make up `want` (a sum's terms
+/// before they cancel). The tolerance follows each row's own magnitudes, so it shrinks with the
+/// gradient: a zero or half-computed row fails however small its values are.
 pub fn assert_rows_close(
     got: &[f64],
     want: &[f64],
+    scale: &[f64],
     shape: &[usize],
     dim: usize,
     rel: f64,
@@ -382,14 +383,14 @@ pub fn assert_rows_close(
     for o in 0..outer {
         for i in 0..inner {
             let idx = |j: usize| (o * n + j) * inner + i;
-            let scale = (0..n).map(|j| want[idx(j)].abs()).fold(0.0f64, f64::max);
-            let allowed = rel * scale;
+            let row_scale = (0..n).map(|j| scale[idx(j)].abs()).fold(0.0f64, f64::max);
+            let allowed = rel * row_scale;
             for j in 0..n {
                 let (g, w) = (got[idx(j)], want[idx(j)]);
                 assert!(
                     (g - w).abs() <= allowed,
                     "{context}: row ({o}, {i}) element {j}: got {g:e}, want {w:e}; allowed \
-                     {allowed:e} = {rel:e} × row max |want| {scale:e}"
+                     {allowed:e} = {rel:e} × the row's largest term {row_scale:e}"
                 );
             }
         }
