@@ -9,8 +9,9 @@
 //!
 //! Timing: `common::measure` (its docs give the protocol): after 10 warm-up calls, 20 passes
 //! (5 with `--quick`), each a batch of calls long enough (≥ 2 ms, ≤ 200 calls) between two
-//! syncs; per-call medians. Rows through Burn's Fusion backend (`burn::backend::Cuda`/`Wgpu`)
-//! take their device time from the same op on the bare `CubeBackend`.
+//! syncs; per-call medians. The bare-`CubeBackend` burn-flash row issues as many calls per pass
+//! as the Fusion one. Rows through Burn's Fusion backend (`burn::backend::Cuda`/`Wgpu`) take
+//! their device time from the same op on the bare `CubeBackend`.
 //!
 //! `softmax.csv`, one row per (dtype, N, direction, implementation):
 //! - `backend, dtype, M, N, direction, impl`: the case; `direction` is `copy`, `forward`,
@@ -202,17 +203,19 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                 (u, f)
             };
             if !supported {
+                let row = Row {
+                    backend: backend.into(),
+                    dtype: label.into(),
+                    m,
+                    n,
+                    direction: "forward".into(),
+                    implementation: "burn-flash".into(),
+                    note: "failed: dtype unsupported on this device".into(),
+                    ..Default::default()
+                };
+                print_row(&row);
                 if let Some(csv) = csv.as_mut() {
-                    csv.push(&Row {
-                        backend: backend.into(),
-                        dtype: label.into(),
-                        m,
-                        n,
-                        direction: "forward".into(),
-                        implementation: "burn-flash".into(),
-                        note: "dtype unsupported on this device".into(),
-                        ..Default::default()
-                    });
+                    csv.push(&row);
                 }
                 continue;
             }
@@ -269,21 +272,25 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
             );
 
             // -- forward --
-            record(
-                "forward",
-                "burn-flash",
-                attempt(|| {
-                    let (xu, xf) = inputs();
-                    let mut twin = Twin {
-                        client: &client,
-                        call: || burn_flash::softmax(xu.clone(), 1),
-                    };
-                    let call = || burn_flash::softmax(xf.clone(), 1);
-                    measure(protocol, &sync, call, Ok(&mut twin))
-                }),
-            );
-            // The same kernel without Burn's Fusion wrapper: the difference is Fusion's
-            // per-op host cost (see also softmax_marginal.csv).
+            let flash = attempt(|| {
+                let (xu, xf) = inputs();
+                let mut twin = Twin {
+                    client: &client,
+                    call: || burn_flash::softmax(xu.clone(), 1),
+                };
+                let call = || burn_flash::softmax(xf.clone(), 1);
+                measure(protocol, &sync, call, Ok(&mut twin))
+            });
+            // The same kernel without Burn's Fusion wrapper, as many calls per pass: the
+            // difference is Fusion's per-op host cost (see also softmax_marginal.csv).
+            let same_calls = match &flash {
+                Ok(t) => Protocol {
+                    calls: Calls::Fixed(t.calls_per_pass),
+                    ..protocol
+                },
+                Err(_) => protocol,
+            };
+            record("forward", "burn-flash", flash);
             record(
                 "forward",
                 "burn-flash (CubeBackend)",
@@ -294,7 +301,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                         client: &client,
                         call,
                     };
-                    measure(protocol, &sync, call, Ok(&mut twin))
+                    measure(same_calls, &sync, call, Ok(&mut twin))
                 }),
             );
             record(

@@ -1,5 +1,5 @@
 //! Benchmark machinery shared by the benches: command-line pieces, the timing protocol (wall
-//! time and device time of each pass), CSV rows, PNG plots, failure capture.
+//! time of each pass, device time of its twin), CSV rows, PNG plots, failure capture.
 //!
 //! # Timing protocol ([`measure`])
 //! Warm-up calls first (compilation, autotuning and the memory pool settle), then `passes`
