@@ -1,114 +1,170 @@
 //! `softmax(X)·V`: burn-flash's fused op at each block size and the heuristic's choice, against
-//! Burn's composed `softmax(x).matmul(v)` on the same backend.
+//! Burn's composed `softmax(x).matmul(v)` on the same backend (Burn's Fusion backend, what
+//! `burn::backend::Cuda`/`Wgpu` are).
+//!
+//! `cargo bench --bench softmax_matmul -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
+//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--plot CSV]`
+//! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process
+//! when both are built; wgpu's files then end in `-wgpu`). `--sweeps` and `--runtimes` pick a
+//! subset (all by default); `--lowp-blocks` adds forced `(block_1, block_2)` rows to the
+//! f16/bf16 sweep; `--plot CSV` redraws the PNG of an earlier run from its `softmax_matmul.csv`
+//! and the `_lowp`/`_backward` files beside it.
 //!
 //! Protocol (the issue's): batch 16, d1 2048, d3 512, d2 ∈ {64 … 8192}; 10 warm-up passes and
-//! 100 timed passes, each synchronised inside its timed region; mean and standard deviation in
-//! ms (the median and TFLOP/s = 2·batch·d1·d2·d3 / median are printed too). Peak memory: after
-//! a pool cleanup, inputs + the growth of reserved device memory across one call (freed pages
-//! stay reserved until the next cleanup, so the growth bounds the call's own allocations).
+//! 100 timed passes (2 and 5 with `--quick`, on batch 2, d1 256, d3 64), each one call between
+//! two syncs (`common::measure`, whose docs give the details). `TFLOP_per_s = 2·batch·d1·d2·d3
+//! / median wall time`; `device_TFLOP_per_s` the same over the median device time, which
+//! burn-flash's rows take from the same op on the bare `CubeBackend` (Burn's composed op has
+//! Fusion-made kernels and no device time). Forward + backward counts 3.5× the forward's FLOPs
+//! (backward 2.5×). `peak_MiB`: after a pool cleanup, inputs + the growth of reserved device
+//! memory across one call (freed pages stay reserved until the next cleanup, so the growth
+//! bounds the call's own allocations).
 //!
-//! Sweeps: f32 forward → `softmax_matmul.csv` (exact columns
-//! `batch_size,d1,d2,d3,impl,BLOCK,forward_ms_mean,forward_ms_std,forward_peak_MiB`); forward +
-//! backward through `Autodiff` in f32, f16 and bf16 (d2 ≤ 4096; `(out ⊙ w).backward()`, output
-//! gradient `w`) →
-//! `softmax_matmul_backward.csv`; f16/bf16 forward →
-//! `softmax_matmul_lowp.csv`, with a `…_back_to_back` row per configuration (20 passes between
-//! two syncs: the rate without each pass's launch and sync cost; the note gives the time of an
-//! idle sync); whether Burn's f32 matmul rounds to TF32 → printed. A failed
-//! configuration (out of memory, unsupported block) is logged and recorded with empty
-//! measurements, and the sweep goes on. PNG plots next to the CSVs.
+//! Files (under `target/bench/` or `--out`), a row per configuration; a failed configuration
+//! (out of memory, unsupported block) is a row with empty measurements and a note, and the
+//! sweep goes on:
+//! - `softmax_matmul.csv`, f32 forward: the issue's columns first, unchanged
+//!   (`batch_size,d1,d2,d3,impl,BLOCK,forward_ms_mean,forward_ms_std,forward_peak_MiB`: mean and
+//!   standard deviation of the wall time), then `forward_ms_median, TFLOP_per_s,
+//!   device_ms_median, device_TFLOP_per_s, timing_method, note`.
+//! - `softmax_matmul_lowp.csv`, f16/bf16 forward, and `softmax_matmul_backward.csv`, forward +
+//!   backward through `Autodiff` in f32, f16 and bf16 (d2 ≤ 4096; `(out ⊙ w).backward()`, so the
+//!   output gradient is `w`): `dtype, batch_size, d1, d2, d3, impl, wall_ms_mean, wall_ms_std,
+//!   wall_ms_median, TFLOP_per_s, device_ms_median, device_TFLOP_per_s, timing_method,
+//!   peak_MiB, note`. The f16/bf16 sweep adds a `…_back_to_back` row per configuration: 20
+//!   calls between two syncs, the rate without each pass's launch and sync cost (the note gives
+//!   the time of an idle sync).
+//! - `matmul_precision.csv`: how Burn's f32 matmul rounds (see [`matmul_precision`]).
+//! - `softmax_matmul.png`: median wall time and peak memory against d2, per sweep.
 //!
-//! `cargo bench --bench softmax_matmul [-- --quick] [--out DIR] [--d2s 64,128]
-//! [--sweeps f32,lowp,backward] [--runtimes cuda,wgpu] [--lowp-blocks 64x64,64x32]`: wgpu by
-//! default; with `--features cuda` CUDA, and wgpu too in the same process when both features
-//! are on (its files then end in `-wgpu`). `--sweeps` and `--runtimes` pick a subset (all by
-//! default); `--lowp-blocks` adds forced `(block_1, block_2)` rows to the f16/bf16 sweep.
+//! `timing_method`: `device` (GPU timestamps) or `system` (cubecl's CUDA runtime: the device
+//! thread's clock between two stream syncs); see `benches/common`.
 
 mod common;
 
-use std::time::Instant;
+use std::path::{Path, PathBuf};
 
 use burn::backend::Autodiff;
 use burn::tensor::{
-    DType, Distribution, FloatDType, Tensor, TensorData, activation, backend::Backend,
+    DType, Distribution, FloatDType, Tensor, TensorData, activation,
+    backend::{AutodiffBackend, Backend},
 };
-use burn_cubecl::CubeRuntime;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use burn_flash::{FlashBackend, SoftmaxMatmulOptions, softmax_matmul_with};
+use burn_fusion::Fusion;
+use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;
+use cubecl::client::ComputeClient;
+use serde::{Deserialize, Serialize};
 
 const BATCH: usize = 16;
 const D1: usize = 2048;
 const D3: usize = 512;
 const D2S: [usize; 8] = [64, 128, 256, 512, 1024, 2048, 4096, 8192];
 const BLOCKS: [usize; 3] = [16, 32, 64];
-/// Columns of the backward and f16/bf16 sweeps' CSVs.
-const SWEEP_COLUMNS: &[&str] = &[
-    "dtype",
-    "batch_size",
-    "d1",
-    "d2",
-    "d3",
-    "impl",
-    "ms_mean",
-    "ms_std",
-    "ms_median",
-    "TFLOP_per_s",
-    "peak_MiB",
-    "note",
-];
+/// Calls between the two syncs of a back-to-back row.
+const BACK_TO_BACK: usize = 20;
 
-/// Timings of one configuration, in ms.
-struct Stats {
-    mean: f64,
-    std: f64,
-    median: f64,
+/// softmax(X)·V bench (module docs of benches/softmax_matmul.rs give the CSV columns).
+#[derive(Parser, Debug)]
+#[command(name = "softmax_matmul", bin_name = "softmax_matmul")]
+struct Cli {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Values of d2 [default: 64,128,…,8192; the first four with --quick].
+    #[arg(long, value_delimiter = ',')]
+    d2s: Vec<usize>,
+    /// Sweeps to run [default: all].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    sweeps: Vec<Sweep>,
+    /// Forced (block_1, block_2) rows added to the f16/bf16 sweep, as B1xB2 (e.g. 64x32).
+    #[arg(long, value_delimiter = ',', value_parser = parse_pair, value_name = "B1xB2")]
+    lowp_blocks: Vec<(usize, usize)>,
+    /// Redraw the PNG from an earlier run's softmax_matmul.csv (and its _lowp/_backward
+    /// files), then exit.
+    #[arg(long, value_name = "CSV")]
+    plot: Option<PathBuf>,
 }
 
-/// `warmup` untimed passes, then `passes` passes each timed between two syncs.
-fn time_passes<T>(
-    mut run: impl FnMut() -> T,
-    sync: impl Fn(),
-    warmup: usize,
-    passes: usize,
-) -> Stats {
-    for _ in 0..warmup {
-        let out = run();
-        sync();
-        drop(out);
-    }
-    let mut ms = Vec::with_capacity(passes);
-    for _ in 0..passes {
-        sync();
-        let start = Instant::now();
-        let out = run();
-        sync();
-        ms.push(start.elapsed().as_secs_f64() * 1e3);
-        drop(out);
-    }
-    let mean = ms.iter().sum::<f64>() / ms.len() as f64;
-    let var = ms.iter().map(|t| (t - mean).powi(2)).sum::<f64>() / (ms.len().max(2) - 1) as f64;
-    ms.sort_by(f64::total_cmp);
-    Stats {
-        mean,
-        std: var.sqrt(),
-        median: ms[ms.len() / 2],
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Sweep {
+    /// f32 forward, every block size (softmax_matmul.csv).
+    F32,
+    /// f16/bf16 forward (softmax_matmul_lowp.csv).
+    Lowp,
+    /// f32/f16/bf16 forward + backward (softmax_matmul_backward.csv).
+    Backward,
+}
+
+impl Cli {
+    fn runs(&self, sweep: Sweep) -> bool {
+        self.sweeps.is_empty() || self.sweeps.contains(&sweep)
     }
 }
 
-/// Per-pass ms of `passes` calls issued back to back between two syncs (outputs kept alive
-/// until the sync), and ms of a sync with nothing queued: how much of a synchronised pass is the
-/// host's launch and sync cost rather than the device's work.
-fn time_back_to_back<T>(mut run: impl FnMut() -> T, sync: impl Fn(), passes: usize) -> (f64, f64) {
-    sync();
-    let start = Instant::now();
-    let outs: Vec<T> = (0..passes).map(|_| run()).collect();
-    sync();
-    let per_pass = start.elapsed().as_secs_f64() * 1e3 / passes as f64;
-    drop(outs);
-    sync();
-    let start = Instant::now();
-    sync();
-    (per_pass, start.elapsed().as_secs_f64() * 1e3)
+/// A row of `softmax_matmul.csv` (module docs).
+#[derive(Serialize, Deserialize, Default, Debug)]
+#[serde(default)]
+struct ForwardRow {
+    batch_size: usize,
+    d1: usize,
+    d2: usize,
+    d3: usize,
+    #[serde(rename = "impl")]
+    implementation: String,
+    #[serde(rename = "BLOCK")]
+    block: Option<usize>,
+    forward_ms_mean: Option<f64>,
+    forward_ms_std: Option<f64>,
+    #[serde(rename = "forward_peak_MiB")]
+    forward_peak_mib: Option<f64>,
+    forward_ms_median: Option<f64>,
+    #[serde(rename = "TFLOP_per_s")]
+    tflop_per_s: Option<f64>,
+    device_ms_median: Option<f64>,
+    #[serde(rename = "device_TFLOP_per_s")]
+    device_tflop_per_s: Option<f64>,
+    timing_method: Option<String>,
+    note: String,
+}
+
+/// A row of `softmax_matmul_lowp.csv` and `softmax_matmul_backward.csv` (module docs).
+/// Reading accepts the older column names.
+#[derive(Serialize, Deserialize, Default, Debug)]
+#[serde(default)]
+struct SweepRow {
+    dtype: String,
+    batch_size: usize,
+    d1: usize,
+    d2: usize,
+    d3: usize,
+    #[serde(rename = "impl")]
+    implementation: String,
+    #[serde(alias = "ms_mean")]
+    wall_ms_mean: Option<f64>,
+    #[serde(alias = "ms_std")]
+    wall_ms_std: Option<f64>,
+    #[serde(alias = "ms_median")]
+    wall_ms_median: Option<f64>,
+    #[serde(rename = "TFLOP_per_s")]
+    tflop_per_s: Option<f64>,
+    device_ms_median: Option<f64>,
+    #[serde(rename = "device_TFLOP_per_s")]
+    device_tflop_per_s: Option<f64>,
+    timing_method: Option<String>,
+    #[serde(rename = "peak_MiB")]
+    peak_mib: Option<f64>,
+    note: String,
+}
+
+/// The row of `matmul_precision.csv`.
+#[derive(Serialize, Deserialize, Debug)]
+struct PrecisionRow {
+    m: usize,
+    k: usize,
+    n: usize,
+    max_error_over_sum_abs_products: f64,
+    verdict: String,
 }
 
 /// One implementation under test.
@@ -129,13 +185,13 @@ impl Impl {
         }
     }
 
-    fn block(&self) -> String {
+    fn block(&self) -> Option<usize> {
         match self {
             Impl::Flash(SoftmaxMatmulOptions {
                 blocks: Some((b, _)),
                 ..
-            }) => b.to_string(),
-            _ => String::new(),
+            }) => Some(*b),
+            _ => None,
         }
     }
 
@@ -156,47 +212,61 @@ impl Impl {
             Impl::Flash(o) => softmax_matmul_with(x, v, *o),
         }
     }
-}
 
-/// The f16/bf16 sweep's rows: the heuristic, the `(block_1, block_2)` pairs given as
-/// `--lowp-blocks 64x64,64x32`, and Burn's composed op.
-fn lowp_impls() -> Vec<Impl> {
-    let mut v = vec![Impl::Flash(Default::default())];
-    for pair in arg("--lowp-blocks").iter().flat_map(|a| a.split(',')) {
-        let (b1, b2) = pair.split_once('x').expect("--lowp-blocks B1xB2,…");
-        v.push(Impl::Flash(SoftmaxMatmulOptions {
-            blocks: Some((b1.parse().expect("B1"), b2.parse().expect("B2"))),
-            ..Default::default()
-        }));
+    /// Forward, then backward with output gradient `w`: `backward` seeds a non-scalar root
+    /// with ones, so no reduction (Burn's `sum` costs ~0.7 ms here) is timed with the op.
+    fn forward_backward<B: AutodiffBackend + FlashBackend>(
+        &self,
+        x: &Tensor<B, 3>,
+        v: &Tensor<B, 3>,
+        w: &Tensor<B, 3>,
+    ) -> [Option<Tensor<B::InnerBackend, 3>>; 2] {
+        let out = self.forward(x.clone(), v.clone());
+        let grads = (out * w.clone()).backward();
+        [x.grad(&grads), v.grad(&grads)]
     }
-    v.push(Impl::Composed);
-    v
 }
 
-fn impls(with_tf32: bool) -> Vec<Impl> {
-    let mut v: Vec<Impl> = BLOCKS
-        .iter()
-        .map(|&b| {
-            Impl::Flash(SoftmaxMatmulOptions {
-                blocks: Some((b, b)),
-                ..Default::default()
-            })
+/// The f32 sweep: forced blocks, the heuristic, Burn's composed op.
+fn f32_impls() -> Vec<Impl> {
+    let forced = BLOCKS.iter().map(|&b| {
+        Impl::Flash(SoftmaxMatmulOptions {
+            blocks: Some((b, b)),
+            ..Default::default()
         })
-        .collect();
-    v.push(Impl::Flash(SoftmaxMatmulOptions::default()));
-    let _ = with_tf32;
-    v.push(Impl::Composed);
-    v
+    });
+    forced
+        .chain([Impl::Flash(Default::default()), Impl::Composed])
+        .collect()
 }
 
-/// Measures `run` (which makes its own inputs' outputs) and the peak memory of one call.
-fn measure<R: CubeRuntime, T>(
-    client: &cubecl::client::ComputeClient<R>,
+/// The f16/bf16 sweep: the heuristic, the `--lowp-blocks` pairs, Burn's composed op.
+fn lowp_impls(cli: &Cli) -> Vec<Impl> {
+    let forced = cli.lowp_blocks.iter().map(|&blocks| {
+        Impl::Flash(SoftmaxMatmulOptions {
+            blocks: Some(blocks),
+            ..Default::default()
+        })
+    });
+    [Impl::Flash(Default::default())]
+        .into_iter()
+        .chain(forced)
+        .chain([Impl::Composed])
+        .collect()
+}
+
+fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
+    2.0 * (batch * d1 * d2 * d3) as f64
+}
+
+/// Peak memory of one call in MiB: inputs + the growth of reserved memory across the call
+/// after a pool cleanup. (Its replacement is under way; keep it self-contained.)
+fn peak_memory_mib<R: CubeRuntime, T>(
+    client: &ComputeClient<R>,
     inputs_bytes: u64,
-    mut run: impl FnMut() -> T,
-    sync: &impl Fn(),
-    passes: (usize, usize),
-) -> (Stats, f64) {
+    run: impl FnOnce() -> T,
+    sync: &dyn Fn(),
+) -> f64 {
     sync();
     client.memory_cleanup();
     let before = client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0);
@@ -204,381 +274,340 @@ fn measure<R: CubeRuntime, T>(
     sync();
     let after = client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0);
     drop(out);
-    let peak_mib = (inputs_bytes + after.saturating_sub(before)) as f64 / (1 << 20) as f64;
-    let stats = time_passes(run, sync, passes.0, passes.1);
-    (stats, peak_mib)
+    (inputs_bytes + after.saturating_sub(before)) as f64 / (1 << 20) as f64
 }
 
-fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
-    2.0 * (batch * d1 * d2 * d3) as f64
+/// Milliseconds, to 4 significant digits.
+fn ms(seconds: f64) -> f64 {
+    sig(seconds * 1e3, 4)
 }
 
-struct PlotRow {
-    panel: String,
-    label: String,
-    d2: f64,
-    ms: f64,
-    mib: f64,
+/// TFLOP/s of `flop` in `seconds`, to 4 significant digits.
+fn tflops(flop: f64, seconds: f64) -> f64 {
+    sig(flop / seconds / 1e12, 4)
 }
 
-/// One runtime's sweeps; `suffix` tells the output files of a second runtime apart.
-fn bench<R: CubeRuntime, BT: burn_cubecl::BoolElement>(device: R::Device, suffix: &str) {
-    type B<R, BT> = burn_fusion::Fusion<burn_cubecl::CubeBackend<R, f32, i32, BT>>;
-    let quick = flag("--quick");
-    let (batch, d1, d3) = if quick { (2, 256, 64) } else { (BATCH, D1, D3) };
-    let d2s: Vec<usize> = arg("--d2s")
-        .map(|v| v.split(',').map(|n| n.parse().expect("--d2s")).collect())
-        .unwrap_or_else(|| {
-            if quick {
-                D2S[..4].to_vec()
+type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
+type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
+/// The same values on the bare backend and through Fusion.
+type Pair<R, BT> = (Tensor<Un<R, BT>, 3>, Tensor<Fu<R, BT>, 3>);
+
+/// One runtime's sweeps.
+struct Bench<'a, R: CubeRuntime, BT: BoolElement> {
+    cli: &'a Cli,
+    device: R::Device,
+    client: ComputeClient<R>,
+    runtime: RuntimeName,
+    batch: usize,
+    d1: usize,
+    d3: usize,
+    d2s: Vec<usize>,
+    protocol: Protocol,
+    _bool: std::marker::PhantomData<BT>,
+}
+
+impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
+    fn sync(&self) {
+        // Fusion's sync drains its lazy queue, then syncs the device both backends share.
+        Fu::<R, BT>::sync(&self.device).expect("sync");
+    }
+
+    /// The same random values on the bare backend (for twins) and through Fusion, in `dtype`.
+    fn pair(
+        &self,
+        shape: [usize; 3],
+        distribution: Distribution,
+        dtype: FloatDType,
+    ) -> Pair<R, BT> {
+        let u = Tensor::<Un<R, BT>, 3>::random(shape, distribution, &self.device);
+        let f = Tensor::<Fu<R, BT>, 3>::from_data(u.to_data(), &self.device);
+        (u.cast(dtype), f.cast(dtype))
+    }
+
+    fn path(&self, stem: &str) -> PathBuf {
+        self.cli.common.out_path(&format!(
+            "softmax_matmul{}{stem}.csv",
+            self.runtime.suffix()
+        ))
+    }
+
+    /// Peak memory and timings of one forward configuration; `back_to_back` also times
+    /// `BACK_TO_BACK` calls between two syncs.
+    fn forward(
+        &self,
+        imp: Impl,
+        dtype: FloatDType,
+        d2: usize,
+        back_to_back: bool,
+    ) -> Result<(Timings, f64, Option<Timings>), String> {
+        let (batch, d1, d3) = (self.batch, self.d1, self.d3);
+        attempt(|| {
+            let (xu, xf) = self.pair([batch, d1, d2], Distribution::Normal(0.0, 2.0), dtype);
+            let (vu, vf) = self.pair([batch, d2, d3], Distribution::Default, dtype);
+            let elem = DType::from(dtype).size();
+            let inputs = ((batch * d1 * d2 + batch * d2 * d3) * elem) as u64;
+            let sync = || self.sync();
+            let call = || imp.forward(xf.clone(), vf.clone());
+            let peak = peak_memory_mib(&self.client, inputs, call, &sync);
+            let mut twin = Twin {
+                client: &self.client,
+                call: || imp.forward(xu.clone(), vu.clone()),
+            };
+            let has_twin = matches!(imp, Impl::Flash(_));
+            let timings = if has_twin {
+                measure(self.protocol, &sync, call, Ok(&mut twin))
             } else {
-                D2S.to_vec()
-            }
-        });
-    let passes = if quick { (2, 5) } else { (10, 100) };
-    let client = R::client(&device);
-    let sync = || B::<R, BT>::sync(&device).expect("sync");
-    let with_tf32 = cfg!(feature = "cuda");
-    let mut plot_rows: Vec<PlotRow> = Vec::new();
-    let sweeps = arg("--sweeps").unwrap_or_else(|| "f32,lowp,backward".into());
-    let runs = |name: &str| sweeps.split(',').any(|s| s == name);
-
-    // -- f32 forward: the issue's exact CSV --
-    let mut csv = Csv::new(
-        &out_path(&format!("softmax_matmul{suffix}.csv")),
-        &[
-            "batch_size",
-            "d1",
-            "d2",
-            "d3",
-            "impl",
-            "BLOCK",
-            "forward_ms_mean",
-            "forward_ms_std",
-            "forward_peak_MiB",
-        ],
-    );
-    println!(
-        "{:>6} {:>5} {:>5} {:>4} {:<22} {:>5} {:>9} {:>8} {:>9} {:>8} {:>9}",
-        "batch",
-        "d1",
-        "d2",
-        "d3",
-        "impl",
-        "BLOCK",
-        "mean_ms",
-        "std_ms",
-        "median_ms",
-        "TFLOP/s",
-        "peak_MiB"
-    );
-    for &d2 in d2s.iter().filter(|_| runs("f32")) {
-        for imp in impls(with_tf32) {
-            let result = attempt(|| {
-                let x = Tensor::<B<R, BT>, 3>::random(
-                    [batch, d1, d2],
-                    Distribution::Normal(0.0, 2.0),
-                    &device,
-                );
-                let v =
-                    Tensor::<B<R, BT>, 3>::random([batch, d2, d3], Distribution::Default, &device);
-                let inputs = ((batch * d1 * d2 + batch * d2 * d3) * 4) as u64;
-                measure(
-                    &client,
-                    inputs,
-                    || imp.forward(x.clone(), v.clone()),
-                    &sync,
-                    passes,
-                )
-            });
-            let block = imp.block();
-            let mut row = vec![
-                batch.to_string(),
-                d1.to_string(),
-                d2.to_string(),
-                d3.to_string(),
-                imp.name().to_string(),
-                block.clone(),
-            ];
-            match result {
-                Ok((s, mib)) => {
-                    let tflops = flops(batch, d1, d2, d3) / (s.median * 1e-3) / 1e12;
-                    println!(
-                        "{batch:>6} {d1:>5} {d2:>5} {d3:>4} {:<22} {block:>5} {:>9.3} {:>8.3} {:>9.3} {tflops:>8.1} {mib:>9.0}",
-                        imp.name(),
-                        s.mean,
-                        s.std,
-                        s.median
-                    );
-                    row.extend([
-                        format!("{:.4}", s.mean),
-                        format!("{:.4}", s.std),
-                        format!("{mib:.1}"),
-                    ]);
-                    plot_rows.push(PlotRow {
-                        panel: "f32 forward".into(),
-                        label: format!("{} {block}", imp.name()),
-                        d2: d2 as f64,
-                        ms: s.median,
-                        mib,
-                    });
-                }
-                Err(err) => {
-                    println!(
-                        "{batch:>6} {d1:>5} {d2:>5} {d3:>4} {:<22} {block:>5} FAILED: {err}",
-                        imp.name()
-                    );
-                    row.extend([String::new(), String::new(), String::new()]);
-                }
-            }
-            csv.push(row);
-            client.memory_cleanup();
-        }
-    }
-
-    // -- f16 / bf16 forward (heuristic) and forward + backward (f32, d2 ≤ 4096) --
-    let mut lowp = Csv::new(
-        &out_path(&format!("softmax_matmul{suffix}_lowp.csv")),
-        SWEEP_COLUMNS,
-    );
-    let lowp_dtypes = [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")];
-    for (dtype, label) in lowp_dtypes.into_iter().filter(|_| runs("lowp")) {
-        // A dtype the device lacks is recorded, not run (a failed launch would poison Fusion's
-        // stream for the rest of the process).
-        if !B::<R, BT>::supports_dtype(&device, dtype.into()) {
-            println!("{label}: not supported by this device, skipped");
-            lowp.push(vec![
-                label.into(),
-                batch.to_string(),
-                d1.to_string(),
-                String::new(),
-                d3.to_string(),
-                String::new(),
-                String::new(),
-                String::new(),
-                String::new(),
-                String::new(),
-                String::new(),
-                "FAILED: dtype not supported by the device".into(),
-            ]);
-            continue;
-        }
-        for &d2 in &d2s {
-            for imp in lowp_impls() {
-                let name = imp.label();
-                let result = attempt(|| {
-                    let x = Tensor::<B<R, BT>, 3>::random(
-                        [batch, d1, d2],
-                        Distribution::Normal(0.0, 2.0),
-                        &device,
-                    )
-                    .cast(dtype);
-                    let v = Tensor::<B<R, BT>, 3>::random(
-                        [batch, d2, d3],
-                        Distribution::Default,
-                        &device,
-                    )
-                    .cast(dtype);
-                    let inputs = ((batch * d1 * d2 + batch * d2 * d3) * 2) as u64;
-                    let measured = measure(
-                        &client,
-                        inputs,
-                        || imp.forward(x.clone(), v.clone()),
-                        &sync,
-                        passes,
-                    );
-                    let back_to_back =
-                        time_back_to_back(|| imp.forward(x.clone(), v.clone()), sync, 20);
-                    (measured, back_to_back)
-                });
-                let (result, back_to_back) = match result {
-                    Ok((measured, b2b)) => (Ok(measured), Some(b2b)),
-                    Err(err) => (Err(err), None),
+                measure(self.protocol, &sync, call, Err(NO_TWIN_FUSION))
+            };
+            let b2b = back_to_back.then(|| {
+                let protocol = Protocol {
+                    warmup: 0,
+                    passes: 1,
+                    calls: Calls::Fixed(BACK_TO_BACK),
                 };
-                lowp.push(stats_row(label, batch, d1, d2, d3, &name, &result, 1.0));
-                if let Some((ms, idle_sync)) = back_to_back {
-                    let tflops = flops(batch, d1, d2, d3) / ms / 1e9;
-                    println!(
-                        "  {label} d2 {d2:5} {name}: {ms:.3} ms per pass back to back \
-                         ({tflops:.1} TFLOP/s), idle sync {idle_sync:.3} ms"
-                    );
-                    lowp.push(vec![
-                        label.into(),
-                        batch.to_string(),
-                        d1.to_string(),
-                        d2.to_string(),
-                        d3.to_string(),
-                        format!("{name}_back_to_back"),
-                        String::new(),
-                        String::new(),
-                        format!("{ms:.4}"),
-                        format!("{tflops:.1}"),
-                        String::new(),
-                        format!(
-                            "20 passes between two syncs (not the issue's protocol); \
-                             idle sync {idle_sync:.4} ms"
-                        ),
-                    ]);
+                if has_twin {
+                    measure(protocol, &sync, call, Ok(&mut twin))
+                } else {
+                    measure(protocol, &sync, call, Err(NO_TWIN_FUSION))
                 }
-                report(
-                    label,
-                    "forward",
-                    d2,
-                    &name,
-                    &result,
-                    flops(batch, d1, d2, d3),
-                );
-                if let Ok((s, mib)) = &result {
-                    plot_rows.push(PlotRow {
-                        panel: format!("{label} forward"),
-                        label: name.clone(),
-                        d2: d2 as f64,
-                        ms: s.median,
-                        mib: *mib,
-                    });
-                }
-                client.memory_cleanup();
-            }
-        }
+            });
+            (timings, peak, b2b)
+        })
     }
 
-    let mut bwd = Csv::new(
-        &out_path(&format!("softmax_matmul{suffix}_backward.csv")),
-        SWEEP_COLUMNS,
-    );
-    type A<R, BT> = Autodiff<B<R, BT>>;
-    let bwd_dtypes = [
-        (FloatDType::F32, "f32"),
-        (FloatDType::F16, "f16"),
-        (FloatDType::BF16, "bf16"),
-    ];
-    let bwd_dtypes = bwd_dtypes.into_iter().filter(|(dtype, label)| {
-        let ok = B::<R, BT>::supports_dtype(&device, (*dtype).into());
-        if !ok && runs("backward") {
-            println!("{label} backward: not supported by this device, skipped");
-        }
-        ok
-    });
-    for (dtype, label) in bwd_dtypes {
-        for &d2 in d2s.iter().filter(|&&d2| d2 <= 4096 && runs("backward")) {
-            for imp in [Impl::Flash(Default::default()), Impl::Composed] {
-                let result = attempt(|| {
-                    let x = Tensor::<A<R, BT>, 3>::random(
-                        [batch, d1, d2],
-                        Distribution::Normal(0.0, 2.0),
-                        &device,
-                    )
-                    .cast(dtype)
-                    .require_grad();
-                    let v = Tensor::<A<R, BT>, 3>::random(
-                        [batch, d2, d3],
-                        Distribution::Default,
-                        &device,
-                    )
-                    .cast(dtype)
-                    .require_grad();
-                    let w = Tensor::<A<R, BT>, 3>::random(
-                        [batch, d1, d3],
-                        Distribution::Default,
-                        &device,
-                    )
-                    .cast(dtype);
-                    let elem = DType::from(dtype).size();
-                    let inputs =
-                        ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * elem) as u64;
-                    measure(
-                        &client,
-                        inputs,
-                        || {
-                            let out = imp.forward(x.clone(), v.clone());
-                            // `backward` seeds a non-scalar root with ones: the output
-                            // gradient is `w`, and no reduction (Burn's `sum` costs ~0.7 ms
-                            // here) is timed with the op.
-                            let grads = (out * w.clone()).backward();
-                            (x.grad(&grads), v.grad(&grads))
-                        },
-                        &sync,
-                        passes,
-                    )
-                });
-                // Forward + backward = 3.5 × the forward's FLOPs (backward counted as 2.5×).
-                bwd.push(stats_row(
-                    label,
-                    batch,
+    /// Peak memory and timings of forward + backward through `Autodiff`.
+    fn forward_backward(
+        &self,
+        imp: Impl,
+        dtype: FloatDType,
+        d2: usize,
+    ) -> Result<(Timings, f64), String> {
+        let (batch, d1, d3) = (self.batch, self.d1, self.d3);
+        type Au<R, BT> = Autodiff<Un<R, BT>>;
+        type Af<R, BT> = Autodiff<Fu<R, BT>>;
+        attempt(|| {
+            let (xu, xf) = self.pair([batch, d1, d2], Distribution::Normal(0.0, 2.0), dtype);
+            let (vu, vf) = self.pair([batch, d2, d3], Distribution::Default, dtype);
+            let (wu, wf) = self.pair([batch, d1, d3], Distribution::Default, dtype);
+            let (xu, vu, wu) = (
+                Tensor::<Au<R, BT>, 3>::from_inner(xu).require_grad(),
+                Tensor::<Au<R, BT>, 3>::from_inner(vu).require_grad(),
+                Tensor::<Au<R, BT>, 3>::from_inner(wu),
+            );
+            let (xf, vf, wf) = (
+                Tensor::<Af<R, BT>, 3>::from_inner(xf).require_grad(),
+                Tensor::<Af<R, BT>, 3>::from_inner(vf).require_grad(),
+                Tensor::<Af<R, BT>, 3>::from_inner(wf),
+            );
+            let elem = DType::from(dtype).size();
+            let inputs = ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * elem) as u64;
+            let sync = || self.sync();
+            let call = || imp.forward_backward(&xf, &vf, &wf);
+            let peak = peak_memory_mib(&self.client, inputs, call, &sync);
+            let mut twin = Twin {
+                client: &self.client,
+                call: || imp.forward_backward(&xu, &vu, &wu),
+            };
+            let twin: Result<&mut dyn DeviceCall, &str> = match imp {
+                Impl::Composed => Err(NO_TWIN_FUSION),
+                Impl::Flash(_) => Ok(&mut twin),
+            };
+            (measure(self.protocol, &sync, call, twin), peak)
+        })
+    }
+
+    fn run(&self) {
+        let (batch, d1, d3) = (self.batch, self.d1, self.d3);
+        // -- f32 forward: the issue's CSV, then device time --
+        let mut csv = CsvOut::<ForwardRow>::create(self.path(""));
+        for &d2 in self.d2s.iter().filter(|_| self.cli.runs(Sweep::F32)) {
+            for imp in f32_impls() {
+                let mut row = ForwardRow {
+                    batch_size: batch,
                     d1,
                     d2,
                     d3,
-                    imp.name(),
-                    &result,
-                    3.5,
-                ));
-                report(
-                    label,
-                    "fwd+bwd",
-                    d2,
-                    imp.name(),
-                    &result,
-                    3.5 * flops(batch, d1, d2, d3),
-                );
-                if let Ok((s, mib)) = &result {
-                    plot_rows.push(PlotRow {
-                        panel: format!("{label} forward + backward"),
-                        label: imp.name().into(),
-                        d2: d2 as f64,
-                        ms: s.median,
-                        mib: *mib,
-                    });
+                    implementation: imp.name().into(),
+                    block: imp.block(),
+                    ..Default::default()
+                };
+                let flop = flops(batch, d1, d2, d3);
+                match self.forward(imp, FloatDType::F32, d2, false) {
+                    Ok((t, peak, _)) => {
+                        row.forward_ms_mean = Some(ms(t.wall.mean));
+                        row.forward_ms_std = Some(ms(t.wall.std));
+                        row.forward_peak_mib = Some(sig(peak, 4));
+                        row.forward_ms_median = Some(ms(t.wall.median));
+                        row.tflop_per_s = Some(tflops(flop, t.wall.median));
+                        row.device_ms_median = t.device_median().map(ms);
+                        row.device_tflop_per_s = t.device_median().map(|d| tflops(flop, d));
+                        row.timing_method = t.timing_method();
+                        row.note = t.device_note();
+                    }
+                    Err(e) => row.note = format!("failed: {e}"),
                 }
-                client.memory_cleanup();
+                report(
+                    "f32",
+                    "forward",
+                    d2,
+                    &imp.label(),
+                    row.forward_ms_median,
+                    row.device_ms_median,
+                    row.tflop_per_s,
+                    row.device_tflop_per_s,
+                    row.forward_peak_mib,
+                    &row.note,
+                );
+                csv.push(&row);
+                self.client.memory_cleanup();
             }
         }
+
+        // -- f16 / bf16 forward --
+        let mut lowp = CsvOut::<SweepRow>::create(self.path("_lowp"));
+        let lowp_dtypes = [(FloatDType::F16, "f16"), (FloatDType::BF16, "bf16")];
+        for (dtype, label) in lowp_dtypes
+            .into_iter()
+            .filter(|_| self.cli.runs(Sweep::Lowp))
+        {
+            // A dtype the device lacks is recorded, not run (a failed launch would poison
+            // Fusion's stream for the rest of the process).
+            let supported = Fu::<R, BT>::supports_dtype(&self.device, dtype.into());
+            if !supported {
+                println!("{label}: not supported by this device, skipped");
+            }
+            for &d2 in &self.d2s {
+                for imp in lowp_impls(self.cli) {
+                    let name = imp.label();
+                    if !supported {
+                        lowp.push(&self.unsupported(label, d2, &name));
+                        continue;
+                    }
+                    let flop = flops(batch, d1, d2, d3);
+                    let (result, b2b) = match self.forward(imp, dtype, d2, true) {
+                        Ok((t, peak, b2b)) => (Ok((t, peak)), b2b),
+                        Err(e) => (Err(e), None),
+                    };
+                    let row = self.sweep_row(label, d2, &name, &result, flop);
+                    report_row(label, "forward", &row);
+                    lowp.push(&row);
+                    if let Some(t) = b2b {
+                        let idle = idle_sync_seconds(&|| self.sync());
+                        let row = SweepRow {
+                            wall_ms_median: Some(ms(t.wall.median)),
+                            tflop_per_s: Some(tflops(flop, t.wall.median)),
+                            device_ms_median: t.device_median().map(ms),
+                            device_tflop_per_s: t.device_median().map(|d| tflops(flop, d)),
+                            timing_method: t.timing_method(),
+                            note: format!(
+                                "{BACK_TO_BACK} calls between two syncs (not the issue's \
+                                 protocol); idle sync {:.4} ms",
+                                idle * 1e3
+                            ),
+                            ..self.base_row(label, d2, &format!("{name}_back_to_back"))
+                        };
+                        report_row(label, "forward", &row);
+                        lowp.push(&row);
+                    }
+                    self.client.memory_cleanup();
+                }
+            }
+        }
+
+        // -- forward + backward (d2 ≤ 4096) --
+        let mut bwd = CsvOut::<SweepRow>::create(self.path("_backward"));
+        let bwd_dtypes = [
+            (FloatDType::F32, "f32"),
+            (FloatDType::F16, "f16"),
+            (FloatDType::BF16, "bf16"),
+        ];
+        for (dtype, label) in bwd_dtypes
+            .into_iter()
+            .filter(|_| self.cli.runs(Sweep::Backward))
+        {
+            let supported = Fu::<R, BT>::supports_dtype(&self.device, dtype.into());
+            if !supported {
+                println!("{label} backward: not supported by this device, skipped");
+            }
+            for &d2 in self.d2s.iter().filter(|&&d2| d2 <= 4096) {
+                for imp in [Impl::Flash(Default::default()), Impl::Composed] {
+                    if !supported {
+                        bwd.push(&self.unsupported(label, d2, imp.name()));
+                        continue;
+                    }
+                    let result = self.forward_backward(imp, dtype, d2);
+                    let flop = 3.5 * flops(batch, d1, d2, d3);
+                    let row = self.sweep_row(label, d2, imp.name(), &result, flop);
+                    report_row(label, "fwd+bwd", &row);
+                    bwd.push(&row);
+                    self.client.memory_cleanup();
+                }
+            }
+        }
+
+        let precision = format!("matmul_precision{}.csv", self.runtime.suffix());
+        matmul_precision::<Fu<R, BT>>(&self.device, &self.cli.common.out_path(&precision));
+        draw(csv.path());
     }
 
-    matmul_precision::<B<R, BT>>(&device, suffix);
-    draw(&plot_rows, suffix);
+    /// The row of a configuration whose dtype the device lacks.
+    fn unsupported(&self, dtype: &str, d2: usize, name: &str) -> SweepRow {
+        SweepRow {
+            note: "failed: dtype not supported by the device".into(),
+            ..self.base_row(dtype, d2, name)
+        }
+    }
+
+    /// A sweep row with its configuration and no measurement.
+    fn base_row(&self, dtype: &str, d2: usize, name: &str) -> SweepRow {
+        SweepRow {
+            dtype: dtype.into(),
+            batch_size: self.batch,
+            d1: self.d1,
+            d2,
+            d3: self.d3,
+            implementation: name.into(),
+            ..Default::default()
+        }
+    }
+
+    fn sweep_row(
+        &self,
+        dtype: &str,
+        d2: usize,
+        name: &str,
+        result: &Result<(Timings, f64), String>,
+        flop: f64,
+    ) -> SweepRow {
+        let mut row = self.base_row(dtype, d2, name);
+        match result {
+            Ok((t, peak)) => {
+                row.wall_ms_mean = Some(ms(t.wall.mean));
+                row.wall_ms_std = Some(ms(t.wall.std));
+                row.wall_ms_median = Some(ms(t.wall.median));
+                row.tflop_per_s = Some(tflops(flop, t.wall.median));
+                row.device_ms_median = t.device_median().map(ms);
+                row.device_tflop_per_s = t.device_median().map(|d| tflops(flop, d));
+                row.timing_method = t.timing_method();
+                row.peak_mib = Some(sig(*peak, 4));
+                row.note = t.device_note();
+            }
+            Err(e) => row.note = format!("failed: {e}"),
+        }
+        row
+    }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn stats_row(
-    dtype: &str,
-    batch: usize,
-    d1: usize,
-    d2: usize,
-    d3: usize,
-    name: &str,
-    result: &Result<(Stats, f64), String>,
-    flop_factor: f64,
-) -> Vec<String> {
-    let mut row = vec![
-        dtype.to_string(),
-        batch.to_string(),
-        d1.to_string(),
-        d2.to_string(),
-        d3.to_string(),
-        name.to_string(),
-    ];
-    match result {
-        Ok((s, mib)) => {
-            let tflops = flop_factor * flops(batch, d1, d2, d3) / (s.median * 1e-3) / 1e12;
-            row.extend([
-                format!("{:.4}", s.mean),
-                format!("{:.4}", s.std),
-                format!("{:.4}", s.median),
-                format!("{tflops:.2}"),
-                format!("{mib:.1}"),
-                String::new(),
-            ]);
-        }
-        Err(err) => row.extend([
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            String::new(),
-            format!("FAILED: {err}"),
-        ]),
-    }
-    row
+/// Seconds of a sync with nothing queued.
+fn idle_sync_seconds(sync: &dyn Fn()) -> f64 {
+    sync();
+    let start = std::time::Instant::now();
+    sync();
+    start.elapsed().as_secs_f64()
+}
+
+fn fmt(v: Option<f64>) -> String {
+    v.map(|v| v.to_string()).unwrap_or_default()
 }
 
 fn report(
@@ -586,23 +615,45 @@ fn report(
     what: &str,
     d2: usize,
     name: &str,
-    result: &Result<(Stats, f64), String>,
-    flop: f64,
+    wall_ms: Option<f64>,
+    device_ms: Option<f64>,
+    tflops: Option<f64>,
+    device_tflops: Option<f64>,
+    peak_mib: Option<f64>,
+    note: &str,
 ) {
-    match result {
-        Ok((s, mib)) => println!(
-            "{dtype:>5} {what:<8} d2 {d2:>5} {name:<22} median {:>8.3} ms  {:>7.1} TFLOP/s  peak {:>7.0} MiB",
-            s.median,
-            flop / (s.median * 1e-3) / 1e12,
-            mib
-        ),
-        Err(err) => println!("{dtype:>5} {what:<8} d2 {d2:>5} {name:<22} FAILED: {err}"),
-    }
+    println!(
+        "{dtype:>5} {what:<8} d2 {d2:>5} {name:<34} wall {:>9} ms {:>7} TFLOP/s  device {:>9} ms {:>7} TFLOP/s  peak {:>7} MiB  {note}",
+        fmt(wall_ms),
+        fmt(tflops),
+        fmt(device_ms),
+        fmt(device_tflops),
+        fmt(peak_mib),
+    );
 }
 
-/// Whether Burn's f32 matmul rounds its operands to TF32: its error against an f64 product
-/// on the host (f32 accumulation of 1024 terms: ~1e-6 relative; TF32 operands: ~1e-3).
-fn matmul_precision<B: Backend>(device: &B::Device, suffix: &str) {
+fn report_row(dtype: &str, what: &str, r: &SweepRow) {
+    report(
+        dtype,
+        what,
+        r.d2,
+        &r.implementation,
+        r.wall_ms_median,
+        r.device_ms_median,
+        r.tflop_per_s,
+        r.device_tflop_per_s,
+        r.peak_mib,
+        &r.note,
+    );
+}
+
+/// Whether Burn's f32 matmul rounds its operands: max |error| / Σ|a·b| over the outputs of a
+/// 256×1024×256 product, against an f64 product on the host. Expected figures at K = 1024:
+/// full f32 accumulation of f32 products, ~1e-7; operands rounded to a 10-bit mantissa (TF32,
+/// or f16: unit roundoff 2^-11, averaging down by ~√K), ~2e-5 (Burn 0.21 on an H200 measured
+/// 1.6e-5); a 7-bit mantissa (bf16, 2^-8), ~8× that, ~1.5e-4. The thresholds sit between the
+/// classes. (An earlier threshold of 1e-4 called the H200's TF32-class result full f32.)
+fn matmul_precision<B: Backend>(device: &B::Device, path: &Path) {
     let (m, k, n) = (256, 1024, 256);
     let a: Vec<f32> = (0..m * k)
         .map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0)
@@ -631,65 +682,140 @@ fn matmul_precision<B: Backend>(device: &B::Device, suffix: &str) {
             worst = worst.max((got[i * n + j] as f64 - want).abs() / scale);
         }
     }
-    let verdict = if worst > 1e-4 {
-        "rounds to TF32 (or lower)"
-    } else {
+    let verdict = if worst < 1e-6 {
         "full f32"
+    } else if worst < 5e-5 {
+        "TF32-class: operands rounded to a 10-bit mantissa (TF32 or f16)"
+    } else if worst < 1e-3 {
+        "bf16-class: operands rounded to a 7-bit mantissa"
+    } else {
+        "lower than bf16"
     };
     println!("Burn f32 matmul {m}x{k}x{n}: max |error| / Σ|a·b| = {worst:.2e} → {verdict}");
-    let path = out_path(&format!("matmul_precision{suffix}.txt"));
-    std::fs::write(
-        &path,
-        format!("burn_f32_matmul_rel_error,{worst:e},{verdict}\n"),
-    )
-    .expect("write");
+    CsvOut::create(path.to_owned()).push(&PrecisionRow {
+        m,
+        k,
+        n,
+        max_error_over_sum_abs_products: sig(worst, 3),
+        verdict: verdict.into(),
+    });
+    println!("wrote {}", path.display());
 }
 
-fn draw(rows: &[PlotRow], suffix: &str) {
+/// `PATH` with `_lowp`/`_backward` before its extension.
+fn sibling(csv: &Path, stem: &str) -> PathBuf {
+    let name = csv.file_stem().unwrap_or_default().to_string_lossy();
+    csv.with_file_name(format!("{name}{stem}.csv"))
+}
+
+/// Median wall time and peak memory against d2, a pair of panels per sweep, from the CSVs
+/// (`softmax_matmul.csv` and its `_lowp`/`_backward` files where present); the PNG goes next to
+/// the first.
+fn draw(csv: &Path) {
     let mut panels: Vec<Panel> = Vec::new();
-    for r in rows {
-        for (title, y_label, y) in [
-            (format!("{} time", r.panel), "ms (median)", r.ms),
-            (format!("{} peak memory", r.panel), "MiB", r.mib),
-        ] {
-            let i = match panels.iter().position(|p| p.title == title) {
-                Some(i) => i,
-                None => {
-                    panels.push(Panel {
-                        title: title.clone(),
-                        y_label: y_label.into(),
-                        series: vec![],
-                    });
-                    panels.len() - 1
-                }
-            };
-            let panel = &mut panels[i];
-            match panel.series.iter_mut().find(|s| s.label == r.label) {
-                Some(s) => s.points.push((r.d2, y)),
-                None => panel.series.push(Series {
-                    label: r.label.clone(),
-                    points: vec![(r.d2, y)],
-                }),
+    let mut add = |sweep: &str, label: &str, d2: usize, ms: Option<f64>, mib: Option<f64>| {
+        if let Some(ms) = ms {
+            let title = format!("{sweep} time");
+            add_point(
+                &mut panels,
+                &title,
+                "ms (median, wall)",
+                label,
+                d2 as f64,
+                ms,
+            );
+        }
+        if let Some(mib) = mib {
+            let title = format!("{sweep} peak memory");
+            add_point(&mut panels, &title, "MiB", label, d2 as f64, mib);
+        }
+    };
+    match read_rows::<ForwardRow>(csv) {
+        Ok(rows) => {
+            for r in rows {
+                let label = match r.block {
+                    Some(b) => format!("{} {b}", r.implementation),
+                    None => r.implementation.clone(),
+                };
+                // Files from before the median column: the mean.
+                let ms = r.forward_ms_median.or(r.forward_ms_mean);
+                add("f32 forward", &label, r.d2, ms, r.forward_peak_mib);
             }
         }
+        Err(e) => eprintln!("plot: {e}"),
     }
-    let png = out_path(&format!("softmax_matmul{suffix}.png"));
+    for (stem, what) in [("_lowp", "forward"), ("_backward", "forward + backward")] {
+        let path = sibling(csv, stem);
+        if !path.exists() {
+            continue;
+        }
+        match read_rows::<SweepRow>(&path) {
+            Ok(rows) => {
+                for r in rows
+                    .iter()
+                    .filter(|r| !r.implementation.ends_with("_back_to_back"))
+                {
+                    let sweep = format!("{} {what}", r.dtype);
+                    add(
+                        &sweep,
+                        &r.implementation,
+                        r.d2,
+                        r.wall_ms_median,
+                        r.peak_mib,
+                    );
+                }
+            }
+            Err(e) => eprintln!("plot: {e}"),
+        }
+    }
+    let png = csv.with_extension("png");
     plot(&png, "d2", &panels);
     println!("wrote {}", png.display());
 }
 
+fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeName, cli: &Cli) {
+    let quick = cli.common.quick;
+    let (batch, d1, d3) = if quick { (2, 256, 64) } else { (BATCH, D1, D3) };
+    let d2s = match (&cli.d2s[..], quick) {
+        ([], true) => D2S[..4].to_vec(),
+        ([], false) => D2S.to_vec(),
+        (d2s, _) => d2s.to_vec(),
+    };
+    let (warmup, passes) = if quick { (2, 5) } else { (10, 100) };
+    let bench = Bench::<R, BT> {
+        cli,
+        client: R::client(&device),
+        device,
+        runtime,
+        batch,
+        d1,
+        d3,
+        d2s,
+        protocol: Protocol {
+            warmup,
+            passes,
+            calls: Calls::Fixed(1),
+        },
+        _bool: std::marker::PhantomData,
+    };
+    bench.run();
+}
+
 fn main() {
-    // With both runtimes built in, both run in this process: CUDA's files keep the plain names,
-    // wgpu's get a `-wgpu` suffix.
-    let runtimes = arg("--runtimes").unwrap_or_else(|| "cuda,wgpu".into());
-    let runs = |name: &str| runtimes.split(',').any(|s| s == name);
+    let cli = Cli::parse();
+    if let Some(why) = cli.common.missing_runtime() {
+        Cli::command().error(ErrorKind::InvalidValue, why).exit();
+    }
+    if let Some(csv) = &cli.plot {
+        draw(csv);
+        return;
+    }
     #[cfg(feature = "cuda")]
-    if runs("cuda") {
-        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), "");
+    if cli.common.runs(RuntimeName::Cuda) {
+        bench::<cubecl::cuda::CudaRuntime, u8>(Default::default(), RuntimeName::Cuda, &cli);
     }
     #[cfg(feature = "wgpu")]
-    if runs("wgpu") {
-        let suffix = if cfg!(feature = "cuda") { "-wgpu" } else { "" };
-        bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), suffix);
+    if cli.common.runs(RuntimeName::Wgpu) {
+        bench::<burn::backend::wgpu::WgpuRuntime, u32>(Default::default(), RuntimeName::Wgpu, &cli);
     }
 }
