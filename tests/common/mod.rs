@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod peak_memory;
+
 use std::cell::RefCell;
 
 use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
