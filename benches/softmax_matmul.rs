@@ -16,9 +16,12 @@
 //! / median wall time`; `device_TFLOP_per_s` the same over the median device time, which
 //! burn-flash's rows take from the same op on the bare `CubeBackend` (Burn's composed op has
 //! Fusion-made kernels and no device time). Forward + backward counts 3.5× the forward's FLOPs
-//! (backward 2.5×). `peak_MiB`: after a pool cleanup, inputs + the growth of reserved device
-//! memory across one call (freed pages stay reserved until the next cleanup, so the growth
-//! bounds the call's own allocations).
+//! (backward 2.5×). `peak_MiB` / `forward_peak_MiB`: the call's inputs plus the most it held
+//! beyond what was in use before it (outputs, intermediates, scratch), measured by the same
+//! program in a child process (`--memory-only`, one call per configuration) whose memory pools
+//! allocate exactly and release nothing during the call (`tests/common/peak_memory.rs`, the
+//! memory test's method): the default pools reserve memory ahead of use and would hide a
+//! `d1 × d2` buffer. The child's rows are in `*.peak.csv`.
 //!
 //! Files (under `target/bench/` or `--out`), a row per configuration; a failed configuration
 //! (out of memory, unsupported block) is a row with empty measurements and a note, and the
@@ -41,6 +44,8 @@
 //! thread's clock between two stream syncs); see `benches/common`.
 
 mod common;
+#[path = "../tests/common/peak_memory.rs"]
+mod peak_memory;
 
 use std::path::{Path, PathBuf};
 
@@ -84,6 +89,11 @@ struct Cli {
     /// files), then exit.
     #[arg(long, value_name = "CSV")]
     plot: Option<PathBuf>,
+    /// Measure only the peak memory of each configuration (one call each, in a process whose
+    /// memory pools are exact: `tests/common/peak_memory.rs`), into `*.peak.csv`. A timing run
+    /// starts itself with this flag first and takes its peak columns from those files.
+    #[arg(long, hide = true)]
+    memory_only: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -259,22 +269,50 @@ fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
     2.0 * (batch * d1 * d2 * d3) as f64
 }
 
-/// Peak memory of one call in MiB: inputs + the growth of reserved memory across the call
-/// after a pool cleanup. (Its replacement is under way; keep it self-contained.)
+/// Peak memory of one call in MiB, in a `--memory-only` process: the call's inputs plus the
+/// most it held beyond what was in use before it (outputs, intermediates), measured with exact
+/// pools (`peak_memory`). A timing process returns `None`: its pools reserve ahead of use, and
+/// its peak columns come from the `--memory-only` run instead (`merge_peaks`).
 fn peak_memory_mib<R: CubeRuntime, T>(
+    memory_only: bool,
     client: &ComputeClient<R>,
     inputs_bytes: u64,
     run: impl FnOnce() -> T,
     sync: &dyn Fn(),
-) -> f64 {
-    sync();
-    client.memory_cleanup();
-    let before = client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0);
-    let out = run();
-    sync();
-    let after = client.memory_usage().map(|u| u.bytes_reserved).unwrap_or(0);
+) -> Option<f64> {
+    if !memory_only {
+        return None;
+    }
+    let (out, m) = peak_memory::peak_memory(client, sync, run);
     drop(out);
-    (inputs_bytes + after.saturating_sub(before)) as f64 / (1 << 20) as f64
+    Some((inputs_bytes + m.peak.saturating_sub(m.before)) as f64 / (1 << 20) as f64)
+}
+
+/// Fills the peak column of each row of `csv` from the row with the same configuration in the
+/// `--memory-only` run's `peak` file (rows without one keep an empty peak).
+fn merge_peaks<T: Serialize + serde::de::DeserializeOwned>(
+    csv: &Path,
+    peak: &Path,
+    key: impl Fn(&T) -> String,
+    set: impl Fn(&mut T, &T),
+) {
+    let read = |path: &Path| -> Vec<T> {
+        csv::Reader::from_path(path)
+            .map(|mut r| r.deserialize().filter_map(Result::ok).collect())
+            .unwrap_or_default()
+    };
+    let peaks = read(peak);
+    let mut rows = read(csv);
+    for row in &mut rows {
+        if let Some(p) = peaks.iter().find(|p| key(p) == key(row)) {
+            set(row, p);
+        }
+    }
+    let mut out = csv::Writer::from_path(csv).expect("rewrite csv");
+    for row in &rows {
+        out.serialize(row).expect("csv row");
+    }
+    out.flush().expect("flush csv");
 }
 
 /// Milliseconds, to 4 significant digits.
@@ -324,9 +362,15 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         (u.cast(dtype), f.cast(dtype))
     }
 
+    /// `softmax_matmul{-wgpu}{stem}.csv`, or `….peak.csv` in a `--memory-only` run.
     fn path(&self, stem: &str) -> PathBuf {
+        let kind = if self.cli.memory_only {
+            "peak.csv"
+        } else {
+            "csv"
+        };
         self.cli.common.out_path(&format!(
-            "softmax_matmul{}{stem}.csv",
+            "softmax_matmul{}{stem}.{kind}",
             self.runtime.suffix()
         ))
     }
@@ -339,7 +383,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         dtype: FloatDType,
         d2: usize,
         back_to_back: bool,
-    ) -> Result<(Timings, f64, Option<Timings>), String> {
+    ) -> Result<(Timings, Option<f64>, Option<Timings>), String> {
         let (batch, d1, d3) = (self.batch, self.d1, self.d3);
         attempt(|| {
             let (xu, xf) = self.pair([batch, d1, d2], Distribution::Normal(0.0, 2.0), dtype);
@@ -348,7 +392,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             let inputs = ((batch * d1 * d2 + batch * d2 * d3) * elem) as u64;
             let sync = || self.sync();
             let call = || imp.forward(xf.clone(), vf.clone());
-            let peak = peak_memory_mib(&self.client, inputs, call, &sync);
+            let peak = peak_memory_mib(self.cli.memory_only, &self.client, inputs, call, &sync);
             let mut twin = Twin {
                 client: &self.client,
                 call: || imp.forward(xu.clone(), vu.clone()),
@@ -381,7 +425,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         imp: Impl,
         dtype: FloatDType,
         d2: usize,
-    ) -> Result<(Timings, f64), String> {
+    ) -> Result<(Timings, Option<f64>), String> {
         let (batch, d1, d3) = (self.batch, self.d1, self.d3);
         type Au<R, BT> = Autodiff<Un<R, BT>>;
         type Af<R, BT> = Autodiff<Fu<R, BT>>;
@@ -403,7 +447,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             let inputs = ((2 * batch * d1 * d2 + batch * d2 * d3 + batch * d1 * d3) * elem) as u64;
             let sync = || self.sync();
             let call = || imp.forward_backward(&xf, &vf, &wf);
-            let peak = peak_memory_mib(&self.client, inputs, call, &sync);
+            let peak = peak_memory_mib(self.cli.memory_only, &self.client, inputs, call, &sync);
             let mut twin = Twin {
                 client: &self.client,
                 call: || imp.forward_backward(&xu, &vu, &wu),
@@ -436,7 +480,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                     Ok((t, peak, _)) => {
                         row.forward_ms_mean = Some(ms(t.wall.mean));
                         row.forward_ms_std = Some(ms(t.wall.std));
-                        row.forward_peak_mib = Some(sig(peak, 4));
+                        row.forward_peak_mib = peak.map(|p| sig(p, 4));
                         row.forward_ms_median = Some(ms(t.wall.median));
                         row.tflop_per_s = Some(tflops(flop, t.wall.median));
                         row.device_ms_median = t.device_median().map(ms);
@@ -545,8 +589,26 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             }
         }
 
+        if self.cli.memory_only {
+            return;
+        }
         let precision = format!("matmul_precision{}.csv", self.runtime.suffix());
         matmul_precision::<Fu<R, BT>>(&self.device, &self.cli.common.out_path(&precision));
+        let peak_file = |stem: &str| self.path(stem).with_extension("peak.csv");
+        merge_peaks::<ForwardRow>(
+            &self.path(""),
+            &peak_file(""),
+            |r| format!("{} {} {:?}", r.d2, r.implementation, r.block),
+            |r, p| r.forward_peak_mib = p.forward_peak_mib,
+        );
+        for stem in ["_lowp", "_backward"] {
+            merge_peaks::<SweepRow>(
+                &self.path(stem),
+                &peak_file(stem),
+                |r| format!("{} {} {}", r.dtype, r.d2, r.implementation),
+                |r, p| r.peak_mib = p.peak_mib,
+            );
+        }
         draw(csv.path());
     }
 
@@ -576,7 +638,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         dtype: &str,
         d2: usize,
         name: &str,
-        result: &Result<(Timings, f64), String>,
+        result: &Result<(Timings, Option<f64>), String>,
         flop: f64,
     ) -> SweepRow {
         let mut row = self.base_row(dtype, d2, name);
@@ -589,7 +651,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 row.device_ms_median = t.device_median().map(ms);
                 row.device_tflop_per_s = t.device_median().map(|d| tflops(flop, d));
                 row.timing_method = t.timing_method();
-                row.peak_mib = Some(sig(*peak, 4));
+                row.peak_mib = peak.map(|p| sig(p, 4));
                 row.note = t.device_note();
             }
             Err(e) => row.note = format!("failed: {e}"),
@@ -781,7 +843,12 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
         ([], false) => D2S.to_vec(),
         (d2s, _) => d2s.to_vec(),
     };
-    let (warmup, passes) = if quick { (2, 5) } else { (10, 100) };
+    let (warmup, passes) = match (cli.memory_only, quick) {
+        // One call per configuration: only its memory is kept.
+        (true, _) => (0, 1),
+        (false, true) => (2, 5),
+        (false, false) => (10, 100),
+    };
     let bench = Bench::<R, BT> {
         cli,
         client: R::client(&device),
@@ -809,6 +876,23 @@ fn main() {
     if let Some(csv) = &cli.plot {
         draw(csv);
         return;
+    }
+    if cli.memory_only {
+        // Before any device starts: exact pools for the whole process.
+        peak_memory::use_exact_pool();
+    } else {
+        // Peak memory is measured first, by this program in a process of its own (exact pools
+        // would slow this one's timings down).
+        let args = std::env::args().skip(1).filter(|a| a != "--bench");
+        let exe = std::env::current_exe().expect("own path");
+        match std::process::Command::new(exe)
+            .args(args)
+            .arg("--memory-only")
+            .status()
+        {
+            Ok(status) if status.success() => {}
+            other => eprintln!("memory run failed ({other:?}): the peak columns stay empty"),
+        }
     }
     #[cfg(feature = "cuda")]
     if cli.common.runs(RuntimeName::Cuda) {

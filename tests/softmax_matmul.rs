@@ -588,8 +588,22 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         // (2^-24·|lse|, |lse| ≈ max x + ln d2 ≈ 10) is ~10 f32 ulps of P: the floor allows 16.
         // In f16/bf16 the storage rounding dominates and two ulps suffice.
         let floor = if dtype == FloatDType::F32 { 16.0 } else { 2.0 };
-        assert_within_naive(&dx, &naive_dx, &want_dx, dtype, floor, &format!("{ctx}: dx"));
-        assert_within_naive(&dv, &naive_dv, &want_dv, dtype, floor, &format!("{ctx}: dv"));
+        assert_within_naive(
+            &dx,
+            &naive_dx,
+            &want_dx,
+            dtype,
+            floor,
+            &format!("{ctx}: dx"),
+        );
+        assert_within_naive(
+            &dv,
+            &naive_dv,
+            &want_dv,
+            dtype,
+            floor,
+            &format!("{ctx}: dv"),
+        );
     }
 }
 
