@@ -91,7 +91,7 @@ pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> 
     let strides = like.meta.strides();
     let mut order: Vec<usize> = (0..shape.len()).collect();
     order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
-    let permuted = Shape::from(order.iter().map(|&d| shape[d]).collect::<Vec<_>>());
+    let permuted: Shape = order.iter().map(|&d| shape[d]).collect();
     let out = empty_device_dtype(
         like.client.clone(),
         like.device.clone(),

@@ -1,9 +1,15 @@
 //! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels. It ends the
 //! fused block around it (Burn's fuser cannot see inside).
+//!
+//! Per call, the user thread only checks what can fail (`dim`, dtype; the plan only for forced
+//! options) and records the operation; the operation struct keeps the tensors' IR it needs, not
+//! a second copy of the whole `CustomOpIr`.
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+use burn::backend::ir::{
+    CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr,
+};
 use burn::tensor::ops::FloatTensor;
 use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
 use burn_fusion::{
@@ -15,7 +21,8 @@ use crate::FlashBackend;
 
 #[derive(Debug)]
 struct SoftmaxOp<B> {
-    desc: CustomOpIr,
+    x: TensorIr,
+    y: TensorId,
     dim: usize,
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
@@ -27,16 +34,17 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxOp<
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([x], [y]) = self.desc.as_fixed();
-        let x = handles.get_float_tensor::<B>(x);
+        let x = handles.get_float_tensor::<B>(&self.x);
         let out = B::flash_softmax(x, self.dim, self.variant, self.options);
-        handles.register_float_tensor::<B>(&y.id, out);
+        handles.register_float_tensor::<B>(&self.y, out);
     }
 }
 
 #[derive(Debug)]
 struct SoftmaxBackwardOp<B> {
-    desc: CustomOpIr,
+    y: TensorIr,
+    dy: TensorIr,
+    dx: TensorId,
     dim: usize,
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
@@ -48,11 +56,10 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxBac
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([y, dy], [dx]) = self.desc.as_fixed();
-        let y = handles.get_float_tensor::<B>(y);
-        let dy = handles.get_float_tensor::<B>(dy);
+        let y = handles.get_float_tensor::<B>(&self.y);
+        let dy = handles.get_float_tensor::<B>(&self.dy);
         let out = B::flash_softmax_backward(y, dy, self.dim, self.variant, self.options);
-        handles.register_float_tensor::<B>(&dx.id, out);
+        handles.register_float_tensor::<B>(&self.dx, out);
     }
 }
 
@@ -67,8 +74,7 @@ fn validate<B: FusionBackend + FlashBackend>(
     backward: bool,
 ) {
     let op = super::variant_name(variant);
-    let shape = x.shape.clone();
-    super::check_dim(op, dim, shape.num_dims());
+    super::check_dim(op, dim, x.shape.num_dims());
     super::cube::check_dtype(op, arg, x.dtype);
     if options == SoftmaxOptions::default() {
         // The heuristic's own plan always runs: only forced options can make it fail.
@@ -76,13 +82,26 @@ fn validate<B: FusionBackend + FlashBackend>(
     }
     // The layout the op will run on: `dim` contiguous (the cube layer relays a forced row
     // scheme's input out that way).
-    let dims: Vec<usize> = shape.iter().copied().collect();
+    let dims: Vec<usize> = x.shape.iter().copied().collect();
     let strides = super::cube::dim_last_strides(&dims, dim);
     let device = x.client.device().clone();
     if let Some(Err(err)) =
         B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, backward, options)
     {
         panic!("burn_flash::{op}: {err}");
+    }
+}
+
+/// The IR Fusion records for a custom operation (`CustomOpIr::new` would copy both lists).
+pub(crate) fn custom_op(
+    name: &'static str,
+    inputs: Vec<TensorIr>,
+    outputs: Vec<TensorIr>,
+) -> CustomOpIr {
+    CustomOpIr {
+        id: name.to_owned(),
+        inputs,
+        outputs,
     }
 }
 
@@ -96,14 +115,16 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     let client = x.client.clone();
     let streams = OperationStreams::with_inputs([&x]);
     let out = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
-    let desc = CustomOpIr::new("burn_flash::softmax", &[x.into_ir()], &[out]);
+    let x = x.into_ir();
     let op = SoftmaxOp::<B> {
-        desc: desc.clone(),
+        x: x.clone(),
+        y: out.id,
         dim,
         variant,
         options,
         _backend: PhantomData,
     };
+    let desc = custom_op("burn_flash::softmax", vec![x], vec![out]);
     client
         .register(streams, OperationIr::Custom(desc), op)
         .output()
@@ -128,18 +149,17 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
     let client = y.client.clone();
     let streams = OperationStreams::with_inputs([&y, &dy]);
     let out = TensorIr::uninit(client.create_empty_handle(), y.shape.clone(), y.dtype);
-    let desc = CustomOpIr::new(
-        "burn_flash::softmax_backward",
-        &[y.into_ir(), dy.into_ir()],
-        &[out],
-    );
+    let (y, dy) = (y.into_ir(), dy.into_ir());
     let op = SoftmaxBackwardOp::<B> {
-        desc: desc.clone(),
+        y: y.clone(),
+        dy: dy.clone(),
+        dx: out.id,
         dim,
         variant,
         options,
         _backend: PhantomData,
     };
+    let desc = custom_op("burn_flash::softmax_backward", vec![y, dy], vec![out]);
     client
         .register(streams, OperationIr::Custom(desc), op)
         .output()

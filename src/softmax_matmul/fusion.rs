@@ -1,9 +1,10 @@
 //! `softmax(X)·V` on `Fusion<B>`: opaque custom operations (two outputs forward, two
-//! gradients backward) that run `B`'s kernels.
+//! gradients backward) that run `B`'s kernels. The operation structs keep the tensors' IR they
+//! need, not a second copy of the whole `CustomOpIr`.
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorIr};
+use burn::backend::ir::{HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr};
 use burn::tensor::{DType, Shape, ops::FloatTensor};
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 use burn_fusion::{
@@ -13,10 +14,14 @@ use burn_fusion::{
 
 use super::dims_of;
 use crate::FlashBackend;
+use crate::softmax::fusion::custom_op;
 
 #[derive(Debug)]
 struct ForwardOp<B> {
-    desc: CustomOpIr,
+    /// `x`, `v`.
+    inputs: [TensorIr; 2],
+    /// `out`, `lse`.
+    outputs: [TensorId; 2],
     options: SoftmaxMatmulOptions,
     _backend: PhantomData<B>,
 }
@@ -26,18 +31,22 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for ForwardOp<
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([x, v], [out, lse]) = self.desc.as_fixed();
+        let [x, v] = &self.inputs;
+        let [out, lse] = &self.outputs;
         let x = handles.get_float_tensor::<B>(x);
         let v = handles.get_float_tensor::<B>(v);
         let (o, l) = B::flash_softmax_matmul(x, v, self.options);
-        handles.register_float_tensor::<B>(&out.id, o);
-        handles.register_float_tensor::<B>(&lse.id, l);
+        handles.register_float_tensor::<B>(out, o);
+        handles.register_float_tensor::<B>(lse, l);
     }
 }
 
 #[derive(Debug)]
 struct BackwardOp<B> {
-    desc: CustomOpIr,
+    /// `x`, `v`, `out`, `lse`, `d_out`.
+    inputs: [TensorIr; 5],
+    /// `dx`, `dv`.
+    outputs: [TensorId; 2],
     _backend: PhantomData<B>,
 }
 
@@ -46,20 +55,23 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for BackwardOp
         &self,
         handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
     ) {
-        let ([x, v, out, lse, d_out], [dx, dv]) = self.desc.as_fixed();
+        let [x, v, out, lse, d_out] = &self.inputs;
+        let [dx, dv] = &self.outputs;
         let x = handles.get_float_tensor::<B>(x);
         let v = handles.get_float_tensor::<B>(v);
         let out = handles.get_float_tensor::<B>(out);
         let lse = handles.get_float_tensor::<B>(lse);
         let d_out = handles.get_float_tensor::<B>(d_out);
         let (gx, gv) = B::flash_softmax_matmul_backward(x, v, out, lse, d_out);
-        handles.register_float_tensor::<B>(&dx.id, gx);
-        handles.register_float_tensor::<B>(&dv.id, gv);
+        handles.register_float_tensor::<B>(dx, gx);
+        handles.register_float_tensor::<B>(dv, gv);
     }
 }
 
 /// Fusion runs the op later, on its own thread, where a panic would only surface at the next
-/// sync: check dtypes and the plan now.
+/// sync: check dtypes and the plan now. The default plan can fail too (a dtype the device
+/// lacks, more cubes than it launches), and planning is cheap (~500 instructions with the
+/// client lookup, measured with callgrind), so it stays here.
 fn validate<B: FusionBackend + FlashBackend>(
     x: &FloatTensor<Fusion<B>>,
     v: &FloatTensor<Fusion<B>>,
@@ -88,16 +100,14 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     let streams = OperationStreams::with_inputs([&x, &v]);
     let out = uninit::<B>(&x, Shape::from([dims.batch, dims.d1, dims.d3]), x.dtype);
     let lse = uninit::<B>(&x, Shape::from([dims.batch, dims.d1]), DType::F32);
-    let desc = CustomOpIr::new(
-        "burn_flash::softmax_matmul",
-        &[x.into_ir(), v.into_ir()],
-        &[out, lse],
-    );
+    let inputs = [x.into_ir(), v.into_ir()];
     let op = ForwardOp::<B> {
-        desc: desc.clone(),
+        inputs: inputs.clone(),
+        outputs: [out.id, lse.id],
         options,
         _backend: PhantomData,
     };
+    let desc = custom_op("burn_flash::softmax_matmul", inputs.into(), vec![out, lse]);
     let [out, lse] = client
         .register(streams, OperationIr::Custom(desc), op)
         .outputs();
@@ -122,21 +132,23 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
     let streams = OperationStreams::with_inputs([&x, &v, &out, &lse, &d_out]);
     let dx = uninit::<B>(&x, x.shape.clone(), x.dtype);
     let dv = uninit::<B>(&v, v.shape.clone(), v.dtype);
-    let desc = CustomOpIr::new(
-        "burn_flash::softmax_matmul_backward",
-        &[
-            x.into_ir(),
-            v.into_ir(),
-            out.into_ir(),
-            lse.into_ir(),
-            d_out.into_ir(),
-        ],
-        &[dx, dv],
-    );
+    let inputs = [
+        x.into_ir(),
+        v.into_ir(),
+        out.into_ir(),
+        lse.into_ir(),
+        d_out.into_ir(),
+    ];
     let op = BackwardOp::<B> {
-        desc: desc.clone(),
+        inputs: inputs.clone(),
+        outputs: [dx.id, dv.id],
         _backend: PhantomData,
     };
+    let desc = custom_op(
+        "burn_flash::softmax_matmul_backward",
+        inputs.into(),
+        vec![dx, dv],
+    );
     let [dx, dv] = client
         .register(streams, OperationIr::Custom(desc), op)
         .outputs();

@@ -1,8 +1,9 @@
 //! Fused row softmax, log-softmax and quiet softmax, forward and backward.
 //!
 //! Host entry points: [`launch_softmax`] and [`launch_softmax_backward`]. Each validates its
-//! arguments, asks [`plan_softmax`] for a launch, and runs one kernel (two for rows too long
-//! for one cube). Outputs are allocated by the caller with any strides.
+//! arguments, plans the launch as [`plan_softmax`] would (reusing the permuted layouts for the
+//! launch itself), and runs one kernel (two for rows too long for one cube). Outputs are
+//! allocated by the caller with any strides.
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -11,7 +12,11 @@ mod plan;
 
 use core::fmt;
 
-use cubecl::{prelude::*, server::Handle};
+use cubecl::{
+    prelude::*,
+    server::Handle,
+    zspace::{Shape, Strides},
+};
 
 pub use kernel::SoftmaxVariant;
 pub use plan::{STRIDED_MAX_LEN, SoftmaxPlan};
@@ -167,9 +172,11 @@ fn row_major_permutation(strides: &[usize], dim: usize) -> Vec<usize> {
     perm
 }
 
+/// One tensor's metadata with its dimensions reordered as the kernels index them (inline for
+/// ranks up to 5: no allocation).
 struct Permuted {
-    shape: Vec<usize>,
-    strides: Vec<usize>,
+    shape: Shape,
+    strides: Strides,
 }
 
 impl Permuted {
@@ -191,13 +198,40 @@ impl Permuted {
         // SAFETY: shape and strides describe the buffer as the caller's TensorRef did, only
         // with the dimensions reordered.
         unsafe {
-            TensorArg::from_raw_parts(
-                handle.clone(),
-                self.strides.clone().into(),
-                self.shape.clone().into(),
-            )
+            TensorArg::from_raw_parts(handle.clone(), self.strides.clone(), self.shape.clone())
         }
     }
+}
+
+/// The tensors of one launch (same shape, any strides), permuted by
+/// [`row_major_permutation`] of the first one's strides.
+fn permute_all<const N: usize>(
+    shape: &[usize],
+    strides: [&[usize]; N],
+    dim: usize,
+) -> [Permuted; N] {
+    let perm = row_major_permutation(strides[0], dim);
+    strides.map(|s| Permuted::new(shape, s, &perm))
+}
+
+fn check_dim(dim: usize, rank: usize) -> Result<(), SoftmaxError> {
+    if dim >= rank {
+        return Err(SoftmaxError::InvalidDim { dim, rank });
+    }
+    Ok(())
+}
+
+/// The plan for tensors already permuted (softmax dimension last).
+fn plan_layouts<R: Runtime>(
+    client: &ComputeClient<R>,
+    layouts: &[Layout<'_>],
+    dtype: StorageType,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> Result<SoftmaxPlan, SoftmaxError> {
+    check_dtype(client, dtype)?;
+    let facts = DeviceFacts::new(client, dtype.size(), &options)?;
+    plan::plan(&facts, layouts, dtype.size(), variant, &options)
 }
 
 fn check_same_shape(
@@ -226,19 +260,14 @@ pub fn plan_softmax<R: Runtime>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> Result<SoftmaxPlan, SoftmaxError> {
-    let rank = shape.len();
-    if dim >= rank {
-        return Err(SoftmaxError::InvalidDim { dim, rank });
-    }
-    check_dtype(client, dtype)?;
-    let facts = DeviceFacts::new(client, dtype.size(), &options)?;
+    check_dim(dim, shape.len())?;
     let perm = row_major_permutation(strides[0], dim);
     let permuted: Vec<Permuted> = strides
         .iter()
         .map(|s| Permuted::new(shape, s, &perm))
         .collect();
     let layouts: Vec<Layout<'_>> = permuted.iter().map(Permuted::layout).collect();
-    plan::plan(&facts, &layouts, dtype.size(), variant, &options)
+    plan_layouts(client, &layouts, dtype, variant, options)
 }
 
 /// Longest rows each register tier takes on this device for this element type (the same for
@@ -281,21 +310,12 @@ pub fn launch_softmax<R: Runtime>(
     options: SoftmaxOptions,
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
     check_same_shape("output", input.shape, &output)?;
-    let plan = plan_softmax(
-        client,
-        input.shape,
-        &[input.strides, output.strides],
-        dim,
-        dtype,
-        variant,
-        options,
-    )?;
+    check_dim(dim, input.shape.len())?;
+    let [x, y] = permute_all(input.shape, [input.strides, output.strides], dim);
+    let plan = plan_layouts(client, &[x.layout(), y.layout()], dtype, variant, options)?;
     if input.shape.contains(&0) {
         return Ok(None);
     }
-    let perm = row_major_permutation(input.strides, dim);
-    let x = Permuted::new(input.shape, input.strides, &perm);
-    let y = Permuted::new(output.shape, output.strides, &perm);
     let neg_inf = f32::NEG_INFINITY;
     let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
     let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
@@ -378,22 +398,13 @@ pub fn launch_softmax_backward<R: Runtime>(
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
     check_same_shape("grad", y.shape, &dy)?;
     check_same_shape("output", y.shape, &dx)?;
-    let plan = plan_softmax(
-        client,
-        y.shape,
-        &[y.strides, dy.strides, dx.strides],
-        dim,
-        dtype,
-        variant,
-        options,
-    )?;
+    check_dim(dim, y.shape.len())?;
+    let [py, pdy, pdx] = permute_all(y.shape, [y.strides, dy.strides, dx.strides], dim);
+    let layouts = [py.layout(), pdy.layout(), pdx.layout()];
+    let plan = plan_layouts(client, &layouts, dtype, variant, options)?;
     if y.shape.contains(&0) {
         return Ok(None);
     }
-    let perm = row_major_permutation(y.strides, dim);
-    let py = Permuted::new(y.shape, y.strides, &perm);
-    let pdy = Permuted::new(dy.shape, dy.strides, &perm);
-    let pdx = Permuted::new(dx.shape, dx.strides, &perm);
     let (count, cube_dim, v) = (plan.cube_count.clone(), plan.cube_dim, plan.vector_size);
     let (rows, chunks, cfg) = (plan.num_rows, plan.num_chunks, plan.config);
     // SAFETY: as in `launch_softmax`.

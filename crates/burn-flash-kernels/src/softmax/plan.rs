@@ -55,13 +55,15 @@ pub struct SoftmaxPlan {
     pub cube_count: CubeCount,
 }
 
-/// Device facts the heuristic needs.
+/// Device facts the heuristic needs (read from the client's properties, a field access: no
+/// cache needed).
 #[derive(Debug, Clone)]
 pub(crate) struct DeviceFacts {
     plane_size: Option<u32>,
     max_units: u32,
     max_cube_count: (u32, u32, u32),
-    vector_sizes: Vec<usize>,
+    /// Largest of `io_optimized_vector_sizes`, which are it and its halvings down to 1.
+    max_vector_size: usize,
 }
 
 impl DeviceFacts {
@@ -89,7 +91,10 @@ impl DeviceFacts {
             plane_size: use_planes.then_some(hw.plane_size_max),
             max_units: hw.max_units_per_cube.min(MAX_UNITS_PER_CUBE),
             max_cube_count: hw.max_cube_count,
-            vector_sizes: client.io_optimized_vector_sizes(elem_size).collect(),
+            max_vector_size: client
+                .io_optimized_vector_sizes(elem_size)
+                .next()
+                .unwrap_or(1),
         })
     }
 
@@ -128,11 +133,11 @@ pub(crate) fn plan(
     let num_rows: usize = shape[..rank - 1].iter().product();
     let contiguous_rows = row_len == 1 || layouts.iter().all(|l| l.strides[rank - 1] == 1);
 
+    // `io_optimized_vector_sizes`: the largest, then its halvings down to 1.
+    let mut vector_sizes =
+        core::iter::successors(Some(facts.max_vector_size), |&v| (v > 1).then_some(v / 2));
     let vector_size = if contiguous_rows {
-        facts
-            .vector_sizes
-            .iter()
-            .copied()
+        vector_sizes
             .find(|&v| {
                 row_len.is_multiple_of(v)
                     && layouts.iter().all(|l| {
