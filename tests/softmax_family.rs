@@ -497,45 +497,9 @@ fn check_backward<B: FlashBackend, const D: usize>(
     let xv = read(x);
     let dy = read(w);
     let y_ref = softmax_ref(&xv, &logical, dim, variant);
-    let want = softmax_backward_ref(&y_ref, &dy, &logical, dim, variant);
-    let scale = backward_terms(&y_ref, &dy, &logical, dim, variant);
+    let (want, scale) = softmax_backward_ref(&y_ref, &dy, &logical, dim, variant);
     let ctx = format!("{context} backward {variant:?} shape {logical:?} dim {dim} {dtype:?}");
     assert_rows_close(&dx, &want, &scale, &logical, dim, grad_rel(dtype), &ctx);
-}
-
-/// Per element, the size of the terms of the backward before they cancel: `y·(|dy| + |Σ dy⊙y|)`
-/// (softmax, quiet softmax), `|dy| + e^y·|Σ dy|` (log-softmax). Rounding `y` or the row sum
-/// moves `dx` by a fraction of these, however small `dx` itself is.
-fn backward_terms(
-    y: &[f64],
-    dy: &[f64],
-    shape: &[usize],
-    dim: usize,
-    variant: SoftmaxVariant,
-) -> Vec<f64> {
-    let n = shape[dim];
-    let inner: usize = shape[dim + 1..].iter().product();
-    let outer: usize = shape[..dim].iter().product();
-    let mut terms = vec![0.0; y.len()];
-    for o in 0..outer {
-        for i in 0..inner {
-            let idx = |j: usize| (o * n + j) * inner + i;
-            let s: f64 = (0..n)
-                .map(|j| match variant {
-                    SoftmaxVariant::LogSoftmax => dy[idx(j)],
-                    _ => dy[idx(j)] * y[idx(j)],
-                })
-                .sum();
-            for j in 0..n {
-                let (yj, dyj) = (y[idx(j)], dy[idx(j)]);
-                terms[idx(j)] = match variant {
-                    SoftmaxVariant::LogSoftmax => dyj.abs() + yj.exp() * s.abs(),
-                    _ => yj * (dyj.abs() + s.abs()),
-                };
-            }
-        }
-    }
-    terms
 }
 
 fn gradients_every_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {

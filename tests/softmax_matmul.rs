@@ -149,12 +149,16 @@ fn check_forward<B: FlashBackend, const D: usize, const DV: usize>(
             v.reshape(v_as_rank::<D, DV>(dims))
         });
         let naive = read(naive);
-        let (e_fused, e_naive) = (max_err(&got, &want), max_err(&naive, &want));
-        let floor = eps(dtype) * max_abs(&want);
-        assert!(
-            e_fused <= 2.0 * e_naive + floor,
-            "{ctx}: fused error {e_fused:e} > 2 × naive error {e_naive:e} + {floor:e}"
-        );
+        // In f16/bf16 both errors are dominated by the storage rounding and one rounding of the
+        // largest output is floor enough. In f32 both are accumulation errors of a few ulps, and
+        // the fused kernel adds one rounding of `O` and `l` per online step that rescales (up to
+        // one per 16 columns): the floor allows that many ulps (CI saw 27 ulps against a naive 13
+        // at d2 = 4099 on lavapipe).
+        let floor_ulps = match dtype {
+            FloatDType::F32 => (p.d2 as f64 / 16.0).max(2.0),
+            _ => 1.0,
+        };
+        assert_within_naive(&got, &naive, &want, dtype, floor_ulps, &ctx);
     }
 }
 

@@ -191,18 +191,22 @@ pub fn softmax_row_ref(row: &[f64], variant: SoftmaxVariant) -> Vec<f64> {
         .collect()
 }
 
-/// f64 reference of the backward along `dim` from `y` and `dy` (row-major).
+/// f64 reference of the backward along `dim` from `y` and `dy` (row-major): `dx`, and per
+/// element the size of the terms `dx` is made of before they cancel, `y·(|dy| + |Σ dy⊙y|)`
+/// (softmax, quiet softmax) or `|dy| + e^y·|Σ dy|` (log-softmax). Rounding `y` or the row sum
+/// moves `dx` by a fraction of these, however small `dx` itself is.
 pub fn softmax_backward_ref(
     y: &[f64],
     dy: &[f64],
     shape: &[usize],
     dim: usize,
     variant: SoftmaxVariant,
-) -> Vec<f64> {
+) -> (Vec<f64>, Vec<f64>) {
     let n = shape[dim];
     let inner: usize = shape[dim + 1..].iter().product();
     let outer: usize = shape[..dim].iter().product();
     let mut dx = vec![0.0; y.len()];
+    let mut terms = vec![0.0; y.len()];
     for o in 0..outer {
         for i in 0..inner {
             let idx = |j: usize| (o * n + j) * inner + i;
@@ -213,14 +217,17 @@ pub fn softmax_backward_ref(
                 })
                 .sum();
             for j in 0..n {
-                dx[idx(j)] = match variant {
-                    SoftmaxVariant::LogSoftmax => dy[idx(j)] - y[idx(j)].exp() * s,
-                    _ => y[idx(j)] * (dy[idx(j)] - s),
+                let (yj, dyj) = (y[idx(j)], dy[idx(j)]);
+                (dx[idx(j)], terms[idx(j)]) = match variant {
+                    SoftmaxVariant::LogSoftmax => {
+                        (dyj - yj.exp() * s, dyj.abs() + yj.exp() * s.abs())
+                    }
+                    _ => (yj * (dyj - s), yj * (dyj.abs() + s.abs())),
                 };
             }
         }
     }
-    dx
+    (dx, terms)
 }
 
 /// Asserts `got ≈ want` element-wise: NaN where and only where the reference is NaN, exact
