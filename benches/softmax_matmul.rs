@@ -885,9 +885,11 @@ fn main() {
         // would slow this one's timings down).
         let args = std::env::args().skip(1).filter(|a| a != "--bench");
         let exe = std::env::current_exe().expect("own path");
+        // Its own timings (one pass each) are not worth printing.
         match std::process::Command::new(exe)
             .args(args)
             .arg("--memory-only")
+            .stdout(std::process::Stdio::null())
             .status()
         {
             Ok(status) if status.success() => {}
