@@ -20,10 +20,12 @@
 //! The ops live on [`FlashBackend`], implemented for CubeCL backends (fused kernels), `Fusion`,
 //! `Autodiff`, and NdArray (stock-ops fallback).
 
+pub mod attention;
 mod backend;
 pub mod softmax;
 pub mod softmax_matmul;
 
+pub use attention::attention;
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};

@@ -1,0 +1,457 @@
+//! The attention suite: test bodies generic over the backend, instantiated per backend and dtype
+//! at the bottom. Each case compares `burn_flash::attention` with an f64 reference of the values
+//! on the device, and with Burn's `attention_fallback` in the same dtype by FlashAttention's
+//! rule (at most 2× its error, plus a floor).
+
+mod common;
+
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
+use burn_flash::{FlashBackend, attention};
+use common::*;
+
+/// Row-major f64 copies of one call's inputs, and the reference output.
+struct Case {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    q_dims: [usize; 4],
+    k_dims: [usize; 4],
+    dv: usize,
+    mask: Option<(Vec<bool>, [usize; 4])>,
+    bias: Option<(Vec<f64>, [usize; 4])>,
+    options: AttentionModuleOptions,
+}
+
+/// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
+fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
+    let pick = |x: usize, d: usize| if dims[d] == 1 { 0 } else { x };
+    ((pick(b, 0) * dims[1] + pick(h, 1)) * dims[2] + pick(i, 2)) * dims[3] + pick(j, 3)
+}
+
+impl Case {
+    /// f64 reference: scale → softcap → mask → causal → + bias → softmax (zeros for a row
+    /// without a finite score) → ·V; query head `h` reads key/value head `h / (Hq / Hkv)`.
+    fn reference(&self) -> Vec<f64> {
+        let [nb, hq, sq, d] = self.q_dims;
+        let [_, hkv, sk, _] = self.k_dims;
+        let dv = self.dv;
+        let scale = self.options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let mut out = vec![0.0; nb * hq * sq * dv];
+        for b in 0..nb {
+            for h in 0..hq {
+                let kh = h / (hq / hkv);
+                for i in 0..sq {
+                    let mut s: Vec<f64> = (0..sk)
+                        .map(|j| {
+                            let dot: f64 = (0..d)
+                                .map(|c| {
+                                    self.q[at(self.q_dims, [b, h, i, c])]
+                                        * self.k[at(self.k_dims, [b, kh, j, c])]
+                                })
+                                .sum();
+                            let mut x = dot * scale;
+                            if let Some(cap) = self.options.softcap {
+                                x = cap * (x / cap).tanh();
+                            }
+                            if let Some((m, md)) = &self.mask
+                                && m[at(*md, [b, h, i, j])]
+                            {
+                                x = f64::NEG_INFINITY;
+                            }
+                            if self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64
+                            {
+                                x = f64::NEG_INFINITY;
+                            }
+                            if let Some((bias, bd)) = &self.bias {
+                                x += bias[at(*bd, [b, h, i, j])];
+                            }
+                            x
+                        })
+                        .collect();
+                    let m = s.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
+                    if m == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    s.iter_mut().for_each(|x| *x = (*x - m).exp());
+                    let l: f64 = s.iter().sum();
+                    let v_dims = [nb, hkv, sk, dv];
+                    for c in 0..dv {
+                        let o: f64 = (0..sk)
+                            .map(|j| s[j] * self.v[at(v_dims, [b, kh, j, c])])
+                            .sum();
+                        out[at([nb, hq, sq, dv], [b, h, i, c])] = o / l;
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// One call: inputs as given (any strides), an optional mask and bias; compares with the f64
+/// reference and with Burn's fallback in the same dtype (keys and values repeated per query
+/// head for it, masks and biases expanded).
+#[allow(clippy::too_many_arguments)]
+fn check<B: FlashBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    options: AttentionModuleOptions,
+    dtype: FloatDType,
+    context: &str,
+) {
+    let device = q.device();
+    let case = Case {
+        q: read(q.clone()),
+        k: read(k.clone()),
+        v: read(v.clone()),
+        q_dims: q.dims(),
+        k_dims: k.dims(),
+        dv: v.dims()[3],
+        mask: mask.clone().map(|m| {
+            let dims = m.dims();
+            let values = read(m.int().float());
+            (values.into_iter().map(|x| x != 0.0).collect(), dims)
+        }),
+        bias: bias.clone().map(|b| (read(b.clone()), b.dims())),
+        options,
+    };
+    let [nb, hq, sq, _] = case.q_dims;
+    let [_, hkv, sk, d] = case.k_dims;
+    let out_dims = [nb, hq, sq, case.dv];
+    poison::<B, 4>(out_dims, dtype, &device);
+    let out = attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        mask.clone(),
+        bias.clone(),
+        options,
+    );
+    assert_eq!(out.dims(), out_dims, "{context}: output shape");
+    sync::<B>(&device);
+    let got = read(out);
+    let want = case.reference();
+    let ctx = format!(
+        "{context}: q {:?} k {:?} {dtype:?} {options:?}",
+        case.q_dims, case.k_dims
+    );
+
+    // Burn's fallback: no grouped heads and no broadcasting, so repeat and expand first.
+    let g = hq / hkv;
+    let repeat = |t: Tensor<B, 4>, last: usize| {
+        t.reshape([nb, hkv, 1, sk * last])
+            .expand([nb, hkv, g, sk * last])
+            .reshape([nb, hq, sk, last])
+    };
+    let full = [nb, hq, sq, sk];
+    let naive = module::attention_fallback(
+        q,
+        repeat(k, d),
+        repeat(v, case.dv),
+        mask.map(|m| m.expand(full)),
+        bias.map(|b| b.expand(full)),
+        options,
+    );
+    let naive = read(naive);
+    sync::<B>(&device);
+    // Softmax·V in f32 over Sk terms, scores rounded to the dtype: a few ulps of the largest
+    // output in f32, one rounding in f16/bf16 (where the naive error is dominated by storage).
+    let floor = match dtype {
+        FloatDType::F32 => (sk as f64 / 16.0).max(4.0),
+        _ => 1.0,
+    };
+    assert_within_naive(&got, &naive, &want, dtype, floor, &ctx);
+}
+
+fn rand4<B: FlashBackend>(
+    dims: [usize; 4],
+    scale: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    random::<B, 4>(dims, -scale, scale, dtype, device)
+}
+
+fn bool_mask<B: FlashBackend>(
+    dims: [usize; 4],
+    device: &B::Device,
+    f: impl Fn([usize; 4]) -> bool,
+) -> Tensor<B, 4, Bool> {
+    let mut values = Vec::with_capacity(dims.iter().product());
+    for b in 0..dims[0] {
+        for h in 0..dims[1] {
+            for i in 0..dims[2] {
+                for j in 0..dims[3] {
+                    values.push(f([b, h, i, j]));
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+/// Odd sizes, `Sq ≠ Sk`, `Dv ≠ D`, head dims 32…128, custom scale and softcap.
+fn shapes_and_options<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let plain = AttentionModuleOptions::default();
+    for (sq, sk, d, dv) in [
+        (1, 17, 32, 32),
+        (17, 97, 64, 48),
+        (97, 17, 80, 96),
+        (33, 128, 128, 64),
+    ] {
+        let q = rand4::<B>([2, 3, sq, d], 1.0, dtype, device);
+        let k = rand4::<B>([2, 3, sk, d], 1.0, dtype, device);
+        let v = rand4::<B>([2, 3, sk, dv], 1.0, dtype, device);
+        check(
+            q,
+            k,
+            v,
+            None,
+            None,
+            plain,
+            dtype,
+            &format!("Sq {sq} Sk {sk} D {d} Dv {dv}"),
+        );
+    }
+    let options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(5.0),
+        is_causal: false,
+    };
+    let q = rand4::<B>([1, 2, 19, 64], 3.0, dtype, device);
+    let k = rand4::<B>([1, 2, 40, 64], 3.0, dtype, device);
+    let v = rand4::<B>([1, 2, 40, 32], 1.0, dtype, device);
+    check(q, k, v, None, None, options, dtype, "scale and softcap");
+}
+
+/// Causal masks, bottom-right aligned: `Sq < Sk` (every row sees keys), `Sq > Sk` (the first
+/// `Sq − Sk` rows see nothing: zeros).
+fn causal<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let options = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    for (sq, sk) in [(17, 17), (9, 40), (40, 9)] {
+        let q = rand4::<B>([2, 2, sq, 32], 1.0, dtype, device);
+        let k = rand4::<B>([2, 2, sk, 32], 1.0, dtype, device);
+        let v = rand4::<B>([2, 2, sk, 32], 1.0, dtype, device);
+        check(
+            q,
+            k,
+            v,
+            None,
+            None,
+            options,
+            dtype,
+            &format!("causal Sq {sq} Sk {sk}"),
+        );
+    }
+}
+
+/// Grouped-query heads (8:1 = multi-query, 4:1, 4:2) with a causal mask.
+fn grouped_query_heads<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for (hq, hkv, causal) in [(8, 1, false), (4, 1, true), (4, 2, false)] {
+        let options = AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        };
+        let q = rand4::<B>([2, hq, 13, 32], 1.0, dtype, device);
+        let k = rand4::<B>([2, hkv, 21, 32], 1.0, dtype, device);
+        let v = rand4::<B>([2, hkv, 21, 40], 1.0, dtype, device);
+        check(
+            q,
+            k,
+            v,
+            None,
+            None,
+            options,
+            dtype,
+            &format!("GQA {hq}:{hkv}"),
+        );
+    }
+}
+
+/// Padding masks `[B, 1, 1, Sk]`, full masks, ALiBi-like and random biases, all combined with
+/// softcap and causal; fully masked rows give zeros.
+fn masks_and_biases<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, hq, sq, sk) = (2, 4, 11, 23);
+    let q = rand4::<B>([nb, hq, sq, 32], 1.0, dtype, device);
+    let k = rand4::<B>([nb, 2, sk, 32], 1.0, dtype, device);
+    let v = rand4::<B>([nb, 2, sk, 16], 1.0, dtype, device);
+    let plain = AttentionModuleOptions::default();
+    // Batch b pads its last 5·b + 3 keys.
+    let padding = bool_mask::<B>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 5 * b + 3 >= sk);
+    let args = (q.clone(), k.clone(), v.clone());
+    check(
+        args.0,
+        args.1,
+        args.2,
+        Some(padding.clone()),
+        None,
+        plain,
+        dtype,
+        "padding mask",
+    );
+    // Full mask with two fully masked rows per head.
+    let full = bool_mask::<B>([nb, hq, sq, sk], device, |[b, h, i, j]| {
+        i == 3 || i == sq - 1 || (b + h + i + j) % 3 == 0
+    });
+    let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
+    check(q2, k2, v2, Some(full), None, plain, dtype, "full mask");
+    // ALiBi-like: slope per head times the distance.
+    let alibi: Vec<f32> = (0..hq * sq * sk)
+        .map(|n| {
+            let (h, i, j) = (n / (sq * sk), (n / sk) % sq, n % sk);
+            -0.25 * (h + 1) as f32 * (i as f32 - j as f32).abs()
+        })
+        .collect();
+    let alibi = tensor::<B, 4>(alibi, [1, hq, sq, sk], dtype, device);
+    let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
+    check(q2, k2, v2, None, Some(alibi), plain, dtype, "ALiBi bias");
+    let bias = rand4::<B>([nb, 1, sq, sk], 2.0, dtype, device);
+    let options = AttentionModuleOptions {
+        scale: Some(0.2),
+        softcap: Some(4.0),
+        is_causal: true,
+    };
+    check(
+        q,
+        k,
+        v,
+        Some(padding),
+        Some(bias),
+        options,
+        dtype,
+        "everything combined",
+    );
+}
+
+/// Logits of ±50 and inputs read in place from `[B, S, H, D]` layouts.
+fn large_logits_and_strided_inputs<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let options = AttentionModuleOptions {
+        scale: Some(1.0),
+        ..Default::default()
+    };
+    // q·k up to ±50 with D = 32 and entries up to 1.25.
+    let q = rand4::<B>([1, 2, 15, 32], 1.25, dtype, device);
+    let k = rand4::<B>([1, 2, 30, 32], 1.25, dtype, device);
+    let v = rand4::<B>([1, 2, 30, 32], 1.0, dtype, device);
+    check(q, k, v, None, None, options, dtype, "±50 logits");
+    let q = rand4::<B>([2, 19, 4, 64], 1.0, dtype, device).swap_dims(1, 2);
+    let k = rand4::<B>([2, 27, 2, 64], 1.0, dtype, device).swap_dims(1, 2);
+    let v = rand4::<B>([2, 27, 2, 48], 1.0, dtype, device).swap_dims(1, 2);
+    let plain = AttentionModuleOptions::default();
+    check(q, k, v, None, None, plain, dtype, "[B, S, H, D] inputs");
+}
+
+/// Bad input panics before anything runs, naming the argument.
+fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let plain = AttentionModuleOptions::default();
+    let q = rand4::<B>([2, 4, 8, 32], 1.0, dtype, device);
+    let k = rand4::<B>([2, 2, 8, 32], 1.0, dtype, device);
+    let v = rand4::<B>([2, 2, 8, 16], 1.0, dtype, device);
+    let refused = |q: Tensor<B, 4>,
+                   k: Tensor<B, 4>,
+                   v: Tensor<B, 4>,
+                   mask: Option<Tensor<B, 4, Bool>>,
+                   bias: Option<Tensor<B, 4>>,
+                   options: AttentionModuleOptions| {
+        panic_message(|| {
+            attention(q, k, v, mask, bias, options);
+        })
+    };
+    let msg = refused(
+        q.clone(),
+        rand4::<B>([2, 2, 8, 48], 1.0, dtype, device),
+        v.clone(),
+        None,
+        None,
+        plain,
+    );
+    assert!(
+        msg.contains("`key` has head dim 48, `query` has 32"),
+        "{msg}"
+    );
+    let msg = refused(
+        q.clone(),
+        rand4::<B>([2, 3, 8, 32], 1.0, dtype, device),
+        rand4::<B>([2, 3, 8, 16], 1.0, dtype, device),
+        None,
+        None,
+        plain,
+    );
+    assert!(
+        msg.contains("`query` has 4 heads, not a multiple of the 3 heads"),
+        "{msg}"
+    );
+    let msg = refused(
+        q.clone(),
+        k.clone(),
+        rand4::<B>([2, 2, 9, 16], 1.0, dtype, device),
+        None,
+        None,
+        plain,
+    );
+    assert!(
+        msg.contains("`value` [2, 2, 9, 16] must have the batch, heads and positions"),
+        "{msg}"
+    );
+    let mask = bool_mask::<B>([2, 4, 8, 7], device, |_| false);
+    let msg = refused(q.clone(), k.clone(), v.clone(), Some(mask), None, plain);
+    assert!(msg.contains("`mask` has shape [2, 4, 8, 7]"), "{msg}");
+    let bias = rand4::<B>([3, 1, 1, 8], 1.0, dtype, device);
+    let msg = refused(q.clone(), k.clone(), v.clone(), None, Some(bias), plain);
+    assert!(msg.contains("`attn_bias` has shape [3, 1, 1, 8]"), "{msg}");
+    let capped = AttentionModuleOptions {
+        softcap: Some(0.0),
+        ..Default::default()
+    };
+    let msg = refused(q.clone(), k.clone(), v.clone(), None, None, capped);
+    assert!(msg.contains("`softcap` must be positive"), "{msg}");
+    sync::<B>(device);
+}
+
+macro_rules! attention_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!(
+            $module,
+            $backend,
+            $dtype,
+            [
+                shapes_and_options,
+                causal,
+                grouped_query_heads,
+                masks_and_biases,
+                large_logits_and_strided_inputs,
+                bad_input_is_refused,
+            ]
+        );
+    };
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    type W = burn::backend::Wgpu;
+    attention_suite!(f32, W, FloatDType::F32);
+    attention_suite!(f16, W, FloatDType::F16);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    type C = burn::backend::Cuda;
+    attention_suite!(f32, C, FloatDType::F32);
+    attention_suite!(f16, C, FloatDType::F16);
+    attention_suite!(bf16, C, FloatDType::BF16);
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    type N = burn::backend::NdArray;
+    attention_suite!(f32, N, FloatDType::F32);
+}
