@@ -13,7 +13,7 @@
 //!
 //! **What runs today.** The scores are composed from stock Burn ops (one batched matmul per
 //! key/value head group, the softcap, masks and bias as element-wise ops), and `softmax(S)·V`
-//! is burn-flash's fused [`softmax_matmul`](crate::softmax_matmul) (the probabilities are never
+//! is burn-flash's fused [`softmax_matmul`](fn@crate::softmax_matmul) (the probabilities are never
 //! written; fully masked rows give zeros; fused backward under `Autodiff`). So memory is one
 //! `B·Hq·Sq·Sk` score tensor, not the `O(B·H·Sq)` of a flash kernel: the fused attention
 //! kernels that never write the scores are not in this release yet.
