@@ -1,8 +1,8 @@
 //! # burn-flash
 //!
-//! Fused softmax-family kernels (and, later, flash attention) for [Burn](https://burn.dev),
-//! written once as CubeCL kernels and run on both the CUDA and wgpu runtimes, forward and
-//! backward.
+//! Fused softmax-family kernels, `softmax(X)·V` and attention (flash kernels to come) for
+//! [Burn](https://burn.dev), written once as CubeCL kernels and run on both the CUDA and wgpu
+//! runtimes, forward and backward.
 //!
 //! ```no_run
 //! use burn::backend::{Autodiff, Wgpu};
