@@ -347,6 +347,75 @@ fn large_logits_and_strided_inputs<B: FlashBackend>(device: &B::Device, dtype: F
     check(q, k, v, None, None, plain, dtype, "[B, S, H, D] inputs");
 }
 
+/// Gradients of every input through `Autodiff` (the composition's backward, with the fused
+/// `softmax(S)·V` backward in it) against Burn's autodiff of its own fallback in the same dtype,
+/// GQA 4:2 with everything on: within `64·ε` of each gradient's largest value in f32 (both are
+/// f32 sums of a few hundred terms), `8ε` in f16.
+fn gradients_match_burns_fallback<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    type A<B> = burn::backend::Autodiff<B>;
+    let (nb, hq, hkv, sq, sk, d, dv) = (2, 4, 2, 9, 21, 32, 16);
+    let options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(6.0),
+        is_causal: true,
+    };
+    let q = rand4::<A<B>>([nb, hq, sq, d], 1.0, dtype, device).require_grad();
+    let k = rand4::<A<B>>([nb, hkv, sk, d], 1.0, dtype, device).require_grad();
+    let v = rand4::<A<B>>([nb, hkv, sk, dv], 1.0, dtype, device).require_grad();
+    let bias = rand4::<A<B>>([1, hq, sq, sk], 1.0, dtype, device).require_grad();
+    let mask = bool_mask::<A<B>>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 4 * b + 2 >= sk);
+    let w = rand4::<A<B>>([nb, hq, sq, dv], 1.0, dtype, device);
+    let inputs = [&q, &k, &v, &bias];
+
+    let out = attention(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        Some(mask.clone()),
+        Some(bias.clone()),
+        options,
+    );
+    let grads = (out * w.clone()).sum().backward();
+    let got: Vec<Vec<f64>> = inputs
+        .iter()
+        .map(|t| read(t.grad(&grads).expect("grad")))
+        .collect();
+
+    let g = hq / hkv;
+    let repeat = |t: Tensor<A<B>, 4>, last: usize| {
+        t.reshape([nb, hkv, 1, sk * last])
+            .expand([nb, hkv, g, sk * last])
+            .reshape([nb, hq, sk, last])
+    };
+    let full = [nb, hq, sq, sk];
+    let naive = module::attention_fallback(
+        q.clone(),
+        repeat(k.clone(), d),
+        repeat(v.clone(), dv),
+        Some(mask.expand(full)),
+        Some(bias.clone().expand(full)),
+        options,
+    );
+    let grads = (naive * w).sum().backward();
+    let want: Vec<Vec<f64>> = inputs
+        .iter()
+        .map(|t| read(t.grad(&grads).expect("grad")))
+        .collect();
+    sync::<B>(device);
+    let rel = match dtype {
+        FloatDType::F32 => 64.0 * eps(dtype),
+        _ => 8.0 * eps(dtype),
+    };
+    for ((name, got), want) in ["dq", "dk", "dv", "dbias"].iter().zip(&got).zip(&want) {
+        let scale = max_abs(want);
+        let err = max_err(got, want);
+        assert!(
+            err <= rel * scale,
+            "{name} {dtype:?}: error {err:e} against Burn's fallback > {rel:e} × max |grad| {scale:e}"
+        );
+    }
+}
+
 /// Bad input panics before anything runs, naming the argument.
 fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let plain = AttentionModuleOptions::default();
@@ -426,6 +495,7 @@ macro_rules! attention_suite {
                 grouped_query_heads,
                 masks_and_biases,
                 large_logits_and_strided_inputs,
+                gradients_match_burns_fallback,
                 bad_input_is_refused,
             ]
         );
