@@ -88,6 +88,36 @@ impl Case {
     }
 }
 
+/// Burn's `attention_fallback` on the same inputs: it has no grouped heads and no broadcasting,
+/// so keys and values are repeated per query head and masks and biases expanded first.
+fn burn_fallback<B: burn::tensor::backend::Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    options: AttentionModuleOptions,
+) -> Tensor<B, 4> {
+    let [nb, hq, sq, _] = q.dims();
+    let [_, hkv, sk, _] = k.dims();
+    let g = hq / hkv;
+    let repeat = |t: Tensor<B, 4>| {
+        let last = t.dims()[3];
+        t.reshape([nb, hkv, 1, sk * last])
+            .expand([nb, hkv, g, sk * last])
+            .reshape([nb, hq, sk, last])
+    };
+    let full = [nb, hq, sq, sk];
+    module::attention_fallback(
+        q,
+        repeat(k),
+        repeat(v),
+        mask.map(|m| m.expand(full)),
+        bias.map(|b| b.expand(full)),
+        options,
+    )
+}
+
 /// One call: inputs as given (any strides), an optional mask and bias; compares with the f64
 /// reference and with Burn's fallback in the same dtype (keys and values repeated per query
 /// head for it, masks and biases expanded).
@@ -119,7 +149,7 @@ fn check<B: FlashBackend>(
         options,
     };
     let [nb, hq, sq, _] = case.q_dims;
-    let [_, hkv, sk, d] = case.k_dims;
+    let sk = case.k_dims[2];
     let out_dims = [nb, hq, sq, case.dv];
     poison::<B, 4>(out_dims, dtype, &device);
     let out = attention(
@@ -139,22 +169,7 @@ fn check<B: FlashBackend>(
         case.q_dims, case.k_dims
     );
 
-    // Burn's fallback: no grouped heads and no broadcasting, so repeat and expand first.
-    let g = hq / hkv;
-    let repeat = |t: Tensor<B, 4>, last: usize| {
-        t.reshape([nb, hkv, 1, sk * last])
-            .expand([nb, hkv, g, sk * last])
-            .reshape([nb, hq, sk, last])
-    };
-    let full = [nb, hq, sq, sk];
-    let naive = module::attention_fallback(
-        q,
-        repeat(k, d),
-        repeat(v, case.dv),
-        mask.map(|m| m.expand(full)),
-        bias.map(|b| b.expand(full)),
-        options,
-    );
+    let naive = burn_fallback(q, k, v, mask, bias, options);
     let naive = read(naive);
     sync::<B>(&device);
     // Softmax·V in f32 over Sk terms, scores rounded to the dtype: a few ulps of the largest
@@ -382,19 +397,12 @@ fn gradients_match_burns_fallback<B: FlashBackend>(device: &B::Device, dtype: Fl
         .map(|t| read(t.grad(&grads).expect("grad")))
         .collect();
 
-    let g = hq / hkv;
-    let repeat = |t: Tensor<A<B>, 4>, last: usize| {
-        t.reshape([nb, hkv, 1, sk * last])
-            .expand([nb, hkv, g, sk * last])
-            .reshape([nb, hq, sk, last])
-    };
-    let full = [nb, hq, sq, sk];
-    let naive = module::attention_fallback(
+    let naive = burn_fallback(
         q.clone(),
-        repeat(k.clone(), d),
-        repeat(v.clone(), dv),
-        Some(mask.expand(full)),
-        Some(bias.clone().expand(full)),
+        k.clone(),
+        v.clone(),
+        Some(mask),
+        Some(bias.clone()),
         options,
     );
     let grads = (naive * w).sum().backward();

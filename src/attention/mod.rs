@@ -112,7 +112,7 @@ pub fn attention<B: FlashBackend>(
         scores = scores.mask_fill(mask.expand(full), f32::NEG_INFINITY);
     }
     if options.is_causal {
-        let causal = causal_mask::<B>(seq_q, seq_k, &dims, &scores.device());
+        let causal = causal_mask::<B>(&dims, &scores.device());
         scores = scores.mask_fill(causal, f32::NEG_INFINITY);
     }
     if let Some(bias) = attn_bias {
@@ -124,12 +124,8 @@ pub fn attention<B: FlashBackend>(
 
 /// `true` where key `j` is after query `i` in the bottom-right aligned causal order
 /// (`j > i + Sk − Sq`), expanded to `[B, Hq, Sq, Sk]`.
-fn causal_mask<B: Backend>(
-    seq_q: usize,
-    seq_k: usize,
-    dims: &AttentionDims,
-    device: &B::Device,
-) -> Tensor<B, 4, Bool> {
+fn causal_mask<B: Backend>(dims: &AttentionDims, device: &B::Device) -> Tensor<B, 4, Bool> {
+    let (seq_q, seq_k) = (dims.seq_q, dims.seq_k);
     let offset = seq_k as i64 - seq_q as i64;
     let rows = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
         .add_scalar(offset)
