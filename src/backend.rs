@@ -1,15 +1,23 @@
-//! The backend extension: the ops burn-flash adds to a Burn backend.
+//! The backend extension: the ops burn-flash adds to a Burn backend, one trait per op
+//! ([`SoftmaxBackend`], [`SoftmaxMatmulBackend`], [`AttentionBackend`]); [`FlashBackend`] is
+//! all three.
 //!
-//! [`FlashBackend`] is implemented for
+//! Each trait is implemented for
 //! - `CubeBackend<R, F, I, BT>` for every CubeCL runtime (one impl serves CUDA and wgpu): our
 //!   kernels;
 //! - `Fusion<B>`: an opaque custom operation that runs `B`'s kernels;
 //! - `Autodiff<B, C>`: forward through `B`, gradients through `B`'s backward op;
 //! - NdArray (feature `ndarray`): the trait's default bodies, composed from stock Burn ops.
 //!
-//! Any other backend gets the composed fallback with an empty `impl FlashBackend for … {}`.
+//! Any other backend gets the composed fallbacks with three empty impls
+//! (`impl SoftmaxBackend for … {}` …).
 
-use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn::tensor::{
+    DType,
+    backend::Backend,
+    ops::{BoolTensor, FloatTensor},
+};
+use burn_flash_kernels::attention::{AttentionDims, AttentionError, AttentionPlan};
 use burn_flash_kernels::softmax::{
     RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
 };
@@ -18,14 +26,19 @@ use burn_flash_kernels::softmax_matmul::{
     SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
 
+use crate::attention::{self, FlashAttentionOptions};
 use crate::{softmax, softmax_matmul};
 
-/// A Burn backend with burn-flash's fused operations.
+/// A Burn backend with all of burn-flash's fused operations.
+pub trait FlashBackend: SoftmaxBackend + SoftmaxMatmulBackend + AttentionBackend {}
+
+impl<B: SoftmaxBackend + SoftmaxMatmulBackend + AttentionBackend> FlashBackend for B {}
+
+/// The fused softmax family ([`crate::softmax()`] …).
 ///
 /// The provided method bodies are the always-correct fallback made of stock Burn ops; the
-/// CubeCL backends override them with fused kernels. Users call the free functions
-/// ([`crate::softmax()`] …), not these.
-pub trait FlashBackend: Backend {
+/// CubeCL backends override them with fused kernels. Users call the free functions, not these.
+pub trait SoftmaxBackend: Backend {
     /// Softmax family along `dim` of a float tensor of any rank.
     fn flash_softmax(
         x: FloatTensor<Self>,
@@ -74,7 +87,11 @@ pub trait FlashBackend: Backend {
         let _ = (device, dtype, options);
         None
     }
+}
 
+/// The fused `softmax(X)·V` ([`crate::softmax_matmul()`]); provided bodies as
+/// [`SoftmaxBackend`]'s.
+pub trait SoftmaxMatmulBackend: Backend {
     /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
     /// `[batch or 1, d2, d3]`; the log-sum-exp (`[batch, d1]`) is what the backward needs.
     fn flash_softmax_matmul(
@@ -111,8 +128,38 @@ pub trait FlashBackend: Backend {
     }
 }
 
-/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
-macro_rules! forward_planning {
+/// Fused attention ([`crate::attention()`]); provided bodies as [`SoftmaxBackend`]'s.
+pub trait AttentionBackend: SoftmaxMatmulBackend {
+    /// `(out, lse)` of attention (see [`crate::attention()`]) over `query` `[B, Hq, Sq, D]`,
+    /// `key` `[B, Hkv, Sk, D]`, `value` `[B, Hkv, Sk, Dv]`, with `mask`/`bias` broadcasting
+    /// to `[B, Hq, Sq, Sk]`; `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the scores.
+    /// Arguments are checked by the caller.
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::composed::forward::<Self>(query, key, value, mask, bias, options.module)
+    }
+
+    /// The launch the fused attention would make for contiguous tensors (`None`: this backend
+    /// uses the composed fallback).
+    fn flash_attention_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+    ) -> Option<Result<AttentionPlan, AttentionError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
+}
+
+/// The softmax planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
+macro_rules! softmax_planning {
     ($inner:ty) => {
         fn flash_softmax_plan(
             device: &Self::Device,
@@ -133,7 +180,12 @@ macro_rules! forward_planning {
         ) -> Option<Result<RowLimits, SoftmaxError>> {
             <$inner>::flash_softmax_row_limits(device, dtype, options)
         }
+    };
+}
 
+/// The `softmax(X)·V` planning method passes through wrappers unchanged.
+macro_rules! softmax_matmul_planning {
+    ($inner:ty) => {
         fn flash_softmax_matmul_plan(
             device: &Self::Device,
             dims: SmmDims,
@@ -154,7 +206,7 @@ mod cube {
     use super::*;
     use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
-    impl<R, F, I, BT> FlashBackend for CubeBackend<R, F, I, BT>
+    impl<R, F, I, BT> SoftmaxBackend for CubeBackend<R, F, I, BT>
     where
         R: CubeRuntime,
         F: FloatElement,
@@ -226,7 +278,15 @@ mod cube {
                 options,
             ))
         }
+    }
 
+    impl<R, F, I, BT> SoftmaxMatmulBackend for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
         fn flash_softmax_matmul(
             x: FloatTensor<Self>,
             v: FloatTensor<Self>,
@@ -259,13 +319,42 @@ mod cube {
             Some(plan_softmax_matmul(&client, dims, dtype, vector, options))
         }
     }
+
+    impl<R, F, I, BT> AttentionBackend for CubeBackend<R, F, I, BT>
+    where
+        R: CubeRuntime,
+        F: FloatElement,
+        I: IntElement,
+        BT: BoolElement,
+    {
+        fn flash_attention(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            attention::cube::forward::<R, F, I, BT>(query, key, value, mask, bias, options)
+        }
+
+        fn flash_attention_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionPlan, AttentionError>> {
+            let client = R::client(device);
+            Some(attention::cube::plan(&client, dims, dtype, options))
+        }
+    }
 }
 
 mod fusion {
     use super::*;
     use burn_fusion::{Fusion, FusionBackend};
 
-    impl<B: FusionBackend + FlashBackend> FlashBackend for Fusion<B> {
+    impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
         fn flash_softmax(
             x: FloatTensor<Self>,
             dim: usize,
@@ -285,6 +374,10 @@ mod fusion {
             softmax::fusion::backward::<B>(y, dy, dim, variant, options)
         }
 
+        softmax_planning!(B);
+    }
+
+    impl<B: FusionBackend + FlashBackend> SoftmaxMatmulBackend for Fusion<B> {
         fn flash_softmax_matmul(
             x: FloatTensor<Self>,
             v: FloatTensor<Self>,
@@ -303,7 +396,29 @@ mod fusion {
             softmax_matmul::fusion::backward::<B>(x, v, out, lse, d_out)
         }
 
-        forward_planning!(B);
+        softmax_matmul_planning!(B);
+    }
+
+    impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
+        fn flash_attention(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            attention::fusion::forward::<B>(query, key, value, mask, bias, options)
+        }
+
+        fn flash_attention_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionPlan, AttentionError>> {
+            B::flash_attention_plan(device, dims, dtype, options)
+        }
     }
 }
 
@@ -311,7 +426,7 @@ mod autodiff {
     use super::*;
     use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
 
-    impl<B: FlashBackend, C: CheckpointStrategy> FlashBackend for Autodiff<B, C> {
+    impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxBackend for Autodiff<B, C> {
         fn flash_softmax(
             x: FloatTensor<Self>,
             dim: usize,
@@ -331,6 +446,10 @@ mod autodiff {
             softmax::autodiff::backward::<B, C>(y, dy, dim, variant, options)
         }
 
+        softmax_planning!(B);
+    }
+
+    impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxMatmulBackend for Autodiff<B, C> {
         fn flash_softmax_matmul(
             x: FloatTensor<Self>,
             v: FloatTensor<Self>,
@@ -349,17 +468,35 @@ mod autodiff {
             softmax_matmul::autodiff::backward::<B, C>(x, v, out, lse, d_out)
         }
 
-        forward_planning!(B);
+        softmax_matmul_planning!(B);
     }
+
+    /// Gradients of attention go through the composed fallback (Burn's autodiff of the
+    /// scores, burn-flash's fused `softmax(S)·V` backward) until the fused backward lands:
+    /// the provided bodies.
+    impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {}
 }
 
 #[cfg(feature = "ndarray")]
-impl<E, I, Q> FlashBackend for burn::backend::NdArray<E, I, Q>
-where
-    E: burn::backend::ndarray::FloatNdArrayElement,
-    I: burn::backend::ndarray::IntNdArrayElement,
-    Q: burn::backend::ndarray::QuantElement,
-    burn::backend::ndarray::NdArrayTensor:
-        From<burn::backend::ndarray::SharedArray<E>> + From<burn::backend::ndarray::SharedArray<I>>,
-{
+mod ndarray {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::backend::ndarray::{
+        FloatNdArrayElement, IntNdArrayElement, NdArrayTensor, QuantElement, SharedArray,
+    };
+
+    macro_rules! composed {
+        ($($op:ident),*) => {$(
+            impl<E, I, Q> $op for NdArray<E, I, Q>
+            where
+                E: FloatNdArrayElement,
+                I: IntNdArrayElement,
+                Q: QuantElement,
+                NdArrayTensor: From<SharedArray<E>> + From<SharedArray<I>>,
+            {
+            }
+        )*};
+    }
+
+    composed!(SoftmaxBackend, SoftmaxMatmulBackend, AttentionBackend);
 }

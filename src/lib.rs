@@ -25,8 +25,12 @@ mod backend;
 pub mod softmax;
 pub mod softmax_matmul;
 
-pub use attention::attention;
-pub use backend::{FlashAutodiffBackend, FlashBackend};
+pub use attention::{
+    AttentionKernel, FlashAttentionOptions, attention, attention_plan, attention_with_lse,
+};
+pub use backend::{
+    AttentionBackend, FlashAutodiffBackend, FlashBackend, SoftmaxBackend, SoftmaxMatmulBackend,
+};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use softmax::{

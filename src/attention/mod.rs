@@ -11,36 +11,51 @@
 //! masks and biases broadcast over batch, heads and query positions (dims of size 1), and
 //! `Sq ≠ Sk`, `Dv ≠ D`.
 //!
-//! **What runs today.** The scores are composed from stock Burn ops (one batched matmul per
-//! key/value head group, the softcap, masks and bias as element-wise ops), and `softmax(S)·V`
-//! is burn-flash's fused [`softmax_matmul`](fn@crate::softmax_matmul) (the probabilities are never
-//! written; fully masked rows give zeros; fused backward under `Autodiff`). So memory is one
-//! `B·Hq·Sq·Sk` score tensor, not the `O(B·H·Sq)` of a flash kernel: the fused attention
-//! kernels that never write the scores are not in this release yet.
+//! **What runs.** On CubeCL backends (CUDA, wgpu, and `Fusion` over them) one fused kernel
+//! computes the scores on chip and never writes them
+//! ([`burn_flash_kernels::attention`]): FlashAttention-2's schedule on the matrix units for
+//! f16/bf16 on CUDA, a plain-unit kernel for f32 and on wgpu. Memory is the inputs, the output
+//! and one f32 log-sum-exp per query row. A bool mask is converted to the query's float type
+//! first (one element per mask element, at the mask's own broadcast shape).
+//!
+//! **Gradients.** Under `Autodiff<B>` the forward and backward are, for now, the composed
+//! fallback ([`composed`]): scores from Burn ops (differentiated by Burn's autodiff) and
+//! burn-flash's fused `softmax(S)·V` with its fused backward. It materialises the
+//! `B·Hq·Sq·Sk` scores; the fused attention backward is the next step.
 
-use burn::tensor::{Bool, DType, Int, Tensor, backend::Backend, ops::AttentionModuleOptions};
+pub mod composed;
+pub(crate) mod cube;
+pub(crate) mod fusion;
 
-use crate::{FlashBackend, softmax_matmul};
+use burn::tensor::{
+    Bool, DType, Tensor, TensorPrimitive, backend::Backend, ops::AttentionModuleOptions,
+};
+
+pub use burn_flash_kernels::attention::{
+    AttentionDims, AttentionError, AttentionKernel, AttentionPlan, MAX_HEAD_DIM,
+};
+
+use crate::FlashBackend;
 
 const OP: &str = "burn_flash::attention";
 
-/// Sizes of one attention call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AttentionDims {
-    /// Batch.
-    pub batch: usize,
-    /// Query heads.
-    pub heads_q: usize,
-    /// Key/value heads (divides `heads_q`).
-    pub heads_kv: usize,
-    /// Query positions.
-    pub seq_q: usize,
-    /// Key/value positions.
-    pub seq_k: usize,
-    /// Head dim of queries and keys.
-    pub head_dim: usize,
-    /// Head dim of values (and of the output).
-    pub value_dim: usize,
+/// Burn's attention options plus burn-flash's overrides.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct FlashAttentionOptions {
+    /// Scale, softcap, causal: Burn's own options type.
+    pub module: AttentionModuleOptions,
+    /// Force a kernel (the default is the heuristic's); a kernel the device or call cannot
+    /// run panics with the reason before any launch.
+    pub kernel: Option<AttentionKernel>,
+}
+
+impl From<AttentionModuleOptions> for FlashAttentionOptions {
+    fn from(module: AttentionModuleOptions) -> Self {
+        Self {
+            module,
+            kernel: None,
+        }
+    }
 }
 
 /// Attention as `burn::tensor::module::attention`, with grouped-query heads and broadcast masks
@@ -49,13 +64,14 @@ pub struct AttentionDims {
 /// Shapes: `query` `[B, Hq, Sq, D]`, `key` `[B, Hkv, Sk, D]`, `value` `[B, Hkv, Sk, Dv]`, `mask`
 /// and `attn_bias` `[B or 1, Hq or 1, Sq or 1, Sk]`, output `[B, Hq, Sq, Dv]`. Any strides: the
 /// `[B, S, H, D].swap_dims(1, 2)` tensors of an attention layer are taken as they are.
+/// Head dims up to [`MAX_HEAD_DIM`].
 ///
 /// # Panics
 /// Before anything runs, with a message naming the argument: head dims of `query` and `key`
 /// differ; `key` and `value` disagree on batch, heads or positions; `query`'s batch differs;
 /// `Hq` is not a multiple of `Hkv`; a mask or bias shape that does not broadcast; dtypes that
 /// differ; tensors on different devices; a softcap that is not positive or a scale that is not
-/// finite.
+/// finite; a head dim above [`MAX_HEAD_DIM`] on a backend with the fused kernels.
 ///
 /// ```no_run
 /// use burn::backend::Wgpu;
@@ -76,70 +92,61 @@ pub fn attention<B: FlashBackend>(
     attn_bias: Option<Tensor<B, 4>>,
     options: AttentionModuleOptions,
 ) -> Tensor<B, 4> {
+    attention_with_lse(query, key, value, mask, attn_bias, options.into()).0
+}
+
+/// [`attention`] with burn-flash's overrides, returning the output and the row log-sum-exp of
+/// the scores (`[B, Hq, Sq]`, f32; −inf for a row without a visible key).
+pub fn attention_with_lse<B: FlashBackend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    attn_bias: Option<Tensor<B, 4>>,
+    options: FlashAttentionOptions,
+) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let dims = check_attention(
         &query,
         &key,
         &value,
         mask.as_ref(),
         attn_bias.as_ref(),
+        options.module,
+    );
+    if let Some(Err(err)) = B::flash_attention_plan(&query.device(), dims, query.dtype(), options) {
+        panic!("{OP}: {err}");
+    }
+    let (out, lse) = B::flash_attention(
+        query.into_primitive().tensor(),
+        key.into_primitive().tensor(),
+        value.into_primitive().tensor(),
+        mask.map(|m| m.into_primitive()),
+        attn_bias.map(|b| b.into_primitive().tensor()),
         options,
     );
-    let AttentionDims {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        seq_k,
-        head_dim,
-        value_dim,
-    } = dims;
-    let group = heads_q / heads_kv;
-    let scale = options
-        .scale
-        .unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt());
-    // The query heads of a group share one key/value head: [B, Hkv, G·Sq, D] · [B, Hkv, D, Sk].
-    let q = query.reshape([batch, heads_kv, group * seq_q, head_dim]);
-    let mut scores = q
-        .matmul(key.swap_dims(2, 3))
-        .mul_scalar(scale)
-        .reshape([batch, heads_q, seq_q, seq_k]);
-    if let Some(cap) = options.softcap {
-        // Before any −inf: tanh would map −inf to a finite value.
-        scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
-    }
-    let full = [batch, heads_q, seq_q, seq_k];
-    if let Some(mask) = mask {
-        scores = scores.mask_fill(mask.expand(full), f32::NEG_INFINITY);
-    }
-    if options.is_causal {
-        let causal = causal_mask::<B>(&dims, &scores.device());
-        scores = scores.mask_fill(causal, f32::NEG_INFINITY);
-    }
-    if let Some(bias) = attn_bias {
-        scores = scores + bias.expand(full);
-    }
-    let scores = scores.reshape([batch, heads_kv, group * seq_q, seq_k]);
-    softmax_matmul(scores, value).reshape([batch, heads_q, seq_q, value_dim])
+    (
+        Tensor::from_primitive(TensorPrimitive::Float(out)),
+        Tensor::from_primitive(TensorPrimitive::Float(lse)),
+    )
 }
 
-/// `true` where key `j` is after query `i` in the bottom-right aligned causal order
-/// (`j > i + Sk − Sq`), expanded to `[B, Hq, Sq, Sk]`.
-fn causal_mask<B: Backend>(dims: &AttentionDims, device: &B::Device) -> Tensor<B, 4, Bool> {
-    let (seq_q, seq_k) = (dims.seq_q, dims.seq_k);
-    let offset = seq_k as i64 - seq_q as i64;
-    let rows = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
-        .add_scalar(offset)
-        .reshape([seq_q, 1])
-        .expand([seq_q, seq_k]);
-    let cols = Tensor::<B, 1, Int>::arange(0..seq_k as i64, device)
-        .reshape([1, seq_k])
-        .expand([seq_q, seq_k]);
-    cols.greater(rows).reshape([1, 1, seq_q, seq_k]).expand([
-        dims.batch,
-        dims.heads_q,
-        seq_q,
-        seq_k,
-    ])
+/// The launch the fused attention would make on `device` for contiguous tensors of `dims`:
+/// the kernel ([`AttentionKernel`]), its tiles and grid (`None`: the backend uses the composed
+/// fallback, e.g. NdArray or `Autodiff`).
+pub fn attention_plan<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    dtype: DType,
+    options: FlashAttentionOptions,
+) -> Option<Result<AttentionPlan, AttentionError>> {
+    B::flash_attention_plan(device, dims, dtype, options)
+}
+
+/// The scale of the scores: the option, or `1/√D`.
+pub(crate) fn scale_of(options: &AttentionModuleOptions, head_dim: usize) -> f64 {
+    options
+        .scale
+        .unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt())
 }
 
 /// Checks every argument of [`attention`] and returns the call's sizes; panics with a message

@@ -17,7 +17,7 @@ pub use burn_flash_kernels::softmax_matmul::{
     SoftmaxMatmulPlan,
 };
 
-use crate::FlashBackend;
+use crate::SoftmaxMatmulBackend;
 
 /// `softmax(x, D − 1)·v` in one fused op: `x` is `[..batch, d1, d2]`, `v` is `[..batch, d2, d3]`
 /// (the same leading dims) or `[d2, d3]` (one `v` shared by every batch), the result
@@ -41,7 +41,7 @@ use crate::FlashBackend;
 /// let v = Tensor::<Wgpu, 4>::random([2, 8, 512, 64], Distribution::Default, &device);
 /// let out = burn_flash::softmax_matmul(x, v); // [2, 8, 128, 64]
 /// ```
-pub fn softmax_matmul<B: FlashBackend, const D: usize, const DV: usize>(
+pub fn softmax_matmul<B: SoftmaxMatmulBackend, const D: usize, const DV: usize>(
     x: Tensor<B, D>,
     v: Tensor<B, DV>,
 ) -> Tensor<B, D> {
@@ -50,7 +50,7 @@ pub fn softmax_matmul<B: FlashBackend, const D: usize, const DV: usize>(
 
 /// [`softmax_matmul`] with the heuristic's choices overridden (block sizes, path). A
 /// forced choice the device or shape cannot run panics with the reason before any launch.
-pub fn softmax_matmul_with<B: FlashBackend, const D: usize, const DV: usize>(
+pub fn softmax_matmul_with<B: SoftmaxMatmulBackend, const D: usize, const DV: usize>(
     x: Tensor<B, D>,
     v: Tensor<B, DV>,
     options: SoftmaxMatmulOptions,
@@ -67,7 +67,7 @@ pub fn softmax_matmul_with<B: FlashBackend, const D: usize, const DV: usize>(
 /// The plan the fused forward would run for contiguous `x` of shape `[..batch, d1, d2]` and `v`
 /// with `d3` columns on `device`: the kernel ([`SmmForwardKernel`]), its tiles and grid
 /// (`None`: the backend uses the composed fallback).
-pub fn softmax_matmul_plan<B: FlashBackend>(
+pub fn softmax_matmul_plan<B: SoftmaxMatmulBackend>(
     device: &B::Device,
     dims: SmmDims,
     dtype: DType,
@@ -78,7 +78,7 @@ pub fn softmax_matmul_plan<B: FlashBackend>(
 
 /// Checks the arguments and flattens them to `[batch, d1, d2]` and `[1 or batch, d2, d3]`;
 /// returns the output's shape.
-fn as_rank3<B: FlashBackend, const D: usize, const DV: usize>(
+fn as_rank3<B: SoftmaxMatmulBackend, const D: usize, const DV: usize>(
     x: Tensor<B, D>,
     v: Tensor<B, DV>,
 ) -> (Tensor<B, 3>, Tensor<B, 3>, Shape) {

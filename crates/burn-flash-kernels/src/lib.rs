@@ -3,10 +3,17 @@
 //!
 //! - [`softmax`]: fused row softmax, log-softmax and quiet softmax (forward and backward);
 //! - [`softmax_matmul`]: `softmax(X)·V` without the softmax matrix (forward and backward);
+//! - [`attention`]: fused attention forward (`Q·Kᵀ` → scale/softcap/mask/bias/causal → online
+//!   softmax → `·V`), the scores never written;
+//! - [`flash`]: the online-softmax update every forward kernel shares;
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
 //!   helpers, `cp.async` double buffering).
 
+pub mod attention;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod flash;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod reduce;

@@ -1,0 +1,498 @@
+//! The FlashAttention-2 forward on the matrix units (f16/bf16, `mma` m16n8k16 with f32
+//! accumulators, `ldmatrix`, `cp.async`; CUDA sm_80+).
+//!
+//! One cube per block of `block_q` query rows of one (batch, key/value head); its rows run over
+//! the `G` query heads of the group (GQA: the heads of a group share every `K`/`V` block the
+//! cube loads). `block_q / 16` planes of 32 lanes, 16 rows each.
+//!
+//! - The `Q` tile is copied into shared memory once (`cp.async`); each step reloads a plane's
+//!   `Q` fragments with `ldmatrix`, which keeps registers for the accumulators.
+//! - `K` and `V` blocks of `block_k` keys stream through two shared-memory buffers: the copies
+//!   of step `j + 1` run while step `j` computes ([`crate::staging`]).
+//! - `S = Q·Kᵀ` on the matrix units: `K`'s rows are the columns of the `B` operand, so a plain
+//!   (not transposed) `ldmatrix.x4` gives the `B` fragments of two 8-key tiles.
+//! - Scale, softcap, mask, causal test and bias on the `S` fragments in registers
+//!   ([`super::scores`]); the online softmax with the lazy rescale ([`crate::flash`]).
+//! - `P` becomes the `A` operand of `P·V` in registers: the accumulator fragments of two
+//!   adjacent 8-key tiles are, element for element, the `A` fragment of their 16 keys (PTX's
+//!   m16n8k16 layouts), so `P` never goes through shared memory.
+//! - Causal: blocks of keys entirely after every row's diagonal are never loaded (the loop
+//!   stops before them); only the blocks that cross a diagonal (or the end) test each key.
+
+use cubecl::{cmma::MmaDefinition, ir::FastMath, prelude::barrier::Barrier, prelude::*};
+
+use super::AttnConfig;
+use super::scores::{RowRefs, causal_end, new_refs, score, set_row, visible};
+use crate::flash::{inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
+use crate::fragment::{
+    MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, quad_sum, zero_accumulators,
+};
+use crate::staging::{commit_next, copy_vec, wait_step};
+
+/// Elements per 16-byte vector of a 16-bit type: the kernel's `NV`.
+pub const NV8: usize = 8;
+
+/// Shared memory of [`attention_forward_mma()`], in bytes: the `Q` tile and two `K` and `V`
+/// buffers, rows padded by [`V_PAD`] elements.
+pub fn shared_bytes(c: AttnConfig) -> usize {
+    let pad = V_PAD as usize;
+    let (bq, bk) = (c.block_q as usize, c.block_k as usize);
+    let (d, dv) = (c.head_dim as usize, c.value_dim as usize);
+    (bq * (d + pad) + 2 * bk * (d + pad) + 2 * bk * (dv + pad)) * 2
+}
+
+/// Issues the asynchronous copies of a `rows × width` tile (zeros past `valid_rows` and
+/// `valid_cols`) into `dst` at `buf`, row `r` read from `src` at `base_of(r)`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<F: Float, NV: Size>(
+    src: &Tensor<Vector<F, NV>>,
+    dst: &mut SharedMemory<Vector<F, NV>>,
+    buf: usize,
+    row0: usize,
+    base: usize,
+    row_stride: usize,
+    valid_rows: usize,
+    valid_cols: usize,
+    #[comptime] rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let per_row = comptime!(width as usize / NV8);
+    let ldv = comptime!((width + V_PAD) as usize / NV8);
+    let total = comptime!(rows as usize * per_row);
+    let exact = comptime!(total.is_multiple_of(units as usize));
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units as usize)) {
+        let idx = UNIT_POS as usize + e * units as usize;
+        if exact || idx < total {
+            let (r, cv) = (idx / per_row, idx % per_row);
+            let row = row0 + r;
+            let col = cv * NV8;
+            let ok = row < valid_rows && col < valid_cols;
+            let at = select(ok, (base + row * row_stride + col) / NV8, 0);
+            copy_vec::<F, NV>(src, dst, at, buf + r * ldv + cv, ok);
+        }
+    }
+}
+
+/// Issues the copies of the `Q` tile: cube row `r` is query row `row0 + r` of the group, i.e.
+/// head `head0 + row / Sq`, position `row % Sq`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_q<F: Float, NV: Size>(
+    q: &Tensor<Vector<F, NV>>,
+    q_s: &mut SharedMemory<Vector<F, NV>>,
+    batch: usize,
+    head0: usize,
+    row0: usize,
+    rows: usize,
+    seq_q: usize,
+    head_dim: usize,
+    #[comptime] c: AttnConfig,
+    #[comptime] units: u32,
+) {
+    let per_row = comptime!(c.head_dim as usize / NV8);
+    let ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let total = comptime!(c.block_q as usize * per_row);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units as usize)) {
+        let idx = UNIT_POS as usize + e * units as usize;
+        if idx < total {
+            let (r, cv) = (idx / per_row, idx % per_row);
+            let row = row0 + r;
+            let col = cv * NV8;
+            let ok = row < rows && col < head_dim;
+            let rr = usize::min(row, rows - 1);
+            let src = batch * q.stride(0)
+                + (head0 + rr / seq_q) * q.stride(1)
+                + (rr % seq_q) * q.stride(2)
+                + col;
+            let at = select(ok, src / NV8, 0);
+            copy_vec::<F, NV>(q, q_s, at, r * ldv + cv, ok);
+        }
+    }
+}
+
+/// One step of `block_k` keys for one plane: `S = Q·Kᵀ`, the finished scores, the online
+/// softmax update and `O += P·V`. `bounds` (the blocks that cross the end of the keys or a
+/// diagonal) tests each key's position.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn step<F: Float, NV: Size>(
+    q_s: &SharedMemory<Vector<F, NV>>,
+    k_s: &SharedMemory<Vector<F, NV>>,
+    v_s: &SharedMemory<Vector<F, NV>>,
+    kv_buf: (usize, usize),
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    refs: &RowRefs,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    m: &mut Array<f32>,
+    l: &mut Array<f32>,
+    j0: usize,
+    seqs: (usize, usize),
+    params: (f32, f32),
+    #[comptime] c: AttnConfig,
+    #[comptime] bounds: bool,
+) {
+    let (k_buf, v_buf) = kv_buf;
+    let (seq_q, seq_k) = seqs;
+    let (scale, softcap) = params;
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let plane = UNIT_POS / PLANE;
+    let lane = UNIT_POS_PLANE;
+    let mat = lane / 8;
+    let mat_row = lane % 8;
+    let quad = (lane % 4) as usize;
+    let q_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let k_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let key_tiles = comptime!(c.block_k / MMA_N);
+
+    // -- S = Q·Kᵀ: per 16 dims, one Q fragment and, per 16 keys, one `ldmatrix.x4` of K --
+    let mut s = zero_accumulators(key_tiles);
+    // ldmatrix rows of this lane: Q row (matrices 1, 3: + 8), column + 8 for matrices 2, 3;
+    // K key (matrices 2, 3: + 8), dim + 8 for matrices 1, 3.
+    let q_row = (plane * MMA_M + (mat % 2) * 8 + mat_row) as usize;
+    let q_base = q_row * q_ldv + (mat / 2) as usize;
+    let k_base = k_buf + ((mat / 2) * 8 + mat_row) as usize * k_ldv + (mat % 2) as usize;
+    #[unroll]
+    for kd in 0..comptime!(c.head_dim / 16) {
+        let qa = q_base + comptime!(kd as usize * 2);
+        let a = def.load_matrix::<Vector<F, NV>, Const<2>>(
+            &q_s.slice(qa, qa + 1),
+            cubecl::ir::MatrixIdent::A,
+            4usize,
+            false,
+        );
+        #[unroll]
+        for jp in 0..comptime!(c.block_k / 16) {
+            let ka = k_base + comptime!((jp * 16) as usize * k_ldv + kd as usize * 2);
+            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &k_s.slice(ka, ka + 1),
+                cubecl::ir::MatrixIdent::B,
+                4usize,
+                false,
+            );
+            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+            b0[0usize] = regs[0usize];
+            b0[1usize] = regs[1usize];
+            b1[0usize] = regs[2usize];
+            b1[1usize] = regs[3usize];
+            def.execute_inplace(&a, &b0, s.index_mut(comptime!(2 * jp) as usize));
+            def.execute_inplace(&a, &b1, s.index_mut(comptime!(2 * jp + 1) as usize));
+        }
+    }
+
+    // -- finished scores and the step's row maxima (visible keys only) --
+    let mut vis = Array::<bool>::new(comptime!(key_tiles as usize * 4));
+    let mut step_max = Array::<f32>::new(2usize);
+    step_max[0usize] = f32::min_value();
+    step_max[1usize] = f32::min_value();
+    #[unroll]
+    for j in 0..key_tiles {
+        let frag = s.index_mut(j as usize);
+        #[unroll]
+        for h in 0..2usize {
+            let mut vec = frag[h];
+            #[unroll]
+            for n in 0..2usize {
+                let key = j0 + (j * MMA_N) as usize + quad * 2 + n;
+                let x = score::<F>(bias, refs, h, vec[n], key, seq_k, scale, softcap, c);
+                let ok = visible::<F>(mask, refs, h, key, seq_q, seq_k, c, bounds);
+                vis[(j as usize * 2 + h) * 2 + n] = ok;
+                vec[n] = x;
+                step_max[h] = select(ok, f32::max(step_max[h], x), step_max[h]);
+            }
+            frag[h] = vec;
+        }
+    }
+
+    // -- move the reference maxima (lazily; every lane of a plane agrees on whether) --
+    let mut m_new = Array::<f32>::new(2usize);
+    let mut moved = false;
+    #[unroll]
+    for h in 0..2usize {
+        m_new[h] = next_reference(m[h], quad_max(step_max[h]), true);
+        moved = moved || m_new[h] != m[h];
+    }
+    if plane_any(moved) {
+        let mut alpha = Array::<f32>::new(2usize);
+        #[unroll]
+        for h in 0..2usize {
+            alpha[h] = rescale_factor(m[h], m_new[h]);
+            m[h] = m_new[h];
+            l[h] *= alpha[h];
+        }
+        #[unroll]
+        for nt in 0..comptime!(c.value_dim / MMA_N) {
+            let frag = acc.index_mut(nt as usize);
+            #[unroll]
+            for h in 0..2usize {
+                frag[h] = frag[h] * Vector::new(alpha[h]);
+            }
+        }
+    }
+
+    // -- per 16 keys: P (the A fragment of tiles 2κ and 2κ + 1), then O += P·V --
+    let v_lane = v_buf + ((mat % 2) * 8 + mat_row) as usize * v_ldv + (mat / 2) as usize;
+    #[unroll]
+    for kc in 0..comptime!(c.block_k / 16) {
+        let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+        #[unroll]
+        for i in 0..4u32 {
+            // A register i: row r + 8·(i % 2), keys 16κ + 8·(i / 2) + 2t + n.
+            let j = comptime!(2 * kc + i / 2);
+            let h = (i % 2) as usize;
+            let vec = s.index(j as usize)[h];
+            let mut pair = Vector::<F, Const<2>>::empty();
+            #[unroll]
+            for n in 0..2usize {
+                let p = probability(vec[n], m[h], vis[(j as usize * 2 + h) * 2 + n]);
+                l[h] += p;
+                pair[n] = F::cast_from(p);
+            }
+            a[i as usize] = pair;
+        }
+        #[unroll]
+        for np in 0..comptime!(c.value_dim / 16) {
+            let start = v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
+            mma_v_pair::<F, NV>(&a, v_s, start, acc, np);
+        }
+    }
+}
+
+/// `out = softmax(scores)·v` and the row log-sum-exp `lse` of the finished scores, for
+/// f16/bf16 `q`, `k`, `v` whose rows are contiguous and 16-byte aligned (`D`, `Dv` and every
+/// stride multiples of 8). Shapes: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v`
+/// `[B, Hkv, Sk, Dv]`, `out` `[B, Hq, Sq, Dv]`, `lse` `[B, Hq, Sq]`; `mask` (1 = masked out) and
+/// `bias` `[B, Hq, Sq, Sk]` with stride 0 along broadcast dimensions, read only when `c` says
+/// so. Grid: `(row blocks of G·Sq, B·Hkv)`; `block_q / 16` planes per cube.
+#[cube(launch_unchecked, fast_math = FastMath::ReducedPrecision.into())]
+#[allow(clippy::too_many_arguments)]
+pub fn attention_forward_mma<F: Float, NV: Size>(
+    q: &Tensor<Vector<F, NV>>,
+    k: &Tensor<Vector<F, NV>>,
+    v: &Tensor<Vector<F, NV>>,
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] c: AttnConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let units = comptime!((c.block_q / MMA_M) * PLANE);
+    let bk = comptime!(c.block_k) as usize;
+    let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
+    let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
+
+    let seq_q = q.shape(2);
+    let seq_k = k.shape(2);
+    let head_dim = q.shape(3);
+    let value_dim = out.shape(3);
+    let heads_kv = k.shape(1);
+    let group = q.shape(1) / heads_kv;
+    let rows = group * seq_q;
+    let batch = CUBE_POS_Y as usize / heads_kv;
+    let hkv = CUBE_POS_Y as usize % heads_kv;
+    let head0 = hkv * group;
+    let block_row0 = (CUBE_POS_X * c.block_q) as usize;
+    let plane = UNIT_POS / PLANE;
+    let lane = UNIT_POS_PLANE;
+    let quad = (lane % 4) as usize;
+    let my_row = block_row0 + (plane * MMA_M + lane / 4) as usize;
+
+    // -- the keys this cube needs: with a causal mask, up to its last row's diagonal --
+    let last = usize::min(block_row0 + comptime!(c.block_q as usize), rows) - 1;
+    let one_head = block_row0 / seq_q == last / seq_q;
+    let mut kv_end = seq_k;
+    let mut full_end = seq_k;
+    if comptime!(c.causal) {
+        // Largest / smallest position among the cube's rows (all of them when it spans heads).
+        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
+        let pos_lo = select(one_head, block_row0 % seq_q, 0);
+        // Row i sees keys j < i + 1 + Sk − Sq.
+        kv_end = causal_end(pos_hi, seq_q, seq_k);
+        full_end = causal_end(pos_lo, seq_q, seq_k);
+    }
+    let steps = kv_end.div_ceil(bk);
+    let full_steps = full_end / bk;
+
+    let kv_base_k = batch * k.stride(0) + hkv * k.stride(1);
+    let kv_base_v = batch * v.stride(0) + hkv * v.stride(1);
+    let (ks, vs) = (k.stride(2), v.stride(2));
+
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(
+        c.block_q as usize * (c.head_dim + V_PAD) as usize / NV8
+    ));
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * k_len));
+    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * v_len));
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+
+    let mut refs = new_refs(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        set_row::<F>(
+            &mut refs,
+            h,
+            mask,
+            bias,
+            batch,
+            head0,
+            my_row + h * 8,
+            rows,
+            seq_q,
+            c,
+        );
+    }
+    let mut acc = zero_accumulators(comptime!(c.value_dim / MMA_N));
+    let mut m = Array::<f32>::new(2usize);
+    let mut l = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        m[h] = f32::min_value();
+        l[h] = 0.0f32;
+    }
+
+    // -- prologue: Q and step 0's K, V --
+    stage_q::<F, NV>(
+        q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
+    );
+    stage_rows::<F, NV>(
+        k, &mut k_s, 0, 0, kv_base_k, ks, kv_end, head_dim, c.block_k, c.head_dim, units,
+    );
+    stage_rows::<F, NV>(
+        v,
+        &mut v_s,
+        0,
+        0,
+        kv_base_v,
+        vs,
+        kv_end,
+        value_dim,
+        c.block_k,
+        c.value_dim,
+        units,
+    );
+    bar0.commit_copy_async();
+    let _token = bar0.arrive();
+
+    for st in 0..steps {
+        let parity = st % 2;
+        let next = st + 1;
+        if next < steps {
+            let nb = 1 - parity;
+            stage_rows::<F, NV>(
+                k,
+                &mut k_s,
+                nb * k_len,
+                next * bk,
+                kv_base_k,
+                ks,
+                kv_end,
+                head_dim,
+                c.block_k,
+                c.head_dim,
+                units,
+            );
+            stage_rows::<F, NV>(
+                v,
+                &mut v_s,
+                nb * v_len,
+                next * bk,
+                kv_base_v,
+                vs,
+                kv_end,
+                value_dim,
+                c.block_k,
+                c.value_dim,
+                units,
+            );
+        }
+        commit_next(&bar0, &bar1, st);
+        wait_step(&bar0, &bar1, st);
+        let bufs = (parity * k_len, parity * v_len);
+        if st < full_steps {
+            step::<F, NV>(
+                &q_s,
+                &k_s,
+                &v_s,
+                bufs,
+                mask,
+                bias,
+                &refs,
+                &mut acc,
+                &mut m,
+                &mut l,
+                st * bk,
+                (seq_q, seq_k),
+                (scale, softcap),
+                c,
+                false,
+            );
+        } else {
+            step::<F, NV>(
+                &q_s,
+                &k_s,
+                &v_s,
+                bufs,
+                mask,
+                bias,
+                &refs,
+                &mut acc,
+                &mut m,
+                &mut l,
+                st * bk,
+                (seq_q, seq_k),
+                (scale, softcap),
+                c,
+                true,
+            );
+        }
+        // Every plane is done with this buffer before step + 2's copies overwrite it.
+        sync_cube();
+    }
+    if steps == 0 {
+        // Nothing to see: the prologue's copies still complete before the cube exits.
+        wait_step(&bar0, &bar1, 0);
+    }
+
+    // -- normalise and store --
+    let mut inv = Array::<f32>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let total = quad_sum(l[h]);
+        inv[h] = inverse_sum(total);
+        let row = my_row + h * 8;
+        if quad == 0 && row < rows {
+            let head = head0 + row / seq_q;
+            let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
+            lse[at] = log_sum_exp(m[h], total);
+        }
+    }
+    #[unroll]
+    for h in 0..2usize {
+        let row = my_row + h * 8;
+        if row < rows {
+            let o_base = batch * out.stride(0)
+                + (head0 + row / seq_q) * out.stride(1)
+                + (row % seq_q) * out.stride(2);
+            #[unroll]
+            for nt in 0..comptime!(c.value_dim / MMA_N) {
+                let vec = acc.index(nt as usize)[h];
+                #[unroll]
+                for n in 0..2usize {
+                    let col = (nt * MMA_N) as usize + quad * 2 + n;
+                    if col < value_dim {
+                        out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv[h]);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! Fused attention forward: `out = softmax(S)·V` with `S` computed on chip from `Q·Kᵀ` and
+//! never written, plus the row log-sum-exp of `S` (what a backward needs).
+//!
+//! Tensors are 4-D and read through their strides: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`,
+//! `v` `[B, Hkv, Sk, Dv]`, `out` `[B, Hq, Sq, Dv]`, `lse` `[B, Hq, Sq]` (f32). `Hkv` divides
+//! `Hq` (grouped-query attention: query head `h` reads key/value head `h / (Hq / Hkv)`).
+//! Optional `mask` (1 = masked out, 0 = visible, in the element type of `q`) and `bias`,
+//! `[B or 1, Hq or 1, Sq or 1, Sk]`: dimensions of size 1 broadcast.
+//!
+//! The score of query `i` and key `j` is, in this order (Burn's `attention_fallback`'s):
+//! `s = scale·q·k`, `s = c·tanh(s / c)` (softcap), masked keys removed, causal (bottom-right
+//! aligned: `j ≤ i + Sk − Sq`) keys removed, `s += bias`. A row without a visible key gives
+//! zeros and `lse = −inf`.
+//!
+//! [`plan_attention`] picks one kernel ([`AttentionKernel`]); both run the online softmax of
+//! [`crate::flash`] with the score rules of [`scores`]:
+//! - [`mma`]: FlashAttention-2's schedule on the matrix units, f16/bf16 on CUDA (sm_80+) with
+//!   16-byte aligned rows;
+//! - [`units`]: plain units, every runtime and float type, f32 arithmetic.
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod mma;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod scores;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod units;
+
+use core::fmt;
+
+use cubecl::{CubeCount, CubeDim, prelude::*};
+
+use crate::fragment;
+use crate::softmax::TensorRef;
+
+/// Largest head dim (of queries/keys and of values) any kernel takes.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Comptime configuration of an attention kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttnConfig {
+    /// Query rows per cube.
+    pub block_q: u32,
+    /// Keys per step of the online softmax.
+    pub block_k: u32,
+    /// Head dim of `q`/`k`, rounded up to the kernel's granule.
+    pub head_dim: u32,
+    /// Head dim of `v`, rounded up to the kernel's granule.
+    pub value_dim: u32,
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+    /// A bool mask is read.
+    pub mask: bool,
+    /// An additive bias is read.
+    pub bias: bool,
+    /// Scores are softcapped.
+    pub softcap: bool,
+}
+
+/// The kernel of a launch, chosen once by [`plan_attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKernel {
+    /// [`units::attention_forward_units()`]: plain units, every runtime and float type.
+    Units,
+    /// [`mma::attention_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
+    /// double buffering (CUDA sm_80+, 16-byte aligned rows).
+    MatrixUnits,
+}
+
+/// What the scores are made of, and overrides of the host heuristic.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Factor of `q·k`.
+    pub scale: f32,
+    /// Softcap `c` (`s = c·tanh(s / c)`), positive and finite.
+    pub softcap: Option<f32>,
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+    /// Force a kernel; an impossible choice is an error, never a silent fallback.
+    pub kernel: Option<AttentionKernel>,
+}
+
+/// Sizes of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionDims {
+    /// Batch.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads (divides `heads_q`).
+    pub heads_kv: usize,
+    /// Query positions.
+    pub seq_q: usize,
+    /// Key/value positions.
+    pub seq_k: usize,
+    /// Head dim of queries and keys.
+    pub head_dim: usize,
+    /// Head dim of values and of the output.
+    pub value_dim: usize,
+}
+
+/// The launch [`plan_attention`] chose.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// The kernel that runs.
+    pub kernel: AttentionKernel,
+    /// Query rows per cube (rows run over the query heads of a group).
+    pub block_q: usize,
+    /// Keys per online-softmax step.
+    pub block_k: usize,
+    /// Head dim the kernel is compiled for (`D` rounded up).
+    pub head_dim: usize,
+    /// Value dim the kernel is compiled for (`Dv` rounded up).
+    pub value_dim: usize,
+    /// Units per cube.
+    pub units: u32,
+    /// Shared memory per cube, in bytes.
+    pub shared_bytes: usize,
+    /// Cubes along `(x, y, z)` = (row blocks of `G·Sq`, `B·Hkv`, 1).
+    pub cubes: (usize, usize, usize),
+}
+
+/// Why an attention launch was refused. Nothing is launched when one is returned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttentionError {
+    /// A tensor's shape does not fit the others.
+    ShapeMismatch {
+        /// Which argument.
+        arg: &'static str,
+        /// What it should be.
+        expected: String,
+        /// Its shape.
+        got: Vec<usize>,
+    },
+    /// The element type is not f32, f16 or bf16, or the device cannot run it.
+    UnsupportedDType {
+        /// The element type, as cubecl names it.
+        dtype: String,
+    },
+    /// A head dim no kernel takes.
+    UnsupportedHeadDim {
+        /// `D`.
+        head_dim: usize,
+        /// `Dv`.
+        value_dim: usize,
+    },
+    /// An option is out of range.
+    InvalidOption {
+        /// Why.
+        reason: String,
+    },
+    /// The forced kernel cannot run this call on this device.
+    KernelUnavailable {
+        /// The forced kernel.
+        kernel: AttentionKernel,
+        /// Why not.
+        reason: String,
+    },
+    /// More cubes along one grid axis than the device can launch.
+    TooLarge {
+        /// Cubes along each axis the launch would need.
+        cubes: (usize, usize, usize),
+    },
+}
+
+impl fmt::Display for AttentionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ShapeMismatch { arg, expected, got } => {
+                write!(f, "`{arg}` has shape {got:?}, expected {expected}")
+            }
+            Self::UnsupportedDType { dtype } => write!(
+                f,
+                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
+            ),
+            Self::UnsupportedHeadDim {
+                head_dim,
+                value_dim,
+            } => write!(
+                f,
+                "head dims D = {head_dim}, Dv = {value_dim} are not supported (1 ..= {MAX_HEAD_DIM} each)"
+            ),
+            Self::InvalidOption { reason } => write!(f, "invalid option: {reason}"),
+            Self::KernelUnavailable { kernel, reason } => {
+                write!(f, "kernel {kernel:?} is not available: {reason}")
+            }
+            Self::TooLarge { cubes } => write!(
+                f,
+                "the launch needs {cubes:?} cubes along (x, y, z), more than the device allows"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for AttentionError {}
+
+/// Whether the matrix-unit kernel can read these `q`, `k`, `v` (shape, strides): unit stride
+/// along the head dim, head dims and every other stride multiples of 8 elements (16 bytes).
+pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
+    tensors.iter().all(|(shape, strides)| {
+        strides.len() == 4
+            && strides[3] == 1
+            && shape[3].is_multiple_of(8)
+            && strides[..3].iter().all(|s| s.is_multiple_of(8))
+    })
+}
+
+/// The launch for `dims`, without launching. `aligned` is [`rows_aligned`] of `q`, `k`, `v`
+/// (for contiguous tensors: `D` and `Dv` multiples of 8).
+///
+/// Heuristic (no autotuning): the matrix units for f16/bf16 where the device has `mma`,
+/// `ldmatrix` and `cp.async` and the rows are aligned, with 64 query rows (4 planes) per cube
+/// and 64 keys per step (32 when `D` or `Dv` exceeds 128, 16 when shared memory is short);
+/// plain units otherwise (64 rows, 32 keys, 256 units).
+pub fn plan_attention<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    aligned: bool,
+    options: &AttentionOptions,
+) -> Result<AttentionPlan, AttentionError> {
+    crate::softmax::check_dtype(client, dtype).map_err(|_| AttentionError::UnsupportedDType {
+        dtype: format!("{dtype:?}"),
+    })?;
+    let AttentionDims {
+        batch,
+        heads_q,
+        heads_kv,
+        seq_q,
+        head_dim,
+        value_dim,
+        ..
+    } = dims;
+    if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "k",
+            expected: format!("a number of heads dividing Hq = {heads_q}"),
+            got: vec![batch, heads_kv, dims.seq_k, head_dim],
+        });
+    }
+    if !(1..=MAX_HEAD_DIM).contains(&head_dim) || !(1..=MAX_HEAD_DIM).contains(&value_dim) {
+        return Err(AttentionError::UnsupportedHeadDim {
+            head_dim,
+            value_dim,
+        });
+    }
+    if !options.scale.is_finite() {
+        return Err(AttentionError::InvalidOption {
+            reason: format!("scale must be finite, got {}", options.scale),
+        });
+    }
+    if let Some(cap) = options.softcap
+        && !(cap > 0.0 && cap.is_finite())
+    {
+        return Err(AttentionError::InvalidOption {
+            reason: format!("softcap must be positive and finite, got {cap}"),
+        });
+    }
+    let props = client.properties();
+    let hw = &props.hardware;
+    let mma_why_not = if !fragment::supported(client, dtype) {
+        Some(format!(
+            "no manual mma and ldmatrix for {dtype:?} on this device (f32 never takes them)"
+        ))
+    } else if !props.features.copy_async {
+        Some("no asynchronous copies on this device".into())
+    } else if !aligned {
+        Some("q, k, v rows are not 16-byte aligned (D, Dv and strides multiples of 8)".into())
+    } else {
+        None
+    };
+    let kernel = match options.kernel {
+        Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
+            return Err(AttentionError::KernelUnavailable {
+                kernel: AttentionKernel::MatrixUnits,
+                reason: mma_why_not.unwrap_or_default(),
+            });
+        }
+        Some(kernel) => kernel,
+        None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
+        None => AttentionKernel::Units,
+    };
+    let base = AttnConfig {
+        block_q: 0,
+        block_k: 0,
+        head_dim: 0,
+        value_dim: 0,
+        causal: options.causal,
+        mask: false,
+        bias: false,
+        softcap: options.softcap.is_some(),
+    };
+    let max_shared = hw.max_shared_memory_size;
+    let config = match kernel {
+        AttentionKernel::MatrixUnits => {
+            let d = head_dim.next_multiple_of(16) as u32;
+            let dv = value_dim.next_multiple_of(16) as u32;
+            let wide = d.max(dv) > 128;
+            let mut config = AttnConfig {
+                block_q: 64,
+                block_k: if wide { 32 } else { 64 },
+                head_dim: d,
+                value_dim: dv,
+                ..base
+            };
+            if mma::shared_bytes(config) > max_shared {
+                config.block_k = 16;
+            }
+            config
+        }
+        AttentionKernel::Units => AttnConfig {
+            block_q: units::BLOCK_Q,
+            block_k: units::BLOCK_K,
+            head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
+            value_dim: value_dim.next_multiple_of(units::V_CHUNK as usize) as u32,
+            ..base
+        },
+    };
+    let (units, shared_bytes) = match kernel {
+        AttentionKernel::MatrixUnits => (
+            (config.block_q / fragment::MMA_M) * fragment::PLANE,
+            mma::shared_bytes(config),
+        ),
+        AttentionKernel::Units => (units::UNITS, units::shared_bytes()),
+    };
+    if units > hw.max_units_per_cube || shared_bytes > max_shared {
+        return Err(AttentionError::KernelUnavailable {
+            kernel,
+            reason: format!(
+                "needs {units} units and {shared_bytes} B of shared memory per cube; the device has {} and {max_shared}",
+                hw.max_units_per_cube
+            ),
+        });
+    }
+    let group = heads_q / heads_kv;
+    let cubes = (
+        (group * seq_q).div_ceil(config.block_q as usize).max(1),
+        (batch * heads_kv).max(1),
+        1,
+    );
+    let (mx, my, mz) = hw.max_cube_count;
+    if cubes.0 > mx as usize || cubes.1 > my as usize || cubes.2 > mz as usize {
+        return Err(AttentionError::TooLarge { cubes });
+    }
+    Ok(AttentionPlan {
+        kernel,
+        block_q: config.block_q as usize,
+        block_k: config.block_k as usize,
+        head_dim: config.head_dim as usize,
+        value_dim: config.value_dim as usize,
+        units,
+        shared_bytes,
+        cubes,
+    })
+}
+
+/// A tensor argument with the given strides.
+fn arg<'a, R: Runtime>(t: &TensorRef<'a>, shape: &[usize], strides: &[usize]) -> TensorArg<R> {
+    // SAFETY: the shape and strides describe the caller's buffer; zero strides along
+    // broadcast dimensions only make every index read the same element.
+    unsafe { TensorArg::from_raw_parts(t.handle.clone(), strides.into(), shape.into()) }
+}
+
+/// Checks a mask or bias shape against `[B or 1, Hq or 1, Sq or 1, Sk]` and returns its
+/// strides with 0 along broadcast dimensions.
+fn broadcast_strides(
+    name: &'static str,
+    t: &TensorRef<'_>,
+    full: [usize; 4],
+) -> Result<Vec<usize>, AttentionError> {
+    let ok = t.shape.len() == 4
+        && t.strides.len() == 4
+        && t.shape[3] == full[3]
+        && (0..3).all(|d| t.shape[d] == full[d] || t.shape[d] == 1);
+    if !ok {
+        return Err(AttentionError::ShapeMismatch {
+            arg: name,
+            expected: format!(
+                "[{} or 1, {} or 1, {} or 1, {}]",
+                full[0], full[1], full[2], full[3]
+            ),
+            got: t.shape.to_vec(),
+        });
+    }
+    Ok((0..4)
+        .map(|d| if t.shape[d] == 1 { 0 } else { t.strides[d] })
+        .collect())
+}
+
+fn expect_shape(
+    name: &'static str,
+    t: &TensorRef<'_>,
+    expected: &[usize],
+) -> Result<(), AttentionError> {
+    if t.shape != expected || t.strides.len() != expected.len() {
+        return Err(AttentionError::ShapeMismatch {
+            arg: name,
+            expected: format!("{expected:?}"),
+            got: t.shape.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Reads the sizes of a call from `q`, `k`, `v` and checks every shape.
+pub fn attention_dims(
+    q: &TensorRef<'_>,
+    k: &TensorRef<'_>,
+    v: &TensorRef<'_>,
+) -> Result<AttentionDims, AttentionError> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.shape.len() != 4 || t.strides.len() != 4 {
+            return Err(AttentionError::ShapeMismatch {
+                arg: name,
+                expected: "a 4-D tensor".into(),
+                got: t.shape.to_vec(),
+            });
+        }
+    }
+    let dims = AttentionDims {
+        batch: q.shape[0],
+        heads_q: q.shape[1],
+        heads_kv: k.shape[1],
+        seq_q: q.shape[2],
+        seq_k: k.shape[2],
+        head_dim: q.shape[3],
+        value_dim: v.shape[3],
+    };
+    expect_shape(
+        "k",
+        k,
+        &[dims.batch, dims.heads_kv, dims.seq_k, dims.head_dim],
+    )?;
+    expect_shape(
+        "v",
+        v,
+        &[dims.batch, dims.heads_kv, dims.seq_k, dims.value_dim],
+    )?;
+    Ok(dims)
+}
+
+/// `out` and `lse` of attention over `q`, `k`, `v` with an optional `mask` and `bias`
+/// (module docs). Returns the plan that ran; nothing is launched when an error is returned,
+/// nor for an empty output.
+#[allow(clippy::too_many_arguments)]
+pub fn launch_attention<R: Runtime>(
+    client: &ComputeClient<R>,
+    q: TensorRef<'_>,
+    k: TensorRef<'_>,
+    v: TensorRef<'_>,
+    mask: Option<TensorRef<'_>>,
+    bias: Option<TensorRef<'_>>,
+    out: TensorRef<'_>,
+    lse: TensorRef<'_>,
+    dtype: StorageType,
+    options: &AttentionOptions,
+) -> Result<AttentionPlan, AttentionError> {
+    let dims = attention_dims(&q, &k, &v)?;
+    let AttentionDims {
+        batch,
+        heads_q,
+        seq_q,
+        seq_k,
+        value_dim,
+        ..
+    } = dims;
+    expect_shape("out", &out, &[batch, heads_q, seq_q, value_dim])?;
+    expect_shape("lse", &lse, &[batch, heads_q, seq_q])?;
+    let full = [batch, heads_q, seq_q, seq_k];
+    let mask_strides = mask
+        .as_ref()
+        .map(|m| broadcast_strides("mask", m, full))
+        .transpose()?;
+    let bias_strides = bias
+        .as_ref()
+        .map(|b| broadcast_strides("bias", b, full))
+        .transpose()?;
+    let aligned = rows_aligned(&[
+        (q.shape, q.strides),
+        (k.shape, k.strides),
+        (v.shape, v.strides),
+    ]);
+    let plan = plan_attention(client, dims, dtype, aligned, options)?;
+    if batch * heads_q * seq_q * value_dim == 0 {
+        return Ok(plan);
+    }
+    let config = AttnConfig {
+        block_q: plan.block_q as u32,
+        block_k: plan.block_k as u32,
+        head_dim: plan.head_dim as u32,
+        value_dim: plan.value_dim as u32,
+        causal: options.causal,
+        mask: mask.is_some(),
+        bias: bias.is_some(),
+        softcap: options.softcap.is_some(),
+    };
+    let count = CubeCount::Static(
+        plan.cubes.0 as u32,
+        plan.cubes.1 as u32,
+        plan.cubes.2 as u32,
+    );
+    let dim = CubeDim::new_1d(plan.units);
+    // An absent mask or bias is never read: `q` stands in.
+    let unused = (q.shape, q.strides);
+    let mask_arg = match (&mask, &mask_strides) {
+        (Some(m), Some(s)) => arg::<R>(m, &full, s),
+        _ => arg::<R>(&q, unused.0, unused.1),
+    };
+    let bias_arg = match (&bias, &bias_strides) {
+        (Some(b), Some(s)) => arg::<R>(b, &full, s),
+        _ => arg::<R>(&q, unused.0, unused.1),
+    };
+    let softcap = options.softcap.unwrap_or(1.0);
+    let (qa, ka, va, oa, la) = (
+        arg::<R>(&q, q.shape, q.strides),
+        arg::<R>(&k, k.shape, k.strides),
+        arg::<R>(&v, v.shape, v.strides),
+        arg::<R>(&out, out.shape, out.strides),
+        arg::<R>(&lse, lse.shape, lse.strides),
+    );
+    // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
+    // caller's buffers (checked above); the matrix-unit kernel runs only on 16-byte aligned
+    // rows (`rows_aligned`), its vector width.
+    unsafe {
+        match plan.kernel {
+            AttentionKernel::MatrixUnits => mma::attention_forward_mma::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                mma::NV8,
+                qa,
+                ka,
+                va,
+                mask_arg,
+                bias_arg,
+                oa,
+                la,
+                options.scale,
+                softcap,
+                config,
+                dtype,
+            ),
+            AttentionKernel::Units => units::attention_forward_units::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                qa,
+                ka,
+                va,
+                mask_arg,
+                bias_arg,
+                oa,
+                la,
+                options.scale,
+                softcap,
+                config,
+                dtype,
+            ),
+        }
+    }
+    Ok(plan)
+}

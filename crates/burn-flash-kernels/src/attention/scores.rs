@@ -1,0 +1,128 @@
+//! What turns a raw score `q·k` into the score the softmax sees, shared by every attention
+//! kernel, in the order of Burn's `attention_fallback`: scale, softcap `c·tanh(s/c)`, the bool
+//! mask, the causal mask (bottom-right aligned: query position `i` sees key `j` when
+//! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
+//! are *invisible*, and [`crate::flash::probability()`] gives them `P = 0`.
+
+use cubecl::prelude::*;
+
+use super::AttnConfig;
+
+/// Where a unit's query rows read the mask and the bias, one slot per row: the row's query
+/// position `i` (for the causal test) and the element offsets of `mask[b, h, i, 0]` and
+/// `bias[b, h, i, 0]` (broadcast dimensions have stride 0).
+#[derive(CubeType)]
+pub struct RowRefs {
+    /// Query position of each row.
+    pub pos: Array<usize>,
+    /// Offset of each row's mask.
+    pub mask: Array<usize>,
+    /// Offset of each row's bias.
+    pub bias: Array<usize>,
+}
+
+/// Empty references for `slots` rows.
+#[cube]
+pub fn new_refs(#[comptime] slots: usize) -> RowRefs {
+    RowRefs {
+        pos: Array::new(slots),
+        mask: Array::new(slots),
+        bias: Array::new(slots),
+    }
+}
+
+/// Fills `slot` for query row `row` of the cube's key/value head: rows run over the `G`
+/// query heads of the group, `Sq` positions each, so the row is head `head0 + row / Sq`,
+/// position `row % Sq`. Rows past the end are clamped to the last row (computed, never
+/// stored).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn set_row<F: Float>(
+    refs: &mut RowRefs,
+    slot: usize,
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    batch: usize,
+    head0: usize,
+    row: usize,
+    rows: usize,
+    seq_q: usize,
+    #[comptime] c: AttnConfig,
+) {
+    let row = usize::min(row, rows - 1);
+    let head = head0 + row / seq_q;
+    let pos = row % seq_q;
+    refs.pos[slot] = pos;
+    refs.mask[slot] = 0usize;
+    refs.bias[slot] = 0usize;
+    if comptime!(c.mask) {
+        refs.mask[slot] = batch * mask.stride(0) + head * mask.stride(1) + pos * mask.stride(2);
+    }
+    if comptime!(c.bias) {
+        refs.bias[slot] = batch * bias.stride(0) + head * bias.stride(1) + pos * bias.stride(2);
+    }
+}
+
+/// Whether key `key` is visible from the row: inside the sequence (tested only when `bounds`),
+/// not masked, and (causal) not after the row's diagonal.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn visible<F: Float>(
+    mask: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] c: AttnConfig,
+    #[comptime] bounds: bool,
+) -> bool {
+    let mut ok = true;
+    if comptime!(bounds) {
+        ok = key < seq_k;
+        if comptime!(c.causal) {
+            ok = ok && key + seq_q <= refs.pos[slot] + seq_k;
+        }
+    }
+    if comptime!(c.mask) {
+        let k = usize::min(key, seq_k - 1);
+        ok = ok && f32::cast_from(mask[refs.mask[slot] + k * mask.stride(3)]) == 0.0f32;
+    }
+    ok
+}
+
+/// The score of a raw product `q·k`: scaled, softcapped, plus the bias.
+#[cube]
+pub fn score<F: Float>(
+    bias: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    raw: f32,
+    key: usize,
+    seq_k: usize,
+    scale: f32,
+    softcap: f32,
+    #[comptime] c: AttnConfig,
+) -> f32 {
+    let mut s = raw * scale;
+    if comptime!(c.softcap) {
+        s = softcap * f32::tanh(s / softcap);
+    }
+    if comptime!(c.bias) {
+        let k = usize::min(key, seq_k - 1);
+        s += f32::cast_from(bias[refs.bias[slot] + k * bias.stride(3)]);
+    }
+    s
+}
+
+/// The keys query position `pos` sees under the causal mask: `j < pos + 1 + Sk − Sq`,
+/// clamped to `0..=Sk`.
+#[cube]
+pub fn causal_end(pos: usize, seq_q: usize, seq_k: usize) -> usize {
+    let hi = pos + 1 + seq_k;
+    let mut end = 0usize;
+    if hi > seq_q {
+        end = usize::min(hi - seq_q, seq_k);
+    }
+    end
+}

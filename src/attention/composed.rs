@@ -1,0 +1,86 @@
+//! The composed attention: the scores from stock Burn ops, then burn-flash's fused
+//! `softmax(S)·V` (which never writes the probabilities and gives fully masked rows zeros).
+//! The provided body of [`crate::AttentionBackend::flash_attention`]: what NdArray and
+//! `Autodiff` run (Burn's autodiff differentiates the scores, the fused op its own backward).
+//! It materialises one `B·Hq·Sq·Sk` score tensor.
+
+use burn::tensor::{
+    Bool, Int, Tensor, TensorPrimitive,
+    backend::Backend,
+    ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
+};
+
+use super::scale_of;
+use crate::SoftmaxMatmulBackend;
+
+/// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
+/// the caller.
+pub fn forward<B: SoftmaxMatmulBackend>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    mask: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+    options: AttentionModuleOptions,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
+    let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
+    let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
+    let [batch, heads_q, seq_q, head_dim] = query.dims();
+    let [_, heads_kv, seq_k, _] = key.dims();
+    let value_dim = value.dims()[3];
+    let group = heads_q / heads_kv;
+    let scale = scale_of(&options, head_dim);
+    // The query heads of a group share one key/value head: [B, Hkv, G·Sq, D] · [B, Hkv, D, Sk].
+    let q = query.reshape([batch, heads_kv, group * seq_q, head_dim]);
+    let mut scores = q
+        .matmul(key.swap_dims(2, 3))
+        .mul_scalar(scale)
+        .reshape([batch, heads_q, seq_q, seq_k]);
+    if let Some(cap) = options.softcap {
+        // Before any −inf: tanh would map −inf to a finite value.
+        scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
+    }
+    let full = [batch, heads_q, seq_q, seq_k];
+    if let Some(mask) = mask {
+        let mask = Tensor::<B, 4, Bool>::from_primitive(mask);
+        scores = scores.mask_fill(mask.expand(full), f32::NEG_INFINITY);
+    }
+    if options.is_causal {
+        let causal = causal_mask::<B>(full, &scores.device());
+        scores = scores.mask_fill(causal, f32::NEG_INFINITY);
+    }
+    if let Some(bias) = bias {
+        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        scores = scores + bias.expand(full);
+    }
+    let scores = scores.reshape([batch * heads_kv, group * seq_q, seq_k]);
+    let value = value.reshape([batch * heads_kv, seq_k, value_dim]);
+    let (out, lse) = B::flash_softmax_matmul(
+        scores.into_primitive().tensor(),
+        value.into_primitive().tensor(),
+        Default::default(),
+    );
+    let out = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out))
+        .reshape([batch, heads_q, seq_q, value_dim]);
+    let lse = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))
+        .reshape([batch, heads_q, seq_q]);
+    (out.into_primitive().tensor(), lse.into_primitive().tensor())
+}
+
+/// `true` where key `j` is after query `i` in the bottom-right aligned causal order
+/// (`j > i + Sk − Sq`), expanded to `full` = `[B, Hq, Sq, Sk]`.
+pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
+    let (seq_q, seq_k) = (full[2], full[3]);
+    let offset = seq_k as i64 - seq_q as i64;
+    let rows = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
+        .add_scalar(offset)
+        .reshape([seq_q, 1])
+        .expand([seq_q, seq_k]);
+    let cols = Tensor::<B, 1, Int>::arange(0..seq_k as i64, device)
+        .reshape([1, seq_k])
+        .expand([seq_q, seq_k]);
+    cols.greater(rows)
+        .reshape([1, 1, seq_q, seq_k])
+        .expand(full)
+}

@@ -1,0 +1,116 @@
+//! Attention on `CubeBackend`: validate, convert the mask, allocate, launch.
+
+use burn::tensor::{
+    DType, FloatDType, Shape,
+    ops::{BoolTensorOps, FloatTensorOps},
+};
+use burn_cubecl::{
+    BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
+    ops::numeric::empty_device_dtype, tensor::CubeTensor,
+};
+use burn_flash_kernels::attention::{
+    AttentionDims, AttentionError, AttentionOptions, AttentionPlan, launch_attention,
+    plan_attention,
+};
+use burn_flash_kernels::softmax::TensorRef;
+use cubecl::prelude::ComputeClient;
+
+use super::{FlashAttentionOptions, OP, scale_of};
+
+fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
+    TensorRef {
+        handle: &t.handle,
+        shape: t.meta.shape(),
+        strides: t.meta.strides(),
+    }
+}
+
+/// The kernels crate's options for a call with head dim `head_dim`.
+pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) -> AttentionOptions {
+    let module = options.module;
+    AttentionOptions {
+        scale: scale_of(&module, head_dim) as f32,
+        softcap: module.softcap.map(|c| c as f32),
+        causal: module.is_causal,
+        kernel: options.kernel,
+    }
+}
+
+/// The plan for contiguous tensors of `dims`.
+pub(crate) fn plan<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: DType,
+    options: FlashAttentionOptions,
+) -> Result<AttentionPlan, AttentionError> {
+    let aligned = dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8);
+    plan_attention(
+        client,
+        dims,
+        dtype.into(),
+        aligned,
+        &kernel_options(options, dims.head_dim),
+    )
+}
+
+pub(crate) fn forward<R, F, I, BT>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    mask: Option<CubeTensor<R>>,
+    bias: Option<CubeTensor<R>>,
+    options: FlashAttentionOptions,
+) -> (CubeTensor<R>, CubeTensor<R>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let dtype = query.dtype;
+    // The kernels read the mask as 1 / 0 in the queries' float type.
+    let mask = mask.map(|m| {
+        let float = B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype));
+        if float.dtype != dtype {
+            B::<R, F, I, BT>::float_cast(float, FloatDType::from(dtype))
+        } else {
+            float
+        }
+    });
+    let [batch, heads_q, seq_q, head_dim]: [usize; 4] = query
+        .meta
+        .shape()
+        .to_vec()
+        .try_into()
+        .unwrap_or_else(|_| panic!("{OP}: `query` must be 4-D"));
+    let value_dim = value.meta.shape()[3];
+    let client = query.client.clone();
+    let device = query.device.clone();
+    let out = empty_device_dtype(
+        client.clone(),
+        device.clone(),
+        Shape::from([batch, heads_q, seq_q, value_dim]),
+        dtype,
+    );
+    let lse = empty_device_dtype(
+        client.clone(),
+        device,
+        Shape::from([batch, heads_q, seq_q]),
+        DType::F32,
+    );
+    launch_attention::<R>(
+        &client,
+        tensor_ref(&query),
+        tensor_ref(&key),
+        tensor_ref(&value),
+        mask.as_ref().map(tensor_ref),
+        bias.as_ref().map(tensor_ref),
+        tensor_ref(&out),
+        tensor_ref(&lse),
+        dtype.into(),
+        &kernel_options(options, head_dim),
+    )
+    .unwrap_or_else(|err| panic!("{OP}: {err}"));
+    (out, lse)
+}
