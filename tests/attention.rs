@@ -6,7 +6,10 @@
 mod common;
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
-use burn_flash::{FlashBackend, attention};
+use burn_flash::{
+    AttentionKernel, FlashAttentionOptions, FlashBackend, attention, attention::AttentionDims,
+    attention_plan, attention_with_lse,
+};
 use common::*;
 
 /// Row-major f64 copies of one call's inputs, and the reference output.
@@ -31,12 +34,14 @@ fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
 impl Case {
     /// f64 reference: scale → softcap → mask → causal → + bias → softmax (zeros for a row
     /// without a finite score) → ·V; query head `h` reads key/value head `h / (Hq / Hkv)`.
-    fn reference(&self) -> Vec<f64> {
+    /// Returns the output and the row log-sum-exp of the scores (−inf for a row without one).
+    fn reference(&self) -> (Vec<f64>, Vec<f64>) {
         let [nb, hq, sq, d] = self.q_dims;
         let [_, hkv, sk, _] = self.k_dims;
         let dv = self.dv;
         let scale = self.options.scale.unwrap_or(1.0 / (d as f64).sqrt());
         let mut out = vec![0.0; nb * hq * sq * dv];
+        let mut lse = vec![f64::NEG_INFINITY; nb * hq * sq];
         for b in 0..nb {
             for h in 0..hq {
                 let kh = h / (hq / hkv);
@@ -74,6 +79,7 @@ impl Case {
                     }
                     s.iter_mut().for_each(|x| *x = (*x - m).exp());
                     let l: f64 = s.iter().sum();
+                    lse[(b * hq + h) * sq + i] = m + l.ln();
                     let v_dims = [nb, hkv, sk, dv];
                     for c in 0..dv {
                         let o: f64 = (0..sk)
@@ -84,7 +90,7 @@ impl Case {
                 }
             }
         }
-        out
+        (out, lse)
     }
 }
 
@@ -132,6 +138,22 @@ fn check<B: FlashBackend>(
     dtype: FloatDType,
     context: &str,
 ) {
+    check_with(q, k, v, mask, bias, options.into(), dtype, context);
+}
+
+/// [`check`] with burn-flash's options (a forced kernel); returns the output.
+#[allow(clippy::too_many_arguments)]
+fn check_with<B: FlashBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    flash_options: FlashAttentionOptions,
+    dtype: FloatDType,
+    context: &str,
+) -> Vec<f64> {
+    let options = flash_options.module;
     let device = q.device();
     let case = Case {
         q: read(q.clone()),
@@ -152,18 +174,20 @@ fn check<B: FlashBackend>(
     let sk = case.k_dims[2];
     let out_dims = [nb, hq, sq, case.dv];
     poison::<B, 4>(out_dims, dtype, &device);
-    let out = attention(
+    let (out, lse) = attention_with_lse(
         q.clone(),
         k.clone(),
         v.clone(),
         mask.clone(),
         bias.clone(),
-        options,
+        flash_options,
     );
     assert_eq!(out.dims(), out_dims, "{context}: output shape");
+    assert_eq!(lse.dims(), [nb, hq, sq], "{context}: lse shape");
     sync::<B>(&device);
     let got = read(out);
-    let want = case.reference();
+    let got_lse = read(lse);
+    let (want, want_lse) = case.reference();
     let ctx = format!(
         "{context}: q {:?} k {:?} {dtype:?} {options:?}",
         case.q_dims, case.k_dims
@@ -179,6 +203,32 @@ fn check<B: FlashBackend>(
         _ => 1.0,
     };
     assert_within_naive(&got, &naive, &want, dtype, floor, &ctx);
+    check_lse(&got_lse, &want_lse, dtype, &ctx);
+    got
+}
+
+/// The log-sum-exp: −inf exactly where the reference has no visible key; elsewhere within
+/// `tol·(1 + |lse|)`. The fused kernels sum exact products of the stored inputs in f32 (a few
+/// f32 ulps, plus the fast `exp`); the composed fallback rounds the scores to the dtype first,
+/// so f16/bf16 get a few of their ulps.
+fn check_lse(got: &[f64], want: &[f64], dtype: FloatDType, context: &str) {
+    let tol = match dtype {
+        FloatDType::F32 => 2e-5,
+        _ => 4.0 * eps(dtype),
+    };
+    for (n, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w == f64::NEG_INFINITY {
+            assert!(
+                g == f64::NEG_INFINITY,
+                "{context}: lse[{n}] = {g}, expected −inf (no visible key)"
+            );
+        } else {
+            assert!(
+                (g - w).abs() <= tol * (1.0 + w.abs()),
+                "{context}: lse[{n}] = {g}, expected {w} (tolerance {tol:e}·(1 + |lse|))"
+            );
+        }
+    }
 }
 
 fn rand4<B: FlashBackend>(
@@ -452,6 +502,228 @@ fn f32_matmul_is_tf32<B: FlashBackend>(device: &B::Device) -> bool {
     worst > 1e-6
 }
 
+/// Every head dim of the list (`Dv = D`, and one `Dv ≠ D`), causal and not; a head
+/// dim above [`burn_flash::attention::MAX_HEAD_DIM`] is refused before any launch where the
+/// fused kernels run (the composed fallback takes any).
+fn head_dims<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for (d, dv, causal) in [
+        (32, 32, false),
+        (64, 64, true),
+        (80, 80, false),
+        (96, 96, true),
+        (128, 128, false),
+        (192, 192, true),
+        (256, 256, false),
+        (192, 64, false),
+        (40, 24, true),
+    ] {
+        let options = AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        };
+        let q = rand4::<B>([1, 2, 37, d], 1.0, dtype, device);
+        let k = rand4::<B>([1, 2, 70, d], 1.0, dtype, device);
+        let v = rand4::<B>([1, 2, 70, dv], 1.0, dtype, device);
+        check(
+            q,
+            k,
+            v,
+            None,
+            None,
+            options,
+            dtype,
+            &format!("D {d} Dv {dv}"),
+        );
+    }
+    let d = burn_flash::attention::MAX_HEAD_DIM + 32;
+    let dims = AttentionDims {
+        batch: 1,
+        heads_q: 1,
+        heads_kv: 1,
+        seq_q: 4,
+        seq_k: 4,
+        head_dim: d,
+        value_dim: d,
+    };
+    let fused = attention_plan::<B>(device, dims, dtype.into(), Default::default()).is_some();
+    if fused {
+        let q = rand4::<B>([1, 1, 4, d], 1.0, dtype, device);
+        let k = rand4::<B>([1, 1, 4, d], 1.0, dtype, device);
+        let v = rand4::<B>([1, 1, 4, d], 1.0, dtype, device);
+        let msg = panic_message(|| {
+            attention(q, k, v, None, None, Default::default());
+        });
+        assert!(
+            msg.contains(&format!("head dims D = {d}, Dv = {d} are not supported")),
+            "{msg}"
+        );
+    }
+    sync::<B>(device);
+}
+
+/// Query and key lengths from the list {1, 17, 97, 128, 1025, 1500}, paired so that
+/// each appears on both sides, causal for the long pairs (bottom-right aligned).
+fn sequence_lengths<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for (sq, sk, causal) in [
+        (1, 1500, false),
+        (1500, 1, false),
+        (17, 1025, true),
+        (1025, 17, false),
+        (97, 128, true),
+        (128, 97, true),
+        (1025, 1500, true),
+        (1500, 1025, true),
+        (128, 128, false),
+    ] {
+        let options = AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        };
+        let q = rand4::<B>([1, 1, sq, 64], 1.0, dtype, device);
+        let k = rand4::<B>([1, 1, sk, 64], 1.0, dtype, device);
+        let v = rand4::<B>([1, 1, sk, 64], 1.0, dtype, device);
+        check(
+            q,
+            k,
+            v,
+            None,
+            None,
+            options,
+            dtype,
+            &format!("Sq {sq} Sk {sk} causal {causal}"),
+        );
+    }
+}
+
+/// Empty batch, heads or positions give empty outputs; no keys gives zeros and lse −inf.
+fn empty_dims<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    for (nb, sq, sk) in [(0, 5, 7), (2, 0, 7)] {
+        let q = rand4::<B>([nb, 2, sq, 32], 1.0, dtype, device);
+        let k = rand4::<B>([nb, 1, sk, 32], 1.0, dtype, device);
+        let v = rand4::<B>([nb, 1, sk, 16], 1.0, dtype, device);
+        let out = attention(q, k, v, None, None, Default::default());
+        assert_eq!(out.dims(), [nb, 2, sq, 16]);
+    }
+    // No keys (Burn's fallback cannot reshape an empty key axis: checked directly).
+    let q = rand4::<B>([1, 2, 5, 32], 1.0, dtype, device);
+    let k = rand4::<B>([1, 2, 0, 32], 1.0, dtype, device);
+    let v = rand4::<B>([1, 2, 0, 16], 1.0, dtype, device);
+    poison::<B, 4>([1, 2, 5, 16], dtype, device);
+    let (out, lse) = attention_with_lse(q, k, v, None, None, Default::default());
+    assert!(
+        read(out).iter().all(|&x| x == 0.0),
+        "no keys: output not all zeros"
+    );
+    assert!(
+        read(lse).iter().all(|&x| x == f64::NEG_INFINITY),
+        "no keys: lse not all −inf"
+    );
+}
+
+/// The plan names the kernel the heuristic picks, and each kernel that can run, forced, gives
+/// the reference's values (and, where two ran, not the same bits: two kernels did run).
+/// Plain units everywhere but f16/bf16 on CUDA with 16-byte aligned rows; a forced
+/// matrix-unit kernel where it cannot run is refused before any launch, naming the reason.
+fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = |d: usize| AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 70,
+        seq_k: 90,
+        head_dim: d,
+        value_dim: d,
+    };
+    let plan = |d: usize, kernel: Option<AttentionKernel>| {
+        let options = FlashAttentionOptions {
+            kernel,
+            ..Default::default()
+        };
+        attention_plan::<B>(device, dims(d), dtype.into(), options)
+    };
+    let Some(default) = plan(64, None) else {
+        // No fused kernels (NdArray, Autodiff): the composed fallback; nothing to plan.
+        return;
+    };
+    let default = default.expect("default plan");
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let matrix_units = cuda && dtype != FloatDType::F32;
+    let expected = if matrix_units {
+        AttentionKernel::MatrixUnits
+    } else {
+        AttentionKernel::Units
+    };
+    assert_eq!(default.kernel, expected, "{dtype:?} D 64: {default:?}");
+    // D = 36: rows not 16-byte aligned → plain units.
+    assert_eq!(
+        plan(36, None).unwrap().unwrap().kernel,
+        AttentionKernel::Units
+    );
+    let mut outputs = Vec::new();
+    for kernel in [AttentionKernel::Units, AttentionKernel::MatrixUnits] {
+        let q = rand4::<B>([2, 4, 70, 64], 1.0, dtype, device);
+        let k = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
+        let v = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
+        let options = FlashAttentionOptions {
+            kernel: Some(kernel),
+            module: AttentionModuleOptions {
+                is_causal: true,
+                ..Default::default()
+            },
+        };
+        match plan(64, Some(kernel)).unwrap() {
+            Ok(p) => {
+                assert_eq!(p.kernel, kernel);
+                let got = check_with(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    None,
+                    None,
+                    options,
+                    dtype,
+                    &format!("forced {kernel:?}"),
+                );
+                outputs.push((got, (q, k, v)));
+            }
+            Err(err) => {
+                assert!(
+                    kernel == AttentionKernel::MatrixUnits && !matrix_units,
+                    "{kernel:?} refused on {device:?} {dtype:?}: {err}"
+                );
+                let msg = panic_message(|| {
+                    attention_with_lse(q, k, v, None, None, options);
+                });
+                assert!(msg.contains("MatrixUnits is not available"), "{msg}");
+            }
+        }
+    }
+    assert_eq!(outputs.len(), if matrix_units { 2 } else { 1 });
+    if let [(_, inputs), _] = &outputs[..] {
+        // The same inputs through both kernels: their roundings differ somewhere.
+        let (q, k, v) = inputs.clone();
+        let run = |kernel| {
+            let options = FlashAttentionOptions {
+                kernel: Some(kernel),
+                module: AttentionModuleOptions {
+                    is_causal: true,
+                    ..Default::default()
+                },
+            };
+            read(attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, options).0)
+        };
+        let (a, b) = (
+            run(AttentionKernel::Units),
+            run(AttentionKernel::MatrixUnits),
+        );
+        assert!(
+            a != b,
+            "both forced kernels gave identical bits: did both run?"
+        );
+    }
+    sync::<B>(device);
+}
+
 /// Bad input panics before anything runs, naming the argument.
 fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let plain = AttentionModuleOptions::default();
@@ -533,6 +805,10 @@ macro_rules! attention_suite {
                 large_logits_and_strided_inputs,
                 gradients_match_burns_fallback,
                 bad_input_is_refused,
+                head_dims,
+                sequence_lengths,
+                empty_dims,
+                planned_kernels,
             ]
         );
     };

@@ -29,6 +29,19 @@ pub fn forward<B: SoftmaxMatmulBackend>(
     let [batch, heads_q, seq_q, head_dim] = query.dims();
     let [_, heads_kv, seq_k, _] = key.dims();
     let value_dim = value.dims()[3];
+    if batch * heads_q * seq_q * value_dim == 0 || seq_k == 0 {
+        // Nothing to multiply (some backends' matmuls cannot take empty dims): no key is
+        // visible, so zeros and lse = −inf.
+        let device = query.device();
+        let dtype = query.dtype();
+        let out = Tensor::<B, 4>::zeros([batch, heads_q, seq_q, value_dim], (&device, dtype));
+        let lse = Tensor::<B, 3>::full(
+            [batch, heads_q, seq_q],
+            f32::NEG_INFINITY,
+            (&device, burn::tensor::DType::F32),
+        );
+        return (out.into_primitive().tensor(), lse.into_primitive().tensor());
+    }
     let group = heads_q / heads_kv;
     let scale = scale_of(&options, head_dim);
     // The query heads of a group share one key/value head: [B, Hkv, G·Sq, D] · [B, Hkv, D, Sk].

@@ -1,0 +1,112 @@
+//! Peak device memory of the attention forward, in its own test binary (its own process): the
+//! measurement ([`common::peak_memory`]) puts the process's memory pools in cubecl's persistent
+//! mode before any device starts, which no other test binary should share.
+
+mod common;
+
+use burn::tensor::{DType, Distribution, FloatDType, Tensor, backend::Backend, module};
+use burn_flash::{FlashBackend, attention};
+use common::peak_memory::{peak_memory, use_exact_pool};
+use common::*;
+
+/// Memory allowed beyond inputs + output + log-sum-exp: launch metadata and alignment, far
+/// below one `Sq × Sk` score matrix of the sizes below.
+const SLACK: u64 = 64 << 10;
+
+/// `(batch, heads, seq, head_dim)` of one check (`Sq = Sk`, `Dv = D`, `Hkv = Hq`).
+type Dims = (usize, usize, usize, usize);
+
+/// Checks the forward's peak memory: inputs + output + one f32 per query row + [`SLACK`].
+/// `composed = true` runs Burn's `attention_fallback` instead, which holds the scores and
+/// must fail the same check: the proof that the check can fail.
+fn check_peak<B: FlashBackend, R: cubecl::Runtime>(
+    device: &B::Device,
+    dtype: FloatDType,
+    composed: bool,
+    (b, h, s, d): Dims,
+) where
+    R::Device: From<B::Device>,
+{
+    let client = R::client(&R::Device::from(device.clone()));
+    let draw = || {
+        Tensor::<B, 4>::random([b, h, s, d], Distribution::Uniform(-1.0, 1.0), device).cast(dtype)
+    };
+    let (q, k, v) = (draw(), draw(), draw());
+    let options = burn::tensor::ops::AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    let (out, mem) = peak_memory(
+        &client,
+        || sync::<B>(device),
+        || {
+            if composed {
+                module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
+            } else {
+                attention(q.clone(), k.clone(), v.clone(), None, None, options)
+            }
+        },
+    );
+    let elem = DType::from(dtype).size() as u64;
+    let inputs = 3 * (b * h * s * d) as u64 * elem;
+    let outputs = (b * h * s * d) as u64 * elem + (b * h * s) as u64 * 4;
+    let allowed = inputs + outputs + SLACK;
+    let name = if composed { "Burn's fallback" } else { "fused" };
+    eprintln!(
+        "{name} {dtype:?} B{b} H{h} S{s} D{d}: peak {} KiB (inputs {} KiB, outputs {} KiB, \
+         allowed {} KiB)",
+        mem.peak >> 10,
+        inputs >> 10,
+        outputs >> 10,
+        allowed >> 10,
+    );
+    assert_eq!(
+        mem.peak <= allowed,
+        !composed,
+        "{name} {dtype:?}: peak {} B, allowed inputs + outputs + {SLACK} = {allowed} B ({mem:?})",
+        mem.peak
+    );
+    drop((q, k, v, out));
+}
+
+fn check_backend<B: FlashBackend, R: cubecl::Runtime>(composed: Dims, fused: &[(Dims, FloatDType)])
+where
+    R::Device: From<B::Device>,
+{
+    let device = Default::default();
+    check_peak::<B, R>(&device, FloatDType::F32, true, composed);
+    for &(dims, dtype) in fused {
+        if <B as Backend>::supports_dtype(&device, dtype.into()) {
+            check_peak::<B, R>(&device, dtype, false, dims);
+        }
+    }
+}
+
+/// Small enough for a CPU (lavapipe): the fallback's f32 scores (2 MiB) are 32 × the slack.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_forward_within_inputs_plus_output() {
+    use_exact_pool();
+    let dims = (1, 2, 512, 64);
+    check_backend::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>(
+        dims,
+        &[(dims, FloatDType::F32), (dims, FloatDType::F16)],
+    );
+}
+
+/// The issue's shape: B 4, H 16, S 16384, D 128, where the scores alone would be 32 GiB in
+/// bf16; the fallback's self-check runs at S 2048 (1 GiB of f32 scores).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_forward_within_inputs_plus_output() {
+    use_exact_pool();
+    let big = (4, 16, 16384, 128);
+    check_backend::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>(
+        (4, 16, 2048, 128),
+        &[
+            (big, FloatDType::BF16),
+            (big, FloatDType::F16),
+            ((4, 16, 4096, 128), FloatDType::F32),
+        ],
+    );
+}
