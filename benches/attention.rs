@@ -107,6 +107,13 @@ use burn::tensor::{
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use burn_flash::{FlashAttentionOptions, FlashBackend, attention::AttentionDims};
+
+/// `--block-k`, set once from the command line.
+static BLOCK_K: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+
+fn forced_block_k() -> Option<usize> {
+    BLOCK_K.get().copied().flatten()
+}
 use burn_fusion::Fusion;
 use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;
@@ -160,6 +167,9 @@ struct Cli {
     /// The bias sweep's bias is [1, H, S, S] up to this S, [1, H, 1, S] above it.
     #[arg(long, default_value_t = 4096, value_name = "S")]
     bias_full_max_s: usize,
+    /// Force burn-flash's keys per step (a tuning experiment; the plan's choice by default).
+    #[arg(long, value_name = "N")]
+    block_k: Option<usize>,
     /// Timed passes per row [default: 10; 3 with --quick].
     #[arg(long)]
     passes: Option<usize>,
@@ -265,7 +275,13 @@ impl Impl {
         let (q, k, v) = (x.q.clone(), x.k.clone(), x.v.clone());
         let (mask, bias) = (x.mask.clone(), x.bias.clone());
         match self {
-            Impl::Flash => burn_flash::attention(q, k, v, mask, bias, options),
+            Impl::Flash => {
+                let options = FlashAttentionOptions {
+                    block_k: forced_block_k(),
+                    ..options.into()
+                };
+                burn_flash::attention_with_lse(q, k, v, mask, bias, options).0
+            }
             Impl::Attention => module::attention(q, k, v, mask, bias, options),
             Impl::Fallback => module::attention_fallback(q, k, v, mask, bias, options),
         }
@@ -723,7 +739,10 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         let mut notes: Vec<String> = cfg.describe().into_iter().collect();
         if imp == Impl::Flash {
             let dtype = DType::from(cfg.dtype.dtype());
-            let options = FlashAttentionOptions::from(cfg.options());
+            let options = FlashAttentionOptions {
+                block_k: forced_block_k(),
+                ..cfg.options().into()
+            };
             match burn_flash::attention_plan::<Fu<R, BT>>(&self.device, cfg.dims(), dtype, options)
             {
                 Some(Ok(plan)) => {
@@ -915,6 +934,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
 
 fn main() {
     let cli = Cli::parse();
+    BLOCK_K.set(cli.block_k).expect("set once");
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();
     }

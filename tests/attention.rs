@@ -666,6 +666,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let v = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
         let options = FlashAttentionOptions {
             kernel: Some(kernel),
+            block_k: None,
             module: AttentionModuleOptions {
                 is_causal: true,
                 ..Default::default()
@@ -705,6 +706,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let run = |kernel| {
             let options = FlashAttentionOptions {
                 kernel: Some(kernel),
+                block_k: None,
                 module: AttentionModuleOptions {
                     is_causal: true,
                     ..Default::default()

@@ -33,6 +33,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         softcap: module.softcap.map(|c| c as f32),
         causal: module.is_causal,
         kernel: options.kernel,
+        block_k: options.block_k,
     }
 }
 

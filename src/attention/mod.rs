@@ -47,6 +47,9 @@ pub struct FlashAttentionOptions {
     /// Force a kernel (the default is the heuristic's); a kernel the device or call cannot
     /// run panics with the reason before any launch.
     pub kernel: Option<AttentionKernel>,
+    /// Force the keys per online-softmax step (see
+    /// [`burn_flash_kernels::attention::AttentionOptions::block_k`]).
+    pub block_k: Option<usize>,
 }
 
 impl From<AttentionModuleOptions> for FlashAttentionOptions {
@@ -54,6 +57,7 @@ impl From<AttentionModuleOptions> for FlashAttentionOptions {
         Self {
             module,
             kernel: None,
+            block_k: None,
         }
     }
 }

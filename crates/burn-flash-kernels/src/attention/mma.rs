@@ -3,7 +3,10 @@
 //!
 //! One cube per block of `block_q` query rows of one (batch, key/value head); its rows run over
 //! the `G` query heads of the group (GQA: the heads of a group share every `K`/`V` block the
-//! cube loads). `block_q / 16` planes of 32 lanes, 16 rows each.
+//! cube loads). `block_q / (16·row_tiles)` planes of 32 lanes, `row_tiles` tiles of 16 rows
+//! each: every `K` and `V` fragment a plane loads from shared memory feeds `row_tiles` `mma`s,
+//! which halves the shared-memory traffic per `mma` at 2 tiles (the limit of the 1-tile
+//! kernel: ~0.29 KB of `ldmatrix` per `mma` against 128 B/clock of shared memory).
 //!
 //! - The `Q` tile is copied into shared memory once (`cp.async`); each step reloads a plane's
 //!   `Q` fragments with `ldmatrix`, which keeps registers for the accumulators.
@@ -19,14 +22,17 @@
 //! - Causal: blocks of keys entirely after every row's diagonal are never loaded (the loop
 //!   stops before them); only the blocks that cross a diagonal (or the end) test each key.
 
-use cubecl::{cmma::MmaDefinition, ir::FastMath, prelude::barrier::Barrier, prelude::*};
+use cubecl::{
+    cmma::MmaDefinition,
+    ir::{FastMath, MatrixIdent},
+    prelude::barrier::Barrier,
+    prelude::*,
+};
 
 use super::AttnConfig;
 use super::scores::{RowRefs, causal_end, new_refs, score, set_row, visible};
 use crate::flash::{inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
-use crate::fragment::{
-    MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, quad_sum, zero_accumulators,
-};
+use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, quad_max, quad_sum, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Elements per 16-byte vector of a 16-bit type: the kernel's `NV`.
@@ -114,9 +120,14 @@ fn stage_q<F: Float, NV: Size>(
     }
 }
 
-/// One step of `block_k` keys for one plane: `S = Q·Kᵀ`, the finished scores, the online
-/// softmax update and `O += P·V`. `bounds` (the blocks that cross the end of the keys or a
-/// diagonal) tests each key's position.
+/// One step of `block_k` keys for one plane (`row_tiles` tiles of 16 query rows): `S = Q·Kᵀ`,
+/// the finished scores, the online softmax update and `O += P·V`. Each `K` and `V` fragment is
+/// loaded once for all the plane's row tiles. `bounds` (the blocks that cross the end of the
+/// keys or a diagonal) tests each key's position.
+///
+/// Slots: row tile `rt`, half `h` (rows `r`, `r + 8`) is slot `2·rt + h` of `m`, `l` and
+/// `refs`; `S` tile `j` of row tile `rt` is `s[rt·key_tiles + j]`, output tile `nt` is
+/// `acc[rt·value_tiles + nt]`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn step<F: Float, NV: Size>(
@@ -145,33 +156,40 @@ fn step<F: Float, NV: Size>(
     let mat = lane / 8;
     let mat_row = lane % 8;
     let quad = (lane % 4) as usize;
+    let rts = comptime!(c.row_tiles);
     let q_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let k_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let key_tiles = comptime!(c.block_k / MMA_N);
+    let value_tiles = comptime!(c.value_dim / MMA_N);
 
-    // -- S = Q·Kᵀ: per 16 dims, one Q fragment and, per 16 keys, one `ldmatrix.x4` of K --
-    let mut s = zero_accumulators(key_tiles);
+    // -- S = Q·Kᵀ: per 16 dims, one Q fragment per row tile and, per 16 keys, one
+    // `ldmatrix.x4` of K shared by the row tiles --
+    let mut s = zero_accumulators(comptime!(rts * key_tiles));
     // ldmatrix rows of this lane: Q row (matrices 1, 3: + 8), column + 8 for matrices 2, 3;
     // K key (matrices 2, 3: + 8), dim + 8 for matrices 1, 3.
-    let q_row = (plane * MMA_M + (mat % 2) * 8 + mat_row) as usize;
+    let q_row = (plane * MMA_M * rts + (mat % 2) * 8 + mat_row) as usize;
     let q_base = q_row * q_ldv + (mat / 2) as usize;
     let k_base = k_buf + ((mat / 2) * 8 + mat_row) as usize * k_ldv + (mat % 2) as usize;
     #[unroll]
     for kd in 0..comptime!(c.head_dim / 16) {
-        let qa = q_base + comptime!(kd as usize * 2);
-        let a = def.load_matrix::<Vector<F, NV>, Const<2>>(
-            &q_s.slice(qa, qa + 1),
-            cubecl::ir::MatrixIdent::A,
-            4usize,
-            false,
-        );
+        let mut qa = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for rt in 0..rts {
+            let at = q_base + comptime!((rt * MMA_M) as usize * q_ldv + kd as usize * 2);
+            qa.push(def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &q_s.slice(at, at + 1),
+                MatrixIdent::A,
+                4usize,
+                false,
+            ));
+        }
         #[unroll]
         for jp in 0..comptime!(c.block_k / 16) {
             let ka = k_base + comptime!((jp * 16) as usize * k_ldv + kd as usize * 2);
             let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
                 &k_s.slice(ka, ka + 1),
-                cubecl::ir::MatrixIdent::B,
+                MatrixIdent::B,
                 4usize,
                 false,
             );
@@ -181,85 +199,134 @@ fn step<F: Float, NV: Size>(
             b0[1usize] = regs[1usize];
             b1[0usize] = regs[2usize];
             b1[1usize] = regs[3usize];
-            def.execute_inplace(&a, &b0, s.index_mut(comptime!(2 * jp) as usize));
-            def.execute_inplace(&a, &b1, s.index_mut(comptime!(2 * jp + 1) as usize));
+            #[unroll]
+            for rt in 0..rts {
+                let a = qa.index(rt as usize);
+                def.execute_inplace(
+                    a,
+                    &b0,
+                    s.index_mut(comptime!(rt * key_tiles + 2 * jp) as usize),
+                );
+                def.execute_inplace(
+                    a,
+                    &b1,
+                    s.index_mut(comptime!(rt * key_tiles + 2 * jp + 1) as usize),
+                );
+            }
         }
     }
 
-    // -- finished scores and the step's row maxima (visible keys only) --
-    let mut vis = Array::<bool>::new(comptime!(key_tiles as usize * 4));
-    let mut step_max = Array::<f32>::new(2usize);
-    step_max[0usize] = f32::min_value();
-    step_max[1usize] = f32::min_value();
+    // -- finished scores (invisible keys: the lowest value, no probability) and the step's row
+    // maxima --
+    let mut step_max = Array::<f32>::new(comptime!(2 * rts as usize));
     #[unroll]
-    for j in 0..key_tiles {
-        let frag = s.index_mut(j as usize);
+    for rt in 0..rts {
         #[unroll]
-        for h in 0..2usize {
-            let mut vec = frag[h];
+        for h in 0..2u32 {
+            let slot = (2 * rt + h) as usize;
+            step_max[slot] = f32::min_value();
             #[unroll]
-            for n in 0..2usize {
-                let key = j0 + (j * MMA_N) as usize + quad * 2 + n;
-                let x = score::<F>(bias, refs, h, vec[n], key, seq_k, scale, softcap, c);
-                let ok = visible::<F>(mask, refs, h, key, seq_q, seq_k, c, bounds);
-                vis[(j as usize * 2 + h) * 2 + n] = ok;
-                vec[n] = x;
-                step_max[h] = select(ok, f32::max(step_max[h], x), step_max[h]);
+            for j in 0..key_tiles {
+                let frag = s.index_mut(comptime!(rt * key_tiles + j) as usize);
+                let mut vec = frag[h as usize];
+                #[unroll]
+                for n in 0..2usize {
+                    let key = j0 + (j * MMA_N) as usize + quad * 2 + n;
+                    let x = score::<F>(bias, refs, slot, vec[n], key, seq_k, scale, softcap, c);
+                    let ok = visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, bounds);
+                    vec[n] = select(ok, x, f32::min_value());
+                    step_max[slot] = f32::max(step_max[slot], vec[n]);
+                }
+                frag[h as usize] = vec;
             }
-            frag[h] = vec;
         }
     }
 
     // -- move the reference maxima (lazily; every lane of a plane agrees on whether) --
-    let mut m_new = Array::<f32>::new(2usize);
+    let mut m_new = Array::<f32>::new(comptime!(2 * rts as usize));
     let mut moved = false;
     #[unroll]
-    for h in 0..2usize {
-        m_new[h] = next_reference(m[h], quad_max(step_max[h]), true);
-        moved = moved || m_new[h] != m[h];
+    for slot in 0..comptime!(2 * rts as usize) {
+        m_new[slot] = next_reference(m[slot], quad_max(step_max[slot]), true);
+        moved = moved || m_new[slot] != m[slot];
     }
     if plane_any(moved) {
-        let mut alpha = Array::<f32>::new(2usize);
+        let mut alpha = Array::<f32>::new(comptime!(2 * rts as usize));
         #[unroll]
-        for h in 0..2usize {
-            alpha[h] = rescale_factor(m[h], m_new[h]);
-            m[h] = m_new[h];
-            l[h] *= alpha[h];
+        for slot in 0..comptime!(2 * rts as usize) {
+            alpha[slot] = rescale_factor(m[slot], m_new[slot]);
+            m[slot] = m_new[slot];
+            l[slot] *= alpha[slot];
         }
         #[unroll]
-        for nt in 0..comptime!(c.value_dim / MMA_N) {
-            let frag = acc.index_mut(nt as usize);
+        for rt in 0..rts {
             #[unroll]
-            for h in 0..2usize {
-                frag[h] = frag[h] * Vector::new(alpha[h]);
+            for nt in 0..value_tiles {
+                let frag = acc.index_mut(comptime!(rt * value_tiles + nt) as usize);
+                #[unroll]
+                for h in 0..2u32 {
+                    frag[h as usize] = frag[h as usize] * Vector::new(alpha[(2 * rt + h) as usize]);
+                }
             }
         }
     }
 
-    // -- per 16 keys: P (the A fragment of tiles 2κ and 2κ + 1), then O += P·V --
+    // -- per 16 keys: P (the A fragment of S tiles 2κ and 2κ + 1), then O += P·V with each V
+    // fragment pair (`ldmatrix.x4.trans`) shared by the row tiles --
     let v_lane = v_buf + ((mat % 2) * 8 + mat_row) as usize * v_ldv + (mat / 2) as usize;
     #[unroll]
     for kc in 0..comptime!(c.block_k / 16) {
-        let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+        let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
-        for i in 0..4u32 {
-            // A register i: row r + 8·(i % 2), keys 16κ + 8·(i / 2) + 2t + n.
-            let j = comptime!(2 * kc + i / 2);
-            let h = (i % 2) as usize;
-            let vec = s.index(j as usize)[h];
-            let mut pair = Vector::<F, Const<2>>::empty();
+        for rt in 0..rts {
+            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
             #[unroll]
-            for n in 0..2usize {
-                let p = probability(vec[n], m[h], vis[(j as usize * 2 + h) * 2 + n]);
-                l[h] += p;
-                pair[n] = F::cast_from(p);
+            for i in 0..4u32 {
+                // A register i: row r + 8·(i % 2), keys 16κ + 8·(i / 2) + 2t + n.
+                let j = comptime!(rt * key_tiles + 2 * kc + i / 2);
+                let slot = (2 * rt + i % 2) as usize;
+                let vec = s.index(j as usize)[(i % 2) as usize];
+                let mut pair = Vector::<F, Const<2>>::empty();
+                #[unroll]
+                for n in 0..2usize {
+                    let x = vec[n];
+                    let p = probability(x, m[slot], x > f32::min_value());
+                    l[slot] += p;
+                    pair[n] = F::cast_from(p);
+                }
+                a[i as usize] = pair;
             }
-            a[i as usize] = pair;
+            pa.push(a);
         }
         #[unroll]
         for np in 0..comptime!(c.value_dim / 16) {
             let start = v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
-            mma_v_pair::<F, NV>(&a, v_s, start, acc, np);
+            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &v_s.slice(start, start + 1),
+                MatrixIdent::B,
+                4usize,
+                true,
+            );
+            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+            b0[0usize] = regs[0usize];
+            b0[1usize] = regs[1usize];
+            b1[0usize] = regs[2usize];
+            b1[1usize] = regs[3usize];
+            #[unroll]
+            for rt in 0..rts {
+                let a = pa.index(rt as usize);
+                def.execute_inplace(
+                    a,
+                    &b0,
+                    acc.index_mut(comptime!(rt * value_tiles + 2 * np) as usize),
+                );
+                def.execute_inplace(
+                    a,
+                    &b1,
+                    acc.index_mut(comptime!(rt * value_tiles + 2 * np + 1) as usize),
+                );
+            }
         }
     }
 }
@@ -285,7 +352,7 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     #[comptime] c: AttnConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let units = comptime!((c.block_q / MMA_M) * PLANE);
+    let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
     let bk = comptime!(c.block_k) as usize;
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
     let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
@@ -304,7 +371,8 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
-    let my_row = block_row0 + (plane * MMA_M + lane / 4) as usize;
+    let rts = comptime!(c.row_tiles);
+    let my_row = block_row0 + (plane * MMA_M * rts + lane / 4) as usize;
 
     // -- the keys this cube needs: with a causal mask, up to its last row's diagonal --
     let last = usize::min(block_row0 + comptime!(c.block_q as usize), rows) - 1;
@@ -334,30 +402,22 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let mut refs = new_refs(2usize);
+    let slots = comptime!(2 * c.row_tiles as usize);
+    let mut refs = new_refs(slots);
+    let mut m = Array::<f32>::new(slots);
+    let mut l = Array::<f32>::new(slots);
     #[unroll]
-    for h in 0..2usize {
+    for slot in 0..slots {
+        // Slot 2·rt + h: row r + 16·rt + 8·h.
+        let row = my_row + slot * 8;
         set_row::<F>(
-            &mut refs,
-            h,
-            mask,
-            bias,
-            batch,
-            head0,
-            my_row + h * 8,
-            rows,
-            seq_q,
-            c,
+            &mut refs, slot, mask, bias, batch, head0, row, rows, seq_q, c,
         );
+        m[slot] = f32::min_value();
+        l[slot] = 0.0f32;
     }
-    let mut acc = zero_accumulators(comptime!(c.value_dim / MMA_N));
-    let mut m = Array::<f32>::new(2usize);
-    let mut l = Array::<f32>::new(2usize);
-    #[unroll]
-    for h in 0..2usize {
-        m[h] = f32::min_value();
-        l[h] = 0.0f32;
-    }
+    let value_tiles = comptime!(c.value_dim / MMA_N);
+    let mut acc = zero_accumulators(comptime!(c.row_tiles * value_tiles));
 
     // -- prologue: Q and step 0's K, V --
     stage_q::<F, NV>(
@@ -463,33 +523,34 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     }
 
     // -- normalise and store --
-    let mut inv = Array::<f32>::new(2usize);
+    let mut inv = Array::<f32>::new(slots);
     #[unroll]
-    for h in 0..2usize {
-        let total = quad_sum(l[h]);
-        inv[h] = inverse_sum(total);
-        let row = my_row + h * 8;
+    for slot in 0..slots {
+        let total = quad_sum(l[slot]);
+        inv[slot] = inverse_sum(total);
+        let row = my_row + slot * 8;
         if quad == 0 && row < rows {
             let head = head0 + row / seq_q;
             let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-            lse[at] = log_sum_exp(m[h], total);
+            lse[at] = log_sum_exp(m[slot], total);
         }
     }
     #[unroll]
-    for h in 0..2usize {
-        let row = my_row + h * 8;
+    for slot in 0..slots {
+        let row = my_row + slot * 8;
+        let (rt, h) = (comptime!(slot / 2), comptime!(slot % 2));
         if row < rows {
             let o_base = batch * out.stride(0)
                 + (head0 + row / seq_q) * out.stride(1)
                 + (row % seq_q) * out.stride(2);
             #[unroll]
-            for nt in 0..comptime!(c.value_dim / MMA_N) {
-                let vec = acc.index(nt as usize)[h];
+            for nt in 0..value_tiles {
+                let vec = acc.index(comptime!(rt as u32 * value_tiles + nt) as usize)[h];
                 #[unroll]
                 for n in 0..2usize {
                     let col = (nt * MMA_N) as usize + quad * 2 + n;
                     if col < value_dim {
-                        out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv[h]);
+                        out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv[slot]);
                     }
                 }
             }

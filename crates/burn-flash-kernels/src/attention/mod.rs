@@ -43,6 +43,8 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub struct AttnConfig {
     /// Query rows per cube.
     pub block_q: u32,
+    /// Tiles of 16 query rows per plane (matrix-unit kernel; 1 elsewhere).
+    pub row_tiles: u32,
     /// Keys per step of the online softmax.
     pub block_k: u32,
     /// Head dim of `q`/`k`, rounded up to the kernel's granule.
@@ -80,6 +82,9 @@ pub struct AttentionOptions {
     pub causal: bool,
     /// Force a kernel; an impossible choice is an error, never a silent fallback.
     pub kernel: Option<AttentionKernel>,
+    /// Force the keys per step: a multiple of 16 up to 128 on the matrix units, [`units::BLOCK_K`]
+    /// on plain units; an impossible choice is an error.
+    pub block_k: Option<usize>,
 }
 
 /// Sizes of one call.
@@ -108,6 +113,8 @@ pub struct AttentionPlan {
     pub kernel: AttentionKernel,
     /// Query rows per cube (rows run over the query heads of a group).
     pub block_q: usize,
+    /// Tiles of 16 query rows per plane (matrix units; 1 on plain units).
+    pub row_tiles: usize,
     /// Keys per online-softmax step.
     pub block_k: usize,
     /// Head dim the kernel is compiled for (`D` rounded up).
@@ -284,6 +291,7 @@ pub fn plan_attention<R: Runtime>(
     };
     let base = AttnConfig {
         block_q: 0,
+        row_tiles: 1,
         block_k: 0,
         head_dim: 0,
         value_dim: 0,
@@ -297,30 +305,52 @@ pub fn plan_attention<R: Runtime>(
         AttentionKernel::MatrixUnits => {
             let d = head_dim.next_multiple_of(16) as u32;
             let dv = value_dim.next_multiple_of(16) as u32;
-            let wide = d.max(dv) > 128;
+            // Two row tiles per plane (128 rows per cube) while the accumulators fit the
+            // registers (Dv ≤ 128); 64 keys per step up to D = 64, 32 beyond.
+            let row_tiles = if dv <= 128 { 2 } else { 1 };
             let mut config = AttnConfig {
-                block_q: 64,
-                block_k: if wide { 32 } else { 64 },
+                block_q: 64 * row_tiles,
+                row_tiles,
+                block_k: if d.max(dv) <= 64 { 64 } else { 32 },
                 head_dim: d,
                 value_dim: dv,
                 ..base
             };
-            if mma::shared_bytes(config) > max_shared {
+            if let Some(bk) = options.block_k {
+                if bk == 0 || !bk.is_multiple_of(16) || bk > 128 {
+                    return Err(AttentionError::InvalidOption {
+                        reason: format!(
+                            "block_k {bk} on the matrix units: a multiple of 16 up to 128"
+                        ),
+                    });
+                }
+                config.block_k = bk as u32;
+            } else if mma::shared_bytes(config) > max_shared {
                 config.block_k = 16;
             }
             config
         }
-        AttentionKernel::Units => AttnConfig {
-            block_q: units::BLOCK_Q,
-            block_k: units::BLOCK_K,
-            head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
-            value_dim: value_dim.next_multiple_of(units::V_CHUNK as usize) as u32,
-            ..base
-        },
+        AttentionKernel::Units => {
+            if let Some(bk) = options.block_k.filter(|&bk| bk != units::BLOCK_K as usize) {
+                return Err(AttentionError::InvalidOption {
+                    reason: format!(
+                        "block_k {bk} on plain units: the kernel takes {} keys per step",
+                        units::BLOCK_K
+                    ),
+                });
+            }
+            AttnConfig {
+                block_q: units::BLOCK_Q,
+                block_k: units::BLOCK_K,
+                head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
+                value_dim: value_dim.next_multiple_of(units::V_CHUNK as usize) as u32,
+                ..base
+            }
+        }
     };
     let (units, shared_bytes) = match kernel {
         AttentionKernel::MatrixUnits => (
-            (config.block_q / fragment::MMA_M) * fragment::PLANE,
+            (config.block_q / (fragment::MMA_M * config.row_tiles)) * fragment::PLANE,
             mma::shared_bytes(config),
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes()),
@@ -347,6 +377,7 @@ pub fn plan_attention<R: Runtime>(
     Ok(AttentionPlan {
         kernel,
         block_q: config.block_q as usize,
+        row_tiles: config.row_tiles as usize,
         block_k: config.block_k as usize,
         head_dim: config.head_dim as usize,
         value_dim: config.value_dim as usize,
@@ -488,6 +519,7 @@ pub fn launch_attention<R: Runtime>(
     }
     let config = AttnConfig {
         block_q: plan.block_q as u32,
+        row_tiles: plan.row_tiles as u32,
         block_k: plan.block_k as u32,
         head_dim: plan.head_dim as u32,
         value_dim: plan.value_dim as u32,
