@@ -20,6 +20,9 @@ pub enum Mutation {
     /// `no-rescale`: the online softmax never rescales what it accumulated when the running
     /// maximum grows (`e^(m − m')` forced to 1).
     NoRescale,
+    /// `causal-top-left`: attention's causal mask aligned top-left (`j ≤ i`) instead of
+    /// bottom-right (`j ≤ i + Sk − Sq`); the same when `Sq = Sk`.
+    CausalTopLeft,
 }
 
 impl Mutation {
@@ -29,6 +32,7 @@ impl Mutation {
             Self::ZeroDx => "zero-dx",
             Self::DropDelta => "drop-delta",
             Self::NoRescale => "no-rescale",
+            Self::CausalTopLeft => "causal-top-left",
         }
     }
 }
@@ -39,10 +43,15 @@ pub fn active(mutation: Mutation) -> bool {
     static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let chosen = CHOSEN.get_or_init(|| {
         let name = std::env::var("BURN_FLASH_MUTATION").ok()?;
-        let known = [Mutation::ZeroDx, Mutation::DropDelta, Mutation::NoRescale];
+        let known = [
+            Mutation::ZeroDx,
+            Mutation::DropDelta,
+            Mutation::NoRescale,
+            Mutation::CausalTopLeft,
+        ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -70,4 +79,9 @@ pub fn drop_delta() -> bool {
 /// [`Mutation::NoRescale`] is active.
 pub fn no_rescale() -> bool {
     active(Mutation::NoRescale)
+}
+
+/// [`Mutation::CausalTopLeft`] is active.
+pub fn causal_top_left() -> bool {
+    active(Mutation::CausalTopLeft)
 }

@@ -81,7 +81,11 @@ pub fn visible<F: Float>(
     if comptime!(bounds) {
         ok = key < seq_k;
         if comptime!(c.causal) {
-            ok = ok && key + seq_q <= refs.pos[slot] + seq_k;
+            if comptime!(crate::mutation::causal_top_left()) {
+                ok = ok && key <= refs.pos[slot];
+            } else {
+                ok = ok && key + seq_q <= refs.pos[slot] + seq_k;
+            }
         }
     }
     if comptime!(c.mask) {
@@ -119,7 +123,10 @@ pub fn score<F: Float>(
 /// clamped to `0..=Sk`.
 #[cube]
 pub fn causal_end(pos: usize, seq_q: usize, seq_k: usize) -> usize {
-    let hi = pos + 1 + seq_k;
+    let mut hi = pos + 1 + seq_k;
+    if comptime!(crate::mutation::causal_top_left()) {
+        hi = pos + 1 + seq_q;
+    }
     let mut end = 0usize;
     if hi > seq_q {
         end = usize::min(hi - seq_q, seq_k);
