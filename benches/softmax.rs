@@ -45,7 +45,7 @@ use burn::tensor::{
     DType, Distribution, FloatDType, Tensor, TensorPrimitive, activation, backend::Backend,
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
-use burn_flash::{FlashBackend, SoftmaxOptions, SoftmaxVariant};
+use burn_flash::{FlashBackend, SoftmaxBackend, SoftmaxOptions, SoftmaxVariant};
 use burn_fusion::Fusion;
 use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;

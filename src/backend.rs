@@ -50,7 +50,7 @@ pub trait SoftmaxBackend: Backend {
         softmax::reference::forward::<Self>(x, dim, variant)
     }
 
-    /// Gradient of [`FlashBackend::flash_softmax`] from its output `y` and the output gradient
+    /// Gradient of [`SoftmaxBackend::flash_softmax`] from its output `y` and the output gradient
     /// `dy`.
     fn flash_softmax_backward(
         y: FloatTensor<Self>,
@@ -103,7 +103,7 @@ pub trait SoftmaxMatmulBackend: Backend {
         softmax_matmul::reference::forward::<Self>(x, v)
     }
 
-    /// Gradients `(dx, dv)` of [`FlashBackend::flash_softmax_matmul`] from its inputs, its
+    /// Gradients `(dx, dv)` of [`SoftmaxMatmulBackend::flash_softmax_matmul`] from its inputs, its
     /// outputs and the output gradient `d_out`.
     fn flash_softmax_matmul_backward(
         x: FloatTensor<Self>,

@@ -22,8 +22,10 @@
 //! range) and most steps skip the rescale of `O` (whose cost grows with the output width).
 //! The result is exact either way: `O / l` and `m + ln l` do not depend on which `m` was used.
 //!
-//! Where the scores come from is the kernel's business: given in memory (`softmax_matmul`) or
-//! computed on chip as `Q·Kᵀ` (attention). This module holds the update itself.
+//! Where the scores come from is the kernel's business: given in memory (every
+//! `softmax_matmul` forward kernel) or computed on chip as `Q·Kᵀ` (both attention kernels). All
+//! of them take the update from here; they differ in where the scores live (registers of an
+//! `mma` fragment, a unit's register tile) and in how a row's maximum is reduced.
 
 use cubecl::prelude::*;
 

@@ -10,6 +10,8 @@
 
 use cubecl::prelude::*;
 
+use crate::flash::{inverse_sum, log_sum_exp, next_reference, rescale_factor};
+
 // These kernels keep the accurate `exp`: with the approximate one the f32 forward's error
 // exceeded twice that of Burn's naive composition on some random inputs (d2 = 1025).
 
@@ -209,15 +211,12 @@ pub fn smm_forward<F: Float, NT: Size>(
             psum[e as usize] = 0.0f32;
             if idx < b1 * groups {
                 let (r, g) = (idx / groups, idx % groups);
-                let mut m_new = m[e as usize];
+                let mut step_max = f32::min_value();
                 for q in 0..groups {
-                    m_new = f32::max(m_new, red[(r * groups + q) as usize]);
+                    step_max = f32::max(step_max, red[(r * groups + q) as usize]);
                 }
-                // Both finite (seeded with the lowest finite value): never −inf − (−inf).
-                alpha[e as usize] = f32::exp(m[e as usize] - m_new);
-                if comptime!(crate::mutation::no_rescale()) {
-                    alpha[e as usize] = 1.0f32;
-                }
+                let m_new = next_reference(m[e as usize], step_max, false);
+                alpha[e as usize] = rescale_factor(m[e as usize], m_new);
                 m[e as usize] = m_new;
                 let xv = xg[e as usize];
                 let mut p = Vector::<f32, Const<4>>::new(0.0f32);
@@ -294,7 +293,7 @@ pub fn smm_forward<F: Float, NT: Size>(
             if row < d1 && CUBE_POS_X == 0 {
                 // ln 0 = −inf: a row without a finite score gets lse = −inf.
                 let at = batch * lse.stride(0) + row * lse.stride(1);
-                lse[at] = m[e as usize] + f32::ln(l[e as usize]);
+                lse[at] = log_sum_exp(m[e as usize], l[e as usize]);
             }
         }
     }
@@ -306,7 +305,7 @@ pub fn smm_forward<F: Float, NT: Size>(
         let r = ty * tm + i;
         let row = row0 + r as usize;
         let sum = row_s[r as usize];
-        let inv = select(sum == 0.0f32, 0.0f32, 1.0f32 / sum);
+        let inv = inverse_sum(sum);
         let vec = acc[i as usize];
         #[unroll]
         for c in 0..nt {

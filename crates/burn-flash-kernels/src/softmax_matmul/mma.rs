@@ -11,6 +11,7 @@ use cubecl::{
 };
 
 use super::kernel::ForwardTiles;
+use crate::flash::{inverse_sum, log_sum_exp, next_reference, rescale_factor};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, quad_sum, slot_of};
 
 /// Shared memory of [`smm_forward_mma16()`]: the padded `X` and `V` tiles.
@@ -163,11 +164,8 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
         let mut alpha = Array::<f32>::new(2usize);
         #[unroll]
         for r in 0..2usize {
-            let m_new = f32::max(m[r], quad_max(step_max[r]));
-            alpha[r] = f32::exp(m[r] - m_new);
-            if comptime!(crate::mutation::no_rescale()) {
-                alpha[r] = 1.0f32;
-            }
+            let m_new = next_reference(m[r], quad_max(step_max[r]), false);
+            alpha[r] = rescale_factor(m[r], m_new);
             m[r] = m_new;
             l[r] *= alpha[r];
         }
@@ -238,11 +236,11 @@ pub fn smm_forward_mma16<F: Float, NV: Size>(
     #[unroll]
     for r in 0..2usize {
         let total = quad_sum(l[r]);
-        inv[r] = select(total == 0.0f32, 0.0f32, 1.0f32 / total);
+        inv[r] = inverse_sum(total);
         let row = row0 + (lane / 4 + r as u32 * 8) as usize;
         if (lane & 3) == 0 && row < d1 && CUBE_POS_X == 0 {
             let at = batch * lse.stride(0) + row * lse.stride(1);
-            lse[at] = m[r] + f32::ln(total);
+            lse[at] = log_sum_exp(m[r], total);
         }
     }
     let (os1, os2) = (out.stride(1), out.stride(2));

@@ -26,6 +26,7 @@ use cubecl::{
 };
 
 use super::kernel::ForwardTiles;
+use crate::flash::{LAZY_RESCALE, inverse_sum, log_sum_exp, next_reference, rescale_factor};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, mma_v_pair, quad_max, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 /// Columns of `X` one lane-quad loads per chunk: 4 lanes × 8 elements (16 bytes each).
@@ -119,11 +120,6 @@ fn load_x<F: Float, NV: Size>(
     }
 }
 
-/// How far the running maximum may rise above the reference `m` the exponentials are taken
-/// against before `m` (and the accumulators) are updated: `P = e^(x − m)` then stays below
-/// `e^8 ≈ 2981`, well inside f16's range, and most steps skip the rescale.
-const LAZY_RESCALE: f32 = 8.0;
-
 /// One step of `block_2` columns: the row maxima of this lane's scores `xr`, the (lazy)
 /// rescale, and per `mma` step `P = e^(x − m)` as an A operand and `acc += P·V` with `V` from
 /// the shared buffer at `buf`. `masked` (the last, partial step) zeroes the columns past `d2`.
@@ -185,7 +181,9 @@ fn pv_step<F: Float, NV: Size>(
     let mut grow = false;
     #[unroll]
     for h in 0..2usize {
-        m_new[h] = f32::max(m[h], quad_max(f32::cast_from(step_max[h])));
+        // The lazy rule of `crate::flash`, per plane: when one row outgrows its reference by
+        // more than LAZY_RESCALE, every row of the plane moves to its exact maximum.
+        m_new[h] = next_reference(m[h], quad_max(f32::cast_from(step_max[h])), false);
         grow = grow || m_new[h] > m[h] + LAZY_RESCALE;
     }
     if plane_any(grow) {
@@ -193,10 +191,7 @@ fn pv_step<F: Float, NV: Size>(
         #[unroll]
         for h in 0..2usize {
             // Every row moves to its exact maximum (finite: seeded with the lowest value).
-            alpha[h] = f32::exp(m[h] - m_new[h]);
-            if comptime!(crate::mutation::no_rescale()) {
-                alpha[h] = 1.0f32;
-            }
+            alpha[h] = rescale_factor(m[h], m_new[h]);
             m[h] = m_new[h];
             l[h] = l[h] * Vector::new(alpha[h]);
         }
@@ -370,11 +365,11 @@ pub fn smm_forward_pipelined<F: Float, NV: Size>(
     #[unroll]
     for h in 0..2usize {
         let total = l[h][0usize];
-        inv[h] = select(total == 0.0f32, 0.0f32, 1.0f32 / total);
+        inv[h] = inverse_sum(total);
         let row = my_row + h * 8;
         if quad == 0 && row < d1 && CUBE_POS_X == 0 {
             let at = batch * lse.stride(0) + row * lse.stride(1);
-            lse[at] = m[h] + f32::ln(total);
+            lse[at] = log_sum_exp(m[h], total);
         }
     }
     let (os1, os2) = (out.stride(1), out.stride(2));

@@ -29,6 +29,8 @@
 
 use cubecl::prelude::*;
 
+use crate::flash::{inverse_sum, log_sum_exp, next_reference, rescale_factor};
+
 /// Units per cube.
 pub const UNITS: u32 = 256;
 /// Rows of `X` (and of the output) per cube.
@@ -37,9 +39,6 @@ pub const TILE_M: u32 = 128;
 pub const TILE_N: u32 = 128;
 /// Columns of `X` (rows of `V`) per step.
 pub const STEP: u32 = 16;
-/// How far a row's maximum may rise above the reference the exponentials are taken against
-/// before the reference (and the accumulators) move: `P ≤ e^8`, and most steps skip the rescale.
-const LAZY_RESCALE: f32 = 8.0;
 
 /// Units that build `P` (the others stage `V`).
 pub(super) const SCORE_UNITS: u32 = 128;
@@ -207,14 +206,12 @@ fn build_step<F: Float, NV: Size>(
         let mut p = Array::<f32>::new(16usize);
         #[unroll]
         for i in 0..4usize {
-            // Both finite (seeded with the lowest finite value): never −inf − (−inf).
+            // The lazy rule of `crate::flash`: most steps keep the reference (α = 1, no exp).
             let mut a = 1.0f32;
-            if rmax[i] > m[i] + LAZY_RESCALE {
-                a = f32::exp(m[i] - rmax[i]);
-                if comptime!(crate::mutation::no_rescale()) {
-                    a = 1.0f32;
-                }
-                m[i] = rmax[i];
+            let m_new = next_reference(m[i], rmax[i], true);
+            if m_new != m[i] {
+                a = rescale_factor(m[i], m_new);
+                m[i] = m_new;
                 l[i] *= a;
             }
             alpha[i] = a;
@@ -453,7 +450,7 @@ pub fn smm_forward_tiled<F: Float, NV: Size>(
             if UNIT_POS % 4 == 0 && row < d1 && CUBE_POS_X == 0 {
                 // ln 0 = −inf: a row without a finite score gets lse = −inf.
                 let at = batch * lse.stride(0) + row * lse.stride(1);
-                lse[at] = m[i] + f32::ln(total);
+                lse[at] = log_sum_exp(m[i], total);
             }
         }
         if UNIT_POS % 4 == 0 {
@@ -470,7 +467,7 @@ pub fn smm_forward_tiled<F: Float, NV: Size>(
         #[unroll]
         for i in 0..4u32 {
             let total = sums[i as usize];
-            let inv = select(total == 0.0f32, 0.0f32, 1.0f32 / total);
+            let inv = inverse_sum(total);
             let row = row0 + (64 * h + 4 * ty + i) as usize;
             if row < d1 {
                 #[unroll]
