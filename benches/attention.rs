@@ -524,28 +524,6 @@ fn peak_memory_mib<R: CubeRuntime, T>(
     (inputs_bytes + m.peak.saturating_sub(m.before)) as f64 / (1 << 20) as f64
 }
 
-/// Fills the peak column of each row of `csv` from the row with the same configuration in the
-/// `--memory-only` run's `peak` file (rows without one keep an empty peak).
-fn merge_peaks(csv: &Path, peak: &Path) {
-    let read = |path: &Path| -> Vec<Row> {
-        csv::Reader::from_path(path)
-            .map(|mut r| r.deserialize().filter_map(Result::ok).collect())
-            .unwrap_or_default()
-    };
-    let peaks = read(peak);
-    let mut rows = read(csv);
-    for row in &mut rows {
-        if let Some(p) = peaks.iter().find(|p| p.key() == row.key()) {
-            row.peak_mib = p.peak_mib;
-        }
-    }
-    let mut out = csv::Writer::from_path(csv).expect("rewrite csv");
-    for row in &rows {
-        out.serialize(row).expect("csv row");
-    }
-    out.flush().expect("flush csv");
-}
-
 /// Seconds of one call between two syncs.
 fn first_call_seconds<T>(sync: &dyn Fn(), call: impl FnOnce() -> T) -> f64 {
     sync();
@@ -693,7 +671,12 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             return;
         }
         if !self.cli.no_memory {
-            merge_peaks(csv.path(), &csv.path().with_extension("peak.csv"));
+            merge_peaks::<Row>(
+                csv.path(),
+                &csv.path().with_extension("peak.csv"),
+                Row::key,
+                |row, p| row.peak_mib = p.peak_mib,
+            );
         }
         draw(csv.path());
     }

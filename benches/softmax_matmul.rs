@@ -288,33 +288,6 @@ fn peak_memory_mib<R: CubeRuntime, T>(
     Some((inputs_bytes + m.peak.saturating_sub(m.before)) as f64 / (1 << 20) as f64)
 }
 
-/// Fills the peak column of each row of `csv` from the row with the same configuration in the
-/// `--memory-only` run's `peak` file (rows without one keep an empty peak).
-fn merge_peaks<T: Serialize + serde::de::DeserializeOwned>(
-    csv: &Path,
-    peak: &Path,
-    key: impl Fn(&T) -> String,
-    set: impl Fn(&mut T, &T),
-) {
-    let read = |path: &Path| -> Vec<T> {
-        csv::Reader::from_path(path)
-            .map(|mut r| r.deserialize().filter_map(Result::ok).collect())
-            .unwrap_or_default()
-    };
-    let peaks = read(peak);
-    let mut rows = read(csv);
-    for row in &mut rows {
-        if let Some(p) = peaks.iter().find(|p| key(p) == key(row)) {
-            set(row, p);
-        }
-    }
-    let mut out = csv::Writer::from_path(csv).expect("rewrite csv");
-    for row in &rows {
-        out.serialize(row).expect("csv row");
-    }
-    out.flush().expect("flush csv");
-}
-
 /// Milliseconds, to 4 significant digits.
 fn ms(seconds: f64) -> f64 {
     sig(seconds * 1e3, 4)

@@ -522,3 +522,30 @@ pub fn plot(path: &Path, x_label: &str, panels: &[Panel]) {
     }
     root.present().expect("write png");
 }
+
+/// Fills the peak column of each row of `csv` from the row with the same configuration in the
+/// `--memory-only` run's `peak` file (rows without one keep an empty peak).
+pub fn merge_peaks<T: Serialize + DeserializeOwned>(
+    csv: &Path,
+    peak: &Path,
+    key: impl Fn(&T) -> String,
+    set: impl Fn(&mut T, &T),
+) {
+    let read = |path: &Path| -> Vec<T> {
+        csv::Reader::from_path(path)
+            .map(|mut r| r.deserialize().filter_map(Result::ok).collect())
+            .unwrap_or_default()
+    };
+    let peaks = read(peak);
+    let mut rows = read(csv);
+    for row in &mut rows {
+        if let Some(p) = peaks.iter().find(|p| key(p) == key(row)) {
+            set(row, p);
+        }
+    }
+    let mut out = csv::Writer::from_path(csv).expect("rewrite csv");
+    for row in &rows {
+        out.serialize(row).expect("csv row");
+    }
+    out.flush().expect("flush csv");
+}
