@@ -422,3 +422,216 @@ fn softmax_matmul_refuses_more_cubes_than_the_device_launches() {
         )
     );
 }
+
+/// Shapes of one attention call: q, k, v, out, lse, and an optional mask (bias none).
+struct AttnShapes {
+    q: [usize; 4],
+    k: [usize; 4],
+    v: [usize; 4],
+    out: [usize; 4],
+    lse: [usize; 3],
+    mask: Option<[usize; 4]>,
+}
+
+fn row_major(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1];
+    }
+    strides
+}
+
+/// Launches an attention forward that must be refused; returns the error and the output and
+/// lse buffers afterwards (NaN-filled before: still NaN means nothing ran).
+fn attention_refused(
+    s: AttnShapes,
+    options: burn_flash_kernels::attention::AttentionOptions,
+) -> (
+    burn_flash_kernels::attention::AttentionError,
+    Vec<f32>,
+    Vec<f32>,
+) {
+    use burn_flash_kernels::attention::launch_attention;
+    let client = client();
+    let n = |shape: &[usize]| shape.iter().product::<usize>().max(1);
+    let filled = |shape: &[usize]| client.create_from_slice(f32::as_bytes(&vec![0.25; n(shape)]));
+    let nan = |shape: &[usize]| client.create_from_slice(f32::as_bytes(&vec![f32::NAN; n(shape)]));
+    let (q, k, v) = (filled(&s.q), filled(&s.k), filled(&s.v));
+    let mask = s.mask.map(|m| filled(&m));
+    let (out, lse) = (nan(&s.out), nan(&s.lse));
+    let strides: Vec<Vec<usize>> = [&s.q[..], &s.k, &s.v, &s.out, &s.lse]
+        .iter()
+        .map(|shape| row_major(shape))
+        .collect();
+    let mask_dims = s.mask.unwrap_or([0; 4]);
+    let mask_strides = row_major(&mask_dims);
+    let err = launch_attention(
+        &client,
+        TensorRef {
+            handle: &q,
+            shape: &s.q,
+            strides: &strides[0],
+        },
+        TensorRef {
+            handle: &k,
+            shape: &s.k,
+            strides: &strides[1],
+        },
+        TensorRef {
+            handle: &v,
+            shape: &s.v,
+            strides: &strides[2],
+        },
+        mask.as_ref().map(|h| TensorRef {
+            handle: h,
+            shape: &mask_dims,
+            strides: &mask_strides,
+        }),
+        None,
+        TensorRef {
+            handle: &out,
+            shape: &s.out,
+            strides: &strides[3],
+        },
+        TensorRef {
+            handle: &lse,
+            shape: &s.lse,
+            strides: &strides[4],
+        },
+        f32_type(),
+        &options,
+    )
+    .unwrap_err();
+    (err, read(&client, out), read(&client, lse))
+}
+
+#[test]
+fn attention_launch_refuses_bad_input() {
+    use burn_flash_kernels::attention::{AttentionError, AttentionKernel, AttentionOptions};
+    let options = AttentionOptions {
+        scale: 0.125,
+        softcap: None,
+        causal: false,
+        kernel: None,
+        block_k: None,
+    };
+    let good = || AttnShapes {
+        q: [2, 4, 8, 32],
+        k: [2, 2, 8, 32],
+        v: [2, 2, 8, 16],
+        out: [2, 4, 8, 16],
+        lse: [2, 4, 8],
+        mask: None,
+    };
+    let cases: Vec<(AttnShapes, AttentionOptions, &str)> = vec![
+        (
+            AttnShapes {
+                k: [2, 2, 8, 24],
+                ..good()
+            },
+            options,
+            "`k` has shape [2, 2, 8, 24], expected [2, 2, 8, 32]",
+        ),
+        (
+            AttnShapes {
+                v: [2, 2, 9, 16],
+                ..good()
+            },
+            options,
+            "`v` has shape [2, 2, 9, 16], expected [2, 2, 8, 16]",
+        ),
+        (
+            AttnShapes {
+                out: [2, 4, 8, 32],
+                ..good()
+            },
+            options,
+            "`out` has shape [2, 4, 8, 32], expected [2, 4, 8, 16]",
+        ),
+        (
+            AttnShapes {
+                lse: [2, 4, 7],
+                ..good()
+            },
+            options,
+            "`lse` has shape [2, 4, 7], expected [2, 4, 8]",
+        ),
+        (
+            AttnShapes {
+                mask: Some([2, 3, 8, 8]),
+                ..good()
+            },
+            options,
+            "`mask` has shape [2, 3, 8, 8], expected [2 or 1, 4 or 1, 8 or 1, 8]",
+        ),
+        (
+            AttnShapes {
+                k: [2, 3, 8, 32],
+                v: [2, 3, 8, 16],
+                ..good()
+            },
+            options,
+            "expected a number of heads dividing Hq = 4",
+        ),
+        (
+            AttnShapes {
+                q: [1, 1, 4, 288],
+                k: [1, 1, 4, 288],
+                v: [1, 1, 4, 8],
+                out: [1, 1, 4, 8],
+                lse: [1, 1, 4],
+                mask: None,
+            },
+            options,
+            "head dims D = 288, Dv = 8 are not supported",
+        ),
+        (
+            good(),
+            AttentionOptions {
+                softcap: Some(0.0),
+                ..options
+            },
+            "softcap must be positive and finite",
+        ),
+        (
+            good(),
+            AttentionOptions {
+                scale: f32::NAN,
+                ..options
+            },
+            "scale must be finite",
+        ),
+        (
+            good(),
+            AttentionOptions {
+                block_k: Some(64),
+                ..options
+            },
+            "block_k 64 on plain units",
+        ),
+        (
+            good(),
+            AttentionOptions {
+                kernel: Some(AttentionKernel::MatrixUnits),
+                ..options
+            },
+            "kernel MatrixUnits is not available",
+        ),
+    ];
+    for (shapes, opts, want) in cases {
+        let (err, out, lse) = attention_refused(shapes, opts);
+        let msg = err.to_string();
+        assert!(
+            msg.contains(want),
+            "got `{msg}`, expected it to contain `{want}`"
+        );
+        assert!(
+            out.iter().all(|x| x.is_nan()),
+            "{msg}: the output was written"
+        );
+        assert!(lse.iter().all(|x| x.is_nan()), "{msg}: the lse was written");
+        if want.contains("head dims") {
+            assert!(matches!(err, AttentionError::UnsupportedHeadDim { .. }));
+        }
+    }
+}
