@@ -931,18 +931,7 @@ fn main() {
     } else if !cli.no_memory {
         // Peak memory is measured first, by this program in a process of its own (exact pools
         // would slow this one's timings down).
-        let args = std::env::args().skip(1).filter(|a| a != "--bench");
-        let exe = std::env::current_exe().expect("own path");
-        // Its own rows (one call each) are not worth printing.
-        match std::process::Command::new(exe)
-            .args(args)
-            .arg("--memory-only")
-            .stdout(std::process::Stdio::null())
-            .status()
-        {
-            Ok(status) if status.success() => {}
-            other => eprintln!("memory run failed ({other:?}): the peak column stays empty"),
-        }
+        run_memory_child();
     }
     #[cfg(feature = "cuda")]
     if cli.common.runs(RuntimeName::Cuda) {

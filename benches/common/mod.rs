@@ -549,3 +549,20 @@ pub fn merge_peaks<T: Serialize + DeserializeOwned>(
     }
     out.flush().expect("flush csv");
 }
+
+/// Runs this bench again with its arguments plus `--memory-only`, in a process of its own
+/// (whose exact memory pools would slow this one's timings down), its output discarded; the
+/// peak columns stay empty if it fails.
+pub fn run_memory_child() {
+    let args = std::env::args().skip(1).filter(|a| a != "--bench");
+    let exe = std::env::current_exe().expect("own path");
+    match std::process::Command::new(exe)
+        .args(args)
+        .arg("--memory-only")
+        .stdout(std::process::Stdio::null())
+        .status()
+    {
+        Ok(status) if status.success() => {}
+        other => eprintln!("memory run failed ({other:?}): the peak columns stay empty"),
+    }
+}

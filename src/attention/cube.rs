@@ -1,9 +1,6 @@
 //! Attention on `CubeBackend`: validate, convert the mask, allocate, launch.
 
-use burn::tensor::{
-    DType, FloatDType, Shape,
-    ops::{BoolTensorOps, FloatTensorOps},
-};
+use burn::tensor::{DType, FloatDType, Shape, ops::BoolTensorOps};
 use burn_cubecl::{
     BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
     ops::numeric::empty_device_dtype, tensor::CubeTensor,
@@ -71,14 +68,7 @@ where
     type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     let dtype = query.dtype;
     // The kernels read the mask as 1 / 0 in the queries' float type.
-    let mask = mask.map(|m| {
-        let float = B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype));
-        if float.dtype != dtype {
-            B::<R, F, I, BT>::float_cast(float, FloatDType::from(dtype))
-        } else {
-            float
-        }
-    });
+    let mask = mask.map(|m| B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)));
     let [batch, heads_q, seq_q, head_dim]: [usize; 4] = query
         .meta
         .shape()
