@@ -293,7 +293,7 @@ fn every_forced_block_size<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
     }
 }
 
-/// Rows whose lengths and strides are multiples of 16 bytes, the layout the pipelined 16-bit
+/// Rows whose lengths and strides are multiples of 16 bytes, the layout the 16-bit
 /// matrix-unit kernel takes on CUDA (scores loaded 8 at a time, `V` copied asynchronously):
 /// `d2` and `d3` multiples of 8 but not of the blocks, ±50 scores, masked rows, shared `v`,
 /// and every forced block size.
@@ -646,10 +646,11 @@ fn naive_gradients<B: FlashBackend>(
 }
 
 /// The forward kernel the plan names, per dtype and row alignment: with `matrix_units` (CUDA)
-/// f16/bf16 take the pipelined kernel for 16-byte rows and the `ldmatrix` kernel otherwise (and
-/// for forced blocks it cannot take); f32, and every dtype without matrix units (wgpu), take the
-/// register-tiled plain-unit kernel from 65 × 65 outputs and the small-tile one below or with
-/// forced blocks. The launch matches on this plan's kernel and nothing else.
+/// f16/bf16 with 16-byte rows take the flash loop on the matrix units (unless a forced
+/// `block_2` is not a multiple of 32); f32, every dtype without matrix units (wgpu) and
+/// unaligned rows take the register-tiled plain-unit kernel from 65 × 65 outputs and the flash
+/// loop on plain units below or with forced blocks. The launch matches on this plan's kernel
+/// and nothing else.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
 fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
     use burn_flash::kernels::softmax_matmul::{
@@ -702,21 +703,21 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             [2, 130, 1024, 200],
             false,
             default,
-            sixteen(K::Pipelined, K::Tiled),
+            sixteen(K::MatrixUnits, K::Tiled),
         ),
         (
             FloatDType::BF16,
             [2, 130, 1024, 200],
             false,
             default,
-            sixteen(K::Pipelined, K::Tiled),
+            sixteen(K::MatrixUnits, K::Tiled),
         ),
         (
             FloatDType::F16,
             [2, 33, 1024, 64],
             false,
             default,
-            sixteen(K::Pipelined, K::Units),
+            sixteen(K::MatrixUnits, K::Units),
         ),
         // d2 = 1025: rows are not 16-byte aligned.
         (
@@ -724,7 +725,7 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             [2, 130, 1025, 200],
             false,
             default,
-            sixteen(K::MatrixUnits, K::Tiled),
+            K::Tiled,
         ),
         // A transposed `x` (unit stride across rows): no vector loads at all.
         (
@@ -732,15 +733,15 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             [2, 130, 1024, 200],
             true,
             default,
-            sixteen(K::MatrixUnits, K::Tiled),
+            K::Tiled,
         ),
-        // 16-column steps: not whole 32-column chunks of the pipelined kernel.
+        // 16-column steps: not whole 32-column chunks of the matrix-unit loop.
         (
             FloatDType::F16,
             [2, 130, 1024, 200],
             false,
             forced,
-            sixteen(K::MatrixUnits, K::Units),
+            K::Units,
         ),
         (FloatDType::F16, [2, 130, 1024, 200], false, units, K::Tiled),
     ];

@@ -5,7 +5,8 @@
 //! - [`softmax_matmul`]: `softmax(X)·V` without the softmax matrix (forward and backward);
 //! - [`attention`]: fused attention forward (`Q·Kᵀ` → scale/softcap/mask/bias/causal → online
 //!   softmax → `·V`), the scores never written;
-//! - [`flash`]: the online-softmax update every forward kernel shares;
+//! - [`flash`]: the one flash forward loop (online softmax, `·V`) both ops run, with the
+//!   scores given (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
 //!   helpers, `cp.async` double buffering).

@@ -12,61 +12,29 @@
 //! aligned: `j ≤ i + Sk − Sq`) keys removed, `s += bias`. A row without a visible key gives
 //! zeros and `lse = −inf`.
 //!
-//! [`plan_attention`] picks one kernel ([`AttentionKernel`]); both run the online softmax of
-//! [`crate::flash`] with the score rules of [`scores`]:
+//! [`plan_attention`] picks one kernel ([`AttentionKernel`]); both are the flash forward loops
+//! of [`crate::flash`] with computed scores ([`ScoreSource::QueryKey`]):
 //! - [`mma`]: FlashAttention-2's schedule on the matrix units, f16/bf16 on CUDA (sm_80+) with
 //!   16-byte aligned rows;
 //! - [`units`]: plain units, every runtime and float type, f32 arithmetic.
-
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod mma;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod scores;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod units;
 
 use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
+use crate::flash::{FlashConfig, ScoreSource, mma, units};
 use crate::fragment;
 use crate::softmax::TensorRef;
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// Comptime configuration of an attention kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct AttnConfig {
-    /// Query rows per cube.
-    pub block_q: u32,
-    /// Tiles of 16 query rows per plane (matrix-unit kernel; 1 elsewhere).
-    pub row_tiles: u32,
-    /// Keys per step of the online softmax.
-    pub block_k: u32,
-    /// Head dim of `q`/`k`, rounded up to the kernel's granule.
-    pub head_dim: u32,
-    /// Head dim of `v`, rounded up to the kernel's granule.
-    pub value_dim: u32,
-    /// Bottom-right aligned causal mask.
-    pub causal: bool,
-    /// A bool mask is read.
-    pub mask: bool,
-    /// An additive bias is read.
-    pub bias: bool,
-    /// Scores are softcapped.
-    pub softcap: bool,
-}
-
 /// The kernel of a launch, chosen once by [`plan_attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttentionKernel {
-    /// [`units::attention_forward_units()`]: plain units, every runtime and float type.
+    /// [`units::flash_forward_units()`]: plain units, every runtime and float type.
     Units,
-    /// [`mma::attention_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
+    /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
     /// double buffering (CUDA sm_80+, 16-byte aligned rows).
     MatrixUnits,
 }
@@ -289,7 +257,8 @@ pub fn plan_attention<R: Runtime>(
         None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
         None => AttentionKernel::Units,
     };
-    let base = AttnConfig {
+    let base = FlashConfig {
+        source: ScoreSource::QueryKey,
         block_q: 0,
         row_tiles: 1,
         block_k: 0,
@@ -308,7 +277,7 @@ pub fn plan_attention<R: Runtime>(
             // Two row tiles per plane (128 rows per cube) while the accumulators fit the
             // registers (Dv ≤ 128); 64 keys per step up to D = 64, 32 beyond.
             let row_tiles = if dv <= 128 { 2 } else { 1 };
-            let mut config = AttnConfig {
+            let mut config = FlashConfig {
                 block_q: 64 * row_tiles,
                 row_tiles,
                 block_k: if d.max(dv) <= 64 { 64 } else { 32 },
@@ -339,7 +308,7 @@ pub fn plan_attention<R: Runtime>(
                     ),
                 });
             }
-            AttnConfig {
+            FlashConfig {
                 block_q: units::BLOCK_Q,
                 block_k: units::BLOCK_K,
                 head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
@@ -349,11 +318,8 @@ pub fn plan_attention<R: Runtime>(
         }
     };
     let (units, shared_bytes) = match kernel {
-        AttentionKernel::MatrixUnits => (
-            (config.block_q / (fragment::MMA_M * config.row_tiles)) * fragment::PLANE,
-            mma::shared_bytes(config),
-        ),
-        AttentionKernel::Units => (units::UNITS, units::shared_bytes()),
+        AttentionKernel::MatrixUnits => (mma::units(config), mma::shared_bytes(config)),
+        AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
     };
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
         return Err(AttentionError::KernelUnavailable {
@@ -517,7 +483,8 @@ pub fn launch_attention<R: Runtime>(
     if batch * heads_q * seq_q * value_dim == 0 {
         return Ok(plan);
     }
-    let config = AttnConfig {
+    let config = FlashConfig {
+        source: ScoreSource::QueryKey,
         block_q: plan.block_q as u32,
         row_tiles: plan.row_tiles as u32,
         block_k: plan.block_k as u32,
@@ -557,7 +524,7 @@ pub fn launch_attention<R: Runtime>(
     // rows (`rows_aligned`), its vector width.
     unsafe {
         match plan.kernel {
-            AttentionKernel::MatrixUnits => mma::attention_forward_mma::launch_unchecked::<R>(
+            AttentionKernel::MatrixUnits => mma::flash_forward_mma::launch_unchecked::<R>(
                 client,
                 count,
                 dim,
@@ -574,7 +541,7 @@ pub fn launch_attention<R: Runtime>(
                 config,
                 dtype,
             ),
-            AttentionKernel::Units => units::attention_forward_units::launch_unchecked::<R>(
+            AttentionKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
                 client,
                 count,
                 dim,

@@ -3,8 +3,8 @@
 //! `P = e^(x − lse)` recomputed from the saved log-sum-exp, f32 accumulators, `mma` m16n8k16.
 //!
 //! - [`smm_backward_dx_mma()`]: a plane owns 16 rows of `dX` and [`DX_COLS`] columns; the
-//!   reduction runs over `d3` in chunks of 32. As in the pipelined forward
-//!   ([`super::pipelined`]), the reduction index is permuted so that both operands come as
+//!   reduction runs over `d3` in chunks of 32. As in the forward with given scores
+//!   ([`crate::flash::mma`]), the reduction index is permuted so that both operands come as
 //!   16-byte vectors: lane `(g, t)` (`g = lane / 4`, `t = lane % 4`) loads columns
 //!   `8t .. 8t + 8` of the chunk from rows `g` and `g + 8` of `dO` (straight from global
 //!   memory into registers, the next chunk's in flight during this one) and from row `g` of

@@ -6,12 +6,14 @@
 //! log-sum-exp `[batch, d1]` in f32. Any strides.
 //!
 //! [`plan_softmax_matmul`] picks one forward kernel ([`SmmForwardKernel`]) once; the launch
-//! matches on it once. Two inner-product paths ([`SmmPath`]):
-//! - plain units, every runtime and float type, f32 arithmetic: [`tiled`] (register-tiled,
-//!   128 × 128 outputs) where 256 units and its shared memory fit and the output is at least
-//!   65 × 65, [`kernel`] otherwise and for forced block sizes;
-//! - matrix units (`mma` m16n8k16, f32 accumulators), f16/bf16 on CUDA: [`pipelined`] for
-//!   16-byte aligned rows, [`mma`] for the rest.
+//! matches on it once. The forward is the flash loop of [`crate::flash`] with **given scores**
+//! ([`ScoreSource::Given`]) — the loop attention runs with scores computed as `Q·Kᵀ` — on two
+//! inner-product paths ([`SmmPath`]):
+//! - matrix units (`mma` m16n8k16, f32 accumulators), f16/bf16 on CUDA with 16-byte aligned
+//!   rows: [`flash::mma`];
+//! - plain units, every runtime and float type, f32 arithmetic: [`flash::units`], or the
+//!   register-tiled [`tiled`] kernel (128 × 128 outputs per cube) where 256 units and its
+//!   shared memory fit and the output is at least 65 × 65.
 //!
 //! f32 never runs on the matrix units: their f32 mode rounds the operands to TF32 (10-bit
 //! mantissa), and a TF32 kernel measured slower than the register-tiled f32 one at every `d2`
@@ -22,13 +24,7 @@
 pub mod kernel;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
-pub mod mma;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
 pub mod mma_backward;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod pipelined;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod tiled;
@@ -40,9 +36,10 @@ use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, features::Plane, prelude::*, server::Handle};
 
+use crate::flash::{self, FlashConfig, ScoreSource};
 use crate::fragment;
 use crate::softmax::TensorRef;
-use kernel::{FORWARD_GRID_X, ForwardTiles, GRID, ProductTiles, UNITS};
+use kernel::{ProductTiles, UNITS};
 
 /// Block sizes a caller may force, for `block_1` (rows of `X` per cube) and `block_2` (columns
 /// of `X` per online-softmax step).
@@ -60,20 +57,18 @@ pub enum SmmPath {
 /// The forward kernel of a launch, chosen once by [`plan_softmax_matmul`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SmmForwardKernel {
-    /// [`kernel::smm_forward()`]: plain units, `block_1 × block_2` steps, up to 128 output
-    /// columns per cube. Forced block sizes, outputs with at most 64 rows or columns, runtimes
-    /// without the tiled kernel's 256 units or shared memory.
+    /// [`flash::units::flash_forward_units()`] with given scores: plain units, `block_1 ×
+    /// block_2` steps, 64 or 128 output columns per cube. Forced block sizes, outputs with at
+    /// most 64 rows or columns, runtimes without the tiled kernel's 256 units or shared memory,
+    /// and 16-bit rows the matrix units cannot take.
     Units,
     /// [`tiled::smm_forward_tiled()`]: plain units, register-tiled 128 × 128 outputs, 16 columns
     /// of `X` per step.
     Tiled,
-    /// [`mma::smm_forward_mma16()`]: f16/bf16 on the matrix units, operands by `ldmatrix` from
-    /// shared memory. Rows that are not 16-byte aligned; forced blocks the pipelined kernel
-    /// cannot take.
+    /// [`flash::mma::flash_forward_mma()`] with given scores: f16/bf16 on the matrix units, `X`
+    /// straight to registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned
+    /// rows, `block_2` a multiple of 32).
     MatrixUnits,
-    /// [`pipelined::smm_forward_pipelined()`]: f16/bf16 on the matrix units, `X` straight to
-    /// registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned rows).
-    Pipelined,
 }
 
 impl SmmForwardKernel {
@@ -81,7 +76,7 @@ impl SmmForwardKernel {
     pub fn path(self) -> SmmPath {
         match self {
             Self::Units | Self::Tiled => SmmPath::Units,
-            Self::MatrixUnits | Self::Pipelined => SmmPath::MatrixUnits,
+            Self::MatrixUnits => SmmPath::MatrixUnits,
         }
     }
 }
@@ -184,12 +179,13 @@ pub struct SoftmaxMatmulPlan {
     pub block_2: usize,
     /// Output columns per cube.
     pub tile_3: usize,
-    /// Vector width of the kernel, in elements: of its row loads (tiled and matrix-unit
-    /// kernels), or output columns per unit ([`SmmForwardKernel::Units`]).
+    /// Vector width of the kernel's row loads, in elements (1: scalar loads through any
+    /// strides).
     pub vector: usize,
     /// Units per cube.
     pub units: u32,
-    /// Cubes along `(x, y, z)` = (output column tiles, row blocks, batch).
+    /// Cubes: (output column tiles, row blocks, batch). The flash kernels launch them as
+    /// `(row blocks, batch, column tiles)`, the tiled kernel in this order.
     pub cubes: (usize, usize, usize),
 }
 
@@ -208,12 +204,6 @@ pub fn check_dtype<R: Runtime>(
     crate::softmax::check_dtype(client, dtype).map_err(|_| SoftmaxMatmulError::UnsupportedDType {
         dtype: format!("{dtype:?}"),
     })
-}
-
-/// Shared memory of the units forward kernel, in bytes: `P` tile, `V` tile, one partial per
-/// group of 4 scores, one value per row.
-fn units_forward_shared(b1: usize, b2: usize, t3: usize) -> usize {
-    (b1 * b2 + b2 * t3 + b1 * b2 / 4 + b1) * 4
 }
 
 fn check_cubes<R: Runtime>(
@@ -267,9 +257,8 @@ pub fn contiguous_row_vector(dims: SmmDims, dtype: StorageType) -> usize {
 /// and the output ([`contiguous_row_vector`] for contiguous tensors).
 ///
 /// Heuristic (no autotuning), one kernel per call:
-/// - f16/bf16 where the device has manual `mma` and `ldmatrix` for the type (CUDA): the matrix
-///   units, [`SmmForwardKernel::Pipelined`] when the rows are 16-byte aligned and the device
-///   has `cp.async`, [`SmmForwardKernel::MatrixUnits`] otherwise;
+/// - f16/bf16 where the device has manual `mma`, `ldmatrix` and `cp.async` for the type (CUDA)
+///   and the rows are 16-byte aligned: [`SmmForwardKernel::MatrixUnits`];
 /// - everything else on plain units: [`SmmForwardKernel::Tiled`] where it fits (see
 ///   `tiled_fits`), [`SmmForwardKernel::Units`] otherwise and for forced blocks.
 ///
@@ -285,25 +274,43 @@ pub fn plan_softmax_matmul<R: Runtime>(
     options: SoftmaxMatmulOptions,
 ) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
     check_dtype(client, dtype)?;
-    let mma_ok = fragment::supported(client, dtype);
-    let path = match options.path {
-        Some(SmmPath::MatrixUnits) if !mma_ok => {
-            let reason = if dtype.size() == 4 {
-                "f32 never runs on the matrix units (their f32 mode rounds to TF32)".into()
-            } else {
-                format!("this device has no manual mma and ldmatrix for {dtype:?}")
-            };
+    let props = client.properties();
+    let hw = &props.hardware;
+    let max_shared = hw.max_shared_memory_size;
+    // The flash loop on the matrix units reads 16-byte vectors of `X` and copies `V`
+    // asynchronously.
+    let mma_why_not = if !fragment::supported(client, dtype) {
+        Some(if dtype.size() == 4 {
+            "f32 never runs on the matrix units (their f32 mode rounds to TF32)".to_string()
+        } else {
+            format!("this device has no manual mma and ldmatrix for {dtype:?}")
+        })
+    } else if !props.features.copy_async {
+        Some("this device has no asynchronous copies".into())
+    } else if row_vector * dtype.size() != 16 {
+        Some("rows are not 16-byte aligned (d2, d3 and every stride multiples of 8)".into())
+    } else if options
+        .blocks
+        .is_some_and(|(_, b2)| !(b2 as u32).is_multiple_of(flash::mma::CHUNK))
+    {
+        Some(format!(
+            "block_2 must be a multiple of {} on the matrix units",
+            flash::mma::CHUNK
+        ))
+    } else {
+        None
+    };
+    let path = match (options.path, mma_why_not) {
+        (Some(SmmPath::MatrixUnits), Some(reason)) => {
             return Err(SoftmaxMatmulError::PathUnavailable {
                 path: SmmPath::MatrixUnits,
                 reason,
             });
         }
-        Some(path) => path,
-        None if mma_ok => SmmPath::MatrixUnits,
-        None => SmmPath::Units,
+        (Some(path), _) => path,
+        (None, None) => SmmPath::MatrixUnits,
+        (None, Some(_)) => SmmPath::Units,
     };
-    let props = client.properties();
-    let max_shared = props.hardware.max_shared_memory_size;
     let (b1, b2) = match options.blocks {
         Some((b1, b2)) => {
             if !BLOCK_SIZES.contains(&b1) || !BLOCK_SIZES.contains(&b2) {
@@ -315,9 +322,9 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, b2)
         }
         None => {
-            // Matrix units: 8 planes per cube share each V tile (half the V traffic of 4),
+            // Matrix units: 128 rows per cube (4 planes of 2 row tiles share each V block)
             // where that still gives every multiprocessor a few cubes.
-            let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(1) as usize;
+            let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;
             let wide = dims.d3.div_ceil(128) * dims.d1.div_ceil(128) * dims.batch >= 4 * sms;
             // On wgpu the plain-unit kernel runs faster with 32 rows per cube (measured on an
             // H200 through Vulkan: (32, 32) beat (64, 32) by 19–22 % at every d2 of the bench,
@@ -332,7 +339,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
             } else {
                 64
             };
-            // 32 columns per step: the pipelined kernel keeps two steps of scores in
+            // 32 columns per step: the matrix-unit loop keeps two steps of scores in
             // registers, and 64 would spill.
             (b1, 32)
         }
@@ -359,52 +366,44 @@ pub fn plan_softmax_matmul<R: Runtime>(
         blocks: (b1, b2),
         reason: format!("needs more than the device's {max_shared} B of shared memory"),
     };
-    let (kernel, t3, vector, units) = match path {
-        SmmPath::Units => {
-            // 32 units across, 1 to 4 columns each.
-            let d3_cap = dims
-                .d3
-                .next_power_of_two()
-                .clamp(FORWARD_GRID_X as usize, 128);
-            let t3 = [128, 64, 32]
-                .into_iter()
-                .find(|&t3| t3 <= d3_cap && units_forward_shared(b1, b2, t3) <= max_shared)
-                .ok_or_else(no_room)?;
-            let columns_per_unit = t3 / FORWARD_GRID_X as usize;
-            (SmmForwardKernel::Units, t3, columns_per_unit, UNITS)
-        }
-        SmmPath::MatrixUnits => {
-            let d3_cap = dims.d3.next_power_of_two().clamp(GRID as usize, 128);
-            let aligned = props.features.copy_async && row_vector * dtype.size() == 16;
-            let (kernel, t3) = [128, 64, 32, 16]
-                .into_iter()
-                .filter(|&t3| t3 <= d3_cap)
-                .map(|t3| {
-                    let tiles = ForwardTiles {
-                        block_1: b1 as u32,
-                        block_2: b2 as u32,
-                        tile_3: t3 as u32,
-                    };
-                    if aligned && pipelined::tiles_fit(tiles) {
-                        let bytes = pipelined::shared_bytes(b2, t3);
-                        (SmmForwardKernel::Pipelined, t3, bytes)
-                    } else {
-                        let bytes = mma::shared_bytes(b1, b2, t3, dtype);
-                        (SmmForwardKernel::MatrixUnits, t3, bytes)
-                    }
-                })
-                .find(|&(_, _, bytes)| bytes <= max_shared)
-                .map(|(kernel, t3, _)| (kernel, t3))
-                .ok_or_else(no_room)?;
-            (kernel, t3, row_vector, fragment::units_for_rows(b1))
-        }
+    // The output tile as wide as shared memory and d3 allow (up to 128 columns): each column
+    // tile re-reads X.
+    let (kernel, tiles, vector) = match path {
+        SmmPath::Units => (
+            SmmForwardKernel::Units,
+            &[128, 64][..],
+            // Scalar loads: the plain-unit loop reads through any strides.
+            1,
+        ),
+        SmmPath::MatrixUnits => (SmmForwardKernel::MatrixUnits, &[128, 64, 32, 16][..], 8),
     };
+    let d3_cap = dims
+        .d3
+        .next_power_of_two()
+        .clamp(*tiles.last().unwrap_or(&16), 128);
+    let (t3, units) = tiles
+        .iter()
+        .copied()
+        .filter(|&t3| t3 <= d3_cap)
+        .map(|t3| match kernel {
+            SmmForwardKernel::MatrixUnits => {
+                let c = flash_config(kernel, b1, b2, t3);
+                (t3, flash::mma::units(c), flash::mma::shared_bytes(c))
+            }
+            _ => {
+                let c = flash_config(kernel, b1, b2, t3);
+                (t3, flash::units::UNITS, flash::units::shared_bytes(c))
+            }
+        })
+        .find(|&(_, units, bytes)| bytes <= max_shared && units <= hw.max_units_per_cube)
+        .map(|(t3, units, _)| (t3, units))
+        .ok_or_else(no_room)?;
     let cubes = (
         dims.d3.div_ceil(t3).max(1),
         dims.d1.div_ceil(b1).max(1),
         dims.batch.max(1),
     );
-    check_cubes(client, cubes)?;
+    check_cubes(client, (cubes.1, cubes.2, cubes.0))?;
     Ok(SoftmaxMatmulPlan {
         kernel,
         block_1: b1,
@@ -414,6 +413,25 @@ pub fn plan_softmax_matmul<R: Runtime>(
         units,
         cubes,
     })
+}
+
+/// The configuration of a flash kernel (given scores) with `block_1 × block_2` steps and
+/// `tile_3` output columns per cube: on the matrix units, two row tiles per plane share each
+/// `V` fragment where a plane has 32 rows.
+fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> FlashConfig {
+    let mma = kernel == SmmForwardKernel::MatrixUnits;
+    FlashConfig {
+        source: ScoreSource::Given,
+        block_q: b1 as u32,
+        row_tiles: if mma && b1 >= 32 { 2 } else { 1 },
+        block_k: b2 as u32,
+        head_dim: 0,
+        value_dim: t3 as u32,
+        causal: false,
+        mask: false,
+        bias: false,
+        softcap: false,
+    }
 }
 
 /// Whether the tiled units kernel can exchange row maxima by plane shuffles: plane operations
@@ -612,38 +630,21 @@ pub fn launch_softmax_matmul<R: Runtime>(
         return Ok(plan);
     }
     let shared_v = v.shape[0] == 1 && dims.batch > 1;
-    let count = check_cubes(client, plan.cubes)?;
-    let tiles = ForwardTiles {
-        block_1: plan.block_1 as u32,
-        block_2: plan.block_2 as u32,
-        tile_3: plan.tile_3 as u32,
-    };
     let units = CubeDim::new_1d(plan.units);
-    let (x, v, out, lse) = (
-        arg(&x, false),
-        arg(&v, shared_v),
-        arg(&out, false),
-        // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
-        arg(&lse, false),
-    );
-    // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
-    // caller's buffers (`dims_of` checked that they agree); the plan's vector width divides
-    // every row and stride it is used on (`row_vector`).
-    unsafe {
-        match plan.kernel {
-            SmmForwardKernel::Units => kernel::smm_forward::launch_unchecked::<R>(
-                client,
-                count,
-                units,
-                plan.vector,
-                x,
-                v,
-                out,
-                lse,
-                tiles,
-                dtype,
-            ),
-            SmmForwardKernel::Tiled => tiled::smm_forward_tiled::launch_unchecked::<R>(
+    if plan.kernel == SmmForwardKernel::Tiled {
+        let count = check_cubes(client, plan.cubes)?;
+        let (x, v, out, lse) = (
+            arg(&x, false),
+            arg(&v, shared_v),
+            arg(&out, false),
+            // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
+            arg(&lse, false),
+        );
+        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
+        // the caller's buffers (`dims_of` checked that they agree); the plan's vector width
+        // divides every row and stride it is used on (`row_vector`).
+        unsafe {
+            tiled::smm_forward_tiled::launch_unchecked::<R>(
                 client,
                 count,
                 units,
@@ -654,30 +655,59 @@ pub fn launch_softmax_matmul<R: Runtime>(
                 lse,
                 tiled_planes(client),
                 dtype,
-            ),
-            SmmForwardKernel::MatrixUnits => mma::smm_forward_mma16::launch_unchecked::<R>(
+            )
+        }
+        return Ok(plan);
+    }
+    // The flash kernels see 4-D tensors with one head: X `[batch, 1, d1, d2]` as the given
+    // scores, V `[batch or 1, 1, d2, d3]`, out `[batch, 1, d1, d3]`, lse `[batch, 1, d1]`.
+    let (xc, yc, zc) = plan.cubes;
+    let count = check_cubes(client, (yc, zc, xc))?;
+    let config = flash_config(plan.kernel, plan.block_1, plan.block_2, plan.tile_3);
+    let heads = |t: &TensorRef<'_>, batch_stride: usize| {
+        let mut shape = t.shape.to_vec();
+        let mut strides = t.strides.to_vec();
+        shape.insert(1, 1);
+        strides[0] = batch_stride;
+        strides.insert(1, 0);
+        // SAFETY: shape and strides describe the caller's buffer with a head axis of size 1;
+        // zero strides only make every index along them read the same element.
+        unsafe { TensorArg::<R>::from_raw_parts(t.handle.clone(), strides.into(), shape.into()) }
+    };
+    let v_batch_stride = if shared_v { 0 } else { v.strides[0] };
+    let (xa, ka, ma, ba, va, oa, la) = (
+        heads(&x, x.strides[0]),
+        heads(&x, x.strides[0]),
+        heads(&x, x.strides[0]),
+        heads(&x, x.strides[0]),
+        heads(&v, v_batch_stride),
+        heads(&out, out.strides[0]),
+        heads(&lse, lse.strides[0]),
+    );
+    // SAFETY: as above; the matrix-unit kernel runs only on 16-byte aligned rows (the plan's
+    // vector of 8), and `k`, `mask` and `bias` (stand-ins: `x`) are never read with given
+    // scores.
+    unsafe {
+        match plan.kernel {
+            SmmForwardKernel::MatrixUnits => flash::mma::flash_forward_mma::launch_unchecked::<R>(
                 client,
                 count,
                 units,
-                plan.vector,
-                x,
-                v,
-                out,
-                lse,
-                tiles,
+                flash::mma::NV8,
+                xa,
+                ka,
+                va,
+                ma,
+                ba,
+                oa,
+                la,
+                1.0,
+                1.0,
+                config,
                 dtype,
             ),
-            SmmForwardKernel::Pipelined => pipelined::smm_forward_pipelined::launch_unchecked::<R>(
-                client,
-                count,
-                units,
-                plan.vector,
-                x,
-                v,
-                out,
-                lse,
-                tiles,
-                dtype,
+            _ => flash::units::flash_forward_units::launch_unchecked::<R>(
+                client, count, units, xa, ka, va, ma, ba, oa, la, 1.0, 1.0, config, dtype,
             ),
         }
     }

@@ -22,12 +22,70 @@
 //! range) and most steps skip the rescale of `O` (whose cost grows with the output width).
 //! The result is exact either way: `O / l` and `m + ln l` do not depend on which `m` was used.
 //!
-//! Where the scores come from is the kernel's business: given in memory (every
-//! `softmax_matmul` forward kernel) or computed on chip as `Q·Kᵀ` (both attention kernels). All
-//! of them take the update from here; they differ in where the scores live (registers of an
-//! `mma` fragment, a unit's register tile) and in how a row's maximum is reduced.
+//! **One forward loop, two score sources.** The loop is written once per inner-product path
+//! and takes the source of its scores as a comptime choice ([`ScoreSource`]):
+//! [`ScoreSource::Given`] reads a score matrix `X` from memory (`softmax(X)·V`, the
+//! `softmax_matmul` op), [`ScoreSource::QueryKey`] computes `S = scale·Q·Kᵀ` on chip and never
+//! writes it (attention). Everything after the scores is shared: the score rules
+//! ([`scores`]: softcap, mask, causal, bias — attention only), the update below, `P·V`, the
+//! normalisation and the stores.
+//! - [`mma`]: FlashAttention-2's schedule on the matrix units (f16/bf16, CUDA sm_80+);
+//! - [`units`]: plain units, every runtime and float type, f32 arithmetic.
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod mma;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod scores;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod units;
 
 use cubecl::prelude::*;
+
+/// Where a forward kernel's scores come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScoreSource {
+    /// Read from a score tensor `X` `[B, H, Sq, Sk]` (passed in place of the queries): the
+    /// scores are used as they are (no scale; softcap, mask, causal and bias must be off).
+    Given,
+    /// `S = scale·Q·Kᵀ`, computed on chip, with the score rules of [`scores`].
+    QueryKey,
+}
+
+/// Comptime configuration of a forward kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FlashConfig {
+    /// Where the scores come from.
+    pub source: ScoreSource,
+    /// Query rows per cube.
+    pub block_q: u32,
+    /// Tiles of 16 query rows per plane (matrix-unit kernel; 1 elsewhere).
+    pub row_tiles: u32,
+    /// Keys (score columns) per step of the online softmax.
+    pub block_k: u32,
+    /// Head dim of `q`/`k`, rounded up to the kernel's granule (unused for given scores).
+    pub head_dim: u32,
+    /// Output columns per cube: all of `Dv` rounded up to the kernel's granule, or one column
+    /// tile of a wider output (the grid's third axis runs over the tiles).
+    pub value_dim: u32,
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+    /// A bool mask is read.
+    pub mask: bool,
+    /// An additive bias is read.
+    pub bias: bool,
+    /// Scores are softcapped.
+    pub softcap: bool,
+}
+
+impl FlashConfig {
+    /// Whether the scores are given (read from memory) rather than computed.
+    pub fn given(&self) -> bool {
+        self.source == ScoreSource::Given
+    }
+}
 
 /// How far a row's maximum may rise above the reference `m` before `m` (and the
 /// accumulators) move (module docs).

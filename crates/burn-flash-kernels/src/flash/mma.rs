@@ -1,26 +1,39 @@
-//! The FlashAttention-2 forward on the matrix units (f16/bf16, `mma` m16n8k16 with f32
-//! accumulators, `ldmatrix`, `cp.async`; CUDA sm_80+).
+//! The flash forward on the matrix units (f16/bf16, `mma` m16n8k16 with f32 accumulators,
+//! `ldmatrix`, `cp.async`; CUDA sm_80+): FlashAttention-2's schedule, with the score source a
+//! comptime choice ([`super::ScoreSource`]).
 //!
-//! One cube per block of `block_q` query rows of one (batch, key/value head); its rows run over
-//! the `G` query heads of the group (GQA: the heads of a group share every `K`/`V` block the
-//! cube loads). `block_q / (16·row_tiles)` planes of 32 lanes, `row_tiles` tiles of 16 rows
-//! each: every `K` and `V` fragment a plane loads from shared memory feeds `row_tiles` `mma`s,
-//! which halves the shared-memory traffic per `mma` at 2 tiles (the limit of the 1-tile
-//! kernel: ~0.29 KB of `ldmatrix` per `mma` against 128 B/clock of shared memory).
+//! One cube per block of `block_q` query rows of one (batch, key/value head) and one tile of
+//! `value_dim` output columns; its rows run over the `G` query heads of the group (GQA: the
+//! heads of a group share every `K`/`V` block the cube loads). `block_q / (16·row_tiles)`
+//! planes of 32 lanes, `row_tiles` tiles of 16 rows each: every `K` and `V` fragment a plane
+//! loads from shared memory feeds `row_tiles` `mma`s, which halves the shared-memory traffic
+//! per `mma` at 2 tiles (the limit of the 1-tile kernel: ~0.29 KB of `ldmatrix` per `mma`
+//! against 128 B/clock of shared memory).
 //!
-//! - The `Q` tile is copied into shared memory once (`cp.async`); each step reloads a plane's
-//!   `Q` fragments with `ldmatrix`, which keeps registers for the accumulators.
-//! - `K` and `V` blocks of `block_k` keys stream through two shared-memory buffers: the copies
-//!   of step `j + 1` run while step `j` computes ([`crate::staging`]).
-//! - `S = Q·Kᵀ` on the matrix units: `K`'s rows are the columns of the `B` operand, so a plain
-//!   (not transposed) `ldmatrix.x4` gives the `B` fragments of two 8-key tiles.
-//! - Scale, softcap, mask, causal test and bias on the `S` fragments in registers
-//!   ([`super::scores`]); the online softmax with the lazy rescale ([`crate::flash`]).
+//! Per step of `block_k` keys:
+//! - **the scores**, in `mma` accumulator fragments (lane `4g + t` holds rows `g`, `g + 8` of
+//!   each 8-key tile):
+//!   - `QueryKey`: `S = Q·Kᵀ` on the matrix units. The `Q` tile is copied into shared memory
+//!     once (`cp.async`) and each step reloads a plane's `Q` fragments with `ldmatrix`, which
+//!     keeps registers for the accumulators; `K`'s rows are the columns of the `B` operand,
+//!     so a plain `ldmatrix.x4` gives the `B` fragments of two 8-key tiles.
+//!   - `Given`: `X` straight from global memory into registers, 16 bytes per load, the next
+//!     step's loads issued before this step's arithmetic. The keys of a step may be permuted
+//!     freely as long as `V`'s rows are permuted alike: lane-quad member `t` takes the 8
+//!     *consecutive* columns `8t .. 8t + 8` of each 32-column chunk (one vector) where the
+//!     fragment layout has columns `2t, 2t + 1` of each 8-key tile, and `V`'s rows are staged
+//!     in that order ([`staged_row()`]).
+//! - scale, softcap, mask, causal test and bias on the fragments in registers
+//!   ([`super::scores`]; given scores are used as they are, only the end of the row is
+//!   tested); the online softmax with the lazy rescale ([`super::next_reference()`]);
 //! - `P` becomes the `A` operand of `P·V` in registers: the accumulator fragments of two
 //!   adjacent 8-key tiles are, element for element, the `A` fragment of their 16 keys (PTX's
-//!   m16n8k16 layouts), so `P` never goes through shared memory.
-//! - Causal: blocks of keys entirely after every row's diagonal are never loaded (the loop
-//!   stops before them); only the blocks that cross a diagonal (or the end) test each key.
+//!   m16n8k16 layouts), so `P` never goes through shared memory;
+//! - `K` (for `QueryKey`) and `V` blocks stream through two shared-memory buffers: the copies
+//!   of step `j + 1` run while step `j` computes ([`crate::staging`]).
+//!
+//! Causal: blocks of keys entirely after every row's diagonal are never loaded (the loop stops
+//! before them); only the blocks that cross a diagonal (or the end) test each key.
 
 use cubecl::{
     cmma::MmaDefinition,
@@ -29,26 +42,79 @@ use cubecl::{
     prelude::*,
 };
 
-use super::AttnConfig;
 use super::scores::{RowRefs, causal_end, new_refs, score, set_row, visible};
-use crate::flash::{inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
+use super::{FlashConfig, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, quad_max, quad_sum, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Elements per 16-byte vector of a 16-bit type: the kernel's `NV`.
 pub const NV8: usize = 8;
 
-/// Shared memory of [`attention_forward_mma()`], in bytes: the `Q` tile and two `K` and `V`
-/// buffers, rows padded by [`V_PAD`] elements.
-pub fn shared_bytes(c: AttnConfig) -> usize {
+/// Columns of given scores one lane-quad loads per chunk: 4 lanes × 8 elements (16 bytes).
+pub const CHUNK: u32 = 32;
+
+/// Shared memory of [`flash_forward_mma()`], in bytes: two `V` buffers and, for computed
+/// scores, the `Q` tile and two `K` buffers; rows padded by [`V_PAD`] elements.
+pub fn shared_bytes(c: FlashConfig) -> usize {
     let pad = V_PAD as usize;
     let (bq, bk) = (c.block_q as usize, c.block_k as usize);
     let (d, dv) = (c.head_dim as usize, c.value_dim as usize);
-    (bq * (d + pad) + 2 * bk * (d + pad) + 2 * bk * (dv + pad)) * 2
+    let qk = if c.given() {
+        0
+    } else {
+        bq * (d + pad) + 2 * bk * (d + pad)
+    };
+    (qk + 2 * bk * (dv + pad)) * 2
+}
+
+/// Whether `c` fits the kernel: whole `mma` tiles and pairs of them and, for given scores,
+/// whole [`CHUNK`]s per step.
+pub fn fits(c: FlashConfig) -> bool {
+    let tile_rows = MMA_M * c.row_tiles;
+    c.row_tiles >= 1
+        && c.block_q.is_multiple_of(tile_rows)
+        && c.block_k.is_multiple_of(if c.given() { CHUNK } else { 16 })
+        && c.block_k > 0
+        && c.head_dim.is_multiple_of(16)
+        && c.value_dim.is_multiple_of(16)
+        && c.value_dim > 0
+}
+
+/// Units per cube of `c`: one plane per `16·row_tiles` rows.
+pub fn units(c: FlashConfig) -> u32 {
+    (c.block_q / (MMA_M * c.row_tiles)) * PLANE
+}
+
+/// Key (score column) of element `n` of 8-key tile `j` of a lane of quad member `quad`,
+/// counted from the step's first key: `8j + 2·quad + n` in the fragment layout; for given
+/// scores, 8 consecutive columns per quad member in each [`CHUNK`] (module docs).
+#[cube]
+fn key_of(
+    #[comptime] j: u32,
+    quad: usize,
+    #[comptime] n: u32,
+    #[comptime] c: FlashConfig,
+) -> usize {
+    if comptime!(c.given()) {
+        comptime!(((j / 4) * CHUNK + (j % 4) * 2 + n) as usize) + quad * NV8
+    } else {
+        comptime!((j * MMA_N + n) as usize) + quad * 2
+    }
+}
+
+/// Row of the shared `V` buffer that row `p` of the step's `V` block is copied to, for given
+/// scores: the operand position of key `p` (see [`key_of()`]). Key `32c + 8t + 4s + 2i + n`
+/// (quad member `t`, `mma` step `2c + s`, operand half `i`, element `n`) sits in row
+/// `32c + 16s + 8i + 2t + n`.
+#[cube]
+fn staged_row(p: usize) -> usize {
+    let q = p % 32;
+    (p - q) + 16 * ((q % 8) / 4) + 8 * ((q % 4) / 2) + 2 * (q / 8) + q % 2
 }
 
 /// Issues the asynchronous copies of a `rows × width` tile (zeros past `valid_rows` and
-/// `valid_cols`) into `dst` at `buf`, row `r` read from `src` at `base_of(r)`.
+/// `valid_cols`) into `dst` at `buf`, row `r` read from `src` at `base + (row0 + r)·row_stride`
+/// and written to row `r`, or with `permute` to row [`staged_row()`]`(r)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_rows<F: Float, NV: Size>(
@@ -63,6 +129,7 @@ fn stage_rows<F: Float, NV: Size>(
     #[comptime] rows: u32,
     #[comptime] width: u32,
     #[comptime] units: u32,
+    #[comptime] permute: bool,
 ) {
     let per_row = comptime!(width as usize / NV8);
     let ldv = comptime!((width + V_PAD) as usize / NV8);
@@ -77,7 +144,11 @@ fn stage_rows<F: Float, NV: Size>(
             let col = cv * NV8;
             let ok = row < valid_rows && col < valid_cols;
             let at = select(ok, (base + row * row_stride + col) / NV8, 0);
-            copy_vec::<F, NV>(src, dst, at, buf + r * ldv + cv, ok);
+            let mut dst_row = r;
+            if comptime!(permute) {
+                dst_row = staged_row(r);
+            }
+            copy_vec::<F, NV>(src, dst, at, buf + dst_row * ldv + cv, ok);
         }
     }
 }
@@ -95,7 +166,7 @@ fn stage_q<F: Float, NV: Size>(
     rows: usize,
     seq_q: usize,
     head_dim: usize,
-    #[comptime] c: AttnConfig,
+    #[comptime] c: FlashConfig,
     #[comptime] units: u32,
 ) {
     let per_row = comptime!(c.head_dim as usize / NV8);
@@ -120,52 +191,52 @@ fn stage_q<F: Float, NV: Size>(
     }
 }
 
-/// One step of `block_k` keys for one plane (`row_tiles` tiles of 16 query rows): `S = Q·Kᵀ`,
-/// the finished scores, the online softmax update and `O += P·V`. Each `K` and `V` fragment is
-/// loaded once for all the plane's row tiles. `bounds` (the blocks that cross the end of the
-/// keys or a diagonal) tests each key's position.
-///
-/// Slots: row tile `rt`, half `h` (rows `r`, `r + 8`) is slot `2·rt + h` of `m`, `l` and
-/// `refs`; `S` tile `j` of row tile `rt` is `s[rt·key_tiles + j]`, output tile `nt` is
-/// `acc[rt·value_tiles + nt]`.
+/// Loads this lane's given scores of the step at key `j0`: per row slot (`2·rt + h`: row
+/// `r + 16·rt + 8·h`, offset `x_rows[slot]`), 8 consecutive columns per [`CHUNK`]
+/// (`xr[slot·chunks + chunk]`). The loads are unconditional, from clamped addresses, so that
+/// nothing waits for them before their use in the next step: rows past the end are never
+/// stored, columns past `Sk` are invisible in the step that tests bounds.
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn step<F: Float, NV: Size>(
+fn load_scores<F: Float, NV: Size>(
+    x: &Tensor<Vector<F, NV>>,
+    xr: &mut Array<Vector<F, NV>>,
+    x_rows: &Array<usize>,
+    j0: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) {
+    let chunks = comptime!(c.block_k / CHUNK);
+    let quad = (UNIT_POS_PLANE % 4) as usize;
+    #[unroll]
+    for ch in 0..chunks {
+        let col = j0 + (ch * CHUNK) as usize + quad * NV8;
+        let col = select(col < seq_k, col, 0);
+        #[unroll]
+        for slot in 0..comptime!(2 * c.row_tiles) {
+            xr[(slot * chunks + ch) as usize] = x[(x_rows[slot as usize] + col) / NV8];
+        }
+    }
+}
+
+/// `S = Q·Kᵀ` of one step for one plane's row tiles: per 16 dims, one `Q` fragment per row
+/// tile and, per 16 keys, one `ldmatrix.x4` of `K` shared by the row tiles.
+#[cube]
+fn step_scores<F: Float, NV: Size>(
     q_s: &SharedMemory<Vector<F, NV>>,
     k_s: &SharedMemory<Vector<F, NV>>,
-    v_s: &SharedMemory<Vector<F, NV>>,
-    kv_buf: (usize, usize),
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    refs: &RowRefs,
-    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    m: &mut Array<f32>,
-    l: &mut Array<f32>,
-    j0: usize,
-    seqs: (usize, usize),
-    params: (f32, f32),
-    #[comptime] c: AttnConfig,
-    #[comptime] bounds: bool,
+    k_buf: usize,
+    s: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] c: FlashConfig,
 ) {
-    let (k_buf, v_buf) = kv_buf;
-    let (seq_q, seq_k) = seqs;
-    let (scale, softcap) = params;
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let mat = lane / 8;
     let mat_row = lane % 8;
-    let quad = (lane % 4) as usize;
     let rts = comptime!(c.row_tiles);
     let q_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let k_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
-    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let key_tiles = comptime!(c.block_k / MMA_N);
-    let value_tiles = comptime!(c.value_dim / MMA_N);
-
-    // -- S = Q·Kᵀ: per 16 dims, one Q fragment per row tile and, per 16 keys, one
-    // `ldmatrix.x4` of K shared by the row tiles --
-    let mut s = zero_accumulators(comptime!(rts * key_tiles));
     // ldmatrix rows of this lane: Q row (matrices 1, 3: + 8), column + 8 for matrices 2, 3;
     // K key (matrices 2, 3: + 8), dim + 8 for matrices 1, 3.
     let q_row = (plane * MMA_M * rts + (mat % 2) * 8 + mat_row) as usize;
@@ -215,7 +286,75 @@ fn step<F: Float, NV: Size>(
             }
         }
     }
+}
 
+/// One step of `block_k` keys for one plane (`row_tiles` tiles of 16 query rows): `S = Q·Kᵀ`,
+/// the finished scores, the online softmax update and `O += P·V`. Each `K` and `V` fragment is
+/// loaded once for all the plane's row tiles. `bounds` (the blocks that cross the end of the
+/// keys or a diagonal) tests each key's position.
+///
+/// Slots: row tile `rt`, half `h` (rows `r`, `r + 8`) is slot `2·rt + h` of `m`, `l` and
+/// `refs`; `S` tile `j` of row tile `rt` is `s[rt·key_tiles + j]`, output tile `nt` is
+/// `acc[rt·value_tiles + nt]`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn step<F: Float, NV: Size>(
+    q_s: &SharedMemory<Vector<F, NV>>,
+    k_s: &SharedMemory<Vector<F, NV>>,
+    v_s: &SharedMemory<Vector<F, NV>>,
+    kv_buf: (usize, usize),
+    xr: &Array<Vector<F, NV>>,
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    refs: &RowRefs,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    m: &mut Array<f32>,
+    l: &mut Array<f32>,
+    j0: usize,
+    seqs: (usize, usize),
+    params: (f32, f32),
+    #[comptime] c: FlashConfig,
+    #[comptime] bounds: bool,
+) {
+    let (k_buf, v_buf) = kv_buf;
+    let (seq_q, seq_k) = seqs;
+    let (scale, softcap) = params;
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let mat = lane / 8;
+    let mat_row = lane % 8;
+    let quad = (lane % 4) as usize;
+    let rts = comptime!(c.row_tiles);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let key_tiles = comptime!(c.block_k / MMA_N);
+    let value_tiles = comptime!(c.value_dim / MMA_N);
+
+    let mut s = zero_accumulators(comptime!(rts * key_tiles));
+    if comptime!(c.given()) {
+        // -- given scores: 8-key tile 4·chunk + u of slot (rt, h) is elements 2u, 2u + 1 of
+        // the slot's vector of the chunk --
+        let chunks = comptime!(c.block_k / CHUNK);
+        #[unroll]
+        for rt in 0..rts {
+            #[unroll]
+            for j in 0..key_tiles {
+                let frag = s.index_mut(comptime!(rt * key_tiles + j) as usize);
+                #[unroll]
+                for h in 0..2u32 {
+                    let vec = xr[comptime!(((2 * rt + h) * chunks + j / 4) as usize)];
+                    let mut pair = Vector::<f32, Const<2>>::empty();
+                    #[unroll]
+                    for n in 0..2u32 {
+                        pair[n as usize] =
+                            f32::cast_from(vec[comptime!((2 * (j % 4) + n) as usize)]);
+                    }
+                    frag[h as usize] = pair;
+                }
+            }
+        }
+    } else {
+        step_scores::<F, NV>(q_s, k_s, k_buf, &mut s, c);
+    }
     // -- finished scores (invisible keys: the lowest value, no probability) and the step's row
     // maxima --
     let mut step_max = Array::<f32>::new(comptime!(2 * rts as usize));
@@ -230,12 +369,15 @@ fn step<F: Float, NV: Size>(
                 let frag = s.index_mut(comptime!(rt * key_tiles + j) as usize);
                 let mut vec = frag[h as usize];
                 #[unroll]
-                for n in 0..2usize {
-                    let key = j0 + (j * MMA_N) as usize + quad * 2 + n;
-                    let x = score::<F>(bias, refs, slot, vec[n], key, seq_k, scale, softcap, c);
+                for n in 0..2u32 {
+                    let key = j0 + key_of(j, quad, n, c);
+                    let mut x = vec[n as usize];
+                    if comptime!(!c.given()) {
+                        x = score::<F>(bias, refs, slot, x, key, seq_k, scale, softcap, c);
+                    }
                     let ok = visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, bounds);
-                    vec[n] = select(ok, x, f32::min_value());
-                    step_max[slot] = f32::max(step_max[slot], vec[n]);
+                    vec[n as usize] = select(ok, x, f32::min_value());
+                    step_max[slot] = f32::max(step_max[slot], vec[n as usize]);
                 }
                 frag[h as usize] = vec;
             }
@@ -332,14 +474,19 @@ fn step<F: Float, NV: Size>(
 }
 
 /// `out = softmax(scores)·v` and the row log-sum-exp `lse` of the finished scores, for
-/// f16/bf16 `q`, `k`, `v` whose rows are contiguous and 16-byte aligned (`D`, `Dv` and every
-/// stride multiples of 8). Shapes: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v`
-/// `[B, Hkv, Sk, Dv]`, `out` `[B, Hq, Sq, Dv]`, `lse` `[B, Hq, Sq]`; `mask` (1 = masked out) and
-/// `bias` `[B, Hq, Sq, Sk]` with stride 0 along broadcast dimensions, read only when `c` says
-/// so. Grid: `(row blocks of G·Sq, B·Hkv)`; `block_q / 16` planes per cube.
+/// f16/bf16 tensors whose rows are contiguous and 16-byte aligned (row lengths and every
+/// stride multiples of 8).
+///
+/// Shapes: `v` `[B, Hkv, Sk, Dv]`, `out` `[B, Hq, Sq, Dv]`, `lse` `[B, Hq, Sq]`, and
+/// - `QueryKey`: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`; `mask` (1 = masked out) and `bias`
+///   `[B, Hq, Sq, Sk]` with stride 0 along broadcast dimensions, read only when `c` says so;
+/// - `Given`: the scores `X` `[B, H, Sq, Sk]` in place of `q`, `Hkv = H` (`k`, `mask`, `bias`,
+///   `scale`, `softcap` unused).
+///
+/// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`; [`units()`] units per cube.
 #[cube(launch_unchecked, fast_math = FastMath::ReducedPrecision.into())]
 #[allow(clippy::too_many_arguments)]
-pub fn attention_forward_mma<F: Float, NV: Size>(
+pub fn flash_forward_mma<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
@@ -349,25 +496,33 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     lse: &mut Tensor<f32>,
     scale: f32,
     softcap: f32,
-    #[comptime] c: AttnConfig,
+    #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
     let bk = comptime!(c.block_k) as usize;
+    let given = comptime!(c.given());
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
     let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
+    let chunks = comptime!(c.block_k / CHUNK);
+    let slots = comptime!(2 * c.row_tiles as usize);
 
     let seq_q = q.shape(2);
-    let seq_k = k.shape(2);
+    let mut seq_k = k.shape(2);
+    let mut heads_kv = k.shape(1);
+    if comptime!(given) {
+        seq_k = q.shape(3);
+        heads_kv = q.shape(1);
+    }
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
-    let heads_kv = k.shape(1);
     let group = q.shape(1) / heads_kv;
     let rows = group * seq_q;
     let batch = CUBE_POS_Y as usize / heads_kv;
     let hkv = CUBE_POS_Y as usize % heads_kv;
     let head0 = hkv * group;
     let block_row0 = (CUBE_POS_X * c.block_q) as usize;
+    let col0 = (CUBE_POS_Z * c.value_dim) as usize;
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
@@ -391,21 +546,33 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
     let full_steps = full_end / bk;
 
     let kv_base_k = batch * k.stride(0) + hkv * k.stride(1);
-    let kv_base_v = batch * v.stride(0) + hkv * v.stride(1);
+    let kv_base_v = batch * v.stride(0) + hkv * v.stride(1) + col0;
     let (ks, vs) = (k.stride(2), v.stride(2));
+    let v_cols = value_dim - col0;
 
-    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(if c.given() {
+        1
+    } else {
         c.block_q as usize * (c.head_dim + V_PAD) as usize / NV8
-    ));
-    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * k_len));
+    }));
+    let mut k_s =
+        SharedMemory::<Vector<F, NV>>::new(comptime!(if c.given() { 1 } else { 2 * k_len }));
     let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * v_len));
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let slots = comptime!(2 * c.row_tiles as usize);
     let mut refs = new_refs(slots);
     let mut m = Array::<f32>::new(slots);
     let mut l = Array::<f32>::new(slots);
+    // Given scores: where each slot's row starts in `X`, and two steps of them in registers.
+    let mut x_rows = Array::<usize>::new(slots);
+    let x_len = comptime!(if c.given() {
+        slots * chunks as usize
+    } else {
+        1
+    });
+    let mut xr = Array::<Vector<F, NV>>::new(x_len);
+    let mut xn = Array::<Vector<F, NV>>::new(x_len);
     #[unroll]
     for slot in 0..slots {
         // Slot 2·rt + h: row r + 16·rt + 8·h.
@@ -413,19 +580,24 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
         set_row::<F>(
             &mut refs, slot, mask, bias, batch, head0, row, rows, seq_q, c,
         );
+        let rr = usize::min(row, rows - 1);
+        x_rows[slot] =
+            batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
         m[slot] = f32::min_value();
         l[slot] = 0.0f32;
     }
     let value_tiles = comptime!(c.value_dim / MMA_N);
     let mut acc = zero_accumulators(comptime!(c.row_tiles * value_tiles));
 
-    // -- prologue: Q and step 0's K, V --
-    stage_q::<F, NV>(
-        q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
-    );
-    stage_rows::<F, NV>(
-        k, &mut k_s, 0, 0, kv_base_k, ks, kv_end, head_dim, c.block_k, c.head_dim, units,
-    );
+    // -- prologue: Q (computed scores) and step 0's K, V, or step 0's given scores --
+    if comptime!(!given) {
+        stage_q::<F, NV>(
+            q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
+        );
+        stage_rows::<F, NV>(
+            k, &mut k_s, 0, 0, kv_base_k, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
+        );
+    }
     stage_rows::<F, NV>(
         v,
         &mut v_s,
@@ -434,32 +606,41 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
         kv_base_v,
         vs,
         kv_end,
-        value_dim,
+        v_cols,
         c.block_k,
         c.value_dim,
         units,
+        given,
     );
     bar0.commit_copy_async();
     let _token = bar0.arrive();
+    if comptime!(given) {
+        if steps > 0 {
+            load_scores::<F, NV>(q, &mut xr, &x_rows, 0, seq_k, c);
+        }
+    }
 
     for st in 0..steps {
         let parity = st % 2;
         let next = st + 1;
         if next < steps {
             let nb = 1 - parity;
-            stage_rows::<F, NV>(
-                k,
-                &mut k_s,
-                nb * k_len,
-                next * bk,
-                kv_base_k,
-                ks,
-                kv_end,
-                head_dim,
-                c.block_k,
-                c.head_dim,
-                units,
-            );
+            if comptime!(!given) {
+                stage_rows::<F, NV>(
+                    k,
+                    &mut k_s,
+                    nb * k_len,
+                    next * bk,
+                    kv_base_k,
+                    ks,
+                    kv_end,
+                    head_dim,
+                    c.block_k,
+                    c.head_dim,
+                    units,
+                    false,
+                );
+            }
             stage_rows::<F, NV>(
                 v,
                 &mut v_s,
@@ -468,13 +649,19 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
                 kv_base_v,
                 vs,
                 kv_end,
-                value_dim,
+                v_cols,
                 c.block_k,
                 c.value_dim,
                 units,
+                given,
             );
         }
         commit_next(&bar0, &bar1, st);
+        if comptime!(given) {
+            // The next step's scores (the last step's again at the end: never used).
+            let j_next = usize::min(next, steps - 1) * bk;
+            load_scores::<F, NV>(q, &mut xn, &x_rows, j_next, seq_k, c);
+        }
         wait_step(&bar0, &bar1, st);
         let bufs = (parity * k_len, parity * v_len);
         if st < full_steps {
@@ -483,6 +670,7 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
                 &k_s,
                 &v_s,
                 bufs,
+                &xr,
                 mask,
                 bias,
                 &refs,
@@ -501,6 +689,7 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
                 &k_s,
                 &v_s,
                 bufs,
+                &xr,
                 mask,
                 bias,
                 &refs,
@@ -516,6 +705,12 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
         }
         // Every plane is done with this buffer before step + 2's copies overwrite it.
         sync_cube();
+        if comptime!(given) {
+            #[unroll]
+            for i in 0..x_len {
+                xr[i] = xn[i];
+            }
+        }
     }
     if steps == 0 {
         // Nothing to see: the prologue's copies still complete before the cube exits.
@@ -529,7 +724,7 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
         let total = quad_sum(l[slot]);
         inv[slot] = inverse_sum(total);
         let row = my_row + slot * 8;
-        if quad == 0 && row < rows {
+        if quad == 0 && row < rows && CUBE_POS_Z == 0 {
             let head = head0 + row / seq_q;
             let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
             lse[at] = log_sum_exp(m[slot], total);
@@ -548,7 +743,7 @@ pub fn attention_forward_mma<F: Float, NV: Size>(
                 let vec = acc.index(comptime!(rt as u32 * value_tiles + nt) as usize)[h];
                 #[unroll]
                 for n in 0..2usize {
-                    let col = (nt * MMA_N) as usize + quad * 2 + n;
+                    let col = col0 + (nt * MMA_N) as usize + quad * 2 + n;
                     if col < value_dim {
                         out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv[slot]);
                     }

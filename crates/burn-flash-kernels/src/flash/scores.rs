@@ -6,7 +6,7 @@
 
 use cubecl::prelude::*;
 
-use super::AttnConfig;
+use super::FlashConfig;
 
 /// Where a unit's query rows read the mask and the bias, one slot per row: the row's query
 /// position `i` (for the causal test) and the element offsets of `mask[b, h, i, 0]` and
@@ -47,7 +47,7 @@ pub fn set_row<F: Float>(
     row: usize,
     rows: usize,
     seq_q: usize,
-    #[comptime] c: AttnConfig,
+    #[comptime] c: FlashConfig,
 ) {
     let row = usize::min(row, rows - 1);
     let head = head0 + row / seq_q;
@@ -74,7 +74,7 @@ pub fn visible<F: Float>(
     key: usize,
     seq_q: usize,
     seq_k: usize,
-    #[comptime] c: AttnConfig,
+    #[comptime] c: FlashConfig,
     #[comptime] bounds: bool,
 ) -> bool {
     let mut ok = true;
@@ -106,7 +106,7 @@ pub fn score<F: Float>(
     seq_k: usize,
     scale: f32,
     softcap: f32,
-    #[comptime] c: AttnConfig,
+    #[comptime] c: FlashConfig,
 ) -> f32 {
     let mut s = raw * scale;
     if comptime!(c.softcap) {
