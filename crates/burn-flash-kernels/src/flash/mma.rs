@@ -432,7 +432,12 @@ fn step<F: Float, NV: Size>(
                 #[unroll]
                 for n in 0..2usize {
                     let x = vec[n];
-                    let p = probability(x, m[slot], x > f32::min_value());
+                    // Invisible keys carry the lowest value; only steps that test bounds or
+                    // read a mask have them (a given −inf needs no test: e^(−inf − m) = 0).
+                    let mut p = f32::exp(x - m[slot]);
+                    if comptime!(bounds || c.mask) {
+                        p = probability(x, m[slot], x > f32::min_value());
+                    }
                     l[slot] += p;
                     pair[n] = F::cast_from(p);
                 }

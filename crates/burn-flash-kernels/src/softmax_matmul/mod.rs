@@ -416,14 +416,15 @@ pub fn plan_softmax_matmul<R: Runtime>(
 }
 
 /// The configuration of a flash kernel (given scores) with `block_1 × block_2` steps and
-/// `tile_3` output columns per cube: on the matrix units, two row tiles per plane share each
-/// `V` fragment where a plane has 32 rows.
+/// `tile_3` output columns per cube. On the matrix units, two row tiles per plane share each
+/// `V` fragment for 32 and 64 rows; 128 rows take 8 planes of one tile (more warps to hide
+/// latency: the layout of the 16-bit `softmax_matmul` forward before the loops merged).
 fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> FlashConfig {
     let mma = kernel == SmmForwardKernel::MatrixUnits;
     FlashConfig {
         source: ScoreSource::Given,
         block_q: b1 as u32,
-        row_tiles: if mma && b1 >= 32 { 2 } else { 1 },
+        row_tiles: if mma && (32..=64).contains(&b1) { 2 } else { 1 },
         block_k: b2 as u32,
         head_dim: 0,
         value_dim: t3 as u32,
