@@ -22,7 +22,7 @@
 //!     freely as long as `V`'s rows are permuted alike: lane-quad member `t` takes the 8
 //!     *consecutive* columns `8t .. 8t + 8` of each 32-column chunk (one vector) where the
 //!     fragment layout has columns `2t, 2t + 1` of each 8-key tile, and `V`'s rows are staged
-//!     in that order ([`staged_row()`]).
+//!     in that order (`staged_row`).
 //! - scale, softcap, mask, causal test and bias on the fragments in registers
 //!   ([`super::scores`]; given scores are used as they are, only the end of the row is
 //!   tested); the online softmax with the lazy rescale ([`super::next_reference()`]);
@@ -490,7 +490,9 @@ fn step<F: Float, NV: Size>(
 ///
 /// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`; [`units()`] units per cube.
 #[cube(launch_unchecked, fast_math = FastMath::ReducedPrecision.into())]
-#[allow(clippy::too_many_arguments)]
+// A comptime `if` stays apart from the runtime one inside it: joined, the branch would be
+// expanded for computed scores too.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_forward_mma<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,

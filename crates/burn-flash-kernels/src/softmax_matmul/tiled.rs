@@ -329,8 +329,8 @@ pub(super) fn product_step(
     }
 }
 
-/// `out = softmax(x)·v` and `lse`, as [`super::kernel::smm_forward()`], with the register-tiled
-/// product of the module docs. Grid: `(d3 / TILE_N, d1 / TILE_M, batch)` (rounded up),
+/// `out = softmax(x)·v` and `lse`, as [`crate::flash::units::flash_forward_units()`] with
+/// given scores, with the register-tiled product of the module docs. Grid: `(d3 / TILE_N, d1 / TILE_M, batch)` (rounded up),
 /// [`UNITS`] units per cube; `planes` needs plane shuffles over groups of 4 consecutive units.
 /// `NV` (1, 2 or 4) divides the rows and strides of `x`, `v` and `out` (whose last stride is
 /// then 1).
