@@ -105,7 +105,7 @@ use burn::tensor::{
     Bool, DType, Distribution, FloatDType, Int, Tensor, TensorData, backend::Backend, module,
     ops::AttentionModuleOptions,
 };
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use burn_cubecl::{BoolElement, CubeRuntime};
 use burn_flash::{FlashAttentionOptions, FlashBackend, attention::AttentionDims};
 
 /// `--block-k`, set once from the command line.
@@ -114,7 +114,6 @@ static BLOCK_K: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
 fn forced_block_k() -> Option<usize> {
     BLOCK_K.get().copied().flatten()
 }
-use burn_fusion::Fusion;
 use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;
 use cubecl::client::ComputeClient;
@@ -184,31 +183,6 @@ struct Cli {
     /// itself with this flag first and takes its peak column from that file.
     #[arg(long, hide = true)]
     memory_only: bool,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum DTypeName {
-    Bf16,
-    F16,
-    F32,
-}
-
-impl DTypeName {
-    fn dtype(self) -> FloatDType {
-        match self {
-            DTypeName::Bf16 => FloatDType::BF16,
-            DTypeName::F16 => FloatDType::F16,
-            DTypeName::F32 => FloatDType::F32,
-        }
-    }
-
-    fn label(self) -> &'static str {
-        match self {
-            DTypeName::Bf16 => "bf16",
-            DTypeName::F16 => "f16",
-            DTypeName::F32 => "f32",
-        }
-    }
 }
 
 /// A sweep, and the `variant` column of its rows.
@@ -534,19 +508,6 @@ fn first_call_seconds<T>(sync: &dyn Fn(), call: impl FnOnce() -> T) -> f64 {
     drop(out);
     seconds
 }
-
-/// Milliseconds, to 4 significant digits.
-fn ms(seconds: f64) -> f64 {
-    sig(seconds * 1e3, 4)
-}
-
-/// TFLOP/s of `flop` in `seconds`, to 4 significant digits.
-fn tflops(flop: f64, seconds: f64) -> f64 {
-    sig(flop / seconds / 1e12, 4)
-}
-
-type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
-type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 
 /// What one row measured: in a timing run the first call and the timings, in a
 /// `--memory-only` run the peak.

@@ -41,13 +41,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{
-    DType, Distribution, FloatDType, Tensor, TensorPrimitive, activation, backend::Backend,
-};
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use burn::tensor::{DType, Distribution, Tensor, TensorPrimitive, activation, backend::Backend};
+use burn_cubecl::{BoolElement, CubeRuntime};
 use burn_flash::{FlashBackend, SoftmaxBackend, SoftmaxOptions, SoftmaxVariant};
-use burn_fusion::Fusion;
-use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
+use clap::{CommandFactory, Parser, error::ErrorKind};
 use common::*;
 use serde::{Deserialize, Serialize};
 
@@ -79,31 +76,6 @@ struct Cli {
     /// Redraw the PNG of an earlier run's CSV, then exit.
     #[arg(long, value_name = "CSV")]
     plot: Option<PathBuf>,
-}
-
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum DTypeName {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl DTypeName {
-    fn dtype(self) -> FloatDType {
-        match self {
-            DTypeName::F32 => FloatDType::F32,
-            DTypeName::F16 => FloatDType::F16,
-            DTypeName::Bf16 => FloatDType::BF16,
-        }
-    }
-
-    fn label(self) -> &'static str {
-        match self {
-            DTypeName::F32 => "f32",
-            DTypeName::F16 => "f16",
-            DTypeName::Bf16 => "bf16",
-        }
-    }
 }
 
 /// A row of `softmax.csv` (module docs). Reading accepts the older column names.
@@ -160,9 +132,6 @@ struct Case {
     implementation: &'static str,
     result: Result<Timings, String>,
 }
-
-type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
-type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 
 fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeName, cli: &Cli) {
     let backend = runtime.name();

@@ -54,9 +54,8 @@ use burn::tensor::{
     DType, Distribution, FloatDType, Tensor, TensorData, activation,
     backend::{AutodiffBackend, Backend},
 };
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use burn_cubecl::{BoolElement, CubeRuntime};
 use burn_flash::{FlashBackend, SoftmaxMatmulOptions, softmax_matmul_with};
-use burn_fusion::Fusion;
 use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;
 use cubecl::client::ComputeClient;
@@ -288,18 +287,6 @@ fn peak_memory_mib<R: CubeRuntime, T>(
     Some((inputs_bytes + m.peak.saturating_sub(m.before)) as f64 / (1 << 20) as f64)
 }
 
-/// Milliseconds, to 4 significant digits.
-fn ms(seconds: f64) -> f64 {
-    sig(seconds * 1e3, 4)
-}
-
-/// TFLOP/s of `flop` in `seconds`, to 4 significant digits.
-fn tflops(flop: f64, seconds: f64) -> f64 {
-    sig(flop / seconds / 1e12, 4)
-}
-
-type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
-type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 /// The same values on the bare backend and through Fusion.
 type Pair<R, BT> = (Tensor<Un<R, BT>, 3>, Tensor<Fu<R, BT>, 3>);
 

@@ -36,12 +36,48 @@ use std::{
     time::Instant,
 };
 
+use burn::tensor::FloatDType;
+use burn_cubecl::CubeBackend;
+use burn_fusion::Fusion;
 use clap::{Args, ValueEnum};
 use cubecl::{Runtime, client::ComputeClient, profile::TimingMethod};
 use plotters::{prelude::*, style::register_font};
 use serde::{Serialize, de::DeserializeOwned};
 
+/// The bare CubeCL backend every bench times (f32 default float; a row's dtype is cast to).
+pub type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
+/// The same backend through Fusion, as Burn's `Cuda`/`Wgpu` backends run it.
+pub type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
+
 // -- command line --
+
+/// An element type on the command line (`--dtypes f32,f16,bf16`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DTypeName {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl DTypeName {
+    /// Burn's float type.
+    pub fn dtype(self) -> FloatDType {
+        match self {
+            DTypeName::F32 => FloatDType::F32,
+            DTypeName::F16 => FloatDType::F16,
+            DTypeName::Bf16 => FloatDType::BF16,
+        }
+    }
+
+    /// The CSV label.
+    pub fn label(self) -> &'static str {
+        match self {
+            DTypeName::F32 => "f32",
+            DTypeName::F16 => "f16",
+            DTypeName::Bf16 => "bf16",
+        }
+    }
+}
 
 /// Options every bench takes.
 #[derive(Args, Debug)]
@@ -343,6 +379,16 @@ pub fn sig(x: f64, digits: i32) -> f64 {
     }
     let scale = 10f64.powi(digits - 1 - x.abs().log10().floor() as i32);
     (x * scale).round() / scale
+}
+
+/// Milliseconds, to 4 significant digits.
+pub fn ms(seconds: f64) -> f64 {
+    sig(seconds * 1e3, 4)
+}
+
+/// TFLOP/s of `flop` in `seconds`, to 4 significant digits.
+pub fn tflops(flop: f64, seconds: f64) -> f64 {
+    sig(flop / seconds / 1e12, 4)
 }
 
 // -- CSV --
