@@ -310,6 +310,7 @@ fn step<F: Float, NV: Size>(
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     m: &mut Array<f32>,
     l: &mut Array<f32>,
+    l_mma: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     j0: usize,
     seqs: (usize, usize),
     params: (f32, f32),
@@ -400,6 +401,16 @@ fn step<F: Float, NV: Size>(
             m[slot] = m_new[slot];
             l[slot] *= alpha[slot];
         }
+        if comptime!(c.given()) {
+            #[unroll]
+            for rt in 0..rts {
+                let frag = l_mma.index_mut(rt as usize);
+                #[unroll]
+                for h in 0..2u32 {
+                    frag[h as usize] = frag[h as usize] * Vector::new(alpha[(2 * rt + h) as usize]);
+                }
+            }
+        }
         #[unroll]
         for rt in 0..rts {
             #[unroll]
@@ -438,10 +449,20 @@ fn step<F: Float, NV: Size>(
                     if comptime!(bounds || c.mask) {
                         p = probability(x, m[slot], x > f32::min_value());
                     }
-                    l[slot] += p;
+                    if comptime!(!c.given()) {
+                        l[slot] += p;
+                    }
                     pair[n] = F::cast_from(p);
                 }
                 a[i as usize] = pair;
+            }
+            if comptime!(c.given()) {
+                // Given scores: the row sums on the matrix units, `P` times a block of ones
+                // (fewer instructions per score where no `Q·Kᵀ` shares the issue slots).
+                let mut ones = Array::<Vector<F, Const<2>>>::new(2usize);
+                ones[0usize] = Vector::new(F::from_int(1));
+                ones[1usize] = Vector::new(F::from_int(1));
+                def.execute_inplace(&a, &ones, l_mma.index_mut(rt as usize));
             }
             pa.push(a);
         }
@@ -489,7 +510,10 @@ fn step<F: Float, NV: Size>(
 ///   `scale`, `softcap` unused).
 ///
 /// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`; [`units()`] units per cube.
-#[cube(launch_unchecked, fast_math = FastMath::ReducedPrecision.into())]
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
 // A comptime `if` stays apart from the runtime one inside it: joined, the branch would be
 // expanded for computed scores too.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -571,6 +595,9 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     let mut refs = new_refs(slots);
     let mut m = Array::<f32>::new(slots);
     let mut l = Array::<f32>::new(slots);
+    // Given scores: the row sums as `mma` accumulators (vector h of row tile rt holds, twice,
+    // the sum of row r + 16·rt + 8·h).
+    let mut l_mma = zero_accumulators(comptime!(if c.given() { c.row_tiles } else { 1 }));
     // Given scores: where each slot's row starts in `X`, and two steps of them in registers.
     let mut x_rows = Array::<usize>::new(slots);
     let x_len = comptime!(if c.given() {
@@ -684,6 +711,7 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
                 &mut acc,
                 &mut m,
                 &mut l,
+                &mut l_mma,
                 st * bk,
                 (seq_q, seq_k),
                 (scale, softcap),
@@ -703,6 +731,7 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
                 &mut acc,
                 &mut m,
                 &mut l,
+                &mut l_mma,
                 st * bk,
                 (seq_q, seq_k),
                 (scale, softcap),
@@ -728,7 +757,11 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     let mut inv = Array::<f32>::new(slots);
     #[unroll]
     for slot in 0..slots {
-        let total = quad_sum(l[slot]);
+        let total = if comptime!(c.given()) {
+            l_mma.index(comptime!(slot / 2))[comptime!(slot % 2)][0usize]
+        } else {
+            quad_sum(l[slot])
+        };
         inv[slot] = inverse_sum(total);
         let row = my_row + slot * 8;
         if quad == 0 && row < rows && CUBE_POS_Z == 0 {

@@ -4,7 +4,7 @@
 //! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
 //! are *invisible*, and [`crate::flash::probability()`] gives them `P = 0`.
 
-use cubecl::prelude::*;
+use cubecl::{ir::FastMath, prelude::*};
 
 use super::FlashConfig;
 
@@ -110,13 +110,21 @@ pub fn score<F: Float>(
 ) -> f32 {
     let mut s = raw * scale;
     if comptime!(c.softcap) {
-        s = softcap * f32::tanh(s / softcap);
+        s = soft_cap(s, softcap);
     }
     if comptime!(c.bias) {
         let k = usize::min(key, seq_k - 1);
         s += f32::cast_from(bias[refs.bias[slot] + k * bias.stride(3)]);
     }
     s
+}
+
+/// `c·tanh(s/c)` with the accurate `tanh`, also inside a kernel compiled with fast math
+/// (`flash_forward_mma`): the approximate one errs by up to 2⁻¹¹ of `c`, as much as rounding
+/// the score to f16.
+#[cube(fast_math = FastMath::ReducedPrecision.into())]
+fn soft_cap(s: f32, cap: f32) -> f32 {
+    cap * f32::tanh(s / cap)
 }
 
 /// The keys query position `pos` sees under the causal mask: `j < pos + 1 + Sk − Sq`,
