@@ -114,12 +114,19 @@ fn burn_fallback<B: burn::tensor::backend::Backend>(
             .reshape([nb, hq, sk, last])
     };
     let full = [nb, hq, sq, sk];
+    // Fresh contiguous copies: the naive reference measures the dtype's rounding, not Burn's
+    // strided and expanded matmul paths (one of which failed to compile on CUDA f32 in
+    // `tiled_kernel`: cubek-matmul's "Invalid vector size. Got 16 which should not be >8").
+    let fresh = |t: Tensor<B, 4>| Tensor::<B, 4>::from_data(t.to_data(), &t.device());
     module::attention_fallback(
-        q,
-        repeat(k),
-        repeat(v),
-        mask.map(|m| m.expand(full)),
-        bias.map(|b| b.expand(full)),
+        fresh(q),
+        fresh(repeat(k)),
+        fresh(repeat(v)),
+        mask.map(|m| {
+            let device = m.device();
+            Tensor::<B, 4, Bool>::from_data(m.expand(full).to_data(), &device)
+        }),
+        bias.map(|b| fresh(b.expand(full))),
         options,
     )
 }
@@ -155,6 +162,7 @@ fn check_with<B: FlashBackend>(
 ) -> Vec<f64> {
     let options = flash_options.module;
     let device = q.device();
+    eprintln!("case: {context}");
     let case = Case {
         q: read(q.clone()),
         k: read(k.clone()),
@@ -410,6 +418,135 @@ fn large_logits_and_strided_inputs<B: FlashBackend>(device: &B::Device, dtype: F
     let v = rand4::<B>([2, 27, 2, 48], 1.0, dtype, device).swap_dims(1, 2);
     let plain = AttentionModuleOptions::default();
     check(q, k, v, None, None, plain, dtype, "[B, S, H, D] inputs");
+}
+
+/// The register-tiled plain-unit kernel, forced (the plan's choice on plain units for outputs
+/// of at least 65 × 65): row blocks that cross query heads (GQA 4:2), two column tiles of `Dv`
+/// with the last partial, causal with `Sq > Sk` (rows that see nothing), a padding mask, fully
+/// masked rows, a random bias, softcap and scale, head dims 32…256 and `D ≠ Dv`,
+/// `[B, S, H, D]` inputs with logits of ±20, and partial 16-key steps everywhere. Where it
+/// cannot run (units or shared memory), the plan says so and the default on plain units is the
+/// small-tile kernel.
+fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 130,
+        seq_k: 97,
+        head_dim: 80,
+        value_dim: 200,
+    };
+    let forced = |causal: bool| FlashAttentionOptions {
+        kernel: Some(AttentionKernel::Tiled),
+        block_k: None,
+        module: AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        },
+    };
+    let Some(plan) = attention_plan::<B>(device, dims, dtype.into(), forced(false)) else {
+        // No fused kernels (NdArray, Autodiff).
+        return;
+    };
+    let default = attention_plan::<B>(device, dims, dtype.into(), Default::default())
+        .and_then(Result::ok)
+        .expect("default plan");
+    let plan = match plan {
+        Ok(plan) => plan,
+        Err(err) => {
+            assert!(err.to_string().contains("Tiled is not available"), "{err}");
+            assert_eq!(default.kernel, AttentionKernel::Units, "{default:?}");
+            return;
+        }
+    };
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    if !cuda || dtype == FloatDType::F32 {
+        assert_eq!(default.kernel, AttentionKernel::Tiled, "{default:?}");
+    }
+    // 2·4·130 rows over 2 kv heads: 260 rows each, 3 blocks of 128; Dv 200: 2 tiles of 128.
+    assert_eq!(
+        (plan.block_q, plan.block_k, plan.value_dim, plan.cubes),
+        (128, 16, 128, (3, 4, 2)),
+        "{plan:?}"
+    );
+
+    let q = rand4::<B>([2, 4, 130, 80], 1.0, dtype, device);
+    let k = rand4::<B>([2, 2, 97, 80], 1.0, dtype, device);
+    let v = rand4::<B>([2, 2, 97, 200], 1.0, dtype, device);
+    check_with(
+        q,
+        k,
+        v,
+        None,
+        None,
+        forced(true),
+        dtype,
+        "tiled, GQA, causal Sq > Sk",
+    );
+
+    // A padding mask (the last 20 keys of batch 1), fully masked rows (query 5 of every head of
+    // batch 0) through a full mask, a random bias, softcap and scale.
+    let (sq, sk) = (70, 150);
+    let q = rand4::<B>([2, 2, sq, 64], 2.0, dtype, device);
+    let k = rand4::<B>([2, 2, sk, 64], 2.0, dtype, device);
+    let v = rand4::<B>([2, 2, sk, 96], 1.0, dtype, device);
+    let mask = bool_mask::<B>([2, 2, sq, sk], device, |[b, _, i, j]| {
+        (b == 1 && j >= sk - 20) || (b == 0 && i == 5) || (i + j) % 11 == 0
+    });
+    let bias = rand4::<B>([2, 1, sq, sk], 2.0, dtype, device);
+    let mut options = forced(false);
+    options.module.scale = Some(0.2);
+    options.module.softcap = Some(4.0);
+    check_with(
+        q,
+        k,
+        v,
+        Some(mask),
+        Some(bias),
+        options,
+        dtype,
+        "tiled, mask, masked rows, bias, softcap",
+    );
+
+    // Every head dim of the list, and D ≠ Dv.
+    for (n, (d, dv)) in [(32, 32), (96, 96), (192, 192), (256, 256), (40, 24)]
+        .into_iter()
+        .enumerate()
+    {
+        let q = rand4::<B>([1, 2, 70, d], 1.0, dtype, device);
+        let k = rand4::<B>([1, 2, 45, d], 1.0, dtype, device);
+        let v = rand4::<B>([1, 2, 45, dv], 1.0, dtype, device);
+        let options = forced(n % 2 == 1);
+        check_with(
+            q,
+            k,
+            v,
+            None,
+            None,
+            options,
+            dtype,
+            &format!("tiled, D {d} Dv {dv}"),
+        );
+    }
+
+    // `[B, S, H, D]` inputs read in place, logits of ±20 (D = Dv = 128).
+    let q = rand4::<B>([1, 129, 2, 128], 1.1, dtype, device).swap_dims(1, 2);
+    let k = rand4::<B>([1, 129, 2, 128], 1.1, dtype, device).swap_dims(1, 2);
+    let v = rand4::<B>([1, 129, 2, 128], 1.0, dtype, device).swap_dims(1, 2);
+    let mut options = forced(false);
+    options.module.scale = Some(1.0);
+    check_with(
+        q,
+        k,
+        v,
+        None,
+        None,
+        options,
+        dtype,
+        "tiled, [B, S, H, D], large logits",
+    );
+    sync::<B>(device);
 }
 
 /// Gradients of every input through `Autodiff` (the composition's backward, with the fused
@@ -810,6 +947,7 @@ macro_rules! attention_suite {
                 head_dims,
                 sequence_lengths,
                 planned_kernels,
+                tiled_kernel,
             ]
         );
     };

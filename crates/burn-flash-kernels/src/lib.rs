@@ -9,7 +9,8 @@
 //!   scores given (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
-//!   helpers, `cp.async` double buffering).
+//!   helpers, `cp.async` double buffering); [`tiling`]: the register-tiled product of the
+//!   plain-unit kernels.
 
 pub mod attention;
 // `#[cube]` expands every function into undocumented helper items.
@@ -30,3 +31,6 @@ pub mod softmax;
 pub mod softmax_matmul;
 #[allow(missing_docs)]
 pub mod staging;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod tiling;

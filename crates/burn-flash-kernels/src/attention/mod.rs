@@ -12,17 +12,20 @@
 //! aligned: `j ≤ i + Sk − Sq`) keys removed, `s += bias`. A row without a visible key gives
 //! zeros and `lse = −inf`.
 //!
-//! [`plan_attention`] picks one kernel ([`AttentionKernel`]); both are the flash forward loops
+//! [`plan_attention`] picks one kernel ([`AttentionKernel`]); all are the flash forward loops
 //! of [`crate::flash`] with computed scores ([`ScoreSource::QueryKey`]):
 //! - [`mma`]: FlashAttention-2's schedule on the matrix units, f16/bf16 on CUDA (sm_80+) with
 //!   16-byte aligned rows;
-//! - [`units`]: plain units, every runtime and float type, f32 arithmetic.
+//! - [`tiled`]: plain units, every runtime and float type, f32 arithmetic, register-tiled
+//!   128 × 128 outputs per cube (outputs of at least 65 × 65);
+//! - [`units`]: plain units for the rest (and where 256 units or the tiled kernel's shared
+//!   memory are missing).
 
 use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
-use crate::flash::{FlashConfig, ScoreSource, mma, units};
+use crate::flash::{FlashConfig, ScoreSource, mma, tiled, units};
 use crate::fragment;
 use crate::softmax::TensorRef;
 
@@ -34,6 +37,9 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub enum AttentionKernel {
     /// [`units::flash_forward_units()`]: plain units, every runtime and float type.
     Units,
+    /// [`tiled::flash_forward_tiled()`]: plain units, every runtime and float type,
+    /// register-tiled (128 query rows × 128 output columns per cube, 16 keys per step).
+    Tiled,
     /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
     /// double buffering (CUDA sm_80+, 16-byte aligned rows).
     MatrixUnits,
@@ -51,7 +57,7 @@ pub struct AttentionOptions {
     /// Force a kernel; an impossible choice is an error, never a silent fallback.
     pub kernel: Option<AttentionKernel>,
     /// Force the keys per step: a multiple of 16 up to 128 on the matrix units, [`units::BLOCK_K`]
-    /// on plain units; an impossible choice is an error.
+    /// or [`tiled::BLOCK_K`] on plain units; an impossible choice is an error.
     pub block_k: Option<usize>,
 }
 
@@ -87,13 +93,13 @@ pub struct AttentionPlan {
     pub block_k: usize,
     /// Head dim the kernel is compiled for (`D` rounded up).
     pub head_dim: usize,
-    /// Value dim the kernel is compiled for (`Dv` rounded up).
+    /// Output columns per cube: `Dv` rounded up, or (tiled kernel) the column tile.
     pub value_dim: usize,
     /// Units per cube.
     pub units: u32,
     /// Shared memory per cube, in bytes.
     pub shared_bytes: usize,
-    /// Cubes along `(x, y, z)` = (row blocks of `G·Sq`, `B·Hkv`, 1).
+    /// Cubes along `(x, y, z)` = (row blocks of `G·Sq`, `B·Hkv`, column tiles of `Dv`).
     pub cubes: (usize, usize, usize),
 }
 
@@ -186,9 +192,11 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
 /// (for contiguous tensors: `D` and `Dv` multiples of 8).
 ///
 /// Heuristic (no autotuning): the matrix units for f16/bf16 where the device has `mma`,
-/// `ldmatrix` and `cp.async` and the rows are aligned, with 64 query rows (4 planes) per cube
-/// and 64 keys per step (32 when `D` or `Dv` exceeds 128, 16 when shared memory is short);
-/// plain units otherwise (64 rows, 32 keys, 256 units).
+/// `ldmatrix` and `cp.async` and the rows are aligned, with 128 query rows (4 planes of 2 row
+/// tiles) per cube and 64 keys per step (32 when `D` or `Dv` exceeds 64, 16 when shared memory
+/// is short); plain units otherwise: the register-tiled kernel for outputs of at least
+/// 65 × 65 (`G·Sq` rows, `Dv` columns) where it fits, else 64 rows and 32 keys per cube of 256
+/// units.
 pub fn plan_attention<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
@@ -246,17 +254,6 @@ pub fn plan_attention<R: Runtime>(
     } else {
         None
     };
-    let kernel = match options.kernel {
-        Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
-            return Err(AttentionError::KernelUnavailable {
-                kernel: AttentionKernel::MatrixUnits,
-                reason: mma_why_not.unwrap_or_default(),
-            });
-        }
-        Some(kernel) => kernel,
-        None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
-        None => AttentionKernel::Units,
-    };
     let base = FlashConfig {
         source: ScoreSource::QueryKey,
         block_q: 0,
@@ -268,6 +265,23 @@ pub fn plan_attention<R: Runtime>(
         mask: false,
         bias: false,
         softcap: options.softcap.is_some(),
+    };
+    let kernel = match options.kernel {
+        Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
+            return Err(AttentionError::KernelUnavailable {
+                kernel: AttentionKernel::MatrixUnits,
+                reason: mma_why_not.unwrap_or_default(),
+            });
+        }
+        Some(kernel) => kernel,
+        None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
+        None if heads_q / heads_kv * seq_q > 64
+            && value_dim > 64
+            && tiled::fits(client, tiled::config(base, head_dim)) =>
+        {
+            AttentionKernel::Tiled
+        }
+        None => AttentionKernel::Units,
     };
     let max_shared = hw.max_shared_memory_size;
     let config = match kernel {
@@ -299,6 +313,17 @@ pub fn plan_attention<R: Runtime>(
             }
             config
         }
+        AttentionKernel::Tiled => {
+            if let Some(bk) = options.block_k.filter(|&bk| bk != tiled::BLOCK_K as usize) {
+                return Err(AttentionError::InvalidOption {
+                    reason: format!(
+                        "block_k {bk} on the tiled kernel: it takes {} keys per step",
+                        tiled::BLOCK_K
+                    ),
+                });
+            }
+            tiled::config(base, head_dim)
+        }
         AttentionKernel::Units => {
             if let Some(bk) = options.block_k.filter(|&bk| bk != units::BLOCK_K as usize) {
                 return Err(AttentionError::InvalidOption {
@@ -319,6 +344,10 @@ pub fn plan_attention<R: Runtime>(
     };
     let (units, shared_bytes) = match kernel {
         AttentionKernel::MatrixUnits => (mma::units(config), mma::shared_bytes(config)),
+        AttentionKernel::Tiled => (
+            tiled::UNITS,
+            tiled::shared_bytes(config, tiled::planes(client)),
+        ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
     };
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
@@ -334,7 +363,7 @@ pub fn plan_attention<R: Runtime>(
     let cubes = (
         (group * seq_q).div_ceil(config.block_q as usize).max(1),
         (batch * heads_kv).max(1),
-        1,
+        value_dim.div_ceil(config.value_dim as usize).max(1),
     );
     let (mx, my, mz) = hw.max_cube_count;
     if cubes.0 > mx as usize || cubes.1 > my as usize || cubes.2 > mz as usize {
@@ -521,7 +550,8 @@ pub fn launch_attention<R: Runtime>(
     );
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); the matrix-unit kernel runs only on 16-byte aligned
-    // rows (`rows_aligned`), its vector width.
+    // rows (`rows_aligned`), its vector width; the tiled kernel's vector width divides the
+    // rows and strides of `q`, `k`, `v` and `out` (`tiled::vector`).
     unsafe {
         match plan.kernel {
             AttentionKernel::MatrixUnits => mma::flash_forward_mma::launch_unchecked::<R>(
@@ -539,6 +569,29 @@ pub fn launch_attention<R: Runtime>(
                 options.scale,
                 softcap,
                 config,
+                dtype,
+            ),
+            AttentionKernel::Tiled => tiled::flash_forward_tiled::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                tiled::vector(&[
+                    (q.shape, q.strides),
+                    (k.shape, k.strides),
+                    (v.shape, v.strides),
+                    (out.shape, out.strides),
+                ]),
+                qa,
+                ka,
+                va,
+                mask_arg,
+                bias_arg,
+                oa,
+                la,
+                options.scale,
+                softcap,
+                config,
+                tiled::planes(client),
                 dtype,
             ),
             AttentionKernel::Units => units::flash_forward_units::launch_unchecked::<R>(

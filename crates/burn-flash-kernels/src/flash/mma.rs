@@ -25,7 +25,11 @@
 //!     in that order (`staged_row`).
 //! - scale, softcap, mask, causal test and bias on the fragments in registers
 //!   ([`super::scores`]; given scores are used as they are, only the end of the row is
-//!   tested); the online softmax with the lazy rescale ([`super::next_reference()`]);
+//!   tested); the online softmax with the lazy rescale ([`super::next_reference()`]) and the
+//!   hardware's approximate `exp` (`__expf`: fast math without `NaN`/`inf` guarantees, which
+//!   cubecl needs to emit it; `e^(−inf) = 0` holds in hardware, and the softcap keeps the
+//!   accurate `tanh`); given scores take their row sums on the matrix units (`P` times a block
+//!   of ones) — saving the `FADD`s where no `Q·Kᵀ` shares the issue slots;
 //! - `P` becomes the `A` operand of `P·V` in registers: the accumulator fragments of two
 //!   adjacent 8-key tiles are, element for element, the `A` fragment of their 16 keys (PTX's
 //!   m16n8k16 layouts), so `P` never goes through shared memory;
@@ -42,8 +46,10 @@ use cubecl::{
     prelude::*,
 };
 
-use super::scores::{RowRefs, causal_end, new_refs, score, set_row, visible};
-use super::{FlashConfig, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
+use super::scores::{RowRefs, new_refs, score, set_row, visible};
+use super::{
+    FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
+};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, quad_max, quad_sum, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
@@ -538,21 +544,12 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     let chunks = comptime!(c.block_k / CHUNK);
     let slots = comptime!(2 * c.row_tiles as usize);
 
-    let seq_q = q.shape(2);
-    let mut seq_k = k.shape(2);
-    let mut heads_kv = k.shape(1);
-    if comptime!(given) {
-        seq_k = q.shape(3);
-        heads_kv = q.shape(1);
-    }
+    let blk = cube_block(q, k, c);
+    let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
+    let (batch, hkv, head0, block_row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
+    let (kv_end, full_end) = (blk.kv_end, blk.full_end);
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
-    let group = q.shape(1) / heads_kv;
-    let rows = group * seq_q;
-    let batch = CUBE_POS_Y as usize / heads_kv;
-    let hkv = CUBE_POS_Y as usize % heads_kv;
-    let head0 = hkv * group;
-    let block_row0 = (CUBE_POS_X * c.block_q) as usize;
     let col0 = (CUBE_POS_Z * c.value_dim) as usize;
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
@@ -561,18 +558,6 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     let my_row = block_row0 + (plane * MMA_M * rts + lane / 4) as usize;
 
     // -- the keys this cube needs: with a causal mask, up to its last row's diagonal --
-    let last = usize::min(block_row0 + comptime!(c.block_q as usize), rows) - 1;
-    let one_head = block_row0 / seq_q == last / seq_q;
-    let mut kv_end = seq_k;
-    let mut full_end = seq_k;
-    if comptime!(c.causal) {
-        // Largest / smallest position among the cube's rows (all of them when it spans heads).
-        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
-        let pos_lo = select(one_head, block_row0 % seq_q, 0);
-        // Row i sees keys j < i + 1 + Sk − Sq.
-        kv_end = causal_end(pos_hi, seq_q, seq_k);
-        full_end = causal_end(pos_lo, seq_q, seq_k);
-    }
     let steps = kv_end.div_ceil(bk);
     let full_steps = full_end / bk;
 

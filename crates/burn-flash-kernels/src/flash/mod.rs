@@ -30,7 +30,10 @@
 //! ([`scores`]: softcap, mask, causal, bias — attention only), the update below, `P·V`, the
 //! normalisation and the stores.
 //! - [`mma`]: FlashAttention-2's schedule on the matrix units (f16/bf16, CUDA sm_80+);
-//! - [`units`]: plain units, every runtime and float type, f32 arithmetic.
+//! - [`units`]: plain units, every runtime and float type, f32 arithmetic, up to 64 × 64
+//!   outputs per cube;
+//! - [`tiled`]: the same on plain units with a register-tiled `P·V` (128 × 128 outputs per
+//!   cube, 8 × 8 per unit), for outputs of at least 65 × 65.
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -38,6 +41,9 @@ pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod scores;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod tiled;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod units;
@@ -84,6 +90,76 @@ impl FlashConfig {
     /// Whether the scores are given (read from memory) rather than computed.
     pub fn given(&self) -> bool {
         self.source == ScoreSource::Given
+    }
+}
+
+/// The part of the problem one cube of a flash kernel owns, read from the grid position:
+/// cube `(x, y, z)` takes query rows `row0 .. row0 + block_q` of key/value head `hkv` of batch
+/// `batch` (rows run over the `G` query heads of the group, `Sq` positions each: row `r` is
+/// head `head0 + r / Sq`, position `r % Sq`) and output column tile `z`.
+#[derive(CubeType)]
+pub struct CubeBlock {
+    /// `Sq`.
+    pub seq_q: usize,
+    /// `Sk`.
+    pub seq_k: usize,
+    /// Query rows of a key/value head: `G·Sq`.
+    pub rows: usize,
+    /// The batch.
+    pub batch: usize,
+    /// The key/value head.
+    pub hkv: usize,
+    /// The group's first query head.
+    pub head0: usize,
+    /// The first row.
+    pub row0: usize,
+    /// The keys any of the rows sees: `0 .. kv_end` (all of them but under a causal mask).
+    pub kv_end: usize,
+    /// The keys every row sees: `0 .. full_end`.
+    pub full_end: usize,
+}
+
+/// The [`CubeBlock`] of this cube for queries `q` (the scores `X` when they are given) and
+/// keys `k`.
+#[cube]
+pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
+    q: &Tensor<Q>,
+    k: &Tensor<K>,
+    #[comptime] c: FlashConfig,
+) -> CubeBlock {
+    let seq_q = q.shape(2);
+    let mut seq_k = k.shape(2);
+    let mut heads_kv = k.shape(1);
+    if comptime!(c.given()) {
+        seq_k = q.shape(3);
+        heads_kv = q.shape(1);
+    }
+    let group = q.shape(1) / heads_kv;
+    let rows = group * seq_q;
+    let hkv = CUBE_POS_Y as usize % heads_kv;
+    let row0 = (CUBE_POS_X * c.block_q) as usize;
+    // With a causal mask: up to the last row's diagonal, and all keys up to the first row's.
+    let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
+    let one_head = row0 / seq_q == last / seq_q;
+    let mut kv_end = seq_k;
+    let mut full_end = seq_k;
+    if comptime!(c.causal) {
+        // Largest / smallest position among the rows (all of them when they span heads).
+        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
+        let pos_lo = select(one_head, row0 % seq_q, 0);
+        kv_end = scores::causal_end(pos_hi, seq_q, seq_k);
+        full_end = scores::causal_end(pos_lo, seq_q, seq_k);
+    }
+    CubeBlock {
+        seq_q,
+        seq_k,
+        rows,
+        batch: CUBE_POS_Y as usize / heads_kv,
+        hkv,
+        head0: hkv * group,
+        row0,
+        kv_end,
+        full_end,
     }
 }
 

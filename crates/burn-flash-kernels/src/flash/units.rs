@@ -18,8 +18,10 @@
 
 use cubecl::prelude::*;
 
-use super::scores::{causal_end, new_refs, score, set_row, visible};
-use super::{FlashConfig, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor};
+use super::scores::{new_refs, score, set_row, visible};
+use super::{
+    FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
+};
 
 /// Units per cube.
 pub const UNITS: u32 = 256;
@@ -120,35 +122,15 @@ pub fn flash_forward_units<F: Float>(
     let p_ld = comptime!(c.block_k + 1);
     let bk = comptime!(c.block_k) as usize;
 
-    let seq_q = q.shape(2);
-    let mut seq_k = k.shape(2);
-    let mut heads_kv = k.shape(1);
-    if comptime!(given) {
-        seq_k = q.shape(3);
-        heads_kv = q.shape(1);
-    }
+    let blk = cube_block(q, k, c);
+    let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
+    let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
+    let (kv_end, full_end) = (blk.kv_end, blk.full_end);
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
-    let group = q.shape(1) / heads_kv;
-    let rows = group * seq_q;
-    let batch = CUBE_POS_Y as usize / heads_kv;
-    let hkv = CUBE_POS_Y as usize % heads_kv;
-    let head0 = hkv * group;
-    let row0 = (CUBE_POS_X * c.block_q) as usize;
     let col0 = (CUBE_POS_Z * c.value_dim) as usize;
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
-
-    let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
-    let one_head = row0 / seq_q == last / seq_q;
-    let mut kv_end = seq_k;
-    let mut full_end = seq_k;
-    if comptime!(c.causal) {
-        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
-        let pos_lo = select(one_head, row0 % seq_q, 0);
-        kv_end = causal_end(pos_hi, seq_q, seq_k);
-        full_end = causal_end(pos_lo, seq_q, seq_k);
-    }
     let steps = kv_end.div_ceil(bk);
     let full_steps = full_end / bk;
     let k_base = batch * k.stride(0) + hkv * k.stride(1);

@@ -11,9 +11,9 @@
 //! inner-product paths ([`SmmPath`]):
 //! - matrix units (`mma` m16n8k16, f32 accumulators), f16/bf16 on CUDA with 16-byte aligned
 //!   rows: [`flash::mma`];
-//! - plain units, every runtime and float type, f32 arithmetic: [`flash::units`], or the
-//!   register-tiled [`tiled`] kernel (128 × 128 outputs per cube) where 256 units and its
-//!   shared memory fit and the output is at least 65 × 65.
+//! - plain units, every runtime and float type, f32 arithmetic: [`flash::tiled`]
+//!   (register-tiled, 128 × 128 outputs per cube) where 256 units and its shared memory fit
+//!   and the output is at least 65 × 65, else [`flash::units`].
 //!
 //! f32 never runs on the matrix units: their f32 mode rounds the operands to TF32 (10-bit
 //! mantissa), and a TF32 kernel measured slower than the register-tiled f32 one at every `d2`
@@ -27,14 +27,11 @@ pub mod kernel;
 pub mod mma_backward;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
-pub mod tiled;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
 pub mod tiled_backward;
 
 use core::fmt;
 
-use cubecl::{CubeCount, CubeDim, features::Plane, prelude::*, server::Handle};
+use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
 
 use crate::flash::{self, FlashConfig, ScoreSource};
 use crate::fragment;
@@ -62,8 +59,8 @@ pub enum SmmForwardKernel {
     /// most 64 rows or columns, runtimes without the tiled kernel's 256 units or shared memory,
     /// and 16-bit rows the matrix units cannot take.
     Units,
-    /// [`tiled::smm_forward_tiled()`]: plain units, register-tiled 128 × 128 outputs, 16 columns
-    /// of `X` per step.
+    /// [`flash::tiled::flash_forward_tiled()`] with given scores: plain units, register-tiled
+    /// 128 × 128 outputs, 16 columns of `X` per step.
     Tiled,
     /// [`flash::mma::flash_forward_mma()`] with given scores: f16/bf16 on the matrix units, `X`
     /// straight to registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned
@@ -346,19 +343,19 @@ pub fn plan_softmax_matmul<R: Runtime>(
     };
     if path == SmmPath::Units && options.blocks.is_none() && tiled_fits(client, dims) {
         let cubes = (
-            dims.d3.div_ceil(tiled::TILE_N as usize),
-            dims.d1.div_ceil(tiled::TILE_M as usize),
+            dims.d3.div_ceil(flash::tiled::TILE_N as usize),
+            dims.d1.div_ceil(flash::tiled::BLOCK_Q as usize),
             dims.batch.max(1),
         );
-        check_cubes(client, cubes)?;
+        check_cubes(client, (cubes.1, cubes.2, cubes.0))?;
         return Ok(SoftmaxMatmulPlan {
             kernel: SmmForwardKernel::Tiled,
-            block_1: tiled::TILE_M as usize,
-            block_2: tiled::STEP as usize,
-            tile_3: tiled::TILE_N as usize,
+            block_1: flash::tiled::BLOCK_Q as usize,
+            block_2: flash::tiled::BLOCK_K as usize,
+            tile_3: flash::tiled::TILE_N as usize,
             // The tiled kernel loads 4-vectors at most.
             vector: row_vector.min(4),
-            units: tiled::UNITS,
+            units: flash::tiled::UNITS,
             cubes,
         });
     }
@@ -421,7 +418,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
 /// latency: the layout of the 16-bit `softmax_matmul` forward before the loops merged).
 fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> FlashConfig {
     let mma = kernel == SmmForwardKernel::MatrixUnits;
-    FlashConfig {
+    let config = FlashConfig {
         source: ScoreSource::Given,
         block_q: b1 as u32,
         row_tiles: if mma && (32..=64).contains(&b1) { 2 } else { 1 },
@@ -432,27 +429,19 @@ fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> Fl
         mask: false,
         bias: false,
         softcap: false,
+    };
+    if kernel == SmmForwardKernel::Tiled {
+        flash::tiled::config(config, 0)
+    } else {
+        config
     }
 }
 
-/// Whether the tiled units kernel can exchange row maxima by plane shuffles: plane operations
-/// over a fixed plane width that is a multiple of 4.
-fn tiled_planes<R: Runtime>(client: &ComputeClient<R>) -> bool {
-    let props = client.properties();
-    let hw = &props.hardware;
-    props.features.plane.contains(Plane::Ops)
-        && hw.plane_size_min == hw.plane_size_max
-        && hw.plane_size_max >= 4
-        && hw.plane_size_max.is_multiple_of(4)
-}
-
-/// Whether the register-tiled units kernel ([`tiled`]) runs for `dims`: the runtime has 256
-/// units per cube and the kernel's shared memory, and the output fills most of a 128 × 128 tile
-/// (smaller outputs waste its work).
+/// Whether the register-tiled flash loop ([`flash::tiled`]) runs for `dims`: the runtime has
+/// its units and shared memory, and the output fills most of a 128 × 128 tile (smaller outputs
+/// waste its work).
 fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
-    let hw = &client.properties().hardware;
-    hw.max_units_per_cube >= tiled::UNITS
-        && hw.max_shared_memory_size >= tiled::shared_bytes(tiled_planes(client))
+    flash::tiled::fits(client, flash_config(SmmForwardKernel::Tiled, 0, 0, 0))
         && dims.d1 > 64
         && dims.d3 > 64
         && dims.d2 > 0
@@ -462,7 +451,7 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
 /// memory, and both gradients at least 65 × 65 (smaller ones waste most of a 128 × 128 tile).
 fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
     let hw = &client.properties().hardware;
-    hw.max_units_per_cube >= tiled::UNITS
+    hw.max_units_per_cube >= crate::tiling::UNITS
         && hw.max_shared_memory_size >= tiled_backward::SHARED_BYTES
         && dims.d1 > 64
         && dims.d2 > 64
@@ -632,34 +621,6 @@ pub fn launch_softmax_matmul<R: Runtime>(
     }
     let shared_v = v.shape[0] == 1 && dims.batch > 1;
     let units = CubeDim::new_1d(plan.units);
-    if plan.kernel == SmmForwardKernel::Tiled {
-        let count = check_cubes(client, plan.cubes)?;
-        let (x, v, out, lse) = (
-            arg(&x, false),
-            arg(&v, shared_v),
-            arg(&out, false),
-            // lse is 2-D; the kernel sees it as [batch, d1] through its first two strides.
-            arg(&lse, false),
-        );
-        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
-        // the caller's buffers (`dims_of` checked that they agree); the plan's vector width
-        // divides every row and stride it is used on (`row_vector`).
-        unsafe {
-            tiled::smm_forward_tiled::launch_unchecked::<R>(
-                client,
-                count,
-                units,
-                plan.vector,
-                x,
-                v,
-                out,
-                lse,
-                tiled_planes(client),
-                dtype,
-            )
-        }
-        return Ok(plan);
-    }
     // The flash kernels see 4-D tensors with one head: X `[batch, 1, d1, d2]` as the given
     // scores, V `[batch or 1, 1, d2, d3]`, out `[batch, 1, d1, d3]`, lse `[batch, 1, d1]`.
     let (xc, yc, zc) = plan.cubes;
@@ -707,7 +668,25 @@ pub fn launch_softmax_matmul<R: Runtime>(
                 config,
                 dtype,
             ),
-            _ => flash::units::flash_forward_units::launch_unchecked::<R>(
+            SmmForwardKernel::Tiled => flash::tiled::flash_forward_tiled::launch_unchecked::<R>(
+                client,
+                count,
+                units,
+                plan.vector,
+                xa,
+                ka,
+                va,
+                ma,
+                ba,
+                oa,
+                la,
+                1.0,
+                1.0,
+                config,
+                flash::tiled::planes(client),
+                dtype,
+            ),
+            SmmForwardKernel::Units => flash::units::flash_forward_units::launch_unchecked::<R>(
                 client, count, units, xa, ka, va, ma, ba, oa, la, 1.0, 1.0, config, dtype,
             ),
         }
@@ -777,8 +756,8 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             (mma_backward::DV_COLS, mma_backward::DV_ROWS),
         ),
         SmmBackwardPath::Tiled => (
-            (tiled::TILE_N, tiled::TILE_M),
-            (tiled::TILE_N, tiled::TILE_M),
+            (crate::tiling::TILE_N, crate::tiling::TILE_M),
+            (crate::tiling::TILE_N, crate::tiling::TILE_M),
         ),
         SmmBackwardPath::Units => (
             (BACKWARD_TILES.cols, BACKWARD_TILES.rows),
@@ -866,7 +845,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                     client,
                     dx_count,
-                    CubeDim::new_1d(tiled::UNITS),
+                    CubeDim::new_1d(crate::tiling::UNITS),
                     row_vector(
                         &[
                             (x.shape, x.strides),
@@ -892,7 +871,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                     client,
                     dv_count,
-                    CubeDim::new_1d(tiled::UNITS),
+                    CubeDim::new_1d(crate::tiling::UNITS),
                     row_vector(
                         &[
                             (x.shape, x.strides),

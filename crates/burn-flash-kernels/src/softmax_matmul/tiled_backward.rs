@@ -1,5 +1,5 @@
 //! The register-tiled backward products of `softmax(X)·V` on plain units (any runtime; f32
-//! arithmetic for every float type), with the inner loop of [`super::tiled`].
+//! arithmetic for every float type), with the inner loop of [`crate::tiling`].
 //!
 //! Both gradients are products `C = A·B` over a reduction index `k`, with `P = e^(x − lse)`
 //! recomputed from the saved log-sum-exp (0 for a row without a finite score):
@@ -12,7 +12,7 @@
 //!   transposed (4-vector column XOR-swizzled by `2·(k / 4)`, conflict-free as in the forward).
 //!   The epilogue reads `x`, `lse` and `δ = rowsum(dO ⊙ O)` and stores `P ⊙ (C − δ)`.
 //!
-//! A cube of [`super::tiled::UNITS`] units owns a [`TILE_M`] × [`TILE_N`] tile of `C` and walks `k` in steps of
+//! A cube of [`crate::tiling::UNITS`] units owns a [`TILE_M`] × [`TILE_N`] tile of `C` and walks `k` in steps of
 //! [`STEP`]: units 0..128 stage `A`, units 128..256 stage `B` (double-buffered, one `sync_cube` per
 //! step, the next step's loads in flight during the product), then every unit does 8 × 8 FMAs per
 //! `k` from two `A` and two `B` 4-vectors. Loads are unconditional, from clamped addresses; only
@@ -20,7 +20,7 @@
 
 use cubecl::prelude::*;
 
-use super::tiled::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
+use crate::tiling::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
 /// Shared memory of [`smm_backward_tiled()`], in bytes: two `A` and two `B` buffers.
 pub const SHARED_BYTES: usize = (4 * BUF * 16) as usize;
@@ -203,7 +203,7 @@ fn product_batch<F: Float, NV: Size>(
 /// `dV` (`dv = true`: `a = x`, `b = d_out`, `out = dV`; with `sum_batches`, summed over
 /// `inner_batches` consecutive batches) or `dX` (`a = d_out`, `b = v`, `out = dX`) by the register-tiled product of the
 /// module docs. Grid: `(N / TILE_N, M / TILE_M, batch / inner_batches)` (rounded up),
-/// [`super::tiled::UNITS`] units. `NV` (1, 2 or 4) divides the rows and strides of every tensor (last stride 1).
+/// [`crate::tiling::UNITS`] units. `NV` (1, 2 or 4) divides the rows and strides of every tensor (last stride 1).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn smm_backward_tiled<F: Float, NV: Size>(
