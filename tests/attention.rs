@@ -95,7 +95,8 @@ impl Case {
 }
 
 /// Burn's `attention_fallback` on the same inputs: it has no grouped heads and no broadcasting,
-/// so keys and values are repeated per query head and masks and biases expanded first.
+/// so keys and values are repeated per query head and masks and biases expanded first. With
+/// `contiguous`, it reads fresh contiguous copies (no autodiff graph through them).
 fn burn_fallback<B: burn::tensor::backend::Backend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -103,6 +104,7 @@ fn burn_fallback<B: burn::tensor::backend::Backend>(
     mask: Option<Tensor<B, 4, Bool>>,
     bias: Option<Tensor<B, 4>>,
     options: AttentionModuleOptions,
+    contiguous: bool,
 ) -> Tensor<B, 4> {
     let [nb, hq, sq, _] = q.dims();
     let [_, hkv, sk, _] = k.dims();
@@ -117,14 +119,20 @@ fn burn_fallback<B: burn::tensor::backend::Backend>(
     // Fresh contiguous copies: the naive reference measures the dtype's rounding, not Burn's
     // strided and expanded matmul paths (one of which failed to compile on CUDA f32 in
     // `tiled_kernel`: cubek-matmul's "Invalid vector size. Got 16 which should not be >8").
-    let fresh = |t: Tensor<B, 4>| Tensor::<B, 4>::from_data(t.to_data(), &t.device());
+    let fresh = |t: Tensor<B, 4>| match contiguous {
+        true => Tensor::<B, 4>::from_data(t.to_data(), &t.device()),
+        false => t,
+    };
     module::attention_fallback(
         fresh(q),
         fresh(repeat(k)),
         fresh(repeat(v)),
-        mask.map(|m| {
-            let device = m.device();
-            Tensor::<B, 4, Bool>::from_data(m.expand(full).to_data(), &device)
+        mask.map(|m| match contiguous {
+            true => {
+                let device = m.device();
+                Tensor::<B, 4, Bool>::from_data(m.expand(full).to_data(), &device)
+            }
+            false => m.expand(full),
         }),
         bias.map(|b| fresh(b.expand(full))),
         options,
@@ -201,7 +209,7 @@ fn check_with<B: FlashBackend>(
         case.q_dims, case.k_dims
     );
 
-    let naive = burn_fallback(q, k, v, mask, bias, options);
+    let naive = burn_fallback(q, k, v, mask, bias, options, true);
     let naive = read(naive);
     sync::<B>(&device);
     // Softmax·V in f32 over Sk terms, scores rounded to the dtype: a few ulps of the largest
@@ -591,6 +599,7 @@ fn gradients_match_burns_fallback<B: FlashBackend>(device: &B::Device, dtype: Fl
         Some(mask),
         Some(bias.clone()),
         options,
+        false,
     );
     let grads = (naive * w).sum().backward();
     let want: Vec<Vec<f64>> = inputs
