@@ -99,7 +99,7 @@ pub struct AttentionPlan {
     pub units: u32,
     /// Shared memory per cube, in bytes.
     pub shared_bytes: usize,
-    /// Cubes along `(x, y, z)` = (row blocks of `G·Sq`, `B·Hkv`, column tiles of `Dv`).
+    /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`).
     pub cubes: (usize, usize, usize),
 }
 
@@ -361,9 +361,9 @@ pub fn plan_attention<R: Runtime>(
     }
     let group = heads_q / heads_kv;
     let cubes = (
+        value_dim.div_ceil(config.value_dim as usize).max(1),
         (group * seq_q).div_ceil(config.block_q as usize).max(1),
         (batch * heads_kv).max(1),
-        value_dim.div_ceil(config.value_dim as usize).max(1),
     );
     let (mx, my, mz) = hw.max_cube_count;
     if cubes.0 > mx as usize || cubes.1 > my as usize || cubes.2 > mz as usize {

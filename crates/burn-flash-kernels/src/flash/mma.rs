@@ -515,7 +515,7 @@ fn step<F: Float, NV: Size>(
 /// - `Given`: the scores `X` `[B, H, Sq, Sk]` in place of `q`, `Hkv = H` (`k`, `mask`, `bias`,
 ///   `scale`, `softcap` unused).
 ///
-/// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`; [`units()`] units per cube.
+/// Grid: `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`; [`units()`] units per cube.
 #[cube(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
@@ -550,7 +550,7 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
-    let col0 = (CUBE_POS_Z * c.value_dim) as usize;
+    let col0 = blk.col0;
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
@@ -749,7 +749,7 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
         };
         inv[slot] = inverse_sum(total);
         let row = my_row + slot * 8;
-        if quad == 0 && row < rows && CUBE_POS_Z == 0 {
+        if quad == 0 && row < rows && blk.first_tile {
             let head = head0 + row / seq_q;
             let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
             lse[at] = log_sum_exp(m[slot], total);

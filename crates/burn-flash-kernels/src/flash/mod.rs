@@ -93,10 +93,13 @@ impl FlashConfig {
     }
 }
 
-/// The part of the problem one cube of a flash kernel owns, read from the grid position:
-/// cube `(x, y, z)` takes query rows `row0 .. row0 + block_q` of key/value head `hkv` of batch
-/// `batch` (rows run over the `G` query heads of the group, `Sq` positions each: row `r` is
-/// head `head0 + r / Sq`, position `r % Sq`) and output column tile `z`.
+/// The part of the problem one cube of a flash kernel owns, read from the grid position
+/// `(x, y, z)` = (output column tile, block of query rows, batch × key/value head): query rows
+/// `row0 .. row0 + block_q` of key/value head `hkv` of batch `batch` (rows run over the `G`
+/// query heads of the group, `Sq` positions each: row `r` is head `head0 + r / Sq`, position
+/// `r % Sq`) and output columns `col0 .. col0 + value_dim`. The column tiles of a row block are
+/// adjacent in the grid, so they run together and read the block's scores from L2 (given
+/// scores: `X` is read once per column tile).
 #[derive(CubeType)]
 pub struct CubeBlock {
     /// `Sq`.
@@ -113,6 +116,10 @@ pub struct CubeBlock {
     pub head0: usize,
     /// The first row.
     pub row0: usize,
+    /// The first output column.
+    pub col0: usize,
+    /// Whether this is the first column tile (the one that writes the log-sum-exp).
+    pub first_tile: bool,
     /// The keys any of the rows sees: `0 .. kv_end` (all of them but under a causal mask).
     pub kv_end: usize,
     /// The keys every row sees: `0 .. full_end`.
@@ -136,8 +143,8 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     }
     let group = q.shape(1) / heads_kv;
     let rows = group * seq_q;
-    let hkv = CUBE_POS_Y as usize % heads_kv;
-    let row0 = (CUBE_POS_X * c.block_q) as usize;
+    let hkv = CUBE_POS_Z as usize % heads_kv;
+    let row0 = (CUBE_POS_Y * c.block_q) as usize;
     // With a causal mask: up to the last row's diagonal, and all keys up to the first row's.
     let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
     let one_head = row0 / seq_q == last / seq_q;
@@ -154,10 +161,12 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
         seq_q,
         seq_k,
         rows,
-        batch: CUBE_POS_Y as usize / heads_kv,
+        batch: CUBE_POS_Z as usize / heads_kv,
         hkv,
         head0: hkv * group,
         row0,
+        col0: (CUBE_POS_X * c.value_dim) as usize,
+        first_tile: CUBE_POS_X == 0,
         kv_end,
         full_end,
     }

@@ -385,7 +385,7 @@ fn query_key<F: Float, NV: Size>(
 /// rounded up to [`D_CHUNK`]; `c.block_q`, `c.block_k`, `c.value_dim` are [`BLOCK_Q`],
 /// [`BLOCK_K`], [`TILE_N`]. `NV` (1, 2 or 4) divides the rows and strides of `q` (`X`), `k`, `v`
 /// and `out` (last stride 1); `planes`: plane shuffles over groups of 8 consecutive units.
-/// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`, [`UNITS`] units.
+/// Grid: `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`, [`UNITS`] units.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_tiled<F: Float, NV: Size>(
@@ -415,7 +415,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
     let value_dim = out.shape(3);
-    let col0 = (CUBE_POS_Z * TILE_N) as usize;
+    let col0 = blk.col0;
     // Score unit: rows 4·rg .., keys ku·kg ... Product unit: (ty, tx) of crate::tiling.
     let is_score = UNIT_POS < ro.score_units;
     let rg = (UNIT_POS % ro.score_units) / ro.row_units;
@@ -616,7 +616,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         for i in 0..4usize {
             vec[i] = sums[i];
             let row = row0 + 4 * rg as usize + i;
-            if row < rows && CUBE_POS_Z == 0 {
+            if row < rows && blk.first_tile {
                 let head = head0 + row / seq_q;
                 let at =
                     batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);

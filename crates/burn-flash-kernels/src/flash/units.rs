@@ -89,7 +89,7 @@ pub fn fits(c: FlashConfig) -> bool {
 /// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source),
 /// for any float type and layout. `c.head_dim` is `D` rounded up to [`D_CHUNK`], `c.value_dim`
 /// the output tile, a multiple of [`V_CHUNK`]; `c.block_q`, `c.block_k` are 16, 32 or 64.
-/// Grid: `(row blocks of G·Sq, B·Hkv, column tiles of Dv)`, [`UNITS`] units.
+/// Grid: `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`, [`UNITS`] units.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_units<F: Float>(
@@ -128,7 +128,7 @@ pub fn flash_forward_units<F: Float>(
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
-    let col0 = (CUBE_POS_Z * c.value_dim) as usize;
+    let col0 = blk.col0;
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
     let steps = kv_end.div_ceil(bk);
@@ -349,7 +349,7 @@ pub fn flash_forward_units<F: Float>(
         if row < rows {
             let head = head0 + row / seq_q;
             let pos = row % seq_q;
-            if tx == 0 && CUBE_POS_Z == 0 {
+            if tx == 0 && blk.first_tile {
                 let at = batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2);
                 lse[at] = log_sum_exp(m[i], l[i]);
             }

@@ -181,8 +181,7 @@ pub struct SoftmaxMatmulPlan {
     pub vector: usize,
     /// Units per cube.
     pub units: u32,
-    /// Cubes: (output column tiles, row blocks, batch). The flash kernels launch them as
-    /// `(row blocks, batch, column tiles)`, the tiled kernel in this order.
+    /// Cubes: (output column tiles, row blocks, batch), the grid of the launch.
     pub cubes: (usize, usize, usize),
 }
 
@@ -347,7 +346,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
             dims.d1.div_ceil(flash::tiled::BLOCK_Q as usize),
             dims.batch.max(1),
         );
-        check_cubes(client, (cubes.1, cubes.2, cubes.0))?;
+        check_cubes(client, cubes)?;
         return Ok(SoftmaxMatmulPlan {
             kernel: SmmForwardKernel::Tiled,
             block_1: flash::tiled::BLOCK_Q as usize,
@@ -400,7 +399,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
         dims.d1.div_ceil(b1).max(1),
         dims.batch.max(1),
     );
-    check_cubes(client, (cubes.1, cubes.2, cubes.0))?;
+    check_cubes(client, cubes)?;
     Ok(SoftmaxMatmulPlan {
         kernel,
         block_1: b1,
@@ -623,8 +622,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
     let units = CubeDim::new_1d(plan.units);
     // The flash kernels see 4-D tensors with one head: X `[batch, 1, d1, d2]` as the given
     // scores, V `[batch or 1, 1, d2, d3]`, out `[batch, 1, d1, d3]`, lse `[batch, 1, d1]`.
-    let (xc, yc, zc) = plan.cubes;
-    let count = check_cubes(client, (yc, zc, xc))?;
+    let count = check_cubes(client, plan.cubes)?;
     let config = flash_config(plan.kernel, plan.block_1, plan.block_2, plan.tile_3);
     let heads = |t: &TensorRef<'_>, batch_stride: usize| {
         let mut shape = t.shape.to_vec();
