@@ -410,7 +410,7 @@ fn softmax_matmul_matrix_units_are_refused_where_missing() {
 
 #[test]
 fn softmax_matmul_refuses_more_cubes_than_the_device_launches() {
-    // The flash loop launches one cube per batch along y: more batches than wgpu's 65 535
+    // The flash loop launches one cube per batch along z: more batches than wgpu's 65 535
     // cubes per axis.
     let batch = 70_000;
     let smm = Smm::new(batch, batch, 1, 1, 1);
@@ -419,7 +419,7 @@ fn softmax_matmul_refuses_more_cubes_than_the_device_launches() {
     assert_eq!(
         err.to_string(),
         format!(
-            "the launch needs (1, {batch}, 1) cubes along (x, y, z), more than the device allows"
+            "the launch needs (1, 1, {batch}) cubes along (x, y, z), more than the device allows"
         )
     );
 }

@@ -508,19 +508,25 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         #[unroll]
         for i in 0..4usize {
             step_max[i] = f32::min_value();
+        }
+        // Whole planes (given scores: the `V` units' planes skip it).
+        if is_score {
             #[unroll]
-            for n in 0..ku {
-                let key = j0 + ku * kg as usize + n;
-                let mut x = s[i * ku + n];
-                if comptime!(!given) {
-                    x = score::<F>(bias, &refs, i, x, key, seq_k, scale, softcap, c);
+            for i in 0..4usize {
+                #[unroll]
+                for n in 0..ku {
+                    let key = j0 + ku * kg as usize + n;
+                    let mut x = s[i * ku + n];
+                    if comptime!(!given) {
+                        x = score::<F>(bias, &refs, i, x, key, seq_k, scale, softcap, c);
+                    }
+                    let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
+                        && (st < full_steps
+                            || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
+                    x = select(ok, x, f32::min_value());
+                    s[i * ku + n] = x;
+                    step_max[i] = f32::max(step_max[i], x);
                 }
-                let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
-                    && (st < full_steps
-                        || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
-                x = select(ok, x, f32::min_value());
-                s[i * ku + n] = x;
-                step_max[i] = f32::max(step_max[i], x);
             }
         }
         let mut rmax = Array::<f32>::new(4usize);
@@ -534,7 +540,6 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         }
         if is_score {
             let mut alpha = Vector::<f32, Const<4>>::empty();
-            let mut p = Array::<f32>::new(comptime!(4 * ku));
             #[unroll]
             for i in 0..4usize {
                 // The lazy rule of `crate::flash`: most steps keep the reference (α = 1).
@@ -548,9 +553,10 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                 alpha[i] = a;
                 #[unroll]
                 for n in 0..ku {
+                    // `P` replaces the score in place.
                     let x = s[i * ku + n];
                     let e = probability(x, m[i], x > f32::min_value());
-                    p[i * ku + n] = e;
+                    s[i * ku + n] = e;
                     l[i] += e;
                 }
             }
@@ -560,7 +566,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                 let mut vec = Vector::<f32, Const<4>>::empty();
                 #[unroll]
                 for i in 0..4usize {
-                    vec[i] = p[i * ku + n];
+                    vec[i] = s[i * ku + n];
                 }
                 sh.p_s[pbuf + key * VECS as usize + (rg as usize ^ (2 * (key / 4)))] = vec;
             }
