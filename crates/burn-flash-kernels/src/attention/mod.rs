@@ -25,7 +25,7 @@ use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
-use crate::flash::{FlashConfig, ScoreSource, mma, tiled, units};
+use crate::flash::{FlashConfig, FlashKernel, FlashTensors, ScoreSource, mma, tiled, units};
 use crate::fragment;
 use crate::softmax::TensorRef;
 
@@ -43,6 +43,16 @@ pub enum AttentionKernel {
     /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
     /// double buffering (CUDA sm_80+, 16-byte aligned rows).
     MatrixUnits,
+}
+
+impl From<AttentionKernel> for FlashKernel {
+    fn from(kernel: AttentionKernel) -> Self {
+        match kernel {
+            AttentionKernel::Units => Self::Units,
+            AttentionKernel::Tiled => Self::Tiled,
+            AttentionKernel::MatrixUnits => Self::MatrixUnits,
+        }
+    }
 }
 
 /// What the scores are made of, and overrides of the host heuristic.
@@ -540,77 +550,38 @@ pub fn launch_attention<R: Runtime>(
         (Some(b), Some(s)) => arg::<R>(b, &full, s),
         _ => arg::<R>(&q, unused.0, unused.1),
     };
-    let softcap = options.softcap.unwrap_or(1.0);
-    let (qa, ka, va, oa, la) = (
-        arg::<R>(&q, q.shape, q.strides),
-        arg::<R>(&k, k.shape, k.strides),
-        arg::<R>(&v, v.shape, v.strides),
-        arg::<R>(&out, out.shape, out.strides),
-        arg::<R>(&lse, lse.shape, lse.strides),
-    );
+    let tensors = FlashTensors {
+        q: arg::<R>(&q, q.shape, q.strides),
+        k: arg::<R>(&k, k.shape, k.strides),
+        v: arg::<R>(&v, v.shape, v.strides),
+        mask: mask_arg,
+        bias: bias_arg,
+        out: arg::<R>(&out, out.shape, out.strides),
+        lse: arg::<R>(&lse, lse.shape, lse.strides),
+    };
+    let vector = tiled::vector(&[
+        (q.shape, q.strides),
+        (k.shape, k.strides),
+        (v.shape, v.strides),
+        (out.shape, out.strides),
+    ]);
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); the matrix-unit kernel runs only on 16-byte aligned
-    // rows (`rows_aligned`), its vector width; the tiled kernel's vector width divides the
-    // rows and strides of `q`, `k`, `v` and `out` (`tiled::vector`).
+    // rows (`rows_aligned`), its vector width; `vector` divides the rows and strides of `q`,
+    // `k`, `v` and `out` (`tiled::vector`).
     unsafe {
-        match plan.kernel {
-            AttentionKernel::MatrixUnits => mma::flash_forward_mma::launch_unchecked::<R>(
-                client,
-                count,
-                dim,
-                mma::NV8,
-                qa,
-                ka,
-                va,
-                mask_arg,
-                bias_arg,
-                oa,
-                la,
-                options.scale,
-                softcap,
-                config,
-                dtype,
-            ),
-            AttentionKernel::Tiled => tiled::flash_forward_tiled::launch_unchecked::<R>(
-                client,
-                count,
-                dim,
-                tiled::vector(&[
-                    (q.shape, q.strides),
-                    (k.shape, k.strides),
-                    (v.shape, v.strides),
-                    (out.shape, out.strides),
-                ]),
-                qa,
-                ka,
-                va,
-                mask_arg,
-                bias_arg,
-                oa,
-                la,
-                options.scale,
-                softcap,
-                config,
-                tiled::planes(client),
-                dtype,
-            ),
-            AttentionKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
-                client,
-                count,
-                dim,
-                qa,
-                ka,
-                va,
-                mask_arg,
-                bias_arg,
-                oa,
-                la,
-                options.scale,
-                softcap,
-                config,
-                dtype,
-            ),
-        }
+        crate::flash::launch_forward(
+            client,
+            plan.kernel.into(),
+            count,
+            dim,
+            vector,
+            tensors,
+            options.scale,
+            options.softcap.unwrap_or(1.0),
+            config,
+            dtype,
+        );
     }
     Ok(plan)
 }

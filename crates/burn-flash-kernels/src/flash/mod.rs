@@ -48,7 +48,7 @@ pub mod tiled;
 #[allow(missing_docs)]
 pub mod units;
 
-use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim, prelude::*};
 
 /// Where a forward kernel's scores come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -90,6 +90,111 @@ impl FlashConfig {
     /// Whether the scores are given (read from memory) rather than computed.
     pub fn given(&self) -> bool {
         self.source == ScoreSource::Given
+    }
+}
+
+/// The forward kernels of this module: what an op's plan picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlashKernel {
+    /// [`units::flash_forward_units()`].
+    Units,
+    /// [`tiled::flash_forward_tiled()`].
+    Tiled,
+    /// [`mma::flash_forward_mma()`].
+    MatrixUnits,
+}
+
+/// The tensors of a forward launch (shapes and strides in [`mma::flash_forward_mma()`]'s
+/// terms; stand-ins for the ones the configuration never reads).
+pub struct FlashTensors<R: Runtime> {
+    /// Queries, or the given scores `X`.
+    pub q: TensorArg<R>,
+    /// Keys.
+    pub k: TensorArg<R>,
+    /// Values.
+    pub v: TensorArg<R>,
+    /// The bool mask, in the element type (1 = masked out).
+    pub mask: TensorArg<R>,
+    /// The additive bias.
+    pub bias: TensorArg<R>,
+    /// The output.
+    pub out: TensorArg<R>,
+    /// The row log-sum-exp (f32).
+    pub lse: TensorArg<R>,
+}
+
+/// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
+/// both ops (`softmax_matmul`, attention) start a forward. `vector` is the tiled kernel's
+/// vector width (the matrix-unit kernel always reads 16-byte vectors, [`mma::NV8`]).
+///
+/// # Safety
+/// The tensors' shapes and strides describe their buffers, and the kernel's conditions hold:
+/// 16-byte aligned rows for the matrix units ([`mma::flash_forward_mma()`]), `vector` dividing
+/// the rows and strides of `q`, `k`, `v` and `out` for the tiled kernel.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    kernel: FlashKernel,
+    count: CubeCount,
+    dim: CubeDim,
+    vector: usize,
+    t: FlashTensors<R>,
+    scale: f32,
+    softcap: f32,
+    c: FlashConfig,
+    dtype: StorageType,
+) {
+    let FlashTensors {
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        out,
+        lse,
+    } = t;
+    // SAFETY: the caller's (see above).
+    unsafe {
+        match kernel {
+            FlashKernel::MatrixUnits => mma::flash_forward_mma::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                mma::NV8,
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                scale,
+                softcap,
+                c,
+                dtype,
+            ),
+            FlashKernel::Tiled => tiled::flash_forward_tiled::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                vector,
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                scale,
+                softcap,
+                c,
+                tiled::planes(client),
+                dtype,
+            ),
+            FlashKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
+                client, count, dim, q, k, v, mask, bias, out, lse, scale, softcap, c, dtype,
+            ),
+        }
     }
 }
 

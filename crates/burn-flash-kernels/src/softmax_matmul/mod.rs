@@ -68,6 +68,16 @@ pub enum SmmForwardKernel {
     MatrixUnits,
 }
 
+impl From<SmmForwardKernel> for flash::FlashKernel {
+    fn from(kernel: SmmForwardKernel) -> Self {
+        match kernel {
+            SmmForwardKernel::Units => Self::Units,
+            SmmForwardKernel::Tiled => Self::Tiled,
+            SmmForwardKernel::MatrixUnits => Self::MatrixUnits,
+        }
+    }
+}
+
 impl SmmForwardKernel {
     /// The inner-product path the kernel runs on.
     pub fn path(self) -> SmmPath {
@@ -635,59 +645,31 @@ pub fn launch_softmax_matmul<R: Runtime>(
         unsafe { TensorArg::<R>::from_raw_parts(t.handle.clone(), strides.into(), shape.into()) }
     };
     let v_batch_stride = if shared_v { 0 } else { v.strides[0] };
-    let (xa, ka, ma, ba, va, oa, la) = (
-        heads(&x, x.strides[0]),
-        heads(&x, x.strides[0]),
-        heads(&x, x.strides[0]),
-        heads(&x, x.strides[0]),
-        heads(&v, v_batch_stride),
-        heads(&out, out.strides[0]),
-        heads(&lse, lse.strides[0]),
-    );
+    let tensors = flash::FlashTensors {
+        q: heads(&x, x.strides[0]),
+        k: heads(&x, x.strides[0]),
+        v: heads(&v, v_batch_stride),
+        mask: heads(&x, x.strides[0]),
+        bias: heads(&x, x.strides[0]),
+        out: heads(&out, out.strides[0]),
+        lse: heads(&lse, lse.strides[0]),
+    };
     // SAFETY: as above; the matrix-unit kernel runs only on 16-byte aligned rows (the plan's
-    // vector of 8), and `k`, `mask` and `bias` (stand-ins: `x`) are never read with given
-    // scores.
+    // vector of 8), the tiled kernel's vector (the plan's) divides every row and stride, and
+    // `k`, `mask` and `bias` (stand-ins: `x`) are never read with given scores.
     unsafe {
-        match plan.kernel {
-            SmmForwardKernel::MatrixUnits => flash::mma::flash_forward_mma::launch_unchecked::<R>(
-                client,
-                count,
-                units,
-                flash::mma::NV8,
-                xa,
-                ka,
-                va,
-                ma,
-                ba,
-                oa,
-                la,
-                1.0,
-                1.0,
-                config,
-                dtype,
-            ),
-            SmmForwardKernel::Tiled => flash::tiled::flash_forward_tiled::launch_unchecked::<R>(
-                client,
-                count,
-                units,
-                plan.vector,
-                xa,
-                ka,
-                va,
-                ma,
-                ba,
-                oa,
-                la,
-                1.0,
-                1.0,
-                config,
-                flash::tiled::planes(client),
-                dtype,
-            ),
-            SmmForwardKernel::Units => flash::units::flash_forward_units::launch_unchecked::<R>(
-                client, count, units, xa, ka, va, ma, ba, oa, la, 1.0, 1.0, config, dtype,
-            ),
-        }
+        flash::launch_forward(
+            client,
+            plan.kernel.into(),
+            count,
+            units,
+            plan.vector,
+            tensors,
+            1.0,
+            1.0,
+            config,
+            dtype,
+        );
     }
     Ok(plan)
 }
