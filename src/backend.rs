@@ -17,7 +17,9 @@ use burn::tensor::{
     backend::Backend,
     ops::{BoolTensor, FloatTensor},
 };
-use burn_flash_kernels::attention::{AttentionDims, AttentionError, AttentionPlan};
+use burn_flash_kernels::attention::{
+    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionPlan,
+};
 use burn_flash_kernels::softmax::{
     RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
 };
@@ -26,7 +28,7 @@ use burn_flash_kernels::softmax_matmul::{
     SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
 
-use crate::attention::{self, FlashAttentionOptions};
+use crate::attention::{self, AttentionGrads, FlashAttentionOptions};
 use crate::{softmax, softmax_matmul};
 
 /// A Burn backend with all of burn-flash's fused operations.
@@ -145,6 +147,47 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         attention::composed::forward::<Self>(query, key, value, mask, bias, options.module)
     }
 
+    /// Gradients of [`AttentionBackend::flash_attention`] (same arguments and options) from
+    /// its output `out`, its `lse` and the output gradient `d_out`; the score gradient `ds`
+    /// only when `want_ds` (a tracked bias). Arguments are checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        want_ds: bool,
+    ) -> AttentionGrads<Self> {
+        attention::composed::backward::<Self>(
+            query,
+            key,
+            value,
+            mask,
+            bias,
+            out,
+            lse,
+            d_out,
+            options.module,
+            want_ds,
+        )
+    }
+
+    /// The launch the fused attention backward would make (`None`: composed fallback).
+    fn flash_attention_backward_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+    ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
+
     /// The launch the fused attention would make for contiguous tensors (`None`: this backend
     /// uses the composed fallback).
     fn flash_attention_plan(
@@ -193,6 +236,29 @@ macro_rules! softmax_matmul_planning {
             options: SoftmaxMatmulOptions,
         ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
             <$inner>::flash_softmax_matmul_plan(device, dims, dtype, options)
+        }
+    };
+}
+
+/// The attention planning methods pass through wrappers unchanged.
+macro_rules! attention_planning {
+    ($inner:ty) => {
+        fn flash_attention_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionPlan, AttentionError>> {
+            <$inner>::flash_attention_plan(device, dims, dtype, options)
+        }
+
+        fn flash_attention_backward_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+            <$inner>::flash_attention_backward_plan(device, dims, dtype, options)
         }
     };
 }
@@ -338,6 +404,35 @@ mod cube {
             attention::cube::forward::<R, F, I, BT>(query, key, value, mask, bias, options)
         }
 
+        fn flash_attention_backward(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+            options: FlashAttentionOptions,
+            want_ds: bool,
+        ) -> AttentionGrads<Self> {
+            attention::cube::backward::<R, F, I, BT>(
+                query, key, value, mask, bias, out, lse, d_out, options, want_ds,
+            )
+        }
+
+        fn flash_attention_backward_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+            let client = R::client(device);
+            Some(attention::cube::backward_plan(
+                &client, dims, dtype, options,
+            ))
+        }
+
         fn flash_attention_plan(
             device: &Self::Device,
             dims: AttentionDims,
@@ -411,14 +506,24 @@ mod fusion {
             attention::fusion::forward::<B>(query, key, value, mask, bias, options)
         }
 
-        fn flash_attention_plan(
-            device: &Self::Device,
-            dims: AttentionDims,
-            dtype: DType,
+        fn flash_attention_backward(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
             options: FlashAttentionOptions,
-        ) -> Option<Result<AttentionPlan, AttentionError>> {
-            B::flash_attention_plan(device, dims, dtype, options)
+            want_ds: bool,
+        ) -> AttentionGrads<Self> {
+            attention::fusion::backward::<B>(
+                query, key, value, mask, bias, out, lse, d_out, options, want_ds,
+            )
         }
+
+        attention_planning!(B);
     }
 }
 
@@ -471,10 +576,23 @@ mod autodiff {
         softmax_matmul_planning!(B);
     }
 
-    /// Gradients of attention go through the composed fallback (Burn's autodiff of the
-    /// scores, burn-flash's fused `softmax(S)·V` backward) until the fused backward lands:
-    /// the provided bodies.
-    impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {}
+    /// The forward runs `B`'s attention and keeps its inputs, output and `lse`; the backward
+    /// runs `B`'s attention backward (fused kernels on CubeCL backends, the composed gradient
+    /// on the fallback).
+    impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
+        fn flash_attention(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            attention::autodiff::forward::<B, C>(query, key, value, mask, bias, options)
+        }
+
+        attention_planning!(B);
+    }
 }
 
 #[cfg(feature = "ndarray")]

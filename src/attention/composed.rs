@@ -97,3 +97,112 @@ pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B
         .reshape([1, 1, seq_q, seq_k])
         .expand(full)
 }
+
+/// The gradients of [`forward`] (and of the fused attention, which computes the same
+/// function) from stock ops: `(dq, dk, dv, ds)`, `ds` (`[B, Hq, Sq, Sk]`, the gradient of each
+/// score, what a bias's gradient sums) only when `want_ds`. The provided body of
+/// [`crate::AttentionBackend::flash_attention_backward`]. It materialises the scores, `P` and
+/// `dS` (`B·Hq·Sq·Sk` each), as any composed attention backward does.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<B: Backend>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    mask: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    d_out: FloatTensor<B>,
+    options: AttentionModuleOptions,
+    want_ds: bool,
+) -> super::AttentionGrads<B> {
+    let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    let (query, key, value, out, d_out) = (
+        float(query),
+        float(key),
+        float(value),
+        float(out),
+        float(d_out),
+    );
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
+    let [batch, heads_q, seq_q, head_dim] = query.dims();
+    let [_, heads_kv, seq_k, _] = key.dims();
+    let value_dim = value.dims()[3];
+    let device = query.device();
+    let dtype = query.dtype();
+    let full = [batch, heads_q, seq_q, seq_k];
+    let zeros = |dims: [usize; 4]| Tensor::<B, 4>::zeros(dims, (&device, dtype));
+    if batch * heads_q * seq_q * seq_k == 0 || head_dim * value_dim == 0 {
+        // No score: every gradient is zero.
+        let grads = super::AttentionGrads {
+            dq: zeros(query.dims()).into_primitive().tensor(),
+            dk: zeros(key.dims()).into_primitive().tensor(),
+            dv: zeros(value.dims()).into_primitive().tensor(),
+            ds: want_ds.then(|| zeros(full).into_primitive().tensor()),
+        };
+        return grads;
+    }
+    let group = heads_q / heads_kv;
+    let rows = group * seq_q;
+    let scale = scale_of(&options, head_dim);
+    let grouped = |t: Tensor<B, 4>, last: usize| t.reshape([batch, heads_kv, rows, last]);
+    let q = grouped(query, head_dim);
+    let d_o = grouped(d_out.clone(), value_dim);
+    let mut s = q
+        .clone()
+        .matmul(key.clone().swap_dims(2, 3))
+        .mul_scalar(scale)
+        .reshape(full);
+    // d(c·tanh(s/c))/ds = 1 − tanh²(s/c).
+    let mut cap_grad = None;
+    if let Some(cap) = options.softcap {
+        let t = s.div_scalar(cap).tanh();
+        cap_grad = Some(t.clone().powi_scalar(2).neg().add_scalar(1.0));
+        s = t.mul_scalar(cap);
+    }
+    let mut hidden = None;
+    if let Some(mask) = mask {
+        hidden = Some(Tensor::<B, 4, Bool>::from_primitive(mask).expand(full));
+    }
+    if options.is_causal {
+        let causal = causal_mask::<B>(full, &device);
+        hidden = Some(match hidden {
+            Some(h) => h.bool_or(causal),
+            None => causal,
+        });
+    }
+    if let Some(bias) = bias {
+        s = s + float(bias).expand(full);
+    }
+    // P = e^(s − lse); a row without a visible key has lse = −inf and P = 0 (the clamp keeps
+    // e^(−inf − lse) at 0 there instead of NaN).
+    let lse = lse
+        .clamp_min(-60000.0)
+        .cast(dtype)
+        .reshape([batch, heads_q, seq_q, 1]);
+    let mut p = (s - lse).exp();
+    if let Some(hidden) = hidden {
+        p = p.mask_fill(hidden, 0.0);
+    }
+    let p_rows = p.clone().reshape([batch, heads_kv, rows, seq_k]);
+    let dv = p_rows.swap_dims(2, 3).matmul(d_o.clone());
+    let dp = d_o.matmul(value.swap_dims(2, 3)).reshape(full);
+    let delta = (d_out * out).sum_dim(3);
+    let ds = p * (dp - delta);
+    let mut dr = ds.clone().mul_scalar(scale);
+    if let Some(g) = cap_grad {
+        dr = dr * g;
+    }
+    let dr = dr.reshape([batch, heads_kv, rows, seq_k]);
+    let dq = dr
+        .clone()
+        .matmul(key)
+        .reshape([batch, heads_q, seq_q, head_dim]);
+    let dk = dr.swap_dims(2, 3).matmul(q);
+    super::AttentionGrads {
+        dq: dq.into_primitive().tensor(),
+        dk: dk.into_primitive().tensor(),
+        dv: dv.into_primitive().tensor(),
+        ds: want_ds.then(|| ds.into_primitive().tensor()),
+    }
+}

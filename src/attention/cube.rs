@@ -6,13 +6,14 @@ use burn_cubecl::{
     ops::numeric::empty_device_dtype, tensor::CubeTensor,
 };
 use burn_flash_kernels::attention::{
-    AttentionDims, AttentionError, AttentionOptions, AttentionPlan, launch_attention,
-    plan_attention,
+    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionOptions, AttentionPlan,
+    BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
+    plan_attention_backward,
 };
 use burn_flash_kernels::softmax::TensorRef;
 use cubecl::prelude::ComputeClient;
 
-use super::{FlashAttentionOptions, OP, scale_of};
+use super::{AttentionGrads, FlashAttentionOptions, OP, scale_of};
 
 fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
     TensorRef {
@@ -104,4 +105,81 @@ where
     )
     .unwrap_or_else(|err| panic!("{OP}: {err}"));
     (out, lse)
+}
+
+/// The backward plan for contiguous tensors of `dims`.
+pub(crate) fn backward_plan<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: DType,
+    options: FlashAttentionOptions,
+) -> Result<AttentionBackwardPlan, AttentionError> {
+    plan_attention_backward(
+        client,
+        dims,
+        dtype.into(),
+        &kernel_options(options, dims.head_dim),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward<R, F, I, BT>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    mask: Option<CubeTensor<R>>,
+    bias: Option<CubeTensor<R>>,
+    out: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    d_out: CubeTensor<R>,
+    options: FlashAttentionOptions,
+    want_ds: bool,
+) -> AttentionGrads<CubeBackend<R, F, I, BT>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+    let dtype = query.dtype;
+    let mask = mask.map(|m| B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)));
+    let client = query.client.clone();
+    let device = query.device.clone();
+    let empty = |shape: &[usize]| {
+        empty_device_dtype(
+            client.clone(),
+            device.clone(),
+            Shape::from(shape.to_vec()),
+            dtype,
+        )
+    };
+    let dq = empty(query.meta.shape());
+    let dk = empty(key.meta.shape());
+    let dv = empty(value.meta.shape());
+    let q_shape = query.meta.shape();
+    let full = [q_shape[0], q_shape[1], q_shape[2], key.meta.shape()[2]];
+    let ds = want_ds.then(|| empty(&full));
+    let head_dim = q_shape[3];
+    launch_attention_backward::<R>(
+        &client,
+        BackwardTensors {
+            q: tensor_ref(&query),
+            k: tensor_ref(&key),
+            v: tensor_ref(&value),
+            mask: mask.as_ref().map(tensor_ref),
+            bias: bias.as_ref().map(tensor_ref),
+            out: tensor_ref(&out),
+            lse: tensor_ref(&lse),
+            d_out: tensor_ref(&d_out),
+            dq: tensor_ref(&dq),
+            dk: tensor_ref(&dk),
+            dv: tensor_ref(&dv),
+            ds: ds.as_ref().map(tensor_ref),
+        },
+        dtype.into(),
+        &kernel_options(options, head_dim),
+    )
+    .unwrap_or_else(|err| panic!("{OP}: backward: {err}"));
+    AttentionGrads { dq, dk, dv, ds }
 }

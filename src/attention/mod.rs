@@ -23,17 +23,36 @@
 //! burn-flash's fused `softmax(S)·V` with its fused backward. It materialises the
 //! `B·Hq·Sq·Sk` scores; the fused attention backward is the next step.
 
+pub(crate) mod autodiff;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;
 
 use burn::tensor::{
-    Bool, DType, Tensor, TensorPrimitive, backend::Backend, ops::AttentionModuleOptions,
+    Bool, DType, Tensor, TensorPrimitive,
+    backend::Backend,
+    ops::{AttentionModuleOptions, FloatTensor},
 };
 
 pub use burn_flash_kernels::attention::{
-    AttentionDims, AttentionError, AttentionKernel, AttentionPlan, MAX_HEAD_DIM,
+    AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
+    AttentionPlan, MAX_HEAD_DIM,
 };
+
+/// The gradients of one attention call
+/// ([`AttentionBackend::flash_attention_backward`](crate::AttentionBackend::flash_attention_backward)).
+#[derive(Debug)]
+pub struct AttentionGrads<B: Backend> {
+    /// Of the queries, `[B, Hq, Sq, D]`.
+    pub dq: FloatTensor<B>,
+    /// Of the keys, `[B, Hkv, Sk, D]` (summed over each group's query heads).
+    pub dk: FloatTensor<B>,
+    /// Of the values, `[B, Hkv, Sk, Dv]`.
+    pub dv: FloatTensor<B>,
+    /// Of every score, `[B, Hq, Sq, Sk]`, where asked for: a bias's gradient is its sum over
+    /// the bias's broadcast dimensions.
+    pub ds: Option<FloatTensor<B>>,
+}
 
 use crate::FlashBackend;
 

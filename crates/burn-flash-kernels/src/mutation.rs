@@ -23,6 +23,11 @@ pub enum Mutation {
     /// `causal-top-left`: attention's causal mask aligned top-left (`j ≤ i`) instead of
     /// bottom-right (`j ≤ i + Sk − Sq`); the same when `Sq = Sk`.
     CausalTopLeft,
+    /// `zero-dq`: the attention backward writes `dQ = 0`.
+    ZeroDq,
+    /// `gqa-modulo`: the attention backward sums the query heads of key/value head `h` as
+    /// `h % Hkv` (interleaved) instead of the group `h / (Hq / Hkv)` (contiguous).
+    GqaModulo,
 }
 
 impl Mutation {
@@ -33,6 +38,8 @@ impl Mutation {
             Self::DropDelta => "drop-delta",
             Self::NoRescale => "no-rescale",
             Self::CausalTopLeft => "causal-top-left",
+            Self::ZeroDq => "zero-dq",
+            Self::GqaModulo => "gqa-modulo",
         }
     }
 }
@@ -48,10 +55,12 @@ pub fn active(mutation: Mutation) -> bool {
             Mutation::DropDelta,
             Mutation::NoRescale,
             Mutation::CausalTopLeft,
+            Mutation::ZeroDq,
+            Mutation::GqaModulo,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -84,4 +93,14 @@ pub fn no_rescale() -> bool {
 /// [`Mutation::CausalTopLeft`] is active.
 pub fn causal_top_left() -> bool {
     active(Mutation::CausalTopLeft)
+}
+
+/// [`Mutation::ZeroDq`] is active.
+pub fn zero_dq() -> bool {
+    active(Mutation::ZeroDq)
+}
+
+/// [`Mutation::GqaModulo`] is active.
+pub fn gqa_modulo() -> bool {
+    active(Mutation::GqaModulo)
 }

@@ -21,6 +21,8 @@
 //! - [`units`]: plain units for the rest (and where 256 units or the tiled kernel's shared
 //!   memory are missing).
 
+pub mod backward;
+
 use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
@@ -28,6 +30,11 @@ use cubecl::{CubeCount, CubeDim, prelude::*};
 use crate::flash::{FlashConfig, FlashKernel, FlashTensors, ScoreSource, mma, tiled, units};
 use crate::fragment;
 use crate::softmax::TensorRef;
+
+pub use backward::{
+    AttentionBackwardKernel, AttentionBackwardPlan, BackwardTensors, launch_attention_backward,
+    plan_attention_backward,
+};
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.
 pub const MAX_HEAD_DIM: usize = 256;

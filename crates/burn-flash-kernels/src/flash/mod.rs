@@ -37,6 +37,9 @@
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
+pub mod backward;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
 pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]

@@ -108,10 +108,33 @@ pub fn score<F: Float>(
     softcap: f32,
     #[comptime] c: FlashConfig,
 ) -> f32 {
+    let s = capped(raw, scale, softcap, c);
+    add_bias::<F>(bias, refs, slot, s, key, seq_k, c)
+}
+
+/// The first half of [`score()`]: `q·k` scaled and (with a softcap) capped. The backward reads
+/// the softcap's derivative `1 − (s/c)²` from it.
+#[cube]
+pub fn capped(raw: f32, scale: f32, softcap: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut s = raw * scale;
     if comptime!(c.softcap) {
         s = soft_cap(s, softcap);
     }
+    s
+}
+
+/// The second half of [`score()`]: `s` plus the row's bias at `key` (`s` itself without one).
+#[cube]
+pub fn add_bias<F: Float>(
+    bias: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    s: f32,
+    key: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> f32 {
+    let mut s = s;
     if comptime!(c.bias) {
         let k = usize::min(key, seq_k - 1);
         s += f32::cast_from(bias[refs.bias[slot] + k * bias.stride(3)]);
