@@ -1,0 +1,490 @@
+//! The attention backward suite: gradients of `burn_flash::attention` under `Autodiff<B>` for
+//! every input (queries, keys, values, a tracked bias) against an f64 CPU reference, by
+//! FlashAttention's rule: each gradient's error is at most twice that of a naive
+//! implementation in the same dtype (a CPU model that rounds where a same-dtype composition
+//! rounds: every stored score, `P`, `dP`, `dS` and output, with f32 accumulation), plus a floor.
+//! Test bodies are generic over the backend and instantiated per backend and dtype at the
+//! bottom.
+
+mod common;
+
+use burn::backend::Autodiff;
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, bf16, f16, ops::AttentionModuleOptions};
+use burn_flash::{
+    AttentionBackwardKernel, FlashBackend, attention::AttentionDims, attention_backward_plan,
+    attention_with_lse,
+};
+use common::*;
+
+type A<B> = Autodiff<B>;
+
+/// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
+fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
+    let pick = |x: usize, d: usize| if dims[d] == 1 { 0 } else { x };
+    ((pick(b, 0) * dims[1] + pick(h, 1)) * dims[2] + pick(i, 2)) * dims[3] + pick(j, 3)
+}
+
+/// One call's inputs (row-major f64 copies of the device values) and options.
+struct Case {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+    /// The output gradient.
+    g: Vec<f64>,
+    q_dims: [usize; 4],
+    k_dims: [usize; 4],
+    dv: usize,
+    mask: Option<(Vec<bool>, [usize; 4])>,
+    bias: Option<(Vec<f64>, [usize; 4])>,
+    options: AttentionModuleOptions,
+}
+
+/// Rounding of a model: `acc` after every multiply-add of a sum, `store` after every stored
+/// intermediate and output.
+#[derive(Clone, Copy)]
+struct Rounding {
+    acc: fn(f64) -> f64,
+    store: fn(f64) -> f64,
+}
+
+const EXACT: Rounding = Rounding {
+    acc: |x| x,
+    store: |x| x,
+};
+
+fn to_f32(x: f64) -> f64 {
+    x as f32 as f64
+}
+
+/// The naive model of `dtype`: f32 accumulation, storage in `dtype`.
+fn naive(dtype: FloatDType) -> Rounding {
+    Rounding {
+        acc: to_f32,
+        store: match dtype {
+            FloatDType::F16 => |x| f16::from_f64(x).to_f64(),
+            FloatDType::BF16 => |x| bf16::from_f64(x).to_f64(),
+            _ => to_f32,
+        },
+    }
+}
+
+/// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape).
+type Grads = [Vec<f64>; 4];
+
+impl Case {
+    /// Forward and backward of attention under rounding `r`: scale → softcap → mask → causal →
+    /// + bias → softmax (zeros for a row without a visible key) → ·V, then the gradients of
+    /// `Σ out ⊙ g`. Query head `h` reads key/value head `h / (Hq / Hkv)`.
+    fn grads(&self, r: Rounding) -> Grads {
+        let [nb, hq, sq, d] = self.q_dims;
+        let [_, hkv, sk, _] = self.k_dims;
+        let dv = self.dv;
+        let group = hq / hkv;
+        let scale = self.options.scale.unwrap_or(1.0 / (d as f64).sqrt());
+        let v_dims = [nb, hkv, sk, dv];
+        let o_dims = [nb, hq, sq, dv];
+        let dot = |a: &dyn Fn(usize) -> f64, b: &dyn Fn(usize) -> f64, n: usize| {
+            let mut s = 0.0;
+            for c in 0..n {
+                s = (r.acc)(s + a(c) * b(c));
+            }
+            (r.store)(s)
+        };
+        let mut dq = vec![0.0; self.q.len()];
+        let mut dk = vec![0.0; self.k.len()];
+        let mut dvv = vec![0.0; self.v.len()];
+        let bias_len = self.bias.as_ref().map_or(0, |(b, _)| b.len());
+        let mut dbias = vec![0.0; bias_len];
+        for b in 0..nb {
+            for h in 0..hq {
+                let kh = h / group;
+                for i in 0..sq {
+                    let qi = |c: usize| self.q[at(self.q_dims, [b, h, i, c])];
+                    let gi = |c: usize| self.g[at(o_dims, [b, h, i, c])];
+                    // Scores, their softcap factor, visibility.
+                    let mut s = vec![f64::NEG_INFINITY; sk];
+                    let mut fac = vec![1.0; sk];
+                    let mut vis = vec![false; sk];
+                    for j in 0..sk {
+                        let kj = |c: usize| self.k[at(self.k_dims, [b, kh, j, c])];
+                        let mut x = (r.store)(dot(&qi, &kj, d) * scale);
+                        if let Some(cap) = self.options.softcap {
+                            let t = (r.store)((x / cap).tanh());
+                            fac[j] = 1.0 - t * t;
+                            x = (r.store)(cap * t);
+                        }
+                        let masked = self
+                            .mask
+                            .as_ref()
+                            .is_some_and(|(m, md)| m[at(*md, [b, h, i, j])]);
+                        let causal =
+                            self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64;
+                        vis[j] = !masked && !causal;
+                        if let Some((bias, bd)) = &self.bias {
+                            x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
+                        }
+                        s[j] = x;
+                    }
+                    let m = (0..sk)
+                        .filter(|&j| vis[j])
+                        .fold(f64::NEG_INFINITY, |a, j| a.max(s[j]));
+                    if m == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let mut l = 0.0;
+                    for j in 0..sk {
+                        if vis[j] {
+                            l = (r.acc)(l + (s[j] - m).exp());
+                        }
+                    }
+                    let p: Vec<f64> = (0..sk)
+                        .map(|j| match vis[j] {
+                            true => (r.store)((s[j] - m).exp() / l),
+                            false => 0.0,
+                        })
+                        .collect();
+                    let pj = |j: usize| p[j];
+                    let out: Vec<f64> = (0..dv)
+                        .map(|c| dot(&pj, &|j| self.v[at(v_dims, [b, kh, j, c])], sk))
+                        .collect();
+                    let delta = dot(&gi, &|c| out[c], dv);
+                    for j in 0..sk {
+                        if p[j] == 0.0 {
+                            continue;
+                        }
+                        let vj = |c: usize| self.v[at(v_dims, [b, kh, j, c])];
+                        let dp = dot(&gi, &vj, dv);
+                        let ds = (r.store)(p[j] * (r.store)(dp - delta));
+                        if let Some((_, bd)) = &self.bias {
+                            let n = at(*bd, [b, h, i, j]);
+                            dbias[n] = (r.acc)(dbias[n] + ds);
+                        }
+                        let dr = (r.store)(ds * fac[j] * scale);
+                        for c in 0..d {
+                            let n = at(self.q_dims, [b, h, i, c]);
+                            dq[n] = (r.acc)(dq[n] + dr * self.k[at(self.k_dims, [b, kh, j, c])]);
+                            let n = at(self.k_dims, [b, kh, j, c]);
+                            dk[n] = (r.acc)(dk[n] + dr * qi(c));
+                        }
+                        for c in 0..dv {
+                            let n = at(v_dims, [b, kh, j, c]);
+                            dvv[n] = (r.acc)(dvv[n] + p[j] * gi(c));
+                        }
+                    }
+                }
+            }
+        }
+        [dq, dk, dvv, dbias].map(|g| g.into_iter().map(r.store).collect())
+    }
+}
+
+/// Inputs of one gradient check; `strided` takes `q`, `k`, `v` as `[B, S, H, D]` tensors
+/// swapped to `[B, H, S, D]` (the layout of an attention layer).
+struct Setup {
+    q: [usize; 4],
+    kv_heads: usize,
+    seq_k: usize,
+    dv: usize,
+    mask: Option<([usize; 4], fn([usize; 4]) -> bool)>,
+    /// The bias's shape, tracked.
+    bias: Option<[usize; 4]>,
+    options: AttentionModuleOptions,
+    strided: bool,
+}
+
+impl Setup {
+    fn new(q: [usize; 4], kv_heads: usize, seq_k: usize, dv: usize) -> Self {
+        Self {
+            q,
+            kv_heads,
+            seq_k,
+            dv,
+            mask: None,
+            bias: None,
+            options: AttentionModuleOptions::default(),
+            strided: false,
+        }
+    }
+}
+
+fn bool_mask<B: FlashBackend>(
+    dims: [usize; 4],
+    device: &B::Device,
+    f: impl Fn([usize; 4]) -> bool,
+) -> Tensor<B, 4, Bool> {
+    let mut values = Vec::with_capacity(dims.iter().product());
+    for b in 0..dims[0] {
+        for h in 0..dims[1] {
+            for i in 0..dims[2] {
+                for j in 0..dims[3] {
+                    values.push(f([b, h, i, j]));
+                }
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+/// A random `[B, H, S, D]` tensor of `dtype`, as given or as the swap of a `[B, S, H, D]` one.
+fn input<B: FlashBackend>(
+    dims: [usize; 4],
+    strided: bool,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    match strided {
+        false => random::<B, 4>(dims, -1.0, 1.0, dtype, device),
+        true => {
+            let [b, h, s, d] = dims;
+            random::<B, 4>([b, s, h, d], -1.0, 1.0, dtype, device).swap_dims(1, 2)
+        }
+    }
+}
+
+/// Runs `setup` through `Autodiff<B>` and checks every gradient (module docs). Returns the
+/// gradients (dq, dk, dv, dbias).
+fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Grads {
+    let device: B::Device = Default::default();
+    eprintln!("case: {context}");
+    let [nb, hq, sq, d] = setup.q;
+    let (hkv, sk, dv) = (setup.kv_heads, setup.seq_k, setup.dv);
+    let k_dims = [nb, hkv, sk, d];
+    let v_dims = [nb, hkv, sk, dv];
+    let q = input::<A<B>>(setup.q, setup.strided, dtype, &device).require_grad();
+    let k = input::<A<B>>(k_dims, setup.strided, dtype, &device).require_grad();
+    let v = input::<A<B>>(v_dims, setup.strided, dtype, &device).require_grad();
+    let g = random::<A<B>, 4>([nb, hq, sq, dv], -1.0, 1.0, dtype, &device);
+    let mask = setup
+        .mask
+        .map(|(dims, f)| bool_mask::<A<B>>(dims, &device, f));
+    let bias = setup
+        .bias
+        .map(|dims| random::<A<B>, 4>(dims, -1.0, 1.0, dtype, &device).require_grad());
+    let case = Case {
+        q: read(q.clone()),
+        k: read(k.clone()),
+        v: read(v.clone()),
+        g: read(g.clone()),
+        q_dims: setup.q,
+        k_dims,
+        dv,
+        mask: mask.clone().map(|m| {
+            let dims = m.dims();
+            let values = read(m.int().float());
+            (values.into_iter().map(|x| x != 0.0).collect(), dims)
+        }),
+        bias: bias.clone().map(|b| (read(b.clone()), b.dims())),
+        options: setup.options,
+    };
+    for dims in [setup.q, k_dims, v_dims] {
+        poison::<B, 4>(dims, dtype, &device);
+    }
+    let (out, _) = attention_with_lse(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        mask,
+        bias.clone(),
+        setup.options.into(),
+    );
+    let grads = (out * g).sum().backward();
+    let mut got: Vec<Vec<f64>> = [&q, &k, &v]
+        .iter()
+        .map(|t| read(t.grad(&grads).expect("gradient")))
+        .collect();
+    got.push(
+        bias.as_ref()
+            .map_or(vec![], |b| read(b.grad(&grads).expect("bias gradient"))),
+    );
+    sync::<B>(&device);
+    let want = case.grads(EXACT);
+    let naive = case.grads(naive(dtype));
+    let ctx = format!("{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?}", setup.q);
+    // f32: a few roundings of the largest gradient per `√n` of the longest sum; 16-bit: one.
+    let floor = match dtype {
+        FloatDType::F32 => ((hq / hkv * sq).max(sk) as f64).sqrt().max(4.0),
+        _ => 1.0,
+    };
+    for (n, name) in ["dq", "dk", "dv", "dbias"].iter().enumerate() {
+        assert_within_naive(
+            &got[n],
+            &naive[n],
+            &want[n],
+            dtype,
+            floor,
+            &format!("{ctx} {name}"),
+        );
+    }
+    [
+        got[0].clone(),
+        got[1].clone(),
+        got[2].clone(),
+        got[3].clone(),
+    ]
+}
+
+/// Odd sizes, several key and row blocks, `Sq ≠ Sk`, `Dv ≠ D`, custom scale and softcap.
+fn shapes_and_options<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    for (sq, sk, d, dv) in [(1, 17, 32, 32), (17, 45, 64, 48), (45, 17, 40, 24)] {
+        let setup = Setup::new([2, 3, sq, d], 3, sk, dv);
+        check::<B>(&setup, dtype, &format!("Sq {sq} Sk {sk} D {d} Dv {dv}"));
+    }
+    let mut setup = Setup::new([1, 2, 19, 64], 2, 40, 32);
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.5),
+        softcap: Some(3.0),
+        is_causal: false,
+    };
+    check::<B>(&setup, dtype, "scale and softcap");
+}
+
+/// Causal, bottom-right aligned: `Sq = Sk`, `Sq < Sk`, `Sq > Sk` (the first rows see no key:
+/// zero gradients), with blocks above the diagonal skipped.
+fn causal<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    for (sq, sk) in [(40, 40), (9, 70), (70, 9)] {
+        let mut setup = Setup::new([2, 2, sq, 32], 2, sk, 32);
+        setup.options.is_causal = true;
+        check::<B>(&setup, dtype, &format!("causal Sq {sq} Sk {sk}"));
+    }
+}
+
+/// Grouped-query heads (multi-query 8:1, 4:2 causal): `dK`, `dV` summed over each group.
+fn grouped_query_heads<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    for (hq, hkv, causal) in [(8, 1, false), (4, 2, true)] {
+        let mut setup = Setup::new([2, hq, 13, 32], hkv, 37, 40);
+        setup.options.is_causal = causal;
+        check::<B>(&setup, dtype, &format!("GQA {hq}:{hkv}"));
+    }
+}
+
+/// Padding and full masks (with fully masked rows), tracked biases broadcast over batch or
+/// heads, softcap and causal together.
+fn masks_and_biases<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    let (nb, hq, sq, sk) = (2, 4, 11, 37);
+    let mut setup = Setup::new([nb, hq, sq, 32], 2, sk, 16);
+    setup.mask = Some(([nb, 1, 1, sk], |[b, _, _, j]| j + 5 * b + 3 >= 37));
+    check::<B>(&setup, dtype, "padding mask");
+    setup.mask = Some(([nb, hq, sq, sk], |[b, h, i, j]| {
+        i == 3 || i == 10 || (b + h + i + j) % 3 == 0
+    }));
+    check::<B>(&setup, dtype, "full mask, fully masked rows");
+    setup.mask = None;
+    setup.bias = Some([1, hq, sq, sk]);
+    check::<B>(&setup, dtype, "bias [1, H, Sq, Sk]");
+    setup.bias = Some([nb, hq, sq, sk]);
+    check::<B>(&setup, dtype, "bias [B, H, Sq, Sk]");
+    setup.bias = Some([nb, 1, 1, sk]);
+    setup.mask = Some(([nb, 1, 1, sk], |[b, _, _, j]| j + 5 * b + 3 >= 37));
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(4.0),
+        is_causal: true,
+    };
+    check::<B>(&setup, dtype, "everything combined, bias [B, 1, 1, Sk]");
+}
+
+/// Head dims from 8 to 256, `Dv ≠ D`, and `[B, S, H, D]` inputs read through their strides.
+fn head_dims_and_strides<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    for (d, dv) in [(8, 8), (80, 96), (256, 256)] {
+        let setup = Setup::new([1, 2, 21, d], 1, 34, dv);
+        check::<B>(&setup, dtype, &format!("D {d} Dv {dv}"));
+    }
+    let mut setup = Setup::new([2, 4, 19, 32], 2, 35, 32);
+    setup.strided = true;
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "[B, S, H, D] strides");
+}
+
+/// Only some inputs tracked: the others get no gradient, the tracked ones the right one.
+fn partly_tracked<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let q = random::<A<B>, 4>([1, 2, 9, 32], -1.0, 1.0, dtype, device);
+    let k = random::<A<B>, 4>([1, 2, 20, 32], -1.0, 1.0, dtype, device);
+    let v = random::<A<B>, 4>([1, 2, 20, 16], -1.0, 1.0, dtype, device).require_grad();
+    let out = burn_flash::attention(q, k.clone(), v.clone(), None, None, Default::default());
+    let grads = out.sum().backward();
+    assert!(k.grad(&grads).is_none(), "untracked keys got a gradient");
+    // d(Σ out)/dV[j] = Σ_i P[i, j]: every column of a key's gradient is the same, and the
+    // gradient sums to the number of query rows (each row of P sums to 1).
+    let dv = read(v.grad(&grads).expect("dv"));
+    let total: f64 = dv.iter().sum::<f64>() / 16.0;
+    assert!(
+        (total - 18.0).abs() < 18.0 * 8.0 * eps(dtype),
+        "Σ dV / Dv = {total}, expected 18 (2 heads × 9 rows)"
+    );
+}
+
+/// The backward plan: the plain-unit kernels, their tiles and grids; `None` on the fallback.
+fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = AttentionDims {
+        batch: 3,
+        heads_q: 8,
+        heads_kv: 2,
+        seq_q: 100,
+        seq_k: 70,
+        head_dim: 72,
+        value_dim: 40,
+    };
+    let plan = attention_backward_plan::<A<B>>(device, dims, dtype.into(), Default::default());
+    let Some(plan) = plan else {
+        // Only the stock-ops fallback has no plan.
+        assert!(
+            attention_backward_plan::<B>(device, dims, dtype.into(), Default::default()).is_none()
+        );
+        return;
+    };
+    let plan = plan.expect("plan");
+    assert_eq!(plan.kernel, AttentionBackwardKernel::Units);
+    assert_eq!((plan.head_dim, plan.value_dim), (96, 64));
+    // 70 keys in blocks of 32; 4·100 rows of a key/value head in blocks of 32; B·Hkv = 6.
+    assert_eq!(plan.dkv_cubes, (3, 6, 1));
+    assert_eq!(plan.dq_cubes, (13, 6, 1));
+    let too_wide = AttentionDims {
+        head_dim: 320,
+        ..dims
+    };
+    let err = attention_backward_plan::<A<B>>(device, too_wide, dtype.into(), Default::default());
+    assert!(matches!(err, Some(Err(_))), "head dim 320 must be refused");
+}
+
+macro_rules! backward_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!(
+            $module,
+            $backend,
+            $dtype,
+            [
+                shapes_and_options,
+                causal,
+                grouped_query_heads,
+                masks_and_biases,
+                head_dims_and_strides,
+                partly_tracked,
+                planned_kernels,
+            ]
+        );
+    };
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    type W = burn::backend::Wgpu;
+    backward_suite!(f32, W, FloatDType::F32);
+    backward_suite!(f16, W, FloatDType::F16);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    type C = burn::backend::Cuda;
+    backward_suite!(f32, C, FloatDType::F32);
+    backward_suite!(f16, C, FloatDType::F16);
+    backward_suite!(bf16, C, FloatDType::BF16);
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    type N = burn::backend::NdArray;
+    backward_suite!(f32, N, FloatDType::F32);
+}
