@@ -144,7 +144,7 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         bias: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        attention::composed::forward::<Self>(query, key, value, mask, bias, options.module)
+        attention::composed::forward::<Self>(query, key, value, mask, bias, options)
     }
 
     /// Gradients of [`AttentionBackend::flash_attention`] (same arguments and options) from
@@ -164,16 +164,7 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         want_ds: bool,
     ) -> AttentionGrads<Self> {
         attention::composed::backward::<Self>(
-            query,
-            key,
-            value,
-            mask,
-            bias,
-            out,
-            lse,
-            d_out,
-            options.module,
-            want_ds,
+            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
         )
     }
 

@@ -26,8 +26,8 @@ pub mod softmax;
 pub mod softmax_matmul;
 
 pub use attention::{
-    AttentionBackwardKernel, AttentionGrads, AttentionKernel, FlashAttentionOptions, attention,
-    attention_backward_plan, attention_plan, attention_with_lse,
+    AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionKernel,
+    FlashAttentionOptions, attention, attention_backward_plan, attention_plan, attention_with_lse,
 };
 pub use backend::{
     AttentionBackend, FlashAutodiffBackend, FlashBackend, SoftmaxBackend, SoftmaxMatmulBackend,

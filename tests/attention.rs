@@ -448,6 +448,7 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let forced = |causal: bool| FlashAttentionOptions {
         kernel: Some(AttentionKernel::Tiled),
         block_k: None,
+        dropout: None,
         module: AttentionModuleOptions {
             is_causal: causal,
             ..Default::default()
@@ -814,6 +815,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let options = FlashAttentionOptions {
             kernel: Some(kernel),
             block_k: None,
+            dropout: None,
             module: AttentionModuleOptions {
                 is_causal: true,
                 ..Default::default()
@@ -854,6 +856,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             let options = FlashAttentionOptions {
                 kernel: Some(kernel),
                 block_k: None,
+                dropout: None,
                 module: AttentionModuleOptions {
                     is_causal: true,
                     ..Default::default()

@@ -11,8 +11,11 @@ mod common;
 use burn::backend::Autodiff;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, bf16, f16, ops::AttentionModuleOptions};
 use burn_flash::{
-    AttentionBackwardKernel, FlashBackend, attention::AttentionDims, attention_backward_plan,
-    attention_with_lse,
+    AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
+    FlashBackend,
+    attention::AttentionDims,
+    attention_backward_plan, attention_with_lse,
+    kernels::dropout::{DropoutParams, keep},
 };
 use common::*;
 
@@ -37,6 +40,8 @@ struct Case {
     mask: Option<(Vec<bool>, [usize; 4])>,
     bias: Option<(Vec<f64>, [usize; 4])>,
     options: AttentionModuleOptions,
+    /// Dropout, its mask drawn by the kernels' generator on the host.
+    dropout: Option<DropoutParams>,
 }
 
 /// Rounding of a model: `acc` after every multiply-add of a sum, `store` after every stored
@@ -143,7 +148,16 @@ impl Case {
                             false => 0.0,
                         })
                         .collect();
-                    let pj = |j: usize| p[j];
+                    // Dropout: the output takes the kept weights, scaled; dP flows back
+                    // through the same mask.
+                    let z: Vec<f64> = (0..sk)
+                        .map(|j| match &self.dropout {
+                            Some(d) if !keep(d, b * hq + h, i, j) => 0.0,
+                            Some(d) => d.inv_keep() as f64,
+                            None => 1.0,
+                        })
+                        .collect();
+                    let pj = |j: usize| (r.store)(p[j] * z[j]);
                     let out: Vec<f64> = (0..dv)
                         .map(|c| dot(&pj, &|j| self.v[at(v_dims, [b, kh, j, c])], sk))
                         .collect();
@@ -153,7 +167,7 @@ impl Case {
                             continue;
                         }
                         let vj = |c: usize| self.v[at(v_dims, [b, kh, j, c])];
-                        let dp = dot(&gi, &vj, dv);
+                        let dp = (r.store)(dot(&gi, &vj, dv) * z[j]);
                         let ds = (r.store)(p[j] * (r.store)(dp - delta));
                         if let Some((_, bd)) = &self.bias {
                             let n = at(*bd, [b, h, i, j]);
@@ -168,7 +182,7 @@ impl Case {
                         }
                         for c in 0..dv {
                             let n = at(v_dims, [b, kh, j, c]);
-                            dvv[n] = (r.acc)(dvv[n] + p[j] * gi(c));
+                            dvv[n] = (r.acc)(dvv[n] + pj(j) * gi(c));
                         }
                     }
                 }
@@ -190,6 +204,7 @@ struct Setup {
     bias: Option<[usize; 4]>,
     options: AttentionModuleOptions,
     strided: bool,
+    dropout: Option<AttentionDropout>,
 }
 
 impl Setup {
@@ -203,6 +218,7 @@ impl Setup {
             bias: None,
             options: AttentionModuleOptions::default(),
             strided: false,
+            dropout: None,
         }
     }
 }
@@ -275,6 +291,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         }),
         bias: bias.clone().map(|b| (read(b.clone()), b.dims())),
         options: setup.options,
+        dropout: setup.dropout.and_then(|d| d.params()),
     };
     for dims in [setup.q, k_dims, v_dims] {
         poison::<B, 4>(dims, dtype, &device);
@@ -285,7 +302,10 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         v.clone(),
         mask,
         bias.clone(),
-        setup.options.into(),
+        FlashAttentionOptions {
+            dropout: setup.dropout,
+            ..setup.options.into()
+        },
     );
     let grads = (out * g).sum().backward();
     let mut got: Vec<Vec<f64>> = [&q, &k, &v]
@@ -395,6 +415,14 @@ fn head_dims_and_strides<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     check::<B>(&setup, dtype, "[B, S, H, D] strides");
 }
 
+/// More (batch, head) pairs than a grid axis holds (65 535): `B·H = 70 400` runs forward and
+/// backward (the grids fold the pairs over two axes).
+fn many_heads<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    let mut setup = Setup::new([1100, 64, 2, 8], 64, 3, 8);
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "B 1100 H 64");
+}
+
 /// Only some inputs tracked: the others get no gradient, the tracked ones the right one.
 fn partly_tracked<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let q = random::<A<B>, 4>([1, 2, 9, 32], -1.0, 1.0, dtype, device);
@@ -446,6 +474,151 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     assert!(matches!(err, Some(Err(_))), "head dim 320 must be refused");
 }
 
+/// Dropout's forward and backward against the reference with the mask materialised from the
+/// kernels' generator on the host: the backward sees exactly the forward's mask.
+fn dropout_gradients<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    let mut setup = Setup::new([2, 4, 23, 32], 2, 41, 24);
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.3,
+        seed: fresh_seed(),
+    });
+    check::<B>(&setup, dtype, "dropout 0.3");
+    setup.mask = Some(([2, 1, 1, 41], |[b, _, _, j]| j + 5 * b + 3 >= 41));
+    setup.bias = Some([1, 4, 23, 41]);
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(4.0),
+        is_causal: true,
+    };
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.1,
+        seed: fresh_seed(),
+    });
+    check::<B>(&setup, dtype, "dropout 0.1, everything combined");
+}
+
+/// The weights `P̃` of one call, read as the output of `V = I` (`Dv = Sk`).
+fn dropped_weights<B: FlashBackend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    dropout: Option<AttentionDropout>,
+) -> Vec<f64> {
+    let [nb, hkv, sk, _] = k.dims();
+    let mut eye = vec![0.0f32; nb * hkv * sk * sk];
+    for n in 0..nb * hkv {
+        for j in 0..sk {
+            eye[(n * sk + j) * sk + j] = 1.0;
+        }
+    }
+    let v = tensor::<B, 4>(eye, [nb, hkv, sk, sk], q.dtype().into(), &q.device());
+    let options = FlashAttentionOptions {
+        dropout,
+        ..Default::default()
+    };
+    let (out, _) = attention_with_lse(q.clone(), k.clone(), v, None, None, options);
+    read(out)
+}
+
+/// The keep rate is `1 − p` within five binomial standard deviations, the kept weights are
+/// exactly those the host generator keeps, scaled by `1 / (1 − p)`; other seeds draw other
+/// masks, the same seed the same one; `p = 0` is bit-identical to no dropout.
+fn dropout_mask<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, h, sq, sk) = (2, 2, 64, 64);
+    let q = random::<B, 4>([nb, h, sq, 32], -1.0, 1.0, dtype, device);
+    let k = random::<B, 4>([nb, h, sk, 32], -1.0, 1.0, dtype, device);
+    let plain = dropped_weights::<B>(&q, &k, None);
+    for prob in [0.2, 0.5] {
+        let seed = fresh_seed();
+        let dropout = Some(AttentionDropout { prob, seed });
+        let params = DropoutParams::new(prob, seed);
+        let got = dropped_weights::<B>(&q, &k, dropout);
+        let mut kept = 0usize;
+        for pair in 0..nb * h {
+            for i in 0..sq {
+                for j in 0..sk {
+                    let n = (pair * sq + i) * sk + j;
+                    let want_keep = keep(&params, pair, i, j);
+                    let want = if want_keep {
+                        plain[n] / (1.0 - prob)
+                    } else {
+                        0.0
+                    };
+                    assert!(
+                        (got[n] - want).abs() <= 4.0 * eps(dtype) * want.abs() + 1e-7,
+                        "p {prob}: weight ({pair}, {i}, {j}) = {}, want {want} (kept: {want_keep})",
+                        got[n]
+                    );
+                    kept += want_keep as usize;
+                }
+            }
+        }
+        let n = (nb * h * sq * sk) as f64;
+        let rate = kept as f64 / n;
+        let sigma = (prob * (1.0 - prob) / n).sqrt();
+        assert!(
+            (rate - (1.0 - prob)).abs() <= 5.0 * sigma,
+            "p {prob}: keep rate {rate}, expected {} ± {}",
+            1.0 - prob,
+            5.0 * sigma
+        );
+        let again = dropped_weights::<B>(&q, &k, dropout);
+        assert_eq!(
+            got, again,
+            "p {prob}: the same seed must draw the same mask"
+        );
+        let other = dropped_weights::<B>(
+            &q,
+            &k,
+            Some(AttentionDropout {
+                prob,
+                seed: seed ^ 1,
+            }),
+        );
+        let differ = got
+            .iter()
+            .zip(&other)
+            .filter(|(a, b)| (**a == 0.0) != (**b == 0.0))
+            .count();
+        assert!(
+            differ as f64 > 0.25 * n * prob * (1.0 - prob),
+            "p {prob}: seeds {seed} and {} drew masks differing at only {differ} weights",
+            seed ^ 1
+        );
+    }
+    let zero = dropped_weights::<B>(&q, &k, Some(AttentionDropout { prob: 0.0, seed: 7 }));
+    assert_eq!(zero, plain, "p = 0 must be bit-identical to no dropout");
+    // Out-of-range probabilities are refused before anything runs.
+    for prob in [1.0, -0.1, f64::NAN] {
+        let msg = panic_message(|| {
+            dropped_weights::<B>(&q, &k, Some(AttentionDropout { prob, seed: 1 }));
+        });
+        assert!(
+            msg.contains("dropout probability must be in [0, 1)"),
+            "p {prob}: {msg}"
+        );
+    }
+    // Dropout runs on the plain-unit forward: forcing another kernel is refused.
+    let dims = AttentionDims {
+        batch: nb,
+        heads_q: h,
+        heads_kv: h,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: 32,
+        value_dim: sk,
+    };
+    let options = FlashAttentionOptions {
+        kernel: Some(AttentionKernel::Tiled),
+        dropout: Some(AttentionDropout { prob: 0.1, seed: 1 }),
+        ..Default::default()
+    };
+    if let Some(plan) = burn_flash::attention_plan::<B>(device, dims, dtype.into(), options) {
+        let err = plan.expect_err("tiled kernel with dropout");
+        assert!(err.to_string().contains("dropout"), "{err}");
+    }
+    sync::<B>(device);
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -460,6 +633,9 @@ macro_rules! backward_suite {
                 head_dims_and_strides,
                 partly_tracked,
                 planned_kernels,
+                many_heads,
+                dropout_gradients,
+                dropout_mask,
             ]
         );
     };

@@ -10,8 +10,9 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
-use super::scale_of;
+use super::{FlashAttentionOptions, scale_of};
 use crate::SoftmaxMatmulBackend;
+use burn_flash_kernels::dropout::{DropoutParams, keep};
 
 /// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
 /// the caller.
@@ -21,8 +22,9 @@ pub fn forward<B: SoftmaxMatmulBackend>(
     value: FloatTensor<B>,
     mask: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
-    options: AttentionModuleOptions,
+    flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
+    let options = flash_options.module;
     let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
     let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
     let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
@@ -41,6 +43,15 @@ pub fn forward<B: SoftmaxMatmulBackend>(
             (&device, burn::tensor::DType::F32),
         );
         return (out.into_primitive().tensor(), lse.into_primitive().tensor());
+    }
+    if let Some(dropout) = flash_options.dropout.and_then(|d| d.params()) {
+        let (q, k, v) = (
+            query.into_primitive().tensor(),
+            key.into_primitive().tensor(),
+            value,
+        );
+        let v = v.into_primitive().tensor();
+        return forward_with_dropout::<B>(q, k, v, mask, bias, options, dropout);
     }
     let group = heads_q / heads_kv;
     let scale = scale_of(&options, head_dim);
@@ -113,9 +124,10 @@ pub fn backward<B: Backend>(
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     d_out: FloatTensor<B>,
-    options: AttentionModuleOptions,
+    flash_options: FlashAttentionOptions,
     want_ds: bool,
 ) -> super::AttentionGrads<B> {
+    let options = flash_options.module;
     let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
     let (query, key, value, out, d_out) = (
         float(query),
@@ -148,32 +160,11 @@ pub fn backward<B: Backend>(
     let grouped = |t: Tensor<B, 4>, last: usize| t.reshape([batch, heads_kv, rows, last]);
     let q = grouped(query, head_dim);
     let d_o = grouped(d_out.clone(), value_dim);
-    let mut s = q
-        .clone()
-        .matmul(key.clone().swap_dims(2, 3))
-        .mul_scalar(scale)
-        .reshape(full);
-    // d(c·tanh(s/c))/ds = 1 − tanh²(s/c).
-    let mut cap_grad = None;
-    if let Some(cap) = options.softcap {
-        let t = s.div_scalar(cap).tanh();
-        cap_grad = Some(t.clone().powi_scalar(2).neg().add_scalar(1.0));
-        s = t.mul_scalar(cap);
-    }
-    let mut hidden = None;
-    if let Some(mask) = mask {
-        hidden = Some(Tensor::<B, 4, Bool>::from_primitive(mask).expand(full));
-    }
-    if options.is_causal {
-        let causal = causal_mask::<B>(full, &device);
-        hidden = Some(match hidden {
-            Some(h) => h.bool_or(causal),
-            None => causal,
-        });
-    }
-    if let Some(bias) = bias {
-        s = s + float(bias).expand(full);
-    }
+    let Scores {
+        scores: s,
+        hidden,
+        cap_grad,
+    } = scores::<B>(q.clone(), key.clone(), mask, bias, options, full);
     // P = e^(s − lse); a row without a visible key has lse = −inf and P = 0 (the clamp keeps
     // e^(−inf − lse) at 0 there instead of NaN).
     let lse = lse
@@ -184,9 +175,21 @@ pub fn backward<B: Backend>(
     if let Some(hidden) = hidden {
         p = p.mask_fill(hidden, 0.0);
     }
-    let p_rows = p.clone().reshape([batch, heads_kv, rows, seq_k]);
+    // Dropout: `dV` takes the kept weights, scaled, and `dP` flows back through the same mask.
+    let keep = flash_options
+        .dropout
+        .and_then(|d| d.params())
+        .map(|d| keep_factors::<B>(&d, full, &device, dtype));
+    let p_dropped = match &keep {
+        Some(z) => p.clone() * z.clone(),
+        None => p.clone(),
+    };
+    let p_rows = p_dropped.reshape([batch, heads_kv, rows, seq_k]);
     let dv = p_rows.swap_dims(2, 3).matmul(d_o.clone());
-    let dp = d_o.matmul(value.swap_dims(2, 3)).reshape(full);
+    let mut dp = d_o.matmul(value.swap_dims(2, 3)).reshape(full);
+    if let Some(z) = keep {
+        dp = dp * z;
+    }
     let delta = (d_out * out).sum_dim(3);
     let ds = p * (dp - delta);
     let mut dr = ds.clone().mul_scalar(scale);
@@ -205,4 +208,112 @@ pub fn backward<B: Backend>(
         dv: dv.into_primitive().tensor(),
         ds: want_ds.then(|| ds.into_primitive().tensor()),
     }
+}
+
+/// The finished scores of a call, `[B, Hq, Sq, Sk]` (scaled, softcapped, plus the bias), which
+/// keys each row cannot see (mask and causal), and the softcap's derivative `1 − tanh²(s/c)`.
+struct Scores<B: Backend> {
+    scores: Tensor<B, 4>,
+    hidden: Option<Tensor<B, 4, Bool>>,
+    cap_grad: Option<Tensor<B, 4>>,
+}
+
+/// [`Scores`] of `q` (grouped: `[B, Hkv, G·Sq, D]`) and `key`.
+fn scores<B: Backend>(
+    q: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    mask: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+    options: AttentionModuleOptions,
+    full: [usize; 4],
+) -> Scores<B> {
+    let device = q.device();
+    let scale = scale_of(&options, key.dims()[3]);
+    let mut s = q
+        .matmul(key.swap_dims(2, 3))
+        .mul_scalar(scale)
+        .reshape(full);
+    // d(c·tanh(s/c))/ds = 1 − tanh²(s/c).
+    let mut cap_grad = None;
+    if let Some(cap) = options.softcap {
+        let t = s.div_scalar(cap).tanh();
+        cap_grad = Some(t.clone().powi_scalar(2).neg().add_scalar(1.0));
+        s = t.mul_scalar(cap);
+    }
+    let mut hidden = mask.map(|m| Tensor::<B, 4, Bool>::from_primitive(m).expand(full));
+    if options.is_causal {
+        let causal = causal_mask::<B>(full, &device);
+        hidden = Some(match hidden {
+            Some(h) => h.bool_or(causal),
+            None => causal,
+        });
+    }
+    if let Some(bias) = bias {
+        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        s = s + bias.expand(full);
+    }
+    Scores {
+        scores: s,
+        hidden,
+        cap_grad,
+    }
+}
+
+/// The dropout factors `keep / (1 − p)` of every weight, `[B, Hq, Sq, Sk]`, from the kernels'
+/// generator ([`keep`]).
+fn keep_factors<B: Backend>(
+    params: &DropoutParams,
+    full: [usize; 4],
+    device: &B::Device,
+    dtype: burn::tensor::DType,
+) -> Tensor<B, 4> {
+    let [nb, hq, sq, sk] = full;
+    let scale = params.inv_keep();
+    let mut values = Vec::with_capacity(nb * hq * sq * sk);
+    for pair in 0..nb * hq {
+        for i in 0..sq {
+            for j in 0..sk {
+                values.push(if keep(params, pair, i, j) { scale } else { 0.0 });
+            }
+        }
+    }
+    Tensor::<B, 4>::from_data(burn::tensor::TensorData::new(values, full), device).cast(dtype)
+}
+
+/// The composed forward with dropout: `P` written out (f32), dropped, then `·V`.
+fn forward_with_dropout<B: Backend>(
+    query: FloatTensor<B>,
+    key: FloatTensor<B>,
+    value: FloatTensor<B>,
+    mask: Option<BoolTensor<B>>,
+    bias: Option<FloatTensor<B>>,
+    options: AttentionModuleOptions,
+    dropout: DropoutParams,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    let (query, key, value) = (float(query), float(key), float(value));
+    let [batch, heads_q, seq_q, head_dim] = query.dims();
+    let [_, heads_kv, seq_k, _] = key.dims();
+    let value_dim = value.dims()[3];
+    let device = query.device();
+    let dtype = query.dtype();
+    let full = [batch, heads_q, seq_q, seq_k];
+    let rows = heads_q / heads_kv * seq_q;
+    let q = query.reshape([batch, heads_kv, rows, head_dim]);
+    let Scores { scores, hidden, .. } = scores::<B>(q, key, mask, bias, options, full);
+    let mut s = scores.cast(burn::tensor::DType::F32);
+    if let Some(hidden) = hidden {
+        s = s.mask_fill(hidden, f32::NEG_INFINITY);
+    }
+    // A row without a visible key: max −inf, every e = 0, l = 0, lse = −inf, P = 0.
+    let m = s.clone().max_dim(3);
+    let e = (s - m.clone().clamp_min(-1e30)).exp();
+    let l = e.clone().sum_dim(3);
+    let lse = m.clamp_min(-1e30) + l.clone().log();
+    let p = e / l.clamp_min(1e-30);
+    let z = keep_factors::<B>(&dropout, full, &device, burn::tensor::DType::F32);
+    let p = (p * z).cast(dtype).reshape([batch, heads_kv, rows, seq_k]);
+    let out = p.matmul(value).reshape([batch, heads_q, seq_q, value_dim]);
+    let lse = lse.reshape([batch, heads_q, seq_q]);
+    (out.into_primitive().tensor(), lse.into_primitive().tensor())
 }

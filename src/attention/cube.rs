@@ -32,6 +32,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         causal: module.is_causal,
         kernel: options.kernel,
         block_k: options.block_k,
+        dropout: options.dropout.and_then(|d| d.params()),
     }
 }
 

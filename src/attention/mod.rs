@@ -34,6 +34,8 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, FloatTensor},
 };
 
+pub use burn_flash_kernels::dropout::DropoutParams;
+
 pub use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
     AttentionPlan, MAX_HEAD_DIM,
@@ -69,6 +71,30 @@ pub struct FlashAttentionOptions {
     /// Force the keys per online-softmax step (see
     /// [`burn_flash_kernels::attention::AttentionOptions::block_k`]).
     pub block_k: Option<usize>,
+    /// Dropout on the attention weights, `P̃ = P ⊙ keep / (1 − p)` (PyTorch's and
+    /// FlashAttention's semantics), in the forward and, with the same mask, the backward.
+    /// `None` or a probability of 0: no dropout (bit-identical results).
+    pub dropout: Option<AttentionDropout>,
+}
+
+/// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,
+/// drawn by a counter-based generator keyed by `seed` and the weight's (batch, query head,
+/// query position, key) ([`burn_flash_kernels::dropout`]). The same seed draws the same mask
+/// on every backend and in every kernel; nothing of size `Sq × Sk` is stored. A training loop
+/// passes a new seed for every step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionDropout {
+    /// Probability of dropping a weight, in `[0, 1)`.
+    pub prob: f64,
+    /// The generator's seed.
+    pub seed: u64,
+}
+
+impl AttentionDropout {
+    /// The kernels' parameters, `None` when `prob` is 0.
+    pub fn params(&self) -> Option<DropoutParams> {
+        (self.prob > 0.0).then(|| DropoutParams::new(self.prob, self.seed))
+    }
 }
 
 impl From<AttentionModuleOptions> for FlashAttentionOptions {
@@ -77,6 +103,7 @@ impl From<AttentionModuleOptions> for FlashAttentionOptions {
             module,
             kernel: None,
             block_k: None,
+            dropout: None,
         }
     }
 }
@@ -136,6 +163,14 @@ pub fn attention_with_lse<B: FlashBackend>(
         attn_bias.as_ref(),
         options.module,
     );
+    if let Some(dropout) = options.dropout
+        && !(0.0..1.0).contains(&dropout.prob)
+    {
+        panic!(
+            "{OP}: dropout probability must be in [0, 1), got {}",
+            dropout.prob
+        );
+    }
     if let Some(Err(err)) = B::flash_attention_plan(&query.device(), dims, query.dtype(), options) {
         panic!("{OP}: {err}");
     }

@@ -24,6 +24,9 @@ pub mod reduce;
 pub mod copy;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
+pub mod dropout;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
 pub mod fragment;
 pub mod mutation;
 // `#[cube]` expands every function into undocumented helper items.

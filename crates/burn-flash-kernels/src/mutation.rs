@@ -28,6 +28,9 @@ pub enum Mutation {
     /// `gqa-modulo`: the attention backward sums the query heads of key/value head `h` as
     /// `h % Hkv` (interleaved) instead of the group `h / (Hq / Hkv)` (contiguous).
     GqaModulo,
+    /// `dropout-fresh-mask`: the attention backward draws its dropout mask under another key
+    /// instead of regenerating the forward's.
+    DropoutFreshMask,
 }
 
 impl Mutation {
@@ -40,6 +43,7 @@ impl Mutation {
             Self::CausalTopLeft => "causal-top-left",
             Self::ZeroDq => "zero-dq",
             Self::GqaModulo => "gqa-modulo",
+            Self::DropoutFreshMask => "dropout-fresh-mask",
         }
     }
 }
@@ -57,10 +61,11 @@ pub fn active(mutation: Mutation) -> bool {
             Mutation::CausalTopLeft,
             Mutation::ZeroDq,
             Mutation::GqaModulo,
+            Mutation::DropoutFreshMask,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -103,4 +108,9 @@ pub fn zero_dq() -> bool {
 /// [`Mutation::GqaModulo`] is active.
 pub fn gqa_modulo() -> bool {
     active(Mutation::GqaModulo)
+}
+
+/// [`Mutation::DropoutFreshMask`] is active.
+pub fn dropout_fresh_mask() -> bool {
+    active(Mutation::DropoutFreshMask)
 }

@@ -409,19 +409,43 @@ fn softmax_matmul_matrix_units_are_refused_where_missing() {
 }
 
 #[test]
-fn softmax_matmul_refuses_more_cubes_than_the_device_launches() {
-    // The flash loop launches one cube per batch along z: more batches than wgpu's 65 535
-    // cubes per axis.
+fn softmax_matmul_runs_more_batches_than_a_grid_axis_holds() {
+    // More batches than wgpu's 65 535 cubes per axis: the flash grid folds them over y and z.
+    // One score per row: out[b] = v[b] and lse[b] = x[b], every batch with its own values.
     let batch = 70_000;
     let smm = Smm::new(batch, batch, 1, 1, 1);
-    let err = smm.refused(f32_type(), Default::default());
-    assert!(matches!(err, SoftmaxMatmulError::TooLarge { .. }), "{err}");
-    assert_eq!(
-        err.to_string(),
-        format!(
-            "the launch needs (1, 1, {batch}) cubes along (x, y, z), more than the device allows"
-        )
-    );
+    let x: Vec<f32> = (0..batch).map(|b| (b % 977) as f32 * 0.01 - 3.0).collect();
+    let v: Vec<f32> = (0..batch).map(|b| b as f32).collect();
+    let x_h = smm.client.create_from_slice(f32::as_bytes(&x));
+    let v_h = smm.client.create_from_slice(f32::as_bytes(&v));
+    let strides: Vec<Vec<usize>> = smm.shapes.iter().map(|s| contiguous(s)).collect();
+    let t = |i: usize, h| TensorRef {
+        handle: h,
+        shape: &smm.shapes[i],
+        strides: &strides[i],
+    };
+    let plan = launch_softmax_matmul(
+        &smm.client,
+        t(0, &x_h),
+        t(1, &v_h),
+        t(2, &smm.out),
+        t(3, &smm.lse),
+        f32_type(),
+        Default::default(),
+    )
+    .expect("launch");
+    assert!(plan.cubes.2 <= 65_535 && plan.cubes.1 >= 2, "{plan:?}");
+    let out = read(&smm.client, smm.out.clone());
+    let lse = read(&smm.client, smm.lse.clone());
+    for b in 0..batch {
+        assert_eq!(out[b], v[b], "out[{b}]");
+        assert!(
+            (lse[b] - x[b]).abs() <= 1e-6,
+            "lse[{b}] = {}, want {}",
+            lse[b],
+            x[b]
+        );
+    }
 }
 
 /// Shapes of one attention call: q, k, v, out, lse, and an optional mask (bias none).

@@ -206,6 +206,7 @@ pub fn launch_attention_backward<R: Runtime>(
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
         softcap: options.softcap.is_some(),
+        dropout: options.dropout.is_some(),
     };
     let delta: Handle = client.empty(rows.max(1) * 4);
     let delta_shape = [rows.max(1)];
@@ -230,6 +231,9 @@ pub fn launch_attention_backward<R: Runtime>(
     let units = CubeDim::new_1d(backward::UNITS);
     let scale = options.scale;
     let softcap = options.softcap.unwrap_or(1.0);
+    let drop = options
+        .dropout
+        .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0));
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above) and the `delta` scratch; an absent mask, bias or `ds`
     // is never read or written (`q` or `dq` stands in).
@@ -262,6 +266,10 @@ pub fn launch_attention_backward<R: Runtime>(
                 plain(&t.dv),
                 scale,
                 softcap,
+                drop.seed_lo,
+                drop.seed_hi,
+                drop.threshold,
+                drop.inv_keep(),
                 config,
                 dtype,
             );
@@ -284,6 +292,10 @@ pub fn launch_attention_backward<R: Runtime>(
                 plain(ds),
                 scale,
                 softcap,
+                drop.seed_lo,
+                drop.seed_hi,
+                drop.threshold,
+                drop.inv_keep(),
                 config,
                 t.ds.is_some(),
                 dtype,

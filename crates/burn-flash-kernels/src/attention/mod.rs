@@ -27,6 +27,7 @@ use core::fmt;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
+use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, FlashKernel, FlashTensors, ScoreSource, mma, tiled, units};
 use crate::fragment;
 use crate::softmax::TensorRef;
@@ -76,6 +77,9 @@ pub struct AttentionOptions {
     /// Force the keys per step: a multiple of 16 up to 128 on the matrix units, [`units::BLOCK_K`]
     /// or [`tiled::BLOCK_K`] on plain units; an impossible choice is an error.
     pub block_k: Option<usize>,
+    /// Dropout on the attention weights ([`crate::dropout`]): `None` or a probability of 0 is
+    /// none. Runs on the plain-unit kernel ([`AttentionKernel::Units`]) forward.
+    pub dropout: Option<DropoutParams>,
 }
 
 /// Sizes of one call.
@@ -116,7 +120,8 @@ pub struct AttentionPlan {
     pub units: u32,
     /// Shared memory per cube, in bytes.
     pub shared_bytes: usize,
-    /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`).
+    /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`), the
+    /// last two folded so that any `B·Hkv` runs ([`crate::flash::fold_grid`]).
     pub cubes: (usize, usize, usize),
 }
 
@@ -282,8 +287,16 @@ pub fn plan_attention<R: Runtime>(
         mask: false,
         bias: false,
         softcap: options.softcap.is_some(),
+        dropout: options.dropout.is_some(),
     };
     let kernel = match options.kernel {
+        Some(kernel) if options.dropout.is_some() && kernel != AttentionKernel::Units => {
+            return Err(AttentionError::KernelUnavailable {
+                kernel,
+                reason: "dropout runs on the plain-unit kernel (Units) only".into(),
+            });
+        }
+        None if options.dropout.is_some() => AttentionKernel::Units,
         Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
             return Err(AttentionError::KernelUnavailable {
                 kernel: AttentionKernel::MatrixUnits,
@@ -377,15 +390,13 @@ pub fn plan_attention<R: Runtime>(
         });
     }
     let group = heads_q / heads_kv;
-    let cubes = (
+    let unfolded = (
         value_dim.div_ceil(config.value_dim as usize).max(1),
         (group * seq_q).div_ceil(config.block_q as usize).max(1),
         (batch * heads_kv).max(1),
     );
-    let (mx, my, mz) = hw.max_cube_count;
-    if cubes.0 > mx as usize || cubes.1 > my as usize || cubes.2 > mz as usize {
-        return Err(AttentionError::TooLarge { cubes });
-    }
+    let cubes = crate::flash::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
+        .ok_or(AttentionError::TooLarge { cubes: unfolded })?;
     Ok(AttentionPlan {
         kernel,
         block_q: config.block_q as usize,
@@ -540,6 +551,7 @@ pub fn launch_attention<R: Runtime>(
         mask: mask.is_some(),
         bias: bias.is_some(),
         softcap: options.softcap.is_some(),
+        dropout: options.dropout.is_some(),
     };
     let count = CubeCount::Static(
         plan.cubes.0 as u32,
@@ -586,6 +598,7 @@ pub fn launch_attention<R: Runtime>(
             tensors,
             options.scale,
             options.softcap.unwrap_or(1.0),
+            options.dropout.unwrap_or(DropoutParams::new(0.0, 0)),
             config,
             dtype,
         );

@@ -7,9 +7,10 @@
 //!
 //! ```text
 //! P  = e^(S − lse)            (0 where the key is invisible or the row has none)
-//! dV += Pᵀ·dO
+//! Z  = keep / (1 − p)         (dropout, the forward's mask drawn again; 1 without)
+//! dV += (P ⊙ Z)ᵀ·dO
 //! dP = dO·Vᵀ
-//! dS = P ⊙ (dP − δ)           (the gradient of the final score: dBias)
+//! dS = P ⊙ (dP ⊙ Z − δ)       (the gradient of the final score: dBias)
 //! dR = dS ⊙ (1 − (s_c / c)²)  (through the softcap, s_c the capped score)
 //! dQ += scale·dR·K,  dK += scale·dRᵀ·Q
 //! ```
@@ -31,6 +32,16 @@
 use cubecl::prelude::*;
 
 use super::FlashConfig;
+use crate::dropout::keep_weight;
+
+/// The dropout arguments of a launch ([`crate::dropout::DropoutParams`]).
+#[derive(CubeType)]
+pub struct Dropout {
+    pub seed_lo: u32,
+    pub seed_hi: u32,
+    pub threshold: u32,
+    pub inv_keep: f32,
+}
 use super::scores::{RowRefs, add_bias, capped, causal_end, new_refs, set_row, visible};
 
 /// Units per cube.
@@ -205,9 +216,9 @@ fn product_ab(
     }
 }
 
-/// The scores of a block, rebuilt: `P` and `dS` of the unit's 2 × 2 elements from the raw
-/// products `raw` and `dP` (`dp`), and the softcap factor folded into `dS` (`dR`).
-/// Returns nothing; writes `p` and `ds` (the latter before the softcap factor in `dbias_ds`).
+/// The weights of a block, rebuilt from the raw products `raw` of the unit's 2 × 2 elements:
+/// `P` (`p`, before dropout), the softcap's derivative (`dfac`) and the dropout factor `z`
+/// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn rebuild<F: Float>(
@@ -223,8 +234,11 @@ fn rebuild<F: Float>(
     seq_k: usize,
     scale: f32,
     softcap: f32,
+    drop: &Dropout,
+    row_pair: &Array<usize>,
     p: &mut Array<f32>,
     dfac: &mut Array<f32>,
+    z: &mut Array<f32>,
     #[comptime] c: FlashConfig,
 ) {
     #[unroll]
@@ -245,6 +259,19 @@ fn rebuild<F: Float>(
             let live = ok && row_lse[i] > f32::min_value();
             p[at] = select(live, f32::exp(s - row_lse[i]), 0.0f32);
             dfac[at] = fac;
+            z[at] = 1.0f32;
+            if comptime!(c.dropout) {
+                z[at] = keep_weight(
+                    drop.seed_lo,
+                    drop.seed_hi,
+                    drop.threshold,
+                    drop.inv_keep,
+                    row_pair[i],
+                    refs.pos[i],
+                    key,
+                    true,
+                );
+            }
         }
     }
 }
@@ -313,6 +340,10 @@ pub fn flash_backward_dkv<F: Float>(
     dv: &mut Tensor<F>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -354,10 +385,18 @@ pub fn flash_backward_dkv<F: Float>(
     let mut row_ok = Array::<bool>::new(2usize);
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_delta = Array::<f32>::new(2usize);
+    let mut row_pair = Array::<usize>::new(2usize);
     let mut raw = Array::<f32>::new(4usize);
     let mut dp = Array::<f32>::new(4usize);
     let mut p = Array::<f32>::new(4usize);
     let mut dfac = Array::<f32>::new(4usize);
+    let mut z = Array::<f32>::new(4usize);
+    let drop = Dropout {
+        seed_lo,
+        seed_hi,
+        threshold,
+        inv_keep,
+    };
 
     let blocks = rows.div_ceil(BLOCK_ROWS as usize);
     for qb in 0..blocks {
@@ -384,6 +423,7 @@ pub fn flash_backward_dkv<F: Float>(
                 row_lse[i] =
                     lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
                 row_delta[i] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+                row_pair[i] = batch * q.shape(1) + head;
             }
             // S = Q·Kᵀ
             #[unroll]
@@ -403,14 +443,15 @@ pub fn flash_backward_dkv<F: Float>(
             }
             rebuild::<F>(
                 mask, bias, &refs, &raw, &row_ok, &row_lse, j0, tx, seq_q, seq_k, scale, softcap,
-                &mut p, &mut dfac, c,
+                &drop, &row_pair, &mut p, &mut dfac, &mut z, c,
             );
+            // dV takes the weights the forward's `P·V` took: kept and scaled.
             #[unroll]
             for i in 0..2u32 {
                 #[unroll]
                 for j in 0..2u32 {
-                    sh[(p_at + (2 * ty + i) * LD + tx + GRID * j) as usize] =
-                        p[(i * 2 + j) as usize];
+                    let at = (i * 2 + j) as usize;
+                    sh[(p_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = p[at] * z[at];
                 }
             }
             // dP = dO·Vᵀ and dV += Pᵀ·dO, one chunk of dO for both.
@@ -432,7 +473,7 @@ pub fn flash_backward_dkv<F: Float>(
                 #[unroll]
                 for j in 0..2u32 {
                     let at = (i * 2 + j) as usize;
-                    let ds = p[at] * (dp[at] - row_delta[i as usize]) * dfac[at];
+                    let ds = p[at] * (dp[at] * z[at] - row_delta[i as usize]) * dfac[at];
                     sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = ds;
                 }
             }
@@ -500,6 +541,10 @@ pub fn flash_backward_dq<F: Float>(
     ds: &mut Tensor<F>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[comptime] write_ds: bool,
     #[define(F)] _dtype: StorageType,
@@ -541,6 +586,7 @@ pub fn flash_backward_dq<F: Float>(
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_delta = Array::<f32>::new(2usize);
     let mut row_ds = Array::<usize>::new(2usize);
+    let mut row_pair = Array::<usize>::new(2usize);
     #[unroll]
     for i in 0..2usize {
         let row = r0 + (2 * ty) as usize + i;
@@ -552,11 +598,19 @@ pub fn flash_backward_dq<F: Float>(
         row_lse[i] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         row_delta[i] = delta[(batch * q.shape(1) + head) * seq_q + pos];
         row_ds[i] = row_at(ds, batch, head, pos);
+        row_pair[i] = batch * q.shape(1) + head;
     }
     let mut raw = Array::<f32>::new(4usize);
     let mut dp = Array::<f32>::new(4usize);
     let mut p = Array::<f32>::new(4usize);
     let mut dfac = Array::<f32>::new(4usize);
+    let mut z = Array::<f32>::new(4usize);
+    let drop = Dropout {
+        seed_lo,
+        seed_hi,
+        threshold,
+        inv_keep,
+    };
 
     let steps = kv_end.div_ceil(BLOCK_KEYS as usize);
     for st in 0..steps {
@@ -591,14 +645,14 @@ pub fn flash_backward_dq<F: Float>(
         }
         rebuild::<F>(
             mask, bias, &refs, &raw, &row_ok, &row_lse, j0, tx, seq_q, seq_k, scale, softcap,
-            &mut p, &mut dfac, c,
+            &drop, &row_pair, &mut p, &mut dfac, &mut z, c,
         );
         #[unroll]
         for i in 0..2u32 {
             #[unroll]
             for j in 0..2u32 {
                 let at = (i * 2 + j) as usize;
-                let g = p[at] * (dp[at] - row_delta[i as usize]);
+                let g = p[at] * (dp[at] * z[at] - row_delta[i as usize]);
                 let key = j0 + (tx + GRID * j) as usize;
                 if comptime!(write_ds) {
                     if row_ok[i as usize] && key < seq_k {

@@ -53,6 +53,8 @@ pub mod units;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
+use crate::dropout::DropoutParams;
+
 /// Where a forward kernel's scores come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ScoreSource {
@@ -87,6 +89,8 @@ pub struct FlashConfig {
     pub bias: bool,
     /// Scores are softcapped.
     pub softcap: bool,
+    /// Dropout on the weights ([`crate::dropout`]; plain-unit kernels).
+    pub dropout: bool,
 }
 
 impl FlashConfig {
@@ -127,7 +131,8 @@ pub struct FlashTensors<R: Runtime> {
 }
 
 /// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
-/// both ops (`softmax_matmul`, attention) start a forward. `vector` is the tiled kernel's
+/// both ops (`softmax_matmul`, attention) start a forward. `dropout` is read only by the
+/// plain-unit kernel, and only when `c.dropout`. `vector` is the tiled kernel's
 /// vector width (the matrix-unit kernel always reads 16-byte vectors, [`mma::NV8`]).
 ///
 /// # Safety
@@ -144,6 +149,7 @@ pub unsafe fn launch_forward<R: Runtime>(
     t: FlashTensors<R>,
     scale: f32,
     softcap: f32,
+    dropout: DropoutParams,
     c: FlashConfig,
     dtype: StorageType,
 ) {
@@ -195,14 +201,49 @@ pub unsafe fn launch_forward<R: Runtime>(
                 dtype,
             ),
             FlashKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
-                client, count, dim, q, k, v, mask, bias, out, lse, scale, softcap, c, dtype,
+                client,
+                count,
+                dim,
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                scale,
+                softcap,
+                dropout.seed_lo,
+                dropout.seed_hi,
+                dropout.threshold,
+                dropout.inv_keep(),
+                c,
+                dtype,
             ),
         }
     }
 }
 
+/// The grid of a forward launch: `x` cubes along the output's column tiles, and `row_blocks`
+/// row blocks for each of `pairs` (batch, key/value head) pairs, the pairs folded over y and z
+/// (`y = fold·row_blocks`, `z = ⌈pairs / fold⌉`, with `fold` the fewest copies that keep `z`
+/// within `max.2`), so that any `B·Hkv` runs. `None` when even that exceeds the device's
+/// limits `max`.
+pub fn fold_grid(
+    x: usize,
+    row_blocks: usize,
+    pairs: usize,
+    max: (u32, u32, u32),
+) -> Option<(usize, usize, usize)> {
+    let (x, row_blocks, pairs) = (x.max(1), row_blocks.max(1), pairs.max(1));
+    let fold = pairs.div_ceil(max.2 as usize);
+    let cubes = (x, row_blocks * fold, pairs.div_ceil(fold));
+    (cubes.0 <= max.0 as usize && cubes.1 <= max.1 as usize).then_some(cubes)
+}
+
 /// The part of the problem one cube of a flash kernel owns, read from the grid position
-/// `(x, y, z)` = (output column tile, block of query rows, batch × key/value head): query rows
+/// `(x, y, z)` = (output column tile, block of query rows, batch × key/value head; the last two
+/// folded as [`fold_grid`] lays them out, and cubes past the last pair exit): query rows
 /// `row0 .. row0 + block_q` of key/value head `hkv` of batch `batch` (rows run over the `G`
 /// query heads of the group, `Sq` positions each: row `r` is head `head0 + r / Sq`, position
 /// `r % Sq`) and output columns `col0 .. col0 + value_dim`. The column tiles of a row block are
@@ -251,8 +292,15 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     }
     let group = q.shape(1) / heads_kv;
     let rows = group * seq_q;
-    let hkv = CUBE_POS_Z as usize % heads_kv;
-    let row0 = (CUBE_POS_Y * c.block_q) as usize;
+    // `B·Hkv` folded over y and z ([`fold_grid`]): y runs over `fold` copies of the row blocks.
+    let row_blocks = rows.div_ceil(comptime!(c.block_q as usize));
+    let fold = CUBE_COUNT_Y as usize / row_blocks;
+    let pair = CUBE_POS_Z as usize * fold + CUBE_POS_Y as usize / row_blocks;
+    if pair >= q.shape(0) * heads_kv {
+        terminate!();
+    }
+    let hkv = pair % heads_kv;
+    let row0 = (CUBE_POS_Y as usize % row_blocks) * comptime!(c.block_q as usize);
     // With a causal mask: up to the last row's diagonal, and all keys up to the first row's.
     let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
     let one_head = row0 / seq_q == last / seq_q;
@@ -269,7 +317,7 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
         seq_q,
         seq_k,
         rows,
-        batch: CUBE_POS_Z as usize / heads_kv,
+        batch: pair / heads_kv,
         hkv,
         head0: hkv * group,
         row0,

@@ -22,6 +22,7 @@ use super::scores::{new_refs, score, set_row, visible};
 use super::{
     FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
 };
+use crate::dropout::keep_weight;
 
 /// Units per cube.
 pub const UNITS: u32 = 256;
@@ -102,6 +103,10 @@ pub fn flash_forward_units<F: Float>(
     lse: &mut Tensor<f32>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -142,11 +147,14 @@ pub fn flash_forward_units<F: Float>(
     let mut l = Array::<f32>::new(rows_u as usize);
     // Where each of the unit's rows starts in `X` (given scores).
     let mut x_rows = Array::<usize>::new(rows_u as usize);
+    // The (batch, query head) pair of each row: the dropout generator's key.
+    let mut pairs = Array::<usize>::new(rows_u as usize);
     #[unroll]
     for i in 0..rows_u as usize {
         let row = row0 + ty as usize * rows_u as usize + i;
         set_row::<F>(&mut refs, i, mask, bias, batch, head0, row, rows, seq_q, c);
         let rr = usize::min(row, rows - 1);
+        pairs[i] = batch * q.shape(1) + head0 + rr / seq_q;
         x_rows[i] =
             batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
         m[i] = f32::min_value();
@@ -273,10 +281,25 @@ pub fn flash_forward_units<F: Float>(
             for cc in 0..keys_u as usize {
                 let at = i * keys_u as usize + cc;
                 let p = probability(sacc[at], m[i], vis[at]);
+                // The row sum takes every weight; `P·V` the kept ones, scaled.
+                let mut kept = p;
+                if comptime!(c.dropout) {
+                    let key = j0 + tx as usize + 16 * cc;
+                    kept *= keep_weight(
+                        seed_lo,
+                        seed_hi,
+                        threshold,
+                        inv_keep,
+                        pairs[i],
+                        refs.pos[i],
+                        key,
+                        false,
+                    );
+                }
                 sh[(p_at + ty * rows_u * p_ld) as usize
                     + i * p_ld as usize
                     + tx as usize
-                    + 16 * cc] = p;
+                    + 16 * cc] = kept;
                 psum += p;
             }
             sh[(red_at + ty * rows_u * GRID) as usize + i * GRID as usize + tx as usize] = psum;

@@ -227,6 +227,20 @@ fn check_cubes<R: Runtime>(
     ))
 }
 
+/// The forward grid: column tiles, row blocks, batches folded over y and z
+/// ([`flash::fold_grid`]).
+fn fold_cubes<R: Runtime>(
+    client: &ComputeClient<R>,
+    tiles: usize,
+    row_blocks: usize,
+    batch: usize,
+) -> Result<(usize, usize, usize), SoftmaxMatmulError> {
+    let max = client.properties().hardware.max_cube_count;
+    flash::fold_grid(tiles, row_blocks, batch, max).ok_or(SoftmaxMatmulError::TooLarge {
+        cubes: (tiles.max(1), row_blocks.max(1), batch.max(1)),
+    })
+}
+
 /// The widest vector, in elements (up to 16 bytes), that divides the row length and the row and
 /// batch strides of every tensor, each with a unit stride along its rows; 1 otherwise.
 pub fn row_vector(tensors: &[(&[usize], &[usize])], dtype: StorageType) -> usize {
@@ -351,12 +365,12 @@ pub fn plan_softmax_matmul<R: Runtime>(
         }
     };
     if path == SmmPath::Units && options.blocks.is_none() && tiled_fits(client, dims) {
-        let cubes = (
+        let cubes = fold_cubes(
+            client,
             dims.d3.div_ceil(flash::tiled::TILE_N as usize),
             dims.d1.div_ceil(flash::tiled::BLOCK_Q as usize),
-            dims.batch.max(1),
-        );
-        check_cubes(client, cubes)?;
+            dims.batch,
+        )?;
         return Ok(SoftmaxMatmulPlan {
             kernel: SmmForwardKernel::Tiled,
             block_1: flash::tiled::BLOCK_Q as usize,
@@ -404,12 +418,12 @@ pub fn plan_softmax_matmul<R: Runtime>(
         .find(|&(_, units, bytes)| bytes <= max_shared && units <= hw.max_units_per_cube)
         .map(|(t3, units, _)| (t3, units))
         .ok_or_else(no_room)?;
-    let cubes = (
-        dims.d3.div_ceil(t3).max(1),
-        dims.d1.div_ceil(b1).max(1),
-        dims.batch.max(1),
-    );
-    check_cubes(client, cubes)?;
+    let cubes = fold_cubes(
+        client,
+        dims.d3.div_ceil(t3),
+        dims.d1.div_ceil(b1),
+        dims.batch,
+    )?;
     Ok(SoftmaxMatmulPlan {
         kernel,
         block_1: b1,
@@ -438,6 +452,7 @@ fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> Fl
         mask: false,
         bias: false,
         softcap: false,
+        dropout: false,
     };
     if kernel == SmmForwardKernel::Tiled {
         flash::tiled::config(config, 0)
@@ -667,6 +682,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
             tensors,
             1.0,
             1.0,
+            crate::dropout::DropoutParams::new(0.0, 0),
             config,
             dtype,
         );
