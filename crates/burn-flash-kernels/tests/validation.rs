@@ -539,6 +539,7 @@ fn attention_launch_refuses_bad_input() {
         causal: false,
         kernel: None,
         block_k: None,
+        dropout: None,
     };
     let good = || AttnShapes {
         q: [2, 4, 8, 32],
