@@ -83,16 +83,29 @@
 //! rows are in `attention.peak.csv`, merged into the CSV by configuration. `--no-memory` skips
 //! the child (empty `peak_MiB`).
 //!
+//! # Training rows (`pass` column, `--modes`)
+//! `fwd`: the forward alone (everything above). `fwd+bwd`: one training step of the attention,
+//! under `Autodiff`: `q`, `k`, `v` tracked (the bias and mask not), the forward, then
+//! `(out ⊙ g).sum().backward()` with a random `g` (Normal(0, 1)), the call returning `dQ` (the
+//! gradients stay alive until the pass's sync). FLOP = 3.5 × the forward's (FlashAttention's
+//! convention: the backward is 2.5 × the forward). `bwd`: derived, the `fwd+bwd` row's medians
+//! minus the `fwd` row's (wall and device), FLOP = 2.5 × the forward's; its note says so.
+//! burn-flash's training step runs its fused backward (`kernel` names the backward plan's
+//! kernels); Burn's rows run Burn's autodiff of its own op (`burn-attention`: the autodiff of
+//! `module::attention`, `burn-fallback`: of `attention_fallback`). Peak memory of a `fwd+bwd`
+//! row is the whole step's (the forward's saved state, the gradients and the backward's
+//! scratch).
+//!
 //! # Files (under `target/bench/` or `--out`)
 //! A row per (configuration, implementation); a failure (out of memory, an unsupported
 //! configuration, a panic) is a row with empty measurements and a `failed: …` note, and the
 //! sweep goes on.
 //! - `attention.csv` (`attention-wgpu.csv` for wgpu when CUDA is built too): `runtime, dtype,
-//!   batch, heads_q, heads_kv, seq, head_dim, causal, variant, impl, kernel, first_call_ms,
+//!   batch, heads_q, heads_kv, seq, head_dim, causal, variant, pass, impl, kernel, first_call_ms,
 //!   wall_ms_median, TFLOP_per_s, device_ms_median, device_TFLOP_per_s, timing_method, peak_MiB,
 //!   note`.
-//! - `attention.png`: wall TFLOP/s against S, a panel per dtype, head dim and causal setting, a
-//!   line per implementation (`impl (variant)` for the gqa/bias/mask sweeps).
+//! - `attention.png`: wall TFLOP/s against S, a panel per dtype, head dim, causal setting and
+//!   pass, a line per implementation (`impl (variant)` for the gqa/bias/mask sweeps).
 
 mod common;
 #[path = "../tests/common/peak_memory.rs"]
@@ -101,12 +114,15 @@ mod peak_memory;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use burn::backend::Autodiff;
 use burn::tensor::{
     Bool, DType, Distribution, FloatDType, Int, Tensor, TensorData, backend::Backend, module,
     ops::AttentionModuleOptions,
 };
 use burn_cubecl::{BoolElement, CubeRuntime};
-use burn_flash::{FlashAttentionOptions, FlashBackend, attention::AttentionDims};
+use burn_flash::{
+    FlashAttentionOptions, FlashAutodiffBackend, FlashBackend, attention::AttentionDims,
+};
 
 /// `--block-k`, set once from the command line.
 static BLOCK_K: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -159,6 +175,10 @@ struct Cli {
     /// Implementations to run [default: all].
     #[arg(long, value_enum, value_delimiter = ',')]
     impls: Vec<Impl>,
+    /// Passes to time: the forward, a training step (forward + backward; a derived
+    /// backward-only row follows it when both ran) [default: fwd,train].
+    #[arg(long, value_enum, value_delimiter = ',')]
+    modes: Vec<Mode>,
     /// Burn's rows (burn-attention, burn-fallback) above this S are written as skipped, not run
     /// (their scores grow as S²).
     #[arg(long, default_value_t = 4096, value_name = "S")]
@@ -183,6 +203,45 @@ struct Cli {
     /// itself with this flag first and takes its peak column from that file.
     #[arg(long, hide = true)]
     memory_only: bool,
+}
+
+/// What a row times (module docs, "Training rows").
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    /// The forward.
+    Fwd,
+    /// Forward + backward under `Autodiff`.
+    Train,
+}
+
+impl Mode {
+    /// The `pass` column.
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Fwd => "fwd",
+            Mode::Train => "fwd+bwd",
+        }
+    }
+
+    /// FLOP of the pass over the forward's.
+    fn flop_factor(self) -> f64 {
+        match self {
+            Mode::Fwd => 1.0,
+            Mode::Train => 3.5,
+        }
+    }
+}
+
+/// One training step (module docs): forward, `(out ⊙ g).sum().backward()`, returns `dQ`.
+fn train_step<B: FlashAutodiffBackend>(
+    imp: Impl,
+    x: &Inputs<B>,
+    g: &Tensor<B, 4>,
+    options: AttentionModuleOptions,
+) -> Tensor<B::InnerBackend, 4> {
+    let out = imp.call(x, options);
+    let grads = (out * g.clone()).sum().backward();
+    x.q.grad(&grads).expect("dq")
 }
 
 /// A sweep, and the `variant` column of its rows.
@@ -275,6 +334,7 @@ struct Row {
     head_dim: usize,
     causal: bool,
     variant: String,
+    pass: String,
     #[serde(rename = "impl")]
     implementation: String,
     kernel: String,
@@ -295,7 +355,7 @@ impl Row {
     /// The configuration, for matching a row with its `--memory-only` twin row.
     fn key(&self) -> String {
         format!(
-            "{} {} {} {} {} {} {} {} {} {}",
+            "{} {} {} {} {} {} {} {} {} {} {}",
             self.runtime,
             self.dtype,
             self.batch,
@@ -305,6 +365,7 @@ impl Row {
             self.head_dim,
             self.causal,
             self.variant,
+            self.pass,
             self.implementation
         )
     }
@@ -394,7 +455,17 @@ struct Inputs<B: Backend> {
 impl<B: Backend> Inputs<B> {
     /// The inputs of `imp` for `cfg`: [`Inputs::new`], as [`Inputs::for_burn`] for Burn's ops.
     fn of(cfg: &Config, imp: Impl, device: &B::Device) -> Self {
-        let inputs = Self::new(cfg, device);
+        Self::tracked(cfg, imp, false, device)
+    }
+
+    /// [`Inputs::of`], with `q`, `k`, `v` tracked (before Burn's repeat) when `track`.
+    fn tracked(cfg: &Config, imp: Impl, track: bool, device: &B::Device) -> Self {
+        let mut inputs = Self::new(cfg, device);
+        if track {
+            inputs.q = inputs.q.require_grad();
+            inputs.k = inputs.k.require_grad();
+            inputs.v = inputs.v.require_grad();
+        }
         if imp.is_burn() {
             inputs.for_burn()
         } else {
@@ -619,12 +690,26 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             .into_iter()
             .filter(|i| self.cli.impls.is_empty() || self.cli.impls.contains(i))
             .collect();
+        let modes = match &self.cli.modes[..] {
+            [] => vec![Mode::Fwd, Mode::Train],
+            modes => modes.to_vec(),
+        };
         for cfg in self.configs() {
             for &imp in &impls {
-                let row = self.row(&cfg, imp);
-                print_row(&row);
-                csv.push(&row);
-                self.client.memory_cleanup();
+                let mut done: Vec<Row> = Vec::new();
+                for &mode in &modes {
+                    let row = self.row(&cfg, imp, mode);
+                    print_row(&row);
+                    csv.push(&row);
+                    self.client.memory_cleanup();
+                    done.push(row);
+                }
+                if let [fwd, train] = &done[..]
+                    && let Some(bwd) = backward_row(&cfg, fwd, train)
+                {
+                    print_row(&bwd);
+                    csv.push(&bwd);
+                }
             }
         }
         println!("wrote {}", csv.path().display());
@@ -656,8 +741,8 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         None
     }
 
-    /// The row of one (configuration, implementation): measured, skipped or failed.
-    fn row(&self, cfg: &Config, imp: Impl) -> Row {
+    /// The row of one (configuration, implementation, pass): measured, skipped or failed.
+    fn row(&self, cfg: &Config, imp: Impl, mode: Mode) -> Row {
         let mut row = Row {
             runtime: self.runtime.name().into(),
             dtype: cfg.dtype.label().into(),
@@ -668,6 +753,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             head_dim: cfg.head_dim,
             causal: cfg.causal,
             variant: cfg.variant.name().into(),
+            pass: mode.name().into(),
             implementation: imp.name().into(),
             ..Default::default()
         };
@@ -695,6 +781,21 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                         "tiles {}x{}, {} units",
                         plan.block_q, plan.block_k, plan.units
                     ));
+                    if mode == Mode::Train {
+                        let backward = burn_flash::attention_backward_plan::<Fu<R, BT>>(
+                            &self.device,
+                            cfg.dims(),
+                            dtype,
+                            options,
+                        );
+                        if let Some(Ok(b)) = backward {
+                            row.kernel = format!("{} + bwd {:?}", row.kernel, b.kernel);
+                            notes.push(format!(
+                                "backward blocks {} rows x {} keys",
+                                b.block_rows, b.block_keys
+                            ));
+                        }
+                    }
                 }
                 Some(Err(err)) => {
                     notes.push(format!("failed: unsupported: {err}"));
@@ -709,9 +810,9 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 cfg.heads_q
             ));
         }
-        match attempt(|| self.measure(cfg, imp)) {
+        match attempt(|| self.measure(cfg, imp, mode)) {
             Ok(m) => {
-                let flop = cfg.flop();
+                let flop = cfg.flop() * mode.flop_factor();
                 row.first_call_ms = m.first_call.map(ms);
                 row.peak_mib = m.peak_mib.map(|p| sig(p, 4));
                 if let Some(t) = m.timings {
@@ -736,12 +837,53 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
     }
 
     /// Makes the inputs and measures one row (module docs: protocol, peak memory).
-    fn measure(&self, cfg: &Config, imp: Impl) -> Measured {
-        let sync = || self.sync();
-        let inputs = Inputs::<Fu<R, BT>>::of(cfg, imp, &self.device);
-        sync();
+    fn measure(&self, cfg: &Config, imp: Impl, mode: Mode) -> Measured {
         let options = cfg.options();
-        let call = || imp.call(&inputs, options);
+        let device = &self.device;
+        match mode {
+            Mode::Fwd => {
+                let inputs = Inputs::<Fu<R, BT>>::of(cfg, imp, device);
+                let twin = imp
+                    .has_twin()
+                    .then(|| Inputs::<Un<R, BT>>::of(cfg, imp, device));
+                let twin_call = twin.as_ref().map(|t| move || imp.call(t, options));
+                self.measure_calls(cfg, imp, || imp.call(&inputs, options), twin_call)
+            }
+            Mode::Train => {
+                type Ad<B> = Autodiff<B>;
+                let shape = [cfg.batch, cfg.heads_q, cfg.seq, cfg.head_dim];
+                let normal = Distribution::Normal(0.0, 1.0);
+                let inputs = Inputs::<Ad<Fu<R, BT>>>::tracked(cfg, imp, true, device);
+                let g = Tensor::<Ad<Fu<R, BT>>, 4>::random(shape, normal, device)
+                    .cast(cfg.dtype.dtype());
+                let twin = imp.has_twin().then(|| {
+                    let g = Tensor::<Ad<Un<R, BT>>, 4>::random(shape, normal, device)
+                        .cast(cfg.dtype.dtype());
+                    (Inputs::<Ad<Un<R, BT>>>::tracked(cfg, imp, true, device), g)
+                });
+                let twin_call = twin
+                    .as_ref()
+                    .map(|(t, g)| move || train_step(imp, t, g, options));
+                self.measure_calls(
+                    cfg,
+                    imp,
+                    || train_step(imp, &inputs, &g, options),
+                    twin_call,
+                )
+            }
+        }
+    }
+
+    /// Measures `call` (and device time through `twin_call` on the bare backend, where given).
+    fn measure_calls<T, U: Send + 'static>(
+        &self,
+        cfg: &Config,
+        imp: Impl,
+        call: impl Fn() -> T,
+        twin_call: Option<impl FnMut() -> U + Send>,
+    ) -> Measured {
+        let sync = || self.sync();
+        sync();
         if self.cli.memory_only {
             // Compilation (and autotuning) outside the measured call.
             drop(call());
@@ -752,28 +894,27 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 cfg.heads_kv
             };
             let bytes = cfg.input_bytes(kv_heads, std::mem::size_of::<BT>());
-            let peak = peak_memory_mib(&self.client, bytes, call, &sync);
+            let peak = peak_memory_mib(&self.client, bytes, &call, &sync);
             return Measured {
                 first_call: None,
                 timings: None,
                 peak_mib: Some(peak),
             };
         }
-        let first_call = first_call_seconds(&sync, call);
-        let timings = if imp.has_twin() {
-            let twin_inputs = Inputs::<Un<R, BT>>::of(cfg, imp, &self.device);
-            let twin_call = || imp.call(&twin_inputs, options);
-            // The twin's first call outside the profiled regions: nothing that compiles or
-            // tunes runs inside `ComputeClient::profile`.
-            drop(twin_call());
-            Un::<R, BT>::sync(&self.device).expect("sync");
-            let mut twin = Twin {
-                client: &self.client,
-                call: twin_call,
-            };
-            measure(self.protocol, &sync, call, Ok(&mut twin))
-        } else {
-            measure(self.protocol, &sync, call, Err(NO_TWIN_FUSION))
+        let first_call = first_call_seconds(&sync, &call);
+        let timings = match twin_call {
+            Some(mut twin_call) => {
+                // The twin's first call outside the profiled regions: nothing that compiles or
+                // tunes runs inside `ComputeClient::profile`.
+                drop(twin_call());
+                Un::<R, BT>::sync(&self.device).expect("sync");
+                let mut twin = Twin {
+                    client: &self.client,
+                    call: twin_call,
+                };
+                measure(self.protocol, &sync, &call, Ok(&mut twin))
+            }
+            None => measure(self.protocol, &sync, &call, Err(NO_TWIN_FUSION)),
         };
         Measured {
             first_call: Some(first_call),
@@ -783,13 +924,50 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
     }
 }
 
+/// The derived backward-only row of a configuration: the training step's medians minus the
+/// forward's (module docs); `None` unless both were measured.
+fn backward_row(cfg: &Config, fwd: &Row, train: &Row) -> Option<Row> {
+    let wall = train.wall_ms_median? - fwd.wall_ms_median?;
+    let device = match (train.device_ms_median, fwd.device_ms_median) {
+        (Some(t), Some(f)) => Some(t - f),
+        _ => None,
+    };
+    let flop = cfg.flop() * 2.5;
+    let rate = |ms: f64| (ms > 0.0).then(|| tflops(flop, ms / 1e3));
+    Some(Row {
+        pass: "bwd".into(),
+        kernel: train.kernel.clone(),
+        first_call_ms: None,
+        wall_ms_median: Some(wall),
+        tflop_per_s: rate(wall),
+        device_ms_median: device,
+        device_tflop_per_s: device.and_then(rate),
+        timing_method: train.timing_method.clone(),
+        peak_mib: None,
+        note: "derived: fwd+bwd minus fwd medians".into(),
+        ..Row {
+            runtime: train.runtime.clone(),
+            dtype: train.dtype.clone(),
+            batch: train.batch,
+            heads_q: train.heads_q,
+            heads_kv: train.heads_kv,
+            seq: train.seq,
+            head_dim: train.head_dim,
+            causal: train.causal,
+            variant: train.variant.clone(),
+            implementation: train.implementation.clone(),
+            ..Default::default()
+        }
+    })
+}
+
 fn fmt(v: Option<f64>) -> String {
     v.map(|v| v.to_string()).unwrap_or_default()
 }
 
 fn print_row(r: &Row) {
     println!(
-        "{} {:>4} B{} H{}/{} S{:>5} D{:>3} {:<6} {:<5} {:<14} {:<11} first {:>9} ms  wall {:>9} ms {:>7} TFLOP/s  device {:>9} ms {:>7} TFLOP/s  peak {:>8} MiB  {}",
+        "{} {:>4} B{} H{}/{} S{:>5} D{:>3} {:<6} {:<5} {:<7} {:<14} {:<11} first {:>9} ms  wall {:>9} ms {:>7} TFLOP/s  device {:>9} ms {:>7} TFLOP/s  peak {:>8} MiB  {}",
         r.runtime,
         r.dtype,
         r.batch,
@@ -799,6 +977,7 @@ fn print_row(r: &Row) {
         r.head_dim,
         if r.causal { "causal" } else { "full" },
         r.variant,
+        r.pass,
         r.implementation,
         r.kernel,
         fmt(r.first_call_ms),
@@ -827,7 +1006,8 @@ fn draw(csv: &Path) {
             continue;
         };
         let causal = if r.causal { "causal" } else { "non-causal" };
-        let title = format!("{} {} D {} {causal}", r.runtime, r.dtype, r.head_dim);
+        let pass = if r.pass.is_empty() { "fwd" } else { &r.pass };
+        let title = format!("{} {} D {} {causal} {pass}", r.runtime, r.dtype, r.head_dim);
         let label = match r.variant.as_str() {
             "main" | "" => r.implementation.clone(),
             variant => format!("{} ({variant})", r.implementation),
