@@ -787,12 +787,14 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                             cfg.dims(),
                             dtype,
                             options,
+                            cfg.masked.is_some(),
+                            false,
                         );
                         if let Some(Ok(b)) = backward {
                             row.kernel = format!("{} + bwd {:?}", row.kernel, b.kernel);
                             notes.push(format!(
-                                "backward blocks {} rows x {} keys",
-                                b.block_rows, b.block_keys
+                                "backward blocks {} rows / {} keys, {} per step",
+                                b.block_rows, b.block_keys, b.step
                             ));
                         }
                     }

@@ -5,7 +5,7 @@ on the same shapes, written with the same CSV columns.
     python3 benches/sdpa.py [--out DIR] [--quick] [--dtypes bf16,f16,f32] [--seqs 512,1024]
         [--dims 64,128] [--causal false,true] [--sweeps main,gqa,bias,mask]
         [--backends flash,cudnn,efficient,math] [--math-max-s 4096] [--bias-full-max-s 4096]
-        [--passes N]
+        [--passes N] [--modes fwd,train]
 
 Writes DIR/sdpa.csv (DIR defaults to $CARGO_TARGET_DIR/bench, else target/bench), one row per
 (configuration, backend), flushed after each row. `cargo bench --bench attention -- --plot
@@ -40,6 +40,10 @@ many passes timed with CUDA events around the calls (`device_ms_median`, timing_
 `cuda-events`: the GPU's time from the first launch to the end of the last, launch gaps
 included). TFLOP/s = 4*B*Hq*S*S*D / time, halved when causal (masked keys counted).
 
+Training rows (`pass`, --modes), as the Rust bench's: `fwd` the forward; `fwd+bwd` q, k, v
+with requires_grad, the forward, then `out.backward(g)` with a random `g` (Normal(0, 1)),
+FLOP = 3.5 x the forward's; `bwd` derived: the fwd+bwd medians minus the fwd ones, FLOP = 2.5 x.
+
 `peak_MiB`: the inputs (q, k, v and the attn_mask as stored; K/V as repeated where they are)
 plus `torch.cuda.max_memory_allocated()` during one call beyond what was allocated before it
 (after `reset_peak_memory_stats`), measured after the timings.
@@ -66,7 +70,7 @@ except ImportError:  # older torch: the flags API, no cuDNN backend
 
 COLUMNS = [
     "runtime", "dtype", "batch", "heads_q", "heads_kv", "seq", "head_dim", "causal", "variant",
-    "impl", "kernel", "first_call_ms", "wall_ms_median", "TFLOP_per_s", "device_ms_median",
+    "pass", "impl", "kernel", "first_call_ms", "wall_ms_median", "TFLOP_per_s", "device_ms_median",
     "device_TFLOP_per_s", "timing_method", "peak_MiB", "note",
 ]
 
@@ -281,12 +285,38 @@ def peak_mib(call, inputs_bytes):
     return (inputs_bytes + max(0, peak - before)) / 2**20
 
 
-def run_row(c, backend, args, device):
+MODE_NAMES = {"fwd": "fwd", "train": "fwd+bwd"}
+MODE_FLOP = {"fwd": 1.0, "train": 3.5}
+
+
+def backward_row(fwd, train):
+    """The derived backward-only row: fwd+bwd medians minus fwd ones (None unless both ran)."""
+    try:
+        wall = float(train["wall_ms_median"]) - float(fwd["wall_ms_median"])
+        dev = float(train["device_ms_median"]) - float(fwd["device_ms_median"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    row = {k: v for k, v in train.items() if k not in ("first_call_ms", "peak_MiB", "note")}
+    f = flop_of(train) * 2.5
+    row.update(pass_="bwd", wall_ms_median=sig(wall), device_ms_median=sig(dev),
+               TFLOP_per_s=sig(f / wall / 1e9) if wall > 0 else "",
+               device_TFLOP_per_s=sig(f / dev / 1e9) if dev > 0 else "",
+               note="derived: fwd+bwd minus fwd medians")
+    row["pass"] = row.pop("pass_")
+    return row
+
+
+def flop_of(row):
+    f = 4.0 * row["batch"] * row["heads_q"] * row["seq"] * row["seq"] * row["head_dim"]
+    return f / 2 if row["causal"] == "true" else f
+
+
+def run_row(c, backend, args, device, mode="fwd"):
     row = {
         "runtime": "cuda", "dtype": c["dtype"], "batch": c["batch"], "heads_q": c["heads_q"],
         "heads_kv": c["heads_kv"], "seq": c["seq"], "head_dim": c["head_dim"],
         "causal": "true" if c["causal"] else "false", "variant": c["variant"],
-        "impl": f"torch-sdpa-{backend}", "kernel": BACKENDS[backend][0],
+        "pass": MODE_NAMES[mode], "impl": f"torch-sdpa-{backend}", "kernel": BACKENDS[backend][0],
     }
     if backend == "math" and c["seq"] > args.math_max_s:
         row["note"] = "skipped (--math-max-s)"
@@ -304,10 +334,24 @@ def run_row(c, backend, args, device):
         if group > 1:
             kwargs["enable_gqa"] = True
 
-        def call():
+        def forward():
             return F.scaled_dot_product_attention(
                 tensors["q"], tensors["k"], tensors["v"], attn_mask=tensors["mask"],
                 is_causal=is_causal, **kwargs)
+
+        if mode == "train":
+            for name in ("q", "k", "v"):
+                tensors[name].requires_grad_(True)
+            tensors["g"] = torch.randn(c["batch"], c["heads_q"], c["seq"], c["head_dim"],
+                                       device=device, dtype=DTYPES[c["dtype"]])
+
+            def call():
+                for name in ("q", "k", "v"):
+                    tensors[name].grad = None
+                forward().backward(tensors["g"])
+                return tensors["q"].grad
+        else:
+            call = forward
 
         with context, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -324,8 +368,9 @@ def run_row(c, backend, args, device):
                 # which the failure's note gives.
                 why = torch_reasons(caught, 200) or one_line(err, 200)
                 kwargs.clear()
-                tensors["k"] = tensors["k"].repeat_interleave(group, dim=1)
-                tensors["v"] = tensors["v"].repeat_interleave(group, dim=1)
+                for name in ("k", "v"):
+                    repeated = tensors[name].detach().repeat_interleave(group, dim=1)
+                    tensors[name] = repeated.requires_grad_(mode == "train")
                 caught.clear()
                 first = first_call_seconds(call)
                 notes.append(f"enable_gqa refused ({why}): K/V repeated (repeat_interleave, "
@@ -334,7 +379,7 @@ def run_row(c, backend, args, device):
             passes = args.passes or (3 if args.quick else 10)
             wall, dev, calls = measure(call, warmup, passes, args.quick)
             peak = peak_mib(call, nbytes(*tensors.values()))
-        f = flop(c)
+        f = flop(c) * MODE_FLOP[mode]
         row.update(
             first_call_ms=sig(first * 1e3), wall_ms_median=sig(wall * 1e3),
             TFLOP_per_s=sig(f / wall / 1e12), device_ms_median=sig(dev * 1e3),
@@ -376,9 +421,12 @@ def main():
     parser.add_argument("--bias-full-max-s", type=int, default=4096,
                         help="the bias is [1, H, S, S] up to this S, [1, H, 1, S] above")
     parser.add_argument("--passes", type=int, default=None)
+    parser.add_argument("--modes", type=csv_list(str), default=["fwd", "train"],
+                        help="fwd (the forward), train (forward + backward)")
     args = parser.parse_args()
     for name, given, known in [("--dtypes", args.dtypes, DTYPES), ("--sweeps", args.sweeps, SWEEPS),
-                               ("--backends", args.backends, BACKENDS)]:
+                               ("--backends", args.backends, BACKENDS),
+                               ("--modes", args.modes, MODE_NAMES)]:
         bad = [g for g in given if g not in known]
         if bad:
             parser.error(f"{name}: unknown {bad}; known: {list(known)}")
@@ -399,10 +447,16 @@ def main():
         writer.writeheader()
         for c in configs(args):
             for backend in args.backends:
-                row = run_row(c, backend, args, device)
-                writer.writerow(row)
-                f.flush()
-                print(" ".join(f"{k}={row.get(k, '')}" for k in COLUMNS if row.get(k, "") != ""))
+                rows = [run_row(c, backend, args, device, mode) for mode in args.modes]
+                if len(rows) == 2:
+                    derived = backward_row(*rows)
+                    if derived is not None:
+                        rows.append(derived)
+                for row in rows:
+                    writer.writerow(row)
+                    f.flush()
+                    print(" ".join(f"{k}={row.get(k, '')}" for k in COLUMNS
+                                   if row.get(k, "") != ""))
     print(f"wrote {path}")
 
 

@@ -168,14 +168,17 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         )
     }
 
-    /// The launch the fused attention backward would make (`None`: composed fallback).
+    /// The launch the fused attention backward would make for contiguous tensors, with or
+    /// without a `mask` and a `bias` (`None`: composed fallback).
     fn flash_attention_backward_plan(
         device: &Self::Device,
         dims: AttentionDims,
         dtype: DType,
         options: FlashAttentionOptions,
+        mask: bool,
+        bias: bool,
     ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-        let _ = (device, dims, dtype, options);
+        let _ = (device, dims, dtype, options, mask, bias);
         None
     }
 
@@ -248,8 +251,10 @@ macro_rules! attention_planning {
             dims: AttentionDims,
             dtype: DType,
             options: FlashAttentionOptions,
+            mask: bool,
+            bias: bool,
         ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-            <$inner>::flash_attention_backward_plan(device, dims, dtype, options)
+            <$inner>::flash_attention_backward_plan(device, dims, dtype, options, mask, bias)
         }
     };
 }
@@ -417,10 +422,12 @@ mod cube {
             dims: AttentionDims,
             dtype: DType,
             options: FlashAttentionOptions,
+            mask: bool,
+            bias: bool,
         ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
             let client = R::client(device);
             Some(attention::cube::backward_plan(
-                &client, dims, dtype, options,
+                &client, dims, dtype, options, mask, bias,
             ))
         }
 

@@ -452,25 +452,54 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         head_dim: 72,
         value_dim: 40,
     };
-    let plan = attention_backward_plan::<A<B>>(device, dims, dtype.into(), Default::default());
-    let Some(plan) = plan else {
+    let plan = |mask: bool| {
+        attention_backward_plan::<A<B>>(device, dims, dtype.into(), Default::default(), mask, false)
+    };
+    let Some(plain) = plan(false) else {
         // Only the stock-ops fallback has no plan.
-        assert!(
-            attention_backward_plan::<B>(device, dims, dtype.into(), Default::default()).is_none()
+        let inner = attention_backward_plan::<B>(
+            device,
+            dims,
+            dtype.into(),
+            Default::default(),
+            false,
+            false,
         );
+        assert!(inner.is_none());
         return;
     };
-    let plan = plan.expect("plan");
-    assert_eq!(plan.kernel, AttentionBackwardKernel::Units);
-    assert_eq!((plan.head_dim, plan.value_dim), (96, 64));
-    // 70 keys in blocks of 32; 4·100 rows of a key/value head in blocks of 32; B·Hkv = 6.
-    assert_eq!(plan.dkv_cubes, (3, 6, 1));
-    assert_eq!(plan.dq_cubes, (13, 6, 1));
+    let plain = plain.expect("plan");
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    if cuda && dtype != FloatDType::F32 {
+        // f16/bf16 on CUDA: the matrix units, D and Dv rounded up to 16; 64 query rows per dQ
+        // cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2 cubes), 32 per
+        // step (D 80 > 64); B·Hkv = 6.
+        assert_eq!(plain.kernel, AttentionBackwardKernel::MatrixUnits);
+        assert_eq!((plain.head_dim, plain.value_dim, plain.step), (80, 48, 32));
+        assert_eq!(plain.dkv_cubes, (2, 6, 1));
+        assert_eq!(plain.dq_cubes, (7, 6, 1));
+    } else {
+        assert_eq!(plain.kernel, AttentionBackwardKernel::Units);
+    }
+    // A mask (or bias, or dropout) takes the plain-unit kernels everywhere: 70 keys in blocks
+    // of 32; 4·100 rows of a key/value head in blocks of 32.
+    let masked = plan(true).expect("plan").expect("plan");
+    assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
+    assert_eq!((masked.head_dim, masked.value_dim), (96, 64));
+    assert_eq!(masked.dkv_cubes, (3, 6, 1));
+    assert_eq!(masked.dq_cubes, (13, 6, 1));
     let too_wide = AttentionDims {
         head_dim: 320,
         ..dims
     };
-    let err = attention_backward_plan::<A<B>>(device, too_wide, dtype.into(), Default::default());
+    let err = attention_backward_plan::<A<B>>(
+        device,
+        too_wide,
+        dtype.into(),
+        Default::default(),
+        false,
+        false,
+    );
     assert!(matches!(err, Some(Err(_))), "head dim 320 must be refused");
 }
 
@@ -619,6 +648,31 @@ fn dropout_mask<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
+/// The rule over many random inputs: `BURN_FLASH_SEEDS` draws (default 1; the GPU run sets a
+/// few hundred) of a GQA case with a padding mask, a tracked bias, softcap, causal and dropout,
+/// all in one process (the kernels compile once).
+fn many_seeds<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    let draws: usize = std::env::var("BURN_FLASH_SEEDS")
+        .ok()
+        .map(|s| s.parse().expect("BURN_FLASH_SEEDS: a count"))
+        .unwrap_or(1);
+    for n in 0..draws {
+        let mut setup = Setup::new([2, 4, 21, 32], 2, 45, 24);
+        setup.mask = Some(([2, 1, 1, 45], |[b, _, _, j]| j + 7 * b + 2 >= 45));
+        setup.bias = Some([2, 1, 21, 45]);
+        setup.options = AttentionModuleOptions {
+            scale: Some(0.4),
+            softcap: Some(5.0),
+            is_causal: n % 2 == 0,
+        };
+        setup.dropout = (n % 3 == 0).then(|| AttentionDropout {
+            prob: 0.2,
+            seed: fresh_seed(),
+        });
+        check::<B>(&setup, dtype, &format!("draw {n} of {draws}"));
+    }
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -636,6 +690,7 @@ macro_rules! backward_suite {
                 many_heads,
                 dropout_gradients,
                 dropout_mask,
+                many_seeds,
             ]
         );
     };

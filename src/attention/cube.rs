@@ -7,7 +7,7 @@ use burn_cubecl::{
 };
 use burn_flash_kernels::attention::{
     AttentionBackwardPlan, AttentionDims, AttentionError, AttentionOptions, AttentionPlan,
-    BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
+    BackwardFeatures, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
     plan_attention_backward,
 };
 use burn_flash_kernels::softmax::TensorRef;
@@ -114,11 +114,19 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
+    mask: bool,
+    bias: bool,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
+    let features = BackwardFeatures {
+        aligned: dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8),
+        mask,
+        bias,
+    };
     plan_attention_backward(
         client,
         dims,
         dtype.into(),
+        features,
         &kernel_options(options, dims.head_dim),
     )
 }

@@ -200,16 +200,19 @@ pub fn attention_plan<B: FlashBackend>(
     B::flash_attention_plan(device, dims, dtype, options)
 }
 
-/// The launch the fused attention backward would make on `device` for tensors of `dims`
-/// (`None`: the backend computes gradients with the composed fallback, e.g. NdArray). Under
-/// `Autodiff<B>` this is `B`'s plan: the backward `Autodiff<B>` runs.
+/// The launch the fused attention backward would make on `device` for contiguous tensors of
+/// `dims`, with or without a `mask` and a (tracked) `bias` (`None`: the backend computes
+/// gradients with the composed fallback, e.g. NdArray). Under `Autodiff<B>` this is `B`'s
+/// plan: the backward `Autodiff<B>` runs.
 pub fn attention_backward_plan<B: FlashBackend>(
     device: &B::Device,
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
+    mask: bool,
+    bias: bool,
 ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-    B::flash_attention_backward_plan(device, dims, dtype, options)
+    B::flash_attention_backward_plan(device, dims, dtype, options, mask, bias)
 }
 
 /// The scale of the scores: the option, or `1/√D`.

@@ -3,13 +3,13 @@
 //! anything of size `Sq × Sk` but the optional `dS`. The kernels are
 //! [`crate::flash::backward`]'s; this is their plan and launch.
 
-use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
+use cubecl::prelude::*;
 
 use super::{
     AttentionDims, AttentionError, AttentionOptions, MAX_HEAD_DIM, attention_dims,
     broadcast_strides, expect_shape,
 };
-use crate::flash::{FlashConfig, ScoreSource, backward};
+use crate::flash::{FlashConfig, ScoreSource, backward, mma_backward};
 use crate::softmax::TensorRef;
 
 /// The kernels of a backward launch.
@@ -20,6 +20,23 @@ pub enum AttentionBackwardKernel {
     /// block, looping over the query rows of the group) and [`backward::flash_backward_dq()`]
     /// (one cube per block of query rows, looping over the keys they see).
     Units,
+    /// The matrix units (f16/bf16 on CUDA sm_80+, 16-byte aligned rows):
+    /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] and
+    /// [`mma_backward::flash_backward_dq_mma()`]. Computed scores with scale, softcap, causal and
+    /// grouped heads, `D`, `Dv` up to [`mma_backward::MAX_DIM`]; a mask, a bias or dropout take
+    /// [`AttentionBackwardKernel::Units`].
+    MatrixUnits,
+}
+
+/// What of a call beyond its sizes the backward plan depends on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BackwardFeatures {
+    /// `q`, `k`, `v` and `dO` rows are 16-byte aligned ([`super::rows_aligned`]).
+    pub aligned: bool,
+    /// A mask is given.
+    pub mask: bool,
+    /// A bias is given.
+    pub bias: bool,
 }
 
 /// The backward launch [`plan_attention_backward`] chose.
@@ -27,10 +44,12 @@ pub enum AttentionBackwardKernel {
 pub struct AttentionBackwardPlan {
     /// The kernels that run.
     pub kernel: AttentionBackwardKernel,
-    /// Query rows per block.
+    /// Query rows per cube of the `dQ` kernel.
     pub block_rows: usize,
-    /// Keys per block.
+    /// Keys per cube of the `dK`/`dV` kernel.
     pub block_keys: usize,
+    /// Keys per step of the `dQ` kernel, query rows per step of the `dK`/`dV` kernel.
+    pub step: usize,
     /// Head dim the kernels are compiled for (`D` rounded up).
     pub head_dim: usize,
     /// Value head dim the kernels are compiled for (`Dv` rounded up).
@@ -41,17 +60,13 @@ pub struct AttentionBackwardPlan {
     pub dq_cubes: (usize, usize, usize),
 }
 
-/// `B·Hkv` over the grid's y and z axes (the kernels read `z·count_y + y`).
-fn fold(pairs: usize, max_y: u32) -> (usize, usize) {
-    let y = pairs.clamp(1, max_y as usize);
-    (y, pairs.div_ceil(y).max(1))
-}
-
-/// The backward launch for `dims`, without launching.
+/// The backward launch for `dims`, without launching: the matrix units where
+/// [`AttentionBackwardKernel::MatrixUnits`] takes the call, else plain units.
 pub fn plan_attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: StorageType,
+    features: BackwardFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
     // The forward's plan checks dtype, heads, head dims and options the same way.
@@ -89,8 +104,46 @@ pub fn plan_attention_backward<R: Runtime>(
         });
     }
     let (mx, my, mz) = hw.max_cube_count;
-    let (y, z) = fold(batch * heads_kv, my);
+    let (y, z) = backward::fold_pairs(batch * heads_kv, my);
     let rows = heads_q / heads_kv * seq_q;
+    let (d16, dv16) = (
+        head_dim.next_multiple_of(16) as u32,
+        value_dim.next_multiple_of(16) as u32,
+    );
+    let mma_config = mma_config(d16, dv16, options);
+    let mma = crate::fragment::supported(client, dtype)
+        && features.aligned
+        && !features.mask
+        && !features.bias
+        && options.dropout.is_none()
+        && d16.max(dv16) <= mma_backward::MAX_DIM
+        && hw.max_units_per_cube >= mma_backward::PLANES * crate::fragment::PLANE
+        && hw.max_shared_memory_size
+            >= mma_backward::dkv_shared_bytes(mma_config).max(mma_backward::dq_shared_bytes(
+                FlashConfig {
+                    block_q: mma_backward::DQ_ROWS,
+                    ..mma_config
+                },
+            ));
+    if mma {
+        let dkv_cubes = (seq_k.div_ceil(mma_backward::DKV_KEYS as usize), y, z);
+        let dq_cubes = (rows.div_ceil(mma_backward::DQ_ROWS as usize), y, z);
+        for cubes in [dkv_cubes, dq_cubes] {
+            if cubes.0 > mx as usize || cubes.2 > mz as usize {
+                return Err(AttentionError::TooLarge { cubes });
+            }
+        }
+        return Ok(AttentionBackwardPlan {
+            kernel: AttentionBackwardKernel::MatrixUnits,
+            block_rows: mma_backward::DQ_ROWS as usize,
+            block_keys: mma_backward::DKV_KEYS as usize,
+            step: mma_config.block_k as usize,
+            head_dim: d16 as usize,
+            value_dim: dv16 as usize,
+            dkv_cubes,
+            dq_cubes,
+        });
+    }
     let dkv_cubes = (seq_k.div_ceil(backward::BLOCK_KEYS as usize), y, z);
     let dq_cubes = (rows.div_ceil(backward::BLOCK_ROWS as usize), y, z);
     for cubes in [dkv_cubes, dq_cubes] {
@@ -102,11 +155,30 @@ pub fn plan_attention_backward<R: Runtime>(
         kernel: AttentionBackwardKernel::Units,
         block_rows: backward::BLOCK_ROWS as usize,
         block_keys: backward::BLOCK_KEYS as usize,
+        step: backward::BLOCK_KEYS as usize,
         head_dim: head_dim.next_multiple_of(backward::CHUNK as usize),
         value_dim: value_dim.next_multiple_of(backward::CHUNK as usize),
         dkv_cubes,
         dq_cubes,
     })
+}
+
+/// The configuration of the matrix-unit kernels (the dK/dV kernel's; the dQ kernel's has
+/// `block_q` = [`mma_backward::DQ_ROWS`]): `block_q` rows (keys) per cube, `block_k` per step.
+fn mma_config(d16: u32, dv16: u32, options: &AttentionOptions) -> FlashConfig {
+    FlashConfig {
+        source: ScoreSource::QueryKey,
+        block_q: mma_backward::DKV_KEYS,
+        row_tiles: 1,
+        block_k: mma_backward::step_len(d16, dv16),
+        head_dim: d16,
+        value_dim: dv16,
+        causal: options.causal,
+        mask: false,
+        bias: false,
+        softcap: options.softcap.is_some(),
+        dropout: false,
+    }
 }
 
 /// The tensors of a backward launch.
@@ -136,17 +208,6 @@ pub struct BackwardTensors<'a> {
     /// Where given, `dS` (written) `[B, Hq, Sq, Sk]`: the gradient of every score, which a
     /// bias's gradient sums over its broadcast dimensions.
     pub ds: Option<TensorRef<'a>>,
-}
-
-/// A tensor argument with the given strides.
-fn arg<R: Runtime>(t: &TensorRef<'_>, shape: &[usize], strides: &[usize]) -> TensorArg<R> {
-    // SAFETY: the shape and strides describe the caller's buffer; zero strides along
-    // broadcast dimensions only make every index read the same element.
-    unsafe { TensorArg::from_raw_parts(t.handle.clone(), strides.into(), shape.into()) }
-}
-
-fn plain<R: Runtime>(t: &TensorRef<'_>) -> TensorArg<R> {
-    arg(t, t.shape, t.strides)
 }
 
 /// Writes the gradients of [`super::launch_attention`] (same `options`) into `t.dq`, `t.dk`,
@@ -189,7 +250,17 @@ pub fn launch_attention_backward<R: Runtime>(
         .as_ref()
         .map(|b| broadcast_strides("bias", b, full))
         .transpose()?;
-    let plan = plan_attention_backward(client, dims, dtype, options)?;
+    let features = BackwardFeatures {
+        aligned: super::rows_aligned(&[
+            (t.q.shape, t.q.strides),
+            (t.k.shape, t.k.strides),
+            (t.v.shape, t.v.strides),
+            (t.d_out.shape, t.d_out.strides),
+        ]),
+        mask: t.mask.is_some(),
+        bias: t.bias.is_some() || t.ds.is_some(),
+    };
+    let plan = plan_attention_backward(client, dims, dtype, features, options)?;
     let pairs = batch * heads_kv;
     let rows = pairs * (heads_q / heads_kv) * seq_q;
     if pairs == 0 {
@@ -208,99 +279,117 @@ pub fn launch_attention_backward<R: Runtime>(
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
     };
-    let delta: Handle = client.empty(rows.max(1) * 4);
-    let delta_shape = [rows.max(1)];
-    let delta_strides = [1];
-    let delta_ref = TensorRef {
-        handle: &delta,
-        shape: &delta_shape,
-        strides: &delta_strides,
+    if plan.kernel == AttentionBackwardKernel::MatrixUnits {
+        let plain = |t: &TensorRef<'_>| backward::Operand {
+            handle: t.handle.clone(),
+            shape: t.shape.to_vec(),
+            strides: t.strides.to_vec(),
+        };
+        let c = mma_config(plan.head_dim as u32, plan.value_dim as u32, options);
+        let count = |c: (usize, usize, usize)| {
+            cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32)
+        };
+        let units = cubecl::CubeDim::new_1d(mma_backward::PLANES * crate::fragment::PLANE);
+        let scale = options.scale;
+        let softcap = options.softcap.unwrap_or(1.0);
+        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
+        // the caller's buffers (checked above); the rows of `q`, `k`, `v` and `dO` are 16-byte
+        // aligned (`features.aligned`), the kernels' vector width.
+        unsafe {
+            let delta =
+                backward::launch_delta(client, &plain(&t.out), &plain(&t.d_out), rows, dtype);
+            if seq_k > 0 {
+                mma_backward::flash_backward_dkv_mma::launch_unchecked::<R>(
+                    client,
+                    count(plan.dkv_cubes),
+                    units,
+                    crate::flash::mma::NV8,
+                    plain(&t.q).arg(),
+                    plain(&t.k).arg(),
+                    plain(&t.v).arg(),
+                    plain(&t.d_out).arg(),
+                    plain(&t.lse).arg(),
+                    delta.arg(),
+                    plain(&t.dk).arg(),
+                    plain(&t.dv).arg(),
+                    scale,
+                    softcap,
+                    c,
+                    dtype,
+                );
+            }
+            if rows > 0 {
+                mma_backward::flash_backward_dq_mma::launch_unchecked::<R>(
+                    client,
+                    count(plan.dq_cubes),
+                    units,
+                    crate::flash::mma::NV8,
+                    plain(&t.q).arg(),
+                    plain(&t.k).arg(),
+                    plain(&t.v).arg(),
+                    plain(&t.d_out).arg(),
+                    plain(&t.lse).arg(),
+                    delta.arg(),
+                    plain(&t.dq).arg(),
+                    scale,
+                    softcap,
+                    FlashConfig {
+                        block_q: mma_backward::DQ_ROWS,
+                        ..c
+                    },
+                    dtype,
+                );
+            }
+        }
+        return Ok(plan);
+    }
+    let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| backward::Operand {
+        handle: t.handle.clone(),
+        shape: match strides {
+            Some(_) => full.to_vec(),
+            None => t.shape.to_vec(),
+        },
+        strides: strides.cloned().unwrap_or_else(|| t.strides.to_vec()),
     };
-    let delta_cubes = rows.div_ceil(backward::DELTA_ROWS as usize).max(1);
-    let delta_x = delta_cubes.min(65535);
-    let (q_shape, q_strides) = (t.q.shape, t.q.strides);
-    let mask_arg = || match (&t.mask, &mask_strides) {
-        (Some(m), Some(s)) => arg::<R>(m, &full, s),
-        _ => arg::<R>(&t.q, q_shape, q_strides),
+    // An absent mask, bias or `ds` is never read or written: `q` or `dq` stands in.
+    let operands = backward::BackwardOperands {
+        q: operand(&t.q, None),
+        k: operand(&t.k, None),
+        v: operand(&t.v, None),
+        mask: match (&t.mask, &mask_strides) {
+            (Some(m), Some(s)) => operand(m, Some(s)),
+            _ => operand(&t.q, None),
+        },
+        bias: match (&t.bias, &bias_strides) {
+            (Some(b), Some(s)) => operand(b, Some(s)),
+            _ => operand(&t.q, None),
+        },
+        out: operand(&t.out, None),
+        d_out: operand(&t.d_out, None),
+        lse: operand(&t.lse, None),
+        dq: operand(&t.dq, None),
+        dk: operand(&t.dk, None),
+        dv: operand(&t.dv, None),
+        ds: operand(t.ds.as_ref().unwrap_or(&t.dq), None),
     };
-    let bias_arg = || match (&t.bias, &bias_strides) {
-        (Some(b), Some(s)) => arg::<R>(b, &full, s),
-        _ => arg::<R>(&t.q, q_shape, q_strides),
-    };
-    let count = |c: (usize, usize, usize)| CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
-    let units = CubeDim::new_1d(backward::UNITS);
-    let scale = options.scale;
-    let softcap = options.softcap.unwrap_or(1.0);
-    let drop = options
-        .dropout
-        .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0));
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
-    // caller's buffers (checked above) and the `delta` scratch; an absent mask, bias or `ds`
-    // is never read or written (`q` or `dq` stands in).
+    // caller's buffers (checked above); the grids are the plan's.
     unsafe {
-        if rows > 0 {
-            backward::flash_delta::launch_unchecked::<R>(
-                client,
-                CubeCount::Static(delta_x as u32, delta_cubes.div_ceil(delta_x) as u32, 1),
-                CubeDim::new_1d(32 * backward::DELTA_ROWS),
-                plain(&t.d_out),
-                plain(&t.out),
-                plain(&delta_ref),
-                dtype,
-            );
-        }
-        if seq_k > 0 {
-            backward::flash_backward_dkv::launch_unchecked::<R>(
-                client,
-                count(plan.dkv_cubes),
-                units,
-                plain(&t.q),
-                plain(&t.k),
-                plain(&t.v),
-                mask_arg(),
-                bias_arg(),
-                plain(&t.d_out),
-                plain(&t.lse),
-                plain(&delta_ref),
-                plain(&t.dk),
-                plain(&t.dv),
-                scale,
-                softcap,
-                drop.seed_lo,
-                drop.seed_hi,
-                drop.threshold,
-                drop.inv_keep(),
-                config,
-                dtype,
-            );
-        }
-        if rows > 0 {
-            let ds = t.ds.as_ref().unwrap_or(&t.dq);
-            backward::flash_backward_dq::launch_unchecked::<R>(
-                client,
-                count(plan.dq_cubes),
-                units,
-                plain(&t.q),
-                plain(&t.k),
-                plain(&t.v),
-                mask_arg(),
-                bias_arg(),
-                plain(&t.d_out),
-                plain(&t.lse),
-                plain(&delta_ref),
-                plain(&t.dq),
-                plain(ds),
-                scale,
-                softcap,
-                drop.seed_lo,
-                drop.seed_hi,
-                drop.threshold,
-                drop.inv_keep(),
-                config,
-                t.ds.is_some(),
-                dtype,
-            );
-        }
+        backward::launch_backward(
+            client,
+            &operands,
+            rows,
+            (seq_k > 0).then_some(plan.dkv_cubes),
+            (rows > 0).then_some(plan.dq_cubes),
+            options.scale,
+            options.softcap.unwrap_or(1.0),
+            options
+                .dropout
+                .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0)),
+            config,
+            t.ds.is_some(),
+            dtype,
+        );
     }
     Ok(plan)
 }

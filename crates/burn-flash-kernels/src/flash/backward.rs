@@ -61,13 +61,17 @@ const TILE: u32 = 32 * LD;
 /// Shared memory of either kernel, in bytes.
 pub const SHARED_BYTES: usize = (4 * TILE * 4) as usize;
 
+/// Most columns of `dV` one cube of [`flash_backward_dkv()`] accumulates (its registers):
+/// attention's `Dv ≤ 256` in one tile, wider given-score `V`s in tiles of this.
+pub const MAX_VALUE_TILE: u32 = 256;
+
 /// Rows of `δ` per cube of [`flash_delta()`].
 pub const DELTA_ROWS: u32 = 8;
 
 /// The (batch, key/value head) pair of this cube, from the grid's `(y, z)` axes; `None`-like
 /// `pairs` bound checked by the caller.
 #[cube]
-fn pair_index() -> usize {
+pub(crate) fn pair_index() -> usize {
     (CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y) as usize
 }
 
@@ -142,6 +146,40 @@ fn stage_rows<F: Float>(
             val = f32::cast_from(t[base + (c0 + c as usize) * t.stride(3)]);
         }
         sh[(at + r * LD + c) as usize] = val;
+    }
+}
+
+/// The given scores of the unit's 2 × 2 elements (rows `r0 + 2·ty + i`, keys `j0 + tx + 16·j`)
+/// from `x` (`[B, H, Sq, Sk]`, rows over the group as in [`stage_rows()`]); 0 past the edges.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn read_scores<F: Float>(
+    x: &Tensor<F>,
+    raw: &mut Array<f32>,
+    batch: usize,
+    hkv: usize,
+    group: usize,
+    heads_kv: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    j0: usize,
+    seq_k: usize,
+    ty: u32,
+    tx: u32,
+) {
+    #[unroll]
+    for i in 0..2u32 {
+        let row = r0 + (2 * ty + i) as usize;
+        #[unroll]
+        for j in 0..2u32 {
+            let key = j0 + (tx + GRID * j) as usize;
+            if row < rows && key < seq_k {
+                let head = group_head(hkv, row / seq_q, group, heads_kv);
+                let at = row_at(x, batch, head, row % seq_q) + key * x.stride(3);
+                raw[(i * 2 + j) as usize] = f32::cast_from(x[at]);
+            }
+        }
     }
 }
 
@@ -322,9 +360,11 @@ pub fn flash_delta<F: Float>(
     }
 }
 
-/// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys (module docs). `c.head_dim` and
-/// `c.value_dim` are `D` and `Dv` rounded up to [`CHUNK`]. Grid: `(key blocks, y, z)`,
-/// `y·z ≥ B·Hkv`; [`UNITS`] units.
+/// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys (module docs); given scores
+/// (`softmax(X)·V`): `dV` alone. `c.head_dim` is `D` rounded up to [`CHUNK`] (0 for given
+/// scores), `c.value_dim` the columns of `dV` per cube, a multiple of [`CHUNK`]: all of `Dv`
+/// with computed scores, a column tile of it with given ones. Grid: `(key blocks × column
+/// tiles, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_dkv<F: Float>(
@@ -350,9 +390,15 @@ pub fn flash_backward_dkv<F: Float>(
     let d_chunks = comptime!(c.head_dim / CHUNK);
     let v_chunks = comptime!(c.value_dim / CHUNK);
     let (a_at, b_at, p_at, ds_at) = (0u32, TILE, 2 * TILE, 3 * TILE);
-    let heads_kv = k.shape(1);
+    let given = comptime!(c.given());
+    let mut heads_kv = k.shape(1);
+    let mut seq_k = k.shape(2);
+    if comptime!(given) {
+        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
+        heads_kv = v.shape(1);
+        seq_k = q.shape(3);
+    }
     let seq_q = q.shape(2);
-    let seq_k = k.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
     let group = q.shape(1) / heads_kv;
@@ -363,7 +409,11 @@ pub fn flash_backward_dkv<F: Float>(
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let head0 = hkv * group;
-    let j0 = (CUBE_POS_X * BLOCK_KEYS) as usize;
+    // x runs over (key block, column tile of dV): given scores with a wide V take dV in tiles
+    // of `c.value_dim` columns (one tile for attention, `Dv ≤ 256`).
+    let tiles = value_dim.div_ceil(comptime!(c.value_dim as usize));
+    let col_base = (CUBE_POS_X as usize % tiles) * comptime!(c.value_dim as usize);
+    let j0 = (CUBE_POS_X as usize / tiles) * BLOCK_KEYS as usize;
     let keys = usize::min(seq_k - j0, BLOCK_KEYS as usize);
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
@@ -371,7 +421,7 @@ pub fn flash_backward_dkv<F: Float>(
     let v_base = row_at(v, batch, hkv, j0);
 
     let mut sh = SharedMemory::<f32>::new(comptime!((4 * TILE) as usize));
-    let mut acc_dk = Array::<f32>::new(comptime!((d_chunks * 4) as usize));
+    let mut acc_dk = Array::<f32>::new(comptime!((d_chunks * 4).max(1) as usize));
     let mut acc_dv = Array::<f32>::new(comptime!((v_chunks * 4) as usize));
     #[unroll]
     for n in 0..comptime!((d_chunks * 4) as usize) {
@@ -425,11 +475,16 @@ pub fn flash_backward_dkv<F: Float>(
                 row_delta[i] = delta[(batch * q.shape(1) + head) * seq_q + pos];
                 row_pair[i] = batch * q.shape(1) + head;
             }
-            // S = Q·Kᵀ
+            // S = Q·Kᵀ, or the given scores
             #[unroll]
             for n in 0..4usize {
                 raw[n] = 0.0f32;
                 dp[n] = 0.0f32;
+            }
+            if comptime!(given) {
+                read_scores::<F>(
+                    q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx,
+                );
             }
             for dc in 0..d_chunks {
                 let c0 = (dc * CHUNK) as usize;
@@ -456,25 +511,29 @@ pub fn flash_backward_dkv<F: Float>(
             }
             // dP = dO·Vᵀ and dV += Pᵀ·dO, one chunk of dO for both.
             for vc in 0..v_chunks {
-                let c0 = (vc * CHUNK) as usize;
+                let c0 = col_base + (vc * CHUNK) as usize;
                 stage_rows::<F>(
                     d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0,
                     value_dim,
                 );
                 stage::<F>(v, &mut sh, b_at, v_base, v.stride(2), keys, c0, value_dim);
                 sync_cube();
-                product_abt(&sh, a_at, b_at, &mut dp, ty, tx);
+                if comptime!(!given) {
+                    product_abt(&sh, a_at, b_at, &mut dp, ty, tx);
+                }
                 product_atb(&sh, p_at, a_at, &mut acc_dv, (vc * 4) as usize, ty, tx);
                 sync_cube();
             }
-            // dR = P ⊙ (dP − δ) ⊙ softcap'
-            #[unroll]
-            for i in 0..2u32 {
+            // dR = P ⊙ (dP − δ) ⊙ softcap' (given scores: no dK)
+            if comptime!(!given) {
                 #[unroll]
-                for j in 0..2u32 {
-                    let at = (i * 2 + j) as usize;
-                    let ds = p[at] * (dp[at] * z[at] - row_delta[i as usize]) * dfac[at];
-                    sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = ds;
+                for i in 0..2u32 {
+                    #[unroll]
+                    for j in 0..2u32 {
+                        let at = (i * 2 + j) as usize;
+                        let ds = p[at] * (dp[at] * z[at] - row_delta[i as usize]) * dfac[at];
+                        sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = ds;
+                    }
                 }
             }
             // dK += dRᵀ·Q
@@ -498,7 +557,7 @@ pub fn flash_backward_dkv<F: Float>(
             let dk_base = row_at(dk, batch, hkv, key);
             let dv_base = row_at(dv, batch, hkv, key);
             #[unroll]
-            for dc in 0..d_chunks {
+            for dc in 0..comptime!(if given { 0 } else { d_chunks }) {
                 #[unroll]
                 for j in 0..2u32 {
                     let col = (dc * CHUNK + tx + GRID * j) as usize;
@@ -512,7 +571,7 @@ pub fn flash_backward_dkv<F: Float>(
             for vc in 0..v_chunks {
                 #[unroll]
                 for j in 0..2u32 {
-                    let col = (vc * CHUNK + tx + GRID * j) as usize;
+                    let col = col_base + (vc * CHUNK + tx + GRID * j) as usize;
                     if col < value_dim {
                         let val = acc_dv[(vc * 4 + i * 2 + j) as usize];
                         dv[dv_base + col * dv.stride(3)] = F::cast_from(val);
@@ -525,7 +584,7 @@ pub fn flash_backward_dkv<F: Float>(
 
 /// `dQ` of one block of [`BLOCK_ROWS`] query rows (module docs), and with `write_ds` the
 /// score gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`: what a bias's
-/// gradient is made of). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
+/// gradient is made of; with given scores, `dX`, and no `dQ`). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_dq<F: Float>(
@@ -550,11 +609,16 @@ pub fn flash_backward_dq<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let d_chunks = comptime!(c.head_dim / CHUNK);
-    let v_chunks = comptime!(c.value_dim / CHUNK);
     let (a_at, b_at, ds_at) = (0u32, TILE, 3 * TILE);
-    let heads_kv = k.shape(1);
+    let given = comptime!(c.given());
+    let mut heads_kv = k.shape(1);
+    let mut seq_k = k.shape(2);
+    if comptime!(given) {
+        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
+        heads_kv = v.shape(1);
+        seq_k = q.shape(3);
+    }
     let seq_q = q.shape(2);
-    let seq_k = k.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
     let group = q.shape(1) / heads_kv;
@@ -576,7 +640,7 @@ pub fn flash_backward_dq<F: Float>(
     let tx = UNIT_POS % GRID;
 
     let mut sh = SharedMemory::<f32>::new(comptime!((4 * TILE) as usize));
-    let mut acc = Array::<f32>::new(comptime!((d_chunks * 4) as usize));
+    let mut acc = Array::<f32>::new(comptime!((d_chunks * 4).max(1) as usize));
     #[unroll]
     for n in 0..comptime!((d_chunks * 4) as usize) {
         acc[n] = 0.0f32;
@@ -623,6 +687,11 @@ pub fn flash_backward_dq<F: Float>(
             raw[n] = 0.0f32;
             dp[n] = 0.0f32;
         }
+        if comptime!(given) {
+            read_scores::<F>(
+                q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx,
+            );
+        }
         for dc in 0..d_chunks {
             let c0 = (dc * CHUNK) as usize;
             stage_rows::<F>(
@@ -633,8 +702,9 @@ pub fn flash_backward_dq<F: Float>(
             product_abt(&sh, a_at, b_at, &mut raw, ty, tx);
             sync_cube();
         }
-        for vc in 0..v_chunks {
-            let c0 = (vc * CHUNK) as usize;
+        // Over all of `Dv` (`c.value_dim` is a column tile of `dV` only).
+        for vc in 0..value_dim.div_ceil(CHUNK as usize) {
+            let c0 = vc * CHUNK as usize;
             stage_rows::<F>(
                 d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, value_dim,
             );
@@ -656,14 +726,18 @@ pub fn flash_backward_dq<F: Float>(
                 let key = j0 + (tx + GRID * j) as usize;
                 if comptime!(write_ds) {
                     if row_ok[i as usize] && key < seq_k {
-                        ds[row_ds[i as usize] + key * ds.stride(3)] = F::cast_from(g);
+                        let mut val = g;
+                        if comptime!(given && crate::mutation::zero_dx()) {
+                            val = 0.0f32;
+                        }
+                        ds[row_ds[i as usize] + key * ds.stride(3)] = F::cast_from(val);
                     }
                 }
                 sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = g * dfac[at];
             }
         }
-        // dQ += dR·K
-        for dc in 0..d_chunks {
+        // dQ += dR·K (given scores: `dS` is the result)
+        for dc in 0..comptime!(if given { 0 } else { d_chunks }) {
             let c0 = (dc * CHUNK) as usize;
             stage::<F>(k, &mut sh, b_at, k_base, k.stride(2), keys, c0, head_dim);
             sync_cube();
@@ -687,7 +761,7 @@ pub fn flash_backward_dq<F: Float>(
     }
 
     #[unroll]
-    for i in 0..2u32 {
+    for i in 0..comptime!(if given { 0u32 } else { 2u32 }) {
         let row = r0 + (2 * ty + i) as usize;
         if row < rows {
             let head = head0 + row / seq_q;
@@ -708,4 +782,175 @@ pub fn flash_backward_dq<F: Float>(
             }
         }
     }
+}
+
+/// A tensor of a backward launch, as the kernels index it: its buffer, shape and strides
+/// (zeros along broadcast dimensions).
+#[derive(Debug, Clone)]
+pub struct Operand {
+    /// The buffer.
+    pub handle: cubecl::server::Handle,
+    /// The shape the kernels see.
+    pub shape: Vec<usize>,
+    /// The strides the kernels use.
+    pub strides: Vec<usize>,
+}
+
+impl Operand {
+    pub(crate) fn arg<R: Runtime>(&self) -> TensorArg<R> {
+        // SAFETY: the shape and strides describe the buffer (the launcher's caller's contract);
+        // zero strides only make every index along them read the same element.
+        unsafe {
+            TensorArg::from_raw_parts(
+                self.handle.clone(),
+                self.strides.clone().into(),
+                self.shape.clone().into(),
+            )
+        }
+    }
+}
+
+/// The tensors of [`launch_backward`], 4-D in attention's terms (given scores: `x` as `q` and
+/// `k`, `dX` as `ds`, stand-ins for what the configuration never reads or writes).
+#[derive(Debug, Clone)]
+pub struct BackwardOperands {
+    pub q: Operand,
+    pub k: Operand,
+    pub v: Operand,
+    pub mask: Operand,
+    pub bias: Operand,
+    pub out: Operand,
+    pub d_out: Operand,
+    pub lse: Operand,
+    pub dq: Operand,
+    pub dk: Operand,
+    pub dv: Operand,
+    pub ds: Operand,
+}
+
+/// `B·Hkv` (`pairs`) over the grid's y and z axes, as [`flash_backward_dkv()`] and
+/// [`flash_backward_dq()`] read it (`z·count_y + y`).
+pub fn fold_pairs(pairs: usize, max_y: u32) -> (usize, usize) {
+    let y = pairs.clamp(1, max_y as usize);
+    (y, pairs.div_ceil(y).max(1))
+}
+
+/// Runs the backward: `δ` ([`flash_delta()`], into a scratch of one f32 per query row), then
+/// [`flash_backward_dkv()`] on `dkv_cubes` (none: not launched) and [`flash_backward_dq()`]
+/// on `dq_cubes` (none: not launched). `rows` is the number of query rows, `B·Hq·Sq`.
+///
+/// # Safety
+/// The operands' shapes and strides describe their buffers, the grids are the kernels' (key
+/// blocks × column tiles, row blocks; pairs folded by [`fold_pairs`]), and `c` is a
+/// configuration the kernels take (chunks of [`CHUNK`]).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    t: &BackwardOperands,
+    rows: usize,
+    dkv_cubes: Option<(usize, usize, usize)>,
+    dq_cubes: Option<(usize, usize, usize)>,
+    scale: f32,
+    softcap: f32,
+    dropout: crate::dropout::DropoutParams,
+    c: FlashConfig,
+    write_ds: bool,
+    dtype: StorageType,
+) {
+    // SAFETY: the caller's (below).
+    let delta = unsafe { launch_delta(client, &t.out, &t.d_out, rows, dtype) };
+    let count =
+        |c: (usize, usize, usize)| cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
+    let units = cubecl::CubeDim::new_1d(UNITS);
+    let d = dropout;
+    // SAFETY: the caller's (above).
+    unsafe {
+        if let Some(cubes) = dkv_cubes {
+            flash_backward_dkv::launch_unchecked::<R>(
+                client,
+                count(cubes),
+                units,
+                t.q.arg(),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dk.arg(),
+                t.dv.arg(),
+                scale,
+                softcap,
+                d.seed_lo,
+                d.seed_hi,
+                d.threshold,
+                d.inv_keep(),
+                c,
+                dtype,
+            );
+        }
+        if let Some(cubes) = dq_cubes {
+            flash_backward_dq::launch_unchecked::<R>(
+                client,
+                count(cubes),
+                units,
+                t.q.arg(),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dq.arg(),
+                t.ds.arg(),
+                scale,
+                softcap,
+                d.seed_lo,
+                d.seed_hi,
+                d.threshold,
+                d.inv_keep(),
+                c,
+                write_ds,
+                dtype,
+            );
+        }
+    }
+}
+
+/// `δ = rowsum(dO ⊙ O)` of the `rows` query rows of `out` and `d_out` (4-D, `[B, H, Sq, Dv]`)
+/// into a new contiguous f32 buffer of `rows` elements (row `(b·H + h)·Sq + i`), returned.
+///
+/// # Safety
+/// The operands' shapes and strides describe their buffers.
+pub unsafe fn launch_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    out: &Operand,
+    d_out: &Operand,
+    rows: usize,
+    dtype: StorageType,
+) -> Operand {
+    let delta = Operand {
+        handle: client.empty(rows.max(1) * 4),
+        shape: vec![rows.max(1)],
+        strides: vec![1],
+    };
+    let cubes = rows.div_ceil(DELTA_ROWS as usize).max(1);
+    let x = cubes.min(65535);
+    if rows > 0 {
+        // SAFETY: the caller's; every index is bounds-checked against `out`'s shape.
+        unsafe {
+            flash_delta::launch_unchecked::<R>(
+                client,
+                cubecl::CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1),
+                cubecl::CubeDim::new_1d(32 * DELTA_ROWS),
+                d_out.arg(),
+                out.arg(),
+                delta.arg(),
+                dtype,
+            );
+        }
+    }
+    delta
 }

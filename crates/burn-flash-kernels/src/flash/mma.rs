@@ -227,7 +227,7 @@ fn load_scores<F: Float, NV: Size>(
 /// `S = Q·Kᵀ` of one step for one plane's row tiles: per 16 dims, one `Q` fragment per row
 /// tile and, per 16 keys, one `ldmatrix.x4` of `K` shared by the row tiles.
 #[cube]
-fn step_scores<F: Float, NV: Size>(
+pub(crate) fn step_scores<F: Float, NV: Size>(
     q_s: &SharedMemory<Vector<F, NV>>,
     k_s: &SharedMemory<Vector<F, NV>>,
     k_buf: usize,

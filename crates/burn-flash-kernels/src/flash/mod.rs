@@ -43,6 +43,9 @@ pub mod backward;
 pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
+pub mod mma_backward;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
 pub mod scores;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]

@@ -21,9 +21,6 @@
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
-pub mod kernel;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
 pub mod mma_backward;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -31,12 +28,11 @@ pub mod tiled_backward;
 
 use core::fmt;
 
-use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
+use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use crate::flash::{self, FlashConfig, ScoreSource};
 use crate::fragment;
 use crate::softmax::TensorRef;
-use kernel::{ProductTiles, UNITS};
 
 /// Block sizes a caller may force, for `block_1` (rows of `X` per cube) and `block_2` (columns
 /// of `X` per online-softmax step).
@@ -690,13 +686,6 @@ pub fn launch_softmax_matmul<R: Runtime>(
     Ok(plan)
 }
 
-/// Tiles of the backward product kernels: 64 × 64 outputs per cube, 16 deep.
-const BACKWARD_TILES: ProductTiles = ProductTiles {
-    rows: 64,
-    cols: 64,
-    depth: 16,
-};
-
 /// Gradients of [`launch_softmax_matmul`]: `dx` (`[batch, d1, d2]`) and `dv` (`v`'s shape; a
 /// shared `v` gets the sum over batches) from the forward's `out` and `lse` and the output
 /// gradient `d_out`. Needs one f32 per row of scratch, nothing of size `d1 × d2` but `dx`.
@@ -745,21 +734,6 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             (d_out.shape, d_out.strides),
         )
     };
-    // Output tile (columns, rows) of each gradient's kernel on this path.
-    let (dx_tile, dv_tile) = match path {
-        SmmBackwardPath::MatrixUnits => (
-            (mma_backward::DX_COLS, mma_backward::DX_ROWS),
-            (mma_backward::DV_COLS, mma_backward::DV_ROWS),
-        ),
-        SmmBackwardPath::Tiled => (
-            (crate::tiling::TILE_N, crate::tiling::TILE_M),
-            (crate::tiling::TILE_N, crate::tiling::TILE_M),
-        ),
-        SmmBackwardPath::Units => (
-            (BACKWARD_TILES.cols, BACKWARD_TILES.rows),
-            (BACKWARD_TILES.cols, BACKWARD_TILES.rows),
-        ),
-    };
     let grid = |(cols, rows): (u32, u32), n: usize, m: usize, z: usize| {
         check_cubes(
             client,
@@ -770,40 +744,65 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             ),
         )
     };
-    let dx_count = grid(dx_tile, d2, d1, batch)?;
-    let dv_count = grid(dv_tile, d3, d2, if shared_v { 1 } else { batch })?;
-    // Cubes of the delta kernel, on a 2-D grid past 65535.
-    let delta_cubes = rows.div_ceil(kernel::DELTA_ROWS as usize).max(1);
-    let delta_x = delta_cubes.min(65535);
-    let delta_count = check_cubes(client, (delta_x, delta_cubes.div_ceil(delta_x), 1))?;
-    let delta: Handle = client.empty(rows.max(1) * 4);
-    let delta_shape = [batch, d1];
-    let delta_strides = [d1, 1];
-    let delta_ref = TensorRef {
-        handle: &delta,
-        shape: &delta_shape,
-        strides: &delta_strides,
+    // The flash kernels' 4-D view of a 3-D tensor `[batch or 1, n1, n2]`: one head per batch,
+    // or, with a shared `V`, every batch a query head of the one key/value head (so that `dV`
+    // sums over the batches in the kernel, as grouped-query attention sums a group).
+    let view = |t: &TensorRef<'_>, shared: bool| {
+        let (mut shape, mut strides) = (t.shape.to_vec(), t.strides.to_vec());
+        if shared {
+            shape.insert(0, 1);
+            strides.insert(0, 0);
+            if shape[1] == 1 {
+                strides[1] = 0;
+            }
+        } else {
+            shape.insert(1, 1);
+            strides.insert(1, 0);
+        }
+        flash::backward::Operand {
+            handle: t.handle.clone(),
+            shape,
+            strides,
+        }
     };
     let neg_inf = f32::NEG_INFINITY;
     let dv_batches = if shared_v { batch } else { 1 };
     let dv_nonempty = dv.shape.iter().product::<usize>() > 0;
+    // δ of every row, [batch, d1] contiguous (row b·d1 + i).
+    // SAFETY: the views describe the caller's buffers (`dims_of` checked their shapes).
+    let delta = unsafe {
+        flash::backward::launch_delta(
+            client,
+            &view(&out, false),
+            &view(&d_out, false),
+            rows,
+            dtype,
+        )
+    };
+    let delta_shape = [batch, d1];
+    let delta_strides = [d1, 1];
+    let delta_ref = TensorRef {
+        handle: &delta.handle,
+        shape: &delta_shape,
+        strides: &delta_strides,
+    };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
     unsafe {
-        if rows > 0 {
-            // With d3 = 0 the loop is empty and delta = 0 (and so is dX).
-            kernel::smm_delta::launch_unchecked::<R>(
-                client,
-                delta_count,
-                CubeDim::new_1d(kernel::DELTA_UNITS),
-                arg(&d_out, false),
-                arg(&out, false),
-                arg(&delta_ref, false),
-                dtype,
-            );
-        }
         match path {
             SmmBackwardPath::MatrixUnits => {
+                let dx_count = grid(
+                    (mma_backward::DX_COLS, mma_backward::DX_ROWS),
+                    d2,
+                    d1,
+                    batch,
+                )?;
+                let dv_count = grid(
+                    (mma_backward::DV_COLS, mma_backward::DV_ROWS),
+                    d3,
+                    d2,
+                    if shared_v { 1 } else { batch },
+                )?;
                 let units = CubeDim::new_1d(mma_backward::PLANES * fragment::PLANE);
                 if d2 > 0 {
                     mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
@@ -838,6 +837,9 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 }
             }
             SmmBackwardPath::Tiled => {
+                let tile = (crate::tiling::TILE_N, crate::tiling::TILE_M);
+                let dx_count = grid(tile, d2, d1, batch)?;
+                let dv_count = grid(tile, d3, d2, if shared_v { 1 } else { batch })?;
                 tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
                     client,
                     dx_count,
@@ -891,37 +893,58 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 );
             }
             SmmBackwardPath::Units => {
-                if rows > 0 && d2 > 0 {
-                    kernel::smm_backward_dx::launch_unchecked::<R>(
-                        client,
-                        dx_count,
-                        CubeDim::new_1d(UNITS),
-                        arg(&x, false),
-                        arg(&v, shared_v),
-                        arg(&d_out, false),
-                        arg(&lse, false),
-                        arg(&delta_ref, false),
-                        arg(&dx, false),
-                        neg_inf,
-                        BACKWARD_TILES,
-                        dtype,
-                    );
+                // The flash backward core with given scores: `dX` is its `dS`, `dV` its `dV`.
+                use flash::backward::{BLOCK_KEYS, BLOCK_ROWS, CHUNK, fold_pairs};
+                let group = if shared_v { batch } else { 1 };
+                let pairs = if shared_v { 1 } else { batch };
+                let value_tile = d3
+                    .next_multiple_of(CHUNK as usize)
+                    .clamp(CHUNK as usize, flash::backward::MAX_VALUE_TILE as usize);
+                let (y, z) = fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
+                let dkv = (
+                    d2.div_ceil(BLOCK_KEYS as usize) * d3.div_ceil(value_tile),
+                    y,
+                    z,
+                );
+                let dq = ((group * d1).div_ceil(BLOCK_ROWS as usize), y, z);
+                for cubes in [dkv, dq] {
+                    check_cubes(client, cubes)?;
                 }
-                if dv_nonempty {
-                    kernel::smm_backward_dv::launch_unchecked::<R>(
-                        client,
-                        dv_count,
-                        CubeDim::new_1d(UNITS),
-                        arg(&x, false),
-                        arg(&d_out, false),
-                        arg(&lse, false),
-                        arg(&dv, false),
-                        dv_batches,
-                        neg_inf,
-                        BACKWARD_TILES,
-                        dtype,
-                    );
-                }
+                let shared = |t: &TensorRef<'_>| view(t, shared_v);
+                let operands = flash::backward::BackwardOperands {
+                    q: shared(&x),
+                    k: shared(&x),
+                    v: shared(&v),
+                    mask: shared(&x),
+                    bias: shared(&x),
+                    out: shared(&out),
+                    d_out: shared(&d_out),
+                    lse: shared(&lse),
+                    dq: shared(&dx),
+                    dk: shared(&x),
+                    dv: shared(&dv),
+                    ds: shared(&dx),
+                };
+                let config = FlashConfig {
+                    block_q: flash::backward::BLOCK_ROWS,
+                    block_k: flash::backward::BLOCK_KEYS,
+                    head_dim: 0,
+                    value_dim: value_tile as u32,
+                    ..flash_config(SmmForwardKernel::Units, 16, 16, 64)
+                };
+                flash::backward::launch_backward(
+                    client,
+                    &operands,
+                    rows,
+                    (dv_nonempty && d2 > 0).then_some(dkv),
+                    (rows > 0 && d2 > 0).then_some(dq),
+                    1.0,
+                    1.0,
+                    crate::dropout::DropoutParams::new(0.0, 0),
+                    config,
+                    true,
+                    dtype,
+                );
             }
         }
     }

@@ -1,0 +1,609 @@
+//! The flash backward on the matrix units (f16/bf16, `mma` m16n8k16 with f32 accumulators,
+//! `ldmatrix`; CUDA sm_80+): the schedule of [`super::backward`] with every product on the
+//! matrix units and every intermediate in registers.
+//!
+//! - [`flash_backward_dq_mma()`]: a cube owns [`DQ_ROWS`] query rows (a plane 16), their `Q`
+//!   and `dO` tiles staged once; per block of keys it stages `K` and `V`, computes `S = Q·Kᵀ`
+//!   and `dP = dO·Vᵀ` into accumulator fragments, turns them into `dS` (the forward's score
+//!   rules, `P = e^(S − lse)`, `dS = P ⊙ (dP − δ)`, the softcap's derivative, the scale) in
+//!   registers, and `dQ += dS·K` takes `dS` as its `A` operand straight from those registers
+//!   (the accumulator fragments of two adjacent 8-key tiles are the `A` fragment of their 16
+//!   keys, as `P` is in the forward) and `K` by `ldmatrix.trans`.
+//! - [`flash_backward_dkv_mma()`]: a cube owns [`DKV_KEYS`] keys (a plane 16), their `K` and
+//!   `V` tiles staged once; per block of query rows (the group's query heads, summed in the
+//!   kernel) it stages `Q`, `dO`, `lse` and `δ`, computes the transposed scores `Sᵀ = K·Qᵀ`
+//!   and `dPᵀ = V·dOᵀ`, so that `Pᵀ` and `dSᵀ` are `A` fragments in registers for
+//!   `dV += Pᵀ·dO` and `dK += dSᵀ·Q` (`dO`, `Q` by `ldmatrix.trans`).
+//!
+//! Scope (the plan sends the rest to the plain-unit kernels): computed scores with scale,
+//! softcap, causal (bottom-right) and grouped heads; no mask, bias or dropout; `D`, `Dv` up to
+//! 128; 16-byte aligned rows of `q`, `k`, `v` and `dO`.
+
+use cubecl::{
+    cmma::MmaDefinition,
+    ir::{FastMath, MatrixIdent},
+    prelude::*,
+};
+
+use super::FlashConfig;
+use super::backward::pair_index;
+use super::mma::{NV8, step_scores};
+use super::scores::{capped, causal_end};
+use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
+
+/// Planes per cube of both kernels.
+pub const PLANES: u32 = 4;
+/// Query rows per cube of [`flash_backward_dq_mma()`].
+pub const DQ_ROWS: u32 = PLANES * MMA_M;
+/// Keys per cube of [`flash_backward_dkv_mma()`].
+pub const DKV_KEYS: u32 = PLANES * MMA_M;
+/// Largest head dim (`D` and `Dv`) the kernels take (their accumulators' registers).
+pub const MAX_DIM: u32 = 128;
+
+/// Keys (dQ kernel) or query rows (dK/dV kernel) per step for head dims `d`, `dv` (rounded
+/// up to 16): 64 up to 64, 32 beyond.
+pub fn step_len(d: u32, dv: u32) -> u32 {
+    if d.max(dv) <= 64 { 64 } else { 32 }
+}
+
+/// Shared memory of the dQ kernel (`c.block_q` rows, `c.block_k` keys per step), in bytes.
+pub fn dq_shared_bytes(c: FlashConfig) -> usize {
+    let (d, dv) = (
+        (c.head_dim + V_PAD) as usize,
+        (c.value_dim + V_PAD) as usize,
+    );
+    (c.block_q as usize + c.block_k as usize) * (d + dv) * 2
+}
+
+/// Shared memory of the dK/dV kernel (`c.block_q` keys, `c.block_k` query rows per step), in
+/// bytes.
+pub fn dkv_shared_bytes(c: FlashConfig) -> usize {
+    dq_shared_bytes(c) + 2 * c.block_k as usize * 4
+}
+
+/// Synchronous copies of `n_rows × width` elements into `dst` (row pitch `width + V_PAD`):
+/// tile row `r` is query row `r0 + r` of the group of key/value head `head0 / G` (head
+/// `head0 + row / Sq`, position `row % Sq`), zeros past `rows` and `cols`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_rows<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    dst: &mut SharedMemory<Vector<F, NV>>,
+    batch: usize,
+    head0: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    cols: usize,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let per_row = comptime!(width as usize / NV8);
+    let ldv = comptime!((width + V_PAD) as usize / NV8);
+    let total = comptime!(n_rows as usize * per_row);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units as usize)) {
+        let idx = UNIT_POS as usize + e * units as usize;
+        if idx < total {
+            let (r, cv) = (idx / per_row, idx % per_row);
+            let row = r0 + r;
+            let col = cv * NV8;
+            let rr = usize::min(row, rows - 1);
+            let src = batch * t.stride(0)
+                + (head0 + rr / seq_q) * t.stride(1)
+                + (rr % seq_q) * t.stride(2)
+                + col;
+            let mut val = Vector::<F, NV>::new(F::from_int(0));
+            if row < rows && col < cols {
+                val = t[src / NV8];
+            }
+            dst[r * ldv + cv] = val;
+        }
+    }
+}
+
+/// Synchronous copies of `n_rows × width` elements of rows `j0..` of one (batch, head) of `t`
+/// (offset `base`) into `dst`, zeros past `valid` rows and `cols` columns.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_key_rows<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    dst: &mut SharedMemory<Vector<F, NV>>,
+    base: usize,
+    j0: usize,
+    valid: usize,
+    cols: usize,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let per_row = comptime!(width as usize / NV8);
+    let ldv = comptime!((width + V_PAD) as usize / NV8);
+    let total = comptime!(n_rows as usize * per_row);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units as usize)) {
+        let idx = UNIT_POS as usize + e * units as usize;
+        if idx < total {
+            let (r, cv) = (idx / per_row, idx % per_row);
+            let row = j0 + r;
+            let col = cv * NV8;
+            let mut val = Vector::<F, NV>::new(F::from_int(0));
+            if row < valid && col < cols {
+                val = t[(base + row * t.stride(2) + col) / NV8];
+            }
+            dst[r * ldv + cv] = val;
+        }
+    }
+}
+
+/// `acc[nt] += A·B` over `k_steps·16` reduction indices for `n_pairs·2` output tiles of 8
+/// columns: `A` is given as one `mma` `A` fragment per 16 reduction indices (`a[kc]`), `B` is
+/// read from `b_s` (rows = reduction index, pitch `ldv` vectors) by `ldmatrix.x4.trans`.
+#[cube]
+fn product_trans<F: Float, NV: Size>(
+    a: &Sequence<Array<Vector<F, Const<2>>>>,
+    b_s: &SharedMemory<Vector<F, NV>>,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] ldv: usize,
+    #[comptime] k_steps: u32,
+    #[comptime] n_pairs: u32,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let mat = lane / 8;
+    let mat_row = lane % 8;
+    let b_lane = ((mat % 2) * 8 + mat_row) as usize * ldv + (mat / 2) as usize;
+    #[unroll]
+    for kc in 0..k_steps {
+        let a_kc = a.index(kc as usize);
+        #[unroll]
+        for np in 0..n_pairs {
+            let start = b_lane + comptime!((kc * 16) as usize * ldv + np as usize * 2);
+            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &b_s.slice(start, start + 1),
+                MatrixIdent::B,
+                4usize,
+                true,
+            );
+            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+            b0[0usize] = regs[0usize];
+            b0[1usize] = regs[1usize];
+            b1[0usize] = regs[2usize];
+            b1[1usize] = regs[3usize];
+            def.execute_inplace(a_kc, &b0, acc.index_mut(comptime!(2 * np) as usize));
+            def.execute_inplace(a_kc, &b1, acc.index_mut(comptime!(2 * np + 1) as usize));
+        }
+    }
+}
+
+/// Stores accumulator tiles `acc` (16 rows of this plane, `tiles` tiles of 8 columns) as
+/// `F`: lane `4g + t` holds rows `g`, `g + 8` (`row_at[h]`, skipped unless `row_ok[h]`),
+/// columns `8·nt + 2t + n` (up to `cols`).
+#[cube]
+fn store_tiles<F: Float>(
+    out: &mut Tensor<F>,
+    acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    row_at: &Array<usize>,
+    row_ok: &Array<bool>,
+    cols: usize,
+    #[comptime] tiles: u32,
+    #[comptime] zero: bool,
+) {
+    let quad = (UNIT_POS_PLANE % 4) as usize;
+    #[unroll]
+    for nt in 0..tiles {
+        let frag = acc.index(nt as usize);
+        #[unroll]
+        for h in 0..2usize {
+            if row_ok[h] {
+                let vec = frag[h];
+                #[unroll]
+                for n in 0..2usize {
+                    let col = comptime!((nt * MMA_N) as usize) + quad * 2 + n;
+                    if col < cols {
+                        let mut val = vec[n];
+                        if comptime!(zero) {
+                            val = 0.0f32;
+                        }
+                        let at = row_at[h] + col * out.stride(3);
+                        out[at] = F::cast_from(val);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `dQ` of [`DQ_ROWS`] query rows of the group of one (batch, key/value head) (module docs).
+/// `c.block_q` = [`DQ_ROWS`], `c.block_k` keys per step, `c.head_dim`, `c.value_dim` = `D`,
+/// `Dv` rounded up to 16. Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`
+/// ([`super::backward::fold_pairs`]); [`PLANES`] planes.
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dq_mma<F: Float, NV: Size>(
+    q: &Tensor<Vector<F, NV>>,
+    k: &Tensor<Vector<F, NV>>,
+    v: &Tensor<Vector<F, NV>>,
+    d_out: &Tensor<Vector<F, NV>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dq: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] c: FlashConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let units = comptime!(PLANES * PLANE);
+    let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let key_tiles = comptime!(c.block_k / MMA_N);
+    let cv = comptime!(FlashConfig {
+        head_dim: c.value_dim,
+        ..c
+    });
+    let heads_kv = k.shape(1);
+    let seq_q = q.shape(2);
+    let seq_k = k.shape(2);
+    let head_dim = q.shape(3);
+    let value_dim = v.shape(3);
+    let group = q.shape(1) / heads_kv;
+    let rows = group * seq_q;
+    let pair = pair_index();
+    if pair >= q.shape(0) * heads_kv {
+        terminate!();
+    }
+    let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
+    let head0 = hkv * group;
+    let r0 = (CUBE_POS_X * DQ_ROWS) as usize;
+    let last = usize::min(r0 + DQ_ROWS as usize, rows) - 1;
+    let mut kv_end = seq_k;
+    if comptime!(c.causal) {
+        let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
+        kv_end = causal_end(pos_hi, seq_q, seq_k);
+    }
+    let plane = UNIT_POS / PLANE;
+    let lane = UNIT_POS_PLANE;
+    let quad = (lane % 4) as usize;
+    let g = (lane / 4) as usize;
+
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * d_ldv));
+    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * v_ldv));
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(c.block_k as usize * d_ldv));
+    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(c.block_k as usize * v_ldv));
+    stage_query_rows::<F, NV>(
+        q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, DQ_ROWS, c.head_dim, units,
+    );
+    stage_query_rows::<F, NV>(
+        d_out,
+        &mut o_s,
+        batch,
+        head0,
+        r0,
+        rows,
+        seq_q,
+        value_dim,
+        DQ_ROWS,
+        c.value_dim,
+        units,
+    );
+
+    // This lane's rows: g and g + 8 of the plane's 16.
+    let mut row_ok = Array::<bool>::new(2usize);
+    let mut row_lse = Array::<f32>::new(2usize);
+    let mut row_delta = Array::<f32>::new(2usize);
+    let mut row_pos = Array::<usize>::new(2usize);
+    let mut row_at = Array::<usize>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
+        let rr = usize::min(row, rows - 1);
+        let head = head0 + rr / seq_q;
+        let pos = rr % seq_q;
+        row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
+        // A row without a visible key (lse = −inf) has P = 0.
+        row_ok[h] = row < rows && row_lse[h] > f32::min_value();
+        row_delta[h] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+        row_pos[h] = pos;
+        row_at[h] = batch * dq.stride(0) + head * dq.stride(1) + pos * dq.stride(2);
+    }
+    let mut acc = zero_accumulators(comptime!(c.head_dim / MMA_N));
+    let k_base = batch * k.stride(0) + hkv * k.stride(1);
+    let v_base = batch * v.stride(0) + hkv * v.stride(1);
+    let bk = comptime!(c.block_k as usize);
+    let steps = kv_end.div_ceil(bk);
+    for st in 0..steps {
+        let j0 = st * bk;
+        sync_cube();
+        stage_key_rows::<F, NV>(
+            k, &mut k_s, k_base, j0, kv_end, head_dim, c.block_k, c.head_dim, units,
+        );
+        stage_key_rows::<F, NV>(
+            v,
+            &mut v_s,
+            v_base,
+            j0,
+            kv_end,
+            value_dim,
+            c.block_k,
+            c.value_dim,
+            units,
+        );
+        sync_cube();
+        let mut s = zero_accumulators(key_tiles);
+        let mut dp = zero_accumulators(key_tiles);
+        step_scores::<F, NV>(&q_s, &k_s, 0, &mut s, c);
+        step_scores::<F, NV>(&o_s, &v_s, 0, &mut dp, cv);
+        // dR = scale · P ⊙ (dP − δ) ⊙ softcap', as A fragments of 16 keys.
+        let mut a = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for kc in 0..comptime!(c.block_k / 16) {
+            let mut frag = Array::<Vector<F, Const<2>>>::new(4usize);
+            #[unroll]
+            for i in 0..4u32 {
+                let j = comptime!(2 * kc + i / 2);
+                let h = comptime!((i % 2) as usize);
+                let raw = s.index(j as usize)[h];
+                let dpv = dp.index(j as usize)[h];
+                let mut pair = Vector::<F, Const<2>>::empty();
+                #[unroll]
+                for n in 0..2usize {
+                    let key = j0 + comptime!((j * MMA_N) as usize) + quad * 2 + n;
+                    let x = capped(raw[n], scale, softcap, c);
+                    let mut fac = scale;
+                    if comptime!(c.softcap) {
+                        let t = x / softcap;
+                        fac = scale * (1.0f32 - t * t);
+                    }
+                    let mut ok = row_ok[h] && key < seq_k;
+                    if comptime!(c.causal) {
+                        ok = ok && key + seq_q <= row_pos[h] + seq_k;
+                    }
+                    let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);
+                    pair[n] = F::cast_from(p * (dpv[n] - row_delta[h]) * fac);
+                }
+                frag[i as usize] = pair;
+            }
+            a.push(frag);
+        }
+        product_trans::<F, NV>(
+            &a,
+            &k_s,
+            &mut acc,
+            d_ldv,
+            comptime!(c.block_k / 16),
+            comptime!(c.head_dim / 16),
+        );
+    }
+    let mut ok = Array::<bool>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
+        ok[h] = row < rows;
+    }
+    store_tiles::<F>(
+        dq,
+        &acc,
+        &row_at,
+        &ok,
+        head_dim,
+        comptime!(c.head_dim / MMA_N),
+        comptime!(crate::mutation::zero_dq()),
+    );
+}
+
+/// `dK`, `dV` of [`DKV_KEYS`] keys of one (batch, key/value head) (module docs), summed over
+/// every query row of the group. `c.block_q` = [`DKV_KEYS`], `c.block_k` query rows per step,
+/// `c.head_dim`, `c.value_dim` = `D`, `Dv` rounded up to 16. Grid: `(key blocks, y, z)`,
+/// `y·z ≥ B·Hkv`; [`PLANES`] planes.
+#[cube(
+    launch_unchecked,
+    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+)]
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
+    q: &Tensor<Vector<F, NV>>,
+    k: &Tensor<Vector<F, NV>>,
+    v: &Tensor<Vector<F, NV>>,
+    d_out: &Tensor<Vector<F, NV>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dk: &mut Tensor<F>,
+    dv: &mut Tensor<F>,
+    scale: f32,
+    softcap: f32,
+    #[comptime] c: FlashConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let units = comptime!(PLANES * PLANE);
+    let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let bq = comptime!(c.block_k as usize);
+    let q_tiles = comptime!(c.block_k / MMA_N);
+    let cv = comptime!(FlashConfig {
+        head_dim: c.value_dim,
+        ..c
+    });
+    let heads_kv = k.shape(1);
+    let seq_q = q.shape(2);
+    let seq_k = k.shape(2);
+    let head_dim = q.shape(3);
+    let value_dim = v.shape(3);
+    let group = q.shape(1) / heads_kv;
+    let rows = group * seq_q;
+    let pair = pair_index();
+    if pair >= q.shape(0) * heads_kv {
+        terminate!();
+    }
+    let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
+    let head0 = hkv * group;
+    let key0 = (CUBE_POS_X * DKV_KEYS) as usize;
+    let plane = UNIT_POS / PLANE;
+    let lane = UNIT_POS_PLANE;
+    let quad = (lane % 4) as usize;
+    let g = (lane / 4) as usize;
+
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * d_ldv));
+    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * v_ldv));
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(bq * d_ldv));
+    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(bq * v_ldv));
+    let mut stat_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let k_base = batch * k.stride(0) + hkv * k.stride(1);
+    let v_base = batch * v.stride(0) + hkv * v.stride(1);
+    stage_key_rows::<F, NV>(
+        k, &mut k_s, k_base, key0, seq_k, head_dim, DKV_KEYS, c.head_dim, units,
+    );
+    stage_key_rows::<F, NV>(
+        v,
+        &mut v_s,
+        v_base,
+        key0,
+        seq_k,
+        value_dim,
+        DKV_KEYS,
+        c.value_dim,
+        units,
+    );
+
+    // This lane's keys: g and g + 8 of the plane's 16.
+    let mut key = Array::<usize>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        key[h] = key0 + plane as usize * MMA_M as usize + g + 8 * h;
+    }
+    let mut acc_dk = zero_accumulators(comptime!(c.head_dim / MMA_N));
+    let mut acc_dv = zero_accumulators(comptime!(c.value_dim / MMA_N));
+    let blocks = rows.div_ceil(bq);
+    let key_last = usize::min(key0 + DKV_KEYS as usize, seq_k) - 1;
+    for qb in 0..blocks {
+        let r0 = qb * bq;
+        let last = usize::min(r0 + bq, rows) - 1;
+        // Causal: the block's largest position must see the cube's first key.
+        let mut live = true;
+        if comptime!(c.causal) {
+            let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
+            live = key0 + seq_q <= pos_hi + seq_k;
+        }
+        if live {
+            sync_cube();
+            stage_query_rows::<F, NV>(
+                q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, c.block_k, c.head_dim, units,
+            );
+            stage_query_rows::<F, NV>(
+                d_out,
+                &mut o_s,
+                batch,
+                head0,
+                r0,
+                rows,
+                seq_q,
+                value_dim,
+                c.block_k,
+                c.value_dim,
+                units,
+            );
+            if UNIT_POS < c.block_k {
+                let row = r0 + UNIT_POS as usize;
+                let rr = usize::min(row, rows - 1);
+                let head = head0 + rr / seq_q;
+                let pos = rr % seq_q;
+                let l = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
+                // Rows past the end, or without a visible key: P = 0 (lse = +max).
+                stat_s[UNIT_POS as usize] =
+                    select(row < rows && l > f32::min_value(), l, f32::max_value());
+                stat_s[bq + UNIT_POS as usize] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+            }
+            sync_cube();
+            let mut s = zero_accumulators(q_tiles);
+            let mut dp = zero_accumulators(q_tiles);
+            step_scores::<F, NV>(&k_s, &q_s, 0, &mut s, c);
+            step_scores::<F, NV>(&v_s, &o_s, 0, &mut dp, cv);
+            let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
+            let mut da = Sequence::<Array<Vector<F, Const<2>>>>::new();
+            #[unroll]
+            for kc in 0..comptime!(c.block_k / 16) {
+                let mut pfrag = Array::<Vector<F, Const<2>>>::new(4usize);
+                let mut dfrag = Array::<Vector<F, Const<2>>>::new(4usize);
+                #[unroll]
+                for i in 0..4u32 {
+                    let j = comptime!(2 * kc + i / 2);
+                    let h = comptime!((i % 2) as usize);
+                    let raw = s.index(j as usize)[h];
+                    let dpv = dp.index(j as usize)[h];
+                    let mut pp = Vector::<F, Const<2>>::empty();
+                    let mut dd = Vector::<F, Const<2>>::empty();
+                    #[unroll]
+                    for n in 0..2usize {
+                        let col = comptime!((j * MMA_N) as usize) + quad * 2 + n;
+                        let row = r0 + col;
+                        let x = capped(raw[n], scale, softcap, c);
+                        let mut fac = scale;
+                        if comptime!(c.softcap) {
+                            let t = x / softcap;
+                            fac = scale * (1.0f32 - t * t);
+                        }
+                        let mut ok = key[h] <= key_last;
+                        if comptime!(c.causal) {
+                            let pos = usize::min(row, rows - 1) % seq_q;
+                            ok = ok && key[h] + seq_q <= pos + seq_k;
+                        }
+                        let p = select(ok, f32::exp(x - stat_s[col]), 0.0f32);
+                        pp[n] = F::cast_from(p);
+                        dd[n] = F::cast_from(p * (dpv[n] - stat_s[bq + col]) * fac);
+                    }
+                    pfrag[i as usize] = pp;
+                    dfrag[i as usize] = dd;
+                }
+                pa.push(pfrag);
+                da.push(dfrag);
+            }
+            product_trans::<F, NV>(
+                &pa,
+                &o_s,
+                &mut acc_dv,
+                v_ldv,
+                comptime!(c.block_k / 16),
+                comptime!(c.value_dim / 16),
+            );
+            product_trans::<F, NV>(
+                &da,
+                &q_s,
+                &mut acc_dk,
+                d_ldv,
+                comptime!(c.block_k / 16),
+                comptime!(c.head_dim / 16),
+            );
+        }
+    }
+    let mut ok = Array::<bool>::new(2usize);
+    let mut at_k = Array::<usize>::new(2usize);
+    let mut at_v = Array::<usize>::new(2usize);
+    #[unroll]
+    for h in 0..2usize {
+        ok[h] = key[h] < seq_k;
+        at_k[h] = batch * dk.stride(0) + hkv * dk.stride(1) + key[h] * dk.stride(2);
+        at_v[h] = batch * dv.stride(0) + hkv * dv.stride(1) + key[h] * dv.stride(2);
+    }
+    store_tiles::<F>(
+        dk,
+        &acc_dk,
+        &at_k,
+        &ok,
+        head_dim,
+        comptime!(c.head_dim / MMA_N),
+        false,
+    );
+    store_tiles::<F>(
+        dv,
+        &acc_dv,
+        &at_v,
+        &ok,
+        value_dim,
+        comptime!(c.value_dim / MMA_N),
+        false,
+    );
+}
