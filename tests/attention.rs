@@ -91,8 +91,8 @@ impl Case {
                     let p: Vec<f64> = s.iter().map(|&e| (r.store)(e / l)).collect();
                     for c in 0..dv {
                         let mut o = 0.0;
-                        for j in 0..sk {
-                            o = (r.acc)(o + p[j] * self.v[at(v_dims, [b, kh, j, c])]);
+                        for (j, pj) in p.iter().enumerate() {
+                            o = (r.acc)(o + pj * self.v[at(v_dims, [b, kh, j, c])]);
                         }
                         out[at([nb, hq, sq, dv], [b, h, i, c])] = (r.store)(o);
                     }

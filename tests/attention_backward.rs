@@ -77,9 +77,9 @@ fn naive(dtype: FloatDType) -> Rounding {
 type Grads = [Vec<f64>; 4];
 
 impl Case {
-    /// Forward and backward of attention under rounding `r`: scale → softcap → mask → causal →
-    /// + bias → softmax (zeros for a row without a visible key) → ·V, then the gradients of
-    /// `Σ out ⊙ g`. Query head `h` reads key/value head `h / (Hq / Hkv)`.
+    /// Forward and backward of attention under rounding `r`: scale, softcap, mask, causal, plus
+    /// the bias, softmax (zeros for a row without a visible key), times `V`; then the gradients
+    /// of `Σ out ⊙ g`. Query head `h` reads key/value head `h / (Hq / Hkv)`.
     fn grads(&self, r: Rounding) -> Grads {
         let [nb, hq, sq, d] = self.q_dims;
         let [_, hkv, sk, _] = self.k_dims;
@@ -192,6 +192,9 @@ impl Case {
     }
 }
 
+/// Whether element `[b, h, i, j]` of a mask is masked out.
+type MaskFn = fn([usize; 4]) -> bool;
+
 /// Inputs of one gradient check; `strided` takes `q`, `k`, `v` as `[B, S, H, D]` tensors
 /// swapped to `[B, H, S, D]` (the layout of an attention layer).
 struct Setup {
@@ -199,7 +202,7 @@ struct Setup {
     kv_heads: usize,
     seq_k: usize,
     dv: usize,
-    mask: Option<([usize; 4], fn([usize; 4]) -> bool)>,
+    mask: Option<([usize; 4], MaskFn)>,
     /// The bias's shape, tracked.
     bias: Option<[usize; 4]>,
     options: AttentionModuleOptions,

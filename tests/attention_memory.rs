@@ -1,4 +1,5 @@
-//! Peak device memory of the attention forward, in its own test binary (its own process): the
+//! Peak device memory of the attention forward and of a training step (forward + backward under
+//! `Autodiff`), in its own test binary (its own process): the
 //! measurement ([`common::peak_memory`]) puts the process's memory pools in cubecl's persistent
 //! mode before any device starts, which no other test binary should share.
 
@@ -108,5 +109,101 @@ fn cuda_forward_within_inputs_plus_output() {
             (big, FloatDType::F16),
             ((4, 16, 4096, 128), FloatDType::F32),
         ],
+    );
+}
+
+/// Checks a training step's peak memory (forward, then `out.backward()` under `Autodiff`):
+/// inputs + output + log-sum-exp + the output's gradient (Burn's seed, ones) + the three
+/// gradients + `δ` (one f32 per query row) + [`SLACK`]: nothing `Sq × Sk`. `composed = true`
+/// runs Burn's autodiff of `attention_fallback`, which must fail the same check.
+fn check_train_peak<B: FlashBackend, R: cubecl::Runtime>(
+    device: &B::Device,
+    dtype: FloatDType,
+    composed: bool,
+    (b, h, s, d): Dims,
+) where
+    R::Device: From<B::Device>,
+{
+    type A<B> = burn::backend::Autodiff<B>;
+    let client = R::client(&R::Device::from(device.clone()));
+    let draw = || {
+        Tensor::<A<B>, 4>::random([b, h, s, d], Distribution::Uniform(-1.0, 1.0), device)
+            .cast(dtype)
+            .require_grad()
+    };
+    let (q, k, v) = (draw(), draw(), draw());
+    let options = burn::tensor::ops::AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    let (grads, mem) = peak_memory(
+        &client,
+        || sync::<B>(device),
+        || {
+            let out = if composed {
+                module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
+            } else {
+                attention(q.clone(), k.clone(), v.clone(), None, None, options)
+            };
+            out.backward()
+        },
+    );
+    let elem = DType::from(dtype).size() as u64;
+    let n = (b * h * s * d) as u64 * elem;
+    let rows = (b * h * s) as u64 * 4;
+    // q, k, v; out, lse; the output's gradient; dq, dk, dv; δ.
+    let allowed = 3 * n + (n + rows) + n + 3 * n + rows + SLACK;
+    let name = if composed { "Burn's fallback" } else { "fused" };
+    eprintln!(
+        "train {name} {dtype:?} B{b} H{h} S{s} D{d}: peak {} KiB (allowed {} KiB)",
+        mem.peak >> 10,
+        allowed >> 10,
+    );
+    assert_eq!(
+        mem.peak <= allowed,
+        !composed,
+        "train {name} {dtype:?}: peak {} B, allowed {allowed} B ({mem:?})",
+        mem.peak
+    );
+    drop((q, k, v, grads));
+}
+
+fn check_train_backend<B: FlashBackend, R: cubecl::Runtime>(
+    composed: Dims,
+    fused: &[(Dims, FloatDType)],
+) where
+    R::Device: From<B::Device>,
+{
+    let device = Default::default();
+    check_train_peak::<B, R>(&device, FloatDType::F32, true, composed);
+    for &(dims, dtype) in fused {
+        if <B as Backend>::supports_dtype(&device, dtype.into()) {
+            check_train_peak::<B, R>(&device, dtype, false, dims);
+        }
+    }
+}
+
+/// A training step on lavapipe: the fallback's f32 scores (2 MiB per saved tensor) fail, the
+/// fused step stays within its inputs, outputs and gradients.
+#[cfg(feature = "wgpu")]
+#[test]
+fn wgpu_training_step_within_inputs_outputs_and_gradients() {
+    use_exact_pool();
+    let dims = (1, 2, 512, 64);
+    check_train_backend::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>(
+        dims,
+        &[(dims, FloatDType::F32)],
+    );
+}
+
+/// The shape for a training step: B 4, H 16, S 16384, D 128 in bf16 (the scores alone
+/// would be 32 GiB); the fallback's self-check at S 2048.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_training_step_within_inputs_outputs_and_gradients() {
+    use_exact_pool();
+    check_train_backend::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>(
+        (4, 16, 2048, 128),
+        &[((4, 16, 16384, 128), FloatDType::BF16)],
     );
 }

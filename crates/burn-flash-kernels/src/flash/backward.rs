@@ -586,7 +586,9 @@ pub fn flash_backward_dkv<F: Float>(
 /// score gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`: what a bias's
 /// gradient is made of; with given scores, `dX`, and no `dQ`). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
 #[cube(launch_unchecked)]
-#[allow(clippy::too_many_arguments)]
+// A comptime `if` stays apart from the runtime one inside it: joined, the branch would be
+// expanded when `write_ds` is off too.
+#[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_dq<F: Float>(
     q: &Tensor<F>,
     k: &Tensor<F>,

@@ -485,14 +485,16 @@ pub enum SmmBackwardPath {
     MatrixUnits,
     /// Register-tiled products on plain units ([`tiled_backward`]; gradients ≥ 65 × 65).
     Tiled,
-    /// 64 × 64-tile products on plain units ([`kernel`]).
+    /// The flash backward core on plain units with given scores
+    /// ([`crate::flash::backward`]: `dX` is its `dS`, `dV` its `dV`, summed over the batches
+    /// of a shared `V` in the kernel).
     Units,
 }
 
 /// The backward path [`launch_softmax_matmul_backward`] takes for tensors of these shapes and
 /// strides (`v`'s batch stride 0 when it is shared): the matrix units where
 /// [`mma_backward`] fits, else the tiled kernels for gradients of at least 65 × 65, else the
-/// small-tile kernels.
+/// flash backward core on plain units.
 pub fn plan_softmax_matmul_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
@@ -721,7 +723,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         v_strides[0] = 0;
     }
     let rows = batch * d1;
-    // Without rows, dV is zero: the small-tile kernel writes it.
+    // Without rows, dV is zero: the flash backward core writes it.
     let path = if rows == 0 {
         SmmBackwardPath::Units
     } else {
