@@ -123,7 +123,7 @@ fn staged_row(p: usize) -> usize {
 /// and written to row `r`, or with `permute` to row [`staged_row()`]`(r)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_rows<F: Float, NV: Size>(
+pub(crate) fn stage_rows<F: Float, NV: Size>(
     src: &Tensor<Vector<F, NV>>,
     dst: &mut SharedMemory<Vector<F, NV>>,
     buf: usize,

@@ -22,14 +22,16 @@
 use cubecl::{
     cmma::MmaDefinition,
     ir::{FastMath, MatrixIdent},
+    prelude::barrier::Barrier,
     prelude::*,
 };
 
 use super::FlashConfig;
 use super::backward::pair_index;
-use super::mma::{NV8, step_scores};
+use super::mma::{NV8, stage_rows, step_scores};
 use super::scores::{capped, causal_end};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
+use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Planes per cube of both kernels.
 pub const PLANES: u32 = 4;
@@ -52,13 +54,13 @@ pub fn dq_shared_bytes(c: FlashConfig) -> usize {
         (c.head_dim + V_PAD) as usize,
         (c.value_dim + V_PAD) as usize,
     );
-    (c.block_q as usize + c.block_k as usize) * (d + dv) * 2
+    (c.block_q as usize + 2 * c.block_k as usize) * (d + dv) * 2
 }
 
 /// Shared memory of the dK/dV kernel (`c.block_q` keys, `c.block_k` query rows per step), in
 /// bytes.
 pub fn dkv_shared_bytes(c: FlashConfig) -> usize {
-    dq_shared_bytes(c) + 2 * c.block_k as usize * 4
+    dq_shared_bytes(c) + 4 * c.block_k as usize * 4
 }
 
 /// Synchronous copies of `n_rows × width` elements into `dst` (row pitch `width + V_PAD`):
@@ -103,6 +105,113 @@ fn stage_query_rows<F: Float, NV: Size>(
     }
 }
 
+/// Asynchronous copies (`cp.async`) of `n_rows × width` elements into `dst` at `buf`, tile
+/// row `r` being query row `r0 + r` of the group as in [`stage_query_rows()`]; zeros past
+/// `rows` and `cols`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_rows_async<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    dst: &mut SharedMemory<Vector<F, NV>>,
+    buf: usize,
+    batch: usize,
+    head0: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    cols: usize,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let per_row = comptime!(width as usize / NV8);
+    let ldv = comptime!((width + V_PAD) as usize / NV8);
+    let total = comptime!(n_rows as usize * per_row);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units as usize)) {
+        let idx = UNIT_POS as usize + e * units as usize;
+        if idx < total {
+            let (r, cv) = (idx / per_row, idx % per_row);
+            let row = r0 + r;
+            let col = cv * NV8;
+            let rr = usize::min(row, rows - 1);
+            let src = batch * t.stride(0)
+                + (head0 + rr / seq_q) * t.stride(1)
+                + (rr % seq_q) * t.stride(2)
+                + col;
+            let ok = row < rows && col < cols;
+            copy_vec::<F, NV>(t, dst, select(ok, src / NV8, 0), buf + r * ldv + cv, ok);
+        }
+    }
+}
+
+/// Stages one block of `c.block_k` query rows `r0..` into buffer `buf` (0 or 1) of the dK/dV
+/// kernel: `Q` and `dO` asynchronously, `lse` (`f32::MAX` for a row past the end or without a
+/// visible key, so that its `P` is 0) and `δ` by plain stores into `stat_s`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_query_block<F: Float, NV: Size>(
+    q: &Tensor<Vector<F, NV>>,
+    d_out: &Tensor<Vector<F, NV>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    q_s: &mut SharedMemory<Vector<F, NV>>,
+    o_s: &mut SharedMemory<Vector<F, NV>>,
+    stat_s: &mut SharedMemory<f32>,
+    buf: usize,
+    batch: usize,
+    head0: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    head_dim: usize,
+    value_dim: usize,
+    #[comptime] c: FlashConfig,
+    #[comptime] units: u32,
+) {
+    let bq = comptime!(c.block_k as usize);
+    let q_len = comptime!(bq * (c.head_dim + V_PAD) as usize / NV8);
+    let o_len = comptime!(bq * (c.value_dim + V_PAD) as usize / NV8);
+    stage_query_rows_async::<F, NV>(
+        q,
+        q_s,
+        buf * q_len,
+        batch,
+        head0,
+        r0,
+        rows,
+        seq_q,
+        head_dim,
+        c.block_k,
+        c.head_dim,
+        units,
+    );
+    stage_query_rows_async::<F, NV>(
+        d_out,
+        o_s,
+        buf * o_len,
+        batch,
+        head0,
+        r0,
+        rows,
+        seq_q,
+        value_dim,
+        c.block_k,
+        c.value_dim,
+        units,
+    );
+    if UNIT_POS < c.block_k {
+        let row = r0 + UNIT_POS as usize;
+        let rr = usize::min(row, rows - 1);
+        let head = head0 + rr / seq_q;
+        let pos = rr % seq_q;
+        let l = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
+        let at = buf * 2 * bq + UNIT_POS as usize;
+        stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
+        stat_s[at + bq] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+    }
+}
+
 /// Synchronous copies of `n_rows × width` elements of rows `j0..` of one (batch, head) of `t`
 /// (offset `base`) into `dst`, zeros past `valid` rows and `cols` columns.
 #[cube]
@@ -139,11 +248,13 @@ fn stage_key_rows<F: Float, NV: Size>(
 
 /// `acc[nt] += A·B` over `k_steps·16` reduction indices for `n_pairs·2` output tiles of 8
 /// columns: `A` is given as one `mma` `A` fragment per 16 reduction indices (`a[kc]`), `B` is
-/// read from `b_s` (rows = reduction index, pitch `ldv` vectors) by `ldmatrix.x4.trans`.
+/// read from `b_s` at `b_buf` (rows = reduction index, pitch `ldv` vectors) by
+/// `ldmatrix.x4.trans`.
 #[cube]
 fn product_trans<F: Float, NV: Size>(
     a: &Sequence<Array<Vector<F, Const<2>>>>,
     b_s: &SharedMemory<Vector<F, NV>>,
+    b_buf: usize,
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     #[comptime] ldv: usize,
     #[comptime] k_steps: u32,
@@ -153,7 +264,7 @@ fn product_trans<F: Float, NV: Size>(
     let lane = UNIT_POS_PLANE;
     let mat = lane / 8;
     let mat_row = lane % 8;
-    let b_lane = ((mat % 2) * 8 + mat_row) as usize * ldv + (mat / 2) as usize;
+    let b_lane = b_buf + ((mat % 2) * 8 + mat_row) as usize * ldv + (mat / 2) as usize;
     #[unroll]
     for kc in 0..k_steps {
         let a_kc = a.index(kc as usize);
@@ -273,8 +384,10 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
 
     let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * d_ldv));
     let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * v_ldv));
-    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(c.block_k as usize * d_ldv));
-    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(c.block_k as usize * v_ldv));
+    let k_len = comptime!(c.block_k as usize * d_ldv);
+    let v_len = comptime!(c.block_k as usize * v_ldv);
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * k_len));
+    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * v_len));
     stage_query_rows::<F, NV>(
         q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, DQ_ROWS, c.head_dim, units,
     );
@@ -316,28 +429,73 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     let v_base = batch * v.stride(0) + hkv * v.stride(1);
     let bk = comptime!(c.block_k as usize);
     let steps = kv_end.div_ceil(bk);
+    let (ks, vs) = (k.stride(2), v.stride(2));
+    // K and V blocks stream through two buffers: step j + 1's copies run while step j computes.
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    stage_rows::<F, NV>(
+        k, &mut k_s, 0, 0, k_base, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
+    );
+    stage_rows::<F, NV>(
+        v,
+        &mut v_s,
+        0,
+        0,
+        v_base,
+        vs,
+        kv_end,
+        value_dim,
+        c.block_k,
+        c.value_dim,
+        units,
+        false,
+    );
+    bar0.commit_copy_async();
+    let _token = bar0.arrive();
+    // The Q and dO tiles (plain stores) are visible to every plane.
+    sync_cube();
     for st in 0..steps {
         let j0 = st * bk;
-        sync_cube();
-        stage_key_rows::<F, NV>(
-            k, &mut k_s, k_base, j0, kv_end, head_dim, c.block_k, c.head_dim, units,
-        );
-        stage_key_rows::<F, NV>(
-            v,
-            &mut v_s,
-            v_base,
-            j0,
-            kv_end,
-            value_dim,
-            c.block_k,
-            c.value_dim,
-            units,
-        );
-        sync_cube();
+        let parity = st % 2;
+        let next = st + 1;
+        if next < steps {
+            let nb = 1 - parity;
+            stage_rows::<F, NV>(
+                k,
+                &mut k_s,
+                nb * k_len,
+                next * bk,
+                k_base,
+                ks,
+                kv_end,
+                head_dim,
+                c.block_k,
+                c.head_dim,
+                units,
+                false,
+            );
+            stage_rows::<F, NV>(
+                v,
+                &mut v_s,
+                nb * v_len,
+                next * bk,
+                v_base,
+                vs,
+                kv_end,
+                value_dim,
+                c.block_k,
+                c.value_dim,
+                units,
+                false,
+            );
+        }
+        commit_next(&bar0, &bar1, st);
+        wait_step(&bar0, &bar1, st);
+        let (k_buf, v_buf) = (parity * k_len, parity * v_len);
         let mut s = zero_accumulators(key_tiles);
         let mut dp = zero_accumulators(key_tiles);
-        step_scores::<F, NV>(&q_s, &k_s, 0, &mut s, c);
-        step_scores::<F, NV>(&o_s, &v_s, 0, &mut dp, cv);
+        step_scores::<F, NV>(&q_s, &k_s, k_buf, &mut s, c);
+        step_scores::<F, NV>(&o_s, &v_s, v_buf, &mut dp, cv);
         // dR = scale · P ⊙ (dP − δ) ⊙ softcap', as A fragments of 16 keys.
         let mut a = Sequence::<Array<Vector<F, Const<2>>>>::new();
         #[unroll]
@@ -373,11 +531,18 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         product_trans::<F, NV>(
             &a,
             &k_s,
+            k_buf,
             &mut acc,
             d_ldv,
             comptime!(c.block_k / 16),
             comptime!(c.head_dim / 16),
         );
+        // Every plane is done with this buffer before step + 2's copies overwrite it.
+        sync_cube();
+    }
+    if steps == 0 {
+        // The prologue's copies complete before the cube exits.
+        wait_step(&bar0, &bar1, 0);
     }
     let mut ok = Array::<bool>::new(2usize);
     #[unroll]
@@ -449,9 +614,12 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
 
     let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * d_ldv));
     let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * v_ldv));
-    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(bq * d_ldv));
-    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(bq * v_ldv));
-    let mut stat_s = SharedMemory::<f32>::new(comptime!(2 * bq));
+    let q_len = comptime!(bq * d_ldv);
+    let o_len = comptime!(bq * v_ldv);
+    // Q, dO and the rows' (lse, δ) stream through two buffers.
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * q_len));
+    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * o_len));
+    let mut stat_s = SharedMemory::<f32>::new(comptime!(4 * bq));
     let k_base = batch * k.stride(0) + hkv * k.stride(1);
     let v_base = batch * v.stride(0) + hkv * v.stride(1);
     stage_key_rows::<F, NV>(
@@ -477,9 +645,81 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     }
     let mut acc_dk = zero_accumulators(comptime!(c.head_dim / MMA_N));
     let mut acc_dv = zero_accumulators(comptime!(c.value_dim / MMA_N));
-    let blocks = rows.div_ceil(bq);
     let key_last = usize::min(key0 + DKV_KEYS as usize, seq_k) - 1;
-    for qb in 0..blocks {
+    // The query blocks to visit. Causal with whole blocks per head (`Sq` a multiple of the
+    // step): only the blocks whose last position sees the cube's first key, `first..` of each
+    // head's; otherwise every block (a causal one past every diagonal computes nothing).
+    let blocks = rows.div_ceil(bq);
+    let mut per_head = blocks;
+    let mut first = 0usize;
+    let mut live_per_head = blocks;
+    if comptime!(c.causal) {
+        if seq_q % bq == 0 {
+            per_head = seq_q / bq;
+            let sees = key0 + seq_q;
+            if sees > seq_k {
+                first = usize::min((sees - seq_k) / bq, per_head);
+            }
+            live_per_head = per_head - first;
+        }
+    }
+    let n_live = (blocks / per_head) * live_per_head;
+    if n_live > 0 {
+        let r0 = first * bq;
+        stage_query_block::<F, NV>(
+            q,
+            d_out,
+            lse,
+            delta,
+            &mut q_s,
+            &mut o_s,
+            &mut stat_s,
+            0,
+            batch,
+            head0,
+            r0,
+            rows,
+            seq_q,
+            head_dim,
+            value_dim,
+            c,
+            units,
+        );
+    }
+    let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    bar0.commit_copy_async();
+    let _token = bar0.arrive();
+    // The K and V tiles and the first block's (lse, δ) (plain stores) are visible to all.
+    sync_cube();
+    for i in 0..n_live {
+        let parity = i % 2;
+        let next = i + 1;
+        if next < n_live {
+            let nb = (next / live_per_head) * per_head + first + next % live_per_head;
+            stage_query_block::<F, NV>(
+                q,
+                d_out,
+                lse,
+                delta,
+                &mut q_s,
+                &mut o_s,
+                &mut stat_s,
+                1 - parity,
+                batch,
+                head0,
+                nb * bq,
+                rows,
+                seq_q,
+                head_dim,
+                value_dim,
+                c,
+                units,
+            );
+        }
+        commit_next(&bar0, &bar1, i);
+        wait_step(&bar0, &bar1, i);
+        let qb = (i / live_per_head) * per_head + first + i % live_per_head;
         let r0 = qb * bq;
         let last = usize::min(r0 + bq, rows) - 1;
         // Causal: the block's largest position must see the cube's first key.
@@ -488,40 +728,12 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
             live = key0 + seq_q <= pos_hi + seq_k;
         }
+        let (q_buf, o_buf, sb) = (parity * q_len, parity * o_len, parity * 2 * bq);
         if live {
-            sync_cube();
-            stage_query_rows::<F, NV>(
-                q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, c.block_k, c.head_dim, units,
-            );
-            stage_query_rows::<F, NV>(
-                d_out,
-                &mut o_s,
-                batch,
-                head0,
-                r0,
-                rows,
-                seq_q,
-                value_dim,
-                c.block_k,
-                c.value_dim,
-                units,
-            );
-            if UNIT_POS < c.block_k {
-                let row = r0 + UNIT_POS as usize;
-                let rr = usize::min(row, rows - 1);
-                let head = head0 + rr / seq_q;
-                let pos = rr % seq_q;
-                let l = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
-                // Rows past the end, or without a visible key: P = 0 (lse = +max).
-                stat_s[UNIT_POS as usize] =
-                    select(row < rows && l > f32::min_value(), l, f32::max_value());
-                stat_s[bq + UNIT_POS as usize] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-            }
-            sync_cube();
             let mut s = zero_accumulators(q_tiles);
             let mut dp = zero_accumulators(q_tiles);
-            step_scores::<F, NV>(&k_s, &q_s, 0, &mut s, c);
-            step_scores::<F, NV>(&v_s, &o_s, 0, &mut dp, cv);
+            step_scores::<F, NV>(&k_s, &q_s, q_buf, &mut s, c);
+            step_scores::<F, NV>(&v_s, &o_s, o_buf, &mut dp, cv);
             let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
             let mut da = Sequence::<Array<Vector<F, Const<2>>>>::new();
             #[unroll]
@@ -551,9 +763,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                             let pos = usize::min(row, rows - 1) % seq_q;
                             ok = ok && key[h] + seq_q <= pos + seq_k;
                         }
-                        let p = select(ok, f32::exp(x - stat_s[col]), 0.0f32);
+                        let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
                         pp[n] = F::cast_from(p);
-                        dd[n] = F::cast_from(p * (dpv[n] - stat_s[bq + col]) * fac);
+                        dd[n] = F::cast_from(p * (dpv[n] - stat_s[sb + bq + col]) * fac);
                     }
                     pfrag[i as usize] = pp;
                     dfrag[i as usize] = dd;
@@ -564,6 +776,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             product_trans::<F, NV>(
                 &pa,
                 &o_s,
+                o_buf,
                 &mut acc_dv,
                 v_ldv,
                 comptime!(c.block_k / 16),
@@ -572,12 +785,19 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             product_trans::<F, NV>(
                 &da,
                 &q_s,
+                q_buf,
                 &mut acc_dk,
                 d_ldv,
                 comptime!(c.block_k / 16),
                 comptime!(c.head_dim / 16),
             );
         }
+        // Every plane is done with this buffer before block + 2's copies overwrite it.
+        sync_cube();
+    }
+    if n_live == 0 {
+        // The prologue's (empty) copies complete before the cube exits.
+        wait_step(&bar0, &bar1, 0);
     }
     let mut ok = Array::<bool>::new(2usize);
     let mut at_k = Array::<usize>::new(2usize);
