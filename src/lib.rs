@@ -1,6 +1,6 @@
 //! # burn-flash
 //!
-//! Fused softmax-family kernels, `softmax(X)·V` and attention (flash kernels to come) for
+//! Fused softmax-family kernels, `softmax(X)·V` and flash attention (forward and backward) for
 //! [Burn](https://burn.dev), written once as CubeCL kernels and run on both the CUDA and wgpu
 //! runtimes, forward and backward.
 //!

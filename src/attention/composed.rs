@@ -1,8 +1,9 @@
 //! The composed attention: the scores from stock Burn ops, then burn-flash's fused
 //! `softmax(S)·V` (which never writes the probabilities and gives fully masked rows zeros).
-//! The provided body of [`crate::AttentionBackend::flash_attention`]: what NdArray and
-//! `Autodiff` run (Burn's autodiff differentiates the scores, the fused op its own backward).
-//! It materialises one `B·Hq·Sq·Sk` score tensor.
+//! The provided bodies of [`crate::AttentionBackend::flash_attention`] ([`forward`]) and of
+//! its backward ([`backward`]): what NdArray (and any backend without the kernels) runs, also
+//! under `Autodiff`. It materialises the `B·Hq·Sq·Sk` scores (with dropout, the weights and the
+//! mask drawn on the host by the kernels' generator).
 
 use burn::tensor::{
     Bool, Int, Tensor, TensorPrimitive,

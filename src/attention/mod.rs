@@ -18,10 +18,14 @@
 //! and one f32 log-sum-exp per query row. A bool mask is converted to the query's float type
 //! first (one element per mask element, at the mask's own broadcast shape).
 //!
-//! **Gradients.** Under `Autodiff<B>` the forward and backward are, for now, the composed
-//! fallback ([`composed`]): scores from Burn ops (differentiated by Burn's autodiff) and
-//! burn-flash's fused `softmax(S)·V` with its fused backward. It materialises the
-//! `B·Hq·Sq·Sk` scores; the fused attention backward is the next step.
+//! **Gradients.** Under `Autodiff<B>` the forward runs `B`'s kernel and keeps its inputs, output
+//! and log-sum-exp (nothing `Sq × Sk`); the backward is
+//! [`AttentionBackend::flash_attention_backward`](crate::AttentionBackend::flash_attention_backward):
+//! FlashAttention-2's schedule on CubeCL backends ([`burn_flash_kernels::flash::backward`] on
+//! plain units, [`burn_flash_kernels::flash::mma_backward`] on the matrix units for f16/bf16 on
+//! CUDA), the gradient composed from stock ops on NdArray ([`composed::backward`]). A tracked
+//! bias gets `dS` summed over its broadcast dimensions. Dropout on the weights:
+//! [`FlashAttentionOptions::dropout`].
 
 pub(crate) mod autodiff;
 pub mod composed;
@@ -190,7 +194,7 @@ pub fn attention_with_lse<B: FlashBackend>(
 
 /// The launch the fused attention would make on `device` for contiguous tensors of `dims`:
 /// the kernel ([`AttentionKernel`]), its tiles and grid (`None`: the backend uses the composed
-/// fallback, e.g. NdArray or `Autodiff`).
+/// fallback, e.g. NdArray; under `Autodiff<B>`, `B`'s plan).
 pub fn attention_plan<B: FlashBackend>(
     device: &B::Device,
     dims: AttentionDims,
