@@ -1,5 +1,7 @@
-//! The online softmax every forward kernel runs: `softmax(S)·V` over the columns of `S` in
-//! steps, never holding a whole row of `S`.
+//! The flash kernels of both ops, forward and backward. The forward is the online softmax:
+//! `softmax(S)·V` over the columns of `S` in steps, never holding a whole row of `S`; the
+//! backward ([`backward`] on plain units, [`mma_backward`] on the matrix units) rebuilds `P`
+//! block by block from the forward's log-sum-exp.
 //!
 //! Per row, after the columns `0..j` the kernel holds a reference maximum `m`, the sum
 //! `l = Σ e^(s − m)` and the unnormalised output `O = Σ e^(s − m)·v`. A step with scores `S`
