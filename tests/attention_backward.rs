@@ -13,7 +13,7 @@ use burn::tensor::{Bool, FloatDType, Tensor, TensorData, bf16, f16, ops::Attenti
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
     FlashBackend,
-    attention::AttentionDims,
+    attention::{AttentionDims, recent_backward_launches},
     attention_backward_plan, attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
@@ -444,7 +444,9 @@ fn partly_tracked<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     );
 }
 
-/// The backward plan: the plain-unit kernels, their tiles and grids; `None` on the fallback.
+/// The plan of each backward kernel, and that the planned kernels are the ones that ran: a
+/// real backward of the plan's sizes (with and without a mask) leaves a launch record naming
+/// them, and no other.
 fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let dims = AttentionDims {
         batch: 3,
@@ -459,7 +461,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         attention_backward_plan::<A<B>>(device, dims, dtype.into(), Default::default(), mask, false)
     };
     let Some(plain) = plan(false) else {
-        // Only the stock-ops fallback has no plan.
+        // Only the stock-ops fallback has no plan, and it launches no backward kernel.
         let inner = attention_backward_plan::<B>(
             device,
             dims,
@@ -484,13 +486,18 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     } else {
         assert_eq!(plain.kernel, AttentionBackwardKernel::Units);
     }
-    // A mask (or bias, or dropout) takes the plain-unit kernels everywhere: 70 keys in blocks
-    // of 32; 4·100 rows of a key/value head in blocks of 32.
+    // A mask (or bias, or dropout) takes the plain-unit kernels everywhere: D and Dv in chunks
+    // of 64; 70 keys in blocks of 64 (one column tile of 128: 2 cubes); 4·100 rows of a
+    // key/value head in blocks of 64 (7 cubes), keys in steps of 32.
     let masked = plan(true).expect("plan").expect("plan");
     assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
-    assert_eq!((masked.head_dim, masked.value_dim), (96, 64));
-    assert_eq!(masked.dkv_cubes, (3, 6, 1));
-    assert_eq!(masked.dq_cubes, (13, 6, 1));
+    assert_eq!((masked.head_dim, masked.value_dim), (128, 64));
+    assert_eq!(
+        (masked.block_keys, masked.block_rows, masked.step),
+        (64, 64, 32)
+    );
+    assert_eq!(masked.dkv_cubes, (2, 6, 1));
+    assert_eq!(masked.dq_cubes, (7, 6, 1));
     let too_wide = AttentionDims {
         head_dim: 320,
         ..dims
@@ -504,6 +511,28 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         false,
     );
     assert!(matches!(err, Some(Err(_))), "head dim 320 must be refused");
+
+    // Run both: the launch record must name the planned kernels (no other test has these
+    // sizes; the record is per process, so only launches of exactly `dims` are looked at).
+    let mut setup = Setup::new([3, 8, 100, 72], 2, 70, 40);
+    check::<B>(&setup, dtype, "planned kernels, no mask");
+    setup.mask = Some(([3, 1, 1, 70], |[b, _, _, j]| j + 7 * b >= 66));
+    check::<B>(&setup, dtype, "planned kernels, padding mask");
+    let ran: Vec<_> = recent_backward_launches()
+        .into_iter()
+        .filter(|l| l.dims == dims)
+        .collect();
+    for (mask, want) in [(false, plain.kernel), (true, masked.kernel)] {
+        let kernels: Vec<_> = ran
+            .iter()
+            .filter(|l| l.mask == mask)
+            .map(|l| l.kernel)
+            .collect();
+        assert!(
+            !kernels.is_empty() && kernels.iter().all(|&k| k == want),
+            "mask {mask}: planned {want:?}, launched {kernels:?}"
+        );
+    }
 }
 
 /// Dropout's forward and backward against the reference with the mask materialised from the

@@ -42,7 +42,7 @@ pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
-    AttentionPlan, MAX_HEAD_DIM,
+    AttentionPlan, BackwardLaunch, MAX_HEAD_DIM, recent_backward_launches,
 };
 
 /// The gradients of one attention call

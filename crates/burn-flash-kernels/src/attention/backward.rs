@@ -28,6 +28,41 @@ pub enum AttentionBackwardKernel {
     MatrixUnits,
 }
 
+/// Backward launches kept by [`recent_backward_launches`].
+const RECORDED: usize = 64;
+
+/// The last [`RECORDED`] backward launches of this process, oldest first.
+static LAUNCHES: std::sync::Mutex<std::collections::VecDeque<BackwardLaunch>> =
+    std::sync::Mutex::new(std::collections::VecDeque::new());
+
+/// One backward launch as [`launch_attention_backward`] made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BackwardLaunch {
+    /// The call's sizes.
+    pub dims: AttentionDims,
+    /// The kernels that were launched.
+    pub kernel: AttentionBackwardKernel,
+    /// Whether a mask was read.
+    pub mask: bool,
+    /// Whether `dS` (a tracked bias's gradient) was written.
+    pub ds: bool,
+}
+
+/// The most recent backward launches of this process (at most 64, oldest first), as they
+/// were enqueued, on any runtime: which kernels took a call, observed rather than planned.
+pub fn recent_backward_launches() -> Vec<BackwardLaunch> {
+    let log = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    log.iter().copied().collect()
+}
+
+fn record_launch(launch: BackwardLaunch) {
+    let mut log = LAUNCHES.lock().unwrap_or_else(|e| e.into_inner());
+    if log.len() == RECORDED {
+        log.pop_front();
+    }
+    log.push_back(launch);
+}
+
 /// What of a call beyond its sizes the backward plan depends on.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BackwardFeatures {
@@ -48,13 +83,15 @@ pub struct AttentionBackwardPlan {
     pub block_rows: usize,
     /// Keys per cube of the `dK`/`dV` kernel.
     pub block_keys: usize,
-    /// Keys per step of the `dQ` kernel, query rows per step of the `dK`/`dV` kernel.
+    /// Keys per step of the `dQ` kernel (query rows per step of the `dK`/`dV` kernel: the
+    /// same on the matrix units, [`backward::STEP_ROWS`] on plain units).
     pub step: usize,
     /// Head dim the kernels are compiled for (`D` rounded up).
     pub head_dim: usize,
     /// Value head dim the kernels are compiled for (`Dv` rounded up).
     pub value_dim: usize,
-    /// Cubes of the `dK`/`dV` kernel: (key blocks, and `B·Hkv` folded over y and z).
+    /// Cubes of the `dK`/`dV` kernel: (key blocks — times column tiles on plain units — and
+    /// `B·Hkv` folded over y and z).
     pub dkv_cubes: (usize, usize, usize),
     /// Cubes of the `dQ` kernel: (row blocks of `G·Sq`, and `B·Hkv` folded over y and z).
     pub dq_cubes: (usize, usize, usize),
@@ -144,7 +181,11 @@ pub fn plan_attention_backward<R: Runtime>(
             dq_cubes,
         });
     }
-    let dkv_cubes = (seq_k.div_ceil(backward::BLOCK_KEYS as usize), y, z);
+    let dkv_cubes = (
+        backward::dkv_blocks(seq_k, head_dim, value_dim, false),
+        y,
+        z,
+    );
     let dq_cubes = (rows.div_ceil(backward::BLOCK_ROWS as usize), y, z);
     for cubes in [dkv_cubes, dq_cubes] {
         if cubes.0 > mx as usize || cubes.2 > mz as usize {
@@ -155,7 +196,7 @@ pub fn plan_attention_backward<R: Runtime>(
         kernel: AttentionBackwardKernel::Units,
         block_rows: backward::BLOCK_ROWS as usize,
         block_keys: backward::BLOCK_KEYS as usize,
-        step: backward::BLOCK_KEYS as usize,
+        step: backward::STEP_KEYS as usize,
         head_dim: head_dim.next_multiple_of(backward::CHUNK as usize),
         value_dim: value_dim.next_multiple_of(backward::CHUNK as usize),
         dkv_cubes,
@@ -266,11 +307,19 @@ pub fn launch_attention_backward<R: Runtime>(
     if pairs == 0 {
         return Ok(plan);
     }
+    let record = |kernel| {
+        record_launch(BackwardLaunch {
+            dims,
+            kernel,
+            mask: t.mask.is_some(),
+            ds: t.ds.is_some(),
+        })
+    };
     let config = FlashConfig {
         source: ScoreSource::QueryKey,
         block_q: backward::BLOCK_ROWS,
         row_tiles: 1,
-        block_k: backward::BLOCK_KEYS,
+        block_k: backward::STEP_KEYS,
         head_dim: plan.head_dim as u32,
         value_dim: plan.value_dim as u32,
         causal: options.causal,
@@ -341,6 +390,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 );
             }
         }
+        record(AttentionBackwardKernel::MatrixUnits);
         return Ok(plan);
     }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| backward::Operand {
@@ -391,5 +441,6 @@ pub fn launch_attention_backward<R: Runtime>(
             dtype,
         );
     }
+    record(AttentionBackwardKernel::Units);
     Ok(plan)
 }

@@ -33,8 +33,8 @@ use crate::fragment;
 use crate::softmax::TensorRef;
 
 pub use backward::{
-    AttentionBackwardKernel, AttentionBackwardPlan, BackwardFeatures, BackwardTensors,
-    launch_attention_backward, plan_attention_backward,
+    AttentionBackwardKernel, AttentionBackwardPlan, BackwardFeatures, BackwardLaunch,
+    BackwardTensors, launch_attention_backward, plan_attention_backward, recent_backward_launches,
 };
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.

@@ -16,22 +16,31 @@
 //! ```
 //!
 //! Two kernels, each owning its output so that nothing is accumulated across cubes:
-//! - [`flash_backward_dkv()`]: one cube per block of [`BLOCK_KEYS`] keys of one (batch,
-//!   key/value head), looping over every query row of the head's group (`G·Sq` rows, the
-//!   query heads of a group summed in the kernel, nothing repeated), blocks above a causal
-//!   diagonal skipped;
+//! - [`flash_backward_dkv()`]: one cube per block of [`BLOCK_KEYS`] keys (and per tile of
+//!   [`COL_TILE`] columns of `dK`/`dV`) of one (batch, key/value head), looping over every
+//!   query row of the head's group in steps of [`STEP_ROWS`] (`G·Sq` rows, the query heads of
+//!   a group summed in the kernel, nothing repeated), steps above a causal diagonal skipped;
 //! - [`flash_backward_dq()`]: one cube per block of [`BLOCK_ROWS`] query rows, looping over
-//!   the keys the rows see (up to the causal diagonal); it also writes `dS` where the bias
-//!   needs a gradient.
+//!   the keys the rows see (up to the causal diagonal) in steps of [`STEP_KEYS`]; it also
+//!   writes `dS` where the bias needs a gradient.
 //!
-//! Unit `(ty, tx)` of the 16 × 16 grid holds scores of rows `2·ty + i` and keys `tx + 16·j`
-//! (`i, j < 2`); products run through shared memory in chunks of [`CHUNK`] head dims. The
-//! grid is `(blocks, y, z)` with `y·z ≥ B·Hkv` (`B·Hkv` folded over two axes: any number of
-//! heads runs).
+//! **Register tiling.** Operands are staged in shared memory as f32 4-vectors, [`CHUNK`]
+//! columns at a time, the 4-vector index XOR-swizzled by the row (a quarter-plane reading 8
+//! consecutive rows at one column hits every bank once; 32 KiB in all, WebGPU's limit). Unit `(ty, tx)` of the 16 × 16 grid holds the scores of
+//! rows `ty + 16·i` and keys `tx + 16·j`: a score product (`Q·Kᵀ`, `dO·Vᵀ`) reads one 4-vector
+//! per row and per key for 4 FMAs per pair. The weights (`P`, then `dS`) go to a shared tile
+//! `W` whose 4-vector `s` of a row holds columns `s, s + 16, s + 32, s + 48` — the four a unit
+//! holds, stored at once — and the gradient products (`Pᵀ·dO`, `dSᵀ·Q`, `dS·K`) read one `W`
+//! 4-vector (a broadcast over the quarter-plane) and one operand 4-vector for 16 FMAs, into
+//! accumulators of outputs `ty + 16·a` (a < 4) by columns `4·tx ..`.
+//!
+//! The grid is `(blocks, y, z)` with `y·z ≥ B·Hkv` (`B·Hkv` folded over two axes: any number
+//! of heads runs).
 
 use cubecl::prelude::*;
 
 use super::FlashConfig;
+use super::scores::{RowRefs, add_bias, capped, causal_end, new_refs, set_row, visible};
 use crate::dropout::keep_weight;
 
 /// The dropout arguments of a launch ([`crate::dropout::DropoutParams`]).
@@ -42,31 +51,59 @@ pub struct Dropout {
     pub threshold: u32,
     pub inv_keep: f32,
 }
-use super::scores::{RowRefs, add_bias, capped, causal_end, new_refs, set_row, visible};
+
+/// An f32 4-vector, the unit of the shared tiles.
+type V4 = Vector<f32, Const<4>>;
 
 /// Units per cube.
 pub const UNITS: u32 = 256;
 /// Units across the grid of a cube (and down it).
 pub const GRID: u32 = 16;
-/// Query rows per block.
-pub const BLOCK_ROWS: u32 = 32;
-/// Keys per block.
-pub const BLOCK_KEYS: u32 = 32;
-/// Head dims (and value dims) per staged chunk.
-pub const CHUNK: u32 = 32;
-/// Row pitch of the shared tiles (one pad column: conflict-free column reads).
-const LD: u32 = CHUNK + 1;
-/// Shared tiles of a cube: operand A, operand B, `P`, `dS`, each `32 × LD`.
-const TILE: u32 = 32 * LD;
+/// Keys per cube of [`flash_backward_dkv()`].
+pub const BLOCK_KEYS: u32 = 64;
+/// Query rows per step of [`flash_backward_dkv()`].
+pub const STEP_ROWS: u32 = 32;
+/// Query rows per cube of [`flash_backward_dq()`].
+pub const BLOCK_ROWS: u32 = 64;
+/// Keys per step of [`flash_backward_dq()`].
+pub const STEP_KEYS: u32 = 32;
+/// Columns (head dims, value dims) per staged chunk.
+pub const CHUNK: u32 = 64;
+/// Columns of `dK` and of `dV` one cube of [`flash_backward_dkv()`] accumulates (its
+/// registers); wider heads take the grid's x axis in tiles of this.
+pub const COL_TILE: u32 = 128;
+/// Chunks per column tile.
+const TILE_CHUNKS: u32 = COL_TILE / CHUNK;
+/// 4-vectors per row of a shared tile (a chunk).
+const PITCH: u32 = CHUNK / 4;
+/// Rows of the shared tiles of either kernel: operand `A` (query rows), operand `B` (keys) and
+/// the weights `W` (32 rows each of the step's kind; 128 in all).
+const SHARED_ROWS: u32 = 128;
 /// Shared memory of either kernel, in bytes.
-pub const SHARED_BYTES: usize = (4 * TILE * 4) as usize;
-
-/// Most columns of `dV` one cube of [`flash_backward_dkv()`] accumulates (its registers):
-/// attention's `Dv ≤ 256` in one tile, wider given-score `V`s in tiles of this.
-pub const MAX_VALUE_TILE: u32 = 256;
+pub const SHARED_BYTES: usize = (SHARED_ROWS * PITCH * 16) as usize;
 
 /// Rows of `δ` per cube of [`flash_delta()`].
 pub const DELTA_ROWS: u32 = 8;
+
+/// Where 4-vector `qv` of row `r` of a shared tile lies: rows of [`PITCH`] 4-vectors, the
+/// 4-vector index XOR-swizzled by `r mod 8`, so that 8 consecutive rows at one `qv` (a score
+/// product's `B` reads) and 8 consecutive `qv` of one row (stages, gradient products) each
+/// hit every bank once.
+#[cube]
+fn slot(r: u32, qv: u32) -> usize {
+    (r * PITCH + (qv ^ (r & 7))) as usize
+}
+
+/// Cubes along x of [`flash_backward_dkv()`] for `seq_k` keys: key blocks × column tiles
+/// (`D` and `Dv` for computed scores, `Dv` for given ones).
+pub fn dkv_blocks(seq_k: usize, head_dim: usize, value_dim: usize, given: bool) -> usize {
+    let cols = if given {
+        value_dim
+    } else {
+        head_dim.max(value_dim)
+    };
+    seq_k.div_ceil(BLOCK_KEYS as usize) * cols.div_ceil(COL_TILE as usize).max(1)
+}
 
 /// The (batch, key/value head) pair of this cube, from the grid's `(y, z)` axes; `None`-like
 /// `pairs` bound checked by the caller.
@@ -91,39 +128,58 @@ fn row_at<F: CubePrimitive>(t: &Tensor<F>, b: usize, h: usize, p: usize) -> usiz
     b * t.stride(0) + h * t.stride(1) + p * t.stride(2)
 }
 
-/// Stages `32 × CHUNK` elements of a 4-D tensor into `sh[at..]` (pitch [`LD`]), f32: row `r`
-/// of the tile is the tensor row at `bases[r]` (0 past `valid` rows), columns `c0..`.
+/// Columns `c0 + 4·qv ..` of the tensor row at `base` as an f32 4-vector (0 where `ok` is
+/// false or past `cols`).
 #[cube]
+fn load4<F: Float>(t: &Tensor<F>, ok: bool, base: usize, c0: usize, qv: u32, cols: usize) -> V4 {
+    let mut vec = V4::empty();
+    #[unroll]
+    for e in 0..4u32 {
+        let col = c0 + (4 * qv + e) as usize;
+        let mut val = 0.0f32;
+        if ok && col < cols {
+            val = f32::cast_from(t[base + col * t.stride(3)]);
+        }
+        vec[e as usize] = val;
+    }
+    vec
+}
+
+/// Stages `n` rows × [`CHUNK`] columns (from `c0`) into the tile at `at`: row `r` is the
+/// tensor row at `base + r·pitch` (positions of one head), zeros past `valid` rows and `cols`
+/// columns.
+#[cube]
+#[allow(clippy::too_many_arguments)]
 fn stage<F: Float>(
     t: &Tensor<F>,
-    sh: &mut SharedMemory<f32>,
-    at: u32,
+    sh: &mut SharedMemory<V4>,
+    at: usize,
     base: usize,
     pitch: usize,
     valid: usize,
     c0: usize,
     cols: usize,
+    #[comptime] n: u32,
 ) {
     #[unroll]
-    for e in 0..comptime!(32 * CHUNK / UNITS) {
+    for e in 0..comptime!(n * (CHUNK / 4) / UNITS) {
         let idx = UNIT_POS + e * UNITS;
-        let (r, c) = (idx / CHUNK, idx % CHUNK);
-        let mut val = 0.0f32;
-        if (r as usize) < valid && c0 + (c as usize) < cols {
-            val = f32::cast_from(t[base + r as usize * pitch + (c0 + c as usize) * t.stride(3)]);
-        }
-        sh[(at + r * LD + c) as usize] = val;
+        let (r, qv) = (idx / (CHUNK / 4), idx % (CHUNK / 4));
+        let ok = (r as usize) < valid;
+        let row = select(ok, base + r as usize * pitch, 0);
+        sh[at + slot(r, qv)] = load4::<F>(t, ok, row, c0, qv, cols);
     }
 }
 
-/// Stages `32 × CHUNK` elements of query rows `r0..` of a key/value head's group (row `r` is
-/// head `group_head(r / Sq)`, position `r % Sq`) into `sh[at..]`, f32, 0 past the rows.
+/// Stages `n` query rows `r0..` of a key/value head's group (row `r` is head
+/// `group_head(r / Sq)`, position `r % Sq`) × [`CHUNK`] columns into the tile at `at`, zeros
+/// past the rows.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_rows<F: Float>(
     t: &Tensor<F>,
-    sh: &mut SharedMemory<f32>,
-    at: u32,
+    sh: &mut SharedMemory<V4>,
+    at: usize,
     batch: usize,
     hkv: usize,
     group: usize,
@@ -133,24 +189,24 @@ fn stage_rows<F: Float>(
     seq_q: usize,
     c0: usize,
     cols: usize,
+    #[comptime] n: u32,
 ) {
     #[unroll]
-    for e in 0..comptime!(32 * CHUNK / UNITS) {
+    for e in 0..comptime!(n * (CHUNK / 4) / UNITS) {
         let idx = UNIT_POS + e * UNITS;
-        let (r, c) = (idx / CHUNK, idx % CHUNK);
+        let (r, qv) = (idx / (CHUNK / 4), idx % (CHUNK / 4));
         let row = r0 + r as usize;
-        let mut val = 0.0f32;
-        if row < rows && c0 + (c as usize) < cols {
-            let head = group_head(hkv, row / seq_q, group, heads_kv);
-            let base = row_at(t, batch, head, row % seq_q);
-            val = f32::cast_from(t[base + (c0 + c as usize) * t.stride(3)]);
-        }
-        sh[(at + r * LD + c) as usize] = val;
+        let ok = row < rows;
+        let rr = usize::min(row, rows - 1);
+        let head = group_head(hkv, rr / seq_q, group, heads_kv);
+        let base = row_at(t, batch, head, rr % seq_q);
+        sh[at + slot(r, qv)] = load4::<F>(t, ok, base, c0, qv, cols);
     }
 }
 
-/// The given scores of the unit's 2 × 2 elements (rows `r0 + 2·ty + i`, keys `j0 + tx + 16·j`)
-/// from `x` (`[B, H, Sq, Sk]`, rows over the group as in [`stage_rows()`]); 0 past the edges.
+/// The given scores of the unit's `ri × rj` elements (rows `r0 + ty + 16·i`, keys
+/// `j0 + tx + 16·j`) from `x` (`[B, H, Sq, Sk]`, rows over the group as in [`stage_rows()`]);
+/// 0 past the edges.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn read_scores<F: Float>(
@@ -167,96 +223,92 @@ fn read_scores<F: Float>(
     seq_k: usize,
     ty: u32,
     tx: u32,
+    #[comptime] ri: u32,
+    #[comptime] rj: u32,
 ) {
     #[unroll]
-    for i in 0..2u32 {
-        let row = r0 + (2 * ty + i) as usize;
+    for i in 0..ri {
+        let row = r0 + (ty + GRID * i) as usize;
         #[unroll]
-        for j in 0..2u32 {
+        for j in 0..rj {
             let key = j0 + (tx + GRID * j) as usize;
             if row < rows && key < seq_k {
                 let head = group_head(hkv, row / seq_q, group, heads_kv);
                 let at = row_at(x, batch, head, row % seq_q) + key * x.stride(3);
-                raw[(i * 2 + j) as usize] = f32::cast_from(x[at]);
+                raw[(i * rj + j) as usize] = f32::cast_from(x[at]);
             }
         }
     }
 }
 
-/// `acc[i·2 + j] += Σ_d a[2·ty + i][d] · b[tx + 16·j][d]` over one chunk: the unit's 2 × 2
-/// block of `A·Bᵀ` (`A`, `B` row-major tiles of pitch [`LD`]).
+/// `acc[i·rj + j] += Σ_c A[ty + 16·i][c] · B[tx + 16·j][c]` over one chunk: the unit's
+/// scores of `A·Bᵀ` (`A`, `B` tiles at `a_at`, `b_at`, rows along the reduction).
 #[cube]
 fn product_abt(
-    sh: &SharedMemory<f32>,
-    a_at: u32,
-    b_at: u32,
+    sh: &SharedMemory<V4>,
+    a_at: usize,
+    b_at: usize,
     acc: &mut Array<f32>,
     ty: u32,
     tx: u32,
+    #[comptime] ri: u32,
+    #[comptime] rj: u32,
 ) {
-    for d in 0..CHUNK {
-        let a0 = sh[(a_at + (2 * ty) * LD + d) as usize];
-        let a1 = sh[(a_at + (2 * ty + 1) * LD + d) as usize];
-        let b0 = sh[(b_at + tx * LD + d) as usize];
-        let b1 = sh[(b_at + (tx + GRID) * LD + d) as usize];
-        acc[0] += a0 * b0;
-        acc[1] += a0 * b1;
-        acc[2] += a1 * b0;
-        acc[3] += a1 * b1;
+    #[unroll]
+    for qv in 0..comptime!(CHUNK / 4) {
+        let mut a = Array::<V4>::new(comptime!(ri as usize));
+        let mut b = Array::<V4>::new(comptime!(rj as usize));
+        #[unroll]
+        for i in 0..ri {
+            a[i as usize] = sh[a_at + slot(ty + GRID * i, qv)];
+        }
+        #[unroll]
+        for j in 0..rj {
+            b[j as usize] = sh[b_at + slot(tx + GRID * j, qv)];
+        }
+        #[unroll]
+        for i in 0..ri {
+            #[unroll]
+            for j in 0..rj {
+                let at = (i * rj + j) as usize;
+                let (x, y) = (a[i as usize], b[j as usize]);
+                acc[at] += x[0usize] * y[0usize];
+                acc[at] += x[1usize] * y[1usize];
+                acc[at] += x[2usize] * y[2usize];
+                acc[at] += x[3usize] * y[3usize];
+            }
+        }
     }
 }
 
-/// `acc[at + i·2 + j] += Σ_r a[r][2·ty + i] · b[r][tx + 16·j]` over 32 rows: the unit's 2 × 2
-/// block of `Aᵀ·B` (`A`, `B` row-major tiles of pitch [`LD`]).
+/// `acc[at + a] += W[r][ty][a] · B[r][tx]` over the tiles' first `n` rows: the unit's outputs
+/// `ty + 16·a` (the columns of `W`'s 4-vector `ty`) by columns `4·tx ..` of `Wᵀ·B`.
 #[cube]
-fn product_atb(
-    sh: &SharedMemory<f32>,
-    a_at: u32,
-    b_at: u32,
-    acc: &mut Array<f32>,
-    at: usize,
+fn product_wb(
+    sh: &SharedMemory<V4>,
+    w_at: usize,
+    b_at: usize,
+    acc: &mut Array<V4>,
     ty: u32,
     tx: u32,
+    #[comptime] at: u32,
+    #[comptime] n: u32,
 ) {
-    for r in 0..32u32 {
-        let a0 = sh[(a_at + r * LD + 2 * ty) as usize];
-        let a1 = sh[(a_at + r * LD + 2 * ty + 1) as usize];
-        let b0 = sh[(b_at + r * LD + tx) as usize];
-        let b1 = sh[(b_at + r * LD + tx + GRID) as usize];
-        acc[at] += a0 * b0;
-        acc[at + 1] += a0 * b1;
-        acc[at + 2] += a1 * b0;
-        acc[at + 3] += a1 * b1;
+    #[unroll]
+    for r in 0..n {
+        let w = sh[w_at + slot(r, ty)];
+        let b = sh[b_at + slot(r, tx)];
+        #[unroll]
+        for a in 0..4u32 {
+            acc[(at + a) as usize] += V4::new(w[a as usize]) * b;
+        }
     }
 }
 
-/// `acc[at + i·2 + j] += Σ_k a[2·ty + i][k] · b[k][tx + 16·j]` over 32 columns of `A`: the
-/// unit's 2 × 2 block of `A·B`.
-#[cube]
-fn product_ab(
-    sh: &SharedMemory<f32>,
-    a_at: u32,
-    b_at: u32,
-    acc: &mut Array<f32>,
-    at: usize,
-    ty: u32,
-    tx: u32,
-) {
-    for k in 0..32u32 {
-        let a0 = sh[(a_at + (2 * ty) * LD + k) as usize];
-        let a1 = sh[(a_at + (2 * ty + 1) * LD + k) as usize];
-        let b0 = sh[(b_at + k * LD + tx) as usize];
-        let b1 = sh[(b_at + k * LD + tx + GRID) as usize];
-        acc[at] += a0 * b0;
-        acc[at + 1] += a0 * b1;
-        acc[at + 2] += a1 * b0;
-        acc[at + 3] += a1 * b1;
-    }
-}
-
-/// The weights of a block, rebuilt from the raw products `raw` of the unit's 2 × 2 elements:
-/// `P` (`p`, before dropout), the softcap's derivative (`dfac`) and the dropout factor `z`
-/// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again.
+/// The weights of the unit's `ri × rj` scores, rebuilt from their raw products `raw`: `P`
+/// (`p`, before dropout), the softcap's derivative (`dfac`) and the dropout factor `z`
+/// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again. Keys are
+/// `j0 + tx + 16·j`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn rebuild<F: Float>(
@@ -278,24 +330,27 @@ fn rebuild<F: Float>(
     dfac: &mut Array<f32>,
     z: &mut Array<f32>,
     #[comptime] c: FlashConfig,
+    #[comptime] ri: u32,
+    #[comptime] rj: u32,
 ) {
     #[unroll]
-    for i in 0..2usize {
+    for i in 0..ri {
+        let slot = i as usize;
         #[unroll]
-        for j in 0..2usize {
-            let at = i * 2 + j;
-            let key = j0 + tx as usize + 16 * j;
+        for j in 0..rj {
+            let at = (i * rj + j) as usize;
+            let key = j0 + (tx + GRID * j) as usize;
             let sc = capped(raw[at], scale, softcap, c);
             let mut fac = 1.0f32;
             if comptime!(c.softcap) {
                 let t = sc / softcap;
                 fac = 1.0f32 - t * t;
             }
-            let s = add_bias::<F>(bias, refs, i, sc, key, seq_k, c);
-            let ok = row_ok[i] && visible::<F>(mask, refs, i, key, seq_q, seq_k, c, true);
+            let s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
+            let ok = row_ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
             // A row without a visible key has lse = −inf (and every P = 0).
-            let live = ok && row_lse[i] > f32::min_value();
-            p[at] = select(live, f32::exp(s - row_lse[i]), 0.0f32);
+            let live = ok && row_lse[slot] > f32::min_value();
+            p[at] = select(live, f32::exp(s - row_lse[slot]), 0.0f32);
             dfac[at] = fac;
             z[at] = 1.0f32;
             if comptime!(c.dropout) {
@@ -304,14 +359,90 @@ fn rebuild<F: Float>(
                     drop.seed_hi,
                     drop.threshold,
                     drop.inv_keep,
-                    row_pair[i],
-                    refs.pos[i],
+                    row_pair[slot],
+                    refs.pos[slot],
                     key,
                     true,
                 );
             }
         }
     }
+}
+
+/// The per-row state of the unit's `ri` query rows `r0 + ty + 16·i`: mask/bias references,
+/// whether the row exists, its `lse`, `δ` and (batch, head) pair index, and (`ds_rows`) the
+/// offset of its `dS` row.
+#[derive(CubeType)]
+struct Rows {
+    refs: RowRefs,
+    ok: Array<bool>,
+    lse: Array<f32>,
+    delta: Array<f32>,
+    pair: Array<usize>,
+    ds: Array<usize>,
+}
+
+/// Fills [`Rows`] for rows `r0 + ty + 16·i` (i < `ri`) of the group of `hkv`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_rows<F: Float>(
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    ds: &Tensor<F>,
+    batch: usize,
+    hkv: usize,
+    group: usize,
+    heads_kv: usize,
+    heads_q: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    ty: u32,
+    #[comptime] c: FlashConfig,
+    #[comptime] ri: u32,
+    #[comptime] ds_rows: bool,
+) -> Rows {
+    let n = comptime!(ri as usize);
+    let mut out = Rows {
+        refs: new_refs(n),
+        ok: Array::new(n),
+        lse: Array::new(n),
+        delta: Array::new(n),
+        pair: Array::new(n),
+        ds: Array::new(n),
+    };
+    let head0 = hkv * group;
+    #[unroll]
+    for i in 0..ri {
+        let slot = i as usize;
+        let row = r0 + (ty + GRID * i) as usize;
+        set_row::<F>(
+            &mut out.refs,
+            slot,
+            mask,
+            bias,
+            batch,
+            head0,
+            row,
+            rows,
+            seq_q,
+            c,
+        );
+        let rr = usize::min(row, rows - 1);
+        let head = group_head(hkv, rr / seq_q, group, heads_kv);
+        let pos = rr % seq_q;
+        out.ok[slot] = row < rows;
+        out.lse[slot] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
+        out.delta[slot] = delta[(batch * heads_q + head) * seq_q + pos];
+        out.pair[slot] = batch * heads_q + head;
+        out.ds[slot] = 0usize;
+        if comptime!(ds_rows) {
+            out.ds[slot] = row_at(ds, batch, head, pos);
+        }
+    }
+    out
 }
 
 /// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
@@ -360,11 +491,10 @@ pub fn flash_delta<F: Float>(
     }
 }
 
-/// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys (module docs); given scores
-/// (`softmax(X)·V`): `dV` alone. `c.head_dim` is `D` rounded up to [`CHUNK`] (0 for given
-/// scores), `c.value_dim` the columns of `dV` per cube, a multiple of [`CHUNK`]: all of `Dv`
-/// with computed scores, a column tile of it with given ones. Grid: `(key blocks × column
-/// tiles, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
+/// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys and one tile of [`COL_TILE`] columns
+/// (module docs); given scores (`softmax(X)·V`): `dV` alone. `c.head_dim` is `D` rounded up
+/// to [`CHUNK`] (0 for given scores). Grid: `(key blocks × column tiles, y, z)` (x as
+/// [`dkv_blocks`] counts it), `y·z ≥ B·Hkv`; [`UNITS`] units.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward_dkv<F: Float>(
@@ -388,59 +518,65 @@ pub fn flash_backward_dkv<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let d_chunks = comptime!(c.head_dim / CHUNK);
-    let v_chunks = comptime!(c.value_dim / CHUNK);
-    let (a_at, b_at, p_at, ds_at) = (0u32, TILE, 2 * TILE, 3 * TILE);
+    let (a_at, b_at, w_at) = (
+        0usize,
+        comptime!((STEP_ROWS * PITCH) as usize),
+        comptime!(((STEP_ROWS + BLOCK_KEYS) * PITCH) as usize),
+    );
     let given = comptime!(c.given());
     let mut heads_kv = k.shape(1);
     let mut seq_k = k.shape(2);
+    let mut cols = usize::max(q.shape(3), v.shape(3));
     if comptime!(given) {
         // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
         heads_kv = v.shape(1);
         seq_k = q.shape(3);
+        cols = v.shape(3);
     }
     let seq_q = q.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
-    let group = q.shape(1) / heads_kv;
+    let heads_q = q.shape(1);
+    let group = heads_q / heads_kv;
     let rows = group * seq_q;
     let pair = pair_index();
     if pair >= q.shape(0) * heads_kv {
         terminate!();
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
-    let head0 = hkv * group;
-    // x runs over (key block, column tile of dV): given scores with a wide V take dV in tiles
-    // of `c.value_dim` columns (one tile for attention, `Dv ≤ 256`).
-    let tiles = value_dim.div_ceil(comptime!(c.value_dim as usize));
-    let col_base = (CUBE_POS_X as usize % tiles) * comptime!(c.value_dim as usize);
+    let tiles = usize::max(cols.div_ceil(COL_TILE as usize), 1);
+    let tile = CUBE_POS_X as usize % tiles;
     let j0 = (CUBE_POS_X as usize / tiles) * BLOCK_KEYS as usize;
     let keys = usize::min(seq_k - j0, BLOCK_KEYS as usize);
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
     let k_base = row_at(k, batch, hkv, j0);
     let v_base = row_at(v, batch, hkv, j0);
+    let chunk0 = tile * TILE_CHUNKS as usize;
+    let v_chunks = value_dim.div_ceil(CHUNK as usize);
+    let d_total = head_dim.div_ceil(CHUNK as usize);
+    // dP needs every chunk of `dO` and `V`; given scores only the tile's (for `dV`).
+    let mut vc_lo = 0usize;
+    let mut vc_hi = v_chunks;
+    if comptime!(given) {
+        vc_lo = chunk0;
+        vc_hi = usize::min(chunk0 + TILE_CHUNKS as usize, v_chunks);
+    }
 
-    let mut sh = SharedMemory::<f32>::new(comptime!((4 * TILE) as usize));
-    let mut acc_dk = Array::<f32>::new(comptime!((d_chunks * 4).max(1) as usize));
-    let mut acc_dv = Array::<f32>::new(comptime!((v_chunks * 4) as usize));
+    let mut sh = SharedMemory::<V4>::new(comptime!((SHARED_ROWS * PITCH) as usize));
+    let acc_n = comptime!((TILE_CHUNKS * 4) as usize);
+    let mut acc_dk = Array::<V4>::new(acc_n);
+    let mut acc_dv = Array::<V4>::new(acc_n);
     #[unroll]
-    for n in 0..comptime!((d_chunks * 4) as usize) {
-        acc_dk[n] = 0.0f32;
+    for n in 0..acc_n {
+        acc_dk[n] = V4::new(0.0f32);
+        acc_dv[n] = V4::new(0.0f32);
     }
-    #[unroll]
-    for n in 0..comptime!((v_chunks * 4) as usize) {
-        acc_dv[n] = 0.0f32;
-    }
-    let mut refs = new_refs(2usize);
-    let mut row_ok = Array::<bool>::new(2usize);
-    let mut row_lse = Array::<f32>::new(2usize);
-    let mut row_delta = Array::<f32>::new(2usize);
-    let mut row_pair = Array::<usize>::new(2usize);
-    let mut raw = Array::<f32>::new(4usize);
-    let mut dp = Array::<f32>::new(4usize);
-    let mut p = Array::<f32>::new(4usize);
-    let mut dfac = Array::<f32>::new(4usize);
-    let mut z = Array::<f32>::new(4usize);
+    let mut raw = Array::<f32>::new(8usize);
+    let mut dp = Array::<f32>::new(8usize);
+    let mut p = Array::<f32>::new(8usize);
+    let mut dfac = Array::<f32>::new(8usize);
+    let mut z = Array::<f32>::new(8usize);
     let drop = Dropout {
         seed_lo,
         seed_hi,
@@ -448,10 +584,10 @@ pub fn flash_backward_dkv<F: Float>(
         inv_keep,
     };
 
-    let blocks = rows.div_ceil(BLOCK_ROWS as usize);
+    let blocks = rows.div_ceil(STEP_ROWS as usize);
     for qb in 0..blocks {
-        let r0 = qb * BLOCK_ROWS as usize;
-        let last = usize::min(r0 + BLOCK_ROWS as usize, rows) - 1;
+        let r0 = qb * STEP_ROWS as usize;
+        let last = usize::min(r0 + STEP_ROWS as usize, rows) - 1;
         // Causal: the block's largest position must see the first key.
         let mut live = true;
         if comptime!(c.causal) {
@@ -462,119 +598,151 @@ pub fn flash_backward_dkv<F: Float>(
             }
         }
         if live {
-            #[unroll]
-            for i in 0..2usize {
-                let row = r0 + (2 * ty) as usize + i;
-                set_row::<F>(&mut refs, i, mask, bias, batch, head0, row, rows, seq_q, c);
-                let rr = usize::min(row, rows - 1);
-                let head = group_head(hkv, rr / seq_q, group, heads_kv);
-                let pos = rr % seq_q;
-                row_ok[i] = row < rows;
-                row_lse[i] =
-                    lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
-                row_delta[i] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-                row_pair[i] = batch * q.shape(1) + head;
-            }
+            let rw = load_rows::<F>(
+                mask, bias, lse, delta, dk, batch, hkv, group, heads_kv, heads_q, r0, rows, seq_q,
+                ty, c, 2u32, false,
+            );
             // S = Q·Kᵀ, or the given scores
             #[unroll]
-            for n in 0..4usize {
+            for n in 0..8usize {
                 raw[n] = 0.0f32;
                 dp[n] = 0.0f32;
             }
             if comptime!(given) {
                 read_scores::<F>(
                     q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx,
+                    2u32, 4u32,
                 );
             }
             for dc in 0..d_chunks {
                 let c0 = (dc * CHUNK) as usize;
                 stage_rows::<F>(
                     q, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, head_dim,
+                    STEP_ROWS,
                 );
-                stage::<F>(k, &mut sh, b_at, k_base, k.stride(2), keys, c0, head_dim);
+                stage::<F>(
+                    k,
+                    &mut sh,
+                    b_at,
+                    k_base,
+                    k.stride(2),
+                    keys,
+                    c0,
+                    head_dim,
+                    BLOCK_KEYS,
+                );
                 sync_cube();
-                product_abt(&sh, a_at, b_at, &mut raw, ty, tx);
+                product_abt(&sh, a_at, b_at, &mut raw, ty, tx, 2u32, 4u32);
                 sync_cube();
             }
             rebuild::<F>(
-                mask, bias, &refs, &raw, &row_ok, &row_lse, j0, tx, seq_q, seq_k, scale, softcap,
-                &drop, &row_pair, &mut p, &mut dfac, &mut z, c,
+                mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
+                &drop, &rw.pair, &mut p, &mut dfac, &mut z, c, 2u32, 4u32,
             );
             // dV takes the weights the forward's `P·V` took: kept and scaled.
             #[unroll]
             for i in 0..2u32 {
+                let mut vec = V4::empty();
                 #[unroll]
-                for j in 0..2u32 {
-                    let at = (i * 2 + j) as usize;
-                    sh[(p_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = p[at] * z[at];
+                for j in 0..4u32 {
+                    let at = (i * 4 + j) as usize;
+                    vec[j as usize] = p[at] * z[at];
                 }
+                sh[w_at + slot(ty + GRID * i, tx)] = vec;
             }
             // dP = dO·Vᵀ and dV += Pᵀ·dO, one chunk of dO for both.
-            for vc in 0..v_chunks {
-                let c0 = col_base + (vc * CHUNK) as usize;
+            for vc in vc_lo..vc_hi {
+                let c0 = vc * CHUNK as usize;
                 stage_rows::<F>(
                     d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0,
-                    value_dim,
+                    value_dim, STEP_ROWS,
                 );
-                stage::<F>(v, &mut sh, b_at, v_base, v.stride(2), keys, c0, value_dim);
+                stage::<F>(
+                    v,
+                    &mut sh,
+                    b_at,
+                    v_base,
+                    v.stride(2),
+                    keys,
+                    c0,
+                    value_dim,
+                    BLOCK_KEYS,
+                );
                 sync_cube();
                 if comptime!(!given) {
-                    product_abt(&sh, a_at, b_at, &mut dp, ty, tx);
+                    product_abt(&sh, a_at, b_at, &mut dp, ty, tx, 2u32, 4u32);
                 }
-                product_atb(&sh, p_at, a_at, &mut acc_dv, (vc * 4) as usize, ty, tx);
+                #[unroll]
+                for t in 0..TILE_CHUNKS {
+                    if vc == chunk0 + t as usize {
+                        product_wb(&sh, w_at, a_at, &mut acc_dv, ty, tx, t * 4, STEP_ROWS);
+                    }
+                }
                 sync_cube();
             }
-            // dR = P ⊙ (dP − δ) ⊙ softcap' (given scores: no dK)
+            // dR = P ⊙ (dP ⊙ Z − δ) ⊙ softcap', then dK += dRᵀ·Q (given scores: no dK)
             if comptime!(!given) {
                 #[unroll]
                 for i in 0..2u32 {
+                    let mut vec = V4::empty();
                     #[unroll]
-                    for j in 0..2u32 {
-                        let at = (i * 2 + j) as usize;
-                        let ds = p[at] * (dp[at] * z[at] - row_delta[i as usize]) * dfac[at];
-                        sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = ds;
+                    for j in 0..4u32 {
+                        let at = (i * 4 + j) as usize;
+                        vec[j as usize] =
+                            p[at] * (dp[at] * z[at] - rw.delta[i as usize]) * dfac[at];
+                    }
+                    sh[w_at + slot(ty + GRID * i, tx)] = vec;
+                }
+                #[unroll]
+                for t in 0..TILE_CHUNKS {
+                    let dc = chunk0 + t as usize;
+                    if dc < d_total {
+                        stage_rows::<F>(
+                            q,
+                            &mut sh,
+                            a_at,
+                            batch,
+                            hkv,
+                            group,
+                            heads_kv,
+                            r0,
+                            rows,
+                            seq_q,
+                            dc * CHUNK as usize,
+                            head_dim,
+                            STEP_ROWS,
+                        );
+                        sync_cube();
+                        product_wb(&sh, w_at, a_at, &mut acc_dk, ty, tx, t * 4, STEP_ROWS);
+                        sync_cube();
                     }
                 }
-            }
-            // dK += dRᵀ·Q
-            for dc in 0..d_chunks {
-                let c0 = (dc * CHUNK) as usize;
-                stage_rows::<F>(
-                    q, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, head_dim,
-                );
-                sync_cube();
-                product_atb(&sh, ds_at, a_at, &mut acc_dk, (dc * 4) as usize, ty, tx);
-                sync_cube();
             }
         }
     }
 
-    // Unit (ty, tx) owns keys j0 + 2·ty + i, columns tx + 16·j of every chunk.
+    // Unit (ty, tx) owns keys j0 + ty + 16·a, columns 4·tx .. of each chunk of its tile.
     #[unroll]
-    for i in 0..2u32 {
-        let key = j0 + (2 * ty + i) as usize;
+    for a in 0..4u32 {
+        let key = j0 + (ty + GRID * a) as usize;
         if key < seq_k {
             let dk_base = row_at(dk, batch, hkv, key);
             let dv_base = row_at(dv, batch, hkv, key);
             #[unroll]
-            for dc in 0..comptime!(if given { 0 } else { d_chunks }) {
+            for t in 0..TILE_CHUNKS {
+                let vec_k = acc_dk[(t * 4 + a) as usize];
+                let vec_v = acc_dv[(t * 4 + a) as usize];
                 #[unroll]
-                for j in 0..2u32 {
-                    let col = (dc * CHUNK + tx + GRID * j) as usize;
-                    if col < head_dim {
-                        let val = scale * acc_dk[(dc * 4 + i * 2 + j) as usize];
-                        dk[dk_base + col * dk.stride(3)] = F::cast_from(val);
+                for e in 0..4u32 {
+                    let col = (chunk0 + t as usize) * CHUNK as usize + (4 * tx + e) as usize;
+                    if comptime!(!given) {
+                        if col < head_dim {
+                            let val = scale * vec_k[e as usize];
+                            dk[dk_base + col * dk.stride(3)] = F::cast_from(val);
+                        }
                     }
-                }
-            }
-            #[unroll]
-            for vc in 0..v_chunks {
-                #[unroll]
-                for j in 0..2u32 {
-                    let col = col_base + (vc * CHUNK + tx + GRID * j) as usize;
                     if col < value_dim {
-                        let val = acc_dv[(vc * 4 + i * 2 + j) as usize];
-                        dv[dv_base + col * dv.stride(3)] = F::cast_from(val);
+                        dv[dv_base + col * dv.stride(3)] = F::cast_from(vec_v[e as usize]);
                     }
                 }
             }
@@ -584,7 +752,8 @@ pub fn flash_backward_dkv<F: Float>(
 
 /// `dQ` of one block of [`BLOCK_ROWS`] query rows (module docs), and with `write_ds` the
 /// score gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`: what a bias's
-/// gradient is made of; with given scores, `dX`, and no `dQ`). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
+/// gradient is made of; with given scores, `dX`, and no `dQ`). Grid: `(row blocks of G·Sq,
+/// y, z)`, `y·z ≥ B·Hkv`; [`UNITS`] units.
 #[cube(launch_unchecked)]
 // A comptime `if` stays apart from the runtime one inside it: joined, the branch would be
 // expanded when `write_ds` is off too.
@@ -611,7 +780,11 @@ pub fn flash_backward_dq<F: Float>(
     #[define(F)] _dtype: StorageType,
 ) {
     let d_chunks = comptime!(c.head_dim / CHUNK);
-    let (a_at, b_at, ds_at) = (0u32, TILE, 3 * TILE);
+    let (a_at, b_at, w_at) = (
+        0usize,
+        comptime!((BLOCK_ROWS * PITCH) as usize),
+        comptime!(((BLOCK_ROWS + STEP_KEYS) * PITCH) as usize),
+    );
     let given = comptime!(c.given());
     let mut heads_kv = k.shape(1);
     let mut seq_k = k.shape(2);
@@ -623,14 +796,14 @@ pub fn flash_backward_dq<F: Float>(
     let seq_q = q.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
-    let group = q.shape(1) / heads_kv;
+    let heads_q = q.shape(1);
+    let group = heads_q / heads_kv;
     let rows = group * seq_q;
     let pair = pair_index();
     if pair >= q.shape(0) * heads_kv {
         terminate!();
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
-    let head0 = hkv * group;
     let r0 = (CUBE_POS_X * BLOCK_ROWS) as usize;
     let last = usize::min(r0 + BLOCK_ROWS as usize, rows) - 1;
     let mut kv_end = seq_k;
@@ -641,140 +814,169 @@ pub fn flash_backward_dq<F: Float>(
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
 
-    let mut sh = SharedMemory::<f32>::new(comptime!((4 * TILE) as usize));
-    let mut acc = Array::<f32>::new(comptime!((d_chunks * 4).max(1) as usize));
+    let mut sh = SharedMemory::<V4>::new(comptime!((SHARED_ROWS * PITCH) as usize));
+    let acc_n = comptime!((d_chunks * 4).max(1) as usize);
+    let mut acc = Array::<V4>::new(acc_n);
     #[unroll]
-    for n in 0..comptime!((d_chunks * 4) as usize) {
-        acc[n] = 0.0f32;
+    for n in 0..acc_n {
+        acc[n] = V4::new(0.0f32);
     }
-    let mut refs = new_refs(2usize);
-    let mut row_ok = Array::<bool>::new(2usize);
-    let mut row_lse = Array::<f32>::new(2usize);
-    let mut row_delta = Array::<f32>::new(2usize);
-    let mut row_ds = Array::<usize>::new(2usize);
-    let mut row_pair = Array::<usize>::new(2usize);
-    #[unroll]
-    for i in 0..2usize {
-        let row = r0 + (2 * ty) as usize + i;
-        set_row::<F>(&mut refs, i, mask, bias, batch, head0, row, rows, seq_q, c);
-        let rr = usize::min(row, rows - 1);
-        let head = head0 + rr / seq_q;
-        let pos = rr % seq_q;
-        row_ok[i] = row < rows;
-        row_lse[i] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
-        row_delta[i] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-        row_ds[i] = row_at(ds, batch, head, pos);
-        row_pair[i] = batch * q.shape(1) + head;
-    }
-    let mut raw = Array::<f32>::new(4usize);
-    let mut dp = Array::<f32>::new(4usize);
-    let mut p = Array::<f32>::new(4usize);
-    let mut dfac = Array::<f32>::new(4usize);
-    let mut z = Array::<f32>::new(4usize);
+    let rw = load_rows::<F>(
+        mask, bias, lse, delta, ds, batch, hkv, group, heads_kv, heads_q, r0, rows, seq_q, ty, c,
+        4u32, write_ds,
+    );
+    let mut raw = Array::<f32>::new(8usize);
+    let mut dp = Array::<f32>::new(8usize);
+    let mut p = Array::<f32>::new(8usize);
+    let mut dfac = Array::<f32>::new(8usize);
+    let mut z = Array::<f32>::new(8usize);
     let drop = Dropout {
         seed_lo,
         seed_hi,
         threshold,
         inv_keep,
     };
+    let v_chunks = value_dim.div_ceil(CHUNK as usize);
 
-    let steps = kv_end.div_ceil(BLOCK_KEYS as usize);
+    let steps = kv_end.div_ceil(STEP_KEYS as usize);
     for st in 0..steps {
-        let j0 = st * BLOCK_KEYS as usize;
-        let keys = usize::min(seq_k - j0, BLOCK_KEYS as usize);
+        let j0 = st * STEP_KEYS as usize;
+        let keys = usize::min(seq_k - j0, STEP_KEYS as usize);
         let k_base = row_at(k, batch, hkv, j0);
         let v_base = row_at(v, batch, hkv, j0);
         #[unroll]
-        for n in 0..4usize {
+        for n in 0..8usize {
             raw[n] = 0.0f32;
             dp[n] = 0.0f32;
         }
         if comptime!(given) {
             read_scores::<F>(
-                q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx,
+                q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx, 4u32,
+                2u32,
             );
         }
         for dc in 0..d_chunks {
             let c0 = (dc * CHUNK) as usize;
             stage_rows::<F>(
                 q, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, head_dim,
+                BLOCK_ROWS,
             );
-            stage::<F>(k, &mut sh, b_at, k_base, k.stride(2), keys, c0, head_dim);
+            stage::<F>(
+                k,
+                &mut sh,
+                b_at,
+                k_base,
+                k.stride(2),
+                keys,
+                c0,
+                head_dim,
+                STEP_KEYS,
+            );
             sync_cube();
-            product_abt(&sh, a_at, b_at, &mut raw, ty, tx);
+            product_abt(&sh, a_at, b_at, &mut raw, ty, tx, 4u32, 2u32);
             sync_cube();
         }
-        // Over all of `Dv` (`c.value_dim` is a column tile of `dV` only).
-        for vc in 0..value_dim.div_ceil(CHUNK as usize) {
+        for vc in 0..v_chunks {
             let c0 = vc * CHUNK as usize;
             stage_rows::<F>(
                 d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, value_dim,
+                BLOCK_ROWS,
             );
-            stage::<F>(v, &mut sh, b_at, v_base, v.stride(2), keys, c0, value_dim);
+            stage::<F>(
+                v,
+                &mut sh,
+                b_at,
+                v_base,
+                v.stride(2),
+                keys,
+                c0,
+                value_dim,
+                STEP_KEYS,
+            );
             sync_cube();
-            product_abt(&sh, a_at, b_at, &mut dp, ty, tx);
+            product_abt(&sh, a_at, b_at, &mut dp, ty, tx, 4u32, 2u32);
             sync_cube();
         }
         rebuild::<F>(
-            mask, bias, &refs, &raw, &row_ok, &row_lse, j0, tx, seq_q, seq_k, scale, softcap,
-            &drop, &row_pair, &mut p, &mut dfac, &mut z, c,
+            mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
+            &drop, &rw.pair, &mut p, &mut dfac, &mut z, c, 4u32, 2u32,
         );
+        // dS, and dR = dS ⊙ softcap' into `W` transposed: key `tx + 16·j`, rows `ty + 16·i`.
         #[unroll]
-        for i in 0..2u32 {
+        for j in 0..2u32 {
+            let key = j0 + (tx + GRID * j) as usize;
+            let mut vec = V4::empty();
             #[unroll]
-            for j in 0..2u32 {
+            for i in 0..4u32 {
                 let at = (i * 2 + j) as usize;
-                let g = p[at] * (dp[at] * z[at] - row_delta[i as usize]);
-                let key = j0 + (tx + GRID * j) as usize;
+                let g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]);
                 if comptime!(write_ds) {
-                    if row_ok[i as usize] && key < seq_k {
+                    if rw.ok[i as usize] && key < seq_k {
                         let mut val = g;
                         if comptime!(given && crate::mutation::zero_dx()) {
                             val = 0.0f32;
                         }
-                        ds[row_ds[i as usize] + key * ds.stride(3)] = F::cast_from(val);
+                        let at = rw.ds[i as usize] + key * ds.stride(3);
+                        ds[at] = F::cast_from(val);
                     }
                 }
-                sh[(ds_at + (2 * ty + i) * LD + tx + GRID * j) as usize] = g * dfac[at];
+                vec[i as usize] = g * dfac[at];
+            }
+            if comptime!(!given) {
+                sh[w_at + slot(tx + GRID * j, ty)] = vec;
             }
         }
         // dQ += dR·K (given scores: `dS` is the result)
+        #[unroll]
         for dc in 0..comptime!(if given { 0 } else { d_chunks }) {
             let c0 = (dc * CHUNK) as usize;
-            stage::<F>(k, &mut sh, b_at, k_base, k.stride(2), keys, c0, head_dim);
+            stage::<F>(
+                k,
+                &mut sh,
+                b_at,
+                k_base,
+                k.stride(2),
+                keys,
+                c0,
+                head_dim,
+                STEP_KEYS,
+            );
             sync_cube();
-            product_ab(&sh, ds_at, b_at, &mut acc, (dc * 4) as usize, ty, tx);
+            product_wb(&sh, w_at, b_at, &mut acc, ty, tx, dc * 4, STEP_KEYS);
             sync_cube();
         }
     }
     // Keys past the causal diagonal of every row: dS = 0 there.
     if comptime!(write_ds) {
-        let from = steps * BLOCK_KEYS as usize;
+        let from = steps * STEP_KEYS as usize;
         #[unroll]
-        for i in 0..2usize {
-            if row_ok[i] {
-                let mut key = from + UNIT_POS as usize % GRID as usize;
+        for i in 0..4usize {
+            if rw.ok[i] {
+                let mut key = from + tx as usize;
                 while key < seq_k {
-                    ds[row_ds[i] + key * ds.stride(3)] = F::cast_from(0.0f32);
+                    let at = rw.ds[i] + key * ds.stride(3);
+                    ds[at] = F::cast_from(0.0f32);
                     key += GRID as usize;
                 }
             }
         }
     }
 
+    // Unit (ty, tx) owns rows r0 + ty + 16·a, columns 4·tx .. of every chunk.
     #[unroll]
-    for i in 0..comptime!(if given { 0u32 } else { 2u32 }) {
-        let row = r0 + (2 * ty + i) as usize;
+    for a in 0..comptime!(if given { 0u32 } else { 4u32 }) {
+        let row = r0 + (ty + GRID * a) as usize;
         if row < rows {
-            let head = head0 + row / seq_q;
+            let head = group_head(hkv, row / seq_q, group, heads_kv);
             let base = row_at(dq, batch, head, row % seq_q);
             #[unroll]
             for dc in 0..d_chunks {
+                let vec = acc[(dc * 4 + a) as usize];
                 #[unroll]
-                for j in 0..2u32 {
-                    let col = (dc * CHUNK + tx + GRID * j) as usize;
+                for e in 0..4u32 {
+                    let col = (dc * CHUNK + 4 * tx + e) as usize;
                     if col < head_dim {
-                        let mut val = scale * acc[(dc * 4 + i * 2 + j) as usize];
+                        let mut val = scale * vec[e as usize];
                         if comptime!(crate::mutation::zero_dq()) {
                             val = 0.0f32;
                         }

@@ -896,18 +896,11 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             }
             SmmBackwardPath::Units => {
                 // The flash backward core with given scores: `dX` is its `dS`, `dV` its `dV`.
-                use flash::backward::{BLOCK_KEYS, BLOCK_ROWS, CHUNK, fold_pairs};
+                use flash::backward::{BLOCK_ROWS, dkv_blocks, fold_pairs};
                 let group = if shared_v { batch } else { 1 };
                 let pairs = if shared_v { 1 } else { batch };
-                let value_tile = d3
-                    .next_multiple_of(CHUNK as usize)
-                    .clamp(CHUNK as usize, flash::backward::MAX_VALUE_TILE as usize);
                 let (y, z) = fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
-                let dkv = (
-                    d2.div_ceil(BLOCK_KEYS as usize) * d3.div_ceil(value_tile),
-                    y,
-                    z,
-                );
+                let dkv = (dkv_blocks(d2, 0, d3, true), y, z);
                 let dq = ((group * d1).div_ceil(BLOCK_ROWS as usize), y, z);
                 for cubes in [dkv, dq] {
                     check_cubes(client, cubes)?;
@@ -929,9 +922,9 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 };
                 let config = FlashConfig {
                     block_q: flash::backward::BLOCK_ROWS,
-                    block_k: flash::backward::BLOCK_KEYS,
+                    block_k: flash::backward::STEP_KEYS,
                     head_dim: 0,
-                    value_dim: value_tile as u32,
+                    value_dim: d3.next_multiple_of(flash::backward::CHUNK as usize) as u32,
                     ..flash_config(SmmForwardKernel::Units, 16, 16, 64)
                 };
                 flash::backward::launch_backward(
