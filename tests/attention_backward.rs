@@ -404,14 +404,27 @@ fn masks_and_biases<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
         is_causal: true,
     };
     check::<B>(&setup, dtype, "everything combined, bias [B, 1, 1, Sk]");
+    // Several key blocks and query steps: a padding mask and a tracked [1, H, Sq, Sk] bias,
+    // causal with Sq < Sk, grouped heads.
+    let mut setup = Setup::new([2, 4, 70, 64], 2, 150, 64);
+    setup.mask = Some(([2, 1, 1, 150], |[b, _, _, j]| j + 20 * b >= 140));
+    setup.bias = Some([1, 4, 70, 150]);
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "mask and bias, Sq 70 Sk 150, causal");
 }
 
 /// Head dims from 8 to 256, `Dv ≠ D`, and `[B, S, H, D]` inputs read through their strides.
 fn head_dims_and_strides<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
-    for (d, dv) in [(8, 8), (80, 96), (256, 256)] {
+    for (d, dv) in [(8, 8), (80, 96), (96, 64), (256, 256)] {
         let setup = Setup::new([1, 2, 21, d], 1, 34, dv);
         check::<B>(&setup, dtype, &format!("D {d} Dv {dv}"));
     }
+    // D 128 over several key blocks and query steps, grouped and causal with Sq ≠ Sk (on
+    // CUDA f16/bf16: the fused dQ's 2 × 2 split of a step over the planes, atomics from
+    // three key blocks).
+    let mut setup = Setup::new([1, 4, 70, 128], 2, 150, 64);
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "D 128, GQA 4:2, causal Sq 70 Sk 150");
     let mut setup = Setup::new([2, 4, 19, 32], 2, 35, 32);
     setup.strided = true;
     setup.options.is_causal = true;
@@ -486,18 +499,42 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     } else {
         assert_eq!(plain.kernel, AttentionBackwardKernel::Units);
     }
-    // A mask (or bias, or dropout) takes the plain-unit kernels everywhere: D and Dv in chunks
-    // of 64; 70 keys in blocks of 64 (one column tile of 128: 2 cubes); 4·100 rows of a
-    // key/value head in blocks of 64 (7 cubes), keys in steps of 32.
+    // A mask (or a bias) takes the plan of the same call without one: the matrix units on
+    // CUDA f16/bf16; elsewhere the plain units, D and Dv in chunks of 64, 70 keys in blocks of
+    // 64 (one column tile of 128: 2 cubes), 4·100 rows of a key/value head in blocks of 64
+    // (7 cubes), keys in steps of 32.
     let masked = plan(true).expect("plan").expect("plan");
-    assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
-    assert_eq!((masked.head_dim, masked.value_dim), (128, 64));
-    assert_eq!(
-        (masked.block_keys, masked.block_rows, masked.step),
-        (64, 64, 32)
-    );
-    assert_eq!(masked.dkv_cubes, (2, 6, 1));
-    assert_eq!(masked.dq_cubes, (7, 6, 1));
+    if cuda && dtype != FloatDType::F32 {
+        assert_eq!(masked, plain);
+        // Dropout takes the plain units.
+        let dropout = FlashAttentionOptions {
+            dropout: Some(AttentionDropout {
+                prob: 0.1,
+                seed: 7,
+            }),
+            ..Default::default()
+        };
+        let dropped = attention_backward_plan::<A<B>>(
+            device,
+            dims,
+            dtype.into(),
+            dropout,
+            false,
+            false,
+        )
+        .expect("plan")
+        .expect("plan");
+        assert_eq!(dropped.kernel, AttentionBackwardKernel::Units);
+    } else {
+        assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
+        assert_eq!((masked.head_dim, masked.value_dim), (128, 64));
+        assert_eq!(
+            (masked.block_keys, masked.block_rows, masked.step),
+            (64, 64, 32)
+        );
+        assert_eq!(masked.dkv_cubes, (2, 6, 1));
+        assert_eq!(masked.dq_cubes, (7, 6, 1));
+    }
     let too_wide = AttentionDims {
         head_dim: 320,
         ..dims
@@ -531,6 +568,48 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         assert!(
             !kernels.is_empty() && kernels.iter().all(|&k| k == want),
             "mask {mask}: planned {want:?}, launched {kernels:?}"
+        );
+    }
+
+    // f16/bf16 on CUDA at a head dim whose dQ tile splits evenly over the planes (64): dQ in
+    // its own kernel, unless `BURN_FLASH_BACKWARD_DQ=fused` asks for it fused into the dK/dV
+    // kernel, whose dQ grid then converts 3·8·100 rows, 8 per cube.
+    if cuda && dtype != FloatDType::F32 {
+        let even = AttentionDims {
+            head_dim: 64,
+            ..dims
+        };
+        let planned = attention_backward_plan::<A<B>>(
+            device,
+            even,
+            dtype.into(),
+            Default::default(),
+            false,
+            false,
+        )
+        .expect("plan")
+        .expect("plan");
+        let fused = std::env::var("BURN_FLASH_BACKWARD_DQ").as_deref() == Ok("fused");
+        if !fused {
+            assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnits);
+        } else {
+            assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnitsFusedDq);
+            assert_eq!(planned.dq_cubes, (300, 1, 1));
+        }
+        check::<B>(
+            &Setup::new([3, 8, 100, 64], 2, 70, 40),
+            dtype,
+            "planned kernels, D 64",
+        );
+        let kernels: Vec<_> = recent_backward_launches()
+            .into_iter()
+            .filter(|l| l.dims == even)
+            .map(|l| l.kernel)
+            .collect();
+        assert!(
+            !kernels.is_empty() && kernels.iter().all(|&k| k == planned.kernel),
+            "D 64: planned {:?}, launched {kernels:?}",
+            planned.kernel
         );
     }
 }

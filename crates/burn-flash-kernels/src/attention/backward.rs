@@ -22,10 +22,26 @@ pub enum AttentionBackwardKernel {
     Units,
     /// The matrix units (f16/bf16 on CUDA sm_80+, 16-byte aligned rows):
     /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] and
-    /// [`mma_backward::flash_backward_dq_mma()`]. Computed scores with scale, softcap, causal and
-    /// grouped heads, `D`, `Dv` up to [`mma_backward::MAX_DIM`]; a mask, a bias or dropout take
-    /// [`AttentionBackwardKernel::Units`].
+    /// [`mma_backward::flash_backward_dq_mma()`] (which also writes `dS` for a tracked bias).
+    /// Computed scores with scale, softcap, masks, biases, causal and grouped heads, `D`, `Dv`
+    /// up to [`mma_backward::MAX_DIM`]; dropout takes [`AttentionBackwardKernel::Units`].
     MatrixUnits,
+    /// The matrix units with `dQ` fused into the dK/dV kernel (FlashAttention-2's schedule):
+    /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] adding each
+    /// step's `dS·K` to an f32 `dQ` with atomics (zeroed and converted by
+    /// [`mma_backward::flash_dq_accum()`]). Five products instead of seven, an f32 scratch of
+    /// `dQ`'s size. Opt-in (`BURN_FLASH_BACKWARD_DQ=fused`): slower than
+    /// [`AttentionBackwardKernel::MatrixUnits`] on an H100 (NOTES.md, session 12: the atomics).
+    /// The scope of [`AttentionBackwardKernel::MatrixUnits`] without a mask or bias, where
+    /// [`mma_backward::dq_split()`] splits a step's `dQ` tile evenly over the planes.
+    MatrixUnitsFusedDq,
+}
+
+/// The `dQ` schedule of the matrix-unit backward, from `BURN_FLASH_BACKWARD_DQ`: `fused`
+/// (atomics from the dK/dV kernel, where it applies) or anything else, the default: its own
+/// kernel, the faster one measured. A switch for benchmarks and tests of both schedules.
+fn fused_dq_wanted() -> bool {
+    std::env::var("BURN_FLASH_BACKWARD_DQ").is_ok_and(|v| v == "fused")
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -147,16 +163,19 @@ pub fn plan_attention_backward<R: Runtime>(
         head_dim.next_multiple_of(16) as u32,
         value_dim.next_multiple_of(16) as u32,
     );
-    let mma_config = mma_config(d16, dv16, options);
-    let mma = crate::fragment::supported(client, dtype)
-        && features.aligned
+    let mma_config = mma_config(d16, dv16, options, features);
+    let fused_dq = fused_dq_wanted()
         && !features.mask
         && !features.bias
+        && mma_backward::dq_split(mma_config.block_k, d16).is_some()
+        && hw.max_shared_memory_size >= mma_backward::dkv_shared_bytes(mma_config, true);
+    let mma = crate::fragment::supported(client, dtype)
+        && features.aligned
         && options.dropout.is_none()
         && d16.max(dv16) <= mma_backward::MAX_DIM
         && hw.max_units_per_cube >= mma_backward::PLANES * crate::fragment::PLANE
         && hw.max_shared_memory_size
-            >= mma_backward::dkv_shared_bytes(mma_config).max(mma_backward::dq_shared_bytes(
+            >= mma_backward::dkv_shared_bytes(mma_config, false).max(mma_backward::dq_shared_bytes(
                 FlashConfig {
                     block_q: mma_backward::DQ_ROWS,
                     ..mma_config
@@ -164,14 +183,22 @@ pub fn plan_attention_backward<R: Runtime>(
             ));
     if mma {
         let dkv_cubes = (seq_k.div_ceil(mma_backward::DKV_KEYS as usize), y, z);
-        let dq_cubes = (rows.div_ceil(mma_backward::DQ_ROWS as usize), y, z);
+        let dq_cubes = if fused_dq {
+            accum_cubes(batch * heads_q * seq_q)
+        } else {
+            (rows.div_ceil(mma_backward::DQ_ROWS as usize), y, z)
+        };
         for cubes in [dkv_cubes, dq_cubes] {
             if cubes.0 > mx as usize || cubes.2 > mz as usize {
                 return Err(AttentionError::TooLarge { cubes });
             }
         }
         return Ok(AttentionBackwardPlan {
-            kernel: AttentionBackwardKernel::MatrixUnits,
+            kernel: if fused_dq {
+                AttentionBackwardKernel::MatrixUnitsFusedDq
+            } else {
+                AttentionBackwardKernel::MatrixUnits
+            },
             block_rows: mma_backward::DQ_ROWS as usize,
             block_keys: mma_backward::DKV_KEYS as usize,
             step: mma_config.block_k as usize,
@@ -204,9 +231,22 @@ pub fn plan_attention_backward<R: Runtime>(
     })
 }
 
+/// Grid of [`mma_backward::flash_dq_accum()`] over `rows` query rows: 8 rows per cube, along
+/// x then y.
+fn accum_cubes(rows: usize) -> (usize, usize, usize) {
+    let cubes = rows.div_ceil(8).max(1);
+    let x = cubes.min(65535);
+    (x, cubes.div_ceil(x), 1)
+}
+
 /// The configuration of the matrix-unit kernels (the dK/dV kernel's; the dQ kernel's has
 /// `block_q` = [`mma_backward::DQ_ROWS`]): `block_q` rows (keys) per cube, `block_k` per step.
-fn mma_config(d16: u32, dv16: u32, options: &AttentionOptions) -> FlashConfig {
+fn mma_config(
+    d16: u32,
+    dv16: u32,
+    options: &AttentionOptions,
+    features: BackwardFeatures,
+) -> FlashConfig {
     FlashConfig {
         source: ScoreSource::QueryKey,
         block_q: mma_backward::DKV_KEYS,
@@ -215,8 +255,8 @@ fn mma_config(d16: u32, dv16: u32, options: &AttentionOptions) -> FlashConfig {
         head_dim: d16,
         value_dim: dv16,
         causal: options.causal,
-        mask: false,
-        bias: false,
+        mask: features.mask,
+        bias: features.bias,
         softcap: options.softcap.is_some(),
         dropout: false,
     }
@@ -328,71 +368,6 @@ pub fn launch_attention_backward<R: Runtime>(
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
     };
-    if plan.kernel == AttentionBackwardKernel::MatrixUnits {
-        let plain = |t: &TensorRef<'_>| backward::Operand {
-            handle: t.handle.clone(),
-            shape: t.shape.to_vec(),
-            strides: t.strides.to_vec(),
-        };
-        let c = mma_config(plan.head_dim as u32, plan.value_dim as u32, options);
-        let count = |c: (usize, usize, usize)| {
-            cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32)
-        };
-        let units = cubecl::CubeDim::new_1d(mma_backward::PLANES * crate::fragment::PLANE);
-        let scale = options.scale;
-        let softcap = options.softcap.unwrap_or(1.0);
-        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
-        // the caller's buffers (checked above); the rows of `q`, `k`, `v` and `dO` are 16-byte
-        // aligned (`features.aligned`), the kernels' vector width.
-        unsafe {
-            let delta =
-                backward::launch_delta(client, &plain(&t.out), &plain(&t.d_out), rows, dtype);
-            if seq_k > 0 {
-                mma_backward::flash_backward_dkv_mma::launch_unchecked::<R>(
-                    client,
-                    count(plan.dkv_cubes),
-                    units,
-                    crate::flash::mma::NV8,
-                    plain(&t.q).arg(),
-                    plain(&t.k).arg(),
-                    plain(&t.v).arg(),
-                    plain(&t.d_out).arg(),
-                    plain(&t.lse).arg(),
-                    delta.arg(),
-                    plain(&t.dk).arg(),
-                    plain(&t.dv).arg(),
-                    scale,
-                    softcap,
-                    c,
-                    dtype,
-                );
-            }
-            if rows > 0 {
-                mma_backward::flash_backward_dq_mma::launch_unchecked::<R>(
-                    client,
-                    count(plan.dq_cubes),
-                    units,
-                    crate::flash::mma::NV8,
-                    plain(&t.q).arg(),
-                    plain(&t.k).arg(),
-                    plain(&t.v).arg(),
-                    plain(&t.d_out).arg(),
-                    plain(&t.lse).arg(),
-                    delta.arg(),
-                    plain(&t.dq).arg(),
-                    scale,
-                    softcap,
-                    FlashConfig {
-                        block_q: mma_backward::DQ_ROWS,
-                        ..c
-                    },
-                    dtype,
-                );
-            }
-        }
-        record(AttentionBackwardKernel::MatrixUnits);
-        return Ok(plan);
-    }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| backward::Operand {
         handle: t.handle.clone(),
         shape: match strides {
@@ -422,6 +397,119 @@ pub fn launch_attention_backward<R: Runtime>(
         dv: operand(&t.dv, None),
         ds: operand(t.ds.as_ref().unwrap_or(&t.dq), None),
     };
+    if matches!(
+        plan.kernel,
+        AttentionBackwardKernel::MatrixUnits | AttentionBackwardKernel::MatrixUnitsFusedDq
+    ) {
+        let fused = plan.kernel == AttentionBackwardKernel::MatrixUnitsFusedDq;
+        let plain = |t: &TensorRef<'_>| backward::Operand {
+            handle: t.handle.clone(),
+            shape: t.shape.to_vec(),
+            strides: t.strides.to_vec(),
+        };
+        let c = FlashConfig {
+            bias: t.bias.is_some(),
+            ..mma_config(
+                plan.head_dim as u32,
+                plan.value_dim as u32,
+                options,
+                features,
+            )
+        };
+        let count = |c: (usize, usize, usize)| {
+            cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32)
+        };
+        let units = cubecl::CubeDim::new_1d(mma_backward::PLANES * crate::fragment::PLANE);
+        let scale = options.scale;
+        let softcap = options.softcap.unwrap_or(1.0);
+        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
+        // the caller's buffers (checked above); the rows of `q`, `k`, `v` and `dO` are 16-byte
+        // aligned (`features.aligned`), the kernels' vector width.
+        unsafe {
+            let delta =
+                backward::launch_delta(client, &plain(&t.out), &plain(&t.d_out), rows, dtype);
+            // The fused dQ's f32 accumulator, `[B, Hq, Sq, D]` contiguous (`D` rounded up to
+            // 16); without it, `δ` stands in (never read).
+            let d16 = plan.head_dim;
+            let acc = if fused {
+                backward::Operand {
+                    handle: client.empty(rows.max(1) * d16 * 4),
+                    shape: vec![batch, heads_q, seq_q, d16],
+                    strides: vec![heads_q * seq_q * d16, seq_q * d16, d16, 1],
+                }
+            } else {
+                delta.clone()
+            };
+            let accum = |convert: bool| {
+                mma_backward::flash_dq_accum::launch_unchecked::<R>(
+                    client,
+                    count(plan.dq_cubes),
+                    cubecl::CubeDim::new_1d(256),
+                    acc.arg(),
+                    plain(&t.dq).arg(),
+                    convert,
+                    dtype,
+                )
+            };
+            if fused && rows > 0 {
+                accum(false);
+            }
+            if seq_k > 0 {
+                mma_backward::flash_backward_dkv_mma::launch_unchecked::<R>(
+                    client,
+                    count(plan.dkv_cubes),
+                    units,
+                    crate::flash::mma::NV8,
+                    plain(&t.q).arg(),
+                    plain(&t.k).arg(),
+                    plain(&t.v).arg(),
+                    operands.mask.arg(),
+                    operands.bias.arg(),
+                    plain(&t.d_out).arg(),
+                    plain(&t.lse).arg(),
+                    delta.arg(),
+                    plain(&t.dk).arg(),
+                    plain(&t.dv).arg(),
+                    acc.arg(),
+                    scale,
+                    softcap,
+                    c,
+                    fused,
+                    dtype,
+                );
+            }
+            if fused && rows > 0 {
+                accum(true);
+            } else if rows > 0 {
+                mma_backward::flash_backward_dq_mma::launch_unchecked::<R>(
+                    client,
+                    count(plan.dq_cubes),
+                    units,
+                    crate::flash::mma::NV8,
+                    plain(&t.q).arg(),
+                    plain(&t.k).arg(),
+                    plain(&t.v).arg(),
+                    operands.mask.arg(),
+                    operands.bias.arg(),
+                    plain(&t.d_out).arg(),
+                    plain(&t.lse).arg(),
+                    delta.arg(),
+                    plain(&t.dq).arg(),
+                    operands.ds.arg(),
+                    scale,
+                    softcap,
+                    FlashConfig {
+                        block_q: mma_backward::DQ_ROWS,
+                        ..c
+                    },
+                    t.ds.is_some(),
+                    dtype,
+                );
+            }
+        }
+        record(plan.kernel);
+        return Ok(plan);
+    }
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); the grids are the plan's.
     unsafe {

@@ -15,9 +15,22 @@
 //!   and `dPᵀ = V·dOᵀ`, so that `Pᵀ` and `dSᵀ` are `A` fragments in registers for
 //!   `dV += Pᵀ·dO` and `dK += dSᵀ·Q` (`dO`, `Q` by `ldmatrix.trans`).
 //!
-//! Scope (the plan sends the rest to the plain-unit kernels): computed scores with scale,
-//! softcap, causal (bottom-right) and grouped heads; no mask, bias or dropout; `D`, `Dv` up to
-//! 128; 16-byte aligned rows of `q`, `k`, `v` and `dO`.
+//! - With `fused_dq` ([`dq_split()`] decides where it applies), the dK/dV kernel also computes
+//!   `dQ`, FlashAttention-2's way: each step's `dS` (the transpose of its `dSᵀ` fragments) goes
+//!   to shared memory, the planes compute `dQ += dS·K` of the step's query rows over the cube's
+//!   keys, each plane a slice, and add it to an f32 accumulator `[B, Hq, Sq, D]` in global
+//!   memory with atomics ([`flash_dq_accum()`] zeroes it before and converts it into `dQ`
+//!   after). Five products per step instead of seven over the two kernels, at the cost of the
+//!   atomics and an f32 scratch of `dQ`'s size.
+//!
+//! Both kernels apply the forward's score rules ([`super::scores`]): scale, softcap, the bool
+//! mask, causal (bottom-right), the additive bias. The dQ kernel, whose fragments hold rows of
+//! scores, reads them with the forward's per-row references and writes `dS` (a tracked bias's
+//! gradient) where asked; the dK/dV kernel, whose fragments hold columns, reads each query
+//! row's head and position from shared memory, staged with the row's `lse` and `δ`.
+//!
+//! Scope (the plan sends the rest to the plain-unit kernels): computed scores, grouped heads;
+//! no dropout; `D`, `Dv` up to 128; 16-byte aligned rows of `q`, `k`, `v` and `dO`.
 
 use cubecl::{
     cmma::MmaDefinition,
@@ -29,7 +42,7 @@ use cubecl::{
 use super::FlashConfig;
 use super::backward::pair_index;
 use super::mma::{NV8, stage_rows, step_scores};
-use super::scores::{capped, causal_end};
+use super::scores::{add_bias, capped, causal_end, new_refs, set_row, visible};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
@@ -41,6 +54,27 @@ pub const DQ_ROWS: u32 = PLANES * MMA_M;
 pub const DKV_KEYS: u32 = PLANES * MMA_M;
 /// Largest head dim (`D` and `Dv`) the kernels take (their accumulators' registers).
 pub const MAX_DIM: u32 = 128;
+
+/// Row pitch, in elements, of the shared `dS` tile of the fused `dQ` (16-byte rows, and 8 rows
+/// of an `ldmatrix` on distinct banks).
+const DS_LD: u32 = DKV_KEYS + V_PAD;
+
+/// How the 4 planes share a step's `dQ` tile in the fused schedule (`step` query rows by `d`
+/// columns, both multiples of 16): `(row groups, column groups)` with product 4, each plane
+/// taking whole 16-row tiles and whole pairs of 8-column tiles; `None` where no split is even
+/// (`d` of 80 or 112 at 32-row steps).
+pub fn dq_split(step: u32, d: u32) -> Option<(u32, u32)> {
+    let (tiles, pairs) = (step / MMA_M, d / 16);
+    if tiles.is_multiple_of(4) {
+        Some((4, 1))
+    } else if tiles.is_multiple_of(2) && pairs.is_multiple_of(2) {
+        Some((2, 2))
+    } else if pairs.is_multiple_of(4) {
+        Some((1, 4))
+    } else {
+        None
+    }
+}
 
 /// Keys (dQ kernel) or query rows (dK/dV kernel) per step for head dims `d`, `dv` (rounded
 /// up to 16): 64 up to 64, 32 beyond.
@@ -59,8 +93,15 @@ pub fn dq_shared_bytes(c: FlashConfig) -> usize {
 
 /// Shared memory of the dK/dV kernel (`c.block_q` keys, `c.block_k` query rows per step), in
 /// bytes.
-pub fn dkv_shared_bytes(c: FlashConfig) -> usize {
-    dq_shared_bytes(c) + 4 * c.block_k as usize * 4
+pub fn dkv_shared_bytes(c: FlashConfig, fused_dq: bool) -> usize {
+    let ds = if fused_dq {
+        c.block_k as usize * DS_LD as usize * 2
+    } else {
+        0
+    };
+    // lse, δ and (with a mask or bias) each row's head and position, in two buffers.
+    let rows = if c.mask || c.bias { 8 } else { 4 };
+    dq_shared_bytes(c) + rows * c.block_k as usize * 4 + ds
 }
 
 /// Synchronous copies of `n_rows × width` elements into `dst` (row pitch `width + V_PAD`):
@@ -147,7 +188,8 @@ fn stage_query_rows_async<F: Float, NV: Size>(
 
 /// Stages one block of `c.block_k` query rows `r0..` into buffer `buf` (0 or 1) of the dK/dV
 /// kernel: `Q` and `dO` asynchronously, `lse` (`f32::MAX` for a row past the end or without a
-/// visible key, so that its `P` is 0) and `δ` by plain stores into `stat_s`.
+/// visible key, so that its `P` is 0) and `δ` by plain stores into `stat_s`, and with a mask or
+/// bias each row's head and position into `row_s`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_block<F: Float, NV: Size>(
@@ -158,6 +200,7 @@ fn stage_query_block<F: Float, NV: Size>(
     q_s: &mut SharedMemory<Vector<F, NV>>,
     o_s: &mut SharedMemory<Vector<F, NV>>,
     stat_s: &mut SharedMemory<f32>,
+    row_s: &mut SharedMemory<u32>,
     buf: usize,
     batch: usize,
     head0: usize,
@@ -209,6 +252,10 @@ fn stage_query_block<F: Float, NV: Size>(
         let at = buf * 2 * bq + UNIT_POS as usize;
         stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
         stat_s[at + bq] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+        if comptime!(c.mask || c.bias) {
+            row_s[at] = head as u32;
+            row_s[at + bq] = pos as u32;
+        }
     }
 }
 
@@ -327,6 +374,154 @@ fn store_tiles<F: Float>(
     }
 }
 
+/// The fused `dQ` of one step for this plane (module docs): `acc` gets
+/// `dS·K` for its `rts` row tiles from `rt0` and `2·pairs` column tiles from `d0`, the
+/// reduction over the cube's [`DKV_KEYS`] keys; `dS` is read from `ds_s` (rows = the step's
+/// query rows, pitch [`DS_LD`]) by `ldmatrix`, `K` from `k_s` by `ldmatrix.trans`, each `K`
+/// fragment feeding every row tile.
+#[cube]
+fn fused_dq_step<F: Float, NV: Size>(
+    ds_s: &SharedMemory<F>,
+    k_s: &SharedMemory<Vector<F, NV>>,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    rt0: usize,
+    d0: usize,
+    #[comptime] d_ldv: usize,
+    #[comptime] rts: u32,
+    #[comptime] pairs: u32,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let mat = lane / 8;
+    let mat_row = lane % 8;
+    // ldmatrix rows of this lane: dS row (matrices 1, 3: + 8), key + 8 for matrices 2, 3;
+    // K key (matrices 1, 3: + 8), column + 8 for matrices 2, 3.
+    let a_lane = (rt0 * MMA_M as usize + ((mat % 2) * 8 + mat_row) as usize) * DS_LD as usize
+        + (mat / 2) as usize * 8;
+    let b_lane = ((mat % 2) * 8 + mat_row) as usize * d_ldv + (mat / 2) as usize + d0 / NV8;
+    #[unroll]
+    for kc in 0..comptime!(DKV_KEYS / 16) {
+        let mut a = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for rt in 0..rts {
+            let at = a_lane + comptime!((rt * MMA_M * DS_LD + kc * 16) as usize);
+            a.push(def.load_matrix::<F, Const<2>>(
+                &ds_s.slice(at, at + 1),
+                MatrixIdent::A,
+                4usize,
+                false,
+            ));
+        }
+        #[unroll]
+        for np in 0..pairs {
+            let start = b_lane + comptime!((kc * 16) as usize * d_ldv + np as usize * 2);
+            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                &k_s.slice(start, start + 1),
+                MatrixIdent::B,
+                4usize,
+                true,
+            );
+            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+            b0[0usize] = regs[0usize];
+            b0[1usize] = regs[1usize];
+            b1[0usize] = regs[2usize];
+            b1[1usize] = regs[3usize];
+            #[unroll]
+            for rt in 0..rts {
+                let a_rt = a.index(rt as usize);
+                let t = comptime!(rt * 2 * pairs + 2 * np);
+                def.execute_inplace(a_rt, &b0, acc.index_mut(t as usize));
+                def.execute_inplace(a_rt, &b1, acc.index_mut(comptime!(t + 1) as usize));
+            }
+        }
+    }
+}
+
+/// Adds the fused `dQ` tiles of [`fused_dq_step()`] to the f32 accumulator `dq_acc`
+/// (contiguous `[B, Hq, Sq, D]`, `D` = `d_pitch`): tile row `r` is query row `r0 + r` of the
+/// group of head `head0`; rows past `rows` are skipped.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_dq_tiles(
+    dq_acc: &mut Tensor<Atomic<f32>>,
+    acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    batch: usize,
+    heads_q: usize,
+    head0: usize,
+    r0: usize,
+    rows: usize,
+    seq_q: usize,
+    rt0: usize,
+    d0: usize,
+    #[comptime] d_pitch: u32,
+    #[comptime] rts: u32,
+    #[comptime] pairs: u32,
+) {
+    let lane = UNIT_POS_PLANE;
+    let quad = (lane % 4) as usize;
+    let g = (lane / 4) as usize;
+    #[unroll]
+    for rt in 0..rts {
+        #[unroll]
+        for h in 0..2usize {
+            let row = r0 + (rt0 + rt as usize) * MMA_M as usize + g + 8 * h;
+            if row < rows {
+                let head = head0 + row / seq_q;
+                let base = ((batch * heads_q + head) * seq_q + row % seq_q) * d_pitch as usize
+                    + d0
+                    + quad * 2;
+                #[unroll]
+                for t in 0..comptime!(2 * pairs) {
+                    let vals = acc.index(comptime!(rt * 2 * pairs + t) as usize)[h];
+                    #[unroll]
+                    for n in 0..2usize {
+                        let at = base + comptime!((t * MMA_N) as usize) + n;
+                        dq_acc[at].fetch_add(vals[n]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The fused `dQ`'s f32 accumulator (contiguous `[B, Hq, Sq, D]`, `D` = `acc.shape(3)`):
+/// zeroed (`convert` false, before [`flash_backward_dkv_mma()`]) or converted into `dq`
+/// (`convert`, after). 32 units per row, 8 rows per cube; grid: row groups along x then y.
+#[cube(launch_unchecked)]
+pub fn flash_dq_accum<F: Float>(
+    acc: &mut Tensor<f32>,
+    dq: &mut Tensor<F>,
+    #[comptime] convert: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = acc.shape(1);
+    let seq_q = acc.shape(2);
+    let width = acc.shape(3);
+    let rows = acc.shape(0) * heads * seq_q;
+    let lane = (UNIT_POS % 32) as usize;
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    let r = cube * 8 + (UNIT_POS / 32) as usize;
+    if r < rows {
+        let (b, h, p) = (r / (heads * seq_q), (r / seq_q) % heads, r % seq_q);
+        let dq_row = b * dq.stride(0) + h * dq.stride(1) + p * dq.stride(2);
+        for s in 0..width.div_ceil(32) {
+            let col = s * 32 + lane;
+            if comptime!(convert) {
+                if col < dq.shape(3) {
+                    let mut val = acc[r * width + col];
+                    if comptime!(crate::mutation::zero_dq()) {
+                        val = 0.0f32;
+                    }
+                    dq[dq_row + col * dq.stride(3)] = F::cast_from(val);
+                }
+            } else if col < width {
+                acc[r * width + col] = 0.0f32;
+            }
+        }
+    }
+}
+
 /// `dQ` of [`DQ_ROWS`] query rows of the group of one (batch, key/value head) (module docs).
 /// `c.block_q` = [`DQ_ROWS`], `c.block_k` keys per step, `c.head_dim`, `c.value_dim` = `D`,
 /// `Dv` rounded up to 16. Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`
@@ -340,13 +535,17 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
     d_out: &Tensor<Vector<F, NV>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
+    ds: &mut Tensor<F>,
     scale: f32,
     softcap: f32,
     #[comptime] c: FlashConfig,
+    #[comptime] write_ds: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
@@ -409,20 +608,25 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     let mut row_ok = Array::<bool>::new(2usize);
     let mut row_lse = Array::<f32>::new(2usize);
     let mut row_delta = Array::<f32>::new(2usize);
-    let mut row_pos = Array::<usize>::new(2usize);
     let mut row_at = Array::<usize>::new(2usize);
+    let mut ds_at = Array::<usize>::new(2usize);
+    let mut refs = new_refs(2usize);
     #[unroll]
     for h in 0..2usize {
         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
         let rr = usize::min(row, rows - 1);
         let head = head0 + rr / seq_q;
         let pos = rr % seq_q;
+        set_row::<F>(&mut refs, h, mask, bias, batch, head0, row, rows, seq_q, c);
         row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         // A row without a visible key (lse = −inf) has P = 0.
         row_ok[h] = row < rows && row_lse[h] > f32::min_value();
         row_delta[h] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-        row_pos[h] = pos;
         row_at[h] = batch * dq.stride(0) + head * dq.stride(1) + pos * dq.stride(2);
+        ds_at[h] = 0usize;
+        if comptime!(write_ds) {
+            ds_at[h] = batch * ds.stride(0) + head * ds.stride(1) + pos * ds.stride(2);
+        }
     }
     let mut acc = zero_accumulators(comptime!(c.head_dim / MMA_N));
     let k_base = batch * k.stride(0) + hkv * k.stride(1);
@@ -511,18 +715,23 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                 #[unroll]
                 for n in 0..2usize {
                     let key = j0 + comptime!((j * MMA_N) as usize) + quad * 2 + n;
-                    let x = capped(raw[n], scale, softcap, c);
+                    let sc = capped(raw[n], scale, softcap, c);
+                    let x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
                     let mut fac = scale;
                     if comptime!(c.softcap) {
-                        let t = x / softcap;
+                        let t = sc / softcap;
                         fac = scale * (1.0f32 - t * t);
                     }
-                    let mut ok = row_ok[h] && key < seq_k;
-                    if comptime!(c.causal) {
-                        ok = ok && key + seq_q <= row_pos[h] + seq_k;
-                    }
+                    let ok = row_ok[h] && visible::<F>(mask, &refs, h, key, seq_q, seq_k, c, true);
                     let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);
-                    pair[n] = F::cast_from(p * (dpv[n] - row_delta[h]) * fac);
+                    let d_score = p * (dpv[n] - row_delta[h]);
+                    pair[n] = F::cast_from(d_score * fac);
+                    if comptime!(write_ds) {
+                        let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
+                        if row < rows && key < seq_k {
+                            ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(d_score);
+                        }
+                    }
                 }
                 frag[i as usize] = pair;
             }
@@ -543,6 +752,21 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     if steps == 0 {
         // The prologue's copies complete before the cube exits.
         wait_step(&bar0, &bar1, 0);
+    }
+    if comptime!(write_ds) {
+        // Keys past the last step (after every row's causal diagonal): dS = 0, each row's by
+        // its 4 lanes.
+        #[unroll]
+        for h in 0..2usize {
+            let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
+            if row < rows {
+                let mut key = steps * bk + quad;
+                while key < seq_k {
+                    ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(0.0f32);
+                    key += 4;
+                }
+            }
+        }
     }
     let mut ok = Array::<bool>::new(2usize);
     #[unroll]
@@ -580,20 +804,34 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
     d_out: &Tensor<Vector<F, NV>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
+    dq_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     softcap: f32,
     #[comptime] c: FlashConfig,
+    #[comptime] fused_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
     let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let bq = comptime!(c.block_k as usize);
+    // The fused dQ's split of a step's tile over the planes (module docs).
+    let row_groups = comptime!(dq_split(c.block_k, c.head_dim).map_or(4, |s| s.0));
+    let col_groups = comptime!(dq_split(c.block_k, c.head_dim).map_or(1, |s| s.1));
+    let dq_rts = comptime!(c.block_k / MMA_M / row_groups);
+    let dq_pairs = comptime!(c.head_dim / 16 / col_groups);
+    let ds_len = comptime!(if fused_dq { bq * DS_LD as usize } else { 1usize });
+    // 16-byte aligned: ldmatrix reads its rows.
+    let mut ds_s = SharedMemory::<F>::new_aligned(ds_len, 16usize);
+    let row_len = comptime!(if c.mask || c.bias { 4 * bq } else { 1usize });
+    let mut row_s = SharedMemory::<u32>::new(row_len);
     let q_tiles = comptime!(c.block_k / MMA_N);
     let cv = comptime!(FlashConfig {
         head_dim: c.value_dim,
@@ -680,6 +918,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             &mut q_s,
             &mut o_s,
             &mut stat_s,
+            &mut row_s,
             0,
             batch,
             head0,
@@ -711,6 +950,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 &mut q_s,
                 &mut o_s,
                 &mut stat_s,
+                &mut row_s,
                 1 - parity,
                 batch,
                 head0,
@@ -758,20 +998,52 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                     for n in 0..2usize {
                         let col = comptime!((j * MMA_N) as usize) + quad * 2 + n;
                         let row = r0 + col;
-                        let x = capped(raw[n], scale, softcap, c);
+                        let sc = capped(raw[n], scale, softcap, c);
+                        let mut x = sc;
                         let mut fac = scale;
                         if comptime!(c.softcap) {
-                            let t = x / softcap;
+                            let t = sc / softcap;
                             fac = scale * (1.0f32 - t * t);
                         }
                         let mut ok = key[h] <= key_last;
-                        if comptime!(c.causal) {
+                        if comptime!(c.mask || c.bias) {
+                            // The row's head and position, staged with its lse and δ.
+                            let head = row_s[sb + col] as usize;
+                            let pos = row_s[sb + bq + col] as usize;
+                            let kk = usize::min(key[h], seq_k - 1);
+                            if comptime!(c.causal) {
+                                ok = ok && key[h] + seq_q <= pos + seq_k;
+                            }
+                            if comptime!(c.mask) {
+                                let at = batch * mask.stride(0)
+                                    + head * mask.stride(1)
+                                    + pos * mask.stride(2)
+                                    + kk * mask.stride(3);
+                                ok = ok && f32::cast_from(mask[at]) == 0.0f32;
+                            }
+                            if comptime!(c.bias) {
+                                let at = batch * bias.stride(0)
+                                    + head * bias.stride(1)
+                                    + pos * bias.stride(2)
+                                    + kk * bias.stride(3);
+                                x += f32::cast_from(bias[at]);
+                            }
+                        }
+                        if comptime!(c.causal && !(c.mask || c.bias)) {
                             let pos = usize::min(row, rows - 1) % seq_q;
                             ok = ok && key[h] + seq_q <= pos + seq_k;
                         }
                         let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
                         pp[n] = F::cast_from(p);
-                        dd[n] = F::cast_from(p * (dpv[n] - stat_s[sb + bq + col]) * fac);
+                        let ds = F::cast_from(p * (dpv[n] - stat_s[sb + bq + col]) * fac);
+                        dd[n] = ds;
+                        if comptime!(fused_dq) {
+                            // dS row `col`, key `16·plane + g + 8h` of the cube.
+                            ds_s[col * DS_LD as usize
+                                + plane as usize * MMA_M as usize
+                                + g
+                                + 8 * h] = ds;
+                        }
                     }
                     pfrag[i as usize] = pp;
                     dfrag[i as usize] = dd;
@@ -797,8 +1069,31 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 comptime!(c.block_k / 16),
                 comptime!(c.head_dim / 16),
             );
+            if comptime!(fused_dq) {
+                // Every plane's dS is in shared memory.
+                sync_cube();
+                let rt0 = (plane / col_groups) as usize * dq_rts as usize;
+                let d0 = (plane % col_groups) as usize * dq_pairs as usize * 16;
+                let mut acc_dq = zero_accumulators(comptime!(dq_rts * 2 * dq_pairs));
+                fused_dq_step::<F, NV>(&ds_s, &k_s, &mut acc_dq, rt0, d0, d_ldv, dq_rts, dq_pairs);
+                add_dq_tiles(
+                    dq_acc,
+                    &acc_dq,
+                    batch,
+                    q.shape(1),
+                    head0,
+                    r0,
+                    rows,
+                    seq_q,
+                    rt0,
+                    d0,
+                    c.head_dim,
+                    dq_rts,
+                    dq_pairs,
+                );
+            }
         }
-        // Every plane is done with this buffer before block + 2's copies overwrite it.
+        // Every plane is done with this buffer (and dS) before block + 2's copies overwrite it.
         sync_cube();
     }
     if n_live == 0 {
