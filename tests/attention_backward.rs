@@ -508,22 +508,13 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         assert_eq!(masked, plain);
         // Dropout takes the plain units.
         let dropout = FlashAttentionOptions {
-            dropout: Some(AttentionDropout {
-                prob: 0.1,
-                seed: 7,
-            }),
+            dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
             ..Default::default()
         };
-        let dropped = attention_backward_plan::<A<B>>(
-            device,
-            dims,
-            dtype.into(),
-            dropout,
-            false,
-            false,
-        )
-        .expect("plan")
-        .expect("plan");
+        let dropped =
+            attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
+                .expect("plan")
+                .expect("plan");
         assert_eq!(dropped.kernel, AttentionBackwardKernel::Units);
     } else {
         assert_eq!(masked.kernel, AttentionBackwardKernel::Units);

@@ -175,12 +175,12 @@ pub fn plan_attention_backward<R: Runtime>(
         && d16.max(dv16) <= mma_backward::MAX_DIM
         && hw.max_units_per_cube >= mma_backward::PLANES * crate::fragment::PLANE
         && hw.max_shared_memory_size
-            >= mma_backward::dkv_shared_bytes(mma_config, false).max(mma_backward::dq_shared_bytes(
-                FlashConfig {
+            >= mma_backward::dkv_shared_bytes(mma_config, false).max(
+                mma_backward::dq_shared_bytes(FlashConfig {
                     block_q: mma_backward::DQ_ROWS,
                     ..mma_config
-                },
-            ));
+                }),
+            );
     if mma {
         let dkv_cubes = (seq_k.div_ceil(mma_backward::DKV_KEYS as usize), y, z);
         let dq_cubes = if fused_dq {

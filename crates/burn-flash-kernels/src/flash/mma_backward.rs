@@ -827,7 +827,11 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let col_groups = comptime!(dq_split(c.block_k, c.head_dim).map_or(1, |s| s.1));
     let dq_rts = comptime!(c.block_k / MMA_M / row_groups);
     let dq_pairs = comptime!(c.head_dim / 16 / col_groups);
-    let ds_len = comptime!(if fused_dq { bq * DS_LD as usize } else { 1usize });
+    let ds_len = comptime!(if fused_dq {
+        bq * DS_LD as usize
+    } else {
+        1usize
+    });
     // 16-byte aligned: ldmatrix reads its rows.
     let mut ds_s = SharedMemory::<F>::new_aligned(ds_len, 16usize);
     let row_len = comptime!(if c.mask || c.bias { 4 * bq } else { 1usize });
