@@ -77,9 +77,12 @@ pub fn dq_split(step: u32, d: u32) -> Option<(u32, u32)> {
 }
 
 /// Keys (dQ kernel) or query rows (dK/dV kernel) per step for head dims `d`, `dv` (rounded
-/// up to 16): 64 up to 64, 32 beyond.
-pub fn step_len(d: u32, dv: u32) -> u32 {
-    if d.max(dv) <= 64 { 64 } else { 32 }
+/// up to 16): 32 at every head dim. Measured on an H100 (bf16, S 4096, fwd+bwd device
+/// TFLOP/s; NOTES.md, session 12): at D 64, 32-row steps beat 64-row ones (161.4 / 131.3
+/// causal against 158.5 / 119.1: fewer live score fragments per step) and 16-row ones (157.2
+/// / 120.5); at D 128, 32 beats 16 (173.5 / 143.4 against 149.2 / 121.9).
+pub fn step_len(_d: u32, _dv: u32) -> u32 {
+    32
 }
 
 /// Shared memory of the dQ kernel (`c.block_q` rows, `c.block_k` keys per step), in bytes.
