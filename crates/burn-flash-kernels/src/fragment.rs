@@ -67,6 +67,34 @@ pub(crate) fn quad_max(v: f32) -> f32 {
     f32::max(v, plane_shuffle_xor(v, 2))
 }
 
+/// The `B` fragments of two adjacent 8-column tiles (m16n8k16), loaded by one `ldmatrix.x4`
+/// (`.trans` with `transpose`) from this lane's 16-byte row at `start` of `src`: element 0 is
+/// the first tile (matrices 0, 1), element 1 the second (matrices 2, 3).
+#[cube]
+pub(crate) fn load_b_pair<F: Float, NV: Size>(
+    src: &SharedMemory<Vector<F, NV>>,
+    start: usize,
+    #[comptime] transpose: bool,
+) -> Sequence<Array<Vector<F, Const<2>>>> {
+    let nv = NV::value();
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+        &src.slice(start, start + comptime!(8 / nv)),
+        MatrixIdent::B,
+        4usize,
+        transpose,
+    );
+    let mut pair = Sequence::<Array<Vector<F, Const<2>>>>::new();
+    #[unroll]
+    for t in 0..2usize {
+        let mut b = Array::<Vector<F, Const<2>>>::new(2usize);
+        b[0usize] = regs[2 * t];
+        b[1usize] = regs[2 * t + 1];
+        pair.push(b);
+    }
+    pair
+}
+
 /// `acc[2·np] += a·B₀` and `acc[2·np + 1] += a·B₁` (m16n8k16), where `B₀`, `B₁` are two
 /// adjacent 16 × 8 tiles of `V` loaded by one `ldmatrix.x4.trans` from this lane's row at
 /// `start` (rows k and k + 8 for matrices 0/2 and 1/3, columns + 8 for matrices 2/3).
@@ -78,24 +106,18 @@ pub(crate) fn mma_v_pair<F: Float, NV: Size>(
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     #[comptime] np: u32,
 ) {
-    let nv = NV::value();
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-        &v_s.slice(start, start + comptime!(8 / nv)),
-        MatrixIdent::B,
-        4usize,
-        true,
+    let b = load_b_pair::<F, NV>(v_s, start, true);
+    def.execute_inplace(
+        a,
+        b.index(0usize),
+        acc.index_mut(comptime!(2 * np) as usize),
     );
-    let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-    let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-    b0[0usize] = regs[0usize];
-    b0[1usize] = regs[1usize];
-    b1[0usize] = regs[2usize];
-    b1[1usize] = regs[3usize];
-    let c0 = acc.index_mut(comptime!(2 * np) as usize);
-    def.execute_inplace(a, &b0, c0);
-    let c1 = acc.index_mut(comptime!(2 * np + 1) as usize);
-    def.execute_inplace(a, &b1, c1);
+    def.execute_inplace(
+        a,
+        b.index(1usize),
+        acc.index_mut(comptime!(2 * np + 1) as usize),
+    );
 }
 
 /// Zeroed f32 accumulators of `n_tiles` m16n8 output tiles: per tile, this lane's two

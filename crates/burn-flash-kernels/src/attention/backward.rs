@@ -41,7 +41,9 @@ pub enum AttentionBackwardKernel {
 /// (atomics from the dK/dV kernel, where it applies) or anything else, the default: its own
 /// kernel, the faster one measured. A switch for benchmarks and tests of both schedules.
 fn fused_dq_wanted() -> bool {
-    std::env::var("BURN_FLASH_BACKWARD_DQ").is_ok_and(|v| v == "fused")
+    // Read once: the plan runs on every backward call.
+    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FUSED.get_or_init(|| std::env::var("BURN_FLASH_BACKWARD_DQ").is_ok_and(|v| v == "fused"))
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -184,7 +186,7 @@ pub fn plan_attention_backward<R: Runtime>(
     if mma {
         let dkv_cubes = (seq_k.div_ceil(mma_backward::DKV_KEYS as usize), y, z);
         let dq_cubes = if fused_dq {
-            accum_cubes(batch * heads_q * seq_q)
+            backward::row_groups_grid(batch * heads_q * seq_q)
         } else {
             (rows.div_ceil(mma_backward::DQ_ROWS as usize), y, z)
         };
@@ -229,14 +231,6 @@ pub fn plan_attention_backward<R: Runtime>(
         dkv_cubes,
         dq_cubes,
     })
-}
-
-/// Grid of [`mma_backward::flash_dq_accum()`] over `rows` query rows: 8 rows per cube, along
-/// x then y.
-fn accum_cubes(rows: usize) -> (usize, usize, usize) {
-    let cubes = rows.div_ceil(8).max(1);
-    let x = cubes.min(65535);
-    (x, cubes.div_ceil(x), 1)
 }
 
 /// The configuration of the matrix-unit kernels (the dK/dV kernel's; the dQ kernel's has
@@ -444,7 +438,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 mma_backward::flash_dq_accum::launch_unchecked::<R>(
                     client,
                     count(plan.dq_cubes),
-                    cubecl::CubeDim::new_1d(256),
+                    cubecl::CubeDim::new_1d(32 * backward::DELTA_ROWS),
                     acc.arg(),
                     plain(&t.dq).arg(),
                     convert,

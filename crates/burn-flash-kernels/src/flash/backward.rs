@@ -445,6 +445,22 @@ fn load_rows<F: Float>(
     out
 }
 
+/// The query row of this unit's group of 32 in a row-per-32-units kernel
+/// ([`flash_delta()`], [`super::mma_backward::flash_dq_accum()`]): [`DELTA_ROWS`] rows per
+/// cube, cubes along x then y ([`row_groups_grid`]).
+#[cube]
+pub(crate) fn row_of_group() -> usize {
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    cube * DELTA_ROWS as usize + (UNIT_POS / 32) as usize
+}
+
+/// Grid of a row-per-32-units kernel over `rows` rows ([`row_of_group()`]): `(x, y, 1)`.
+pub(crate) fn row_groups_grid(rows: usize) -> (usize, usize, usize) {
+    let cubes = rows.div_ceil(DELTA_ROWS as usize).max(1);
+    let x = cubes.min(65535);
+    (x, cubes.div_ceil(x), 1)
+}
+
 /// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
 /// row, [`DELTA_ROWS`] rows per cube; `delta` is contiguous `[B, Hq, Sq]`. Grid: row groups
 /// along x then y.
@@ -461,8 +477,7 @@ pub fn flash_delta<F: Float>(
     let rows = out.shape(0) * heads * seq_q;
     let lane = (UNIT_POS % 32) as usize;
     let group = UNIT_POS / 32;
-    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    let r = cube * DELTA_ROWS as usize + group as usize;
+    let r = row_of_group();
     let mut partial = 0.0f32;
     if r < rows {
         let (b, h, p) = (r / (heads * seq_q), (r / seq_q) % heads, r % seq_q);
@@ -1142,14 +1157,13 @@ pub unsafe fn launch_delta<R: Runtime>(
         shape: vec![rows.max(1)],
         strides: vec![1],
     };
-    let cubes = rows.div_ceil(DELTA_ROWS as usize).max(1);
-    let x = cubes.min(65535);
+    let (x, y, _) = row_groups_grid(rows);
     if rows > 0 {
         // SAFETY: the caller's; every index is bounds-checked against `out`'s shape.
         unsafe {
             flash_delta::launch_unchecked::<R>(
                 client,
-                cubecl::CubeCount::Static(x as u32, cubes.div_ceil(x) as u32, 1),
+                cubecl::CubeCount::Static(x as u32, y as u32, 1),
                 cubecl::CubeDim::new_1d(32 * DELTA_ROWS),
                 d_out.arg(),
                 out.arg(),

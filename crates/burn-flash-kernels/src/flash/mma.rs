@@ -50,7 +50,9 @@ use super::scores::{RowRefs, new_refs, score, set_row, visible};
 use super::{
     FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
 };
-use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, quad_max, quad_sum, zero_accumulators};
+use crate::fragment::{
+    MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, quad_max, quad_sum, zero_accumulators,
+};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Elements per 16-byte vector of a 16-bit type: the kernel's `NV`.
@@ -264,29 +266,18 @@ pub(crate) fn step_scores<F: Float, NV: Size>(
         #[unroll]
         for jp in 0..comptime!(c.block_k / 16) {
             let ka = k_base + comptime!((jp * 16) as usize * k_ldv + kd as usize * 2);
-            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                &k_s.slice(ka, ka + 1),
-                MatrixIdent::B,
-                4usize,
-                false,
-            );
-            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-            b0[0usize] = regs[0usize];
-            b0[1usize] = regs[1usize];
-            b1[0usize] = regs[2usize];
-            b1[1usize] = regs[3usize];
+            let b = load_b_pair::<F, NV>(k_s, ka, false);
             #[unroll]
             for rt in 0..rts {
                 let a = qa.index(rt as usize);
                 def.execute_inplace(
                     a,
-                    &b0,
+                    b.index(0usize),
                     s.index_mut(comptime!(rt * key_tiles + 2 * jp) as usize),
                 );
                 def.execute_inplace(
                     a,
-                    &b1,
+                    b.index(1usize),
                     s.index_mut(comptime!(rt * key_tiles + 2 * jp + 1) as usize),
                 );
             }

@@ -40,10 +40,10 @@ use cubecl::{
 };
 
 use super::FlashConfig;
-use super::backward::pair_index;
+use super::backward::{pair_index, row_of_group};
 use super::mma::{NV8, stage_rows, step_scores};
 use super::scores::{add_bias, capped, causal_end, new_refs, set_row, visible};
-use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
+use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, mma_v_pair, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Planes per cube of both kernels.
@@ -310,7 +310,6 @@ fn product_trans<F: Float, NV: Size>(
     #[comptime] k_steps: u32,
     #[comptime] n_pairs: u32,
 ) {
-    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let mat = lane / 8;
     let mat_row = lane % 8;
@@ -321,20 +320,7 @@ fn product_trans<F: Float, NV: Size>(
         #[unroll]
         for np in 0..n_pairs {
             let start = b_lane + comptime!((kc * 16) as usize * ldv + np as usize * 2);
-            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                &b_s.slice(start, start + 1),
-                MatrixIdent::B,
-                4usize,
-                true,
-            );
-            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-            b0[0usize] = regs[0usize];
-            b0[1usize] = regs[1usize];
-            b1[0usize] = regs[2usize];
-            b1[1usize] = regs[3usize];
-            def.execute_inplace(a_kc, &b0, acc.index_mut(comptime!(2 * np) as usize));
-            def.execute_inplace(a_kc, &b1, acc.index_mut(comptime!(2 * np + 1) as usize));
+            mma_v_pair::<F, NV>(a_kc, b_s, start, acc, np);
         }
     }
 }
@@ -418,24 +404,17 @@ fn fused_dq_step<F: Float, NV: Size>(
         #[unroll]
         for np in 0..pairs {
             let start = b_lane + comptime!((kc * 16) as usize * d_ldv + np as usize * 2);
-            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                &k_s.slice(start, start + 1),
-                MatrixIdent::B,
-                4usize,
-                true,
-            );
-            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-            b0[0usize] = regs[0usize];
-            b0[1usize] = regs[1usize];
-            b1[0usize] = regs[2usize];
-            b1[1usize] = regs[3usize];
+            let b = load_b_pair::<F, NV>(k_s, start, true);
             #[unroll]
             for rt in 0..rts {
                 let a_rt = a.index(rt as usize);
                 let t = comptime!(rt * 2 * pairs + 2 * np);
-                def.execute_inplace(a_rt, &b0, acc.index_mut(t as usize));
-                def.execute_inplace(a_rt, &b1, acc.index_mut(comptime!(t + 1) as usize));
+                def.execute_inplace(a_rt, b.index(0usize), acc.index_mut(t as usize));
+                def.execute_inplace(
+                    a_rt,
+                    b.index(1usize),
+                    acc.index_mut(comptime!(t + 1) as usize),
+                );
             }
         }
     }
@@ -490,7 +469,8 @@ fn add_dq_tiles(
 
 /// The fused `dQ`'s f32 accumulator (contiguous `[B, Hq, Sq, D]`, `D` = `acc.shape(3)`):
 /// zeroed (`convert` false, before [`flash_backward_dkv_mma()`]) or converted into `dq`
-/// (`convert`, after). 32 units per row, 8 rows per cube; grid: row groups along x then y.
+/// (`convert`, after). 32 units per row, 8 rows per cube, cubes along x then y (as
+/// [`super::backward::flash_delta()`]).
 #[cube(launch_unchecked)]
 pub fn flash_dq_accum<F: Float>(
     acc: &mut Tensor<f32>,
@@ -503,8 +483,7 @@ pub fn flash_dq_accum<F: Float>(
     let width = acc.shape(3);
     let rows = acc.shape(0) * heads * seq_q;
     let lane = (UNIT_POS % 32) as usize;
-    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    let r = cube * 8 + (UNIT_POS / 32) as usize;
+    let r = row_of_group();
     if r < rows {
         let (b, h, p) = (r / (heads * seq_q), (r / seq_q) % heads, r % seq_q);
         let dq_row = b * dq.stride(0) + h * dq.stride(1) + p * dq.stride(2);
