@@ -4,7 +4,8 @@
 //! `cargo bench --bench attention -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
 //! [--dtypes bf16,f16,f32] [--seqs 512,1024] [--dims 64,128] [--causal false,true]
 //! [--sweeps main,gqa,bias,mask] [--impls burn-flash,burn-attention,burn-fallback]
-//! [--burn-max-s 4096] [--bias-full-max-s 4096] [--passes N] [--no-memory] [--plot CSV]`
+//! [--burn-max-s 4096] [--bias-full-max-s 4096] [--passes N] [--no-memory] [--dropout P]
+//! [--plot CSV]`
 //! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process when
 //! both are built; wgpu's files then end in `-wgpu`). `--plot CSV` redraws the PNG of an earlier
 //! run's `attention.csv`. The PyTorch peer with the same shapes and columns is
@@ -130,6 +131,19 @@ static BLOCK_K: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
 fn forced_block_k() -> Option<usize> {
     BLOCK_K.get().copied().flatten()
 }
+
+/// `--dropout`, set once from the command line.
+static DROPOUT: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
+
+/// burn-flash's in-kernel dropout of `--dropout` (a fixed seed: the timing does not depend on
+/// which weights are dropped).
+fn bench_dropout() -> Option<burn_flash::AttentionDropout> {
+    DROPOUT
+        .get()
+        .copied()
+        .flatten()
+        .map(|prob| burn_flash::AttentionDropout { prob, seed: 7 })
+}
 use clap::{CommandFactory, Parser, ValueEnum, error::ErrorKind};
 use common::*;
 use cubecl::client::ComputeClient;
@@ -189,6 +203,10 @@ struct Cli {
     /// Force burn-flash's keys per step (a tuning experiment; the plan's choice by default).
     #[arg(long, value_name = "N")]
     block_k: Option<usize>,
+    /// In-kernel dropout of this probability on burn-flash's rows (Burn's ops have none: their
+    /// rows stay without; each burn-flash row's note says so).
+    #[arg(long, value_name = "P")]
+    dropout: Option<f64>,
     /// Timed passes per row [default: 10; 3 with --quick].
     #[arg(long)]
     passes: Option<usize>,
@@ -311,6 +329,7 @@ impl Impl {
             Impl::Flash => {
                 let options = FlashAttentionOptions {
                     block_k: forced_block_k(),
+                    dropout: bench_dropout(),
                     ..options.into()
                 };
                 burn_flash::attention_with_lse(q, k, v, mask, bias, options).0
@@ -771,8 +790,12 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             let dtype = DType::from(cfg.dtype.dtype());
             let options = FlashAttentionOptions {
                 block_k: forced_block_k(),
+                dropout: bench_dropout(),
                 ..cfg.options().into()
             };
+            if let Some(d) = bench_dropout() {
+                notes.push(format!("dropout {}", d.prob));
+            }
             match burn_flash::attention_plan::<Fu<R, BT>>(&self.device, cfg.dims(), dtype, options)
             {
                 Some(Ok(plan)) => {
@@ -1061,6 +1084,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
 fn main() {
     let cli = Cli::parse();
     BLOCK_K.set(cli.block_k).expect("set once");
+    DROPOUT.set(cli.dropout).expect("set once");
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();
     }

@@ -506,7 +506,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let masked = plan(true).expect("plan").expect("plan");
     if cuda && dtype != FloatDType::F32 {
         assert_eq!(masked, plain);
-        // Dropout takes the plain units.
+        // So does dropout.
         let dropout = FlashAttentionOptions {
             dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
             ..Default::default()
@@ -515,7 +515,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
                 .expect("plan")
                 .expect("plan");
-        assert_eq!(dropped.kernel, AttentionBackwardKernel::Units);
+        assert_eq!(dropped, plain);
     } else {
         assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
         assert_eq!((masked.head_dim, masked.value_dim), (128, 64));
@@ -544,6 +544,13 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // sizes; the record is per process, so only launches of exactly `dims` are looked at).
     let mut setup = Setup::new([3, 8, 100, 72], 2, 70, 40);
     check::<B>(&setup, dtype, "planned kernels, no mask");
+    // Dropout's launches are among the unmasked ones: they must take the same kernels.
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.2,
+        seed: fresh_seed(),
+    });
+    check::<B>(&setup, dtype, "planned kernels, dropout");
+    setup.dropout = None;
     setup.mask = Some(([3, 1, 1, 70], |[b, _, _, j]| j + 7 * b >= 66));
     check::<B>(&setup, dtype, "planned kernels, padding mask");
     let ran: Vec<_> = recent_backward_launches()
@@ -728,7 +735,8 @@ fn dropout_mask<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             "p {prob}: {msg}"
         );
     }
-    // Dropout runs on the plain-unit forward: forcing another kernel is refused.
+    // Dropout runs on the matrix-unit and plain-unit forwards: forcing the tiled kernel is
+    // refused.
     let dims = AttentionDims {
         batch: nb,
         heads_q: h,

@@ -535,7 +535,7 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 /// and masked inputs; the gradient buffers are poisoned first.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     type A<B> = Autodiff<B>;
-    let cases: [([usize; 3], [usize; 3], bool); 12] = [
+    let cases: [([usize; 3], [usize; 3], bool); 13] = [
         ([2, 37, 70], [2, 70, 24], false),
         // 16-byte rows (d2, d3 multiples of 8): the matrix-unit backward on CUDA f16/bf16, with
         // partial cubes along d1 and d2, partial output tiles and reduction chunks (d3 = 264,
@@ -544,7 +544,7 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ([3, 70, 520], [1, 520, 40], true),
         ([2, 64, 1024], [2, 1024, 128], false),
         ([1, 33, 8], [1, 8, 8], false),
-        // The tiled units kernels (forward, and both backward products) where they run: vectors
+        // The tiled forward and the register-tiled backward products: vectors
         // of 4, 2 and 1 elements, partial tiles and steps, shared `v` with masked rows.
         ([2, 70, 100], [2, 100, 80], false),
         ([2, 97, 66], [2, 66, 130], false),
@@ -553,6 +553,9 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ([3, 65, 129], [1, 129, 33], false),
         ([1, 7, 1025], [1, 1025, 8], false),
         ([2, 9, 40], [2, 40, 16], true),
+        // A wide `d3`: four column tiles of `dV` on the matrix units, all of it in their `dX`
+        // kernel; a shared `v` with masked rows.
+        ([2, 40, 64], [1, 64, 512], true),
     ];
     for (xs, vs, masked) in cases {
         let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?}");
@@ -776,8 +779,10 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
 }
 
 /// The backward path of the `gradients` cases: with `matrix_units` (CUDA) the 16-byte aligned
-/// f16/bf16 cases take the matrix-unit kernels, so `gradients` checks those; everything else
-/// takes the plain-unit kernels (tiled from 65 × 65 gradients).
+/// f16/bf16 cases take the flash backward core on the matrix units, so `gradients` checks
+/// those; everything else, and a `d3` whose `dX` kernel would not fit in shared memory, takes
+/// plain units: the register-tiled given-score products for gradients of at least 65 × 65,
+/// the core's flash schedule below.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
 fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
     use burn_flash::kernels::softmax_matmul::{SmmBackwardPath as P, plan_softmax_matmul_backward};
@@ -796,10 +801,13 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_un
         (FloatDType::F16, [2, 64, 1024], 128, false, mma(P::Units)),
         (FloatDType::F16, [1, 33, 8], 8, false, mma(P::Units)),
         (FloatDType::F16, [2, 9, 40], 16, true, mma(P::Units)),
-        // Rows that 16-byte vectors do not divide, and f32: plain units.
+        (FloatDType::BF16, [2, 40, 64], 512, true, mma(P::Units)),
+        // Rows that 16-byte vectors do not divide, f32, and a `d3` too wide for the matrix
+        // units' `dX` kernel (dO and two steps of V in shared memory): plain units.
         (FloatDType::F16, [2, 70, 100], 80, false, P::Tiled),
         (FloatDType::F16, [1, 7, 1025], 8, false, P::Units),
         (FloatDType::F32, [2, 200, 136], 264, false, P::Tiled),
+        (FloatDType::F16, [1, 80, 72], 1024, false, P::Tiled),
     ];
     for (dtype, [batch, d1, d2], d3, shared_v, want) in cases {
         let dims = SmmDims { batch, d1, d2, d3 };

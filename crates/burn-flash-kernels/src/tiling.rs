@@ -10,8 +10,7 @@
 //! 4 × 4 block (transposed into place) hit every bank once while the product's reads stay one
 //! wavefront.
 //!
-//! Users: the register-tiled flash forward ([`crate::flash::tiled`]: `A = P`ᵀ, `B = V`) and the
-//! tiled `softmax_matmul` backward ([`crate::softmax_matmul::tiled_backward`]).
+//! User: the register-tiled flash forward ([`crate::flash::tiled`]: `A = P`ᵀ, `B = V`).
 
 use cubecl::prelude::*;
 

@@ -23,8 +23,8 @@ pub enum AttentionBackwardKernel {
     /// The matrix units (f16/bf16 on CUDA sm_80+, 16-byte aligned rows):
     /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] and
     /// [`mma_backward::flash_backward_dq_mma()`] (which also writes `dS` for a tracked bias).
-    /// Computed scores with scale, softcap, masks, biases, causal and grouped heads, `D`, `Dv`
-    /// up to [`mma_backward::MAX_DIM`]; dropout takes [`AttentionBackwardKernel::Units`].
+    /// Computed scores with scale, softcap, masks, biases, causal, grouped heads and dropout,
+    /// `D`, `Dv` up to [`mma_backward::MAX_DIM`].
     MatrixUnits,
     /// The matrix units with `dQ` fused into the dK/dV kernel (FlashAttention-2's schedule):
     /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] adding each
@@ -32,7 +32,7 @@ pub enum AttentionBackwardKernel {
     /// [`mma_backward::flash_dq_accum()`]). Five products instead of seven, an f32 scratch of
     /// `dQ`'s size. Opt-in (`BURN_FLASH_BACKWARD_DQ=fused`): slower than
     /// [`AttentionBackwardKernel::MatrixUnits`] on an H100 (NOTES.md, session 12: the atomics).
-    /// The scope of [`AttentionBackwardKernel::MatrixUnits`] without a mask or bias, where
+    /// The scope of [`AttentionBackwardKernel::MatrixUnits`] without a mask, bias or dropout, where
     /// [`mma_backward::dq_split()`] splits a step's `dQ` tile evenly over the planes.
     MatrixUnitsFusedDq,
 }
@@ -169,11 +169,11 @@ pub fn plan_attention_backward<R: Runtime>(
     let fused_dq = fused_dq_wanted()
         && !features.mask
         && !features.bias
+        && options.dropout.is_none()
         && mma_backward::dq_split(mma_config.block_k, d16).is_some()
         && hw.max_shared_memory_size >= mma_backward::dkv_shared_bytes(mma_config, true);
     let mma = crate::fragment::supported(client, dtype)
         && features.aligned
-        && options.dropout.is_none()
         && d16.max(dv16) <= mma_backward::MAX_DIM
         && hw.max_units_per_cube >= mma_backward::PLANES * crate::fragment::PLANE
         && hw.max_shared_memory_size
@@ -252,7 +252,7 @@ fn mma_config(
         mask: features.mask,
         bias: features.bias,
         softcap: options.softcap.is_some(),
-        dropout: false,
+        dropout: options.dropout.is_some(),
     }
 }
 
@@ -396,11 +396,6 @@ pub fn launch_attention_backward<R: Runtime>(
         AttentionBackwardKernel::MatrixUnits | AttentionBackwardKernel::MatrixUnitsFusedDq
     ) {
         let fused = plan.kernel == AttentionBackwardKernel::MatrixUnitsFusedDq;
-        let plain = |t: &TensorRef<'_>| backward::Operand {
-            handle: t.handle.clone(),
-            shape: t.shape.to_vec(),
-            strides: t.strides.to_vec(),
-        };
         let c = FlashConfig {
             bias: t.bias.is_some(),
             ..mma_config(
@@ -410,96 +405,26 @@ pub fn launch_attention_backward<R: Runtime>(
                 features,
             )
         };
-        let count = |c: (usize, usize, usize)| {
-            cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32)
-        };
-        let units = cubecl::CubeDim::new_1d(mma_backward::PLANES * crate::fragment::PLANE);
-        let scale = options.scale;
-        let softcap = options.softcap.unwrap_or(1.0);
         // SAFETY: every index is bounds-checked against the shapes passed here, which describe
         // the caller's buffers (checked above); the rows of `q`, `k`, `v` and `dO` are 16-byte
-        // aligned (`features.aligned`), the kernels' vector width.
+        // aligned (`features.aligned`), the kernels' vector width; the grids are the plan's.
         unsafe {
-            let delta =
-                backward::launch_delta(client, &plain(&t.out), &plain(&t.d_out), rows, dtype);
-            // The fused dQ's f32 accumulator, `[B, Hq, Sq, D]` contiguous (`D` rounded up to
-            // 16); without it, `δ` stands in (never read).
-            let d16 = plan.head_dim;
-            let acc = if fused {
-                backward::Operand {
-                    handle: client.empty(rows.max(1) * d16 * 4),
-                    shape: vec![batch, heads_q, seq_q, d16],
-                    strides: vec![heads_q * seq_q * d16, seq_q * d16, d16, 1],
-                }
-            } else {
-                delta.clone()
-            };
-            let accum = |convert: bool| {
-                mma_backward::flash_dq_accum::launch_unchecked::<R>(
-                    client,
-                    count(plan.dq_cubes),
-                    cubecl::CubeDim::new_1d(32 * backward::DELTA_ROWS),
-                    acc.arg(),
-                    plain(&t.dq).arg(),
-                    convert,
-                    dtype,
-                )
-            };
-            if fused && rows > 0 {
-                accum(false);
-            }
-            if seq_k > 0 {
-                mma_backward::flash_backward_dkv_mma::launch_unchecked::<R>(
-                    client,
-                    count(plan.dkv_cubes),
-                    units,
-                    crate::flash::mma::NV8,
-                    plain(&t.q).arg(),
-                    plain(&t.k).arg(),
-                    plain(&t.v).arg(),
-                    operands.mask.arg(),
-                    operands.bias.arg(),
-                    plain(&t.d_out).arg(),
-                    plain(&t.lse).arg(),
-                    delta.arg(),
-                    plain(&t.dk).arg(),
-                    plain(&t.dv).arg(),
-                    acc.arg(),
-                    scale,
-                    softcap,
-                    c,
-                    fused,
-                    dtype,
-                );
-            }
-            if fused && rows > 0 {
-                accum(true);
-            } else if rows > 0 {
-                mma_backward::flash_backward_dq_mma::launch_unchecked::<R>(
-                    client,
-                    count(plan.dq_cubes),
-                    units,
-                    crate::flash::mma::NV8,
-                    plain(&t.q).arg(),
-                    plain(&t.k).arg(),
-                    plain(&t.v).arg(),
-                    operands.mask.arg(),
-                    operands.bias.arg(),
-                    plain(&t.d_out).arg(),
-                    plain(&t.lse).arg(),
-                    delta.arg(),
-                    plain(&t.dq).arg(),
-                    operands.ds.arg(),
-                    scale,
-                    softcap,
-                    FlashConfig {
-                        block_q: mma_backward::DQ_ROWS,
-                        ..c
-                    },
-                    t.ds.is_some(),
-                    dtype,
-                );
-            }
+            mma_backward::launch_backward_mma(
+                client,
+                &operands,
+                rows,
+                (seq_k > 0).then_some(plan.dkv_cubes),
+                (rows > 0).then_some(plan.dq_cubes),
+                options.scale,
+                options.softcap.unwrap_or(1.0),
+                options
+                    .dropout
+                    .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0)),
+                c,
+                t.ds.is_some(),
+                fused,
+                dtype,
+            );
         }
         record(plan.kernel);
         return Ok(plan);

@@ -290,13 +290,12 @@ pub fn plan_attention<R: Runtime>(
         dropout: options.dropout.is_some(),
     };
     let kernel = match options.kernel {
-        Some(kernel) if options.dropout.is_some() && kernel != AttentionKernel::Units => {
+        Some(AttentionKernel::Tiled) if options.dropout.is_some() => {
             return Err(AttentionError::KernelUnavailable {
-                kernel,
-                reason: "dropout runs on the plain-unit kernel (Units) only".into(),
+                kernel: AttentionKernel::Tiled,
+                reason: "dropout runs on the matrix-unit and plain-unit kernels only".into(),
             });
         }
-        None if options.dropout.is_some() => AttentionKernel::Units,
         Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
             return Err(AttentionError::KernelUnavailable {
                 kernel: AttentionKernel::MatrixUnits,
@@ -305,7 +304,8 @@ pub fn plan_attention<R: Runtime>(
         }
         Some(kernel) => kernel,
         None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
-        None if heads_q / heads_kv * seq_q > 64
+        None if options.dropout.is_none()
+            && heads_q / heads_kv * seq_q > 64
             && value_dim > 64
             && tiled::fits(client, tiled::config(base, head_dim)) =>
         {

@@ -46,10 +46,12 @@ use cubecl::{
     prelude::*,
 };
 
+use super::backward::Dropout;
 use super::scores::{RowRefs, new_refs, score, set_row, visible};
 use super::{
     FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
 };
+use crate::dropout::keep_weight;
 use crate::fragment::{
     MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, quad_max, quad_sum, zero_accumulators,
 };
@@ -97,7 +99,7 @@ pub fn units(c: FlashConfig) -> u32 {
 /// counted from the step's first key: `8j + 2·quad + n` in the fragment layout; for given
 /// scores, 8 consecutive columns per quad member in each [`CHUNK`] (module docs).
 #[cube]
-fn key_of(
+pub(crate) fn key_of(
     #[comptime] j: u32,
     quad: usize,
     #[comptime] n: u32,
@@ -205,7 +207,7 @@ fn stage_q<F: Float, NV: Size>(
 /// nothing waits for them before their use in the next step: rows past the end are never
 /// stored, columns past `Sk` are invisible in the step that tests bounds.
 #[cube]
-fn load_scores<F: Float, NV: Size>(
+pub(crate) fn load_scores<F: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
     xr: &mut Array<Vector<F, NV>>,
     x_rows: &Array<usize>,
@@ -311,6 +313,8 @@ fn step<F: Float, NV: Size>(
     j0: usize,
     seqs: (usize, usize),
     params: (f32, f32),
+    drop: &Dropout,
+    pairs: &Array<usize>,
     #[comptime] c: FlashConfig,
     #[comptime] bounds: bool,
 ) {
@@ -449,7 +453,23 @@ fn step<F: Float, NV: Size>(
                     if comptime!(!c.given()) {
                         l[slot] += p;
                     }
-                    pair[n] = F::cast_from(p);
+                    // The row sum takes every weight; `P·V` the kept ones, scaled.
+                    let mut kept = p;
+                    if comptime!(c.dropout) {
+                        let key =
+                            j0 + key_of(comptime!(2 * kc + i / 2), quad, comptime!(n as u32), c);
+                        kept *= keep_weight(
+                            drop.seed_lo,
+                            drop.seed_hi,
+                            drop.threshold,
+                            drop.inv_keep,
+                            pairs[slot],
+                            refs.pos[slot],
+                            key,
+                            false,
+                        );
+                    }
+                    pair[n] = F::cast_from(kept);
                 }
                 a[i as usize] = pair;
             }
@@ -524,10 +544,20 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     lse: &mut Tensor<f32>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
+    let drop = Dropout {
+        seed_lo,
+        seed_hi,
+        threshold,
+        inv_keep,
+    };
     let bk = comptime!(c.block_k) as usize;
     let given = comptime!(c.given());
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
@@ -583,6 +613,8 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     });
     let mut xr = Array::<Vector<F, NV>>::new(x_len);
     let mut xn = Array::<Vector<F, NV>>::new(x_len);
+    // The (batch, query head) pair of each slot's row: the dropout generator's key.
+    let mut pairs = Array::<usize>::new(slots);
     #[unroll]
     for slot in 0..slots {
         // Slot 2·rt + h: row r + 16·rt + 8·h.
@@ -591,6 +623,7 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
             &mut refs, slot, mask, bias, batch, head0, row, rows, seq_q, c,
         );
         let rr = usize::min(row, rows - 1);
+        pairs[slot] = batch * q.shape(1) + head0 + rr / seq_q;
         x_rows[slot] =
             batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
         m[slot] = f32::min_value();
@@ -691,6 +724,8 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
                 st * bk,
                 (seq_q, seq_k),
                 (scale, softcap),
+                &drop,
+                &pairs,
                 c,
                 false,
             );
@@ -711,6 +746,8 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
                 st * bk,
                 (seq_q, seq_k),
                 (scale, softcap),
+                &drop,
+                &pairs,
                 c,
                 true,
             );

@@ -29,8 +29,23 @@
 //! gradient) where asked; the dK/dV kernel, whose fragments hold columns, reads each query
 //! row's head and position from shared memory, staged with the row's `lse` and `δ`.
 //!
-//! Scope (the plan sends the rest to the plain-unit kernels): computed scores, grouped heads;
-//! no dropout; `D`, `Dv` up to 128; 16-byte aligned rows of `q`, `k`, `v` and `dO`.
+//! **Given scores** (`softmax_matmul`'s backward, [`ScoreSource::Given`]): `X` stands in for
+//! `Q` and the same two kernels skip what has no meaning without `Q` and `K`.
+//! - The dQ kernel becomes the `dX` kernel: each lane reads its rows' scores from `X` as
+//!   16-byte vectors (8 consecutive keys per quad member, the forward's
+//!   `load_scores`, the next step's in flight), `V`'s rows are staged in the
+//!   matching operand order (`key_of`), and `dS = P ⊙ (dP − δ)` is stored as
+//!   `dX`; no `dQ`. It holds all of `Dv` (the plan checks that `dO` and two steps of `V` fit).
+//! - The dK/dV kernel stages the block's `X` columns of its keys in place of `Q` and takes
+//!   `Pᵀ` straight from them (`ldmatrix.trans`); no `dP`, no `dK`. `Dv` of any width is
+//!   split into column tiles of [`GIVEN_COL_TILE`] over the grid.
+//!
+//! **Dropout** (computed scores): both kernels draw the forward's mask again
+//! ([`crate::dropout::keep_weight()`], keyed by each weight's (batch, query head, position,
+//! key)): `dV += (P ⊙ Z)ᵀ·dO` and `dS = P ⊙ (dP ⊙ Z − δ)`, as in [`super::backward`].
+//!
+//! Scope (the plans send the rest to the plain-unit kernels): `D`, `Dv` up to 128 with
+//! computed scores; 16-byte aligned rows of `q` (`X`), `k`, `v` and `dO`.
 
 use cubecl::{
     cmma::MmaDefinition,
@@ -40,9 +55,12 @@ use cubecl::{
 };
 
 use super::FlashConfig;
-use super::backward::{pair_index, row_of_group};
-use super::mma::{NV8, stage_rows, step_scores};
+#[cfg(doc)]
+use super::ScoreSource;
+use super::backward::{Dropout, pair_index, row_of_group};
+use super::mma::{CHUNK, NV8, key_of, load_scores, stage_rows, step_scores};
 use super::scores::{add_bias, capped, causal_end, new_refs, set_row, visible};
+use crate::dropout::keep_weight;
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, mma_v_pair, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
 
@@ -54,6 +72,35 @@ pub const DQ_ROWS: u32 = PLANES * MMA_M;
 pub const DKV_KEYS: u32 = PLANES * MMA_M;
 /// Largest head dim (`D` and `Dv`) the kernels take (their accumulators' registers).
 pub const MAX_DIM: u32 = 128;
+
+/// Columns of `dV` one cube of the dK/dV kernel holds with given scores: `Dv` (`d3` of
+/// `softmax_matmul`, any size) is split into column tiles of this along the grid's x axis.
+pub const GIVEN_COL_TILE: u32 = MAX_DIM;
+
+/// The dK/dV kernel's configuration for `c` (the dQ kernel's but for `block_q`): with given
+/// scores, a column tile of `Dv` ([`GIVEN_COL_TILE`]) instead of all of it.
+pub fn dkv_config(c: FlashConfig) -> FlashConfig {
+    FlashConfig {
+        block_q: DKV_KEYS,
+        value_dim: if c.given() {
+            c.value_dim.min(GIVEN_COL_TILE)
+        } else {
+            c.value_dim
+        },
+        ..c
+    }
+}
+
+/// Cubes along x of the dK/dV kernel for `seq_k` keys and `value_dim` columns of `dV`: key
+/// blocks, times `Dv`'s column tiles with given scores.
+pub fn dkv_blocks(seq_k: usize, value_dim: usize, given: bool) -> usize {
+    let tiles = if given {
+        value_dim.div_ceil(GIVEN_COL_TILE as usize).max(1)
+    } else {
+        1
+    };
+    seq_k.div_ceil(DKV_KEYS as usize) * tiles
+}
 
 /// Row pitch, in elements, of the shared `dS` tile of the fused `dQ` (16-byte rows, and 8 rows
 /// of an `ldmatrix` on distinct banks).
@@ -85,26 +132,39 @@ pub fn step_len(_d: u32, _dv: u32) -> u32 {
     32
 }
 
-/// Shared memory of the dQ kernel (`c.block_q` rows, `c.block_k` keys per step), in bytes.
+/// Shared memory of the dQ kernel (`c.block_q` rows, `c.block_k` keys per step), in bytes:
+/// the `Q` and `dO` tiles and two buffers of `K` and `V` (given scores: `dO` and `V` only).
 pub fn dq_shared_bytes(c: FlashConfig) -> usize {
-    let (d, dv) = (
-        (c.head_dim + V_PAD) as usize,
-        (c.value_dim + V_PAD) as usize,
-    );
+    let d = if c.given() {
+        0
+    } else {
+        (c.head_dim + V_PAD) as usize
+    };
+    let dv = (c.value_dim + V_PAD) as usize;
     (c.block_q as usize + 2 * c.block_k as usize) * (d + dv) * 2
 }
 
-/// Shared memory of the dK/dV kernel (`c.block_q` keys, `c.block_k` query rows per step), in
-/// bytes.
+/// Shared memory of the dK/dV kernel ([`DKV_KEYS`] keys, `c.block_k` query rows per step), in
+/// bytes: the `K` and `V` tiles and two buffers of `Q` and `dO` (given scores: two buffers of
+/// the `X` block and of `dO`'s column tile).
 pub fn dkv_shared_bytes(c: FlashConfig, fused_dq: bool) -> usize {
-    let ds = if fused_dq {
-        c.block_k as usize * DS_LD as usize * 2
+    let (bk, keys, pad) = (c.block_k as usize, DKV_KEYS as usize, V_PAD as usize);
+    let (d, dv) = (c.head_dim as usize + pad, c.value_dim as usize + pad);
+    let tiles = if c.given() {
+        2 * bk * (keys + pad + dv)
     } else {
-        0
+        (keys + 2 * bk) * (d + dv)
     };
-    // lse, δ and (with a mask or bias) each row's head and position, in two buffers.
-    let rows = if c.mask || c.bias { 8 } else { 4 };
-    dq_shared_bytes(c) + rows * c.block_k as usize * 4 + ds
+    let ds = if fused_dq { bk * DS_LD as usize } else { 0 };
+    // lse, δ and (with a mask, bias or dropout) each row's head and position, in two buffers.
+    let rows = if c.mask || c.bias || c.dropout { 8 } else { 4 };
+    (tiles + ds) * 2 + rows * bk * 4
+}
+
+/// Width, in elements, of the rows the dK/dV kernel stages per step in place of `Q`: the head
+/// dim, or with given scores the `X` block's [`DKV_KEYS`] keys.
+fn step_width(c: FlashConfig) -> u32 {
+    if c.given() { DKV_KEYS } else { c.head_dim }
 }
 
 /// Synchronous copies of `n_rows × width` elements into `dst` (row pitch `width + V_PAD`):
@@ -149,9 +209,9 @@ fn stage_query_rows<F: Float, NV: Size>(
     }
 }
 
-/// Asynchronous copies (`cp.async`) of `n_rows × width` elements into `dst` at `buf`, tile
-/// row `r` being query row `r0 + r` of the group as in [`stage_query_rows()`]; zeros past
-/// `rows` and `cols`.
+/// Asynchronous copies (`cp.async`) of `n_rows × width` elements, columns `col0..`, into
+/// `dst` at `buf`, tile row `r` being query row `r0 + r` of the group as in
+/// [`stage_query_rows()`]; zeros past `rows` and `cols`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_rows_async<F: Float, NV: Size>(
@@ -163,6 +223,7 @@ fn stage_query_rows_async<F: Float, NV: Size>(
     r0: usize,
     rows: usize,
     seq_q: usize,
+    col0: usize,
     cols: usize,
     #[comptime] n_rows: u32,
     #[comptime] width: u32,
@@ -177,7 +238,7 @@ fn stage_query_rows_async<F: Float, NV: Size>(
         if idx < total {
             let (r, cv) = (idx / per_row, idx % per_row);
             let row = r0 + r;
-            let col = cv * NV8;
+            let col = col0 + cv * NV8;
             let rr = usize::min(row, rows - 1);
             let src = batch * t.stride(0)
                 + (head0 + rr / seq_q) * t.stride(1)
@@ -190,9 +251,10 @@ fn stage_query_rows_async<F: Float, NV: Size>(
 }
 
 /// Stages one block of `c.block_k` query rows `r0..` into buffer `buf` (0 or 1) of the dK/dV
-/// kernel: `Q` and `dO` asynchronously, `lse` (`f32::MAX` for a row past the end or without a
-/// visible key, so that its `P` is 0) and `δ` by plain stores into `stat_s`, and with a mask or
-/// bias each row's head and position into `row_s`.
+/// kernel: `Q` (given scores: `X`'s columns `key0..key0 + DKV_KEYS`) and `dO` (columns
+/// `o_col0..`) asynchronously, `lse` (`f32::MAX` for a row past the end or without a visible
+/// key, so that its `P` is 0) and `δ` by plain stores into `stat_s`, and with a mask or bias
+/// each row's head and position into `row_s`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_block<F: Float, NV: Size>(
@@ -210,13 +272,15 @@ fn stage_query_block<F: Float, NV: Size>(
     r0: usize,
     rows: usize,
     seq_q: usize,
-    head_dim: usize,
-    value_dim: usize,
+    q_col0: usize,
+    q_cols: usize,
+    o_col0: usize,
+    o_cols: usize,
     #[comptime] c: FlashConfig,
     #[comptime] units: u32,
 ) {
     let bq = comptime!(c.block_k as usize);
-    let q_len = comptime!(bq * (c.head_dim + V_PAD) as usize / NV8);
+    let q_len = comptime!(bq * (step_width(c) + V_PAD) as usize / NV8);
     let o_len = comptime!(bq * (c.value_dim + V_PAD) as usize / NV8);
     stage_query_rows_async::<F, NV>(
         q,
@@ -227,9 +291,10 @@ fn stage_query_block<F: Float, NV: Size>(
         r0,
         rows,
         seq_q,
-        head_dim,
+        q_col0,
+        q_cols,
         c.block_k,
-        c.head_dim,
+        comptime!(step_width(c)),
         units,
     );
     stage_query_rows_async::<F, NV>(
@@ -241,7 +306,8 @@ fn stage_query_block<F: Float, NV: Size>(
         r0,
         rows,
         seq_q,
-        value_dim,
+        o_col0,
+        o_cols,
         c.block_k,
         c.value_dim,
         units,
@@ -255,7 +321,7 @@ fn stage_query_block<F: Float, NV: Size>(
         let at = buf * 2 * bq + UNIT_POS as usize;
         stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
         stat_s[at + bq] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-        if comptime!(c.mask || c.bias) {
+        if comptime!(c.mask || c.bias || c.dropout) {
             row_s[at] = head as u32;
             row_s[at + bq] = pos as u32;
         }
@@ -512,7 +578,9 @@ pub fn flash_dq_accum<F: Float>(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
 )]
-#[allow(clippy::too_many_arguments)]
+// `x` is assigned in both comptime branches; a comptime `if` stays apart from the runtime one
+// inside it (joined, the branch would be expanded for computed scores too).
+#[allow(clippy::too_many_arguments, unused_assignments, clippy::collapsible_if)]
 pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
@@ -526,11 +594,23 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     ds: &mut Tensor<F>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[comptime] write_ds: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
+    let given = comptime!(c.given());
+    let drop = Dropout {
+        seed_lo,
+        seed_hi,
+        threshold,
+        inv_keep,
+    };
+    let chunks = comptime!(c.block_k / CHUNK);
     let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let key_tiles = comptime!(c.block_k / MMA_N);
@@ -538,9 +618,14 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         head_dim: c.value_dim,
         ..c
     });
-    let heads_kv = k.shape(1);
+    let mut heads_kv = k.shape(1);
+    let mut seq_k = k.shape(2);
+    if comptime!(c.given()) {
+        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
+        heads_kv = v.shape(1);
+        seq_k = q.shape(3);
+    }
     let seq_q = q.shape(2);
-    let seq_k = k.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
     let group = q.shape(1) / heads_kv;
@@ -563,15 +648,19 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     let quad = (lane % 4) as usize;
     let g = (lane / 4) as usize;
 
-    let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * d_ldv));
+    // Given scores: no Q and K tiles (the scores come from X, the lane's own, in registers).
+    let q_len = comptime!(if given { 1 } else { DQ_ROWS as usize * d_ldv });
+    let mut q_s = SharedMemory::<Vector<F, NV>>::new(q_len);
     let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * v_ldv));
-    let k_len = comptime!(c.block_k as usize * d_ldv);
+    let k_len = comptime!(if given { 0 } else { c.block_k as usize * d_ldv });
     let v_len = comptime!(c.block_k as usize * v_ldv);
-    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * k_len));
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!((2 * k_len).max(1)));
     let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * v_len));
-    stage_query_rows::<F, NV>(
-        q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, DQ_ROWS, c.head_dim, units,
-    );
+    if comptime!(!given) {
+        stage_query_rows::<F, NV>(
+            q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, DQ_ROWS, c.head_dim, units,
+        );
+    }
     stage_query_rows::<F, NV>(
         d_out,
         &mut o_s,
@@ -592,13 +681,23 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     let mut row_delta = Array::<f32>::new(2usize);
     let mut row_at = Array::<usize>::new(2usize);
     let mut ds_at = Array::<usize>::new(2usize);
+    // The (batch, query head) pair of each row: the dropout generator's key.
+    let mut row_pair = Array::<usize>::new(2usize);
     let mut refs = new_refs(2usize);
+    // Given scores: where each of this lane's rows starts in X, and two steps of its scores
+    // ([`super::mma::load_scores()`]: 8 consecutive keys per chunk).
+    let mut x_rows = Array::<usize>::new(2usize);
+    let x_len = comptime!(if given { 2 * chunks as usize } else { 1usize });
+    let mut xr = Array::<Vector<F, NV>>::new(x_len);
+    let mut xn = Array::<Vector<F, NV>>::new(x_len);
     #[unroll]
     for h in 0..2usize {
         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
         let rr = usize::min(row, rows - 1);
         let head = head0 + rr / seq_q;
         let pos = rr % seq_q;
+        x_rows[h] = batch * q.stride(0) + head * q.stride(1) + pos * q.stride(2);
+        row_pair[h] = batch * q.shape(1) + head;
         set_row::<F>(&mut refs, h, mask, bias, batch, head0, row, rows, seq_q, c);
         row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         // A row without a visible key (lse = −inf) has P = 0.
@@ -619,9 +718,13 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     // K and V blocks stream through two buffers: step j + 1's copies run while step j computes.
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    stage_rows::<F, NV>(
-        k, &mut k_s, 0, 0, k_base, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
-    );
+    if comptime!(!given) {
+        stage_rows::<F, NV>(
+            k, &mut k_s, 0, 0, k_base, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
+        );
+    }
+    // Given scores: V's rows in the operand order of the lanes' consecutive keys
+    // ([`super::mma::key_of()`]), so that `dP`'s fragments line up with the X vectors.
     stage_rows::<F, NV>(
         v,
         &mut v_s,
@@ -634,10 +737,15 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         c.block_k,
         c.value_dim,
         units,
-        false,
+        given,
     );
     bar0.commit_copy_async();
     let _token = bar0.arrive();
+    if comptime!(given) {
+        if steps > 0 {
+            load_scores::<F, NV>(q, &mut xr, &x_rows, 0, seq_k, c);
+        }
+    }
     // The Q and dO tiles (plain stores) are visible to every plane.
     sync_cube();
     for st in 0..steps {
@@ -646,20 +754,22 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         let next = st + 1;
         if next < steps {
             let nb = 1 - parity;
-            stage_rows::<F, NV>(
-                k,
-                &mut k_s,
-                nb * k_len,
-                next * bk,
-                k_base,
-                ks,
-                kv_end,
-                head_dim,
-                c.block_k,
-                c.head_dim,
-                units,
-                false,
-            );
+            if comptime!(!given) {
+                stage_rows::<F, NV>(
+                    k,
+                    &mut k_s,
+                    nb * k_len,
+                    next * bk,
+                    k_base,
+                    ks,
+                    kv_end,
+                    head_dim,
+                    c.block_k,
+                    c.head_dim,
+                    units,
+                    false,
+                );
+            }
             stage_rows::<F, NV>(
                 v,
                 &mut v_s,
@@ -672,15 +782,22 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                 c.block_k,
                 c.value_dim,
                 units,
-                false,
+                given,
             );
         }
         commit_next(&bar0, &bar1, st);
+        if comptime!(given) {
+            // The next step's scores (the last step's again at the end: never used).
+            let j_next = usize::min(next, steps - 1) * bk;
+            load_scores::<F, NV>(q, &mut xn, &x_rows, j_next, seq_k, c);
+        }
         wait_step(&bar0, &bar1, st);
         let (k_buf, v_buf) = (parity * k_len, parity * v_len);
         let mut s = zero_accumulators(key_tiles);
         let mut dp = zero_accumulators(key_tiles);
-        step_scores::<F, NV>(&q_s, &k_s, k_buf, &mut s, c);
+        if comptime!(!given) {
+            step_scores::<F, NV>(&q_s, &k_s, k_buf, &mut s, c);
+        }
         step_scores::<F, NV>(&o_s, &v_s, v_buf, &mut dp, cv);
         // dR = scale · P ⊙ (dP − δ) ⊙ softcap', as A fragments of 16 keys.
         let mut a = Sequence::<Array<Vector<F, Const<2>>>>::new();
@@ -695,23 +812,51 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                 let dpv = dp.index(j as usize)[h];
                 let mut pair = Vector::<F, Const<2>>::empty();
                 #[unroll]
-                for n in 0..2usize {
-                    let key = j0 + comptime!((j * MMA_N) as usize) + quad * 2 + n;
-                    let sc = capped(raw[n], scale, softcap, c);
-                    let x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
+                for n in 0..2u32 {
+                    let key = j0 + key_of(j, quad, n, c);
+                    let mut x = 0.0f32;
                     let mut fac = scale;
-                    if comptime!(c.softcap) {
-                        let t = sc / softcap;
-                        fac = scale * (1.0f32 - t * t);
+                    let mut ok = row_ok[h];
+                    if comptime!(given) {
+                        // Element 2·(j % 4) + n of the row's vector of chunk j / 4.
+                        let vec = xr[comptime!((h as u32 * chunks + j / 4) as usize)];
+                        x = f32::cast_from(vec[comptime!((2 * (j % 4) + n) as usize)]);
+                        fac = 1.0f32;
+                        ok = ok && key < seq_k;
+                    } else {
+                        let sc = capped(raw[n as usize], scale, softcap, c);
+                        x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
+                        if comptime!(c.softcap) {
+                            let t = sc / softcap;
+                            fac = scale * (1.0f32 - t * t);
+                        }
+                        ok = ok && visible::<F>(mask, &refs, h, key, seq_q, seq_k, c, true);
                     }
-                    let ok = row_ok[h] && visible::<F>(mask, &refs, h, key, seq_q, seq_k, c, true);
                     let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);
-                    let d_score = p * (dpv[n] - row_delta[h]);
-                    pair[n] = F::cast_from(d_score * fac);
+                    let mut dpz = dpv[n as usize];
+                    if comptime!(c.dropout) {
+                        // dP̃ = dO·Vᵀ reaches P through the forward's mask: dP ⊙ Z.
+                        dpz *= keep_weight(
+                            drop.seed_lo,
+                            drop.seed_hi,
+                            drop.threshold,
+                            drop.inv_keep,
+                            row_pair[h],
+                            refs.pos[h],
+                            key,
+                            true,
+                        );
+                    }
+                    let d_score = p * (dpz - row_delta[h]);
+                    pair[n as usize] = F::cast_from(d_score * fac);
                     if comptime!(write_ds) {
                         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
                         if row < rows && key < seq_k {
-                            ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(d_score);
+                            let mut val = d_score;
+                            if comptime!(given && crate::mutation::zero_dx()) {
+                                val = 0.0f32;
+                            }
+                            ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(val);
                         }
                     }
                 }
@@ -719,17 +864,25 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
             }
             a.push(frag);
         }
-        product_trans::<F, NV>(
-            &a,
-            &k_s,
-            k_buf,
-            &mut acc,
-            d_ldv,
-            comptime!(c.block_k / 16),
-            comptime!(c.head_dim / 16),
-        );
+        if comptime!(!given) {
+            product_trans::<F, NV>(
+                &a,
+                &k_s,
+                k_buf,
+                &mut acc,
+                d_ldv,
+                comptime!(c.block_k / 16),
+                comptime!(c.head_dim / 16),
+            );
+        }
         // Every plane is done with this buffer before step + 2's copies overwrite it.
         sync_cube();
+        if comptime!(given) {
+            #[unroll]
+            for i in 0..x_len {
+                xr[i] = xn[i];
+            }
+        }
     }
     if steps == 0 {
         // The prologue's copies complete before the cube exits.
@@ -750,21 +903,23 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
             }
         }
     }
-    let mut ok = Array::<bool>::new(2usize);
-    #[unroll]
-    for h in 0..2usize {
-        let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
-        ok[h] = row < rows;
+    if comptime!(!given) {
+        let mut ok = Array::<bool>::new(2usize);
+        #[unroll]
+        for h in 0..2usize {
+            let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
+            ok[h] = row < rows;
+        }
+        store_tiles::<F>(
+            dq,
+            &acc,
+            &row_at,
+            &ok,
+            head_dim,
+            comptime!(c.head_dim / MMA_N),
+            comptime!(crate::mutation::zero_dq()),
+        );
     }
-    store_tiles::<F>(
-        dq,
-        &acc,
-        &row_at,
-        &ok,
-        head_dim,
-        comptime!(c.head_dim / MMA_N),
-        comptime!(crate::mutation::zero_dq()),
-    );
 }
 
 /// `dK`, `dV` of [`DKV_KEYS`] keys of one (batch, key/value head) (module docs), summed over
@@ -796,12 +951,24 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     dq_acc: &mut Tensor<Atomic<f32>>,
     scale: f32,
     softcap: f32,
+    seed_lo: u32,
+    seed_hi: u32,
+    threshold: u32,
+    inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[comptime] fused_dq: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
+    let given = comptime!(c.given());
+    let drop = Dropout {
+        seed_lo,
+        seed_hi,
+        threshold,
+        inv_keep,
+    };
     let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
+    let x_ldv = comptime!((step_width(c) + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let bq = comptime!(c.block_k as usize);
     // The fused dQ's split of a step's tile over the planes (module docs).
@@ -816,16 +983,25 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     });
     // 16-byte aligned: ldmatrix reads its rows.
     let mut ds_s = SharedMemory::<F>::new_aligned(ds_len, 16usize);
-    let row_len = comptime!(if c.mask || c.bias { 4 * bq } else { 1usize });
+    let row_len = comptime!(if c.mask || c.bias || c.dropout {
+        4 * bq
+    } else {
+        1usize
+    });
     let mut row_s = SharedMemory::<u32>::new(row_len);
     let q_tiles = comptime!(c.block_k / MMA_N);
     let cv = comptime!(FlashConfig {
         head_dim: c.value_dim,
         ..c
     });
-    let heads_kv = k.shape(1);
+    let mut heads_kv = k.shape(1);
+    let mut seq_k = k.shape(2);
+    if comptime!(c.given()) {
+        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
+        heads_kv = v.shape(1);
+        seq_k = q.shape(3);
+    }
     let seq_q = q.shape(2);
-    let seq_k = k.shape(2);
     let head_dim = q.shape(3);
     let value_dim = v.shape(3);
     let group = q.shape(1) / heads_kv;
@@ -836,36 +1012,53 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let head0 = hkv * group;
-    let key0 = (CUBE_POS_X * DKV_KEYS) as usize;
+    // Given scores: `Dv` in column tiles of `c.value_dim`, the cube's tile `CUBE_POS_X % tiles`
+    // of its key block; computed scores hold all of `Dv`.
+    let mut col_tiles = 1usize;
+    if comptime!(given) {
+        col_tiles = value_dim.div_ceil(comptime!(c.value_dim as usize));
+    }
+    let key0 = (CUBE_POS_X as usize / col_tiles) * DKV_KEYS as usize;
+    let c0 = (CUBE_POS_X as usize % col_tiles) * comptime!(c.value_dim as usize);
+    // What stands in `Q`'s buffers: `Q`'s head dims, or the `X` block's keys.
+    let mut x_col0 = 0usize;
+    let mut x_cols = head_dim;
+    if comptime!(given) {
+        x_col0 = key0;
+        x_cols = seq_k;
+    }
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
     let g = (lane / 4) as usize;
 
-    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * d_ldv));
-    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DKV_KEYS as usize * v_ldv));
-    let q_len = comptime!(bq * d_ldv);
+    let kv_len = comptime!(if given { 1usize } else { DKV_KEYS as usize });
+    let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!(kv_len * d_ldv));
+    let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(kv_len * v_ldv));
+    let q_len = comptime!(bq * x_ldv);
     let o_len = comptime!(bq * v_ldv);
-    // Q, dO and the rows' (lse, δ) stream through two buffers.
+    // Q (or X), dO and the rows' (lse, δ) stream through two buffers.
     let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * q_len));
     let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * o_len));
     let mut stat_s = SharedMemory::<f32>::new(comptime!(4 * bq));
-    let k_base = batch * k.stride(0) + hkv * k.stride(1);
-    let v_base = batch * v.stride(0) + hkv * v.stride(1);
-    stage_key_rows::<F, NV>(
-        k, &mut k_s, k_base, key0, seq_k, head_dim, DKV_KEYS, c.head_dim, units,
-    );
-    stage_key_rows::<F, NV>(
-        v,
-        &mut v_s,
-        v_base,
-        key0,
-        seq_k,
-        value_dim,
-        DKV_KEYS,
-        c.value_dim,
-        units,
-    );
+    if comptime!(!given) {
+        let k_base = batch * k.stride(0) + hkv * k.stride(1);
+        let v_base = batch * v.stride(0) + hkv * v.stride(1);
+        stage_key_rows::<F, NV>(
+            k, &mut k_s, k_base, key0, seq_k, head_dim, DKV_KEYS, c.head_dim, units,
+        );
+        stage_key_rows::<F, NV>(
+            v,
+            &mut v_s,
+            v_base,
+            key0,
+            seq_k,
+            value_dim,
+            DKV_KEYS,
+            c.value_dim,
+            units,
+        );
+    }
 
     // This lane's keys: g and g + 8 of the plane's 16.
     let mut key = Array::<usize>::new(2usize);
@@ -876,6 +1069,13 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let mut acc_dk = zero_accumulators(comptime!(c.head_dim / MMA_N));
     let mut acc_dv = zero_accumulators(comptime!(c.value_dim / MMA_N));
     let key_last = usize::min(key0 + DKV_KEYS as usize, seq_k) - 1;
+    // Given scores: this lane's `ldmatrix.x4.trans` row of the X block (stored [row][key]):
+    // matrix `mat` covers step rows 8·(mat / 2).. and keys 16·plane + 8·(mat % 2)...
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let mat = (lane / 8) as usize;
+    let mat_row = (lane % 8) as usize;
+    let x_lane =
+        ((mat / 2) * 8 + mat_row) * x_ldv + (plane as usize * MMA_M as usize + 8 * (mat % 2)) / NV8;
     // The query blocks to visit. Causal with whole blocks per head (`Sq` a multiple of the
     // step): only the blocks whose last position sees the cube's first key, `first..` of each
     // head's; otherwise every block (a causal one past every diagonal computes nothing).
@@ -911,7 +1111,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             r0,
             rows,
             seq_q,
-            head_dim,
+            x_col0,
+            x_cols,
+            c0,
             value_dim,
             c,
             units,
@@ -943,7 +1145,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 nb * bq,
                 rows,
                 seq_q,
-                head_dim,
+                x_col0,
+                x_cols,
+                c0,
                 value_dim,
                 c,
                 units,
@@ -961,7 +1165,47 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             live = key0 + seq_q <= pos_hi + seq_k;
         }
         let (q_buf, o_buf, sb) = (parity * q_len, parity * o_len, parity * 2 * bq);
-        if live {
+        if comptime!(given) {
+            // Pᵀ = e^(Xᵀ − lse) as A fragments: `ldmatrix.x4.trans` of the X block (rows of
+            // the step, the cube's keys), then `dV += Pᵀ·dO`.
+            let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
+            #[unroll]
+            for kc in 0..comptime!(c.block_k / 16) {
+                let start = q_buf + x_lane + comptime!((kc * 16) as usize * x_ldv);
+                let xa = def.load_matrix::<Vector<F, NV>, Const<2>>(
+                    &q_s.slice(start, start + 1),
+                    MatrixIdent::A,
+                    4usize,
+                    true,
+                );
+                // Register i: key g + 8·(i % 2), step row 16·kc + 8·(i / 2) + 2·quad + n.
+                let mut pfrag = Array::<Vector<F, Const<2>>>::new(4usize);
+                #[unroll]
+                for i in 0..4u32 {
+                    let xs = xa[i as usize];
+                    let mut pp = Vector::<F, Const<2>>::empty();
+                    #[unroll]
+                    for n in 0..2u32 {
+                        let col = comptime!((16 * kc + 8 * (i / 2) + n) as usize) + quad * 2;
+                        let ok = key[comptime!((i % 2) as usize)] <= key_last;
+                        let x = f32::cast_from(xs[n as usize]);
+                        pp[n as usize] =
+                            F::cast_from(select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32));
+                    }
+                    pfrag[i as usize] = pp;
+                }
+                pa.push(pfrag);
+            }
+            product_trans::<F, NV>(
+                &pa,
+                &o_s,
+                o_buf,
+                &mut acc_dv,
+                v_ldv,
+                comptime!(c.block_k / 16),
+                comptime!(c.value_dim / 16),
+            );
+        } else if live {
             let mut s = zero_accumulators(q_tiles);
             let mut dp = zero_accumulators(q_tiles);
             step_scores::<F, NV>(&k_s, &q_s, q_buf, &mut s, c);
@@ -1020,8 +1264,24 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                             ok = ok && key[h] + seq_q <= pos + seq_k;
                         }
                         let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
-                        pp[n] = F::cast_from(p);
-                        let ds = F::cast_from(p * (dpv[n] - stat_s[sb + bq + col]) * fac);
+                        let mut z = 1.0f32;
+                        if comptime!(c.dropout) {
+                            // The forward's mask of this weight: its row's (head, position).
+                            let head = row_s[sb + col] as usize;
+                            let pos = row_s[sb + bq + col] as usize;
+                            z = keep_weight(
+                                drop.seed_lo,
+                                drop.seed_hi,
+                                drop.threshold,
+                                drop.inv_keep,
+                                batch * q.shape(1) + head,
+                                pos,
+                                key[h],
+                                true,
+                            );
+                        }
+                        pp[n] = F::cast_from(p * z);
+                        let ds = F::cast_from(p * (dpv[n] * z - stat_s[sb + bq + col]) * fac);
                         dd[n] = ds;
                         if comptime!(fused_dq) {
                             // dS row `col`, key `16·plane + g + 8h` of the cube.
@@ -1093,24 +1353,153 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     for h in 0..2usize {
         ok[h] = key[h] < seq_k;
         at_k[h] = batch * dk.stride(0) + hkv * dk.stride(1) + key[h] * dk.stride(2);
-        at_v[h] = batch * dv.stride(0) + hkv * dv.stride(1) + key[h] * dv.stride(2);
+        at_v[h] =
+            batch * dv.stride(0) + hkv * dv.stride(1) + key[h] * dv.stride(2) + c0 * dv.stride(3);
     }
-    store_tiles::<F>(
-        dk,
-        &acc_dk,
-        &at_k,
-        &ok,
-        head_dim,
-        comptime!(c.head_dim / MMA_N),
-        false,
-    );
+    if comptime!(!given) {
+        store_tiles::<F>(
+            dk,
+            &acc_dk,
+            &at_k,
+            &ok,
+            head_dim,
+            comptime!(c.head_dim / MMA_N),
+            false,
+        );
+    }
     store_tiles::<F>(
         dv,
         &acc_dv,
         &at_v,
         &ok,
-        value_dim,
+        value_dim - c0,
         comptime!(c.value_dim / MMA_N),
         false,
     );
+}
+
+/// Runs the matrix-unit backward: `δ` ([`super::backward::flash_delta()`]), then
+/// [`flash_backward_dkv_mma()`] on `dkv_cubes` and [`flash_backward_dq_mma()`] on `dq_cubes`
+/// (none: not launched); with `fused_dq`, `dQ` comes from the dK/dV kernel through an f32
+/// accumulator ([`flash_dq_accum()`] on `dq_cubes`, a grid of one row per 32 units).
+/// `rows` is the number of query rows, `B·Hq·Sq`; `c` is the dQ kernel's configuration but
+/// for `block_q` ([`DQ_ROWS`]; the dK/dV kernel's is [`dkv_config()`]). Given scores
+/// (`softmax_matmul`): `t.q` is `X`, `t.ds` its gradient, `write_ds` true.
+///
+/// # Safety
+/// The operands' shapes and strides describe their buffers; the rows of `q`, `k`, `v` and
+/// `d_out` are 16-byte aligned (the kernels' vector); the grids are the kernels' (key blocks,
+/// times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of [`DQ_ROWS`];
+/// pairs folded by [`super::backward::fold_pairs`]).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_backward_mma<R: Runtime>(
+    client: &ComputeClient<R>,
+    t: &super::backward::BackwardOperands,
+    rows: usize,
+    dkv_cubes: Option<(usize, usize, usize)>,
+    dq_cubes: Option<(usize, usize, usize)>,
+    scale: f32,
+    softcap: f32,
+    dropout: crate::dropout::DropoutParams,
+    c: FlashConfig,
+    write_ds: bool,
+    fused_dq: bool,
+    dtype: StorageType,
+) {
+    let d = dropout;
+    use super::backward::{DELTA_ROWS, Operand, launch_delta};
+    let count =
+        |c: (usize, usize, usize)| cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
+    let units = cubecl::CubeDim::new_1d(PLANES * PLANE);
+    // SAFETY (every launch below): the caller's.
+    unsafe {
+        let delta = launch_delta(client, &t.out, &t.d_out, rows, dtype);
+        // The fused dQ's f32 accumulator, `[B, Hq, Sq, D]` contiguous (`D` rounded up to 16);
+        // without it, `δ` stands in (never read).
+        let acc = if fused_dq {
+            let (batch, heads_q, seq_q) = (t.q.shape[0], t.q.shape[1], t.q.shape[2]);
+            let d16 = c.head_dim as usize;
+            Operand {
+                handle: client.empty(rows.max(1) * d16 * 4),
+                shape: vec![batch, heads_q, seq_q, d16],
+                strides: vec![heads_q * seq_q * d16, seq_q * d16, d16, 1],
+            }
+        } else {
+            delta.clone()
+        };
+        let accum = |cubes, convert: bool| {
+            flash_dq_accum::launch_unchecked::<R>(
+                client,
+                count(cubes),
+                cubecl::CubeDim::new_1d(32 * DELTA_ROWS),
+                acc.arg(),
+                t.dq.arg(),
+                convert,
+                dtype,
+            )
+        };
+        if let (true, Some(cubes)) = (fused_dq, dq_cubes) {
+            accum(cubes, false);
+        }
+        if let Some(cubes) = dkv_cubes {
+            flash_backward_dkv_mma::launch_unchecked::<R>(
+                client,
+                count(cubes),
+                units,
+                NV8,
+                t.q.arg(),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dk.arg(),
+                t.dv.arg(),
+                acc.arg(),
+                scale,
+                softcap,
+                d.seed_lo,
+                d.seed_hi,
+                d.threshold,
+                d.inv_keep(),
+                dkv_config(c),
+                fused_dq,
+                dtype,
+            );
+        }
+        match (fused_dq, dq_cubes) {
+            (true, Some(cubes)) => accum(cubes, true),
+            (false, Some(cubes)) => flash_backward_dq_mma::launch_unchecked::<R>(
+                client,
+                count(cubes),
+                units,
+                NV8,
+                t.q.arg(),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dq.arg(),
+                t.ds.arg(),
+                scale,
+                softcap,
+                d.seed_lo,
+                d.seed_hi,
+                d.threshold,
+                d.inv_keep(),
+                FlashConfig {
+                    block_q: DQ_ROWS,
+                    ..c
+                },
+                write_ds,
+                dtype,
+            ),
+            (_, None) => {}
+        }
+    }
 }

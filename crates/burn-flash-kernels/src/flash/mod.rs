@@ -42,6 +42,9 @@
 pub mod backward;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
+pub mod given_tiled;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
 pub mod mma;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -94,7 +97,7 @@ pub struct FlashConfig {
     pub bias: bool,
     /// Scores are softcapped.
     pub softcap: bool,
-    /// Dropout on the weights ([`crate::dropout`]; plain-unit kernels).
+    /// Dropout on the weights ([`crate::dropout`]; the plain-unit and matrix-unit kernels).
     pub dropout: bool,
 }
 
@@ -137,7 +140,7 @@ pub struct FlashTensors<R: Runtime> {
 
 /// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
 /// both ops (`softmax_matmul`, attention) start a forward. `dropout` is read only by the
-/// plain-unit kernel, and only when `c.dropout`. `vector` is the tiled kernel's
+/// plain-unit and matrix-unit kernels, and only when `c.dropout`. `vector` is the tiled kernel's
 /// vector width (the matrix-unit kernel always reads 16-byte vectors, [`mma::NV8`]).
 ///
 /// # Safety
@@ -184,6 +187,10 @@ pub unsafe fn launch_forward<R: Runtime>(
                 lse,
                 scale,
                 softcap,
+                dropout.seed_lo,
+                dropout.seed_hi,
+                dropout.threshold,
+                dropout.inv_keep(),
                 c,
                 dtype,
             ),

@@ -15,16 +15,13 @@
 //!   (register-tiled, 128 × 128 outputs per cube) where 256 units and its shared memory fit
 //!   and the output is at least 65 × 65, else [`flash::units`].
 //!
+//! The backward is the flash backward core with given scores — the kernels attention's
+//! backward runs with scores computed as `Q·Kᵀ` — on the same two paths
+//! ([`SmmBackwardPath`]): `dX` is the core's `dS`, `dV` its `dV`.
+//!
 //! f32 never runs on the matrix units: their f32 mode rounds the operands to TF32 (10-bit
 //! mantissa), and a TF32 kernel measured slower than the register-tiled f32 one at every `d2`
 //! on an H200 (10.43 against 8.12 ms at `d2 = 8192`), so it was removed.
-
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod mma_backward;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
-pub mod tiled_backward;
 
 use core::fmt;
 
@@ -467,34 +464,26 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
         && dims.d2 > 0
 }
 
-/// Whether the register-tiled backward ([`tiled_backward`]) runs: 256 units and its shared
-/// memory, and both gradients at least 65 × 65 (smaller ones waste most of a 128 × 128 tile).
-fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
-    let hw = &client.properties().hardware;
-    hw.max_units_per_cube >= crate::tiling::UNITS
-        && hw.max_shared_memory_size >= tiled_backward::SHARED_BYTES
-        && dims.d1 > 64
-        && dims.d2 > 64
-        && dims.d3 > 64
-}
-
-/// Which kernels compute the gradients of `softmax(X)·V`.
+/// Which kernels compute the gradients of `softmax(X)·V`: the flash backward core with given
+/// scores (`dX` is its `dS`, `dV` its `dV`, summed over the batches of a shared `V` in the
+/// kernel, as grouped-query attention sums a group's heads), on one of its inner-product paths.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SmmBackwardPath {
-    /// f16/bf16 products on the matrix units ([`mma_backward`]; CUDA, 16-byte aligned rows).
+    /// The matrix units ([`flash::mma_backward`]; f16/bf16 on CUDA, 16-byte aligned rows, `dO`
+    /// and two steps of `V` in shared memory).
     MatrixUnits,
-    /// Register-tiled products on plain units ([`tiled_backward`]; gradients ≥ 65 × 65).
+    /// Plain units, register-tiled ([`flash::given_tiled`]: the core's given-score products,
+    /// 128 × 128 outputs per cube; gradients of at least 65 × 65).
     Tiled,
-    /// The flash backward core on plain units with given scores
-    /// ([`crate::flash::backward`]: `dX` is its `dS`, `dV` its `dV`, summed over the batches
-    /// of a shared `V` in the kernel).
+    /// Plain units, the flash schedule ([`flash::backward`]; every runtime and float type, f32
+    /// arithmetic).
     Units,
 }
 
 /// The backward path [`launch_softmax_matmul_backward`] takes for tensors of these shapes and
 /// strides (`v`'s batch stride 0 when it is shared): the matrix units where
-/// [`mma_backward`] fits, else the tiled kernels for gradients of at least 65 × 65, else the
-/// flash backward core on plain units.
+/// [`flash::mma_backward`] fits, else plain units, register-tiled for gradients of at least
+/// 65 × 65.
 pub fn plan_softmax_matmul_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
@@ -503,7 +492,7 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     v: (&[usize], &[usize]),
     d_out: (&[usize], &[usize]),
 ) -> SmmBackwardPath {
-    if mma_backward_fits(client, dtype, x, v, d_out) {
+    if mma_backward_fits(client, dims, dtype, x, v, d_out) {
         SmmBackwardPath::MatrixUnits
     } else if tiled_backward_fits(client, dims) {
         SmmBackwardPath::Tiled
@@ -512,24 +501,52 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     }
 }
 
-/// Whether the matrix-unit backward ([`mma_backward`]) runs: f16/bf16 with manual `mma`,
-/// `ldmatrix` and `cp.async`, and 16-byte vectors dividing every row and stride of `x`, `v`
-/// and `d_out`.
+/// Whether the register-tiled given-score products ([`flash::given_tiled`]) run: 256 units
+/// and their shared memory, and both gradients at least 65 × 65 (smaller ones waste most of a
+/// 128 × 128 tile).
+fn tiled_backward_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
+    let hw = &client.properties().hardware;
+    hw.max_units_per_cube >= crate::tiling::UNITS
+        && hw.max_shared_memory_size >= flash::given_tiled::SHARED_BYTES
+        && dims.d1 > 64
+        && dims.d2 > 64
+        && dims.d3 > 64
+}
+
+/// The matrix-unit backward's configuration (its dQ kernel's, see
+/// [`flash::mma_backward::launch_backward_mma`]) for `d3` columns: steps of
+/// [`flash::mma::CHUNK`] columns of `X`, all of `d3` (rounded up to 16) in the `dX` kernel.
+fn mma_backward_config(d3: usize) -> FlashConfig {
+    FlashConfig {
+        block_q: flash::mma_backward::DQ_ROWS,
+        row_tiles: 1,
+        block_k: flash::mma::CHUNK,
+        head_dim: 0,
+        value_dim: d3.next_multiple_of(16) as u32,
+        ..flash_config(SmmForwardKernel::MatrixUnits, 64, 64, 64)
+    }
+}
+
+/// Whether the matrix-unit backward runs: f16/bf16 with manual `mma`, `ldmatrix` and
+/// `cp.async`, 16-byte vectors dividing every row and stride of `x`, `v` and `d_out`, and both
+/// kernels' shared memory (the `dX` kernel's grows with `d3`).
 fn mma_backward_fits<R: Runtime>(
     client: &ComputeClient<R>,
+    dims: SmmDims,
     dtype: StorageType,
     x: (&[usize], &[usize]),
     v: (&[usize], &[usize]),
     d_out: (&[usize], &[usize]),
 ) -> bool {
+    use flash::mma_backward::{PLANES, dkv_config, dkv_shared_bytes, dq_shared_bytes};
     let props = client.properties();
     let hw = &props.hardware;
-    let units = mma_backward::PLANES * fragment::PLANE;
+    let c = mma_backward_config(dims.d3);
     fragment::supported(client, dtype)
         && props.features.copy_async
-        && hw.max_units_per_cube >= units
+        && hw.max_units_per_cube >= PLANES * fragment::PLANE
         && hw.max_shared_memory_size
-            >= mma_backward::DX_SHARED_BYTES.max(mma_backward::DV_SHARED_BYTES)
+            >= dq_shared_bytes(c).max(dkv_shared_bytes(dkv_config(c), false))
         && row_vector(&[x, v, d_out], dtype) == 8
 }
 
@@ -589,17 +606,6 @@ const D1: usize = usize::MAX - 1;
 const D2: usize = usize::MAX - 2;
 const D3: usize = usize::MAX - 3;
 const NONE: usize = usize::MAX - 4;
-
-/// A tensor argument; `broadcast_batch` gives a batch-1 tensor batch stride 0.
-fn arg<R: Runtime>(t: &TensorRef<'_>, broadcast_batch: bool) -> TensorArg<R> {
-    let mut strides = t.strides.to_vec();
-    if broadcast_batch {
-        strides[0] = 0;
-    }
-    // SAFETY: shape and strides describe the caller's buffer; a zero batch stride only makes
-    // every batch read batch 0.
-    unsafe { TensorArg::from_raw_parts(t.handle.clone(), strides.into(), t.shape.to_vec().into()) }
-}
 
 /// `out = softmax(x)·v` along the last dimension of `x`, and `lse` = the row log-sum-exp of
 /// `x` (f32; −inf for a row without a finite score, whose output row is 0).
@@ -736,16 +742,6 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             (d_out.shape, d_out.strides),
         )
     };
-    let grid = |(cols, rows): (u32, u32), n: usize, m: usize, z: usize| {
-        check_cubes(
-            client,
-            (
-                n.div_ceil(cols as usize).max(1),
-                m.div_ceil(rows as usize).max(1),
-                z.max(1),
-            ),
-        )
-    };
     // The flash kernels' 4-D view of a 3-D tensor `[batch or 1, n1, n2]`: one head per batch,
     // or, with a shared `V`, every batch a query head of the one key/value head (so that `dV`
     // sums over the batches in the kernel, as grouped-query attention sums a group).
@@ -767,166 +763,100 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             strides,
         }
     };
-    let neg_inf = f32::NEG_INFINITY;
-    let dv_batches = if shared_v { batch } else { 1 };
     let dv_nonempty = dv.shape.iter().product::<usize>() > 0;
-    // δ of every row, [batch, d1] contiguous (row b·d1 + i).
-    // SAFETY: the views describe the caller's buffers (`dims_of` checked their shapes).
-    let delta = unsafe {
-        flash::backward::launch_delta(
-            client,
-            &view(&out, false),
-            &view(&d_out, false),
-            rows,
-            dtype,
-        )
+    let group = if shared_v { batch } else { 1 };
+    let pairs = if shared_v { 1 } else { batch };
+    let (y, z) = flash::backward::fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
+    let shared = |t: &TensorRef<'_>| view(t, shared_v);
+    let operands = flash::backward::BackwardOperands {
+        q: shared(&x),
+        k: shared(&x),
+        v: shared(&v),
+        mask: shared(&x),
+        bias: shared(&x),
+        out: shared(&out),
+        d_out: shared(&d_out),
+        lse: shared(&lse),
+        dq: shared(&dx),
+        dk: shared(&x),
+        dv: shared(&dv),
+        ds: shared(&dx),
     };
-    let delta_shape = [batch, d1];
-    let delta_strides = [d1, 1];
-    let delta_ref = TensorRef {
-        handle: &delta.handle,
-        shape: &delta_shape,
-        strides: &delta_strides,
-    };
-    // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
-    // caller's buffers (`dims_of` checked that they agree) and the `delta` scratch.
-    unsafe {
-        match path {
-            SmmBackwardPath::MatrixUnits => {
-                let dx_count = grid(
-                    (mma_backward::DX_COLS, mma_backward::DX_ROWS),
-                    d2,
-                    d1,
-                    batch,
-                )?;
-                let dv_count = grid(
-                    (mma_backward::DV_COLS, mma_backward::DV_ROWS),
-                    d3,
-                    d2,
-                    if shared_v { 1 } else { batch },
-                )?;
-                let units = CubeDim::new_1d(mma_backward::PLANES * fragment::PLANE);
-                if d2 > 0 {
-                    mma_backward::smm_backward_dx_mma::launch_unchecked::<R>(
-                        client,
-                        dx_count,
-                        units,
-                        8,
-                        arg(&d_out, false),
-                        arg(&v, shared_v),
-                        arg(&x, false),
-                        arg(&lse, false),
-                        arg(&delta_ref, false),
-                        arg(&dx, false),
-                        neg_inf,
-                        dtype,
-                    );
-                }
-                if dv_nonempty {
-                    mma_backward::smm_backward_dv_mma::launch_unchecked::<R>(
-                        client,
-                        dv_count,
-                        units,
-                        8,
-                        arg(&x, false),
-                        arg(&d_out, false),
-                        arg(&lse, false),
-                        arg(&dv, false),
-                        dv_batches,
-                        neg_inf,
-                        dtype,
-                    );
-                }
+    match path {
+        SmmBackwardPath::MatrixUnits => {
+            use flash::mma_backward::{DQ_ROWS, dkv_blocks, launch_backward_mma};
+            let dkv = (dkv_blocks(d2, d3, true), y, z);
+            let dq = ((group * d1).div_ceil(DQ_ROWS as usize), y, z);
+            for cubes in [dkv, dq] {
+                check_cubes(client, cubes)?;
             }
-            SmmBackwardPath::Tiled => {
-                let tile = (crate::tiling::TILE_N, crate::tiling::TILE_M);
-                let dx_count = grid(tile, d2, d1, batch)?;
-                let dv_count = grid(tile, d3, d2, if shared_v { 1 } else { batch })?;
-                tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
+            // SAFETY: every index is bounds-checked against the shapes passed here, which
+            // describe the caller's buffers (`dims_of` checked that they agree); the plan
+            // checked the 16-byte rows of `x`, `v` and `d_out`; the grids are the kernels'.
+            unsafe {
+                launch_backward_mma(
                     client,
-                    dx_count,
-                    CubeDim::new_1d(crate::tiling::UNITS),
-                    row_vector(
-                        &[
-                            (x.shape, x.strides),
-                            (v.shape, &v_strides),
-                            (d_out.shape, d_out.strides),
-                            (dx.shape, dx.strides),
-                        ],
-                        dtype,
-                    )
-                    .min(4),
-                    arg(&d_out, false),
-                    arg(&v, shared_v),
-                    arg(&x, false),
-                    arg(&lse, false),
-                    arg(&delta_ref, false),
-                    arg(&dx, false),
-                    1,
-                    neg_inf,
-                    false,
-                    false,
-                    dtype,
-                );
-                tiled_backward::smm_backward_tiled::launch_unchecked::<R>(
-                    client,
-                    dv_count,
-                    CubeDim::new_1d(crate::tiling::UNITS),
-                    row_vector(
-                        &[
-                            (x.shape, x.strides),
-                            (d_out.shape, d_out.strides),
-                            (dv.shape, dv.strides),
-                        ],
-                        dtype,
-                    )
-                    .min(4),
-                    arg(&x, false),
-                    arg(&d_out, false),
-                    arg(&x, false),
-                    arg(&lse, false),
-                    arg(&delta_ref, false),
-                    arg(&dv, false),
-                    dv_batches,
-                    neg_inf,
+                    &operands,
+                    rows,
+                    (dv_nonempty && d2 > 0).then_some(dkv),
+                    (rows > 0 && d2 > 0).then_some(dq),
+                    1.0,
+                    1.0,
+                    crate::dropout::DropoutParams::new(0.0, 0),
+                    mma_backward_config(d3),
                     true,
-                    shared_v,
+                    false,
                     dtype,
                 );
             }
-            SmmBackwardPath::Units => {
-                // The flash backward core with given scores: `dX` is its `dS`, `dV` its `dV`.
-                use flash::backward::{BLOCK_ROWS, dkv_blocks, fold_pairs};
-                let group = if shared_v { batch } else { 1 };
-                let pairs = if shared_v { 1 } else { batch };
-                let (y, z) = fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
-                let dkv = (dkv_blocks(d2, 0, d3, true), y, z);
-                let dq = ((group * d1).div_ceil(BLOCK_ROWS as usize), y, z);
-                for cubes in [dkv, dq] {
-                    check_cubes(client, cubes)?;
-                }
-                let shared = |t: &TensorRef<'_>| view(t, shared_v);
-                let operands = flash::backward::BackwardOperands {
-                    q: shared(&x),
-                    k: shared(&x),
-                    v: shared(&v),
-                    mask: shared(&x),
-                    bias: shared(&x),
-                    out: shared(&out),
-                    d_out: shared(&d_out),
-                    lse: shared(&lse),
-                    dq: shared(&dx),
-                    dk: shared(&x),
-                    dv: shared(&dv),
-                    ds: shared(&dx),
-                };
-                let config = FlashConfig {
-                    block_q: flash::backward::BLOCK_ROWS,
-                    block_k: flash::backward::STEP_KEYS,
-                    head_dim: 0,
-                    value_dim: d3.next_multiple_of(flash::backward::CHUNK as usize) as u32,
-                    ..flash_config(SmmForwardKernel::Units, 16, 16, 64)
-                };
+        }
+        SmmBackwardPath::Tiled => {
+            use flash::given_tiled::{launch_given_tiled, tiles};
+            let dv_cubes = (tiles(d2, d3), y, z);
+            let dx_cubes = (tiles(group * d1, d2), y, z);
+            for cubes in [dv_cubes, dx_cubes] {
+                check_cubes(client, cubes)?;
+            }
+            let vector = row_vector(
+                &[
+                    (x.shape, x.strides),
+                    (v.shape, &v_strides),
+                    (d_out.shape, d_out.strides),
+                    (dx.shape, dx.strides),
+                    (dv.shape, dv.strides),
+                ],
+                dtype,
+            )
+            .min(4);
+            // SAFETY: as below; `vector` divides every row and stride.
+            unsafe {
+                launch_given_tiled(
+                    client,
+                    &operands,
+                    rows,
+                    dv_nonempty.then_some(dv_cubes),
+                    Some(dx_cubes),
+                    vector,
+                    dtype,
+                );
+            }
+        }
+        SmmBackwardPath::Units => {
+            use flash::backward::{BLOCK_ROWS, dkv_blocks};
+            let dkv = (dkv_blocks(d2, 0, d3, true), y, z);
+            let dq = ((group * d1).div_ceil(BLOCK_ROWS as usize), y, z);
+            for cubes in [dkv, dq] {
+                check_cubes(client, cubes)?;
+            }
+            let config = FlashConfig {
+                block_q: flash::backward::BLOCK_ROWS,
+                block_k: flash::backward::STEP_KEYS,
+                head_dim: 0,
+                value_dim: d3.next_multiple_of(flash::backward::CHUNK as usize) as u32,
+                ..flash_config(SmmForwardKernel::Units, 16, 16, 64)
+            };
+            // SAFETY: as above; the plain-unit kernels read scalars.
+            unsafe {
                 flash::backward::launch_backward(
                     client,
                     &operands,
