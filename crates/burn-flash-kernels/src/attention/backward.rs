@@ -362,6 +362,10 @@ pub fn launch_attention_backward<R: Runtime>(
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
     };
+    // Both launchers take the same dropout (none: a probability of 0, never read).
+    let dropout = options
+        .dropout
+        .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0));
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| backward::Operand {
         handle: t.handle.clone(),
         shape: match strides {
@@ -417,9 +421,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 (rows > 0).then_some(plan.dq_cubes),
                 options.scale,
                 options.softcap.unwrap_or(1.0),
-                options
-                    .dropout
-                    .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0)),
+                dropout,
                 c,
                 t.ds.is_some(),
                 fused,
@@ -440,9 +442,7 @@ pub fn launch_attention_backward<R: Runtime>(
             (rows > 0).then_some(plan.dq_cubes),
             options.scale,
             options.softcap.unwrap_or(1.0),
-            options
-                .dropout
-                .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0)),
+            dropout,
             config,
             t.ds.is_some(),
             dtype,

@@ -1049,6 +1049,11 @@ pub struct BackwardOperands {
     pub ds: Operand,
 }
 
+/// A backward grid `(x, y, z)` as a launch's cube count (the three backward launchers').
+pub(crate) fn cube_count(cubes: (usize, usize, usize)) -> cubecl::CubeCount {
+    cubecl::CubeCount::Static(cubes.0 as u32, cubes.1 as u32, cubes.2 as u32)
+}
+
 /// `B·Hkv` (`pairs`) over the grid's y and z axes, as [`flash_backward_dkv()`] and
 /// [`flash_backward_dq()`] read it (`z·count_y + y`).
 pub fn fold_pairs(pairs: usize, max_y: u32) -> (usize, usize) {
@@ -1080,8 +1085,6 @@ pub unsafe fn launch_backward<R: Runtime>(
 ) {
     // SAFETY: the caller's (below).
     let delta = unsafe { launch_delta(client, &t.out, &t.d_out, rows, dtype) };
-    let count =
-        |c: (usize, usize, usize)| cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
     let units = cubecl::CubeDim::new_1d(UNITS);
     let d = dropout;
     // SAFETY: the caller's (above).
@@ -1089,7 +1092,7 @@ pub unsafe fn launch_backward<R: Runtime>(
         if let Some(cubes) = dkv_cubes {
             flash_backward_dkv::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 units,
                 t.q.arg(),
                 t.k.arg(),
@@ -1114,7 +1117,7 @@ pub unsafe fn launch_backward<R: Runtime>(
         if let Some(cubes) = dq_cubes {
             flash_backward_dq::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 units,
                 t.q.arg(),
                 t.k.arg(),

@@ -29,7 +29,7 @@
 
 use cubecl::prelude::*;
 
-use super::backward::pair_index;
+use super::backward::{cube_count, pair_index};
 use crate::tiling::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
 /// Shared memory of [`flash_backward_given_tiled()`], in bytes: two `A` and two `B` buffers.
@@ -434,8 +434,6 @@ pub unsafe fn launch_given_tiled<R: Runtime>(
     vector: usize,
     dtype: StorageType,
 ) {
-    let count =
-        |c: (usize, usize, usize)| cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
     let units = cubecl::CubeDim::new_1d(crate::tiling::UNITS);
     // SAFETY (every launch below): the caller's.
     unsafe {
@@ -445,7 +443,7 @@ pub unsafe fn launch_given_tiled<R: Runtime>(
             let out = if dv { &t.dv } else { &t.ds };
             flash_backward_given_tiled::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 units,
                 vector,
                 t.q.arg(),

@@ -57,7 +57,7 @@ use cubecl::{
 use super::FlashConfig;
 #[cfg(doc)]
 use super::ScoreSource;
-use super::backward::{Dropout, pair_index, row_of_group};
+use super::backward::{Dropout, cube_count, pair_index, row_of_group};
 use super::mma::{CHUNK, NV8, key_of, load_scores, stage_rows, step_scores};
 use super::scores::{add_bias, capped, causal_end, new_refs, set_row, visible};
 use crate::dropout::keep_weight;
@@ -1408,8 +1408,6 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
 ) {
     let d = dropout;
     use super::backward::{DELTA_ROWS, Operand, launch_delta};
-    let count =
-        |c: (usize, usize, usize)| cubecl::CubeCount::Static(c.0 as u32, c.1 as u32, c.2 as u32);
     let units = cubecl::CubeDim::new_1d(PLANES * PLANE);
     // SAFETY (every launch below): the caller's.
     unsafe {
@@ -1430,7 +1428,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
         let accum = |cubes, convert: bool| {
             flash_dq_accum::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 cubecl::CubeDim::new_1d(32 * DELTA_ROWS),
                 acc.arg(),
                 t.dq.arg(),
@@ -1444,7 +1442,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
         if let Some(cubes) = dkv_cubes {
             flash_backward_dkv_mma::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 units,
                 NV8,
                 t.q.arg(),
@@ -1473,7 +1471,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
             (true, Some(cubes)) => accum(cubes, true),
             (false, Some(cubes)) => flash_backward_dq_mma::launch_unchecked::<R>(
                 client,
-                count(cubes),
+                cube_count(cubes),
                 units,
                 NV8,
                 t.q.arg(),
