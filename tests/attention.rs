@@ -23,6 +23,10 @@ struct Case {
     mask: Option<(Vec<bool>, [usize; 4])>,
     bias: Option<(Vec<f64>, [usize; 4])>,
     options: AttentionModuleOptions,
+    /// The score of a masked key (`None`: masked keys leave the softmax).
+    fill: Option<f64>,
+    /// Quiet softmax.
+    quiet: bool,
 }
 
 /// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
@@ -32,9 +36,10 @@ fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
 }
 
 impl Case {
-    /// f64 reference: scale → softcap → mask → causal → + bias → softmax (zeros for a row
-    /// without a finite score) → ·V; query head `h` reads key/value head `h / (Hq / Hkv)`.
-    /// Returns the output and the row log-sum-exp of the scores (−inf for a row without one).
+    /// f64 reference: scale → softcap → + bias → mask (−inf, or the fill score) → causal →
+    /// softmax (zeros for a row without a finite score; quiet: `e^s / (1 + Σ e^s)`) → ·V;
+    /// query head `h` reads key/value head `h / (Hq / Hkv)`. Returns the output and the row
+    /// log-sum-exp of the scores (−inf for a row without one; quiet: `ln(1 + Σ e^s)`, 0).
     fn reference(&self) -> (Vec<f64>, Vec<f64>) {
         self.model(EXACT)
     }
@@ -64,28 +69,38 @@ impl Case {
                             if let Some(cap) = self.options.softcap {
                                 x = (r.store)(cap * (r.store)((x / cap).tanh()));
                             }
+                            if let Some((bias, bd)) = &self.bias {
+                                x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
+                            }
                             if let Some((m, md)) = &self.mask
                                 && m[at(*md, [b, h, i, j])]
                             {
-                                x = f64::NEG_INFINITY;
+                                x = self.fill.unwrap_or(f64::NEG_INFINITY);
                             }
                             if self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64
                             {
                                 x = f64::NEG_INFINITY;
-                            }
-                            if let Some((bias, bd)) = &self.bias {
-                                x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
                             }
                             x
                         })
                         .collect();
                     let m = s.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
                     if m == f64::NEG_INFINITY {
+                        if self.quiet {
+                            lse[(b * hq + h) * sq + i] = 0.0;
+                        }
                         continue;
                     }
                     s.iter_mut().for_each(|x| *x = (*x - m).exp());
-                    let l: f64 = s.iter().fold(0.0, |a, &x| (r.acc)(a + x));
+                    let mut l: f64 = s.iter().fold(0.0, |a, &x| (r.acc)(a + x));
                     lse[(b * hq + h) * sq + i] = m + l.ln();
+                    if self.quiet {
+                        // ln(1 + Σ e^s) = softplus(L), and the `1` of `1 + Σ e^s` against the
+                        // maximum (infinite for scores far below 0: P = 0).
+                        let big_l = m + l.ln();
+                        lse[(b * hq + h) * sq + i] = big_l.max(0.0) + (-big_l.abs()).exp().ln_1p();
+                        l = (r.acc)(l + (-m).exp());
+                    }
                     let v_dims = [nb, hkv, sk, dv];
                     // P = softmax, stored; then P·V with f32 sums, stored.
                     let p: Vec<f64> = s.iter().map(|&e| (r.store)(e / l)).collect();
@@ -220,6 +235,8 @@ fn check_with<B: FlashBackend>(
         }),
         bias: bias.clone().map(|b| (read(b.clone()), b.dims())),
         options,
+        fill: flash_options.masked_score,
+        quiet: flash_options.quiet,
     };
     let [nb, hq, sq, _] = case.q_dims;
     let sk = case.k_dims[2];
@@ -485,12 +502,11 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     };
     let forced = |causal: bool| FlashAttentionOptions {
         kernel: Some(AttentionKernel::Tiled),
-        block_k: None,
-        dropout: None,
         module: AttentionModuleOptions {
             is_causal: causal,
             ..Default::default()
         },
+        ..Default::default()
     };
     let Some(plan) = attention_plan::<B>(device, dims, dtype.into(), forced(false)) else {
         // No fused kernels (NdArray, Autodiff).
@@ -852,12 +868,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let v = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
         let options = FlashAttentionOptions {
             kernel: Some(kernel),
-            block_k: None,
-            dropout: None,
             module: AttentionModuleOptions {
                 is_causal: true,
                 ..Default::default()
             },
+            ..Default::default()
         };
         match plan(64, Some(kernel)).unwrap() {
             Ok(p) => {
@@ -893,12 +908,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let run = |kernel| {
             let options = FlashAttentionOptions {
                 kernel: Some(kernel),
-                block_k: None,
-                dropout: None,
                 module: AttentionModuleOptions {
                     is_causal: true,
                     ..Default::default()
                 },
+                ..Default::default()
             };
             read(attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, options).0)
         };
@@ -912,6 +926,144 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
     }
     sync::<B>(device);
+}
+
+/// burn-nn's mask semantics (`masked_score`: a masked key takes a fill score and stays in the
+/// softmax, so a fully masked row is uniform) and quiet softmax, through every kernel the
+/// device can run (the composed fallback on NdArray). A fill score of 0.5 lies among the real
+/// scores, so partly masked rows see it too; burn-nn's −1e4 matters in fully masked rows.
+fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, hq, hkv, sq, sk, d) = (2, 4, 2, 37, 70, 32);
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let kernels: Vec<Option<AttentionKernel>> = {
+        let dims = AttentionDims {
+            batch: nb,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: sq,
+            seq_k: sk,
+            head_dim: d,
+            value_dim: d,
+        };
+        let all = [
+            AttentionKernel::Units,
+            AttentionKernel::Tiled,
+            AttentionKernel::MatrixUnits,
+        ];
+        let options = |kernel| FlashAttentionOptions {
+            kernel: Some(kernel),
+            ..Default::default()
+        };
+        match attention_plan::<B>(device, dims, dtype.into(), options(AttentionKernel::Units)) {
+            None => vec![None],
+            Some(_) => all
+                .into_iter()
+                .filter(|&k| {
+                    attention_plan::<B>(device, dims, dtype.into(), options(k))
+                        .is_some_and(|p| p.is_ok())
+                })
+                .map(Some)
+                .collect(),
+        }
+    };
+    if cuda && dtype != FloatDType::F32 {
+        assert!(kernels.contains(&Some(AttentionKernel::MatrixUnits)));
+    }
+    // Batch b pads its last 9·b + 5 keys; the full mask hides two whole rows per head.
+    let padding = |[b, _, _, j]: [usize; 4]| j + 9 * b + 5 >= sk;
+    let full = |[b, h, i, j]: [usize; 4]| i == 3 || i == sq - 1 || (b + h + i + j) % 3 == 0;
+    for kernel in kernels {
+        let cases: [(&str, Option<[usize; 4]>, bool, Option<f64>, bool, bool); 6] = [
+            (
+                "burn-nn fill, fully masked rows",
+                Some([nb, hq, sq, sk]),
+                false,
+                Some(-1e4),
+                false,
+                false,
+            ),
+            (
+                "fill 0.5, padding, bias, softcap, causal",
+                Some([nb, 1, 1, sk]),
+                true,
+                Some(0.5),
+                false,
+                true,
+            ),
+            ("quiet", None, false, None, true, false),
+            (
+                "quiet, padding, causal",
+                Some([nb, 1, 1, sk]),
+                false,
+                None,
+                true,
+                true,
+            ),
+            (
+                "quiet, fill -1e4, fully masked rows",
+                Some([nb, hq, sq, sk]),
+                false,
+                Some(-1e4),
+                true,
+                false,
+            ),
+            (
+                "quiet, fill 0.5, full mask, bias",
+                Some([nb, hq, sq, sk]),
+                true,
+                Some(0.5),
+                true,
+                false,
+            ),
+        ];
+        for (name, mask_dims, with_bias, fill, quiet, causal) in cases {
+            let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
+            let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+            let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+            let mask = mask_dims.map(|dims| match dims[1] {
+                1 => bool_mask::<B>(dims, device, padding),
+                _ => bool_mask::<B>(dims, device, full),
+            });
+            let bias = with_bias.then(|| rand4::<B>([1, hq, sq, sk], 1.0, dtype, device));
+            let options = FlashAttentionOptions {
+                kernel,
+                masked_score: fill,
+                quiet,
+                module: AttentionModuleOptions {
+                    is_causal: causal,
+                    softcap: with_bias.then_some(5.0),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            let got = check_with(
+                q,
+                k,
+                v.clone(),
+                mask,
+                bias,
+                options,
+                dtype,
+                &format!("{name} ({kernel:?})"),
+            );
+            if fill == Some(-1e4) && !quiet {
+                // burn-nn's uniform weights: a fully masked row (row 3) is the mean of V.
+                let v = read(v);
+                for (b, h, c) in [(0, 0, 0), (1, 3, 5)] {
+                    let kh = h / (hq / hkv);
+                    let mean = (0..sk)
+                        .map(|j| v[((b * hkv + kh) * sk + j) * d + c])
+                        .sum::<f64>()
+                        / sk as f64;
+                    let o = got[((b * hq + h) * sq + 3) * d + c];
+                    assert!(
+                        (o - mean).abs() <= 4.0 * eps(dtype) * (1.0 + mean.abs()) + 1e-6,
+                        "{name}: fully masked row gives {o}, the mean of V is {mean}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// Bad input panics before anything runs, naming the argument.
@@ -1016,6 +1168,7 @@ macro_rules! attention_suite {
                 sequence_lengths,
                 planned_kernels,
                 tiled_kernel,
+                masked_score_and_quiet,
                 many_seeds,
             ]
         );

@@ -42,29 +42,38 @@ struct Case {
     options: AttentionModuleOptions,
     /// Dropout, its mask drawn by the kernels' generator on the host.
     dropout: Option<DropoutParams>,
+    /// The score of a masked key (`None`: masked keys leave the softmax).
+    fill: Option<f64>,
+    /// Quiet softmax.
+    quiet: bool,
 }
 
 /// Rounding of a model: `acc` after every multiply-add of a sum, `store` after every stored
-/// intermediate and output.
+/// intermediate and output, `lse` of the row log-sum-exp `P` is rebuilt from.
 #[derive(Clone, Copy)]
 struct Rounding {
     acc: fn(f64) -> f64,
     store: fn(f64) -> f64,
+    lse: fn(f64) -> f64,
 }
 
 const EXACT: Rounding = Rounding {
     acc: |x| x,
     store: |x| x,
+    lse: |x| x,
 };
 
 fn to_f32(x: f64) -> f64 {
     x as f32 as f64
 }
 
-/// The naive model of `dtype`: f32 accumulation, storage in `dtype`.
+/// The naive model of `dtype`: f32 accumulation, storage in `dtype`, and `P` rebuilt from an
+/// f32 log-sum-exp as every attention backward that keeps no `Sq × Sk` state does (it matters
+/// only where `|lse|` is large: a row of burn-nn's −1e4 fill scores has an lse ulp of 2⁻¹⁰).
 fn naive(dtype: FloatDType) -> Rounding {
     Rounding {
         acc: to_f32,
+        lse: to_f32,
         store: match dtype {
             FloatDType::F16 => |x| f16::from_f64(x).to_f64(),
             FloatDType::BF16 => |x| bf16::from_f64(x).to_f64(),
@@ -110,6 +119,7 @@ impl Case {
                     let mut s = vec![f64::NEG_INFINITY; sk];
                     let mut fac = vec![1.0; sk];
                     let mut vis = vec![false; sk];
+                    let mut filled = vec![false; sk];
                     for j in 0..sk {
                         let kj = |c: usize| self.k[at(self.k_dims, [b, kh, j, c])];
                         let mut x = (r.store)(dot(&qi, &kj, d) * scale);
@@ -124,9 +134,15 @@ impl Case {
                             .is_some_and(|(m, md)| m[at(*md, [b, h, i, j])]);
                         let causal =
                             self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64;
-                        vis[j] = !masked && !causal;
+                        let hidden = masked && self.fill.is_none();
+                        vis[j] = !hidden && !causal;
                         if let Some((bias, bd)) = &self.bias {
                             x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
+                        }
+                        if masked && let Some(fill) = self.fill {
+                            // A constant: no gradient reaches the inputs or the bias.
+                            x = fill;
+                            filled[j] = true;
                         }
                         s[j] = x;
                     }
@@ -142,9 +158,13 @@ impl Case {
                             l = (r.acc)(l + (s[j] - m).exp());
                         }
                     }
+                    if self.quiet {
+                        // The `1` of `1 + Σ e^s` against the maximum.
+                        l = (r.acc)(l + (-m).exp());
+                    }
                     let p: Vec<f64> = (0..sk)
                         .map(|j| match vis[j] {
-                            true => (r.store)((s[j] - m).exp() / l),
+                            true => (r.store)((s[j] - (r.lse)(m + l.ln())).exp()),
                             false => 0.0,
                         })
                         .collect();
@@ -168,7 +188,10 @@ impl Case {
                         }
                         let vj = |c: usize| self.v[at(v_dims, [b, kh, j, c])];
                         let dp = (r.store)(dot(&gi, &vj, dv) * z[j]);
-                        let ds = (r.store)(p[j] * (r.store)(dp - delta));
+                        let mut ds = (r.store)(p[j] * (r.store)(dp - delta));
+                        if filled[j] {
+                            ds = 0.0;
+                        }
                         if let Some((_, bd)) = &self.bias {
                             let n = at(*bd, [b, h, i, j]);
                             dbias[n] = (r.acc)(dbias[n] + ds);
@@ -208,6 +231,10 @@ struct Setup {
     options: AttentionModuleOptions,
     strided: bool,
     dropout: Option<AttentionDropout>,
+    /// [`FlashAttentionOptions::masked_score`].
+    fill: Option<f64>,
+    /// [`FlashAttentionOptions::quiet`].
+    quiet: bool,
 }
 
 impl Setup {
@@ -222,6 +249,8 @@ impl Setup {
             options: AttentionModuleOptions::default(),
             strided: false,
             dropout: None,
+            fill: None,
+            quiet: false,
         }
     }
 }
@@ -295,6 +324,8 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         bias: bias.clone().map(|b| (read(b.clone()), b.dims())),
         options: setup.options,
         dropout: setup.dropout.and_then(|d| d.params()),
+        fill: setup.fill,
+        quiet: setup.quiet,
     };
     for dims in [setup.q, k_dims, v_dims] {
         poison::<B, 4>(dims, dtype, &device);
@@ -307,6 +338,8 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         bias.clone(),
         FlashAttentionOptions {
             dropout: setup.dropout,
+            masked_score: setup.fill,
+            quiet: setup.quiet,
             ..setup.options.into()
         },
     );
@@ -411,6 +444,42 @@ fn masks_and_biases<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     setup.bias = Some([1, 4, 70, 150]);
     setup.options.is_causal = true;
     check::<B>(&setup, dtype, "mask and bias, Sq 70 Sk 150, causal");
+}
+
+/// burn-nn's mask semantics (a masked key takes a fill score and stays in the softmax, with no
+/// gradient through it) and quiet softmax: fully masked rows, a fill score among the real ones
+/// (0.5), tracked biases, several key blocks.
+fn masked_score_and_quiet<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    let (nb, hq, sq, sk) = (2, 4, 11, 37);
+    let full: MaskFn = |[b, h, i, j]| i == 3 || i == 10 || (b + h + i + j) % 3 == 0;
+    let padding: MaskFn = |[b, _, _, j]| j + 5 * b + 3 >= 37;
+    let mut setup = Setup::new([nb, hq, sq, 32], 2, sk, 16);
+    setup.mask = Some(([nb, hq, sq, sk], full));
+    setup.fill = Some(-1e4);
+    check::<B>(&setup, dtype, "burn-nn fill, fully masked rows");
+    setup.fill = Some(0.5);
+    setup.mask = Some(([nb, 1, 1, sk], padding));
+    setup.bias = Some([nb, 1, 1, sk]);
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(4.0),
+        is_causal: true,
+    };
+    check::<B>(&setup, dtype, "fill 0.5, padding, bias, softcap, causal");
+    let mut setup = Setup::new([nb, hq, sq, 32], 2, sk, 16);
+    setup.quiet = true;
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "quiet, causal");
+    setup.options.is_causal = false;
+    setup.mask = Some(([nb, hq, sq, sk], full));
+    setup.fill = Some(0.5);
+    setup.bias = Some([1, hq, sq, sk]);
+    check::<B>(&setup, dtype, "quiet, fill 0.5, full mask, bias");
+    let mut setup = Setup::new([2, 4, 70, 64], 2, 150, 64);
+    setup.mask = Some(([2, 1, 1, 150], |[b, _, _, j]| j + 20 * b >= 140));
+    setup.fill = Some(0.5);
+    setup.quiet = true;
+    check::<B>(&setup, dtype, "quiet, fill 0.5, padding, Sq 70 Sk 150");
 }
 
 /// Head dims from 8 to 256, `Dv ≠ D`, and `[B, S, H, D]` inputs read through their strides.
@@ -794,6 +863,7 @@ macro_rules! backward_suite {
                 causal,
                 grouped_query_heads,
                 masks_and_biases,
+                masked_score_and_quiet,
                 head_dims_and_strides,
                 partly_tracked,
                 planned_kernels,

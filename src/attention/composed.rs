@@ -52,7 +52,8 @@ pub fn forward<B: SoftmaxMatmulBackend>(
             value,
         );
         let v = v.into_primitive().tensor();
-        return forward_with_dropout::<B>(q, k, v, mask, bias, options, dropout);
+        let (out, lse) = forward_with_dropout::<B>(q, k, v, mask, bias, flash_options, dropout);
+        return quiet_outputs::<B>(out, lse, flash_options.quiet);
     }
     let group = heads_q / heads_kv;
     let scale = scale_of(&options, head_dim);
@@ -67,17 +68,19 @@ pub fn forward<B: SoftmaxMatmulBackend>(
         scores = scores.div_scalar(cap).tanh().mul_scalar(cap);
     }
     let full = [batch, heads_q, seq_q, seq_k];
+    if let Some(bias) = bias {
+        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        scores = scores + bias.expand(full);
+    }
     if let Some(mask) = mask {
+        // The finished score of a masked key: the fill score, or −inf (out of the softmax).
         let mask = Tensor::<B, 4, Bool>::from_primitive(mask);
-        scores = scores.mask_fill(mask.expand(full), f32::NEG_INFINITY);
+        let fill = flash_options.masked_score.unwrap_or(f64::NEG_INFINITY);
+        scores = scores.mask_fill(mask.expand(full), fill);
     }
     if options.is_causal {
         let causal = causal_mask::<B>(full, &scores.device());
         scores = scores.mask_fill(causal, f32::NEG_INFINITY);
-    }
-    if let Some(bias) = bias {
-        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
-        scores = scores + bias.expand(full);
     }
     let scores = scores.reshape([batch * heads_kv, group * seq_q, seq_k]);
     let value = value.reshape([batch * heads_kv, seq_k, value_dim]);
@@ -90,6 +93,30 @@ pub fn forward<B: SoftmaxMatmulBackend>(
         .reshape([batch, heads_q, seq_q, value_dim]);
     let lse = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(lse))
         .reshape([batch, heads_q, seq_q]);
+    quiet_outputs::<B>(
+        out.into_primitive().tensor(),
+        lse.into_primitive().tensor(),
+        flash_options.quiet,
+    )
+}
+
+/// The quiet softmax's `(out, lse)` from the softmax's (`quiet`; the pair itself otherwise):
+/// with `L = ln Σ e^s`, the output times `σ(L) = Σ e^s / (1 + Σ e^s)` and `ln(1 + Σ e^s) =
+/// softplus(L)`, both written so that a row without a visible key (`L = −inf`) gives 0 and 0.
+fn quiet_outputs<B: Backend>(
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    quiet: bool,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    if !quiet {
+        return (out, lse);
+    }
+    let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
+    let sigma = lse.clone().neg().exp().add_scalar(1.0).recip();
+    let sigma = sigma.cast(out.dtype()).unsqueeze_dim::<4>(3);
+    let out = out * sigma;
+    let lse = lse.clone().clamp_min(0.0) + lse.abs().neg().exp().add_scalar(1.0).log();
     (out.into_primitive().tensor(), lse.into_primitive().tensor())
 }
 
@@ -164,8 +191,9 @@ pub fn backward<B: Backend>(
     let Scores {
         scores: s,
         hidden,
+        filled,
         cap_grad,
-    } = scores::<B>(q.clone(), key.clone(), mask, bias, options, full);
+    } = scores::<B>(q.clone(), key.clone(), mask, bias, flash_options, full);
     // P = e^(s − lse); a row without a visible key has lse = −inf and P = 0 (the clamp keeps
     // e^(−inf − lse) at 0 there instead of NaN).
     let lse = lse
@@ -192,7 +220,11 @@ pub fn backward<B: Backend>(
         dp = dp * z;
     }
     let delta = (d_out * out).sum_dim(3);
-    let ds = p * (dp - delta);
+    let mut ds = p * (dp - delta);
+    if let Some(filled) = filled {
+        // A masked key's fill score is a constant.
+        ds = ds.mask_fill(filled, 0.0);
+    }
     let mut dr = ds.clone().mul_scalar(scale);
     if let Some(g) = cap_grad {
         dr = dr * g;
@@ -211,11 +243,14 @@ pub fn backward<B: Backend>(
     }
 }
 
-/// The finished scores of a call, `[B, Hq, Sq, Sk]` (scaled, softcapped, plus the bias), which
-/// keys each row cannot see (mask and causal), and the softcap's derivative `1 − tanh²(s/c)`.
+/// The finished scores of a call, `[B, Hq, Sq, Sk]` (scaled, softcapped, plus the bias; the
+/// fill score where the mask masks a key and the options fill), which keys each row cannot see
+/// (mask without fill, and causal), which took the fill score, and the softcap's derivative
+/// `1 − tanh²(s/c)`.
 struct Scores<B: Backend> {
     scores: Tensor<B, 4>,
     hidden: Option<Tensor<B, 4, Bool>>,
+    filled: Option<Tensor<B, 4, Bool>>,
     cap_grad: Option<Tensor<B, 4>>,
 }
 
@@ -225,9 +260,10 @@ fn scores<B: Backend>(
     key: Tensor<B, 4>,
     mask: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
-    options: AttentionModuleOptions,
+    flash_options: FlashAttentionOptions,
     full: [usize; 4],
 ) -> Scores<B> {
+    let options: AttentionModuleOptions = flash_options.module;
     let device = q.device();
     let scale = scale_of(&options, key.dims()[3]);
     let mut s = q
@@ -241,7 +277,20 @@ fn scores<B: Backend>(
         cap_grad = Some(t.clone().powi_scalar(2).neg().add_scalar(1.0));
         s = t.mul_scalar(cap);
     }
-    let mut hidden = mask.map(|m| Tensor::<B, 4, Bool>::from_primitive(m).expand(full));
+    if let Some(bias) = bias {
+        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        s = s + bias.expand(full);
+    }
+    let mask = mask.map(|m| Tensor::<B, 4, Bool>::from_primitive(m).expand(full));
+    let (mut hidden, filled) = match flash_options.masked_score {
+        Some(fill) => {
+            if let Some(mask) = &mask {
+                s = s.mask_fill(mask.clone(), fill);
+            }
+            (None, mask)
+        }
+        None => (mask, None),
+    };
     if options.is_causal {
         let causal = causal_mask::<B>(full, &device);
         hidden = Some(match hidden {
@@ -249,13 +298,10 @@ fn scores<B: Backend>(
             None => causal,
         });
     }
-    if let Some(bias) = bias {
-        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
-        s = s + bias.expand(full);
-    }
     Scores {
         scores: s,
         hidden,
+        filled,
         cap_grad,
     }
 }
@@ -288,7 +334,7 @@ fn forward_with_dropout<B: Backend>(
     value: FloatTensor<B>,
     mask: Option<BoolTensor<B>>,
     bias: Option<FloatTensor<B>>,
-    options: AttentionModuleOptions,
+    options: FlashAttentionOptions,
     dropout: DropoutParams,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));

@@ -33,6 +33,8 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         kernel: options.kernel,
         block_k: options.block_k,
         dropout: options.dropout.and_then(|d| d.params()),
+        masked_score: options.masked_score.map(|f| f as f32),
+        quiet: options.quiet,
     }
 }
 

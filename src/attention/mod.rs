@@ -79,6 +79,16 @@ pub struct FlashAttentionOptions {
     /// FlashAttention's semantics), in the forward and, with the same mask, the backward.
     /// `None` or a probability of 0: no dropout (bit-identical results).
     pub dropout: Option<AttentionDropout>,
+    /// The score a key masked by the bool mask takes, instead of leaving the softmax: burn-nn's
+    /// `mask_fill(mask, min_float)` (its `MultiHeadAttention` fills with −1e4). The key stays in
+    /// the softmax, so a fully masked row gets uniform weights (the mean of the values) where
+    /// `None` gives zeros; its score is a constant, so no gradient reaches `Q`, `K` or a bias
+    /// through it. It replaces the finished score (after scale, softcap and bias); the causal
+    /// mask still removes keys. Finite.
+    pub masked_score: Option<f64>,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`, burn-nn's `quiet_softmax`
+    /// option): a row may attend to nothing. The log-sum-exp returned is then `ln(1 + Σ e^s)`.
+    pub quiet: bool,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,
@@ -108,6 +118,8 @@ impl From<AttentionModuleOptions> for FlashAttentionOptions {
             kernel: None,
             block_k: None,
             dropout: None,
+            masked_score: None,
+            quiet: false,
         }
     }
 }
@@ -174,6 +186,11 @@ pub fn attention_with_lse<B: FlashBackend>(
             "{OP}: dropout probability must be in [0, 1), got {}",
             dropout.prob
         );
+    }
+    if let Some(fill) = options.masked_score
+        && !fill.is_finite()
+    {
+        panic!("{OP}: `masked_score` must be finite, got {fill}");
     }
     if let Some(Err(err)) = B::flash_attention_plan(&query.device(), dims, query.dtype(), options) {
         panic!("{OP}: {err}");

@@ -31,6 +31,11 @@ pub enum Mutation {
     /// `dropout-fresh-mask`: the attention backward draws its dropout mask under another key
     /// instead of regenerating the forward's.
     DropoutFreshMask,
+    /// `fill-grad`: the attention backward lets `dS` flow through masked keys that took the
+    /// fill score (a constant, whose `dS` must reach nothing).
+    FillGrad,
+    /// `quiet-off`: the attention forward ignores quiet softmax's `1 +` in the denominator.
+    QuietOff,
 }
 
 impl Mutation {
@@ -44,6 +49,8 @@ impl Mutation {
             Self::ZeroDq => "zero-dq",
             Self::GqaModulo => "gqa-modulo",
             Self::DropoutFreshMask => "dropout-fresh-mask",
+            Self::FillGrad => "fill-grad",
+            Self::QuietOff => "quiet-off",
         }
     }
 }
@@ -62,10 +69,12 @@ pub fn active(mutation: Mutation) -> bool {
             Mutation::ZeroDq,
             Mutation::GqaModulo,
             Mutation::DropoutFreshMask,
+            Mutation::FillGrad,
+            Mutation::QuietOff,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -113,4 +122,14 @@ pub fn gqa_modulo() -> bool {
 /// [`Mutation::DropoutFreshMask`] is active.
 pub fn dropout_fresh_mask() -> bool {
     active(Mutation::DropoutFreshMask)
+}
+
+/// [`Mutation::FillGrad`] is active.
+pub fn fill_grad() -> bool {
+    active(Mutation::FillGrad)
+}
+
+/// [`Mutation::QuietOff`] is active.
+pub fn quiet_off() -> bool {
+    active(Mutation::QuietOff)
 }

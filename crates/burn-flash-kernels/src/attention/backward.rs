@@ -253,6 +253,8 @@ fn mma_config(
         bias: features.bias,
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
+        masked_score: options.masked_score.map(f32::to_bits),
+        quiet: options.quiet,
     }
 }
 
@@ -361,6 +363,8 @@ pub fn launch_attention_backward<R: Runtime>(
         bias: t.bias.is_some(),
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
+        masked_score: options.masked_score.map(f32::to_bits),
+        quiet: options.quiet,
     };
     // Both launchers take the same dropout (none: a probability of 0, never read).
     let dropout = options

@@ -80,6 +80,14 @@ pub struct AttentionOptions {
     /// Dropout on the attention weights ([`crate::dropout`]): `None` or a probability of 0 is
     /// none. Runs on the plain-unit kernel ([`AttentionKernel::Units`]) forward.
     pub dropout: Option<DropoutParams>,
+    /// The score a key masked by the bool mask takes, instead of leaving the softmax
+    /// (burn-nn's `mask_fill(mask, min_float)`): finite, so a fully masked row is uniform.
+    /// After scale, softcap and bias; the causal mask and keys past the end still leave.
+    /// `None`: masked keys are invisible.
+    pub masked_score: Option<f32>,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`): the stored log-sum-exp
+    /// is `ln(1 + Σ e^s)`.
+    pub quiet: bool,
 }
 
 /// Sizes of one call.
@@ -263,6 +271,13 @@ pub fn plan_attention<R: Runtime>(
             reason: format!("softcap must be positive and finite, got {cap}"),
         });
     }
+    if let Some(fill) = options.masked_score
+        && !fill.is_finite()
+    {
+        return Err(AttentionError::InvalidOption {
+            reason: format!("masked_score must be finite, got {fill}"),
+        });
+    }
     let props = client.properties();
     let hw = &props.hardware;
     let mma_why_not = if !fragment::supported(client, dtype) {
@@ -288,6 +303,8 @@ pub fn plan_attention<R: Runtime>(
         bias: false,
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
+        masked_score: options.masked_score.map(f32::to_bits),
+        quiet: options.quiet,
     };
     let kernel = match options.kernel {
         Some(AttentionKernel::Tiled) if options.dropout.is_some() => {
@@ -552,6 +569,8 @@ pub fn launch_attention<R: Runtime>(
         bias: bias.is_some(),
         softcap: options.softcap.is_some(),
         dropout: options.dropout.is_some(),
+        masked_score: options.masked_score.map(f32::to_bits),
+        quiet: options.quiet,
     };
     let count = CubeCount::Static(
         plan.cubes.0 as u32,

@@ -40,7 +40,9 @@
 use cubecl::prelude::*;
 
 use super::FlashConfig;
-use super::scores::{RowRefs, add_bias, capped, causal_end, new_refs, set_row, visible};
+use super::scores::{
+    RowRefs, add_bias, capped, causal_end, filled, live_score, new_refs, set_row, visible,
+};
 use crate::dropout::keep_weight;
 
 /// The dropout arguments of a launch ([`crate::dropout::DropoutParams`]).
@@ -306,7 +308,9 @@ fn product_wb(
 }
 
 /// The weights of the unit's `ri × rj` scores, rebuilt from their raw products `raw`: `P`
-/// (`p`, before dropout), the softcap's derivative (`dfac`) and the dropout factor `z`
+/// (`p`, before dropout), the softcap's derivative (`dfac`), whether `dS` flows (`gate`: 0
+/// where a masked key took the fill score, [`super::scores::live_score()`]) and the dropout
+/// factor `z`
 /// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again. Keys are
 /// `j0 + tx + 16·j`.
 #[cube]
@@ -328,6 +332,7 @@ fn rebuild<F: Float>(
     row_pair: &Array<usize>,
     p: &mut Array<f32>,
     dfac: &mut Array<f32>,
+    gate: &mut Array<f32>,
     z: &mut Array<f32>,
     #[comptime] c: FlashConfig,
     #[comptime] ri: u32,
@@ -347,11 +352,19 @@ fn rebuild<F: Float>(
                 fac = 1.0f32 - t * t;
             }
             let s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
+            let s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
             let ok = row_ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
             // A row without a visible key has lse = −inf (and every P = 0).
             let live = ok && row_lse[slot] > f32::min_value();
             p[at] = select(live, f32::exp(s - row_lse[slot]), 0.0f32);
             dfac[at] = fac;
+            if comptime!(c.fills()) {
+                gate[at] = select(
+                    live_score::<F>(mask, refs, slot, key, seq_k, c),
+                    1.0f32,
+                    0.0f32,
+                );
+            }
             z[at] = 1.0f32;
             if comptime!(c.dropout) {
                 z[at] = keep_weight(
@@ -593,6 +606,7 @@ pub fn flash_backward_dkv<F: Float>(
     let mut dp = Array::<f32>::new(8usize);
     let mut p = Array::<f32>::new(8usize);
     let mut dfac = Array::<f32>::new(8usize);
+    let mut gate = Array::<f32>::new(8usize);
     let mut z = Array::<f32>::new(8usize);
     let drop = Dropout {
         seed_lo,
@@ -654,7 +668,7 @@ pub fn flash_backward_dkv<F: Float>(
             }
             rebuild::<F>(
                 mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
-                &drop, &rw.pair, &mut p, &mut dfac, &mut z, c, 2u32, 4u32,
+                &drop, &rw.pair, &mut p, &mut dfac, &mut gate, &mut z, c, 2u32, 4u32,
             );
             // dV takes the weights the forward's `P·V` took: kept and scaled.
             #[unroll]
@@ -705,8 +719,11 @@ pub fn flash_backward_dkv<F: Float>(
                     #[unroll]
                     for j in 0..4u32 {
                         let at = (i * 4 + j) as usize;
-                        vec[j as usize] =
-                            p[at] * (dp[at] * z[at] - rw.delta[i as usize]) * dfac[at];
+                        let mut g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]) * dfac[at];
+                        if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+                            g *= gate[at];
+                        }
+                        vec[j as usize] = g;
                     }
                     sh[w_at + slot(ty + GRID * i, tx)] = vec;
                 }
@@ -846,6 +863,7 @@ pub fn flash_backward_dq<F: Float>(
     let mut dp = Array::<f32>::new(8usize);
     let mut p = Array::<f32>::new(8usize);
     let mut dfac = Array::<f32>::new(8usize);
+    let mut gate = Array::<f32>::new(8usize);
     let mut z = Array::<f32>::new(8usize);
     let drop = Dropout {
         seed_lo,
@@ -916,7 +934,7 @@ pub fn flash_backward_dq<F: Float>(
         }
         rebuild::<F>(
             mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
-            &drop, &rw.pair, &mut p, &mut dfac, &mut z, c, 4u32, 2u32,
+            &drop, &rw.pair, &mut p, &mut dfac, &mut gate, &mut z, c, 4u32, 2u32,
         );
         // dS, and dR = dS ⊙ softcap' into `W` transposed: key `tx + 16·j`, rows `ty + 16·i`.
         #[unroll]
@@ -926,7 +944,10 @@ pub fn flash_backward_dq<F: Float>(
             #[unroll]
             for i in 0..4u32 {
                 let at = (i * 2 + j) as usize;
-                let g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]);
+                let mut g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]);
+                if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+                    g *= gate[at];
+                }
                 if comptime!(write_ds) {
                     if rw.ok[i as usize] && key < seq_k {
                         let mut val = g;

@@ -49,7 +49,8 @@ use cubecl::{
 use super::backward::Dropout;
 use super::scores::{RowRefs, new_refs, score, set_row, visible};
 use super::{
-    FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
+    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
+    row_lse,
 };
 use crate::dropout::keep_weight;
 use crate::fragment::{
@@ -375,7 +376,7 @@ fn step<F: Float, NV: Size>(
                     let key = j0 + key_of(j, quad, n, c);
                     let mut x = vec[n as usize];
                     if comptime!(!c.given()) {
-                        x = score::<F>(bias, refs, slot, x, key, seq_k, scale, softcap, c);
+                        x = score::<F>(mask, bias, refs, slot, x, key, seq_k, scale, softcap, c);
                     }
                     let ok = visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, bounds);
                     vec[n as usize] = select(ok, x, f32::min_value());
@@ -775,12 +776,12 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
         } else {
             quad_sum(l[slot])
         };
-        inv[slot] = inverse_sum(total);
+        inv[slot] = inverse_sum(output_sum(m[slot], total, c));
         let row = my_row + slot * 8;
         if quad == 0 && row < rows && blk.first_tile {
             let head = head0 + row / seq_q;
             let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-            lse[at] = log_sum_exp(m[slot], total);
+            lse[at] = row_lse(m[slot], total, c);
         }
     }
     #[unroll]

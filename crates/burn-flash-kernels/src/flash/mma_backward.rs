@@ -59,7 +59,7 @@ use super::FlashConfig;
 use super::ScoreSource;
 use super::backward::{Dropout, cube_count, pair_index, row_of_group};
 use super::mma::{CHUNK, NV8, key_of, load_scores, stage_rows, step_scores};
-use super::scores::{add_bias, capped, causal_end, new_refs, set_row, visible};
+use super::scores::{add_bias, capped, causal_end, filled, live_score, new_refs, set_row, visible};
 use crate::dropout::keep_weight;
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, mma_v_pair, zero_accumulators};
 use crate::staging::{commit_next, copy_vec, wait_step};
@@ -826,6 +826,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                     } else {
                         let sc = capped(raw[n as usize], scale, softcap, c);
                         x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
+                        x = filled::<F>(mask, &refs, h, x, key, seq_k, c);
                         if comptime!(c.softcap) {
                             let t = sc / softcap;
                             fac = scale * (1.0f32 - t * t);
@@ -847,7 +848,13 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                             true,
                         );
                     }
-                    let d_score = p * (dpz - row_delta[h]);
+                    let mut d_score = p * (dpz - row_delta[h]);
+                    if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+                        // A masked key's fill score is a constant.
+                        if !live_score::<F>(mask, &refs, h, key, seq_k, c) {
+                            d_score = 0.0f32;
+                        }
+                    }
                     pair[n as usize] = F::cast_from(d_score * fac);
                     if comptime!(write_ds) {
                         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
@@ -1236,6 +1243,8 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                             fac = scale * (1.0f32 - t * t);
                         }
                         let mut ok = key[h] <= key_last;
+                        // 0 where a masked key took the fill score (a constant: no dS).
+                        let mut gate = 1.0f32;
                         if comptime!(c.mask || c.bias) {
                             // The row's head and position, staged with its lse and δ.
                             let head = row_s[sb + col] as usize;
@@ -1249,7 +1258,12 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                                     + head * mask.stride(1)
                                     + pos * mask.stride(2)
                                     + kk * mask.stride(3);
-                                ok = ok && f32::cast_from(mask[at]) == 0.0f32;
+                                let hit = f32::cast_from(mask[at]) != 0.0f32;
+                                if comptime!(c.fills()) {
+                                    gate = select(hit, 0.0f32, 1.0f32);
+                                } else {
+                                    ok = ok && !hit;
+                                }
                             }
                             if comptime!(c.bias) {
                                 let at = batch * bias.stride(0)
@@ -1257,6 +1271,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                                     + pos * bias.stride(2)
                                     + kk * bias.stride(3);
                                 x += f32::cast_from(bias[at]);
+                            }
+                            if comptime!(c.fills()) {
+                                x = select(gate == 0.0f32, f32::new(comptime!(c.fill_score())), x);
                             }
                         }
                         if comptime!(c.causal && !(c.mask || c.bias)) {
@@ -1281,6 +1298,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                             );
                         }
                         pp[n] = F::cast_from(p * z);
+                        if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+                            fac *= gate;
+                        }
                         let ds = F::cast_from(p * (dpv[n] * z - stat_s[sb + bq + col]) * fac);
                         dd[n] = ds;
                         if comptime!(fused_dq) {

@@ -99,12 +99,30 @@ pub struct FlashConfig {
     pub softcap: bool,
     /// Dropout on the weights ([`crate::dropout`]; the plain-unit and matrix-unit kernels).
     pub dropout: bool,
+    /// With a mask, the score a masked key takes (the bits of an `f32`; burn-nn's `min_float`
+    /// fill). The key stays in the softmax, so a fully masked row is uniform; its score is a
+    /// constant, so its `dS` reaches neither `Q`, `K` nor a bias. `None`: masked keys are
+    /// invisible ([`scores`]).
+    pub masked_score: Option<u32>,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` ([`quiet_scale`], [`quiet_lse`]).
+    pub quiet: bool,
 }
 
 impl FlashConfig {
     /// Whether the scores are given (read from memory) rather than computed.
     pub fn given(&self) -> bool {
         self.source == ScoreSource::Given
+    }
+
+    /// Whether masked keys take [`FlashConfig::masked_score`] (a mask is read and the score
+    /// is set).
+    pub fn fills(&self) -> bool {
+        self.mask && self.masked_score.is_some()
+    }
+
+    /// The score of a masked key ([`FlashConfig::masked_score`]; 0 when unset, never read).
+    pub fn fill_score(&self) -> f32 {
+        f32::from_bits(self.masked_score.unwrap_or(0))
     }
 }
 
@@ -385,4 +403,45 @@ pub fn inverse_sum(l: f32) -> f32 {
 #[cube]
 pub fn log_sum_exp(m: f32, l: f32) -> f32 {
     m + f32::ln(l)
+}
+
+/// The sum a row's output is divided by: `l`, or with quiet softmax `l + e^(−m)` (the `1` of
+/// `1 + Σ e^s` against the reference `m`; infinite, and the output 0, for a row without a
+/// visible key or whose scores are all far below 0).
+#[cube]
+pub fn output_sum(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
+    let mut total = l;
+    if comptime!(c.quiet && !crate::mutation::quiet_off()) {
+        total += f32::exp(-m);
+    }
+    total
+}
+
+/// The log-sum-exp a row stores for the backward: [`log_sum_exp()`], or with quiet softmax
+/// [`quiet_lse()`] of it.
+#[cube]
+pub fn row_lse(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
+    let mut lse = log_sum_exp(m, l);
+    if comptime!(c.quiet) {
+        lse = quiet_lse(lse);
+    }
+    lse
+}
+
+/// The factor that turns a row's softmax output into its quiet softmax output: with
+/// `L = ln Σ e^s` (`lse`), `Σ e^s / (1 + Σ e^s) = σ(L) = 1 / (1 + e^(−L))`; 0 for a row
+/// without a visible key (`L = −inf`) and, as burn-nn's `quiet_softmax` gives, for a row whose
+/// scores are all far below 0.
+#[cube]
+pub fn quiet_scale(lse: f32) -> f32 {
+    1.0f32 / (1.0f32 + f32::exp(-lse))
+}
+
+/// The log of the quiet softmax's denominator, `ln(1 + Σ e^s) = softplus(L)` for `L = lse`,
+/// computed without overflow: `max(L, 0) + ln(1 + e^(−|L|))` (0 for `L = −inf`). The backward
+/// rebuilds the quiet weights `e^(s − softplus(L))` from it; nothing else changes there, as
+/// `∂p_j/∂s_k = p_j(δ_jk − p_k)` holds for the quiet weights too.
+#[cube]
+pub fn quiet_lse(lse: f32) -> f32 {
+    f32::max(lse, 0.0f32) + f32::ln(1.0f32 + f32::exp(-f32::abs(lse)))
 }

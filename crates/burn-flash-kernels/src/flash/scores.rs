@@ -2,7 +2,9 @@
 //! kernel, in the order of Burn's `attention_fallback`: scale, softcap `c·tanh(s/c)`, the bool
 //! mask, the causal mask (bottom-right aligned: query position `i` sees key `j` when
 //! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
-//! are *invisible*, and [`crate::flash::probability()`] gives them `P = 0`.
+//! are *invisible*, and [`crate::flash::probability()`] gives them `P = 0`. With
+//! [`FlashConfig::masked_score`] a key the bool mask masks stays visible and takes that score
+//! instead of the finished one (burn-nn's `mask_fill(mask, min_float)`).
 
 use cubecl::{ir::FastMath, prelude::*};
 
@@ -88,16 +90,73 @@ pub fn visible<F: Float>(
             }
         }
     }
-    if comptime!(c.mask) {
-        let k = usize::min(key, seq_k - 1);
-        ok = ok && f32::cast_from(mask[refs.mask[slot] + k * mask.stride(3)]) == 0.0f32;
+    if comptime!(c.mask && !c.fills()) {
+        ok = ok && !masked::<F>(mask, refs, slot, key, seq_k, c);
     }
     ok
 }
 
-/// The score of a raw product `q·k`: scaled, softcapped, plus the bias.
+/// Whether the bool mask masks key `key` from the row (never without a mask).
+#[cube]
+pub fn masked<F: Float>(
+    mask: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    key: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> bool {
+    let mut hit = false;
+    if comptime!(c.mask) {
+        let k = usize::min(key, seq_k - 1);
+        hit = f32::cast_from(mask[refs.mask[slot] + k * mask.stride(3)]) != 0.0f32;
+    }
+    hit
+}
+
+/// The finished score `s` of key `key`, or [`FlashConfig::masked_score`] where the mask masks
+/// the key and the config fills masked keys (`s` itself otherwise).
+#[cube]
+pub fn filled<F: Float>(
+    mask: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    s: f32,
+    key: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> f32 {
+    let mut s = s;
+    if comptime!(c.fills()) {
+        let fill = f32::new(comptime!(c.fill_score()));
+        s = select(masked::<F>(mask, refs, slot, key, seq_k, c), fill, s);
+    }
+    s
+}
+
+/// Whether the score of key `key` depends on `q·k` and the bias: 0 where a masked key took the
+/// fill score ([`filled()`]), whose `dS` then reaches neither; always without fill.
+#[cube]
+pub fn live_score<F: Float>(
+    mask: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    key: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> bool {
+    let mut live = true;
+    if comptime!(c.fills()) {
+        live = !masked::<F>(mask, refs, slot, key, seq_k, c);
+    }
+    live
+}
+
+/// The score of a raw product `q·k`: scaled, softcapped, plus the bias; a masked key's fill
+/// score instead where the config fills masked keys ([`filled()`]).
 #[cube]
 pub fn score<F: Float>(
+    mask: &Tensor<F>,
     bias: &Tensor<F>,
     refs: &RowRefs,
     slot: usize,
@@ -109,7 +168,8 @@ pub fn score<F: Float>(
     #[comptime] c: FlashConfig,
 ) -> f32 {
     let s = capped(raw, scale, softcap, c);
-    add_bias::<F>(bias, refs, slot, s, key, seq_k, c)
+    let s = add_bias::<F>(bias, refs, slot, s, key, seq_k, c);
+    filled::<F>(mask, refs, slot, s, key, seq_k, c)
 }
 
 /// The first half of [`score()`]: `q·k` scaled and (with a softcap) capped. The backward reads

@@ -29,7 +29,8 @@ use cubecl::{features::Plane, prelude::*};
 
 use super::scores::{new_refs, score, set_row, visible};
 use super::{
-    FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
+    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
+    row_lse,
 };
 use crate::tiling::{BUF, TILE_M, VECS, pre_at, product_step};
 
@@ -518,7 +519,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                     let key = j0 + ku * kg as usize + n;
                     let mut x = s[i * ku + n];
                     if comptime!(!given) {
-                        x = score::<F>(bias, &refs, i, x, key, seq_k, scale, softcap, c);
+                        x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
                     }
                     let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
                         && (st < full_steps
@@ -620,13 +621,13 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         let mut vec = Vector::<f32, Const<4>>::empty();
         #[unroll]
         for i in 0..4usize {
-            vec[i] = sums[i];
+            vec[i] = output_sum(m[i], sums[i], c);
             let row = row0 + 4 * rg as usize + i;
             if row < rows && blk.first_tile {
                 let head = head0 + row / seq_q;
                 let at =
                     batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-                lse[at] = log_sum_exp(m[i], sums[i]);
+                lse[at] = row_lse(m[i], sums[i], c);
             }
         }
         sh.a_s[l_at + rg as usize] = vec;

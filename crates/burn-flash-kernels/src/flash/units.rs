@@ -20,7 +20,8 @@ use cubecl::prelude::*;
 
 use super::scores::{new_refs, score, set_row, visible};
 use super::{
-    FlashConfig, cube_block, inverse_sum, log_sum_exp, next_reference, probability, rescale_factor,
+    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
+    row_lse,
 };
 use crate::dropout::keep_weight;
 
@@ -248,7 +249,7 @@ pub fn flash_forward_units<F: Float>(
                 let at = i * keys_u as usize + cc;
                 let mut x = sacc[at];
                 if comptime!(!given) {
-                    x = score::<F>(bias, &refs, i, x, key, seq_k, scale, softcap, c);
+                    x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
                 }
                 let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
                     && (st < full_steps
@@ -374,9 +375,9 @@ pub fn flash_forward_units<F: Float>(
             let pos = row % seq_q;
             if tx == 0 && blk.first_tile {
                 let at = batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2);
-                lse[at] = log_sum_exp(m[i], l[i]);
+                lse[at] = row_lse(m[i], l[i], c);
             }
-            let inv = inverse_sum(l[i]);
+            let inv = inverse_sum(output_sum(m[i], l[i], c));
             let o_base = batch * out.stride(0) + head * out.stride(1) + pos * out.stride(2);
             #[unroll]
             for j in 0..comptime!(v_chunks as usize * 4) {

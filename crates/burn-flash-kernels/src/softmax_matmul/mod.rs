@@ -446,6 +446,8 @@ fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> Fl
         bias: false,
         softcap: false,
         dropout: false,
+        masked_score: None,
+        quiet: false,
     };
     if kernel == SmmForwardKernel::Tiled {
         flash::tiled::config(config, 0)
