@@ -973,7 +973,7 @@ fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType
     let padding = |[b, _, _, j]: [usize; 4]| j + 9 * b + 5 >= sk;
     let full = |[b, h, i, j]: [usize; 4]| i == 3 || i == sq - 1 || (b + h + i + j) % 3 == 0;
     for kernel in kernels {
-        let cases: [(&str, Option<[usize; 4]>, bool, Option<f64>, bool, bool); 6] = [
+        let cases = [
             (
                 "burn-nn fill, fully masked rows",
                 Some([nb, hq, sq, sk]),
@@ -1130,6 +1130,14 @@ fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
     };
     let msg = refused(q.clone(), k.clone(), v.clone(), None, None, capped);
     assert!(msg.contains("`softcap` must be positive"), "{msg}");
+    let filled = FlashAttentionOptions {
+        masked_score: Some(f64::NAN),
+        ..Default::default()
+    };
+    let msg = panic_message(|| {
+        attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, filled);
+    });
+    assert!(msg.contains("`masked_score` must be finite"), "{msg}");
     sync::<B>(device);
 }
 

@@ -540,6 +540,8 @@ fn attention_launch_refuses_bad_input() {
         kernel: None,
         block_k: None,
         dropout: None,
+        masked_score: None,
+        quiet: false,
     };
     let good = || AttnShapes {
         q: [2, 4, 8, 32],
@@ -626,6 +628,14 @@ fn attention_launch_refuses_bad_input() {
                 ..options
             },
             "scale must be finite",
+        ),
+        (
+            good(),
+            AttentionOptions {
+                masked_score: Some(f32::NEG_INFINITY),
+                ..options
+            },
+            "masked_score must be finite",
         ),
         (
             good(),
