@@ -1,0 +1,428 @@
+//! [`MultiHeadAttention`]: burn-nn 0.21's multi-head attention on the fused kernels.
+
+use burn::config::Config;
+use burn::module::{Content, DisplaySettings, Initializer, Module, ModuleDisplay};
+use burn::nn::{Dropout, DropoutConfig, Gelu, Linear, LinearConfig};
+use burn::tensor::{Bool, Tensor, activation, backend::Backend};
+
+use super::cache::{KvCache, RowCache};
+use super::{attention_mask, merge_heads, module_options, split_heads};
+use crate::FlashBackend;
+
+const WHO: &str = "burn_flash::nn::MultiHeadAttention";
+
+/// The configuration of a [`MultiHeadAttention`]: burn-nn's `MultiHeadAttentionConfig`, field
+/// for field, with its defaults (a saved burn-nn config loads as this one).
+#[derive(Config, Debug)]
+pub struct MultiHeadAttentionConfig {
+    /// The size of each linear layer.
+    pub d_model: usize,
+    /// The number of heads.
+    pub n_heads: usize,
+    /// The dropout probability of the attention weights (module docs: burn-nn drops the raw
+    /// scores instead).
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// The score a masked key takes (burn-nn's `mask_fill` value): the key stays in the softmax,
+    /// so a fully masked row is uniform.
+    #[config(default = -1.0e4)]
+    pub min_float: f64,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)`: a head may attend to nothing.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers' weights (burn-nn's: Kaiming uniform, gain 1/√3).
+    #[config(default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}")]
+    pub initializer: Initializer,
+}
+
+/// Multi-head attention as burn-nn 0.21's `MultiHeadAttention` (the same fields, so the same
+/// record), computed by [`crate::attention()`]: the scores and weights stay on chip
+/// ([module docs](super)).
+#[derive(Module, Debug)]
+#[module(custom_display)]
+pub struct MultiHeadAttention<B: Backend> {
+    /// Linear layer transforming the input to queries.
+    pub query: Linear<B>,
+    /// Linear layer transforming the input to keys.
+    pub key: Linear<B>,
+    /// Linear layer transforming the input to values.
+    pub value: Linear<B>,
+    /// Linear layer transforming the context to the output.
+    pub output: Linear<B>,
+    /// Its probability is the attention weights' dropout (drawn inside the kernel).
+    pub dropout: Dropout,
+    /// Unused, as in burn-nn; kept for its place in the record.
+    pub activation: Gelu,
+    /// The size of each linear layer.
+    pub d_model: usize,
+    /// The number of heads.
+    pub n_heads: usize,
+    /// The size of each head, `d_model / n_heads`.
+    pub d_k: usize,
+    /// The score of a masked key.
+    pub min_float: f64,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+}
+
+impl<B: Backend> ModuleDisplay for MultiHeadAttention<B> {
+    fn custom_settings(&self) -> Option<DisplaySettings> {
+        DisplaySettings::new()
+            .with_new_line_after_attribute(false)
+            .optional()
+    }
+
+    fn custom_content(&self, content: Content) -> Option<Content> {
+        content
+            .add("d_model", &self.d_model)
+            .add("n_heads", &self.n_heads)
+            .add("d_k", &self.d_k)
+            .add("dropout", &self.dropout.prob)
+            .add("min_float", &self.min_float)
+            .add("quiet_softmax", &self.quiet_softmax)
+            .optional()
+    }
+}
+
+impl MultiHeadAttentionConfig {
+    /// A module with burn-nn's initialisation. Panics when `n_heads` does not divide `d_model`.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+        assert!(
+            self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
+            "{WHO}: `n_heads` {} must divide `d_model` {}",
+            self.n_heads,
+            self.d_model
+        );
+        let linear = || {
+            LinearConfig::new(self.d_model, self.d_model)
+                .with_initializer(self.initializer.clone())
+                .init(device)
+        };
+        MultiHeadAttention {
+            query: linear(),
+            key: linear(),
+            value: linear(),
+            output: linear(),
+            dropout: DropoutConfig::new(self.dropout).init(),
+            activation: Gelu::new(),
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_k: self.d_model / self.n_heads,
+            min_float: self.min_float,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+impl<B: Backend> From<burn::nn::attention::MultiHeadAttention<B>> for MultiHeadAttention<B> {
+    /// The same parameters, moved.
+    fn from(m: burn::nn::attention::MultiHeadAttention<B>) -> Self {
+        Self {
+            query: m.query,
+            key: m.key,
+            value: m.value,
+            output: m.output,
+            dropout: m.dropout,
+            activation: m.activation,
+            d_model: m.d_model,
+            n_heads: m.n_heads,
+            d_k: m.d_k,
+            min_float: m.min_float,
+            quiet_softmax: m.quiet_softmax,
+        }
+    }
+}
+
+impl<B: Backend> From<MultiHeadAttention<B>> for burn::nn::attention::MultiHeadAttention<B> {
+    /// The same parameters, moved.
+    fn from(m: MultiHeadAttention<B>) -> Self {
+        Self {
+            query: m.query,
+            key: m.key,
+            value: m.value,
+            output: m.output,
+            dropout: m.dropout,
+            activation: m.activation,
+            d_model: m.d_model,
+            n_heads: m.n_heads,
+            d_k: m.d_k,
+            min_float: m.min_float,
+            quiet_softmax: m.quiet_softmax,
+        }
+    }
+}
+
+/// The input of [`MultiHeadAttention`]: burn-nn's `MhaInput`, plus [`MhaInput::causal`].
+#[derive(Debug, Clone)]
+pub struct MhaInput<B: Backend> {
+    pub(crate) query: Tensor<B, 3>,
+    pub(crate) key: Tensor<B, 3>,
+    pub(crate) value: Tensor<B, 3>,
+    pub(crate) mask_pad: Option<Tensor<B, 2, Bool>>,
+    pub(crate) mask_attn: Option<Tensor<B, 3, Bool>>,
+    pub(crate) causal: bool,
+}
+
+impl<B: Backend> MhaInput<B> {
+    /// Self-attention: `tensor` `[B, S, d_model]` is the query, key and value.
+    pub fn self_attn(tensor: Tensor<B, 3>) -> Self {
+        Self::new(tensor.clone(), tensor.clone(), tensor)
+    }
+
+    /// Queries `[B, Sq, d_model]` attending to keys and values `[B, Sk, d_model]`.
+    pub fn new(query: Tensor<B, 3>, key: Tensor<B, 3>, value: Tensor<B, 3>) -> Self {
+        Self {
+            query,
+            key,
+            value,
+            mask_pad: None,
+            mask_attn: None,
+            causal: false,
+        }
+    }
+
+    /// Padding mask `[B, Sk]`, `true` = masked.
+    pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Attention mask `[B, Sq, Sk]`, `true` = masked.
+    pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+        self.mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Causal attention, query `i` seeing keys `j ≤ i + Sk − Sq` (bottom-right aligned, which
+    /// for `Sq = Sk` is burn-nn's `generate_autoregressive_mask`), with no mask tensor: nothing
+    /// `S × S` is read and the blocks above the diagonal are skipped. Masked keys leave the
+    /// softmax rather than taking `min_float`; a causal row always sees its own key, so that
+    /// changes nothing unless every score a row sees is within ~100 of `min_float`.
+    pub fn causal(mut self) -> Self {
+        self.causal = true;
+        self
+    }
+}
+
+/// The output of [`MultiHeadAttention`]: the context. Unlike burn-nn's `MhaOutput` there is no
+/// `weights` field: the `[B, H, Sq, Sk]` weights are never made unless asked for
+/// ([`MultiHeadAttention::attention_weights`]).
+#[derive(Debug, Clone)]
+pub struct MhaOutput<B: Backend> {
+    /// The context, `[B, Sq, d_model]`.
+    pub context: Tensor<B, 3>,
+}
+
+impl<B: FlashBackend> MultiHeadAttention<B> {
+    /// Attention of `input`'s queries to its keys and values: the context `[B, Sq, d_model]`.
+    ///
+    /// # Panics
+    /// When the inputs' widths are not `d_model`, their batches differ, key and value lengths
+    /// differ, or a mask's shape is not `[B, Sk]` / `[B, Sq, Sk]`.
+    pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
+        let (batch, seq_q, seq_k) = self.check(&input);
+        let q = split_heads(self.query.forward(input.query), self.n_heads);
+        let k = split_heads(self.key.forward(input.key), self.n_heads);
+        let v = split_heads(self.value.forward(input.value), self.n_heads);
+        let mask = attention_mask(
+            WHO,
+            input.mask_pad,
+            input.mask_attn,
+            batch,
+            0..seq_q,
+            seq_q,
+            seq_k,
+        );
+        let context = self.attend(q, k, v, mask, input.causal);
+        MhaOutput {
+            context: self.output.forward(merge_heads(context)),
+        }
+    }
+
+    /// [`MultiHeadAttention::forward`] for autoregressive inference, burn-nn's calling
+    /// convention: each call passes the whole sequence so far and gets the context of every
+    /// position. Only the positions the cache has not seen are computed: their projections are
+    /// appended to `cache` (in place), and their query rows attend to every cached key.
+    /// Earlier positions' contexts come from the cache (as in burn-nn, which caches the output
+    /// projection). With a cross-attention cache
+    /// ([`MhaCache::autoregressive_cross_attention`]) the keys and values are computed once,
+    /// from the first call's `key` and `value`.
+    pub fn forward_cache(&self, input: MhaInput<B>, cache: &mut MhaCache<B>) -> MhaOutput<B> {
+        let (batch, seq_q, seq_k) = self.check(&input);
+        let start = cache.output.len();
+        assert!(
+            seq_q >= start,
+            "{WHO}: the input has {seq_q} positions, the cache already holds {start} (a new sequence needs a new cache)"
+        );
+        if seq_q == start && start > 0 {
+            return MhaOutput {
+                context: cache.output.view(),
+            };
+        }
+        let d_model = self.d_model;
+        let rows = |x: Tensor<B, 3>, from: usize, to: usize| match from {
+            0 => x,
+            _ => x.slice([0..batch, from..to, 0..d_model]),
+        };
+        let q = split_heads(
+            self.query.forward(rows(input.query.clone(), start, seq_q)),
+            self.n_heads,
+        );
+        let (k, v) = if cache.cross {
+            if cache.keys.is_empty() {
+                let k = split_heads(self.key.forward(input.key), self.n_heads);
+                let v = split_heads(self.value.forward(input.value), self.n_heads);
+                cache.keys.append(k);
+                cache.values.append(v);
+            }
+            (cache.keys.view(), cache.values.view())
+        } else {
+            let done = cache.keys.len();
+            assert!(
+                seq_k >= done,
+                "{WHO}: the keys have {seq_k} positions, the cache already holds {done}"
+            );
+            let k = split_heads(self.key.forward(rows(input.key, done, seq_k)), self.n_heads);
+            let v = split_heads(
+                self.value.forward(rows(input.value, done, seq_k)),
+                self.n_heads,
+            );
+            (cache.keys.append(k), cache.values.append(v))
+        };
+        let seq_k = k.dims()[2];
+        let mask = attention_mask(
+            WHO,
+            input.mask_pad,
+            input.mask_attn,
+            batch,
+            start..seq_q,
+            seq_q,
+            seq_k,
+        );
+        let context = self.attend(q, k, v, mask, input.causal);
+        let context = merge_heads(context);
+        let context = cache.output.append(self.output.forward(context));
+        MhaOutput { context }
+    }
+
+    /// The attention weights `[B, H, Sq, Sk]` burn-nn's `MhaOutput.weights` holds: the softmax
+    /// of the masked scores, from stock ops (it writes `Sq × Sk` per head; no dropout). For
+    /// inspection: [`MultiHeadAttention::forward`] never makes them.
+    pub fn attention_weights(&self, input: MhaInput<B>) -> Tensor<B, 4> {
+        let (batch, seq_q, seq_k) = self.check(&input);
+        let q = split_heads(self.query.forward(input.query), self.n_heads);
+        let k = split_heads(self.key.forward(input.key), self.n_heads);
+        let mut scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
+        let mask = attention_mask(
+            WHO,
+            input.mask_pad,
+            input.mask_attn,
+            batch,
+            0..seq_q,
+            seq_q,
+            seq_k,
+        );
+        let full = [batch, self.n_heads, seq_q, seq_k];
+        if let Some(mask) = mask {
+            scores = scores.mask_fill(mask.expand(full), self.min_float);
+        }
+        if input.causal {
+            let causal = crate::attention::composed::causal_mask::<B>(full, &scores.device());
+            scores = scores.mask_fill(causal, f32::NEG_INFINITY);
+        }
+        match self.quiet_softmax {
+            true => activation::quiet_softmax(scores, 3),
+            false => activation::softmax(scores, 3),
+        }
+    }
+
+    /// `softmax(Q·Kᵀ/√d_k)·V` per head, `[B, H, Sq, d_k]`.
+    fn attend(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        mask: Option<Tensor<B, 4, Bool>>,
+        causal: bool,
+    ) -> Tensor<B, 4> {
+        let options = module_options::<B>(
+            self.d_k,
+            self.min_float,
+            self.quiet_softmax,
+            causal,
+            self.dropout.prob,
+            &q.device(),
+        );
+        crate::attention_with_lse(q, k, v, mask, None, options).0
+    }
+
+    /// Checks the input's shapes; returns `(B, Sq, Sk)`.
+    fn check(&self, input: &MhaInput<B>) -> (usize, usize, usize) {
+        let [batch, seq_q, dq] = input.query.dims();
+        let [kb, seq_k, dk] = input.key.dims();
+        let [vb, seq_v, dv] = input.value.dims();
+        for (name, width) in [("query", dq), ("key", dk), ("value", dv)] {
+            if width != self.d_model {
+                panic!(
+                    "{WHO}: `{name}` has width {width}, d_model is {}",
+                    self.d_model
+                );
+            }
+        }
+        if kb != batch || vb != batch {
+            panic!("{WHO}: batches differ: query {batch}, key {kb}, value {vb}");
+        }
+        if seq_v != seq_k {
+            panic!("{WHO}: `key` has {seq_k} positions, `value` {seq_v}");
+        }
+        (batch, seq_q, seq_k)
+    }
+}
+
+/// The autoregressive cache of [`MultiHeadAttention::forward_cache`]: burn-nn's `MhaCache`, with
+/// keys and values in buffers that grow in place ([`KvCache`]).
+#[derive(Debug)]
+pub struct MhaCache<B: Backend> {
+    pub(crate) keys: KvCache<B>,
+    pub(crate) values: KvCache<B>,
+    pub(crate) output: RowCache<B>,
+    /// Keys and values computed once (cross-attention) rather than per position.
+    pub(crate) cross: bool,
+}
+
+impl<B: Backend> MhaCache<B> {
+    /// The cache of self-attention: keys and values grow with the sequence.
+    pub fn autoregressive() -> Self {
+        Self::autoregressive_with_capacity(0)
+    }
+
+    /// [`MhaCache::autoregressive`] with room for `positions` allocated at the first call.
+    pub fn autoregressive_with_capacity(positions: usize) -> Self {
+        Self {
+            keys: KvCache::with_capacity(positions),
+            values: KvCache::with_capacity(positions),
+            output: RowCache::with_capacity(positions),
+            cross: false,
+        }
+    }
+
+    /// The cache of cross-attention: keys and values computed once, from the first call's.
+    pub fn autoregressive_cross_attention() -> Self {
+        Self {
+            keys: KvCache::new(),
+            values: KvCache::new(),
+            output: RowCache::new(),
+            cross: true,
+        }
+    }
+
+    /// Positions whose context the cache holds.
+    pub fn len(&self) -> usize {
+        self.output.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.output.is_empty()
+    }
+}

@@ -1,0 +1,817 @@
+//! [`TransformerEncoder`] and [`TransformerDecoder`]: burn-nn 0.21's transformer, layer for
+//! layer (norms, `norm_first`, residual order, dropout, position-wise feed-forward and records),
+//! with [`MultiHeadAttention`] from this crate.
+
+use burn::config::Config;
+use burn::module::{Content, DisplaySettings, Initializer, Module, ModuleDisplay};
+use burn::nn::activation::ActivationConfig;
+use burn::nn::transformer::{PositionWiseFeedForward, PositionWiseFeedForwardConfig};
+use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
+use burn::tensor::{Bool, Tensor, backend::Backend};
+
+use super::cache::RowCache;
+use super::mha::{MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use crate::FlashBackend;
+
+/// The configuration of a [`TransformerEncoder`]: burn-nn's `TransformerEncoderConfig`, field
+/// for field, with its defaults.
+#[derive(Config, Debug)]
+pub struct TransformerEncoderConfig {
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the position-wise feed-forward network.
+    pub d_ff: usize,
+    /// The number of attention heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate (attention weights, residual paths, feed-forward).
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Layer norm before each sub-layer (pre-LN) instead of after the residual (post-LN).
+    #[config(default = false)]
+    pub norm_first: bool,
+    /// Quiet softmax in the attention.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers.
+    #[config(default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}")]
+    pub initializer: Initializer,
+    /// The feed-forward activation.
+    #[config(default = "ActivationConfig::Gelu")]
+    pub activation: ActivationConfig,
+    /// The epsilon of the layer norms.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+}
+
+/// The configuration of a [`TransformerDecoder`]: burn-nn's `TransformerDecoderConfig`, field
+/// for field, with its defaults.
+#[derive(Config, Debug)]
+pub struct TransformerDecoderConfig {
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the position-wise feed-forward network.
+    pub d_ff: usize,
+    /// The number of attention heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate (attention weights, residual paths, feed-forward).
+    #[config(default = 0.1)]
+    pub dropout: f64,
+    /// Layer norm before each sub-layer (pre-LN) instead of after the residual (post-LN).
+    #[config(default = false)]
+    pub norm_first: bool,
+    /// Quiet softmax in the attention.
+    #[config(default = false)]
+    pub quiet_softmax: bool,
+    /// The initializer of the linear layers.
+    #[config(default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}")]
+    pub initializer: Initializer,
+    /// The feed-forward activation.
+    #[config(default = "ActivationConfig::Gelu")]
+    pub activation: ActivationConfig,
+    /// The epsilon of the layer norms.
+    #[config(default = 1e-5)]
+    pub layer_norm_eps: f64,
+}
+
+/// The parts of one layer, built alike for both stacks.
+struct LayerParts<B: Backend> {
+    mha: MultiHeadAttention<B>,
+    pwff: PositionWiseFeedForward<B>,
+    norm: LayerNorm<B>,
+    dropout: Dropout,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention<B: Backend>(
+    d_model: usize,
+    n_heads: usize,
+    dropout: f64,
+    quiet: bool,
+    initializer: &Initializer,
+    device: &B::Device,
+) -> MultiHeadAttention<B> {
+    MultiHeadAttentionConfig::new(d_model, n_heads)
+        .with_initializer(initializer.clone())
+        .with_dropout(dropout)
+        .with_quiet_softmax(quiet)
+        .init(device)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn layer_parts<B: Backend>(
+    d_model: usize,
+    d_ff: usize,
+    n_heads: usize,
+    dropout: f64,
+    quiet: bool,
+    initializer: &Initializer,
+    activation: &ActivationConfig,
+    eps: f64,
+    device: &B::Device,
+) -> LayerParts<B> {
+    LayerParts {
+        mha: attention(d_model, n_heads, dropout, quiet, initializer, device),
+        pwff: PositionWiseFeedForwardConfig::new(d_model, d_ff)
+            .with_initializer(initializer.clone())
+            .with_dropout(dropout)
+            .with_activation(activation.clone())
+            .init(device),
+        norm: LayerNormConfig::new(d_model).with_epsilon(eps).init(device),
+        dropout: DropoutConfig::new(dropout).init(),
+    }
+}
+
+/// burn-nn's sub-layer step: `x + dropout(f(norm(x)))` with `norm_first`, else
+/// `norm(x + dropout(f(x)))`. `norm` and `f` take the whole sequence (a cache computes only its
+/// new rows).
+fn sublayer<B: Backend>(
+    x: Tensor<B, 3>,
+    norm_first: bool,
+    dropout: &Dropout,
+    mut norm: impl FnMut(Tensor<B, 3>) -> Tensor<B, 3>,
+    f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    if norm_first {
+        let y = f(norm(x.clone()));
+        x + dropout.forward(y)
+    } else {
+        let y = f(x.clone());
+        norm(x + dropout.forward(y))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoder
+
+/// A stack of [`TransformerEncoderLayer`]s: burn-nn's `TransformerEncoder` (the same fields and
+/// record) on [`MultiHeadAttention`].
+#[derive(Module, Debug)]
+#[module(custom_display)]
+pub struct TransformerEncoder<B: Backend> {
+    /// The layers.
+    pub layers: Vec<TransformerEncoderLayer<B>>,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the feed-forward network.
+    pub d_ff: usize,
+    /// The number of heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    pub dropout: f64,
+    /// Pre-LN.
+    pub norm_first: bool,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+}
+
+impl<B: Backend> ModuleDisplay for TransformerEncoder<B> {
+    fn custom_settings(&self) -> Option<DisplaySettings> {
+        DisplaySettings::new()
+            .with_new_line_after_attribute(false)
+            .optional()
+    }
+
+    fn custom_content(&self, content: Content) -> Option<Content> {
+        content
+            .add("d_model", &self.d_model)
+            .add("d_ff", &self.d_ff)
+            .add("n_heads", &self.n_heads)
+            .add("n_layers", &self.n_layers)
+            .add("dropout", &self.dropout)
+            .add("norm_first", &self.norm_first)
+            .add("quiet_softmax", &self.quiet_softmax)
+            .optional()
+    }
+}
+
+/// One encoder layer: self-attention and feed-forward sub-layers (burn-nn's
+/// `TransformerEncoderLayer`).
+#[derive(Module, Debug)]
+pub struct TransformerEncoderLayer<B: Backend> {
+    /// Self-attention.
+    pub mha: MultiHeadAttention<B>,
+    /// Position-wise feed-forward.
+    pub pwff: PositionWiseFeedForward<B>,
+    /// The norm of the feed-forward sub-layer's input (pre-LN) or the attention's residual.
+    pub norm_1: LayerNorm<B>,
+    /// The norm of the attention's input (pre-LN) or the feed-forward's residual.
+    pub norm_2: LayerNorm<B>,
+    /// Dropout of both residual paths.
+    pub dropout: Dropout,
+    /// Pre-LN.
+    pub norm_first: bool,
+}
+
+/// The input of [`TransformerEncoder`]: burn-nn's `TransformerEncoderInput`, plus
+/// [`TransformerEncoderInput::causal`].
+#[derive(Debug)]
+pub struct TransformerEncoderInput<B: Backend> {
+    tensor: Tensor<B, 3>,
+    mask_pad: Option<Tensor<B, 2, Bool>>,
+    mask_attn: Option<Tensor<B, 3, Bool>>,
+    causal: bool,
+}
+
+impl<B: Backend> TransformerEncoderInput<B> {
+    /// The sequence `[B, S, d_model]`.
+    pub fn new(tensor: Tensor<B, 3>) -> Self {
+        Self {
+            tensor,
+            mask_pad: None,
+            mask_attn: None,
+            causal: false,
+        }
+    }
+
+    /// Padding mask `[B, S]`, `true` = masked.
+    pub fn mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+        self.mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Attention mask `[B, S, S]`, `true` = masked.
+    pub fn mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+        self.mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Causal self-attention without a mask tensor ([`MhaInput::causal`]): what
+    /// `mask_attn(generate_autoregressive_mask(..))` asks for, reading no `[B, S, S]` mask.
+    pub fn causal(mut self) -> Self {
+        self.causal = true;
+        self
+    }
+}
+
+impl TransformerEncoderConfig {
+    /// An encoder with burn-nn's initialisation.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerEncoder<B> {
+        let layers = (0..self.n_layers)
+            .map(|_| {
+                let parts = |d| {
+                    layer_parts::<B>(
+                        self.d_model,
+                        self.d_ff,
+                        self.n_heads,
+                        self.dropout,
+                        self.quiet_softmax,
+                        &self.initializer,
+                        &self.activation,
+                        self.layer_norm_eps,
+                        d,
+                    )
+                };
+                let a = parts(device);
+                let norm_2 = LayerNormConfig::new(self.d_model)
+                    .with_epsilon(self.layer_norm_eps)
+                    .init(device);
+                TransformerEncoderLayer {
+                    mha: a.mha,
+                    pwff: a.pwff,
+                    norm_1: a.norm,
+                    norm_2,
+                    dropout: a.dropout,
+                    norm_first: self.norm_first,
+                }
+            })
+            .collect();
+        TransformerEncoder {
+            layers,
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            dropout: self.dropout,
+            norm_first: self.norm_first,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+impl<B: FlashBackend> TransformerEncoderLayer<B> {
+    /// The layer on the whole sequence.
+    pub fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        mask_pad: Option<Tensor<B, 2, Bool>>,
+        mask_attn: Option<Tensor<B, 3, Bool>>,
+        causal: bool,
+    ) -> Tensor<B, 3> {
+        let attend = |h: Tensor<B, 3>| {
+            let input = mha_input(MhaInput::self_attn(h), mask_pad, mask_attn, causal);
+            self.mha.forward(input).context
+        };
+        let x = sublayer(
+            x,
+            self.norm_first,
+            &self.dropout,
+            |t| match self.norm_first {
+                true => self.norm_2.forward(t),
+                false => self.norm_1.forward(t),
+            },
+            attend,
+        );
+        sublayer(
+            x,
+            self.norm_first,
+            &self.dropout,
+            |t| match self.norm_first {
+                true => self.norm_1.forward(t),
+                false => self.norm_2.forward(t),
+            },
+            |h| self.pwff.forward(h),
+        )
+    }
+
+    /// [`TransformerEncoderLayer::forward`] for autoregressive inference (burn-nn's calling
+    /// convention: the whole sequence so far; only new positions are computed).
+    pub fn forward_autoregressive_inference(
+        &self,
+        x: Tensor<B, 3>,
+        mask_pad: Option<Tensor<B, 2, Bool>>,
+        mask_attn: Option<Tensor<B, 3, Bool>>,
+        causal: bool,
+        cache: &mut TransformerEncoderLayerAutoregressiveCache<B>,
+    ) -> Tensor<B, 3> {
+        let (first, second) = match self.norm_first {
+            true => (&self.norm_2, &self.norm_1),
+            false => (&self.norm_1, &self.norm_2),
+        };
+        let (first_cache, second_cache) = match self.norm_first {
+            true => (&mut cache.norm_2, &mut cache.norm_1),
+            false => (&mut cache.norm_1, &mut cache.norm_2),
+        };
+        let mha_cache = &mut cache.mha;
+        let x = sublayer(
+            x,
+            self.norm_first,
+            &self.dropout,
+            |t| first_cache.forward(t, |t| first.forward(t)),
+            |h| {
+                let input = mha_input(MhaInput::self_attn(h), mask_pad, mask_attn, causal);
+                self.mha.forward_cache(input, mha_cache).context
+            },
+        );
+        let pwff_cache = &mut cache.pwff;
+        sublayer(
+            x,
+            self.norm_first,
+            &self.dropout,
+            |t| second_cache.forward(t, |t| second.forward(t)),
+            |h| pwff_cache.forward(h, |t| self.pwff.forward(t)),
+        )
+    }
+}
+
+impl<B: FlashBackend> TransformerEncoder<B> {
+    /// The encoder on the whole sequence: `[B, S, d_model]`.
+    pub fn forward(&self, input: TransformerEncoderInput<B>) -> Tensor<B, 3> {
+        let mut x = input.tensor;
+        for layer in &self.layers {
+            x = layer.forward(
+                x,
+                input.mask_pad.clone(),
+                input.mask_attn.clone(),
+                input.causal,
+            );
+        }
+        x
+    }
+
+    /// The encoder for autoregressive inference: each call passes the whole sequence so far,
+    /// each layer computes only the positions `cache` has not seen.
+    pub fn forward_autoregressive_inference(
+        &self,
+        input: TransformerEncoderInput<B>,
+        cache: &mut TransformerEncoderAutoregressiveCache<B>,
+    ) -> Tensor<B, 3> {
+        let mut x = input.tensor;
+        for (layer, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward_autoregressive_inference(
+                x,
+                input.mask_pad.clone(),
+                input.mask_attn.clone(),
+                input.causal,
+                cache,
+            );
+        }
+        x
+    }
+
+    /// An empty cache for [`TransformerEncoder::forward_autoregressive_inference`].
+    pub fn new_autoregressive_cache(&self) -> TransformerEncoderAutoregressiveCache<B> {
+        TransformerEncoderAutoregressiveCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| TransformerEncoderLayerAutoregressiveCache::empty())
+                .collect(),
+        }
+    }
+}
+
+/// The cache of one encoder layer.
+#[derive(Debug)]
+pub struct TransformerEncoderLayerAutoregressiveCache<B: Backend> {
+    mha: MhaCache<B>,
+    pwff: RowCache<B>,
+    norm_1: RowCache<B>,
+    norm_2: RowCache<B>,
+}
+
+impl<B: Backend> TransformerEncoderLayerAutoregressiveCache<B> {
+    fn empty() -> Self {
+        Self {
+            mha: MhaCache::autoregressive(),
+            pwff: RowCache::new(),
+            norm_1: RowCache::new(),
+            norm_2: RowCache::new(),
+        }
+    }
+}
+
+/// The autoregressive cache of a [`TransformerEncoder`].
+#[derive(Debug)]
+pub struct TransformerEncoderAutoregressiveCache<B: Backend> {
+    layers: Vec<TransformerEncoderLayerAutoregressiveCache<B>>,
+}
+
+fn mha_input<B: Backend>(
+    input: MhaInput<B>,
+    mask_pad: Option<Tensor<B, 2, Bool>>,
+    mask_attn: Option<Tensor<B, 3, Bool>>,
+    causal: bool,
+) -> MhaInput<B> {
+    let mut input = input;
+    if let Some(m) = mask_pad {
+        input = input.mask_pad(m);
+    }
+    if let Some(m) = mask_attn {
+        input = input.mask_attn(m);
+    }
+    if causal {
+        input = input.causal();
+    }
+    input
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoder
+
+/// A stack of [`TransformerDecoderLayer`]s: burn-nn's `TransformerDecoder` (the same fields and
+/// record) on [`MultiHeadAttention`].
+#[derive(Module, Debug)]
+#[module(custom_display)]
+pub struct TransformerDecoder<B: Backend> {
+    /// The layers.
+    pub layers: Vec<TransformerDecoderLayer<B>>,
+    /// The size of the model.
+    pub d_model: usize,
+    /// The size of the feed-forward network.
+    pub d_ff: usize,
+    /// The number of heads.
+    pub n_heads: usize,
+    /// The number of layers.
+    pub n_layers: usize,
+    /// The dropout rate.
+    pub dropout: f64,
+    /// Pre-LN.
+    pub norm_first: bool,
+    /// Quiet softmax.
+    pub quiet_softmax: bool,
+}
+
+impl<B: Backend> ModuleDisplay for TransformerDecoder<B> {
+    fn custom_settings(&self) -> Option<DisplaySettings> {
+        DisplaySettings::new()
+            .with_new_line_after_attribute(false)
+            .optional()
+    }
+
+    fn custom_content(&self, content: Content) -> Option<Content> {
+        content
+            .add("d_model", &self.d_model)
+            .add("d_ff", &self.d_ff)
+            .add("n_heads", &self.n_heads)
+            .add("n_layers", &self.n_layers)
+            .add("dropout", &self.dropout)
+            .add("norm_first", &self.norm_first)
+            .add("quiet_softmax", &self.quiet_softmax)
+            .optional()
+    }
+}
+
+/// One decoder layer: self-attention, cross-attention to the memory, feed-forward (burn-nn's
+/// `TransformerDecoderLayer`).
+#[derive(Module, Debug)]
+pub struct TransformerDecoderLayer<B: Backend> {
+    /// Attention to the memory.
+    pub cross_attn: MultiHeadAttention<B>,
+    /// Self-attention.
+    pub self_attn: MultiHeadAttention<B>,
+    /// Position-wise feed-forward.
+    pub pwff: PositionWiseFeedForward<B>,
+    /// Norm of the cross-attention sub-layer (pre-LN input, or post-LN of self-attention).
+    pub norm_1: LayerNorm<B>,
+    /// Norm of the feed-forward sub-layer (pre-LN input, or post-LN of cross-attention).
+    pub norm_2: LayerNorm<B>,
+    /// Norm of the self-attention sub-layer (pre-LN input, or post-LN of feed-forward).
+    pub norm_3: LayerNorm<B>,
+    /// Dropout of the residual paths.
+    pub dropout: Dropout,
+    /// Pre-LN.
+    pub norm_first: bool,
+}
+
+/// The input of [`TransformerDecoder`]: burn-nn's `TransformerDecoderInput`, plus
+/// [`TransformerDecoderInput::target_causal`].
+#[derive(Debug)]
+pub struct TransformerDecoderInput<B: Backend> {
+    target: Tensor<B, 3>,
+    target_mask_pad: Option<Tensor<B, 2, Bool>>,
+    target_mask_attn: Option<Tensor<B, 3, Bool>>,
+    target_causal: bool,
+    memory: Tensor<B, 3>,
+    memory_mask_pad: Option<Tensor<B, 2, Bool>>,
+    memory_mask_attn: Option<Tensor<B, 3, Bool>>,
+}
+
+impl<B: Backend> TransformerDecoderInput<B> {
+    /// The target sequence `[B, St, d_model]` and the memory `[B, Sm, d_model]`.
+    pub fn new(target: Tensor<B, 3>, memory: Tensor<B, 3>) -> Self {
+        Self {
+            target,
+            target_mask_pad: None,
+            target_mask_attn: None,
+            target_causal: false,
+            memory,
+            memory_mask_pad: None,
+            memory_mask_attn: None,
+        }
+    }
+
+    /// Padding mask of the memory `[B, Sm]`.
+    pub fn memory_mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+        self.memory_mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Attention mask of the memory `[B, St, Sm]`.
+    pub fn memory_mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+        self.memory_mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Padding mask of the target `[B, St]`.
+    pub fn target_mask_pad(mut self, mask_pad: Tensor<B, 2, Bool>) -> Self {
+        self.target_mask_pad = Some(mask_pad);
+        self
+    }
+
+    /// Attention mask of the target `[B, St, St]`.
+    pub fn target_mask_attn(mut self, mask_attn: Tensor<B, 3, Bool>) -> Self {
+        self.target_mask_attn = Some(mask_attn);
+        self
+    }
+
+    /// Causal self-attention of the target without a mask tensor ([`MhaInput::causal`]).
+    pub fn target_causal(mut self) -> Self {
+        self.target_causal = true;
+        self
+    }
+}
+
+impl TransformerDecoderConfig {
+    /// A decoder with burn-nn's initialisation.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerDecoder<B> {
+        let layers = (0..self.n_layers)
+            .map(|_| {
+                let self_attn = attention(
+                    self.d_model,
+                    self.n_heads,
+                    self.dropout,
+                    self.quiet_softmax,
+                    &self.initializer,
+                    device,
+                );
+                let rest = layer_parts::<B>(
+                    self.d_model,
+                    self.d_ff,
+                    self.n_heads,
+                    self.dropout,
+                    self.quiet_softmax,
+                    &self.initializer,
+                    &self.activation,
+                    self.layer_norm_eps,
+                    device,
+                );
+                let norm = || {
+                    LayerNormConfig::new(self.d_model)
+                        .with_epsilon(self.layer_norm_eps)
+                        .init(device)
+                };
+                TransformerDecoderLayer {
+                    cross_attn: rest.mha,
+                    self_attn,
+                    pwff: rest.pwff,
+                    norm_1: rest.norm,
+                    norm_2: norm(),
+                    norm_3: norm(),
+                    dropout: rest.dropout,
+                    norm_first: self.norm_first,
+                }
+            })
+            .collect();
+        TransformerDecoder {
+            layers,
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            dropout: self.dropout,
+            norm_first: self.norm_first,
+            quiet_softmax: self.quiet_softmax,
+        }
+    }
+}
+
+/// The cache of one decoder layer.
+#[derive(Debug)]
+pub struct TransformerDecoderLayerAutoregressiveCache<B: Backend> {
+    cross_attn: MhaCache<B>,
+    self_attn: MhaCache<B>,
+    pwff: RowCache<B>,
+    norm_1: RowCache<B>,
+    norm_2: RowCache<B>,
+    norm_3: RowCache<B>,
+}
+
+impl<B: Backend> TransformerDecoderLayerAutoregressiveCache<B> {
+    fn empty() -> Self {
+        Self {
+            cross_attn: MhaCache::autoregressive_cross_attention(),
+            self_attn: MhaCache::autoregressive(),
+            pwff: RowCache::new(),
+            norm_1: RowCache::new(),
+            norm_2: RowCache::new(),
+            norm_3: RowCache::new(),
+        }
+    }
+}
+
+/// The autoregressive cache of a [`TransformerDecoder`].
+#[derive(Debug)]
+pub struct TransformerDecoderAutoregressiveCache<B: Backend> {
+    layers: Vec<TransformerDecoderLayerAutoregressiveCache<B>>,
+}
+
+impl<B: FlashBackend> TransformerDecoderLayer<B> {
+    /// The layer on the whole target sequence; returns the new target.
+    pub fn forward(&self, input: &TransformerDecoderInput<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let nf = self.norm_first;
+        // Norms by role: pre-LN inputs of self-attention / cross-attention / feed-forward are
+        // norm_3 / norm_1 / norm_2; post-LN outputs are norm_1 / norm_2 / norm_3.
+        let (n_self, n_cross, n_ff) = match nf {
+            true => (&self.norm_3, &self.norm_1, &self.norm_2),
+            false => (&self.norm_1, &self.norm_2, &self.norm_3),
+        };
+        let x = sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| n_self.forward(t),
+            |h| {
+                let i = mha_input(
+                    MhaInput::self_attn(h),
+                    input.target_mask_pad.clone(),
+                    input.target_mask_attn.clone(),
+                    input.target_causal,
+                );
+                self.self_attn.forward(i).context
+            },
+        );
+        let x = sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| n_cross.forward(t),
+            |h| {
+                let i = mha_input(
+                    MhaInput::new(h, input.memory.clone(), input.memory.clone()),
+                    input.memory_mask_pad.clone(),
+                    input.memory_mask_attn.clone(),
+                    false,
+                );
+                self.cross_attn.forward(i).context
+            },
+        );
+        sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| n_ff.forward(t),
+            |h| self.pwff.forward(h),
+        )
+    }
+
+    /// [`TransformerDecoderLayer::forward`] for autoregressive inference.
+    pub fn forward_autoregressive_inference(
+        &self,
+        input: &TransformerDecoderInput<B>,
+        x: Tensor<B, 3>,
+        cache: &mut TransformerDecoderLayerAutoregressiveCache<B>,
+    ) -> Tensor<B, 3> {
+        let nf = self.norm_first;
+        let (n_self, n_cross, n_ff) = match nf {
+            true => (&self.norm_3, &self.norm_1, &self.norm_2),
+            false => (&self.norm_1, &self.norm_2, &self.norm_3),
+        };
+        let (c_self, c_cross, c_ff) = match nf {
+            true => (&mut cache.norm_3, &mut cache.norm_1, &mut cache.norm_2),
+            false => (&mut cache.norm_1, &mut cache.norm_2, &mut cache.norm_3),
+        };
+        let self_cache = &mut cache.self_attn;
+        let x = sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| c_self.forward(t, |t| n_self.forward(t)),
+            |h| {
+                let i = mha_input(
+                    MhaInput::self_attn(h),
+                    input.target_mask_pad.clone(),
+                    input.target_mask_attn.clone(),
+                    input.target_causal,
+                );
+                self.self_attn.forward_cache(i, self_cache).context
+            },
+        );
+        let cross_cache = &mut cache.cross_attn;
+        let x = sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| c_cross.forward(t, |t| n_cross.forward(t)),
+            |h| {
+                let i = mha_input(
+                    MhaInput::new(h, input.memory.clone(), input.memory.clone()),
+                    input.memory_mask_pad.clone(),
+                    input.memory_mask_attn.clone(),
+                    false,
+                );
+                self.cross_attn.forward_cache(i, cross_cache).context
+            },
+        );
+        let pwff_cache = &mut cache.pwff;
+        sublayer(
+            x,
+            nf,
+            &self.dropout,
+            |t| c_ff.forward(t, |t| n_ff.forward(t)),
+            |h| pwff_cache.forward(h, |t| self.pwff.forward(t)),
+        )
+    }
+}
+
+impl<B: FlashBackend> TransformerDecoder<B> {
+    /// The decoder on the whole target: `[B, St, d_model]`.
+    pub fn forward(&self, input: TransformerDecoderInput<B>) -> Tensor<B, 3> {
+        let mut x = input.target.clone();
+        for layer in &self.layers {
+            x = layer.forward(&input, x);
+        }
+        x
+    }
+
+    /// The decoder for autoregressive inference: each call passes the whole target so far,
+    /// each layer computes only the positions `cache` has not seen; the memory's keys and
+    /// values are computed at the first call.
+    pub fn forward_autoregressive_inference(
+        &self,
+        input: TransformerDecoderInput<B>,
+        cache: &mut TransformerDecoderAutoregressiveCache<B>,
+    ) -> Tensor<B, 3> {
+        let mut x = input.target.clone();
+        for (layer, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.forward_autoregressive_inference(&input, x, cache);
+        }
+        x
+    }
+
+    /// An empty cache for [`TransformerDecoder::forward_autoregressive_inference`].
+    pub fn new_autoregressive_cache(&self) -> TransformerDecoderAutoregressiveCache<B> {
+        TransformerDecoderAutoregressiveCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|_| TransformerDecoderLayerAutoregressiveCache::empty())
+                .collect(),
+        }
+    }
+}

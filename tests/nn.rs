@@ -1,0 +1,710 @@
+//! The drop-in modules (`burn_flash::nn`) against burn-nn 0.21's, on every backend. A module is
+//! initialised with burn-nn's type, saved with a Burn recorder (`NamedMpkFileRecorder`) and
+//! loaded into ours, and ours are saved and loaded into burn-nn's. Outputs and gradients are
+//! compared by FlashAttention's rule: our error against burn-nn's module run in f64 (NdArray
+//! f64, the same record) is at most twice the error of burn-nn's module in the dtype, plus a
+//! floor. Dropout is off except in the dropout test.
+
+mod common;
+
+use burn::backend::{Autodiff, NdArray};
+use burn::module::{AutodiffModule, Module};
+use burn::nn::attention::{
+    CrossAttentionConfig as BurnCrossConfig, MhaInput as BurnMhaInput,
+    MultiHeadAttentionConfig as BurnMhaConfig, generate_autoregressive_mask,
+};
+use burn::nn::transformer::{
+    TransformerDecoderConfig as BurnDecoderConfig, TransformerDecoderInput as BurnDecoderInput,
+    TransformerEncoderConfig as BurnEncoderConfig, TransformerEncoderInput as BurnEncoderInput,
+};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, backend::Backend};
+use burn_flash::FlashBackend;
+use burn_flash::nn::{
+    CrossAttentionConfig, KvCache, MhaCache, MhaInput, MultiHeadAttentionConfig,
+    TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoderConfig,
+    TransformerEncoderInput,
+};
+use common::*;
+
+/// The f64 reference backend: burn-nn's modules, same record.
+type R = NdArray<f64>;
+
+/// `module`'s record, through a file, loaded into `into` on `device`.
+fn transfer<B1: Backend, B2: Backend, M1: Module<B1>, M2: Module<B2>>(
+    from: M1,
+    into: M2,
+    device: &B2::Device,
+) -> M2 {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("burn-flash-nn-{}-{n}", std::process::id()));
+    let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+    from.save_file(path.clone(), &recorder).expect("save");
+    let loaded = into
+        .load_file(path.clone(), &recorder, device)
+        .expect("load");
+    let _ = std::fs::remove_file(path.with_extension("mpk"));
+    loaded
+}
+
+/// `module` with its parameters initialised. Burn initialises parameters lazily, and each clone
+/// of an uninitialised module draws its own values: a module is fixed before it is cloned.
+fn fixed<B: Backend, M: Module<B>>(module: M) -> M {
+    let record = module.clone().into_record();
+    module.load_record(record)
+}
+
+/// The same values on the reference backend.
+fn to_ref<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Tensor<R, D> {
+    Tensor::from_data(
+        TensorData::new(read(t.clone()), t.dims()),
+        &Default::default(),
+    )
+}
+
+fn bool_ref<B: Backend, const D: usize>(t: &Tensor<B, D, Bool>) -> Tensor<R, D, Bool> {
+    let values: Vec<bool> = read(t.clone().int().float())
+        .into_iter()
+        .map(|x| x != 0.0)
+        .collect();
+    Tensor::from_data(TensorData::new(values, t.dims()), &Default::default())
+}
+
+fn bool_mask<B: Backend, const D: usize>(
+    dims: [usize; D],
+    device: &B::Device,
+    f: impl Fn(&[usize]) -> bool,
+) -> Tensor<B, D, Bool> {
+    let n: usize = dims.iter().product();
+    let values: Vec<bool> = (0..n)
+        .map(|mut i| {
+            let mut idx = [0usize; D];
+            for d in (0..D).rev() {
+                idx[d] = i % dims[d];
+                i /= dims[d];
+            }
+            f(&idx)
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+/// Ours (`got`) against burn-nn in the dtype (`naive`) and burn-nn in f64 (`want`).
+fn compare<B: Backend, const D: usize>(
+    got: Tensor<B, D>,
+    naive: Tensor<B, D>,
+    want: Tensor<R, D>,
+    dtype: FloatDType,
+    context: &str,
+) {
+    let want: Vec<f64> = want
+        .into_data()
+        .convert::<f64>()
+        .to_vec()
+        .expect("f64 data");
+    let (got, naive) = (read(got), read(naive));
+    assert!(got.iter().all(|x| x.is_finite()), "{context}: not finite");
+    // The rule is only as strict as burn-nn's own error: it must be that of rounding (TF32
+    // matmuls on CUDA included), not of different parameters or semantics.
+    let e_naive = max_err(&naive, &want);
+    let bound = 2e-3 * max_abs(&want);
+    assert!(
+        e_naive <= bound,
+        "{context}: burn-nn's own error {e_naive:e} > {bound:e}: the comparison is void"
+    );
+    // A few roundings of the largest value: the linear layers' sums of d_model terms.
+    assert_within_naive(&got, &naive, &want, dtype, 8.0, context);
+}
+
+/// `MultiHeadAttention` loads burn-nn's record and gives burn-nn's outputs: masks (padding,
+/// attention, both, fully masked rows), quiet softmax, `Sq ≠ Sk`, `causal()` against burn-nn's
+/// autoregressive mask, and the weights on request. Ours saves records burn-nn loads.
+fn mha_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, s, d_model, heads) = (2, 19, 32, 4);
+    let cpu = Default::default();
+    for quiet in [false, true] {
+        let theirs = fixed(
+            BurnMhaConfig::new(d_model, heads)
+                .with_dropout(0.0)
+                .with_quiet_softmax(quiet)
+                .init::<B>(device),
+        );
+        let config = MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .with_quiet_softmax(quiet);
+        let ours = transfer(theirs.clone(), config.init::<B>(device), device);
+        let reference = transfer(
+            theirs.clone(),
+            BurnMhaConfig::new(d_model, heads)
+                .with_dropout(0.0)
+                .with_quiet_softmax(quiet)
+                .init::<R>(&cpu),
+            &cpu,
+        );
+        let x = rand3::<B>([nb, s, d_model], 1.0, dtype, device);
+        let kv = rand3::<B>([nb, s + 7, d_model], 1.0, dtype, device);
+        // Batch 1 pads its last 6 keys; rows 4 and 11 of the attention mask are fully masked.
+        let pad = bool_mask::<B, 2>([nb, s], device, |i| i[0] == 1 && i[1] >= s - 6);
+        let attn = bool_mask::<B, 3>([nb, s, s], device, |i| {
+            i[1] == 4 || i[1] == 11 || (i[0] + i[1] * 3 + i[2]) % 5 == 0
+        });
+        type Masks<B> = (Option<Tensor<B, 2, Bool>>, Option<Tensor<B, 3, Bool>>);
+        let cases: [(&str, Masks<B>); 4] = [
+            ("no mask", (None, None)),
+            ("padding", (Some(pad.clone()), None)),
+            (
+                "attention mask, fully masked rows",
+                (None, Some(attn.clone())),
+            ),
+            ("both masks", (Some(pad.clone()), Some(attn.clone()))),
+        ];
+        for (name, (mask_pad, mask_attn)) in cases {
+            let mut a = MhaInput::self_attn(x.clone());
+            let mut b = BurnMhaInput::self_attn(x.clone());
+            let mut r = BurnMhaInput::self_attn(to_ref(&x));
+            if let Some(m) = &mask_pad {
+                a = a.mask_pad(m.clone());
+                b = b.mask_pad(m.clone());
+                r = r.mask_pad(bool_ref(m));
+            }
+            if let Some(m) = &mask_attn {
+                a = a.mask_attn(m.clone());
+                b = b.mask_attn(m.clone());
+                r = r.mask_attn(bool_ref(m));
+            }
+            let ctx = format!("MHA {name}, quiet {quiet}, {dtype:?}");
+            let burn_out = theirs.forward(b.clone());
+            let ref_out = reference.forward(r);
+            compare(
+                ours.forward(a.clone()).context,
+                burn_out.context,
+                ref_out.context,
+                dtype,
+                &ctx,
+            );
+            compare(
+                ours.attention_weights(a),
+                burn_out.weights,
+                ref_out.weights,
+                dtype,
+                &format!("{ctx}: weights"),
+            );
+        }
+        // Sq ≠ Sk, padding of the keys.
+        let pad_k = bool_mask::<B, 2>([nb, s + 7], device, |i| i[1] + 3 * i[0] >= s + 4);
+        let a = MhaInput::new(x.clone(), kv.clone(), kv.clone()).mask_pad(pad_k.clone());
+        let b = BurnMhaInput::new(x.clone(), kv.clone(), kv.clone()).mask_pad(pad_k.clone());
+        let r = BurnMhaInput::new(to_ref(&x), to_ref(&kv), to_ref(&kv)).mask_pad(bool_ref(&pad_k));
+        compare(
+            ours.forward(a).context,
+            theirs.forward(b).context,
+            reference.forward(r).context,
+            dtype,
+            &format!("MHA Sq 19 Sk 26, quiet {quiet}"),
+        );
+        // causal() against burn-nn's autoregressive mask, with padding.
+        let causal = generate_autoregressive_mask::<B>(nb, s, device);
+        let a = MhaInput::self_attn(x.clone())
+            .causal()
+            .mask_pad(pad.clone());
+        let b = BurnMhaInput::self_attn(x.clone())
+            .mask_attn(causal.clone())
+            .mask_pad(pad.clone());
+        let r = BurnMhaInput::self_attn(to_ref(&x))
+            .mask_attn(bool_ref(&causal))
+            .mask_pad(bool_ref(&pad));
+        compare(
+            ours.forward(a).context,
+            theirs.forward(b.clone()).context,
+            reference.forward(r).context,
+            dtype,
+            &format!("MHA causal() vs autoregressive mask, quiet {quiet}"),
+        );
+        // Ours saves what burn-nn loads: the same parameters, so the same bits.
+        let back = transfer(
+            ours.clone(),
+            BurnMhaConfig::new(d_model, heads)
+                .with_dropout(0.0)
+                .with_quiet_softmax(quiet)
+                .init::<B>(device),
+            device,
+        );
+        assert_eq!(
+            read(back.forward(b.clone()).context),
+            read(theirs.forward(b).context),
+            "burn-nn loading our record"
+        );
+    }
+    sync::<B>(device);
+}
+
+/// Training through `MultiHeadAttention` gives burn-nn's gradients (parameters and input),
+/// with padding and attention masks and causal.
+fn mha_gradients_equal_burn_nn<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    type A<B> = Autodiff<B>;
+    type AR = Autodiff<R>;
+    let device: B::Device = Default::default();
+    let cpu = Default::default();
+    let (nb, s, d_model, heads) = (2, 23, 32, 4);
+    let theirs = fixed(
+        BurnMhaConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<A<B>>(&device),
+    );
+    let ours = transfer(
+        theirs.clone(),
+        MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<A<B>>(&device),
+        &device,
+    );
+    let reference = transfer(
+        theirs.clone(),
+        BurnMhaConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<AR>(&cpu),
+        &cpu,
+    );
+    let x = rand3::<A<B>>([nb, s, d_model], 1.0, dtype, &device);
+    let g = rand3::<A<B>>([nb, s, d_model], 1.0, dtype, &device);
+    // No fully masked row: there the f32 log-sum-exp of −1e4 scores rounds (see
+    // `FlashAttentionOptions::masked_score`).
+    let pad = bool_mask::<A<B>, 2>([nb, s], &device, |i| i[0] == 1 && i[1] >= s - 5);
+    let attn = bool_mask::<A<B>, 3>([nb, s, s], &device, |i| (i[1] + i[2] * 2) % 7 == 3);
+    for causal in [false, true] {
+        let x_ours = x.clone().detach().require_grad();
+        let x_theirs = x.clone().detach().require_grad();
+        let x_ref = Tensor::<AR, 3>::from_inner(to_ref(&x.clone().inner())).require_grad();
+        let mut a = MhaInput::self_attn(x_ours.clone())
+            .mask_pad(pad.clone())
+            .mask_attn(attn.clone());
+        let mut b = BurnMhaInput::self_attn(x_theirs.clone())
+            .mask_pad(pad.clone())
+            .mask_attn(attn.clone());
+        let mut r = BurnMhaInput::self_attn(x_ref.clone())
+            .mask_pad(Tensor::from_inner(bool_ref(&pad.clone().inner())))
+            .mask_attn(Tensor::from_inner(bool_ref(&attn.clone().inner())));
+        if causal {
+            let m = generate_autoregressive_mask::<A<B>>(nb, s, &device);
+            a = a.causal();
+            b = b.mask_attn(m.clone().bool_or(attn.clone()));
+            r = r.mask_attn(Tensor::from_inner(bool_ref(
+                &m.bool_or(attn.clone()).inner(),
+            )));
+        }
+        let g_ref = Tensor::<AR, 3>::from_inner(to_ref(&g.clone().inner()));
+        let ga = (ours.forward(a).context * g.clone()).sum().backward();
+        let gb = (theirs.forward(b).context * g.clone()).sum().backward();
+        let gr = (reference.forward(r).context * g_ref).sum().backward();
+        let ctx = format!("MHA gradients, causal {causal}, {dtype:?}");
+        let pairs = [
+            (
+                "query.weight",
+                &ours.query.weight,
+                &theirs.query.weight,
+                &reference.query.weight,
+            ),
+            (
+                "key.weight",
+                &ours.key.weight,
+                &theirs.key.weight,
+                &reference.key.weight,
+            ),
+            (
+                "value.weight",
+                &ours.value.weight,
+                &theirs.value.weight,
+                &reference.value.weight,
+            ),
+            (
+                "output.weight",
+                &ours.output.weight,
+                &theirs.output.weight,
+                &reference.output.weight,
+            ),
+        ];
+        for (name, o, t, rf) in pairs {
+            compare(
+                o.grad(&ga).expect("grad"),
+                t.grad(&gb).expect("grad"),
+                rf.grad(&gr).expect("grad"),
+                dtype,
+                &format!("{ctx}: {name}"),
+            );
+        }
+        let qb = |m: &burn_flash::nn::MultiHeadAttention<A<B>>| m.query.bias.clone().unwrap();
+        compare(
+            qb(&ours).grad(&ga).expect("grad"),
+            theirs.query.bias.clone().unwrap().grad(&gb).expect("grad"),
+            reference
+                .query
+                .bias
+                .clone()
+                .unwrap()
+                .grad(&gr)
+                .expect("grad"),
+            dtype,
+            &format!("{ctx}: query.bias"),
+        );
+        compare(
+            x_ours.grad(&ga).expect("grad"),
+            x_theirs.grad(&gb).expect("grad"),
+            x_ref.grad(&gr).expect("grad"),
+            dtype,
+            &format!("{ctx}: input"),
+        );
+    }
+    sync::<B>(&Default::default());
+}
+
+/// `CrossAttention` with grouped-query heads (4 query heads, 2 key/value heads, never
+/// repeated): burn-nn's record and outputs, padding of the context with one batch fully
+/// masked, quiet softmax, and the cache computing the context's keys and values once.
+fn cross_attention_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cpu = Default::default();
+    let (nb, lq, lk, d_model, d_context) = (2, 13, 21, 24, 20);
+    for quiet in [false, true] {
+        let config = BurnCrossConfig {
+            d_model,
+            d_context,
+            n_heads: 4,
+            n_heads_kv: 2,
+            d_head: 8,
+            dropout: 0.0,
+            min_float: -1.0e4,
+            quiet_softmax: quiet,
+        };
+        let theirs = fixed(config.init::<B>(device));
+        let ours = transfer(
+            theirs.clone(),
+            CrossAttentionConfig::new(d_model, d_context, 4, 2, 8)
+                .with_dropout(0.0)
+                .with_quiet_softmax(quiet)
+                .init::<B>(device),
+            device,
+        );
+        let reference = transfer(theirs.clone(), config.init::<R>(&cpu), &cpu);
+        let q = rand3::<B>([nb, lq, d_model], 1.0, dtype, device);
+        let c = rand3::<B>([nb, lk, d_context], 1.0, dtype, device);
+        // Batch 0: the last 5 positions padded; batch 1: everything (uniform weights).
+        let mask = bool_mask::<B, 2>([nb, lk], device, |i| i[0] == 1 || i[1] >= lk - 5);
+        let ctx = format!("cross-attention GQA 4:2, quiet {quiet}, {dtype:?}");
+        let want = reference.forward(to_ref(&q), to_ref(&c), Some(bool_ref(&mask)));
+        let naive = theirs.forward(q.clone(), c.clone(), Some(mask.clone()));
+        compare(
+            ours.forward(q.clone(), c.clone(), Some(mask.clone())),
+            naive.clone(),
+            want.clone(),
+            dtype,
+            &ctx,
+        );
+        let mut cache = burn_flash::nn::CrossAttentionCache::new();
+        let first = ours.forward_cache(q.clone(), c.clone(), Some(mask.clone()), &mut cache);
+        // The second call reads the cached keys and values: a different context changes
+        // nothing.
+        let other = rand3::<B>([nb, lk, d_context], 1.0, dtype, device);
+        let second = ours.forward_cache(q.clone(), other, Some(mask.clone()), &mut cache);
+        assert_eq!(read(first.clone()), read(second), "{ctx}: cached keys");
+        compare(first, naive, want, dtype, &format!("{ctx}: cache"));
+    }
+    sync::<B>(device);
+}
+
+/// `TransformerEncoder` and `TransformerDecoder` (post-LN and pre-LN) load burn-nn's records
+/// and give burn-nn's outputs, with padding masks and burn-nn's autoregressive mask (and
+/// ours, `causal()`).
+fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cpu = Default::default();
+    let (nb, s, sm, d_model, d_ff, heads, layers) = (2, 17, 11, 32, 48, 4, 2);
+    let x = rand3::<B>([nb, s, d_model], 1.0, dtype, device);
+    let memory = rand3::<B>([nb, sm, d_model], 1.0, dtype, device);
+    let pad = bool_mask::<B, 2>([nb, s], device, |i| i[0] == 0 && i[1] >= s - 4);
+    let mem_pad = bool_mask::<B, 2>([nb, sm], device, |i| i[0] == 1 && i[1] >= sm - 3);
+    let causal = generate_autoregressive_mask::<B>(nb, s, device);
+    for norm_first in [false, true] {
+        let ctx = format!("norm_first {norm_first}, {dtype:?}");
+        let enc = BurnEncoderConfig::new(d_model, d_ff, heads, layers)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let theirs = fixed(enc.init::<B>(device));
+        let ours = transfer(
+            theirs.clone(),
+            TransformerEncoderConfig::new(d_model, d_ff, heads, layers)
+                .with_dropout(0.0)
+                .with_norm_first(norm_first)
+                .init::<B>(device),
+            device,
+        );
+        let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+        let want = reference.forward(
+            BurnEncoderInput::new(to_ref(&x))
+                .mask_pad(bool_ref(&pad))
+                .mask_attn(bool_ref(&causal)),
+        );
+        let naive = theirs.forward(
+            BurnEncoderInput::new(x.clone())
+                .mask_pad(pad.clone())
+                .mask_attn(causal.clone()),
+        );
+        let with_mask = ours.forward(
+            TransformerEncoderInput::new(x.clone())
+                .mask_pad(pad.clone())
+                .mask_attn(causal.clone()),
+        );
+        compare(
+            with_mask,
+            naive.clone(),
+            want.clone(),
+            dtype,
+            &format!("encoder, {ctx}"),
+        );
+        let with_causal = ours.forward(
+            TransformerEncoderInput::new(x.clone())
+                .mask_pad(pad.clone())
+                .causal(),
+        );
+        compare(
+            with_causal,
+            naive,
+            want,
+            dtype,
+            &format!("encoder causal(), {ctx}"),
+        );
+
+        let dec = BurnDecoderConfig::new(d_model, d_ff, heads, layers)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let theirs = fixed(dec.init::<B>(device));
+        let ours = transfer(
+            theirs.clone(),
+            TransformerDecoderConfig::new(d_model, d_ff, heads, layers)
+                .with_dropout(0.0)
+                .with_norm_first(norm_first)
+                .init::<B>(device),
+            device,
+        );
+        let reference = transfer(theirs.clone(), dec.init::<R>(&cpu), &cpu);
+        let want = reference.forward(
+            BurnDecoderInput::new(to_ref(&x), to_ref(&memory))
+                .target_mask_attn(bool_ref(&causal))
+                .memory_mask_pad(bool_ref(&mem_pad)),
+        );
+        let naive = theirs.forward(
+            BurnDecoderInput::new(x.clone(), memory.clone())
+                .target_mask_attn(causal.clone())
+                .memory_mask_pad(mem_pad.clone()),
+        );
+        let got = ours.forward(
+            TransformerDecoderInput::new(x.clone(), memory.clone())
+                .target_causal()
+                .memory_mask_pad(mem_pad.clone()),
+        );
+        compare(got, naive, want, dtype, &format!("decoder, {ctx}"));
+    }
+    sync::<B>(device);
+}
+
+/// Decoding token by token with the KV cache equals the full causal forward: `MhaCache` (a
+/// prompt, single tokens, a step of three), with `causal()` and with burn-nn's per-step
+/// autoregressive mask (rows sliced from it), against burn-nn's own `forward_cache`; the
+/// decoder's autoregressive inference against its full forward; `KvCache` growing past its
+/// first capacity.
+fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, s, d_model, heads) = (2, 14, 32, 4);
+    let theirs = fixed(
+        BurnMhaConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<B>(device),
+    );
+    let ours = transfer(
+        theirs.clone(),
+        MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<B>(device),
+        device,
+    );
+    let x = rand3::<B>([nb, s, d_model], 1.0, dtype, device);
+    let full = read(
+        ours.forward(MhaInput::self_attn(x.clone()).causal())
+            .context,
+    );
+    let tol = 16.0 * eps(dtype) * max_abs(&full);
+    let close = |got: Vec<f64>, want: &[f64], what: &str| {
+        let err = max_err(&got, want);
+        assert!(err <= tol, "{what}: error {err:e} > {tol:e}");
+    };
+    let mut cache = MhaCache::autoregressive();
+    let mut len = 0;
+    for step in [5, 1, 1, 3, 1, 1, 1, 1] {
+        len += step;
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let got = ours.forward_cache(MhaInput::self_attn(prefix).causal(), &mut cache);
+        assert_eq!(got.context.dims(), [nb, len, d_model]);
+        let want: Vec<f64> = (0..nb)
+            .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+            .collect();
+        close(read(got.context), &want, &format!("cache at {len}"));
+    }
+    // burn-nn's own cache (one new token per call, its mask over the whole prefix each step)
+    // gives the same.
+    let mut burn_cache = burn::nn::attention::MhaCache::autoregressive();
+    for len in 5..=s {
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let mask = generate_autoregressive_mask::<B>(nb, len, device);
+        let burn = theirs.forward_cache(
+            BurnMhaInput::self_attn(prefix).mask_attn(mask),
+            &mut burn_cache,
+        );
+        let want: Vec<f64> = (0..nb)
+            .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+            .collect();
+        close(
+            read(burn.context),
+            &want,
+            &format!("burn-nn cache at {len}"),
+        );
+    }
+    assert_eq!(cache.len(), s);
+    // The same decode with burn-nn's mask tensor instead of causal(): its new rows are sliced.
+    let mut cache = MhaCache::autoregressive();
+    for len in [6, 7, 10, 14] {
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let mask = generate_autoregressive_mask::<B>(nb, len, device);
+        let got = ours.forward_cache(MhaInput::self_attn(prefix).mask_attn(mask), &mut cache);
+        let want: Vec<f64> = (0..nb)
+            .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+            .collect();
+        close(read(got.context), &want, &format!("masked cache at {len}"));
+    }
+    // The decoder, token by token, against its full forward.
+    let dec = fixed(
+        TransformerDecoderConfig::new(d_model, 48, heads, 2)
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init::<B>(device),
+    );
+    let memory = rand3::<B>([nb, 9, d_model], 1.0, dtype, device);
+    let full =
+        read(dec.forward(TransformerDecoderInput::new(x.clone(), memory.clone()).target_causal()));
+    let tol = 64.0 * eps(dtype) * max_abs(&full);
+    let mut cache = dec.new_autoregressive_cache();
+    for len in [4, 5, 6, 9, 14] {
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let got = read(dec.forward_autoregressive_inference(
+            TransformerDecoderInput::new(prefix, memory.clone()).target_causal(),
+            &mut cache,
+        ));
+        let want: Vec<f64> = (0..nb)
+            .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+            .collect();
+        let err = max_err(&got, &want);
+        assert!(
+            err <= tol,
+            "decoder cache at {len}: error {err:e} > {tol:e}"
+        );
+    }
+    // KvCache: 70 single positions (past the first capacity of 64) equal their concatenation.
+    let mut kv = KvCache::<B>::new();
+    let rows: Vec<Tensor<B, 4>> = (0..70)
+        .map(|_| random::<B, 4>([1, 2, 1, 8], -1.0, 1.0, dtype, device))
+        .collect();
+    for r in &rows {
+        kv.append(r.clone());
+    }
+    assert_eq!(kv.len(), 70);
+    assert!(kv.capacity() >= 70);
+    assert_eq!(
+        read(kv.view()),
+        read(Tensor::cat(rows, 2)),
+        "KvCache contents"
+    );
+    sync::<B>(device);
+}
+
+/// Dropout of the attention weights under autodiff: the mean over draws is the output without
+/// dropout (unbiased, `P ⊙ keep / (1 − p)`), draws differ, `nn::seed` replays them, and without
+/// autodiff nothing is dropped.
+fn dropout_statistics<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    type A<B> = Autodiff<B>;
+    let (nb, s, d_model, heads, p) = (1, 12, 16, 2, 0.3);
+    let ad: B::Device = Default::default();
+    let plain = MultiHeadAttentionConfig::new(d_model, heads).with_dropout(0.0);
+    let dropping = MultiHeadAttentionConfig::new(d_model, heads).with_dropout(p);
+    let base = fixed(plain.init::<A<B>>(&ad));
+    let module = transfer(base.clone(), dropping.init::<A<B>>(&ad), &ad);
+    let x = rand3::<A<B>>([nb, s, d_model], 1.0, dtype, &ad);
+    let input = || MhaInput::self_attn(x.clone());
+    let want = read(base.forward(input()).context);
+    let draws = 200;
+    let outs: Vec<Vec<f64>> = (0..draws)
+        .map(|_| read(module.forward(input()).context))
+        .collect();
+    assert_ne!(
+        outs[0], outs[1],
+        "two training calls drew the same dropout mask"
+    );
+    let n = want.len();
+    for (i, w) in want.iter().enumerate() {
+        let mean = outs.iter().map(|o| o[i]).sum::<f64>() / draws as f64;
+        let var = outs.iter().map(|o| (o[i] - mean).powi(2)).sum::<f64>() / (draws - 1) as f64;
+        let se = (var / draws as f64).sqrt();
+        // 5 standard errors over n elements: a false alarm is far below 1e-4.
+        assert!(
+            (mean - w).abs() <= 5.0 * se + 1e-5,
+            "element {i} of {n}: mean over {draws} draws {mean}, without dropout {w} (se {se})"
+        );
+    }
+    burn_flash::nn::seed(7);
+    let a = read(module.forward(input()).context);
+    burn_flash::nn::seed(7);
+    let b = read(module.forward(input()).context);
+    assert_eq!(a, b, "nn::seed replays the masks");
+    // Inference (no autodiff): no dropout.
+    let inner = module.valid();
+    let got = read(
+        inner
+            .forward(MhaInput::self_attn(x.clone().inner()))
+            .context,
+    );
+    let err = max_err(&got, &want);
+    assert!(err <= 1e-5, "inference dropped weights: error {err:e}");
+    let _ = device;
+    sync::<B>(device);
+}
+
+macro_rules! nn_suite {
+    ($module:ident, $backend:ty, $dtype:expr) => {
+        suite!(
+            $module,
+            $backend,
+            $dtype,
+            [
+                mha_equals_burn_nn,
+                mha_gradients_equal_burn_nn,
+                cross_attention_equals_burn_nn,
+                transformer_equals_burn_nn,
+                kv_cache_decoding,
+                dropout_statistics,
+            ]
+        );
+    };
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    nn_suite!(f32, burn::backend::Wgpu, FloatDType::F32);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    nn_suite!(f32, burn::backend::Cuda, FloatDType::F32);
+}
+
+#[cfg(feature = "ndarray")]
+mod ndarray {
+    use super::*;
+    nn_suite!(f32, burn::backend::NdArray, FloatDType::F32);
+}
