@@ -815,3 +815,70 @@ impl<B: FlashBackend> TransformerDecoder<B> {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Conversions from burn-nn's modules (the same parameters, moved)
+
+impl<B: Backend> From<burn::nn::transformer::TransformerEncoderLayer<B>>
+    for TransformerEncoderLayer<B>
+{
+    fn from(l: burn::nn::transformer::TransformerEncoderLayer<B>) -> Self {
+        Self {
+            mha: l.mha.into(),
+            pwff: l.pwff,
+            norm_1: l.norm_1,
+            norm_2: l.norm_2,
+            dropout: l.dropout,
+            norm_first: l.norm_first,
+        }
+    }
+}
+
+impl<B: Backend> From<burn::nn::transformer::TransformerEncoder<B>> for TransformerEncoder<B> {
+    /// burn-nn's encoder with its parameters moved into this one.
+    fn from(e: burn::nn::transformer::TransformerEncoder<B>) -> Self {
+        Self {
+            layers: e.layers.into_iter().map(Into::into).collect(),
+            d_model: e.d_model,
+            d_ff: e.d_ff,
+            n_heads: e.n_heads,
+            n_layers: e.n_layers,
+            dropout: e.dropout,
+            norm_first: e.norm_first,
+            quiet_softmax: e.quiet_softmax,
+        }
+    }
+}
+
+impl<B: Backend> From<burn::nn::transformer::TransformerDecoderLayer<B>>
+    for TransformerDecoderLayer<B>
+{
+    fn from(l: burn::nn::transformer::TransformerDecoderLayer<B>) -> Self {
+        Self {
+            cross_attn: l.cross_attn.into(),
+            self_attn: l.self_attn.into(),
+            pwff: l.pwff,
+            norm_1: l.norm_1,
+            norm_2: l.norm_2,
+            norm_3: l.norm_3,
+            dropout: l.dropout,
+            norm_first: l.norm_first,
+        }
+    }
+}
+
+impl<B: Backend> From<burn::nn::transformer::TransformerDecoder<B>> for TransformerDecoder<B> {
+    /// burn-nn's decoder with its parameters moved into this one.
+    fn from(d: burn::nn::transformer::TransformerDecoder<B>) -> Self {
+        Self {
+            layers: d.layers.into_iter().map(Into::into).collect(),
+            d_model: d.d_model,
+            d_ff: d.d_ff,
+            n_heads: d.n_heads,
+            n_layers: d.n_layers,
+            dropout: d.dropout,
+            norm_first: d.norm_first,
+            quiet_softmax: d.quiet_softmax,
+        }
+    }
+}
