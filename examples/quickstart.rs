@@ -4,12 +4,16 @@
 //! - fused attention (grouped-query heads, causal) against Burn's own, and a training step
 //!   through its fused backward kernels against Burn's autodiff, with the kernels each planned;
 //! - dropout on the attention weights, drawn in the kernel and redrawn by the backward;
+//! - the drop-in modules: burn-nn's `MultiHeadAttention` swapped for `burn_flash::nn`'s with
+//!   the same weights (masks, a fully masked row, a training step), and decoding with the KV
+//!   cache (`examples/gpt.rs` trains a whole model with them);
 //! - the fused softmax family, forward and backward.
 //!
 //! `cargo run --release --example quickstart` (or `cargo xtask demo`, which also installs a
 //! Vulkan driver if none is there).
 
 use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module};
 use burn::tensor::{
     Distribution, ElementConversion, Tensor, activation, module, ops::AttentionModuleOptions,
 };
@@ -158,6 +162,81 @@ fn demo<B: FlashBackend>(device: &B::Device) {
     );
 }
 
+/// burn-nn's `MultiHeadAttention` and the drop-in one, same weights: outputs with padding and
+/// attention masks, one training step, and decoding with the KV cache.
+fn modules<B: FlashBackend>(device: &B::Device) {
+    use burn::nn::attention::{MhaInput as BurnInput, MultiHeadAttentionConfig};
+    use burn_flash::nn::{MhaCache, MhaInput, MultiHeadAttention};
+    type A<B> = Autodiff<B>;
+    let (b, s, d_model, heads) = (2, 128, 256, 8);
+    let burns = MultiHeadAttentionConfig::new(d_model, heads)
+        .with_dropout(0.0)
+        .init::<A<B>>(device);
+    // Parameters are created lazily: fix them before the module is shared.
+    let burns = burns.clone().load_record(burns.into_record());
+    let ours: MultiHeadAttention<A<B>> = burns.clone().into();
+    let x = Tensor::<A<B>, 3>::random([b, s, d_model], Distribution::Default, device);
+    // Batch 1 pads its last 28 positions; row 5 of the attention mask is fully masked.
+    let pad = Tensor::<A<B>, 1, burn::tensor::Int>::arange(0..s as i64, device)
+        .reshape([1, s])
+        .expand([b, s])
+        .greater_equal_elem(100)
+        .bool_and(
+            Tensor::<A<B>, 1, burn::tensor::Int>::arange(0..b as i64, device)
+                .reshape([b, 1])
+                .expand([b, s])
+                .equal_elem(1),
+        );
+    let rows = Tensor::<A<B>, 1, burn::tensor::Int>::arange(0..s as i64, device)
+        .reshape([1, s, 1])
+        .expand([b, s, s]);
+    let attn = burn::nn::attention::generate_autoregressive_mask::<A<B>>(b, s, device)
+        .bool_or(rows.equal_elem(5));
+    let theirs = burns.forward(
+        BurnInput::self_attn(x.clone())
+            .mask_pad(pad.clone())
+            .mask_attn(attn.clone()),
+    );
+    let mine = ours.forward(
+        MhaInput::self_attn(x.clone())
+            .mask_pad(pad.clone())
+            .mask_attn(attn),
+    );
+    println!(
+        "nn::MultiHeadAttention [{b}, {s}, {d_model}], {heads} heads, burn-nn's weights, masks with a fully masked row:"
+    );
+    println!(
+        "  context:                    max |burn-flash − burn-nn| = {:.2e} (no [B, H, S, S] weights made)",
+        max_diff(mine.context.clone(), theirs.context.clone())
+    );
+    let w = Tensor::<A<B>, 3>::random([b, s, d_model], Distribution::Default, device);
+    let g_ours = (mine.context * w.clone()).sum().backward();
+    let g_burn = (theirs.context * w).sum().backward();
+    let dq = max_diff(
+        ours.query.weight.grad(&g_ours).unwrap(),
+        burns.query.weight.grad(&g_burn).unwrap(),
+    );
+    println!("  training step, d query.weight: max |burn-flash − burn-nn| = {dq:.2e}");
+    // Decoding: a prompt of 96 positions, then one token at a time with the KV cache.
+    let inner = ours.valid();
+    let x = x.inner();
+    let full = inner
+        .forward(MhaInput::self_attn(x.clone()).causal())
+        .context;
+    let mut cache = MhaCache::autoregressive();
+    let mut last = None;
+    for len in (96..=s).step_by(8) {
+        let prefix = x.clone().slice([0..b, 0..len, 0..d_model]);
+        last = Some(inner.forward_cache(MhaInput::self_attn(prefix).causal(), &mut cache));
+    }
+    let decoded = last.unwrap().context;
+    println!(
+        "  KV-cache decoding to {s}:     max |cached − full causal| = {:.2e} ({} positions cached)",
+        max_diff(decoded, full),
+        cache.len()
+    );
+}
+
 fn gradients<B: FlashBackend>(device: &B::Device) {
     type A<B> = Autodiff<B>;
     let x =
@@ -178,6 +257,7 @@ fn gradients<B: FlashBackend>(device: &B::Device) {
 
 fn run<B: FlashBackend>(device: B::Device) {
     attention::<B>(&device);
+    modules::<B>(&device);
     demo::<B>(&device);
     gradients::<B>(&device);
     B::sync(&device).expect("device sync");
