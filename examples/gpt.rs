@@ -42,7 +42,7 @@ use burn::tensor::{
 };
 use burn_cubecl::CubeRuntime;
 use burn_flash::FlashBackend;
-use burn_flash::nn::{TransformerEncoder as FlashEncoder, TransformerEncoderInput};
+use burn_flash::nn::{RowCache, TransformerEncoder as FlashEncoder, TransformerEncoderInput};
 use clap::{Parser, Subcommand, ValueEnum};
 use common::{DTypeName, Fu, Panel, RuntimeName, add_point, plot};
 use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
@@ -171,10 +171,11 @@ impl<B: FlashBackend> Gpt<B> {
         self
     }
 
-    fn embed(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    /// Token plus position embeddings of `tokens` at positions `start..`.
+    fn embed(&self, tokens: Tensor<B, 2, Int>, start: usize) -> Tensor<B, 3> {
         let [batch, seq] = tokens.dims();
         let device = tokens.device();
-        let pos = Tensor::<B, 1, Int>::arange(0..seq as i64, &device)
+        let pos = Tensor::<B, 1, Int>::arange(start as i64..(start + seq) as i64, &device)
             .reshape([1, seq])
             .expand([batch, seq]);
         self.tokens.forward(tokens) + self.positions.forward(pos)
@@ -184,7 +185,7 @@ impl<B: FlashBackend> Gpt<B> {
     fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let [batch, seq] = tokens.dims();
         let device = tokens.device();
-        let x = self.embed(tokens);
+        let x = self.embed(tokens, 0);
         let x = match (&self.burn, &self.flash) {
             (Some(stack), _) => stack.forward(
                 burn::nn::transformer::TransformerEncoderInput::new(x)
@@ -225,7 +226,11 @@ fn answer_loss<B: Backend>(
 ) -> Tensor<B, 1> {
     let n = logits.dims()[0];
     let targets = targets.reshape([n, 1]);
-    let asked = targets.clone().not_equal_elem(PAD as i64).float();
+    let asked = targets
+        .clone()
+        .not_equal_elem(PAD as i64)
+        .float()
+        .cast(DType::F32);
     let log_p = burn::tensor::activation::log_softmax(logits, 1).gather(1, targets);
     (log_p * asked)
         .sum()
@@ -291,6 +296,12 @@ enum Task {
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// Skip the peak-memory children (time only).
+        #[arg(long)]
+        no_memory: bool,
+        /// Skip the timing children (memory only).
+        #[arg(long)]
+        no_time: bool,
     },
     /// Per-token decoding latency with the KV cache against recomputing the prefix.
     Decode {
@@ -387,7 +398,9 @@ fn run<R: CubeRuntime>(cli: &Cli) {
             tokens,
             impls,
             steps,
-        } => bench(cli, seqs, *tokens, impls, *steps),
+            no_memory,
+            no_time,
+        } => bench(cli, seqs, *tokens, impls, *steps, *no_memory, *no_time),
         Task::Decode {
             context,
             tokens,
@@ -515,27 +528,41 @@ fn generate<R: CubeRuntime>(model: &Gpt<Fu<R, u8>>, device: &R::Device, seq: usi
     );
 }
 
-/// The autoregressive cache of either stack.
-enum Cache<B: FlashBackend> {
+/// The autoregressive cache of either stack, and the embeddings of the tokens seen.
+struct Cache<B: FlashBackend> {
+    stack: StackCache<B>,
+    embedded: RowCache<B>,
+}
+
+enum StackCache<B: FlashBackend> {
     Burn(burn::nn::transformer::TransformerEncoderAutoregressiveCache<B>),
     Flash(burn_flash::nn::TransformerEncoderAutoregressiveCache<B>),
 }
 
 impl<B: FlashBackend> Cache<B> {
     fn new(model: &Gpt<B>) -> Self {
-        match (&model.burn, &model.flash) {
-            (Some(s), _) => Cache::Burn(s.new_autoregressive_cache()),
-            (_, Some(s)) => Cache::Flash(s.new_autoregressive_cache()),
+        let stack = match (&model.burn, &model.flash) {
+            (Some(s), _) => StackCache::Burn(s.new_autoregressive_cache()),
+            (_, Some(s)) => StackCache::Flash(s.new_autoregressive_cache()),
             _ => unreachable!("a stack"),
+        };
+        Self {
+            stack,
+            embedded: RowCache::new(),
         }
     }
 
-    /// The greedy next token after `tokens` (the whole sequence so far).
+    /// The greedy next token after `tokens` (the whole sequence so far; only the tokens not
+    /// seen yet are embedded and uploaded). Both stacks take the whole sequence so far, as
+    /// burn-nn's autoregressive inference does.
     fn next_token(&mut self, model: &Gpt<B>, tokens: &[i64], device: &B::Device) -> i64 {
         let seq = tokens.len();
-        let x = model.embed(ints::<B>(tokens, [1, seq], device));
-        let x = match self {
-            Cache::Burn(cache) => model
+        let start = self.embedded.len();
+        let new = &tokens[start..];
+        let x_new = model.embed(ints::<B>(new, [1, new.len()], device), start);
+        let x = self.embedded.append(x_new);
+        let x = match &mut self.stack {
+            StackCache::Burn(cache) => model
                 .burn
                 .as_ref()
                 .expect("stack")
@@ -544,7 +571,7 @@ impl<B: FlashBackend> Cache<B> {
                         .mask_attn(generate_autoregressive_mask(1, seq, device)),
                     cache,
                 ),
-            Cache::Flash(cache) => model
+            StackCache::Flash(cache) => model
                 .flash
                 .as_ref()
                 .expect("stack")
@@ -561,7 +588,15 @@ impl<B: FlashBackend> Cache<B> {
 }
 
 /// Step time and peak memory per S, each point in a child process.
-fn bench(cli: &Cli, seqs: &[usize], tokens: usize, impls: &[Impl], steps: usize) {
+fn bench(
+    cli: &Cli,
+    seqs: &[usize],
+    tokens: usize,
+    impls: &[Impl],
+    steps: usize,
+    no_memory: bool,
+    no_time: bool,
+) {
     let out = cli.out();
     let mut csv = String::from("impl,runtime,dtype,seq,batch,step_ms,tokens_per_s,peak_mib,note\n");
     let mut panels: Vec<Panel> = Vec::new();
@@ -616,8 +651,14 @@ fn bench(cli: &Cli, seqs: &[usize], tokens: usize, impls: &[Impl], steps: usize)
                     }
                 }
             };
-            let time = child(false);
-            let peak = child(true);
+            let time = match no_time {
+                true => Err("not timed".to_string()),
+                false => child(false),
+            };
+            let peak = match no_memory {
+                true => Err("not measured".to_string()),
+                false => child(true),
+            };
             let (ms, tps, note) = match &time {
                 Ok(s) => (
                     format!("{:.2}", s * 1e3),
@@ -667,9 +708,14 @@ fn bench(cli: &Cli, seqs: &[usize], tokens: usize, impls: &[Impl], steps: usize)
             }
         }
     }
-    let path = out.join("bench.csv");
+    let name = match (no_time, no_memory) {
+        (true, false) => "bench-memory",
+        (false, true) => "bench-time",
+        _ => "bench",
+    };
+    let path = out.join(format!("{name}.csv"));
     std::fs::write(&path, csv).expect("write csv");
-    plot(&out.join("bench.png"), "S", &panels);
+    plot(&out.join(format!("{name}.png")), "S", &panels);
     println!("wrote {}", path.display());
 }
 

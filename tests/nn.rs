@@ -604,6 +604,32 @@ fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             "decoder cache at {len}: error {err:e} > {tol:e}"
         );
     }
+    // The encoder (pre-LN, as a GPT stack), several positions per call, against its full
+    // causal forward.
+    let enc = fixed(
+        TransformerEncoderConfig::new(d_model, 48, heads, 2)
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init::<B>(device),
+    );
+    let full = read(enc.forward(TransformerEncoderInput::new(x.clone()).causal()));
+    let tol = 64.0 * eps(dtype) * max_abs(&full);
+    let mut cache = enc.new_autoregressive_cache();
+    for len in [3, 4, 8, 9, 14] {
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let got = read(enc.forward_autoregressive_inference(
+            TransformerEncoderInput::new(prefix).causal(),
+            &mut cache,
+        ));
+        let want: Vec<f64> = (0..nb)
+            .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+            .collect();
+        let err = max_err(&got, &want);
+        assert!(
+            err <= tol,
+            "encoder cache at {len}: error {err:e} > {tol:e}"
+        );
+    }
     // KvCache: 70 single positions (past the first capacity of 64) equal their concatenation.
     let mut kv = KvCache::<B>::new();
     let rows: Vec<Tensor<B, 4>> = (0..70)

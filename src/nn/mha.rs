@@ -213,6 +213,19 @@ pub struct MhaOutput<B: Backend> {
     pub context: Tensor<B, 3>,
 }
 
+/// A call's masks and causal flag: `mask_pad`, `mask_attn`, `causal`.
+pub(crate) type MaskArgs<B> = (Option<Tensor<B, 2, Bool>>, Option<Tensor<B, 3, Bool>>, bool);
+
+/// Rows `from..to` of `x` `[B, S, D]` (`x` itself from 0).
+pub(crate) fn rows<B: Backend>(x: Tensor<B, 3>, from: usize, to: usize) -> Tensor<B, 3> {
+    let [batch, seq, width] = x.dims();
+    if from == 0 && to == seq {
+        x
+    } else {
+        x.slice([0..batch, from..to, 0..width])
+    }
+}
+
 impl<B: FlashBackend> MultiHeadAttention<B> {
     /// Attention of `input`'s queries to its keys and values: the context `[B, Sq, d_model]`.
     ///
@@ -248,7 +261,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
     /// ([`MhaCache::autoregressive_cross_attention`]) the keys and values are computed once,
     /// from the first call's `key` and `value`.
     pub fn forward_cache(&self, input: MhaInput<B>, cache: &mut MhaCache<B>) -> MhaOutput<B> {
-        let (batch, seq_q, seq_k) = self.check(&input);
+        let (_, seq_q, seq_k) = self.check(&input);
         let start = cache.output.len();
         assert!(
             seq_q >= start,
@@ -259,50 +272,65 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
                 context: cache.output.view(),
             };
         }
-        let d_model = self.d_model;
-        let rows = |x: Tensor<B, 3>, from: usize, to: usize| match from {
-            0 => x,
-            _ => x.slice([0..batch, from..to, 0..d_model]),
-        };
-        let q = split_heads(
-            self.query.forward(rows(input.query.clone(), start, seq_q)),
-            self.n_heads,
-        );
-        let (k, v) = if cache.cross {
-            if cache.keys.is_empty() {
-                let k = split_heads(self.key.forward(input.key), self.n_heads);
-                let v = split_heads(self.value.forward(input.value), self.n_heads);
-                cache.keys.append(k);
-                cache.values.append(v);
-            }
-            (cache.keys.view(), cache.values.view())
+        let done = cache.keys.len();
+        let (k_new, v_new) = if cache.cross {
+            (input.key, input.value)
         } else {
-            let done = cache.keys.len();
             assert!(
                 seq_k >= done,
                 "{WHO}: the keys have {seq_k} positions, the cache already holds {done}"
             );
-            let k = split_heads(self.key.forward(rows(input.key, done, seq_k)), self.n_heads);
-            let v = split_heads(
-                self.value.forward(rows(input.value, done, seq_k)),
-                self.n_heads,
-            );
+            (rows(input.key, done, seq_k), rows(input.value, done, seq_k))
+        };
+        let context = self.cached_rows(
+            rows(input.query, start, seq_q),
+            k_new,
+            v_new,
+            (input.mask_pad, input.mask_attn, input.causal),
+            start..seq_q,
+            cache,
+        );
+        MhaOutput {
+            context: cache.output.append(context),
+        }
+    }
+
+    /// The context of query rows `rows` (of `seq_q = rows.end` positions) given their inputs
+    /// `query` `[B, n, d_model]`: the keys' and values' inputs `key`, `value` (the positions the
+    /// cache has not seen; with a cross-attention cache, all of them, read at the first call)
+    /// are projected and appended, and the rows attend to everything cached. The cache's
+    /// output rows are left alone: the transformers' caches keep their own.
+    pub(crate) fn cached_rows(
+        &self,
+        query: Tensor<B, 3>,
+        key: Tensor<B, 3>,
+        value: Tensor<B, 3>,
+        (mask_pad, mask_attn, causal): MaskArgs<B>,
+        rows: std::ops::Range<usize>,
+        cache: &mut MhaCache<B>,
+    ) -> Tensor<B, 3> {
+        let batch = query.dims()[0];
+        let q = split_heads(self.query.forward(query), self.n_heads);
+        let (k, v) = if cache.cross {
+            if cache.keys.is_empty() {
+                cache
+                    .keys
+                    .append(split_heads(self.key.forward(key), self.n_heads));
+                cache
+                    .values
+                    .append(split_heads(self.value.forward(value), self.n_heads));
+            }
+            (cache.keys.view(), cache.values.view())
+        } else {
+            let k = split_heads(self.key.forward(key), self.n_heads);
+            let v = split_heads(self.value.forward(value), self.n_heads);
             (cache.keys.append(k), cache.values.append(v))
         };
         let seq_k = k.dims()[2];
-        let mask = attention_mask(
-            WHO,
-            input.mask_pad,
-            input.mask_attn,
-            batch,
-            start..seq_q,
-            seq_q,
-            seq_k,
-        );
-        let context = self.attend(q, k, v, mask, input.causal);
-        let context = merge_heads(context);
-        let context = cache.output.append(self.output.forward(context));
-        MhaOutput { context }
+        let seq_q = rows.end;
+        let mask = attention_mask(WHO, mask_pad, mask_attn, batch, rows, seq_q, seq_k);
+        let context = self.attend(q, k, v, mask, causal);
+        self.output.forward(merge_heads(context))
     }
 
     /// The attention weights `[B, H, Sq, Sk]` burn-nn's `MhaOutput.weights` holds: the softmax

@@ -10,7 +10,9 @@ use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
 use super::cache::RowCache;
-use super::mha::{MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::mha::{
+    MaskArgs, MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, rows,
+};
 use crate::FlashBackend;
 
 /// The configuration of a [`TransformerEncoder`]: burn-nn's `TransformerEncoderConfig`, field
@@ -330,7 +332,8 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
     }
 
     /// [`TransformerEncoderLayer::forward`] for autoregressive inference (burn-nn's calling
-    /// convention: the whole sequence so far; only new positions are computed).
+    /// convention: `x` is the whole sequence so far, every position's output comes back; only
+    /// the positions `cache` has not seen are computed).
     pub fn forward_autoregressive_inference(
         &self,
         x: Tensor<B, 3>,
@@ -339,32 +342,54 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         causal: bool,
         cache: &mut TransformerEncoderLayerAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
+        let seq = x.dims()[1];
+        let start = cache.output.len();
+        assert!(
+            seq >= start,
+            "TransformerEncoderLayer: the input has {seq} positions, the cache already holds {start}"
+        );
+        if seq == start {
+            return cache.output.view();
+        }
+        let out = self.new_rows(
+            rows(x, start, seq),
+            (mask_pad, mask_attn, causal),
+            start..seq,
+            &mut cache.mha,
+        );
+        cache.output.append(out)
+    }
+
+    /// The layer's output for the rows `positions` of the sequence (inputs `x`, `[B, n, d]`):
+    /// every sub-layer but attention works row by row, and attention reads the earlier
+    /// positions' keys and values from `cache`.
+    fn new_rows(
+        &self,
+        x: Tensor<B, 3>,
+        masks: MaskArgs<B>,
+        positions: std::ops::Range<usize>,
+        cache: &mut MhaCache<B>,
+    ) -> Tensor<B, 3> {
         let (first, second) = match self.norm_first {
             true => (&self.norm_2, &self.norm_1),
             false => (&self.norm_1, &self.norm_2),
         };
-        let (first_cache, second_cache) = match self.norm_first {
-            true => (&mut cache.norm_2, &mut cache.norm_1),
-            false => (&mut cache.norm_1, &mut cache.norm_2),
-        };
-        let mha_cache = &mut cache.mha;
         let x = sublayer(
             x,
             self.norm_first,
             &self.dropout,
-            |t| first_cache.forward(t, |t| first.forward(t)),
+            |t| first.forward(t),
             |h| {
-                let input = mha_input(MhaInput::self_attn(h), mask_pad, mask_attn, causal);
-                self.mha.forward_cache(input, mha_cache).context
+                self.mha
+                    .cached_rows(h.clone(), h.clone(), h, masks, positions, cache)
             },
         );
-        let pwff_cache = &mut cache.pwff;
         sublayer(
             x,
             self.norm_first,
             &self.dropout,
-            |t| second_cache.forward(t, |t| second.forward(t)),
-            |h| pwff_cache.forward(h, |t| self.pwff.forward(t)),
+            |t| second.forward(t),
+            |h| self.pwff.forward(h),
         )
     }
 }
@@ -384,24 +409,34 @@ impl<B: FlashBackend> TransformerEncoder<B> {
         x
     }
 
-    /// The encoder for autoregressive inference: each call passes the whole sequence so far,
-    /// each layer computes only the positions `cache` has not seen.
+    /// The encoder for autoregressive inference (burn-nn's calling convention: each call passes
+    /// the whole sequence so far and gets every position's output). Only the positions `cache`
+    /// has not seen go through the layers; each attends to the keys and values cached for the
+    /// earlier ones, and the earlier outputs come from the cache.
     pub fn forward_autoregressive_inference(
         &self,
         input: TransformerEncoderInput<B>,
         cache: &mut TransformerEncoderAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
-        let mut x = input.tensor;
-        for (layer, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward_autoregressive_inference(
-                x,
+        let seq = input.tensor.dims()[1];
+        let start = cache.output.len();
+        assert!(
+            seq >= start,
+            "TransformerEncoder: the input has {seq} positions, the cache already holds {start} (a new sequence needs a new cache)"
+        );
+        if seq == start {
+            return cache.output.view();
+        }
+        let mut x = rows(input.tensor, start, seq);
+        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let masks = (
                 input.mask_pad.clone(),
                 input.mask_attn.clone(),
                 input.causal,
-                cache,
             );
+            x = layer.new_rows(x, masks, start..seq, &mut c.mha);
         }
-        x
+        cache.output.append(x)
     }
 
     /// An empty cache for [`TransformerEncoder::forward_autoregressive_inference`].
@@ -412,34 +447,35 @@ impl<B: FlashBackend> TransformerEncoder<B> {
                 .iter()
                 .map(|_| TransformerEncoderLayerAutoregressiveCache::empty())
                 .collect(),
+            output: RowCache::new(),
         }
     }
 }
 
-/// The cache of one encoder layer.
+/// The cache of one encoder layer: its attention's keys and values (and, for the layer's own
+/// [`TransformerEncoderLayer::forward_autoregressive_inference`], its outputs).
 #[derive(Debug)]
 pub struct TransformerEncoderLayerAutoregressiveCache<B: Backend> {
     mha: MhaCache<B>,
-    pwff: RowCache<B>,
-    norm_1: RowCache<B>,
-    norm_2: RowCache<B>,
+    output: RowCache<B>,
 }
 
 impl<B: Backend> TransformerEncoderLayerAutoregressiveCache<B> {
-    fn empty() -> Self {
+    /// An empty cache.
+    pub fn empty() -> Self {
         Self {
             mha: MhaCache::autoregressive(),
-            pwff: RowCache::new(),
-            norm_1: RowCache::new(),
-            norm_2: RowCache::new(),
+            output: RowCache::new(),
         }
     }
 }
 
-/// The autoregressive cache of a [`TransformerEncoder`].
+/// The autoregressive cache of a [`TransformerEncoder`]: each layer's keys and values, and the
+/// encoder's outputs.
 #[derive(Debug)]
 pub struct TransformerEncoderAutoregressiveCache<B: Backend> {
     layers: Vec<TransformerEncoderLayerAutoregressiveCache<B>>,
+    output: RowCache<B>,
 }
 
 fn mha_input<B: Backend>(
@@ -641,34 +677,33 @@ impl TransformerDecoderConfig {
     }
 }
 
-/// The cache of one decoder layer.
+/// The cache of one decoder layer: its self-attention's keys and values, the memory's keys
+/// and values (computed once), and, for the layer's own
+/// [`TransformerDecoderLayer::forward_autoregressive_inference`], its outputs.
 #[derive(Debug)]
 pub struct TransformerDecoderLayerAutoregressiveCache<B: Backend> {
     cross_attn: MhaCache<B>,
     self_attn: MhaCache<B>,
-    pwff: RowCache<B>,
-    norm_1: RowCache<B>,
-    norm_2: RowCache<B>,
-    norm_3: RowCache<B>,
+    output: RowCache<B>,
 }
 
 impl<B: Backend> TransformerDecoderLayerAutoregressiveCache<B> {
-    fn empty() -> Self {
+    /// An empty cache.
+    pub fn empty() -> Self {
         Self {
             cross_attn: MhaCache::autoregressive_cross_attention(),
             self_attn: MhaCache::autoregressive(),
-            pwff: RowCache::new(),
-            norm_1: RowCache::new(),
-            norm_2: RowCache::new(),
-            norm_3: RowCache::new(),
+            output: RowCache::new(),
         }
     }
 }
 
-/// The autoregressive cache of a [`TransformerDecoder`].
+/// The autoregressive cache of a [`TransformerDecoder`]: each layer's caches and the decoder's
+/// outputs.
 #[derive(Debug)]
 pub struct TransformerDecoderAutoregressiveCache<B: Backend> {
     layers: Vec<TransformerDecoderLayerAutoregressiveCache<B>>,
+    output: RowCache<B>,
 }
 
 impl<B: FlashBackend> TransformerDecoderLayer<B> {
@@ -720,61 +755,97 @@ impl<B: FlashBackend> TransformerDecoderLayer<B> {
         )
     }
 
-    /// [`TransformerDecoderLayer::forward`] for autoregressive inference.
+    /// [`TransformerDecoderLayer::forward`] for autoregressive inference (burn-nn's calling
+    /// convention: `x` is the whole target so far; only the positions `cache` has not seen are
+    /// computed).
     pub fn forward_autoregressive_inference(
         &self,
         input: &TransformerDecoderInput<B>,
         x: Tensor<B, 3>,
         cache: &mut TransformerDecoderLayerAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
+        let seq = x.dims()[1];
+        let start = cache.output.len();
+        assert!(
+            seq >= start,
+            "TransformerDecoderLayer: the target has {seq} positions, the cache already holds {start}"
+        );
+        if seq == start {
+            return cache.output.view();
+        }
+        let out = self.new_rows(
+            input,
+            rows(x, start, seq),
+            start..seq,
+            &mut cache.self_attn,
+            &mut cache.cross_attn,
+        );
+        cache.output.append(out)
+    }
+
+    /// The layer's output for the target rows `positions` (inputs `x`, `[B, n, d]`).
+    fn new_rows(
+        &self,
+        input: &TransformerDecoderInput<B>,
+        x: Tensor<B, 3>,
+        positions: std::ops::Range<usize>,
+        self_cache: &mut MhaCache<B>,
+        cross_cache: &mut MhaCache<B>,
+    ) -> Tensor<B, 3> {
         let nf = self.norm_first;
         let (n_self, n_cross, n_ff) = match nf {
             true => (&self.norm_3, &self.norm_1, &self.norm_2),
             false => (&self.norm_1, &self.norm_2, &self.norm_3),
         };
-        let (c_self, c_cross, c_ff) = match nf {
-            true => (&mut cache.norm_3, &mut cache.norm_1, &mut cache.norm_2),
-            false => (&mut cache.norm_1, &mut cache.norm_2, &mut cache.norm_3),
-        };
-        let self_cache = &mut cache.self_attn;
         let x = sublayer(
             x,
             nf,
             &self.dropout,
-            |t| c_self.forward(t, |t| n_self.forward(t)),
+            |t| n_self.forward(t),
             |h| {
-                let i = mha_input(
-                    MhaInput::self_attn(h),
+                let masks = (
                     input.target_mask_pad.clone(),
                     input.target_mask_attn.clone(),
                     input.target_causal,
                 );
-                self.self_attn.forward_cache(i, self_cache).context
+                self.self_attn.cached_rows(
+                    h.clone(),
+                    h.clone(),
+                    h,
+                    masks,
+                    positions.clone(),
+                    self_cache,
+                )
             },
         );
-        let cross_cache = &mut cache.cross_attn;
         let x = sublayer(
             x,
             nf,
             &self.dropout,
-            |t| c_cross.forward(t, |t| n_cross.forward(t)),
+            |t| n_cross.forward(t),
             |h| {
-                let i = mha_input(
-                    MhaInput::new(h, input.memory.clone(), input.memory.clone()),
+                let masks = (
                     input.memory_mask_pad.clone(),
                     input.memory_mask_attn.clone(),
                     false,
                 );
-                self.cross_attn.forward_cache(i, cross_cache).context
+                let memory = input.memory.clone();
+                self.cross_attn.cached_rows(
+                    h,
+                    memory.clone(),
+                    memory,
+                    masks,
+                    positions,
+                    cross_cache,
+                )
             },
         );
-        let pwff_cache = &mut cache.pwff;
         sublayer(
             x,
             nf,
             &self.dropout,
-            |t| c_ff.forward(t, |t| n_ff.forward(t)),
-            |h| pwff_cache.forward(h, |t| self.pwff.forward(t)),
+            |t| n_ff.forward(t),
+            |h| self.pwff.forward(h),
         )
     }
 }
@@ -789,19 +860,29 @@ impl<B: FlashBackend> TransformerDecoder<B> {
         x
     }
 
-    /// The decoder for autoregressive inference: each call passes the whole target so far,
-    /// each layer computes only the positions `cache` has not seen; the memory's keys and
-    /// values are computed at the first call.
+    /// The decoder for autoregressive inference (burn-nn's calling convention: each call
+    /// passes the whole target so far and gets every position's output). Only the positions
+    /// `cache` has not seen go through the layers; the memory's keys and values are computed
+    /// at the first call.
     pub fn forward_autoregressive_inference(
         &self,
         input: TransformerDecoderInput<B>,
         cache: &mut TransformerDecoderAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
-        let mut x = input.target.clone();
-        for (layer, cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.forward_autoregressive_inference(&input, x, cache);
+        let seq = input.target.dims()[1];
+        let start = cache.output.len();
+        assert!(
+            seq >= start,
+            "TransformerDecoder: the target has {seq} positions, the cache already holds {start} (a new sequence needs a new cache)"
+        );
+        if seq == start {
+            return cache.output.view();
         }
-        x
+        let mut x = rows(input.target.clone(), start, seq);
+        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            x = layer.new_rows(&input, x, start..seq, &mut c.self_attn, &mut c.cross_attn);
+        }
+        cache.output.append(x)
     }
 
     /// An empty cache for [`TransformerDecoder::forward_autoregressive_inference`].
@@ -812,6 +893,7 @@ impl<B: FlashBackend> TransformerDecoder<B> {
                 .iter()
                 .map(|_| TransformerDecoderLayerAutoregressiveCache::empty())
                 .collect(),
+            output: RowCache::new(),
         }
     }
 }
