@@ -2,8 +2,9 @@
 //! burn-nn's transformer or burn-flash's drop-in one: the same model, the same initial weights,
 //! the same batches; only the attention modules differ (`--impls burn,flash`).
 //!
-//! **The task** (MQAR, synthetic, defined here): each sequence of `S` tokens hides 32 key/value
-//! pairs at random places among noise tokens; its last 64 tokens ask for the 32 keys again in
+//! **The task** (MQAR, synthetic, defined here): each sequence of `S` tokens hides 16 key/value
+//! pairs (64 possible keys, 64 values) at random places among noise tokens; its last 32 tokens
+//! ask for the 16 keys again in
 //! another order, each followed by its value. The loss is the cross-entropy of the value after
 //! each asked key, so the model must find the key's first occurrence anywhere in the
 //! sequence: attention over the whole context, unlike next-token prediction on nearby text.
@@ -50,9 +51,9 @@ use rand::{Rng, SeedableRng, rngs::StdRng, seq::SliceRandom};
 // -- the task --
 
 /// Key/value pairs per sequence.
-const PAIRS: usize = 32;
-const KEYS: usize = 256;
-const VALUES: usize = 256;
+const PAIRS: usize = 16;
+const KEYS: usize = 64;
+const VALUES: usize = 64;
 const NOISE: usize = 512;
 /// Ignored target.
 const PAD: usize = KEYS + VALUES + NOISE;
@@ -305,6 +306,9 @@ enum Task {
     },
     /// Per-token decoding latency with the KV cache against recomputing the prefix.
     Decode {
+        /// On the bare CubeCL backend instead of Burn's Fusion (`Cuda`/`Wgpu`).
+        #[arg(long)]
+        bare: bool,
         #[arg(long, default_value_t = 4096)]
         context: usize,
         #[arg(long, default_value_t = 16)]
@@ -402,10 +406,11 @@ fn run<R: CubeRuntime>(cli: &Cli) {
             no_time,
         } => bench(cli, seqs, *tokens, impls, *steps, *no_memory, *no_time),
         Task::Decode {
+            bare,
             context,
             tokens,
             impls,
-        } => decode::<R>(cli, &device, *context, *tokens, impls),
+        } => decode::<R>(cli, &device, *context, *tokens, impls, *bare),
         Task::Point {
             which,
             seq,
@@ -778,11 +783,26 @@ fn decode<R: CubeRuntime>(
     context: usize,
     tokens: usize,
     impls: &[Impl],
+    bare: bool,
 ) {
-    type B<R> = Fu<R, u8>;
+    match bare {
+        true => decode_on::<common::Un<R, u8>>(cli, device, context, tokens, impls, "bare"),
+        false => decode_on::<Fu<R, u8>>(cli, device, context, tokens, impls, "fusion"),
+    }
+}
+
+/// [`decode`] on backend `B` (`backend` names it in the CSV).
+fn decode_on<B: FlashBackend>(
+    cli: &Cli,
+    device: &B::Device,
+    context: usize,
+    tokens: usize,
+    impls: &[Impl],
+    backend: &str,
+) {
     let out = cli.out();
-    let mut csv = String::from("impl,runtime,dtype,context,cached_ms,recompute_ms,ratio\n");
-    let initial = Gpt::<B<R>>::new(cli.size(context + tokens + 1, 0.0), device);
+    let mut csv = String::from("impl,runtime,backend,dtype,context,cached_ms,recompute_ms,ratio\n");
+    let initial = Gpt::<B>::new(cli.size(context + tokens + 1, 0.0), device);
     let initial = initial.clone().load_record(initial.into_record());
     let mut rng = StdRng::seed_from_u64(5);
     let prompt: Vec<i64> = (0..context + tokens)
@@ -793,12 +813,12 @@ fn decode<R: CubeRuntime>(
         // Cached: fill the cache with the prompt, then time single-token steps.
         let mut cache = Cache::new(&model);
         cache.next_token(&model, &prompt[..context], device);
-        sync::<B<R>>(device);
+        sync::<B>(device);
         let mut cached = Vec::new();
         for t in 0..tokens {
             let start = Instant::now();
             cache.next_token(&model, &prompt[..context + t + 1], device);
-            sync::<B<R>>(device);
+            sync::<B>(device);
             cached.push(start.elapsed().as_secs_f64());
         }
         // Recompute: the whole prefix each token.
@@ -806,7 +826,7 @@ fn decode<R: CubeRuntime>(
         for t in 0..tokens.min(8) {
             let seq = context + t + 1;
             let start = Instant::now();
-            let logits = model.forward(ints::<B<R>>(&prompt[..seq], [1, seq], device));
+            let logits = model.forward(ints::<B>(&prompt[..seq], [1, seq], device));
             let _ = logits.slice([0..1, seq - 1..seq]).argmax(2).into_data();
             full.push(start.elapsed().as_secs_f64());
         }
@@ -816,14 +836,14 @@ fn decode<R: CubeRuntime>(
         };
         let (c, f) = (median(&mut cached), median(&mut full));
         println!(
-            "gpt decode {} at {context} tokens: cached {:.2} ms/token, recompute {:.2} ms/token ({:.1}x)",
+            "gpt decode {} ({backend}) at {context} tokens: cached {:.2} ms/token, recompute {:.2} ms/token ({:.1}x)",
             which.name(),
             c * 1e3,
             f * 1e3,
             f / c
         );
         csv.push_str(&format!(
-            "{},{},{},{context},{:.3},{:.3},{:.2}\n",
+            "{},{},{backend},{},{context},{:.3},{:.3},{:.2}\n",
             which.name(),
             cli.runtime.name(),
             cli.dtype.label(),
@@ -832,7 +852,7 @@ fn decode<R: CubeRuntime>(
             f / c
         ));
     }
-    let path = out.join("decode.csv");
+    let path = out.join(format!("decode-{backend}.csv"));
     std::fs::write(&path, csv).expect("write csv");
     println!("wrote {}", path.display());
 }

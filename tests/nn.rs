@@ -559,10 +559,13 @@ fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let want: Vec<f64> = (0..nb)
             .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
             .collect();
-        close(
-            read(burn.context),
-            &want,
-            &format!("burn-nn cache at {len}"),
+        // burn-nn's matmuls round to TF32 on CUDA: its own error bounds this comparison.
+        let got = read(burn.context);
+        let err = max_err(&got, &want);
+        let loose = 2e-3 * max_abs(&want);
+        assert!(
+            err <= loose,
+            "burn-nn cache at {len}: error {err:e} > {loose:e}"
         );
     }
     assert_eq!(cache.len(), s);
