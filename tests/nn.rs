@@ -511,6 +511,11 @@ fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatD
 /// decoder's autoregressive inference against its full forward; `KvCache` growing past its
 /// first capacity.
 fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    // The split decoding step is opt-in (`BURN_FLASH_DECODE_SPLIT=1`), read at the first step
+    // over 512 keys or more: this test's, below.
+    // SAFETY: no other thread reads or writes the environment concurrently in a way that
+    // matters; the value only selects between two equal results.
+    unsafe { std::env::set_var("BURN_FLASH_DECODE_SPLIT", "1") };
     let (nb, s, d_model, heads) = (2, 14, 32, 4);
     let theirs = fixed(
         BurnMhaConfig::new(d_model, heads)
@@ -608,7 +613,7 @@ fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
     }
     // Long enough for single-token steps to split the keys into chunks (`decode_split`: 256
-    // keys each, plus a remainder), with quiet softmax too.
+    // keys each, plus a remainder; opt-in, so switched on here), with quiet softmax too.
     let long = 600;
     let y = rand3::<B>([1, long, d_model], 1.0, dtype, device);
     for quiet in [false, true] {
