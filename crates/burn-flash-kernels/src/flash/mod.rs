@@ -104,7 +104,7 @@ pub struct FlashConfig {
     /// constant, so its `dS` reaches neither `Q`, `K` nor a bias. `None`: masked keys are
     /// invisible ([`scores`]).
     pub masked_score: Option<u32>,
-    /// Quiet softmax, `e^s / (1 + Σ e^s)` ([`quiet_scale`], [`quiet_lse`]).
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` ([`output_sum()`], [`row_lse()`]).
     pub quiet: bool,
 }
 
@@ -426,15 +426,6 @@ pub fn row_lse(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
         lse = quiet_lse(lse);
     }
     lse
-}
-
-/// The factor that turns a row's softmax output into its quiet softmax output: with
-/// `L = ln Σ e^s` (`lse`), `Σ e^s / (1 + Σ e^s) = σ(L) = 1 / (1 + e^(−L))`; 0 for a row
-/// without a visible key (`L = −inf`) and, as burn-nn's `quiet_softmax` gives, for a row whose
-/// scores are all far below 0.
-#[cube]
-pub fn quiet_scale(lse: f32) -> f32 {
-    1.0f32 / (1.0f32 + f32::exp(-lse))
 }
 
 /// The log of the quiet softmax's denominator, `ln(1 + Σ e^s) = softplus(L)` for `L = lse`,
