@@ -1,8 +1,8 @@
 //! Caches for autoregressive inference that grow in place: a buffer with spare capacity along
 //! the sequence, each step's rows written into it (`slice_assign` on a buffer nothing else
-//! holds, which CubeCL backends do in place), and views of the filled part handed out. The
-//! capacity doubles when it runs out, so a sequence of `n` positions copies O(n) rows in all,
-//! where concatenating a new tensor each step copies O(n²).
+//! holds, which a backend may do without copying the buffer; not measured here), and views
+//! of the filled part handed out. The capacity doubles when it runs out, so a sequence of `n`
+//! positions copies O(n) rows in all, where concatenating a new tensor each step copies O(n²).
 
 use burn::tensor::{Tensor, backend::Backend};
 
