@@ -4,6 +4,8 @@
 //! of the filled part handed out. The capacity doubles when it runs out, so a sequence of `n`
 //! positions copies O(n) rows in all, where concatenating a new tensor each step copies O(n²).
 
+use std::ops::Range;
+
 use burn::tensor::{Tensor, backend::Backend};
 
 /// Positions a cache allocates at first, at least.
@@ -14,14 +16,102 @@ fn grown(current: usize, needed: usize, hint: usize) -> usize {
     needed.max(hint).max(2 * current).max(MIN_CAPACITY)
 }
 
+/// The buffer both caches are: a `D`-dimensional tensor whose sequence axis (`D − 2`) has spare
+/// capacity, the first `len` positions filled.
+#[derive(Debug)]
+struct SeqBuffer<B: Backend, const D: usize> {
+    buffer: Option<Tensor<B, D>>,
+    len: usize,
+    hint: usize,
+    /// Who panics (`KvCache`, `RowCache`).
+    who: &'static str,
+}
+
+impl<B: Backend, const D: usize> SeqBuffer<B, D> {
+    const SEQ: usize = D - 2;
+
+    fn new(hint: usize, who: &'static str) -> Self {
+        Self {
+            buffer: None,
+            len: 0,
+            hint,
+            who,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.buffer.as_ref().map_or(0, |b| b.dims()[Self::SEQ])
+    }
+
+    /// Every axis whole but the sequence, which takes `seq`.
+    fn ranges(dims: [usize; D], seq: Range<usize>) -> [Range<usize>; D] {
+        std::array::from_fn(|d| {
+            if d == Self::SEQ {
+                seq.clone()
+            } else {
+                0..dims[d]
+            }
+        })
+    }
+
+    /// Every position held (a view of the buffer). Panics when empty.
+    fn view(&self) -> Tensor<B, D> {
+        let who = self.who;
+        let buffer = self
+            .buffer
+            .clone()
+            .unwrap_or_else(|| panic!("{who}: nothing held"));
+        let dims = buffer.dims();
+        buffer.slice(Self::ranges(dims, 0..self.len))
+    }
+
+    /// Appends `rows` (the shape of what is held but along the sequence) and returns every
+    /// position held.
+    fn append(&mut self, rows: Tensor<B, D>) -> Tensor<B, D> {
+        let dims = rows.dims();
+        let needed = self.len + dims[Self::SEQ];
+        let other = |d: [usize; D]| {
+            let mut d = d;
+            d[Self::SEQ] = 0;
+            d
+        };
+        let mut buffer = match self.buffer.take() {
+            Some(buffer) => {
+                let held = buffer.dims();
+                assert_eq!(
+                    other(held),
+                    other(dims),
+                    "{}: appending rows of shape {dims:?} to a cache of {held:?}",
+                    self.who
+                );
+                let cap = held[Self::SEQ];
+                if needed > cap {
+                    let mut shape = held;
+                    shape[Self::SEQ] = grown(cap, needed, self.hint);
+                    let bigger = Tensor::<B, D>::empty(shape, (&rows.device(), rows.dtype()));
+                    let filled = Self::ranges(held, 0..self.len);
+                    bigger.slice_assign(filled.clone(), buffer.slice(filled))
+                } else {
+                    buffer
+                }
+            }
+            None => {
+                let mut shape = dims;
+                shape[Self::SEQ] = grown(0, needed, self.hint);
+                Tensor::<B, D>::empty(shape, (&rows.device(), rows.dtype()))
+            }
+        };
+        buffer = buffer.slice_assign(Self::ranges(dims, self.len..needed), rows);
+        self.len = needed;
+        self.buffer = Some(buffer);
+        self.view()
+    }
+}
+
 /// Keys or values of the positions seen so far, `[B, H, len, D]`, in a `[B, H, capacity, D]`
 /// buffer.
 #[derive(Debug)]
-pub struct KvCache<B: Backend> {
-    buffer: Option<Tensor<B, 4>>,
-    len: usize,
-    hint: usize,
-}
+pub struct KvCache<B: Backend>(SeqBuffer<B, 4>);
 
 impl<B: Backend> Default for KvCache<B> {
     fn default() -> Self {
@@ -37,73 +127,33 @@ impl<B: Backend> KvCache<B> {
 
     /// An empty cache that allocates room for `positions` at once (no regrowth up to there).
     pub fn with_capacity(positions: usize) -> Self {
-        Self {
-            buffer: None,
-            len: 0,
-            hint: positions,
-        }
+        Self(SeqBuffer::new(positions, "KvCache"))
     }
 
     /// Positions held.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len
     }
 
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.len == 0
     }
 
     /// Positions the buffer holds before it grows.
     pub fn capacity(&self) -> usize {
-        self.buffer.as_ref().map_or(0, |b| b.dims()[2])
+        self.0.capacity()
     }
 
     /// Every position held, `[B, H, len, D]` (a view of the buffer). Panics when empty.
     pub fn view(&self) -> Tensor<B, 4> {
-        let buffer = self.buffer.clone().expect("KvCache: nothing held");
-        let [batch, heads, _, d] = buffer.dims();
-        buffer.slice([0..batch, 0..heads, 0..self.len, 0..d])
+        self.0.view()
     }
 
     /// Appends `rows` (`[B, H, n, D]`, the batch, heads and width of what is held) and returns
     /// every position held, `[B, H, len, D]` (a view of the buffer).
     pub fn append(&mut self, rows: Tensor<B, 4>) -> Tensor<B, 4> {
-        let [batch, heads, n, d] = rows.dims();
-        let needed = self.len + n;
-        let mut buffer = match self.buffer.take() {
-            Some(buffer) => {
-                let [b0, h0, cap, d0] = buffer.dims();
-                assert_eq!(
-                    [b0, h0, d0],
-                    [batch, heads, d],
-                    "KvCache: appending rows of [batch, heads, width] {:?} to a cache of {:?}",
-                    [batch, heads, d],
-                    [b0, h0, d0]
-                );
-                if needed > cap {
-                    let cap = grown(cap, needed, self.hint);
-                    let bigger = Tensor::<B, 4>::empty(
-                        [batch, heads, cap, d],
-                        (&rows.device(), rows.dtype()),
-                    );
-                    bigger.slice_assign(
-                        [0..batch, 0..heads, 0..self.len, 0..d],
-                        buffer.slice([0..batch, 0..heads, 0..self.len, 0..d]),
-                    )
-                } else {
-                    buffer
-                }
-            }
-            None => {
-                let cap = grown(0, needed, self.hint);
-                Tensor::<B, 4>::empty([batch, heads, cap, d], (&rows.device(), rows.dtype()))
-            }
-        };
-        buffer = buffer.slice_assign([0..batch, 0..heads, self.len..needed, 0..d], rows);
-        self.len = needed;
-        self.buffer = Some(buffer);
-        self.view()
+        self.0.append(rows)
     }
 }
 
@@ -111,11 +161,7 @@ impl<B: Backend> KvCache<B> {
 /// autoregressive `TensorCache` (each call passes the whole sequence so far; only the rows the
 /// cache has not seen are computed), growing in place.
 #[derive(Debug)]
-pub struct RowCache<B: Backend> {
-    buffer: Option<Tensor<B, 3>>,
-    len: usize,
-    hint: usize,
-}
+pub struct RowCache<B: Backend>(SeqBuffer<B, 3>);
 
 impl<B: Backend> Default for RowCache<B> {
     fn default() -> Self {
@@ -131,21 +177,17 @@ impl<B: Backend> RowCache<B> {
 
     /// An empty cache that allocates room for `positions` at once.
     pub fn with_capacity(positions: usize) -> Self {
-        Self {
-            buffer: None,
-            len: 0,
-            hint: positions,
-        }
+        Self(SeqBuffer::new(positions, "RowCache"))
     }
 
     /// Rows held.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.len
     }
 
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.len == 0
     }
 
     /// `f` of every row of `input` (`[B, S, D]`, the whole sequence so far): `f` runs on the
@@ -157,63 +199,29 @@ impl<B: Backend> RowCache<B> {
         f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
         let [batch, seq, width] = input.dims();
+        let held = self.len();
         assert!(
-            seq >= self.len,
-            "RowCache: the input has {seq} positions, the cache already holds {} (a new sequence needs a new cache)",
-            self.len
+            seq >= held,
+            "RowCache: the input has {seq} positions, the cache already holds {held} (a new sequence needs a new cache)"
         );
-        if seq == self.len {
+        if seq == held {
             return self.view();
         }
-        let new = if self.len == 0 {
+        let new = if held == 0 {
             input
         } else {
-            input.slice([0..batch, self.len..seq, 0..width])
+            input.slice([0..batch, held..seq, 0..width])
         };
         self.append(f(new))
     }
 
     /// Appends rows (`[B, n, D]`) and returns every row held.
     pub fn append(&mut self, rows: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [batch, n, d] = rows.dims();
-        let needed = self.len + n;
-        let mut buffer = match self.buffer.take() {
-            Some(buffer) => {
-                let [b0, cap, d0] = buffer.dims();
-                assert_eq!(
-                    [b0, d0],
-                    [batch, d],
-                    "RowCache: appending rows of [batch, width] {:?} to a cache of {:?}",
-                    [batch, d],
-                    [b0, d0]
-                );
-                if needed > cap {
-                    let cap = grown(cap, needed, self.hint);
-                    let bigger =
-                        Tensor::<B, 3>::empty([batch, cap, d], (&rows.device(), rows.dtype()));
-                    bigger.slice_assign(
-                        [0..batch, 0..self.len, 0..d],
-                        buffer.slice([0..batch, 0..self.len, 0..d]),
-                    )
-                } else {
-                    buffer
-                }
-            }
-            None => {
-                let cap = grown(0, needed, self.hint);
-                Tensor::<B, 3>::empty([batch, cap, d], (&rows.device(), rows.dtype()))
-            }
-        };
-        buffer = buffer.slice_assign([0..batch, self.len..needed, 0..d], rows);
-        self.len = needed;
-        self.buffer = Some(buffer);
-        self.view()
+        self.0.append(rows)
     }
 
     /// Every row held, `[B, len, D]` (a view of the buffer). Panics when empty.
     pub fn view(&self) -> Tensor<B, 3> {
-        let buffer = self.buffer.clone().expect("RowCache: nothing held");
-        let [batch, _, d] = buffer.dims();
-        buffer.slice([0..batch, 0..self.len, 0..d])
+        self.0.view()
     }
 }
