@@ -8,8 +8,10 @@
 //! run under `ncu`. `--plot CSV`: redraw the PNG of an earlier run's `softmax.csv`.
 //!
 //! Timing: `common::measure` (its docs give the protocol): after 10 warm-up calls, 20 passes
-//! (5 with `--quick`), each a batch of calls long enough (≥ 2 ms, ≤ 200 calls) between two
-//! syncs; per-call medians. The bare-`CubeBackend` burn-flash row issues as many calls per pass
+//! (5 with `--quick`), each a batch of calls long enough (≥ 10 ms, ≤ 2000 calls) between two
+//! syncs; per-call medians. A model syncs once per step, not once per op: the pass length
+//! spreads each sync's fixed cost (Fusion's hand-off to its device thread, 20–50 µs) as a
+//! step does; `softmax_marginal.csv` gives the per-call cost without it. The bare-`CubeBackend` burn-flash row issues as many calls per pass
 //! as the Fusion one. Rows through Burn's Fusion backend (`burn::backend::Cuda`/`Wgpu`) take
 //! their device time from the same op on the bare `CubeBackend`.
 //!
@@ -146,8 +148,8 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
         warmup: 10,
         passes: if quick { 5 } else { 20 },
         calls: Calls::AtLeast {
-            seconds: 2e-3,
-            max: 200,
+            seconds: 10e-3,
+            max: 2000,
         },
     };
     let csv_path = cli
@@ -631,16 +633,25 @@ fn time_twin<R: CubeRuntime, T: Send + 'static>(
     })
 }
 
-/// Wall GB/s against N, one line per implementation, one panel per dtype and direction; the
-/// PNG goes next to the CSV.
+/// Wall GB/s against N, one line per implementation, one panel per dtype and direction, with
+/// the peers of `torch_softmax.csv` beside the CSV where it exists; the PNG goes next to the CSV.
 fn plot_csv(csv: &Path) {
-    let rows: Vec<Row> = match read_rows(csv) {
+    let mut rows: Vec<Row> = match read_rows(csv) {
         Ok(rows) => rows,
         Err(e) => {
             eprintln!("plot: {e}");
             return;
         }
     };
+    // The peers' rows (`benches/softmax_peers.py`, same columns) where they ran in the same
+    // directory.
+    let peers = csv.with_file_name("torch_softmax.csv");
+    if peers.exists() {
+        match read_rows::<Row>(&peers) {
+            Ok(more) => rows.extend(more),
+            Err(e) => eprintln!("plot: {e}"),
+        }
+    }
     let mut panels: Vec<Panel> = Vec::new();
     for r in rows.iter().filter(|r| r.direction != "strided") {
         let Some(rate) = r.wall_gb_per_s else {

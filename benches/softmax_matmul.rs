@@ -731,7 +731,8 @@ fn sibling(csv: &Path, stem: &str) -> PathBuf {
 }
 
 /// Median wall time and peak memory against d2, a pair of panels per sweep, from the CSVs
-/// (`softmax_matmul.csv` and its `_lowp`/`_backward` files where present); the PNG goes next to
+/// (`softmax_matmul.csv` and its `_lowp`/`_backward` files where present, and the peers'
+/// `torch_softmax_matmul_forward.csv` / `_backward.csv` beside them); the PNG goes next to
 /// the first.
 fn draw(csv: &Path) {
     let mut panels: Vec<Panel> = Vec::new();
@@ -766,8 +767,17 @@ fn draw(csv: &Path) {
         }
         Err(e) => eprintln!("plot: {e}"),
     }
-    for (stem, what) in [("_lowp", "forward"), ("_backward", "forward + backward")] {
-        let path = sibling(csv, stem);
+    let peers = |name: &str| csv.with_file_name(name);
+    for (path, what) in [
+        (sibling(csv, "_lowp"), "forward"),
+        (sibling(csv, "_backward"), "forward + backward"),
+        // The peers (`benches/softmax_peers.py`, same columns), f32 included.
+        (peers("torch_softmax_matmul_forward.csv"), "forward"),
+        (
+            peers("torch_softmax_matmul_backward.csv"),
+            "forward + backward",
+        ),
+    ] {
         if !path.exists() {
             continue;
         }

@@ -2,7 +2,7 @@
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr};
+use burn::backend::ir::{HandleContainer, OperationOutput, TensorId, TensorIr};
 use burn::tensor::{
     DType, Shape,
     ops::{BoolTensor, FloatTensor},
@@ -14,7 +14,7 @@ use burn_fusion::{
 
 use super::{AttentionGrads, FlashAttentionOptions};
 use crate::FlashBackend;
-use crate::softmax::fusion::custom_op;
+use crate::softmax::fusion::{custom_op, register};
 
 #[derive(Debug)]
 struct ForwardOp<B> {
@@ -90,9 +90,7 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
         _backend: PhantomData,
     };
     let desc = custom_op("burn_flash::attention", inputs, vec![out, lse]);
-    let [out, lse] = client
-        .register(streams, OperationIr::Custom(desc), op)
-        .outputs();
+    let [out, lse] = register(&client, streams, desc, op).outputs();
     (out, lse)
 }
 
@@ -193,9 +191,7 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
         _backend: PhantomData,
     };
     let desc = custom_op("burn_flash::attention_backward", inputs, outputs);
-    let mut grads = client
-        .register(streams, OperationIr::Custom(desc), op)
-        .into_iter();
+    let mut grads = register(&client, streams, desc, op).into_iter();
     let mut next = || grads.next().expect("registered output");
     let (dq, dk, dv) = (next(), next(), next());
     AttentionGrads {

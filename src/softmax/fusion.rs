@@ -13,7 +13,8 @@ use burn::backend::ir::{
 use burn::tensor::ops::FloatTensor;
 use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
 use burn_fusion::{
-    Fusion, FusionBackend, FusionRuntime,
+    Fusion, FusionBackend, FusionRuntime, FusionTensor,
+    client::GlobalFusionClient,
     stream::{Operation, OperationStreams},
 };
 
@@ -105,6 +106,25 @@ pub(crate) fn custom_op(
     }
 }
 
+/// Records a custom op on Fusion's stream, then hands Fusion's task queue to its device thread
+/// at once. Fusion's channel otherwise holds tasks until 32 have queued or the user syncs, so a
+/// custom op (which no fuser takes: it runs as soon as the device thread sees it) would wait
+/// for unrelated later tasks, and a lone call would start its kernel only at the sync.
+/// `BURN_FLASH_FUSION_FLUSH=0` leaves the queue alone (for comparisons).
+pub(crate) fn register<R: FusionRuntime, O: Operation<R> + 'static>(
+    client: &GlobalFusionClient<R>,
+    streams: OperationStreams,
+    desc: CustomOpIr,
+    op: O,
+) -> Vec<FusionTensor<R>> {
+    static FLUSH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let outputs = client.register(streams, OperationIr::Custom(desc), op);
+    if *FLUSH.get_or_init(|| std::env::var("BURN_FLASH_FUSION_FLUSH").map_or(true, |v| v != "0")) {
+        client.flush_queue();
+    }
+    outputs
+}
+
 pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     x: FloatTensor<Fusion<B>>,
     dim: usize,
@@ -125,9 +145,7 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
         _backend: PhantomData,
     };
     let desc = custom_op("burn_flash::softmax", vec![x], vec![out]);
-    client
-        .register(streams, OperationIr::Custom(desc), op)
-        .output()
+    register(&client, streams, desc, op).output()
 }
 
 pub(crate) fn backward<B: FusionBackend + FlashBackend>(
@@ -160,7 +178,5 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
         _backend: PhantomData,
     };
     let desc = custom_op("burn_flash::softmax_backward", vec![y, dy], vec![out]);
-    client
-        .register(streams, OperationIr::Custom(desc), op)
-        .output()
+    register(&client, streams, desc, op).output()
 }

@@ -4,7 +4,7 @@
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr};
+use burn::backend::ir::{HandleContainer, OperationOutput, TensorId, TensorIr};
 use burn::tensor::{DType, Shape, ops::FloatTensor};
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 use burn_fusion::{
@@ -14,7 +14,7 @@ use burn_fusion::{
 
 use super::dims_of;
 use crate::FlashBackend;
-use crate::softmax::fusion::custom_op;
+use crate::softmax::fusion::{custom_op, register};
 
 #[derive(Debug)]
 struct ForwardOp<B> {
@@ -108,9 +108,7 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
         _backend: PhantomData,
     };
     let desc = custom_op("burn_flash::softmax_matmul", inputs.into(), vec![out, lse]);
-    let [out, lse] = client
-        .register(streams, OperationIr::Custom(desc), op)
-        .outputs();
+    let [out, lse] = register(&client, streams, desc, op).outputs();
     (out, lse)
 }
 
@@ -149,8 +147,6 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
         inputs.into(),
         vec![dx, dv],
     );
-    let [dx, dv] = client
-        .register(streams, OperationIr::Custom(desc), op)
-        .outputs();
+    let [dx, dv] = register(&client, streams, desc, op).outputs();
     (dx, dv)
 }

@@ -7,12 +7,14 @@
 //!   softmax → `·V`), the scores never written;
 //! - [`flash`]: the one flash forward loop (online softmax, `·V`) both ops run, with the
 //!   scores given (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
+//! - [`cache`]: the compilation cache burn-flash turns on (where it lives, how to clear it);
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
 //!   helpers, `cp.async` double buffering); [`tiling`]: the register-tiled product of the
 //!   plain-unit kernels.
 
 pub mod attention;
+pub mod cache;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod flash;

@@ -296,6 +296,7 @@ pub fn launch_attention_backward<R: Runtime>(
     dtype: StorageType,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
+    crate::cache::ensure_linked();
     let dims = attention_dims(&t.q, &t.k, &t.v)?;
     let AttentionDims {
         batch,

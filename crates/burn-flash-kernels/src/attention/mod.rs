@@ -528,6 +528,7 @@ pub fn launch_attention<R: Runtime>(
     dtype: StorageType,
     options: &AttentionOptions,
 ) -> Result<AttentionPlan, AttentionError> {
+    crate::cache::ensure_linked();
     let dims = attention_dims(&q, &k, &v)?;
     let AttentionDims {
         batch,

@@ -309,6 +309,7 @@ pub fn launch_softmax<R: Runtime>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
+    crate::cache::ensure_linked();
     check_same_shape("output", input.shape, &output)?;
     check_dim(dim, input.shape.len())?;
     let [x, y] = permute_all(input.shape, [input.strides, output.strides], dim);
@@ -396,6 +397,7 @@ pub fn launch_softmax_backward<R: Runtime>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
+    crate::cache::ensure_linked();
     check_same_shape("grad", y.shape, &dy)?;
     check_same_shape("output", y.shape, &dx)?;
     check_dim(dim, y.shape.len())?;

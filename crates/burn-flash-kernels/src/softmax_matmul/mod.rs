@@ -624,6 +624,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
     dtype: StorageType,
     options: SoftmaxMatmulOptions,
 ) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
+    crate::cache::ensure_linked();
     let dims = dims_of(
         &x,
         &v,
@@ -711,6 +712,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     dv: TensorRef<'_>,
     dtype: StorageType,
 ) -> Result<(), SoftmaxMatmulError> {
+    crate::cache::ensure_linked();
     let v_batch = v.shape.first().copied().unwrap_or(0);
     let dims = dims_of(
         &x,
