@@ -384,10 +384,14 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
             (cube + 1, SoftmaxTier::Split),
             (1 << 22, SoftmaxTier::Split),
         ] {
-            assert_eq!(
-                plan([4, n], [n, 1], backward),
-                tier,
-                "row length {n}, backward {backward}"
+            // Long forward rows take the exchange scheme where the runtime has it (CUDA: its
+            // own test, `exchange_tier`, pins which); the backward never does.
+            let got = plan([4, n], [n, 1], backward);
+            let ok = got == tier
+                || (!backward && tier == SoftmaxTier::Split && got == SoftmaxTier::Exchange);
+            assert!(
+                ok,
+                "row length {n}, backward {backward}: {got:?}, expected {tier:?}"
             );
         }
         // A non-contiguous softmax dim is read in place (strided) only with many rows; with
@@ -436,6 +440,106 @@ fn impossible_forced_tier_is_refused<B: FlashBackend>(device: &B::Device, dtype:
         format!(
             "burn_flash::softmax: tier Plane cannot run rows of length {n}: the row does not fit \
              in one plane's registers"
+        )
+    );
+}
+
+/// The exchange scheme (CUDA): the plan takes it for forward rows longer than one cube holds,
+/// up to one chunk per streaming multiprocessor, and never for the backward; forced, it matches
+/// the f64 reference on ragged lengths, masked chunks, fully masked rows and more cubes than
+/// the device holds at once (so that cubes wait on cubes that have not started).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("fused backend");
+    let plan = |n: usize, backward: bool, tier: Option<SoftmaxTier>| {
+        let opts = SoftmaxOptions {
+            tier,
+            plane_ops: None,
+        };
+        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
+            .expect("fused backend")
+    };
+    let long = limits.cube + 1;
+    let auto = plan(long, false, None).unwrap();
+    assert_eq!(auto.tier, SoftmaxTier::Exchange, "forward row of {long}");
+    assert_eq!(plan(long, true, None).unwrap().tier, SoftmaxTier::Split);
+    assert_eq!(
+        plan(1 << 22, false, None).unwrap().tier,
+        SoftmaxTier::Split,
+        "more chunks than streaming multiprocessors"
+    );
+    let refused = plan(long, true, Some(SoftmaxTier::Exchange)).unwrap_err();
+    assert!(refused.to_string().contains("forward only"), "{refused}");
+    let exchange = SoftmaxOptions {
+        tier: Some(SoftmaxTier::Exchange),
+        plane_ops: None,
+    };
+    // One chunk holds 256 units' registers: 8192 f32 or 16384 16-bit elements.
+    let chunk = if dtype == FloatDType::F32 {
+        8192
+    } else {
+        16384
+    };
+    for variant in VARIANTS {
+        for n in [100, chunk, chunk + 1, 3 * chunk + 5, long] {
+            let x = random::<B, 2>([13, n], -6.0, 6.0, dtype, device);
+            check_forward(x, 1, variant, exchange, dtype, &format!("exchange n {n}"));
+        }
+        // Masked chunks: the first chunk of row 0 fully −inf, row 1 fully −inf (zeros for
+        // softmax and quiet, −inf for log-softmax: the reference says which).
+        let n = 2 * chunk + 7;
+        let x = random::<B, 2>([3, n], -6.0, 6.0, dtype, device);
+        let x = x.slice_assign(
+            [0..1, 0..chunk],
+            Tensor::<B, 2>::full([1, chunk], f32::NEG_INFINITY, device).cast(dtype),
+        );
+        let x = x.slice_assign(
+            [1..2, 0..n],
+            Tensor::<B, 2>::full([1, n], f32::NEG_INFINITY, device).cast(dtype),
+        );
+        check_forward(x, 1, variant, exchange, dtype, "exchange, masked chunks");
+    }
+    // Many rows: ~3000 cubes of 4 chunks each, far more than the device runs at once.
+    let x = random::<B, 2>([777, 3 * chunk + 1], -6.0, 6.0, dtype, device);
+    check_forward(
+        x,
+        1,
+        SoftmaxVariant::Softmax,
+        SoftmaxOptions::default(),
+        dtype,
+        "exchange, many rows",
+    );
+}
+
+/// Where cubes may not make progress while others wait (wgpu), the exchange scheme is refused
+/// with its reason and long rows take the two-kernel split.
+#[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
+fn exchange_tier_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("fused backend");
+    let n = limits.cube + 1;
+    let opts = |tier| SoftmaxOptions {
+        tier,
+        plane_ops: None,
+    };
+    let plan = |tier| {
+        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts(tier))
+            .expect("fused backend")
+    };
+    assert_eq!(plan(None).unwrap().tier, SoftmaxTier::Split);
+    let x = random::<B, 2>([2, n], -1.0, 1.0, dtype, device);
+    let msg = panic_message(|| {
+        softmax_with(
+            x.clone(),
+            1,
+            SoftmaxVariant::Softmax,
+            opts(Some(SoftmaxTier::Exchange)),
+        );
+    });
+    assert_eq!(
+        msg,
+        format!(
+            "burn_flash::softmax: tier Exchange cannot run rows of length {n}: the exchange \
+             scheme runs on CUDA only (cubes must make progress while others wait)"
         )
     );
 }
@@ -635,6 +739,7 @@ mod wgpu {
     suite!(empty_f16, W, FloatDType::F16, [empty_tensors]);
     fused_suite!(fused_f32, W, FloatDType::F32);
     fused_suite!(fused_f16, W, FloatDType::F16);
+    suite!(exchange_f32, W, FloatDType::F32, [exchange_tier_refused]);
 
     #[test]
     fn shift_invariance_f32() {
@@ -671,6 +776,9 @@ mod cuda {
     fused_suite!(fused_f32, C, FloatDType::F32);
     fused_suite!(fused_f16, C, FloatDType::F16);
     fused_suite!(fused_bf16, C, FloatDType::BF16);
+    suite!(exchange_f32, C, FloatDType::F32, [exchange_tier]);
+    suite!(exchange_f16, C, FloatDType::F16, [exchange_tier]);
+    suite!(exchange_bf16, C, FloatDType::BF16, [exchange_tier]);
 
     #[test]
     fn shift_invariance_f32() {

@@ -257,10 +257,7 @@ impl<R: Runtime, U: Send + 'static, F: FnMut() -> U + Send> Twin<'_, R, F> {
         let call = &mut self.call;
         let (outs, duration) = self
             .client
-            .profile(
-                move || (0..calls).fold(None, |_, _| Some(call())),
-                "bench",
-            )
+            .profile(move || (0..calls).fold(None, |_, _| Some(call())), "bench")
             .map_err(|err| format!("profile failed: {err}"))?;
         let method = duration.timing_method();
         let ticks = cubecl::future::block_on(duration.resolve());

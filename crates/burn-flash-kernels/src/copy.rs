@@ -48,3 +48,29 @@ pub fn launch_copy<R: Runtime>(
         );
     }
 }
+
+#[cube(launch_unchecked)]
+fn zero_u32_kernel(output: &mut Array<u32>) {
+    if ABSOLUTE_POS < output.len() {
+        output[ABSOLUTE_POS] = 0u32;
+    }
+}
+
+/// Sets the first `len` `u32` words of `buffer` to zero (the exchange buffers of the kernels
+/// that hand values between cubes start zeroed).
+pub fn launch_zero_u32<R: Runtime>(client: &ComputeClient<R>, buffer: &Handle, len: usize) {
+    let cubes = len.div_ceil(256).max(1);
+    let max_x = client.properties().hardware.max_cube_count.0 as usize;
+    let y = cubes.div_ceil(max_x);
+    let count = CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1);
+    // SAFETY: the kernel checks its index against `len`, which the caller guarantees the
+    // buffer holds.
+    unsafe {
+        zero_u32_kernel::launch_unchecked::<R>(
+            client,
+            count,
+            CubeDim::new_1d(256),
+            ArrayArg::from_raw_parts(buffer.clone(), len),
+        );
+    }
+}

@@ -9,6 +9,8 @@
 //!   cube), so every element is read once and written once;
 //! - `*_split_partials` + `*_split_finish`: rows too long for one cube are cut in chunks; the
 //!   first kernel writes each chunk's `(m, l)`, the second merges them and normalises its chunk;
+//! - `softmax_split_exchange` (CUDA): the same chunks in one kernel, each held in registers while
+//!   the cubes of a row exchange their `(m, l)` through global atomics: one read per element;
 //! - `*_strided`: the softmax dimension is not contiguous; one unit per row, neighbouring units
 //!   take neighbouring rows so that loads coalesce.
 
@@ -287,6 +289,124 @@ pub fn softmax_split_finish<F: Float, N: Size>(
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
             output[out_base + j] = softmax_apply(input[in_base + j], shift, norm, cfg.variant);
+        }
+    }
+}
+
+/// Marks a published word: the exchange buffer starts zeroed, and a published `f32`'s bits
+/// are stored complemented, which is zero only for the bits `0xFFFF_FFFF` (a NaN no max or sum
+/// produces).
+const PUBLISHED: u32 = 0xFFFF_FFFF;
+
+/// Forward, split rows in one pass (CUDA): each cube holds its chunk in registers, publishes the
+/// chunk's `(m, l)`, waits for the other chunks of its row, merges, and writes its chunk from
+/// registers — every element read once, where the two-kernel split reads it twice.
+///
+/// `exchange` (zeroed before the launch): word 0 hands out tickets, then two words per
+/// (row, chunk), `m` and `l` with their bits complemented ([`PUBLISHED`]). A cube takes its
+/// (row, chunk) from the ticket it draws when it starts, not from `CUBE_POS`: every ticket
+/// below a cube's own then belongs to a cube that has started, so the cubes of the last,
+/// partly started row are the only ones waiting, and they cannot hold every slot of the device
+/// while the device holds at least `num_chunks` cubes at once (the host checks this). Each word
+/// is written and read with atomics, and a reader spins on the word itself, so no ordering
+/// between different words is needed.
+#[cube(launch_unchecked)]
+pub fn softmax_split_exchange<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    exchange: &mut Array<Atomic<u32>>,
+    num_rows: usize,
+    num_chunks: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let mut ticket = SharedMemory::<u32>::new(1usize);
+    if UNIT_POS == 0 {
+        ticket[0] = exchange[0].fetch_add(1u32);
+    }
+    sync_cube();
+    let t = ticket[0] as usize;
+    let row = t / num_chunks;
+    let chunk = t % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = input.rank() - 1;
+    let n_vec = input.shape(dim) / N::value();
+    let in_base = row_offset(input, row, dim) / N::value();
+    let out_base = row_offset(output, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    // -- this chunk's (m, l), as the two-kernel split's first pass --
+    let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut local_max = neg_inf;
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
+        if j < n_vec {
+            v = input[in_base + j];
+        }
+        regs[k as usize] = v;
+        local_max = vector_max(local_max, v);
+    }
+    let chunk_max = group_reduce(local_max, &mut smem_max, true, cfg.group);
+    let chunk_shift = select(chunk_max == neg_inf, 0.0f32, chunk_max);
+    let mut local_sum = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
+    }
+    let chunk_sum = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
+    let words = 1 + 2 * (row * num_chunks);
+    if UNIT_POS == 0 {
+        exchange[words + 2 * chunk].store(u32::reinterpret(chunk_max) ^ PUBLISHED);
+        exchange[words + 2 * chunk + 1].store(u32::reinterpret(chunk_sum) ^ PUBLISHED);
+    }
+
+    // -- wait for the row's chunks and merge, as the two-kernel split's second pass --
+    let mut m = neg_inf;
+    let mut l = 0.0f32;
+    let mut p = UNIT_POS_X as usize;
+    while p < num_chunks {
+        let mut a = exchange[words + 2 * p].load();
+        while a == 0u32 {
+            a = exchange[words + 2 * p].load();
+        }
+        let mut b = exchange[words + 2 * p + 1].load();
+        while b == 0u32 {
+            b = exchange[words + 2 * p + 1].load();
+        }
+        let pm = f32::reinterpret(a ^ PUBLISHED);
+        let pl = f32::reinterpret(b ^ PUBLISHED);
+        let ps = select(pm == neg_inf, 0.0f32, pm);
+        let merged = f32::max(m, pm);
+        let ms = select(merged == neg_inf, 0.0f32, merged);
+        let cur = select(m == neg_inf, 0.0f32, m);
+        let mut alpha = f32::exp(cur - ms);
+        if comptime!(crate::mutation::no_rescale()) {
+            alpha = 1.0f32;
+        }
+        l = l * alpha + pl * f32::exp(ps - ms);
+        m = merged;
+        p += x as usize;
+    }
+    let row_max = group_reduce(m, &mut smem_max, true, cfg.group);
+    let shift = softmax_shift(row_max, neg_inf, cfg.variant);
+    let own = select(m == neg_inf, 0.0f32, m);
+    let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
+    let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        if j < n_vec {
+            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
         }
     }
 }

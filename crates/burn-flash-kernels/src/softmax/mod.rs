@@ -32,6 +32,11 @@ pub enum SoftmaxTier {
     Cube,
     /// Long rows: chunks of a row on several cubes; per-chunk `(m, l)` merged by a second kernel.
     Split,
+    /// Long rows on CUDA: the chunks of [`Split`](Self::Split) in one kernel, each held in
+    /// registers while the cubes of a row exchange their `(m, l)` through global atomics, so
+    /// every element is read once. Needs a runtime whose cubes make progress while others
+    /// wait (CUDA) and at most one chunk per streaming multiprocessor.
+    Exchange,
     /// Softmax dimension not contiguous: one unit per row, neighbouring units on neighbouring
     /// rows.
     Strided,
@@ -272,7 +277,8 @@ pub fn plan_softmax<R: Runtime>(
 
 /// Longest rows each register tier takes on this device for this element type (the same for
 /// every vector size): forward rows up to `plane` elements go to [`SoftmaxTier::Plane`], up to
-/// `cube` to [`SoftmaxTier::Cube`], longer ones to [`SoftmaxTier::Split`]. The backward holds
+/// `cube` to [`SoftmaxTier::Cube`], longer ones to [`SoftmaxTier::Exchange`] on CUDA (up to one
+/// chunk per streaming multiprocessor) or [`SoftmaxTier::Split`]. The backward holds
 /// two tensors of the row, so its limits are half.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowLimits {
@@ -369,6 +375,25 @@ pub fn launch_softmax<R: Runtime>(
                     dtype,
                 );
             }
+            SoftmaxTier::Exchange => {
+                let words = 1 + 2 * rows * chunks;
+                let exchange = client.empty(words * 4);
+                crate::copy::launch_zero_u32::<R>(client, &exchange, words);
+                kernel::softmax_split_exchange::launch_unchecked::<R>(
+                    client,
+                    count,
+                    cube_dim,
+                    v,
+                    x.arg(input.handle),
+                    y.arg(output.handle),
+                    ArrayArg::from_raw_parts(exchange, words),
+                    rows,
+                    chunks,
+                    neg_inf,
+                    cfg,
+                    dtype,
+                );
+            }
             SoftmaxTier::Strided => kernel::softmax_strided::launch_unchecked::<R>(
                 client,
                 count,
@@ -426,6 +451,8 @@ pub fn launch_softmax_backward<R: Runtime>(
                     dtype,
                 )
             }
+            // The plan refuses the exchange scheme for the backward.
+            SoftmaxTier::Exchange => unreachable!("the exchange scheme is forward only"),
             SoftmaxTier::Split => {
                 let partial_sum = client.empty(rows * chunks * 4);
                 kernel::softmax_backward_split_partials::launch_unchecked::<R>(

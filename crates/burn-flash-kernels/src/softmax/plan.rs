@@ -64,6 +64,9 @@ pub(crate) struct DeviceFacts {
     max_cube_count: (u32, u32, u32),
     /// Largest of `io_optimized_vector_sizes`, which are it and its halvings down to 1.
     max_vector_size: usize,
+    /// Most chunks per row the exchange tier may use: the streaming multiprocessors (each
+    /// holds at least one cube of the tier at once), on CUDA only; `None` elsewhere.
+    exchange_chunks: Option<usize>,
 }
 
 impl DeviceFacts {
@@ -95,6 +98,13 @@ impl DeviceFacts {
                 .io_optimized_vector_sizes(elem_size)
                 .next()
                 .unwrap_or(1),
+            // The exchange needs cubes that make progress while others spin: CUDA's scheduler
+            // gives that; Vulkan/Metal/WebGPU do not promise it (lavapipe runs workgroups on a
+            // small thread pool).
+            exchange_chunks: (R::name(client) == "cuda")
+                .then_some(hw.num_streaming_multiprocessors)
+                .flatten()
+                .map(|sms| sms as usize),
         })
     }
 
@@ -155,12 +165,18 @@ pub(crate) fn plan(
     let max_k = (ROW_BYTES_PER_UNIT / (held * vector_size * elem_size)).max(1);
     let cube_max_vec = facts.max_units as usize * max_k;
 
+    let split_units = SPLIT_UNITS.min(facts.max_units);
+    let split_chunks = n_vec.div_ceil(split_units as usize * max_k);
+    let forward = layouts.len() == 2;
+    let exchange_ok = forward && facts.exchange_chunks.is_some_and(|c| split_chunks <= c);
     let auto = if !contiguous_rows {
         SoftmaxTier::Strided
     } else if n_vec <= plane as usize * max_k {
         SoftmaxTier::Plane
     } else if n_vec <= cube_max_vec {
         SoftmaxTier::Cube
+    } else if exchange_ok {
+        SoftmaxTier::Exchange
     } else {
         SoftmaxTier::Split
     };
@@ -182,6 +198,15 @@ pub(crate) fn plan(
         ));
     }
 
+    if tier == SoftmaxTier::Exchange && !exchange_ok {
+        return Err(unavailable(if !forward {
+            "the exchange scheme is forward only"
+        } else if facts.exchange_chunks.is_none() {
+            "the exchange scheme runs on CUDA only (cubes must make progress while others wait)"
+        } else {
+            "the row has more chunks than the device has streaming multiprocessors"
+        }));
+    }
     let plane_size = facts.plane_size.unwrap_or(0);
     let (units_per_row, rows_per_cube, k) = match tier {
         SoftmaxTier::Plane => {
@@ -201,7 +226,7 @@ pub(crate) fn plan(
                 .min(facts.max_units);
             (x, 1, n_vec.div_ceil(x as usize).max(1))
         }
-        SoftmaxTier::Split => (SPLIT_UNITS.min(facts.max_units), 1, max_k),
+        SoftmaxTier::Split | SoftmaxTier::Exchange => (split_units, 1, max_k),
         SoftmaxTier::Strided => (STRIDED_UNITS.min(facts.max_units), 1, 1),
     };
     let config = RowConfig {
@@ -216,10 +241,7 @@ pub(crate) fn plan(
     let (num_chunks, cubes) = match tier {
         SoftmaxTier::Plane => (1, num_rows.div_ceil(rows_per_cube as usize)),
         SoftmaxTier::Cube => (1, num_rows),
-        SoftmaxTier::Split => {
-            let chunks = n_vec.div_ceil(units_per_row as usize * k);
-            (chunks, num_rows * chunks)
-        }
+        SoftmaxTier::Split | SoftmaxTier::Exchange => (split_chunks, num_rows * split_chunks),
         SoftmaxTier::Strided => (1, num_rows.div_ceil(units_per_row as usize)),
     };
     Ok(SoftmaxPlan {
