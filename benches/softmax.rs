@@ -2,7 +2,8 @@
 //! and a device-to-device copy, forward and backward.
 //!
 //! `cargo bench --bench softmax -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
-//! [--dtypes f32,f16,bf16] [--m M] [--ns N1,N2] [--profile] [--plot CSV]` (`--help` lists them):
+//! [--dtypes f32,f16,bf16] [--m M] [--ns N1,N2] [--tiers exchange,split] [--profile] [--plot CSV]`
+//! (`--help` lists them):
 //! wgpu by default, CUDA with `--features cuda` (both in one process when both are built; wgpu's
 //! files then end in `-wgpu`). `--profile`: one forward and one backward call per shape, to
 //! run under `ncu`. `--plot CSV`: redraw the PNG of an earlier run's `softmax.csv`.
@@ -75,9 +76,51 @@ struct Cli {
     /// One forward and one backward call per shape (to run under `ncu`), no timing.
     #[arg(long)]
     profile: bool,
+    /// Forward rows with these row schemes forced, beside the plan's choice (on the bare
+    /// `CubeBackend`, `impl` = `burn-flash TIER (CubeBackend)`; a scheme the shape or device
+    /// cannot run gives a row with the reason). With `--profile`, one forced call each.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    tiers: Vec<TierName>,
     /// Redraw the PNG of an earlier run's CSV, then exit.
     #[arg(long, value_name = "CSV")]
     plot: Option<PathBuf>,
+}
+
+/// A row scheme to force (`--tiers`).
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum TierName {
+    Plane,
+    Cube,
+    Split,
+    Exchange,
+}
+
+impl TierName {
+    fn tier(self) -> burn_flash::SoftmaxTier {
+        use burn_flash::SoftmaxTier as T;
+        match self {
+            Self::Plane => T::Plane,
+            Self::Cube => T::Cube,
+            Self::Split => T::Split,
+            Self::Exchange => T::Exchange,
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Self::Plane => "burn-flash plane (CubeBackend)",
+            Self::Cube => "burn-flash cube (CubeBackend)",
+            Self::Split => "burn-flash split (CubeBackend)",
+            Self::Exchange => "burn-flash exchange (CubeBackend)",
+        }
+    }
+
+    fn options(self) -> SoftmaxOptions {
+        SoftmaxOptions {
+            tier: Some(self.tier()),
+            plane_ops: None,
+        }
+    }
 }
 
 /// A row of `softmax.csv` (module docs). Reading accepts the older column names.
@@ -205,6 +248,13 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                     SoftmaxOptions::default(),
                 );
                 drop(dx);
+                for tier in &cli.tiers {
+                    if let Ok(y) = attempt(|| {
+                        burn_flash::softmax_with(x(), 1, SoftmaxVariant::Softmax, tier.options())
+                    }) {
+                        drop(y);
+                    }
+                }
                 sync();
                 println!("profiled {label} M={m} N={n}");
                 continue;
@@ -275,6 +325,31 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                     measure(same_calls, &sync, call, Ok(&mut twin))
                 }),
             );
+            for tier in &cli.tiers {
+                record(
+                    "forward",
+                    tier.label(),
+                    attempt(|| {
+                        let (xu, _) = inputs();
+                        let options = tier.options();
+                        let call = || {
+                            burn_flash::softmax_with(
+                                xu.clone(),
+                                1,
+                                SoftmaxVariant::Softmax,
+                                options,
+                            )
+                        };
+                        // A forced scheme the shape cannot run panics here, before any timing.
+                        drop(call());
+                        let mut twin = Twin {
+                            client: &client,
+                            call,
+                        };
+                        measure(same_calls, &sync, call, Ok(&mut twin))
+                    }),
+                );
+            }
             record(
                 "forward",
                 "burn (fused)",

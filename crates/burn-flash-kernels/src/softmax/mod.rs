@@ -235,7 +235,7 @@ fn plan_layouts<R: Runtime>(
     options: SoftmaxOptions,
 ) -> Result<SoftmaxPlan, SoftmaxError> {
     check_dtype(client, dtype)?;
-    let facts = DeviceFacts::new(client, dtype.size(), &options)?;
+    let facts = DeviceFacts::new(client, dtype, &options)?;
     plan::plan(&facts, layouts, dtype.size(), variant, &options)
 }
 
@@ -299,7 +299,7 @@ pub fn row_limits<R: Runtime>(
     options: SoftmaxOptions,
 ) -> Result<RowLimits, SoftmaxError> {
     check_dtype(client, dtype)?;
-    Ok(DeviceFacts::new(client, dtype.size(), &options)?.row_limits(dtype.size()))
+    Ok(DeviceFacts::new(client, dtype, &options)?.row_limits(dtype.size()))
 }
 
 /// `output = softmax(input)` along `dim` (or its log / quiet variant).

@@ -55,6 +55,26 @@ pub struct SoftmaxPlan {
     pub cube_count: CubeCount,
 }
 
+/// Bytes of a row one unit of the chunked tiers (split, exchange) holds for `dtype`: 64 for
+/// 16-bit types. Their vectors widen to f32 for the arithmetic, and at 128 B the exchange
+/// kernel took 73 (f16) / 100 (bf16) registers against f32's 64, at 36 % / 24 % occupancy
+/// (ncu, H100): 67 % of copy at N = 262144 f16, against 81 % at 64 B (and 62 % at 32 B).
+fn chunk_unit_bytes(dtype: StorageType) -> usize {
+    if dtype.size() == 2 {
+        ROW_BYTES_PER_UNIT / 2
+    } else {
+        ROW_BYTES_PER_UNIT
+    }
+}
+
+/// Whether a 1024-unit cube holding [`ROW_BYTES_PER_UNIT`] each spills registers for `dtype`
+/// (bf16 did: 64 registers per unit, 190 MB of local loads at N = 65536 on an H100, 46 % of
+/// copy; f16 did not, 93 %). Such rows take the chunked tiers instead.
+fn full_cube_spills(dtype: StorageType) -> bool {
+    use cubecl::ir::{ElemType, FloatKind};
+    matches!(dtype, StorageType::Scalar(ElemType::Float(FloatKind::BF16)))
+}
+
 /// Device facts the heuristic needs (read from the client's properties, a field access: no
 /// cache needed).
 #[derive(Debug, Clone)]
@@ -64,6 +84,10 @@ pub(crate) struct DeviceFacts {
     max_cube_count: (u32, u32, u32),
     /// Largest of `io_optimized_vector_sizes`, which are it and its halvings down to 1.
     max_vector_size: usize,
+    /// Bytes of a row one unit of the chunked tiers holds ([`chunk_unit_bytes`]).
+    chunk_unit_bytes: usize,
+    /// Most units of a cube-tier cube ([`full_cube_spills`] halves it).
+    cube_units: u32,
     /// Most chunks per row the exchange tier may use: the streaming multiprocessors (each
     /// holds at least one cube of the tier at once), on CUDA only; `None` elsewhere.
     exchange_chunks: Option<usize>,
@@ -72,9 +96,10 @@ pub(crate) struct DeviceFacts {
 impl DeviceFacts {
     pub(crate) fn new<R: Runtime>(
         client: &ComputeClient<R>,
-        elem_size: usize,
+        dtype: StorageType,
         options: &SoftmaxOptions,
     ) -> Result<Self, SoftmaxError> {
+        let elem_size = dtype.size();
         let props = client.properties();
         let hw = &props.hardware;
         let has_planes = props.features.plane.contains(Plane::Ops);
@@ -93,6 +118,15 @@ impl DeviceFacts {
         Ok(Self {
             plane_size: use_planes.then_some(hw.plane_size_max),
             max_units: hw.max_units_per_cube.min(MAX_UNITS_PER_CUBE),
+            chunk_unit_bytes: chunk_unit_bytes(dtype),
+            cube_units: {
+                let units = hw.max_units_per_cube.min(MAX_UNITS_PER_CUBE);
+                if full_cube_spills(dtype) && units > 512 {
+                    units / 2
+                } else {
+                    units
+                }
+            },
             max_cube_count: hw.max_cube_count,
             max_vector_size: client
                 .io_optimized_vector_sizes(elem_size)
@@ -111,7 +145,7 @@ impl DeviceFacts {
     pub(crate) fn row_limits(&self, elem_size: usize) -> super::RowLimits {
         let per_unit = (ROW_BYTES_PER_UNIT / elem_size).max(1);
         let plane = self.plane_size.unwrap_or(VIRTUAL_PLANE) as usize * per_unit;
-        let cube = self.max_units as usize * per_unit;
+        let cube = self.cube_units as usize * per_unit;
         super::RowLimits {
             plane,
             cube,
@@ -163,10 +197,11 @@ pub(crate) fn plan(
     // The backward holds two tensors of the row (y and dy): half the vectors each.
     let held = if layouts.len() > 2 { 2 } else { 1 };
     let max_k = (ROW_BYTES_PER_UNIT / (held * vector_size * elem_size)).max(1);
-    let cube_max_vec = facts.max_units as usize * max_k;
+    let chunk_k = (facts.chunk_unit_bytes / (held * vector_size * elem_size)).max(1);
+    let cube_max_vec = facts.cube_units as usize * max_k;
 
     let split_units = SPLIT_UNITS.min(facts.max_units);
-    let split_chunks = n_vec.div_ceil(split_units as usize * max_k);
+    let split_chunks = n_vec.div_ceil(split_units as usize * chunk_k);
     let forward = layouts.len() == 2;
     let exchange_ok = forward && facts.exchange_chunks.is_some_and(|c| split_chunks <= c);
     let auto = if !contiguous_rows {
@@ -223,10 +258,10 @@ pub(crate) fn plan(
             }
             let x = (n_vec.div_ceil(max_k).next_power_of_two() as u32)
                 .max(plane)
-                .min(facts.max_units);
+                .min(facts.cube_units);
             (x, 1, n_vec.div_ceil(x as usize).max(1))
         }
-        SoftmaxTier::Split | SoftmaxTier::Exchange => (split_units, 1, max_k),
+        SoftmaxTier::Split | SoftmaxTier::Exchange => (split_units, 1, chunk_k),
         SoftmaxTier::Strided => (STRIDED_UNITS.min(facts.max_units), 1, 1),
     };
     let config = RowConfig {
