@@ -296,7 +296,7 @@ pub fn softmax_split_finish<F: Float, N: Size>(
 /// Marks a published word: the exchange buffer starts zeroed, and a published `f32`'s bits
 /// are stored complemented, which is zero only for the bits `0xFFFF_FFFF` (a NaN no max or sum
 /// produces).
-const PUBLISHED: u32 = 0xFFFF_FFFF;
+pub const PUBLISHED: u32 = 0xFFFF_FFFF;
 
 /// Forward, split rows in one pass (CUDA): each cube holds its chunk in registers, publishes the
 /// chunk's `(m, l)`, waits for the other chunks of its row, merges, and writes its chunk from
