@@ -384,11 +384,10 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
             (cube + 1, SoftmaxTier::Split),
             (1 << 22, SoftmaxTier::Split),
         ] {
-            // Long forward rows take the exchange scheme where the runtime has it (CUDA: its
-            // own test, `exchange_tier`, pins which); the backward never does.
+            // Long rows take the exchange scheme where the runtime has it (CUDA: its own test,
+            // `exchange_tier`, pins which).
             let got = plan([4, n], [n, 1], backward);
-            let ok = got == tier
-                || (!backward && tier == SoftmaxTier::Split && got == SoftmaxTier::Exchange);
+            let ok = got == tier || (tier == SoftmaxTier::Split && got == SoftmaxTier::Exchange);
             assert!(
                 ok,
                 "row length {n}, backward {backward}: {got:?}, expected {tier:?}"
@@ -444,9 +443,9 @@ fn impossible_forced_tier_is_refused<B: FlashBackend>(device: &B::Device, dtype:
     );
 }
 
-/// The exchange scheme (CUDA): the plan takes it for forward rows longer than one cube holds,
-/// up to one chunk per streaming multiprocessor, and never for the backward; forced, it matches
-/// the f64 reference on ragged lengths, masked chunks, fully masked rows and more cubes than
+/// The exchange scheme (CUDA): the plan takes it for rows longer than one cube holds, forward
+/// and backward, up to one chunk per streaming multiprocessor; forced, it matches the f64
+/// reference on ragged lengths, masked chunks, fully masked rows and more cubes than
 /// the device holds at once (so that cubes wait on cubes that have not started).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
@@ -459,17 +458,21 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
             .expect("fused backend")
     };
+    for (backward, cube) in [(false, limits.cube), (true, limits.backward_cube)] {
+        let long = cube + 1;
+        let auto = plan(long, backward, None).unwrap();
+        assert_eq!(
+            auto.tier,
+            SoftmaxTier::Exchange,
+            "row of {long}, backward {backward}"
+        );
+        assert_eq!(
+            plan(1 << 22, backward, None).unwrap().tier,
+            SoftmaxTier::Split,
+            "more chunks than streaming multiprocessors, backward {backward}"
+        );
+    }
     let long = limits.cube + 1;
-    let auto = plan(long, false, None).unwrap();
-    assert_eq!(auto.tier, SoftmaxTier::Exchange, "forward row of {long}");
-    assert_eq!(plan(long, true, None).unwrap().tier, SoftmaxTier::Split);
-    assert_eq!(
-        plan(1 << 22, false, None).unwrap().tier,
-        SoftmaxTier::Split,
-        "more chunks than streaming multiprocessors"
-    );
-    let refused = plan(long, true, Some(SoftmaxTier::Exchange)).unwrap_err();
-    assert!(refused.to_string().contains("forward only"), "{refused}");
     let exchange = SoftmaxOptions {
         tier: Some(SoftmaxTier::Exchange),
         plane_ops: None,
@@ -480,7 +483,9 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     for variant in VARIANTS {
         for n in [100, chunk, chunk + 1, 3 * chunk + 5, long] {
             let x = random::<B, 2>([13, n], -6.0, 6.0, dtype, device);
-            check_forward(x, 1, variant, exchange, dtype, &format!("exchange n {n}"));
+            let ctx = format!("exchange n {n}");
+            check_forward(x, 1, variant, exchange, dtype, &ctx);
+            check_backward::<B, 2>([13, n], 1, variant, exchange, dtype, device, false, &ctx);
         }
         // Masked chunks: the first chunk of row 0 fully −inf, row 1 fully −inf (zeros for
         // softmax and quiet, −inf for log-softmax: the reference says which).
@@ -496,6 +501,18 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
         check_forward(x, 1, variant, exchange, dtype, "exchange, masked chunks");
     }
+    // Many rows: far more cubes than the device runs at once (the backward's chunks are half
+    // as long: it holds `y` and `dy`).
+    check_backward::<B, 2>(
+        [300, 3 * 4096 + 1],
+        1,
+        SoftmaxVariant::Softmax,
+        SoftmaxOptions::default(),
+        dtype,
+        device,
+        false,
+        "exchange backward, many rows",
+    );
     // Many rows: ~3000 cubes of 4 chunks each, far more than the device runs at once.
     let x = random::<B, 2>([777, 3 * chunk + 1], -6.0, 6.0, dtype, device);
     check_forward(

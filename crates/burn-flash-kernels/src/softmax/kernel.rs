@@ -9,8 +9,9 @@
 //!   cube), so every element is read once and written once;
 //! - `*_split_partials` + `*_split_finish`: rows too long for one cube are cut in chunks; the
 //!   first kernel writes each chunk's `(m, l)`, the second merges them and normalises its chunk;
-//! - `softmax_split_exchange` (CUDA): the same chunks in one kernel, each held in registers while
-//!   the cubes of a row exchange their `(m, l)` through global atomics: one read per element;
+//! - `softmax_split_exchange`, `softmax_backward_split_exchange` (CUDA): the same chunks in one
+//!   kernel, each held in registers while the cubes of a row exchange their `(m, l)` (backward:
+//!   their partial sums) through global atomics: one read per element;
 //! - `*_strided`: the softmax dimension is not contiguous; one unit per row, neighbouring units
 //!   take neighbouring rows so that loads coalesce.
 
@@ -635,6 +636,87 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
             dx[dx_base + j] = backward_apply(y[y_base + j], dy[dy_base + j], s, cfg.variant);
+        }
+    }
+}
+
+/// Backward, split rows in one pass (CUDA): each cube holds its chunk of `y` and `dy` in
+/// registers, publishes the chunk's `Σ dy⊙y` (`Σ dy` for log-softmax), waits for the row's
+/// other chunks and writes its chunk of `dx` from registers: `y` and `dy` read once, where the
+/// two-kernel split reads them twice. `exchange` and the ticket protocol are those of
+/// [`softmax_split_exchange`]'s, with one word per (row, chunk).
+#[cube(launch_unchecked)]
+pub fn softmax_backward_split_exchange<F: Float, N: Size>(
+    y: &Tensor<Vector<F, N>>,
+    dy: &Tensor<Vector<F, N>>,
+    dx: &mut Tensor<Vector<F, N>>,
+    exchange: &mut Array<Atomic<u32>>,
+    num_rows: usize,
+    num_chunks: usize,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let mut ticket = SharedMemory::<u32>::new(1usize);
+    if UNIT_POS == 0 {
+        ticket[0] = exchange[0].fetch_add(1u32);
+    }
+    sync_cube();
+    let t = ticket[0] as usize;
+    let row = t / num_chunks;
+    let chunk = t % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let dim = y.rank() - 1;
+    let n_vec = y.shape(dim) / N::value();
+    let y_base = row_offset(y, row, dim) / N::value();
+    let dy_base = row_offset(dy, row, dim) / N::value();
+    let dx_base = row_offset(dx, row, dim) / N::value();
+    let chunk_start = chunk * comptime!((x * k_count) as usize);
+    let mut smem_chunk = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_row = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    let mut y_regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut dy_regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut local = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        let mut yv = Vector::<F, N>::new(F::from_int(0));
+        let mut dyv = Vector::<F, N>::new(F::from_int(0));
+        if j < n_vec {
+            yv = y[y_base + j];
+            dyv = dy[dy_base + j];
+        }
+        y_regs[k as usize] = yv;
+        dy_regs[k as usize] = dyv;
+        local = vector_sum(local, backward_term(yv, dyv, cfg.variant));
+    }
+    let chunk_sum = group_reduce(local, &mut smem_chunk, false, cfg.group);
+    let words = 1 + row * num_chunks;
+    if UNIT_POS == 0 {
+        exchange[words + chunk].store(u32::reinterpret(chunk_sum) ^ PUBLISHED);
+    }
+
+    let mut total = 0.0f32;
+    let mut p = UNIT_POS_X as usize;
+    while p < num_chunks {
+        let mut a = exchange[words + p].load();
+        while a == 0u32 {
+            a = exchange[words + p].load();
+        }
+        total += f32::reinterpret(a ^ PUBLISHED);
+        p += x as usize;
+    }
+    let s = group_reduce(total, &mut smem_row, false, cfg.group);
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        if j < n_vec {
+            dx[dx_base + j] =
+                backward_apply(y_regs[k as usize], dy_regs[k as usize], s, cfg.variant);
         }
     }
 }

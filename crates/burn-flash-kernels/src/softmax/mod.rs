@@ -33,9 +33,9 @@ pub enum SoftmaxTier {
     /// Long rows: chunks of a row on several cubes; per-chunk `(m, l)` merged by a second kernel.
     Split,
     /// Long rows on CUDA: the chunks of [`Split`](Self::Split) in one kernel, each held in
-    /// registers while the cubes of a row exchange their `(m, l)` through global atomics, so
-    /// every element is read once. Needs a runtime whose cubes make progress while others
-    /// wait (CUDA) and at most one chunk per streaming multiprocessor.
+    /// registers while the cubes of a row exchange their `(m, l)` (backward: partial sums)
+    /// through global atomics, so every element is read once. Needs a runtime whose cubes make
+    /// progress while others wait (CUDA) and at most one chunk per streaming multiprocessor.
     Exchange,
     /// Softmax dimension not contiguous: one unit per row, neighbouring units on neighbouring
     /// rows.
@@ -451,8 +451,25 @@ pub fn launch_softmax_backward<R: Runtime>(
                     dtype,
                 )
             }
-            // The plan refuses the exchange scheme for the backward.
-            SoftmaxTier::Exchange => unreachable!("the exchange scheme is forward only"),
+            SoftmaxTier::Exchange => {
+                let words = 1 + rows * chunks;
+                let exchange = client.empty(words * 4);
+                crate::copy::launch_zero_u32::<R>(client, &exchange, words);
+                kernel::softmax_backward_split_exchange::launch_unchecked::<R>(
+                    client,
+                    count,
+                    cube_dim,
+                    v,
+                    py.arg(y.handle),
+                    pdy.arg(dy.handle),
+                    pdx.arg(dx.handle),
+                    ArrayArg::from_raw_parts(exchange, words),
+                    rows,
+                    chunks,
+                    cfg,
+                    dtype,
+                );
+            }
             SoftmaxTier::Split => {
                 let partial_sum = client.empty(rows * chunks * 4);
                 kernel::softmax_backward_split_partials::launch_unchecked::<R>(

@@ -202,8 +202,7 @@ pub(crate) fn plan(
 
     let split_units = SPLIT_UNITS.min(facts.max_units);
     let split_chunks = n_vec.div_ceil(split_units as usize * chunk_k);
-    let forward = layouts.len() == 2;
-    let exchange_ok = forward && facts.exchange_chunks.is_some_and(|c| split_chunks <= c);
+    let exchange_ok = facts.exchange_chunks.is_some_and(|c| split_chunks <= c);
     let auto = if !contiguous_rows {
         SoftmaxTier::Strided
     } else if n_vec <= plane as usize * max_k {
@@ -234,9 +233,7 @@ pub(crate) fn plan(
     }
 
     if tier == SoftmaxTier::Exchange && !exchange_ok {
-        return Err(unavailable(if !forward {
-            "the exchange scheme is forward only"
-        } else if facts.exchange_chunks.is_none() {
+        return Err(unavailable(if facts.exchange_chunks.is_none() {
             "the exchange scheme runs on CUDA only (cubes must make progress while others wait)"
         } else {
             "the row has more chunks than the device has streaming multiprocessors"
