@@ -644,7 +644,7 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
 /// registers, publishes the chunk's `Σ dy⊙y` (`Σ dy` for log-softmax), waits for the row's
 /// other chunks and writes its chunk of `dx` from registers: `y` and `dy` read once, where the
 /// two-kernel split reads them twice. `exchange` and the ticket protocol are those of
-/// [`softmax_split_exchange`]'s, with one word per (row, chunk).
+/// [`softmax_split_exchange()`]'s, with one word per (row, chunk).
 #[cube(launch_unchecked)]
 pub fn softmax_backward_split_exchange<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
