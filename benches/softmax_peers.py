@@ -46,6 +46,9 @@ import time
 
 import torch
 
+# The helpers sdpa.py (the attention peer, same directory) already has.
+from sdpa import one_line, peak_mib, sig
+
 try:
     import triton
     import triton.language as tl
@@ -68,17 +71,6 @@ SMM_COLUMNS = [
     "wall_ms_median", "TFLOP_per_s", "device_ms_median", "device_TFLOP_per_s", "timing_method",
     "peak_MiB", "note",
 ]
-
-
-def sig(x, digits=4):
-    if x is None or x == 0 or not math.isfinite(x):
-        return x
-    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
-
-
-def one_line(err, limit=300):
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:limit]
 
 
 class Csv:
@@ -131,18 +123,6 @@ def measure(call, passes, quick, fixed_calls=None, warmup=3):
         del out
     std = statistics.stdev(wall) if len(wall) > 1 else 0.0
     return (statistics.mean(wall), std, statistics.median(wall)), statistics.median(device), calls
-
-
-def peak_mib(call, inputs_bytes):
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = call()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    del out
-    return (inputs_bytes + max(0, peak - before)) / 2**20
 
 
 # -- Triton softmax --

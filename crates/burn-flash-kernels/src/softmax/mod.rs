@@ -377,8 +377,7 @@ pub fn launch_softmax<R: Runtime>(
             }
             SoftmaxTier::Exchange => {
                 let words = 1 + 2 * rows * chunks;
-                let exchange = client.empty(words * 4);
-                crate::copy::launch_zero_u32::<R>(client, &exchange, words);
+                let exchange = crate::copy::zeroed_u32::<R>(client, words);
                 kernel::softmax_split_exchange::launch_unchecked::<R>(
                     client,
                     count,
@@ -453,8 +452,7 @@ pub fn launch_softmax_backward<R: Runtime>(
             }
             SoftmaxTier::Exchange => {
                 let words = 1 + rows * chunks;
-                let exchange = client.empty(words * 4);
-                crate::copy::launch_zero_u32::<R>(client, &exchange, words);
+                let exchange = crate::copy::zeroed_u32::<R>(client, words);
                 kernel::softmax_backward_split_exchange::launch_unchecked::<R>(
                     client,
                     count,
