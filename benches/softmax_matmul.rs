@@ -189,6 +189,7 @@ impl Impl {
     fn name(&self) -> &'static str {
         match self {
             Impl::Composed => "burn_composed",
+            Impl::Flash(o) if o.blocks.is_none() && o.wide == Some(true) => "burn_flash_wide",
             Impl::Flash(o) if o.blocks.is_none() => "burn_flash_heuristic",
             Impl::Flash(_) => "burn_flash",
         }
@@ -209,8 +210,12 @@ impl Impl {
         match self {
             Impl::Flash(SoftmaxMatmulOptions {
                 blocks: Some((b1, b2)),
+                wide,
                 ..
-            }) => format!("{}_{b1}x{b2}", self.name()),
+            }) => {
+                let wide = if *wide == Some(true) { "_wide" } else { "" };
+                format!("{}_{b1}x{b2}{wide}", self.name())
+            }
             _ => self.name().into(),
         }
     }
@@ -257,7 +262,18 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
             ..Default::default()
         })
     });
-    [Impl::Flash(Default::default())]
+    // The plan's kernel, and the wide kernel (P once per row block) with both its steps: it
+    // measured slower, so it runs only when asked for.
+    let wide = Impl::Flash(SoftmaxMatmulOptions {
+        wide: Some(true),
+        ..Default::default()
+    });
+    let wide_32 = Impl::Flash(SoftmaxMatmulOptions {
+        blocks: Some((64, 32)),
+        wide: Some(true),
+        ..Default::default()
+    });
+    [Impl::Flash(Default::default()), wide, wide_32]
         .into_iter()
         .chain(forced)
         .chain([Impl::Composed])

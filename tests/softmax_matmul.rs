@@ -346,6 +346,136 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     );
 }
 
+/// The wide matrix-unit kernel (one cube per 64 rows and all of `d3` in 129..=512, each `P`
+/// block computed once and shared through shared memory; CUDA f16/bf16 with 16-byte rows).
+/// The plan takes it only when asked for; where it runs, it matches the reference
+/// at ragged `d1` (around its 64 rows), `d2` (partial, whole and several steps of both step
+/// lengths), `d3` (3 to 8 column slabs of 64, partial ones), ±50 scores and a maximum that
+/// rises along the row (the rescale), masked rows and a shared `v`. Elsewhere (f32, wgpu), for
+/// `d3` outside 129..=512 and for other blocks, forcing it is an error that says why.
+fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let on = SoftmaxMatmulOptions {
+        wide: Some(true),
+        ..Default::default()
+    };
+    let dims = SmmDims {
+        batch: 2,
+        d1: 70,
+        d2: 264,
+        d3: 200,
+    };
+    let refused = "the wide matrix-unit kernel cannot run: ";
+    let runs = match softmax_matmul_plan::<B>(device, dims, dtype.into(), on) {
+        Some(Ok(plan)) => {
+            assert_eq!(plan.kernel, SmmForwardKernel::Wide);
+            assert_eq!((plan.block_1, plan.block_2, plan.tile_3), (64, 64, 256));
+            true
+        }
+        Some(Err(err)) => {
+            let msg = err.to_string();
+            assert!(msg.starts_with(refused), "{msg}");
+            false
+        }
+        None => return,
+    };
+    let plan = |dims, options| {
+        softmax_matmul_plan::<B>(device, dims, dtype.into(), options)
+            .expect("a fused backend plans")
+    };
+    let default = plan(dims, SoftmaxMatmulOptions::default()).expect("the default plan runs");
+    assert_ne!(
+        default.kernel,
+        SmmForwardKernel::Wide,
+        "only when asked for"
+    );
+    if !runs {
+        return;
+    }
+    for d3 in [128, 520] {
+        let other = SmmDims { d3, ..dims };
+        let msg = plan(other, on).expect_err("refused").to_string();
+        assert!(
+            msg.starts_with(&format!("{refused}it takes d3 in 129..=512 (d3 = {d3};")),
+            "{msg}"
+        );
+    }
+    let bad_blocks = SoftmaxMatmulOptions {
+        blocks: Some((32, 32)),
+        ..on
+    };
+    assert_eq!(
+        plan(dims, bad_blocks).expect_err("refused").to_string(),
+        format!(
+            "{refused}its blocks are 64 rows and one of [64, 32] columns of x per step, not (32, 32)"
+        )
+    );
+    let off = SoftmaxMatmulOptions {
+        wide: Some(false),
+        ..Default::default()
+    };
+    let off_plan = plan(dims, off).expect("the default plan runs");
+    assert_eq!(off_plan.kernel, SmmForwardKernel::MatrixUnits);
+
+    let step_32 = SoftmaxMatmulOptions {
+        blocks: Some((64, 32)),
+        ..on
+    };
+    for (batch, d1, d2, d3, opts) in [
+        (1, 1, 8, 136, on),
+        (2, 63, 24, 144, on),
+        (2, 65, 72, 192, on),
+        (1, 64, 64, 200, on),
+        (2, 97, 264, 504, on),
+        (2, 130, 1032, 512, on),
+        (3, 40, 96, 320, on),
+        (2, 63, 24, 144, step_32),
+        (2, 97, 264, 504, step_32),
+        (1, 130, 1032, 256, step_32),
+    ] {
+        let x = rand3::<B>([batch, d1, d2], 8.0, dtype, device);
+        let v = rand3::<B>([batch, d2, d3], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("wide {batch}×{d1}×{d2}×{d3}"));
+    }
+    let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
+    let v = rand3::<B>([2, 1032, 256], 1.0, dtype, device);
+    check_forward(x, v, on, dtype, "wide, ±50");
+    // A maximum that rises along every row: the reference moves in many steps.
+    let d2 = 296;
+    let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
+    let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
+    let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
+    let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
+    check_forward(x, v, on, dtype, "wide, maximum in the last step");
+    let x = rand3::<B>([3, 70, 264], 8.0, dtype, device);
+    let v = rand3::<B>([1, 264, 320], 1.0, dtype, device);
+    check_forward(x, v, on, dtype, "wide, shared v");
+    // Fully masked rows (0 and 5), a row finite only in its last 8 columns (3), one finite only
+    // in its first column (6).
+    let (d1, d2, d3) = (9, 136, 144);
+    let mut mask = vec![false; d1 * d2];
+    for j in 0..d2 {
+        mask[j] = true;
+        mask[5 * d2 + j] = true;
+        mask[3 * d2 + j] = j + 8 < d2;
+        mask[6 * d2 + j] = j > 0;
+    }
+    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
+        burn::tensor::TensorData::new(mask, [1, d1, d2]),
+        device,
+    );
+    let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
+    let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
+    check_forward(x.clone(), v.clone(), on, dtype, "wide, masked rows");
+    let out = read(softmax_matmul_with(x, v, on));
+    assert!(
+        out[..d3]
+            .iter()
+            .chain(&out[5 * d3..][..d3])
+            .all(|&a| a == 0.0),
+        "fully masked rows must be exactly 0"
+    );
+}
+
 /// The register-tiled plain-unit kernel (the heuristic's choice on plain units for outputs of
 /// at least 65 × 65, where the runtime has plane shuffles): partial 128 × 128 output tiles and
 /// partial 16-column steps, vector widths 4, 2 and 1, ±50 scores and a rising maximum (lazy
@@ -671,6 +801,10 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
         path: Some(SmmPath::Units),
         ..Default::default()
     };
+    let wide = SoftmaxMatmulOptions {
+        wide: Some(true),
+        ..Default::default()
+    };
     let default = SoftmaxMatmulOptions::default();
     // (dtype, [batch, d1, d2, d3], x transposed, options, kernel)
     let cases = [
@@ -776,6 +910,19 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             "{dtype:?} {dims:?} transposed {transposed} {options:?}: {plan:?}"
         );
     }
+    // The wide kernel only when asked for (the matrix units only: `wide_kernel` checks the
+    // refusals).
+    if matrix_units {
+        let dims = SmmDims {
+            batch: 2,
+            d1: 130,
+            d2: 1024,
+            d3: 200,
+        };
+        let bf16 = DType::from(FloatDType::BF16).into();
+        let plan = plan_softmax_matmul(&client, dims, bf16, 8, wide).expect("wide runs");
+        assert_eq!(plan.kernel, K::Wide, "{plan:?}");
+    }
 }
 
 /// The backward path of the `gradients` cases: with `matrix_units` (CUDA) the 16-byte aligned
@@ -865,7 +1012,8 @@ macro_rules! fused_suite {
                 aligned_rows,
                 tiled_units,
                 every_path,
-                impossible_blocks_are_refused
+                impossible_blocks_are_refused,
+                wide_kernel
             ]
         );
     };

@@ -56,6 +56,11 @@ pub fn softmax_matmul_with<B: SoftmaxMatmulBackend, const D: usize, const DV: us
     options: SoftmaxMatmulOptions,
 ) -> Tensor<B, D> {
     let (x3, v3, out_shape) = as_rank3(x, v);
+    if x3.dims()[2] == 0 {
+        // No columns: every row is empty, hence zeros. Nothing to launch (CUDA refuses the
+        // empty buffers as kernel arguments).
+        return Tensor::<B, D>::zeros(out_shape, &x3.device()).cast(x3.dtype());
+    }
     let (out, _lse) = B::flash_softmax_matmul(
         x3.into_primitive().tensor(),
         v3.into_primitive().tensor(),

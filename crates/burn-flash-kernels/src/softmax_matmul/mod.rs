@@ -31,6 +31,10 @@ use crate::flash::{self, FlashConfig, ScoreSource};
 use crate::fragment;
 use crate::softmax::TensorRef;
 
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod wide;
+
 /// Block sizes a caller may force, for `block_1` (rows of `X` per cube) and `block_2` (columns
 /// of `X` per online-softmax step).
 pub const BLOCK_SIZES: [usize; 3] = [16, 32, 64];
@@ -59,16 +63,11 @@ pub enum SmmForwardKernel {
     /// straight to registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned
     /// rows, `block_2` a multiple of 32).
     MatrixUnits,
-}
-
-impl From<SmmForwardKernel> for flash::FlashKernel {
-    fn from(kernel: SmmForwardKernel) -> Self {
-        match kernel {
-            SmmForwardKernel::Units => Self::Units,
-            SmmForwardKernel::Tiled => Self::Tiled,
-            SmmForwardKernel::MatrixUnits => Self::MatrixUnits,
-        }
-    }
+    /// [`wide::softmax_matmul_wide()`]: f16/bf16 on the matrix units with one cube per 64 rows
+    /// and all of `d3` (up to [`wide::MAX_COLUMNS`]), each `P` block computed once and shared
+    /// through shared memory, where [`SmmForwardKernel::MatrixUnits`] recomputes `P` for each
+    /// column tile of 128. Only when asked for ([`SoftmaxMatmulOptions::wide`]).
+    Wide,
 }
 
 impl SmmForwardKernel {
@@ -76,7 +75,18 @@ impl SmmForwardKernel {
     pub fn path(self) -> SmmPath {
         match self {
             Self::Units | Self::Tiled => SmmPath::Units,
-            Self::MatrixUnits => SmmPath::MatrixUnits,
+            Self::MatrixUnits | Self::Wide => SmmPath::MatrixUnits,
+        }
+    }
+
+    /// The flash kernel that runs this one (`None`: [`SmmForwardKernel::Wide`], which is not a
+    /// flash kernel shared with attention).
+    fn flash(self) -> Option<flash::FlashKernel> {
+        match self {
+            Self::Units => Some(flash::FlashKernel::Units),
+            Self::Tiled => Some(flash::FlashKernel::Tiled),
+            Self::MatrixUnits => Some(flash::FlashKernel::MatrixUnits),
+            Self::Wide => None,
         }
     }
 }
@@ -89,6 +99,10 @@ pub struct SoftmaxMatmulOptions {
     pub blocks: Option<(usize, usize)>,
     /// Force an inner-product path (the default picks matrix units where they exist).
     pub path: Option<SmmPath>,
+    /// Run [`SmmForwardKernel::Wide`] (`Some(true)`: an error where it cannot run). The default
+    /// (`None`, like `Some(false)`) does not: on an H100 it measured 3–15 % slower than the
+    /// column-tiled matrix-unit loop at every point of the seed protocol (NOTES.md, session 16).
+    pub wide: Option<bool>,
 }
 
 /// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.
@@ -122,6 +136,11 @@ pub enum SoftmaxMatmulError {
         /// Why not.
         reason: String,
     },
+    /// [`SmmForwardKernel::Wide`] was forced and cannot run.
+    WideUnavailable {
+        /// Why not.
+        reason: String,
+    },
     /// More cubes along one grid axis than the device can launch.
     TooLarge {
         /// Cubes along each axis the launch would need.
@@ -144,6 +163,9 @@ impl fmt::Display for SoftmaxMatmulError {
             }
             Self::PathUnavailable { path, reason } => {
                 write!(f, "path {path:?} is not available: {reason}")
+            }
+            Self::WideUnavailable { reason } => {
+                write!(f, "the wide matrix-unit kernel cannot run: {reason}")
             }
             Self::TooLarge { cubes } => write!(
                 f,
@@ -313,7 +335,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
     } else {
         None
     };
-    let path = match (options.path, mma_why_not) {
+    let path = match (options.path, mma_why_not.clone()) {
         (Some(SmmPath::MatrixUnits), Some(reason)) => {
             return Err(SoftmaxMatmulError::PathUnavailable {
                 path: SmmPath::MatrixUnits,
@@ -357,6 +379,12 @@ pub fn plan_softmax_matmul<R: Runtime>(
             (b1, 32)
         }
     };
+    let wide = wide_config(client, dims, path, mma_why_not.as_deref(), options);
+    match (options.wide, wide) {
+        (Some(true), Err(reason)) => return Err(SoftmaxMatmulError::WideUnavailable { reason }),
+        (Some(true), Ok(c)) => return wide_plan(client, dims, c),
+        _ => {}
+    }
     if path == SmmPath::Units && options.blocks.is_none() && tiled_fits(client, dims) {
         let cubes = fold_cubes(
             client,
@@ -424,6 +452,75 @@ pub fn plan_softmax_matmul<R: Runtime>(
         tile_3: t3,
         vector,
         units,
+        cubes,
+    })
+}
+
+/// The configuration of [`SmmForwardKernel::Wide`] for `dims`, or why it cannot run: the matrix
+/// units, `d3` within [`wide::MIN_COLUMNS`]`..=`[`wide::MAX_COLUMNS`], forced blocks (if any)
+/// of 64 rows and one of [`wide::STEPS`] columns, and the device's shared memory and units per
+/// cube. Unforced, the longest step whose shared memory fits.
+fn wide_config<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    path: SmmPath,
+    mma_why_not: Option<&str>,
+    options: SoftmaxMatmulOptions,
+) -> Result<FlashConfig, String> {
+    if let Some(reason) = mma_why_not {
+        return Err(reason.into());
+    }
+    if path != SmmPath::MatrixUnits {
+        return Err("it runs on the matrix units only".into());
+    }
+    if let Some(reason) = wide::refuses(dims.d3) {
+        return Err(reason);
+    }
+    let steps: Vec<u32> = match options.blocks {
+        None => wide::STEPS.to_vec(),
+        Some((b1, b2)) if b1 == wide::BLOCK_ROWS as usize && wide::STEPS.contains(&(b2 as u32)) => {
+            vec![b2 as u32]
+        }
+        Some(blocks) => {
+            return Err(format!(
+                "its blocks are {} rows and one of {:?} columns of x per step, not {blocks:?}",
+                wide::BLOCK_ROWS,
+                wide::STEPS
+            ));
+        }
+    };
+    let base = flash_config(SmmForwardKernel::MatrixUnits, 64, 32, 64);
+    let hw = &client.properties().hardware;
+    let mut why = String::new();
+    for step in steps {
+        let c = wide::config(base, dims.d3, step);
+        let (bytes, units) = (wide::shared_bytes(c, 2), wide::planes(c) * fragment::PLANE);
+        if wide::stages(c, hw.max_shared_memory_size).is_some() && units <= hw.max_units_per_cube {
+            return Ok(c);
+        }
+        why = format!(
+            "it needs {bytes} B of shared memory and {units} units per cube (the device has {} \
+             B and {})",
+            hw.max_shared_memory_size, hw.max_units_per_cube
+        );
+    }
+    Err(why)
+}
+
+/// The plan of [`SmmForwardKernel::Wide`] with configuration `c`.
+fn wide_plan<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    c: FlashConfig,
+) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
+    let cubes = fold_cubes(client, 1, dims.d1.div_ceil(c.block_q as usize), dims.batch)?;
+    Ok(SoftmaxMatmulPlan {
+        kernel: SmmForwardKernel::Wide,
+        block_1: c.block_q as usize,
+        block_2: c.block_k as usize,
+        tile_3: c.value_dim as usize,
+        vector: flash::mma::NV8,
+        units: wide::planes(c) * fragment::PLANE,
         cubes,
     })
 }
@@ -655,7 +752,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
     // The flash kernels see 4-D tensors with one head: X `[batch, 1, d1, d2]` as the given
     // scores, V `[batch or 1, 1, d2, d3]`, out `[batch, 1, d1, d3]`, lse `[batch, 1, d1]`.
     let count = check_cubes(client, plan.cubes)?;
-    let config = flash_config(plan.kernel, plan.block_1, plan.block_2, plan.tile_3);
+    let mut config = flash_config(plan.kernel, plan.block_1, plan.block_2, plan.tile_3);
     let heads = |t: &TensorRef<'_>, batch_stride: usize| {
         let mut shape = t.shape.to_vec();
         let mut strides = t.strides.to_vec();
@@ -676,13 +773,36 @@ pub fn launch_softmax_matmul<R: Runtime>(
         out: heads(&out, out.strides[0]),
         lse: heads(&lse, lse.strides[0]),
     };
+    let Some(kernel) = plan.kernel.flash() else {
+        config = wide::config(config, dims.d3, plan.block_2 as u32);
+        let max_shared = client.properties().hardware.max_shared_memory_size;
+        let stages = wide::stages(config, max_shared).expect("the plan checked shared memory");
+        // SAFETY: as above; the plan chose this kernel only for 16-byte aligned rows (its
+        // vector of 8) and `d3` within the configuration's width.
+        unsafe {
+            wide::softmax_matmul_wide::launch_unchecked::<R>(
+                client,
+                count,
+                units,
+                flash::mma::NV8,
+                tensors.q,
+                tensors.v,
+                tensors.out,
+                tensors.lse,
+                config,
+                stages,
+                dtype,
+            );
+        }
+        return Ok(plan);
+    };
     // SAFETY: as above; the matrix-unit kernel runs only on 16-byte aligned rows (the plan's
     // vector of 8), the tiled kernel's vector (the plan's) divides every row and stride, and
     // `k`, `mask` and `bias` (stand-ins: `x`) are never read with given scores.
     unsafe {
         flash::launch_forward(
             client,
-            plan.kernel.into(),
+            kernel,
             count,
             units,
             plan.vector,
