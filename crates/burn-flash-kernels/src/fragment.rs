@@ -143,3 +143,34 @@ pub(crate) fn quad_sum(v: f32) -> f32 {
     let v = v + plane_shuffle_xor(v, 1);
     v + plane_shuffle_xor(v, 2)
 }
+
+/// Transposes the 4 × 4 pairs a lane quad holds, so that the quad's lanes hold whole 8-column
+/// tiles of a row: on entry lane `q` of the quad holds, for tiles `t = 0..4` of a group of 4
+/// adjacent m16n8 output tiles, the tile's columns `2q, 2q + 1` (`a[2t]`, `a[2t + 1]`: the
+/// accumulator layout); on exit it holds the 8 columns of tile `q` (`a[i]` is column `i`).
+/// Every lane of the plane must take part (plane shuffles).
+#[cube]
+pub(crate) fn quad_transpose(a: &mut Array<f32>) {
+    let quad = UNIT_POS_PLANE % 4;
+    // Lanes `q` and `q ^ 2` swap the off-diagonal 2 × 2 blocks of pairs...
+    let low = (quad & 2) == 0;
+    #[unroll]
+    for i in 0..4usize {
+        // Pair i / 2 of the block's first column against pair i / 2 + 2, element i % 2.
+        let (near, far) = (comptime!(i), comptime!(i + 4));
+        let recv = plane_shuffle_xor(select(low, a[far], a[near]), 2);
+        a[far] = select(low, recv, a[far]);
+        a[near] = select(low, a[near], recv);
+    }
+    // ...then lanes `q` and `q ^ 1` the off-diagonal pairs inside each block.
+    let even = (quad & 1) == 0;
+    #[unroll]
+    for i in 0..4usize {
+        // Pairs 0 / 1 and 2 / 3: element i % 2 of pair 2·(i / 2) against pair 2·(i / 2) + 1.
+        let near = comptime!(4 * (i / 2) + i % 2);
+        let far = comptime!(near + 2);
+        let recv = plane_shuffle_xor(select(even, a[far], a[near]), 1);
+        a[far] = select(even, recv, a[far]);
+        a[near] = select(even, a[near], recv);
+    }
+}

@@ -207,8 +207,9 @@ impl fmt::Display for AttentionError {
 
 impl core::error::Error for AttentionError {}
 
-/// Whether the matrix-unit kernel can read these `q`, `k`, `v` (shape, strides): unit stride
-/// along the head dim, head dims and every other stride multiples of 8 elements (16 bytes).
+/// Whether the matrix-unit kernel can read these `q`, `k`, `v` and write this `out` (shape,
+/// strides): unit stride along the head dim, head dims and every other stride multiples of 8
+/// elements (16 bytes).
 pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
     tensors.iter().all(|(shape, strides)| {
         strides.len() == 4
@@ -553,6 +554,7 @@ pub fn launch_attention<R: Runtime>(
         (q.shape, q.strides),
         (k.shape, k.strides),
         (v.shape, v.strides),
+        (out.shape, out.strides),
     ]);
     let plan = plan_attention(client, dims, dtype, aligned, options)?;
     if batch * heads_q * seq_q * value_dim == 0 {

@@ -54,7 +54,7 @@ use super::{
 };
 use crate::dropout::keep_weight;
 use crate::fragment::{
-    MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, quad_max, quad_sum, zero_accumulators,
+    MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, quad_max, quad_sum, quad_transpose, zero_accumulators,
 };
 use crate::staging::{commit_next, copy_vec, wait_step};
 
@@ -535,13 +535,13 @@ fn step<F: Float, NV: Size>(
 // A comptime `if` stays apart from the runtime one inside it: joined, the branch would be
 // expanded for computed scores too.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-pub fn flash_forward_mma<F: Float, NV: Size>(
+pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
     mask: &Tensor<F>,
     bias: &Tensor<F>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Vector<F, NO>>,
     lse: &mut Tensor<f32>,
     scale: f32,
     softcap: f32,
@@ -788,10 +788,23 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
     for slot in 0..slots {
         let row = my_row + slot * 8;
         let (rt, h) = (comptime!(slot / 2), comptime!(slot % 2));
-        if row < rows {
-            let o_base = batch * out.stride(0)
-                + (head0 + row / seq_q) * out.stride(1)
-                + (row % seq_q) * out.stride(2);
+        let o_base = batch * out.stride(0)
+            + (head0 + usize::min(row, rows - 1) / seq_q) * out.stride(1)
+            + (usize::min(row, rows - 1) % seq_q) * out.stride(2);
+        if comptime!(stores_vectors(c)) {
+            store_row_vectors::<F, NO>(
+                out,
+                &acc,
+                comptime!(rt as u32 * value_tiles),
+                h,
+                inv[slot],
+                o_base,
+                col0,
+                value_dim,
+                row < rows,
+                value_tiles,
+            );
+        } else if row < rows {
             #[unroll]
             for nt in 0..value_tiles {
                 let vec = acc.index(comptime!(rt as u32 * value_tiles + nt) as usize)[h];
@@ -799,10 +812,66 @@ pub fn flash_forward_mma<F: Float, NV: Size>(
                 for n in 0..2usize {
                     let col = col0 + (nt * MMA_N) as usize + quad * 2 + n;
                     if col < value_dim {
-                        out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv[slot]);
+                        out[o_base + col * out.stride(3)] =
+                            Vector::new(F::cast_from(vec[n] * inv[slot]));
                     }
                 }
             }
+        }
+    }
+}
+
+/// Whether the forward's output rows are stored as whole 16-byte vectors (the output tile is a
+/// whole number of groups of 4 m16n8 tiles: [`store_row_vectors()`]) rather than an element
+/// at a time; the launch then views `out` with vectors of [`out_vector()`] elements.
+pub fn stores_vectors(c: FlashConfig) -> bool {
+    c.value_dim.is_multiple_of(4 * MMA_N)
+}
+
+/// The vector width of `out` in a launch of [`flash_forward_mma()`] with `c`.
+pub fn out_vector(c: FlashConfig) -> usize {
+    if stores_vectors(c) { NV8 } else { 1 }
+}
+
+/// Stores one row of a plane's output, `tiles` m16n8 accumulator tiles from `acc[first..]`
+/// (half `h`: row `r` or `r + 8` of the tiles), times `scale`, at `o_base` (the row's start in
+/// `out`, columns from `col0`): the lanes of a quad transpose each group of 4 tiles
+/// ([`quad_transpose`]) and store one 8-column vector each (16 bytes; columns past
+/// `value_dim`, a multiple of 8, are not stored, nor anything unless `store`). Every lane of
+/// the plane must call it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_row_vectors<F: Float, NO: Size>(
+    out: &mut Tensor<Vector<F, NO>>,
+    acc: &Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] first: u32,
+    #[comptime] h: usize,
+    scale: f32,
+    o_base: usize,
+    col0: usize,
+    value_dim: usize,
+    store: bool,
+    #[comptime] tiles: u32,
+) {
+    let quad = (UNIT_POS_PLANE % 4) as usize;
+    #[unroll]
+    for group in 0..comptime!(tiles / 4) {
+        let mut a = Array::<f32>::new(comptime!(NV8));
+        #[unroll]
+        for t in 0..4u32 {
+            let vec = acc.index(comptime!(first + 4 * group + t) as usize)[h];
+            a[comptime!(2 * t as usize)] = vec[0usize] * scale;
+            a[comptime!(2 * t as usize + 1)] = vec[1usize] * scale;
+        }
+        quad_transpose(&mut a);
+        let col = col0 + comptime!((4 * group * MMA_N) as usize) + quad * NV8;
+        if store && col < value_dim {
+            let mut o = Vector::<F, NO>::empty();
+            #[unroll]
+            for i in 0..comptime!(NV8) {
+                o[i] = F::cast_from(a[i]);
+            }
+            out[(o_base + col) / NV8] = o;
         }
     }
 }

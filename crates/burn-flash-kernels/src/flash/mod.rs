@@ -196,6 +196,7 @@ pub unsafe fn launch_forward<R: Runtime>(
                 count,
                 dim,
                 mma::NV8,
+                mma::out_vector(c),
                 q,
                 k,
                 v,

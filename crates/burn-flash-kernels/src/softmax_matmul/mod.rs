@@ -100,7 +100,7 @@ pub struct SoftmaxMatmulOptions {
     /// Force an inner-product path (the default picks matrix units where they exist).
     pub path: Option<SmmPath>,
     /// Run [`SmmForwardKernel::Wide`] (`Some(true)`: an error where it cannot run). The default
-    /// (`None`, like `Some(false)`) does not: on an H100 it measured 3–15 % slower than the
+    /// (`None`, like `Some(false)`) does not: on an H100 it measured 3–8 % slower than the
     /// column-tiled matrix-unit loop at every point of the seed protocol (NOTES.md, session 16).
     pub wide: Option<bool>,
 }

@@ -28,7 +28,7 @@ use cubecl::{
     prelude::*,
 };
 
-use crate::flash::mma::{NV8, stage_rows};
+use crate::flash::mma::{NV8, stage_rows, store_row_vectors};
 use crate::flash::{
     FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
     row_lse,
@@ -381,7 +381,7 @@ fn consume<F: Float, NV: Size>(
 pub fn softmax_matmul_wide<F: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
-    out: &mut Tensor<F>,
+    out: &mut Tensor<Vector<F, NV>>,
     lse: &mut Tensor<f32>,
     #[comptime] c: FlashConfig,
     #[comptime] stages: u32,
@@ -432,7 +432,6 @@ pub fn softmax_matmul_wide<F: Float, NV: Size>(
     let slab = plane % slabs;
     let mat = lane / 8;
     let mat_row = lane % 8;
-    let quad = (lane % 4) as usize;
     let row_base = (group * MMA_M * rts) as usize;
     let p_lane = (row_base + ((mat % 2) * 8 + mat_row) as usize) * p_ldv + (mat / 2) as usize;
     let v_lane = ((mat % 2) * 8 + mat_row) as usize * v_ldv
@@ -577,27 +576,23 @@ pub fn softmax_matmul_wide<F: Float, NV: Size>(
     }
     sync_cube();
 
-    // -- normalise and store --
+    // -- normalise and store, 16 bytes per lane --
     #[unroll]
     for slot in 0..comptime!(2 * rts as usize) {
         let r = row_lane + comptime!(16 * (slot / 2) + 8 * (slot % 2));
         let row = row0 + r;
-        let rt = comptime!(slot / 2);
-        let h = comptime!(slot % 2);
-        if row < rows {
-            let inv = inv_s[r];
-            let o_base = batch * out.stride(0) + row * out.stride(2);
-            #[unroll]
-            for nt in 0..tiles {
-                let vec = acc.index(comptime!(rt as u32 * tiles + nt) as usize)[h];
-                #[unroll]
-                for n in 0..2usize {
-                    let col = (slab * SLAB + nt * MMA_N) as usize + quad * 2 + n;
-                    if col < value_dim {
-                        out[o_base + col * out.stride(3)] = F::cast_from(vec[n] * inv);
-                    }
-                }
-            }
-        }
+        let o_base = batch * out.stride(0) + usize::min(row, rows - 1) * out.stride(2);
+        store_row_vectors::<F, NV>(
+            out,
+            &acc,
+            comptime!((slot / 2) as u32 * tiles),
+            comptime!(slot % 2),
+            inv_s[r],
+            o_base,
+            (slab * SLAB) as usize,
+            value_dim,
+            row < rows,
+            tiles,
+        );
     }
 }
