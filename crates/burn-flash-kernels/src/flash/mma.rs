@@ -821,9 +821,10 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     }
 }
 
-/// Whether the forward's output rows are stored as whole 16-byte vectors (the output tile is a
-/// whole number of groups of 4 m16n8 tiles: [`store_row_vectors()`]) rather than an element
-/// at a time; the launch then views `out` with vectors of [`out_vector()`] elements.
+/// Whether the forward stores its output rows as whole 16-byte vectors rather than an element
+/// at a time: the output tile is a whole number of groups of 4 m16n8 tiles, which each lane
+/// quad transposes in registers. The launch then views `out` with vectors of [`out_vector()`]
+/// elements.
 pub fn stores_vectors(c: FlashConfig) -> bool {
     c.value_dim.is_multiple_of(4 * MMA_N)
 }
