@@ -67,12 +67,14 @@ pub fn refuses(d3: usize) -> Option<String> {
 
 /// The kernel's configuration for `d3` output columns (not [`refuses()`]d) and `block_k`
 /// columns of `X` per step (one of [`STEPS`]). The output width rounds up to [`SLAB`]; a
-/// consumer plane takes the most tiles of 16 rows (4, 2 or 1) that still give at least [`PRODUCERS`]
+/// consumer plane takes two tiles of 16 rows where that still gives at least [`PRODUCERS`]
 /// planes, else one.
 pub fn config(base: FlashConfig, d3: usize, block_k: u32) -> FlashConfig {
     let width = d3.next_multiple_of(SLAB as usize);
     let slabs = (width / SLAB as usize) as u32;
-    let row_tiles = [4, 2, 1]
+    // 4 row tiles (64 × 64 slabs, 8 planes at d3 = 512) measured no faster than 2 (16 planes of
+    // 32 × 64) and take 226 registers against 128 (NOTES.md, session 16).
+    let row_tiles = [2, 1]
         .into_iter()
         .find(|&rt| BLOCK_ROWS / (MMA_M * rt) * slabs >= PRODUCERS)
         .unwrap_or(1);
