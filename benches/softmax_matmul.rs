@@ -3,12 +3,13 @@
 //! `burn::backend::Cuda`/`Wgpu` are).
 //!
 //! `cargo bench --bench softmax_matmul -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
-//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--plot CSV]`
-//! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process
-//! when both are built; wgpu's files then end in `-wgpu`). `--sweeps` and `--runtimes` pick a
-//! subset (all by default); `--lowp-blocks` adds forced `(block_1, block_2)` rows to the
-//! f16/bf16 sweep; `--plot CSV` redraws the PNG of an earlier run from its `softmax_matmul.csv`
-//! and the `_lowp`/`_backward` files beside it.
+//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--wide]
+//! [--plot CSV]` (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in
+//! one process when both are built; wgpu's files then end in `-wgpu`). `--sweeps` and
+//! `--runtimes` pick a subset (all by default); `--lowp-blocks` adds forced `(block_1,
+//! block_2)` rows to the f16/bf16 sweep, `--wide` the wide kernel's; `--plot CSV` redraws the
+//! PNG of an earlier run from its `softmax_matmul.csv` and the `_lowp`/`_backward` files
+//! beside it.
 //!
 //! Protocol (the issue's): batch 16, d1 2048, d3 512, d2 ∈ {64 … 8192}; 10 warm-up passes and
 //! 100 timed passes (2 and 5 with `--quick`, on batch 2, d1 256, d3 64), each one call between
@@ -36,7 +37,7 @@
 //!   wall_ms_median, TFLOP_per_s, device_ms_median, device_TFLOP_per_s, timing_method,
 //!   peak_MiB, note`. The f16/bf16 sweep adds a `…_back_to_back` row per configuration: 20
 //!   calls between two syncs, the rate without each pass's launch and sync cost (the note gives
-//!   the time of an idle sync).
+//!   the median time of an idle sync, through Fusion and on the bare backend).
 //! - `matmul_precision.csv`: how Burn's f32 matmul rounds (see [`matmul_precision`]).
 //! - `softmax_matmul.png`: median wall time and peak memory against d2, per sweep.
 //!
@@ -84,6 +85,10 @@ struct Cli {
     /// Forced (block_1, block_2) rows added to the f16/bf16 sweep, as B1xB2 (e.g. 64x32).
     #[arg(long, value_delimiter = ',', value_parser = parse_pair, value_name = "B1xB2")]
     lowp_blocks: Vec<(usize, usize)>,
+    /// Add the wide kernel's rows (`P` once per row block, both its steps) to the f16/bf16
+    /// sweep: measured slower than the plan's kernel, so off by default.
+    #[arg(long)]
+    wide: bool,
     /// Redraw the PNG from an earlier run's softmax_matmul.csv (and its _lowp/_backward
     /// files), then exit.
     #[arg(long, value_name = "CSV")]
@@ -262,8 +267,8 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
             ..Default::default()
         })
     });
-    // The plan's kernel, and the wide kernel (P once per row block) with both its steps: it
-    // measured slower, so it runs only when asked for.
+    // The plan's kernel, and with `--wide` the wide kernel (P once per row block) with both
+    // its steps: it measured slower, so it runs only when asked for.
     let wide = Impl::Flash(SoftmaxMatmulOptions {
         wide: Some(true),
         ..Default::default()
@@ -273,8 +278,14 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
         wide: Some(true),
         ..Default::default()
     });
-    [Impl::Flash(Default::default()), wide, wide_32]
+    let wide_rows = if cli.wide {
+        vec![wide, wide_32]
+    } else {
+        vec![]
+    };
+    [Impl::Flash(Default::default())]
         .into_iter()
+        .chain(wide_rows)
         .chain(forced)
         .chain([Impl::Composed])
         .collect()
@@ -513,6 +524,9 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                     lowp.push(&row);
                     if let Some(t) = b2b {
                         let idle = idle_sync_seconds(&|| self.sync());
+                        // The bare backend's sync crosses one device thread, Fusion's two.
+                        let idle_bare =
+                            idle_sync_seconds(&|| Un::<R, BT>::sync(&self.device).expect("sync"));
                         let row = SweepRow {
                             wall_ms_median: Some(ms(t.wall.median)),
                             tflop_per_s: Some(tflops(flop, t.wall.median)),
@@ -521,8 +535,9 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                             timing_method: t.timing_method(),
                             note: format!(
                                 "{BACK_TO_BACK} calls between two syncs (not the issue's \
-                                 protocol); idle sync {:.4} ms",
-                                idle * 1e3
+                                 protocol); idle sync {:.4} ms (bare backend {:.4} ms)",
+                                idle * 1e3,
+                                idle_bare * 1e3
                             ),
                             ..self.base_row(label, d2, &format!("{name}_back_to_back"))
                         };
@@ -636,12 +651,18 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
     }
 }
 
-/// Seconds of a sync with nothing queued.
+/// Seconds of a sync with nothing queued: the median of 21.
 fn idle_sync_seconds(sync: &dyn Fn()) -> f64 {
     sync();
-    let start = std::time::Instant::now();
-    sync();
-    start.elapsed().as_secs_f64()
+    let mut times: Vec<f64> = (0..21)
+        .map(|_| {
+            let start = std::time::Instant::now();
+            sync();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
 }
 
 fn fmt(v: Option<f64>) -> String {

@@ -581,7 +581,7 @@ pub fn flash_dq_accum<F: Float>(
 // `x` is assigned in both comptime branches; a comptime `if` stays apart from the runtime one
 // inside it (joined, the branch would be expanded for computed scores too).
 #[allow(clippy::too_many_arguments, unused_assignments, clippy::collapsible_if)]
-pub fn flash_backward_dq_mma<F: Float, NV: Size>(
+pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     q: &Tensor<Vector<F, NV>>,
     k: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
@@ -591,7 +591,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
-    ds: &mut Tensor<F>,
+    ds: &mut Tensor<Vector<F, ND>>,
     scale: f32,
     softcap: f32,
     seed_lo: u32,
@@ -600,6 +600,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
     inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[comptime] write_ds: bool,
+    #[comptime] ds_vectors: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
@@ -795,6 +796,12 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         let (k_buf, v_buf) = (parity * k_len, parity * v_len);
         let mut s = zero_accumulators(key_tiles);
         let mut dp = zero_accumulators(key_tiles);
+        // Given scores: this step's dX values of the lane's runs of 8 keys (two rows).
+        let mut dx_run = Array::<f32>::new(comptime!(if write_ds && ds_vectors {
+            2 * chunks as usize * NV8
+        } else {
+            1
+        }));
         if comptime!(!given) {
             step_scores::<F, NV>(&q_s, &k_s, k_buf, &mut s, c);
         }
@@ -856,20 +863,47 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
                         }
                     }
                     pair[n as usize] = F::cast_from(d_score * fac);
-                    if comptime!(write_ds) {
+                    let mut val = d_score;
+                    if comptime!(given && crate::mutation::zero_dx()) {
+                        val = 0.0f32;
+                    }
+                    if comptime!(write_ds && ds_vectors) {
+                        // Element 2·(j % 4) + n of the lane's 8 consecutive keys of chunk
+                        // j / 4 (the layout `load_scores` read them in), stored below.
+                        dx_run[comptime!((h as u32 * chunks + j / 4) * NV8 as u32 + 2 * (j % 4) + n)
+                            as usize] = val;
+                    } else if comptime!(write_ds) {
                         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
                         if row < rows && key < seq_k {
-                            let mut val = d_score;
-                            if comptime!(given && crate::mutation::zero_dx()) {
-                                val = 0.0f32;
-                            }
-                            ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(val);
+                            ds[ds_at[h] + key * ds.stride(3)] = Vector::new(F::cast_from(val));
                         }
                     }
                 }
                 frag[i as usize] = pair;
             }
             a.push(frag);
+        }
+        if comptime!(write_ds && ds_vectors) {
+            // Each lane's 8 consecutive keys of a chunk as one 16-byte vector (`Sk` is a
+            // multiple of 8: a run is wholly inside or outside).
+            #[unroll]
+            for h in 0..2u32 {
+                let row = r0 + plane as usize * MMA_M as usize + g + 8 * h as usize;
+                #[unroll]
+                for ch in 0..chunks {
+                    let key = j0 + (ch * CHUNK) as usize + quad * NV8;
+                    if row < rows && key < seq_k {
+                        let mut o = Vector::<F, ND>::empty();
+                        #[unroll]
+                        for e in 0..comptime!(NV8) {
+                            o[e] = F::cast_from(
+                                dx_run[comptime!(((h * chunks + ch) as usize) * NV8 + e)],
+                            );
+                        }
+                        ds[(ds_at[h as usize] + key) / NV8] = o;
+                    }
+                }
+            }
         }
         if comptime!(!given) {
             product_trans::<F, NV>(
@@ -895,16 +929,16 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size>(
         // The prologue's copies complete before the cube exits.
         wait_step(&bar0, &bar1, 0);
     }
-    if comptime!(write_ds) {
+    if comptime!(write_ds && !ds_vectors) {
         // Keys past the last step (after every row's causal diagonal): dS = 0, each row's by
-        // its 4 lanes.
+        // its 4 lanes. (Never with vectors: given scores have no causal end.)
         #[unroll]
         for h in 0..2usize {
             let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
             if row < rows {
                 let mut key = steps * bk + quad;
                 while key < seq_k {
-                    ds[ds_at[h] + key * ds.stride(3)] = F::cast_from(0.0f32);
+                    ds[ds_at[h] + key * ds.stride(3)] = Vector::new(F::cast_from(0.0f32));
                     key += 4;
                 }
             }
@@ -1428,6 +1462,13 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
 ) {
     let d = dropout;
     use super::backward::{DELTA_ROWS, Operand, launch_delta};
+    // Given scores store `dX` as 16-byte vectors where its rows allow (`dS` of attention, for
+    // a tracked bias, an element at a time).
+    let ds_vector = if c.given() && write_ds && rows_of_vectors(&t.ds, NV8) {
+        NV8
+    } else {
+        1
+    };
     let units = cubecl::CubeDim::new_1d(PLANES * PLANE);
     // SAFETY (every launch below): the caller's.
     unsafe {
@@ -1494,6 +1535,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                 cube_count(cubes),
                 units,
                 NV8,
+                ds_vector,
                 t.q.arg(),
                 t.k.arg(),
                 t.v.arg(),
@@ -1515,9 +1557,20 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                     ..c
                 },
                 write_ds,
+                ds_vector == NV8,
                 dtype,
             ),
             (_, None) => {}
         }
     }
+}
+
+/// Whether `t`'s rows are whole, aligned vectors of `n` elements: a contiguous last dimension
+/// of a multiple of `n`, and every other stride a multiple of `n`.
+fn rows_of_vectors(t: &super::backward::Operand, n: usize) -> bool {
+    let d = t.shape.len();
+    d > 0
+        && t.strides[d - 1] == 1
+        && t.shape[d - 1].is_multiple_of(n)
+        && t.strides[..d - 1].iter().all(|s| s.is_multiple_of(n))
 }
