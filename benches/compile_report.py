@@ -4,12 +4,18 @@
 cubecl's CUDA runtime compiles a kernel in three steps on its first launch: its own expansion
 and optimisation passes (CPU, in the Rust process), NVRTC (CUDA C++ to PTX), and the driver's
 JIT (PTX to machine code, in `cuModuleLoadData`). This script reruns the last two on the
-sources cubecl logged, with the toolkit's own `nvcc` (the same front end as NVRTC) and `ptxas`
-(the assembler the driver's JIT embeds), each timed, and reads `ptxas -v`'s resource report:
-registers, spills, stack, shared memory. Subtracting both from a cold first call gives the
-expansion's share.
+sources cubecl logged, each timed, and reads `ptxas -v`'s resource report: registers, spills,
+stack, shared memory. Subtracting both from a cold first call gives the expansion's share.
 
-Usage, on the GPU machine (it needs `nvcc` and `ptxas`):
+- `--via nvrtc` (default where `libnvrtc` loads): NVRTC itself, with cubecl's options
+  (`--gpu-architecture=sm_90a --include-path=$CUDA/include [--include-path=$CUDA/include/cccl]
+  -lineinfo`), then `cuModuleLoadData` of its PTX with the driver's JIT cache off
+  (`CUDA_CACHE_DISABLE=1`): cubecl's own path, step for step. A failed compile keeps
+  NVRTC's log (first lines) in the row's note.
+- `--via nvcc`: the toolkit's `nvcc --ptx` (the same front end, compiling as a whole
+  translation unit with host code), then `ptxas` (the assembler the JIT embeds).
+
+Either way `ptxas -v` on the PTX gives the resources. Usage, on the GPU machine:
 
     CUBECL_DEBUG_LOG=/tmp/kernels.log BURN_FLASH_CACHE=off <a program that launches kernels>
     python3 benches/compile_report.py /tmp/kernels.log --out $OUT/compile.csv [--arch sm_90a]
@@ -21,7 +27,9 @@ spill bytes, stack bytes, shared memory).
 """
 
 import argparse
+import ctypes
 import csv
+import glob
 import os
 import re
 import subprocess
@@ -45,9 +53,83 @@ def kernels(log):
         yield name, source
 
 
+CUDA = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+
+
+class Nvrtc:
+    """NVRTC and the driver through ctypes: compile as cubecl does, load as cubecl does."""
+
+    def __init__(self, arch):
+        names = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+        names += sorted(glob.glob(f"{CUDA}/lib64/libnvrtc.so*"))
+        names += sorted(glob.glob("/usr/local/lib/python3*/dist-packages/nvidia/cu*/lib/libnvrtc.so*"))
+        self.lib = None
+        for name in names:
+            try:
+                self.lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if self.lib is None:
+            raise OSError("libnvrtc not found")
+        # The driver's JIT cache off, before the driver starts: every load JIT-compiles.
+        os.environ["CUDA_CACHE_DISABLE"] = "1"
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.check(self.cu.cuInit(0), "cuInit")
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        self.check(self.cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+        self.check(self.cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+        self.check(self.cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        opts = [f"--gpu-architecture={arch}", f"--include-path={CUDA}/include", "-lineinfo"]
+        if os.path.isdir(f"{CUDA}/include/cccl"):
+            opts.insert(2, f"--include-path={CUDA}/include/cccl")
+        self.options = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        self.n_options = len(opts)
+
+    @staticmethod
+    def check(result, what):
+        if result != 0:
+            raise RuntimeError(f"{what} returned {result}")
+
+    def compile(self, source):
+        """(seconds, PTX bytes or None, log) of one NVRTC compile."""
+        lib, prog = self.lib, ctypes.c_void_p()
+        self.check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None),
+                   "nvrtcCreateProgram")
+        start = time.perf_counter()
+        result = lib.nvrtcCompileProgram(prog, self.n_options, self.options)
+        seconds = time.perf_counter() - start
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        ptx = None
+        if result == 0:
+            lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+            buf = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetPTX(prog, buf)
+            ptx = buf.raw.rstrip(b"\0")
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        return seconds, ptx, log.value.decode(errors="replace")
+
+    def load(self, ptx):
+        """Seconds of `cuModuleLoadData` (the driver's JIT, its cache off)."""
+        module = ctypes.c_void_p()
+        start = time.perf_counter()
+        self.check(self.cu.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(ptx + b"\0")),
+                   "cuModuleLoadData")
+        seconds = time.perf_counter() - start
+        self.cu.cuModuleUnload(module)
+        return seconds
+
+
 def timed(cmd):
+    """(seconds, completed run) of `cmd`; exits with a message where the tool is missing."""
     start = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit(f"{cmd[0]} not found (on the GPU machine: PATH=$PATH:{CUDA}/bin)")
     return time.perf_counter() - start, run
 
 
@@ -72,24 +154,46 @@ def main():
     ap.add_argument("--out", default="compile.csv")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--keep", help="directory to keep the .cu and .ptx files in")
+    ap.add_argument("--via", choices=["nvrtc", "nvcc"], default=None,
+                    help="NVRTC + the driver's JIT (default where libnvrtc loads), or nvcc + ptxas")
     ap.add_argument("--seconds", type=float, default=None,
                     help="start no kernel after this many seconds (rows so far are kept)")
     args = ap.parse_args()
     start = time.perf_counter()
-    fields = ["kernel", "source_lines", "ptx_lines", "nvcc_s", "ptxas_s", "registers",
+    nvrtc = None
+    if args.via != "nvcc":
+        try:
+            nvrtc = Nvrtc(args.arch)
+        except (OSError, RuntimeError) as err:
+            if args.via == "nvrtc":
+                sys.exit(f"NVRTC unavailable: {err}")
+            print(f"NVRTC unavailable ({err}): nvcc + ptxas instead", flush=True)
+    via = "nvrtc" if nvrtc else "nvcc"
+    # `to_ptx_s`: NVRTC's or nvcc's seconds; `to_sass_s`: the driver's JIT (cuModuleLoadData)
+    # or ptxas.
+    fields = ["kernel", "via", "source_lines", "ptx_lines", "to_ptx_s", "to_sass_s", "registers",
               "spill_bytes", "stack_bytes", "smem_bytes", "note"]
     out = open(args.out, "w", newline="")
     writer = csv.DictWriter(out, fieldnames=fields)
     writer.writeheader()
+    rows = []
 
     def emit(row):
         rows.append(row)
         writer.writerow({k: row.get(k, "") for k in fields})
         out.flush()
+        if row.get("note"):
+            print(f"{row['kernel'][:60]}: {row['note']}", flush=True)
+        else:
+            print(
+                f"{row['kernel'][:60]:<60} src {row['source_lines']:>6} ptx {row['ptx_lines']:>6} "
+                f"{via} {row['to_ptx_s']:6.2f}s + {row['to_sass_s']:6.2f}s regs {row['registers']} "
+                f"spill {row['spill_bytes']} stack {row['stack_bytes']}",
+                flush=True,
+            )
 
     work = args.keep or tempfile.mkdtemp()
     os.makedirs(work, exist_ok=True)
-    rows = []
     seen = set()
     for i, (name, source) in enumerate(kernels(args.log)):
         if args.seconds is not None and time.perf_counter() - start > args.seconds:
@@ -103,29 +207,39 @@ def main():
         ptx = os.path.join(work, f"k{i:03}.ptx")
         with open(cu, "w") as f:
             f.write(source)
-        # NVRTC as cubecl calls it: the architecture, -lineinfo, PTX out.
-        t_nvcc, run = timed(["nvcc", f"-arch={args.arch}", "-lineinfo", "--ptx", cu, "-o", ptx])
-        row = {"kernel": name, "source_lines": source.count("\n"), "nvcc_s": round(t_nvcc, 3)}
-        if run.returncode != 0:
-            # The first error, not nvcc's closing count ("1 error detected …").
-            errors = [l for l in run.stderr.splitlines() if "error" in l] or ["?"]
-            row["note"] = "nvcc failed: " + errors[0][:300]
-            emit(row)
-            print(f"{name}: {row['note']}", flush=True)
-            continue
-        row["ptx_lines"] = sum(1 for _ in open(ptx))
-        t_ptxas, run = timed(["ptxas", f"-arch={args.arch}", "-v", ptx, "-o", os.devnull])
-        row["ptxas_s"] = round(t_ptxas, 3)
+        row = {"kernel": name, "via": via, "source_lines": source.count("\n")}
+        if nvrtc:
+            seconds, code, log = nvrtc.compile(source)
+            row["to_ptx_s"] = round(seconds, 3)
+            if code is None:
+                first = [l for l in log.splitlines() if l.strip()][:3] or ["?"]
+                row["note"] = "NVRTC failed: " + " | ".join(first)[:400]
+                emit(row)
+                continue
+            with open(ptx, "wb") as f:
+                f.write(code)
+            try:
+                row["to_sass_s"] = round(nvrtc.load(code), 3)
+            except RuntimeError as err:
+                row["note"] = str(err)
+        else:
+            # NVRTC's options: the architecture, -lineinfo, PTX out.
+            seconds, run = timed(["nvcc", f"-arch={args.arch}", "-lineinfo", "--ptx", cu, "-o", ptx])
+            row["to_ptx_s"] = round(seconds, 3)
+            if run.returncode != 0:
+                # The first error, not nvcc's closing count ("1 error detected …").
+                errors = [l for l in run.stderr.splitlines() if "error" in l] or ["?"]
+                row["note"] = "nvcc failed: " + errors[0][:300]
+                emit(row)
+                continue
+        row["ptx_lines"] = sum(1 for _ in open(ptx, "rb"))
+        seconds, run = timed(["ptxas", f"-arch={args.arch}", "-v", ptx, "-o", os.devnull])
+        if not nvrtc:
+            row["to_sass_s"] = round(seconds, 3)
         row.update(resources(run.stderr + run.stdout))
-        if run.returncode != 0:
+        if run.returncode != 0 and not row.get("note"):
             row["note"] = "ptxas failed"
         emit(row)
-        print(
-            f"{name[:60]:<60} src {row['source_lines']:>6} ptx {row['ptx_lines']:>6} "
-            f"nvcc {t_nvcc:6.2f}s ptxas {t_ptxas:6.2f}s regs {row['registers']} "
-            f"spill {row['spill_bytes']} stack {row['stack_bytes']}",
-            flush=True,
-        )
     out.close()
     print(f"{len(rows)} kernels; wrote {args.out}")
     if not rows:
