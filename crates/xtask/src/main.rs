@@ -3,7 +3,9 @@
 //! machine without a GPU that is Mesa's lavapipe): as root they install `mesa-vulkan-drivers`,
 //! otherwise they say what to install.
 //!
-//! Extra arguments are passed to cargo (`cargo xtask test --features cuda`).
+//! Extra arguments are passed to cargo (`cargo xtask test --features cuda`). `cargo xtask test`
+//! runs one test at a time in each test binary unless `RUST_TEST_THREADS` says otherwise (see
+//! [`TEST_THREADS`]).
 
 use std::{
     path::Path,
@@ -49,10 +51,23 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// Test threads per test binary for `cargo xtask test` where `RUST_TEST_THREADS` is unset. The
+/// tests of a binary share one device per backend, whose Fusion and cubecl threads spin while
+/// they wait for work; run in parallel on a small CPU, they take cores from lavapipe's workers.
+/// On 2 cores (2026-11-25) `attention_backward` took 1174 s with 2 test threads and 361 s one
+/// test at a time; on CUDA one process compiles one kernel at a time whatever the threads.
+const TEST_THREADS: &str = "1";
+
 fn run(program: &str, args: &[&str]) -> bool {
-    eprintln!("xtask: {program} {}", args.join(" "));
+    run_with(program, args, &[])
+}
+
+fn run_with(program: &str, args: &[&str], envs: &[(&str, &str)]) -> bool {
+    let shown: Vec<String> = envs.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    eprintln!("xtask: {}{program} {}", shown.concat(), args.join(" "));
     Command::new(program)
         .args(args)
+        .envs(envs.iter().copied())
         .status()
         .map(|s| s.success())
         .unwrap_or(false)
@@ -81,10 +96,10 @@ fn ensure_vulkan() -> Result<(), String> {
     }
 }
 
-fn cargo(args: &[String]) -> ExitCode {
+fn cargo(args: &[String], envs: &[(&str, &str)]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    if run(&cargo, &args) {
+    if run_with(&cargo, &args, envs) {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -110,7 +125,13 @@ fn main() -> ExitCode {
         eprintln!("xtask: {e}");
         return ExitCode::FAILURE;
     }
+    let envs: &[(&str, &str)] = if task == "test" && std::env::var_os("RUST_TEST_THREADS").is_none()
+    {
+        &[("RUST_TEST_THREADS", TEST_THREADS)]
+    } else {
+        &[]
+    };
     let mut cmd = plan;
     cmd.extend(rest);
-    cargo(&cmd)
+    cargo(&cmd, envs)
 }
