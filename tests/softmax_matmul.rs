@@ -321,13 +321,48 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
     // Fully masked rows (0 and 5), a row finite only in its last 8 columns (3) and one
     // finite only in its first column (6).
-    let (d1, d2, d3) = (9, 136, 16);
+    let rows = MaskedRows {
+        full: [0, 5],
+        tail: (3, 8),
+        head: 6,
+    };
+    check_masked_rows::<B>(
+        (9, 136, 16),
+        rows,
+        opts,
+        dtype,
+        device,
+        "aligned, masked rows",
+    );
+}
+
+/// Which rows of a `[1, d1, d2]` score matrix [`check_masked_rows()`] masks with −inf.
+struct MaskedRows {
+    /// Rows masked entirely: their outputs must be exactly 0.
+    full: [usize; 2],
+    /// A row finite only in its last `tail.1` columns.
+    tail: (usize, usize),
+    /// A row finite only in its first column.
+    head: usize,
+}
+
+/// The forward with `options` on random scores of `dims = (d1, d2, d3)` (one batch) whose
+/// `rows` are masked, against the reference, and the fully masked rows exactly 0.
+fn check_masked_rows<B: FlashBackend>(
+    (d1, d2, d3): (usize, usize, usize),
+    rows: MaskedRows,
+    options: SoftmaxMatmulOptions,
+    dtype: FloatDType,
+    device: &B::Device,
+    context: &str,
+) {
+    let [full0, full1] = rows.full;
     let mut mask = vec![false; d1 * d2];
     for j in 0..d2 {
-        mask[j] = true;
-        mask[5 * d2 + j] = true;
-        mask[3 * d2 + j] = j + 8 < d2;
-        mask[6 * d2 + j] = j > 0;
+        mask[full0 * d2 + j] = true;
+        mask[full1 * d2 + j] = true;
+        mask[rows.tail.0 * d2 + j] = j + rows.tail.1 < d2;
+        mask[rows.head * d2 + j] = j > 0;
     }
     let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
         burn::tensor::TensorData::new(mask, [1, d1, d2]),
@@ -335,12 +370,12 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     );
     let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
     let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
-    check_forward(x.clone(), v.clone(), opts, dtype, "aligned, masked rows");
-    let out = read(softmax_matmul(x, v));
+    check_forward(x.clone(), v.clone(), options, dtype, context);
+    let out = read(softmax_matmul_with(x, v, options));
     assert!(
-        out[..d3]
+        out[full0 * d3..][..d3]
             .iter()
-            .chain(&out[5 * d3..][..d3])
+            .chain(&out[full1 * d3..][..d3])
             .all(|&a| a == 0.0),
         "fully masked rows must be exactly 0"
     );
@@ -451,29 +486,12 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     check_forward(x, v, on, dtype, "wide, shared v");
     // Fully masked rows (0 and 5), a row finite only in its last 8 columns (3), one finite only
     // in its first column (6).
-    let (d1, d2, d3) = (9, 136, 144);
-    let mut mask = vec![false; d1 * d2];
-    for j in 0..d2 {
-        mask[j] = true;
-        mask[5 * d2 + j] = true;
-        mask[3 * d2 + j] = j + 8 < d2;
-        mask[6 * d2 + j] = j > 0;
-    }
-    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
-        burn::tensor::TensorData::new(mask, [1, d1, d2]),
-        device,
-    );
-    let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
-    let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
-    check_forward(x.clone(), v.clone(), on, dtype, "wide, masked rows");
-    let out = read(softmax_matmul_with(x, v, on));
-    assert!(
-        out[..d3]
-            .iter()
-            .chain(&out[5 * d3..][..d3])
-            .all(|&a| a == 0.0),
-        "fully masked rows must be exactly 0"
-    );
+    let rows = MaskedRows {
+        full: [0, 5],
+        tail: (3, 8),
+        head: 6,
+    };
+    check_masked_rows::<B>((9, 136, 144), rows, on, dtype, device, "wide, masked rows");
 }
 
 /// The register-tiled plain-unit kernel (the heuristic's choice on plain units for outputs of
@@ -528,28 +546,18 @@ fn tiled_units<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     check_forward(x, v, opts, dtype, "tiled, rising maximum");
     // Fully masked rows (0 and 129), one finite only in its last column (5), one only in its
     // first (77).
-    let (d1, d2, d3) = (130, 70, 72);
-    let mut mask = vec![false; d1 * d2];
-    for j in 0..d2 {
-        mask[j] = true;
-        mask[129 * d2 + j] = true;
-        mask[5 * d2 + j] = j + 1 < d2;
-        mask[77 * d2 + j] = j > 0;
-    }
-    let mask = Tensor::<B, 3, burn::tensor::Bool>::from_data(
-        burn::tensor::TensorData::new(mask, [1, d1, d2]),
+    let rows = MaskedRows {
+        full: [0, 129],
+        tail: (5, 1),
+        head: 77,
+    };
+    check_masked_rows::<B>(
+        (130, 70, 72),
+        rows,
+        opts,
+        dtype,
         device,
-    );
-    let x = rand3::<B>([1, d1, d2], 4.0, dtype, device).mask_fill(mask, f32::NEG_INFINITY);
-    let v = rand3::<B>([1, d2, d3], 1.0, dtype, device);
-    check_forward(x.clone(), v.clone(), opts, dtype, "tiled, masked rows");
-    let out = read(softmax_matmul_with(x, v, opts));
-    assert!(
-        out[..d3]
-            .iter()
-            .chain(&out[129 * d3..][..d3])
-            .all(|&a| a == 0.0),
-        "fully masked rows must be exactly 0"
+        "tiled, masked rows",
     );
 }
 
