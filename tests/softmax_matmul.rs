@@ -672,7 +672,6 @@ fn impossible_blocks_are_refused<B: FlashBackend>(device: &B::Device, dtype: Flo
 /// backend and dtype, plus a few roundings of the largest reference gradient. Plain, shared-`v`
 /// and masked inputs; the gradient buffers are poisoned first.
 fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    type A<B> = Autodiff<B>;
     let cases: [([usize; 3], [usize; 3], bool); 13] = [
         ([2, 37, 70], [2, 70, 24], false),
         // 16-byte rows (d2, d3 multiples of 8): the matrix-unit backward on CUDA f16/bf16, with
@@ -696,61 +695,75 @@ fn gradients<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ([2, 40, 64], [1, 64, 512], true),
     ];
     for (xs, vs, masked) in cases {
-        let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?}");
-        let mut x = rand3::<A<B>>(xs, 4.0, dtype, device);
-        if masked {
-            // Row 1 of each batch fully −inf, row 2 half.
-            let mut m = vec![false; xs.iter().product()];
-            for b in 0..xs[0] {
-                for j in 0..xs[2] {
-                    m[(b * xs[1] + 1) * xs[2] + j] = true;
-                    m[(b * xs[1] + 2) * xs[2] + j] = j % 2 == 0;
-                }
-            }
-            let m = Tensor::<A<B>, 3, burn::tensor::Bool>::from_data(
-                burn::tensor::TensorData::new(m, xs),
-                device,
-            );
-            x = x.mask_fill(m, f32::NEG_INFINITY);
-        }
-        let x = x.detach().require_grad();
-        let v = rand3::<A<B>>(vs, 1.0, dtype, device).require_grad();
-        let w = rand3::<A<B>>([xs[0], xs[1], vs[2]], 1.0, dtype, device);
-        let loss = (softmax_matmul(x.clone(), v.clone()) * w.clone()).sum();
-        // NaN-filled buffers of the gradients' sizes: an element the backward does not write
-        // reads back as NaN.
-        poison::<B, 3>(xs, dtype, device);
-        poison::<B, 3>(vs, dtype, device);
-        let grads = loss.backward();
-        let dx = read(x.grad(&grads).expect("dx"));
-        let dv = read(v.grad(&grads).expect("dv"));
-        sync::<B>(device);
-
-        let p = Problem::read(&x.clone().inner(), &v.clone().inner());
-        let g = read(w.clone().inner());
-        let (want_dx, want_dv) = p.backward(&g);
-        let (naive_dx, naive_dv) = naive_gradients::<B>(&p, &g, dtype, device);
-        // The backward rebuilds P = e^(x − lse) from the f32 log-sum-exp, whose rounding
-        // (2^-24·|lse|, |lse| ≈ max x + ln d2 ≈ 10) is ~10 f32 ulps of P: the floor allows 16.
-        // In f16/bf16 the storage rounding dominates and two ulps suffice.
-        let floor = if dtype == FloatDType::F32 { 16.0 } else { 2.0 };
-        assert_within_naive(
-            &dx,
-            &naive_dx,
-            &want_dx,
-            dtype,
-            floor,
-            &format!("{ctx}: dx"),
-        );
-        assert_within_naive(
-            &dv,
-            &naive_dv,
-            &want_dv,
-            dtype,
-            floor,
-            &format!("{ctx}: dv"),
-        );
+        check_gradients::<B>(xs, vs, masked, dtype, device);
     }
+}
+
+/// Gradients of `sum(softmax_matmul(x, v) ⊙ w)` for random `x` (`masked`: row 1 of each batch
+/// fully −inf, row 2 half), `v` and `w`, against the f64 reference, within twice a naive
+/// same-dtype composition's error.
+fn check_gradients<B: FlashBackend>(
+    xs: [usize; 3],
+    vs: [usize; 3],
+    masked: bool,
+    dtype: FloatDType,
+    device: &B::Device,
+) {
+    type A<B> = Autodiff<B>;
+    let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?}");
+    let mut x = rand3::<A<B>>(xs, 4.0, dtype, device);
+    if masked {
+        // Row 1 of each batch fully −inf, row 2 half.
+        let mut m = vec![false; xs.iter().product()];
+        for b in 0..xs[0] {
+            for j in 0..xs[2] {
+                m[(b * xs[1] + 1) * xs[2] + j] = true;
+                m[(b * xs[1] + 2) * xs[2] + j] = j % 2 == 0;
+            }
+        }
+        let m = Tensor::<A<B>, 3, burn::tensor::Bool>::from_data(
+            burn::tensor::TensorData::new(m, xs),
+            device,
+        );
+        x = x.mask_fill(m, f32::NEG_INFINITY);
+    }
+    let x = x.detach().require_grad();
+    let v = rand3::<A<B>>(vs, 1.0, dtype, device).require_grad();
+    let w = rand3::<A<B>>([xs[0], xs[1], vs[2]], 1.0, dtype, device);
+    let loss = (softmax_matmul(x.clone(), v.clone()) * w.clone()).sum();
+    // NaN-filled buffers of the gradients' sizes: an element the backward does not write
+    // reads back as NaN.
+    poison::<B, 3>(xs, dtype, device);
+    poison::<B, 3>(vs, dtype, device);
+    let grads = loss.backward();
+    let dx = read(x.grad(&grads).expect("dx"));
+    let dv = read(v.grad(&grads).expect("dv"));
+    sync::<B>(device);
+
+    let p = Problem::read(&x.clone().inner(), &v.clone().inner());
+    let g = read(w.clone().inner());
+    let (want_dx, want_dv) = p.backward(&g);
+    let (naive_dx, naive_dv) = naive_gradients::<B>(&p, &g, dtype, device);
+    // The backward rebuilds P = e^(x − lse) from the f32 log-sum-exp, whose rounding
+    // (2^-24·|lse|, |lse| ≈ max x + ln d2 ≈ 10) is ~10 f32 ulps of P: the floor allows 16.
+    // In f16/bf16 the storage rounding dominates and two ulps suffice.
+    let floor = if dtype == FloatDType::F32 { 16.0 } else { 2.0 };
+    assert_within_naive(
+        &dx,
+        &naive_dx,
+        &want_dx,
+        dtype,
+        floor,
+        &format!("{ctx}: dx"),
+    );
+    assert_within_naive(
+        &dv,
+        &naive_dv,
+        &want_dv,
+        dtype,
+        floor,
+        &format!("{ctx}: dv"),
+    );
 }
 
 /// Gradients `(dx, dv)` of Burn's composed `softmax(x)·v` through `Autodiff<B>` in `dtype`, for
@@ -1091,6 +1104,48 @@ mod cuda {
     #[test]
     fn forward_kernels_take_the_matrix_units() {
         forward_kernels::<burn_cubecl::cubecl::cuda::CudaRuntime>(&Default::default(), true);
+    }
+
+    /// The `dX` kernel with 128 rows per cube: the plan takes it where its row blocks give
+    /// every multiprocessor one (here with partial last blocks, a shared `v` with masked rows,
+    /// and a `d3` of several reduction chunks), and keeps 64 rows on a smaller grid.
+    #[test]
+    fn wide_dx_rows() {
+        use burn_cubecl::cubecl::Runtime;
+        use burn_flash::kernels::flash::mma_backward::{DQ_ROWS, WIDE_DX_ROWS};
+        use burn_flash::kernels::softmax_matmul::mma_dx_rows;
+        let device = Default::default();
+        let client = burn_cubecl::cubecl::cuda::CudaRuntime::client(&device);
+        let sms = client
+            .properties()
+            .hardware
+            .num_streaming_multiprocessors
+            .unwrap_or(1) as usize;
+        // Row blocks of 128 that cover the device once over with a partial last one.
+        let d1 = (sms.div_ceil(2) * WIDE_DX_ROWS as usize) - 37;
+        let cases = [
+            ([2, d1 + 128, 40], [2, 40, 264], false),
+            ([3, d1, 48], [1, 48, 72], true),
+        ];
+        for (xs, vs, shared_v) in cases {
+            let dims = SmmDims {
+                batch: xs[0],
+                d1: xs[1],
+                d2: xs[2],
+                d3: vs[2],
+            };
+            assert_eq!(mma_dx_rows(&client, dims, shared_v), WIDE_DX_ROWS, "{xs:?}");
+            for dtype in [FloatDType::F16, FloatDType::BF16] {
+                check_gradients::<C>(xs, vs, shared_v, dtype, &device);
+            }
+        }
+        let small = SmmDims {
+            batch: 2,
+            d1: 200,
+            d2: 136,
+            d3: 264,
+        };
+        assert_eq!(mma_dx_rows(&client, small, false), DQ_ROWS);
     }
 }
 

@@ -428,6 +428,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 options.softcap.unwrap_or(1.0),
                 dropout,
                 c,
+                mma_backward::DQ_ROWS,
                 t.ds.is_some(),
                 fused,
                 dtype,

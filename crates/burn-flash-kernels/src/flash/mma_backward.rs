@@ -2,7 +2,8 @@
 //! `ldmatrix`; CUDA sm_80+): the schedule of [`super::backward`] with every product on the
 //! matrix units and every intermediate in registers.
 //!
-//! - [`flash_backward_dq_mma()`]: a cube owns [`DQ_ROWS`] query rows (a plane 16), their `Q`
+//! - [`flash_backward_dq_mma()`]: a cube owns [`DQ_ROWS`] query rows (a plane 16; given
+//!   scores: [`WIDE_DX_ROWS`] where they fit, `softmax_matmul::mma_dx_rows`), their `Q`
 //!   and `dO` tiles staged once; per block of keys it stages `K` and `V`, computes `S = Q·Kᵀ`
 //!   and `dP = dO·Vᵀ` into accumulator fragments, turns them into `dS` (the forward's score
 //!   rules, `P = e^(S − lse)`, `dS = P ⊙ (dP − δ)`, the softcap's derivative, the scale) in
@@ -66,8 +67,14 @@ use crate::staging::{commit_next, copy_vec, wait_step};
 
 /// Planes per cube of both kernels.
 pub const PLANES: u32 = 4;
-/// Query rows per cube of [`flash_backward_dq_mma()`].
+/// Query rows per cube of [`flash_backward_dq_mma()`] (attention's, and given scores' where
+/// [`WIDE_DX_ROWS`] does not fit).
 pub const DQ_ROWS: u32 = PLANES * MMA_M;
+/// Rows per cube of the `dX` kernel (given scores) where its shared memory fits: 8 planes share
+/// each `V` block, twice the warps of [`DQ_ROWS`] on a multiprocessor that holds one cube (the
+/// `dO` tile of all of `Dv` and two `V` blocks: 133 KB at `Dv` 512 with 64 rows, 200 KB with
+/// 128).
+pub const WIDE_DX_ROWS: u32 = 2 * DQ_ROWS;
 /// Keys per cube of [`flash_backward_dkv_mma()`].
 pub const DKV_KEYS: u32 = PLANES * MMA_M;
 /// Largest head dim (`D` and `Dv`) the kernels take (their accumulators' registers).
@@ -570,10 +577,10 @@ pub fn flash_dq_accum<F: Float>(
     }
 }
 
-/// `dQ` of [`DQ_ROWS`] query rows of the group of one (batch, key/value head) (module docs).
-/// `c.block_q` = [`DQ_ROWS`], `c.block_k` keys per step, `c.head_dim`, `c.value_dim` = `D`,
-/// `Dv` rounded up to 16. Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`
-/// ([`super::backward::fold_pairs`]); [`PLANES`] planes.
+/// `dQ` of `c.block_q` query rows of the group of one (batch, key/value head) (module docs).
+/// `c.block_q` = [`DQ_ROWS`] (or [`WIDE_DX_ROWS`] with given scores), `c.block_k` keys per
+/// step, `c.head_dim`, `c.value_dim` = `D`, `Dv` rounded up to 16. Grid: `(row blocks of
+/// G·Sq, y, z)`, `y·z ≥ B·Hkv` ([`super::backward::fold_pairs`]); one plane per 16 rows.
 #[cube(
     launch_unchecked,
     fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
@@ -603,7 +610,9 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     #[comptime] ds_vectors: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let units = comptime!(PLANES * PLANE);
+    // One plane per 16 rows: `c.block_q` is [`DQ_ROWS`] or, for given scores, [`WIDE_DX_ROWS`].
+    let rows_per_cube = comptime!(c.block_q);
+    let units = comptime!(rows_per_cube / MMA_M * PLANE);
     let given = comptime!(c.given());
     let drop = Dropout {
         seed_lo,
@@ -637,8 +646,8 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let head0 = hkv * group;
-    let r0 = (CUBE_POS_X * DQ_ROWS) as usize;
-    let last = usize::min(r0 + DQ_ROWS as usize, rows) - 1;
+    let r0 = (CUBE_POS_X * rows_per_cube) as usize;
+    let last = usize::min(r0 + rows_per_cube as usize, rows) - 1;
     let mut kv_end = seq_k;
     if comptime!(c.causal) {
         let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
@@ -650,16 +659,30 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     let g = (lane / 4) as usize;
 
     // Given scores: no Q and K tiles (the scores come from X, the lane's own, in registers).
-    let q_len = comptime!(if given { 1 } else { DQ_ROWS as usize * d_ldv });
+    let q_len = comptime!(if given {
+        1
+    } else {
+        rows_per_cube as usize * d_ldv
+    });
     let mut q_s = SharedMemory::<Vector<F, NV>>::new(q_len);
-    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(DQ_ROWS as usize * v_ldv));
+    let mut o_s = SharedMemory::<Vector<F, NV>>::new(comptime!(rows_per_cube as usize * v_ldv));
     let k_len = comptime!(if given { 0 } else { c.block_k as usize * d_ldv });
     let v_len = comptime!(c.block_k as usize * v_ldv);
     let mut k_s = SharedMemory::<Vector<F, NV>>::new(comptime!((2 * k_len).max(1)));
     let mut v_s = SharedMemory::<Vector<F, NV>>::new(comptime!(2 * v_len));
     if comptime!(!given) {
         stage_query_rows::<F, NV>(
-            q, &mut q_s, batch, head0, r0, rows, seq_q, head_dim, DQ_ROWS, c.head_dim, units,
+            q,
+            &mut q_s,
+            batch,
+            head0,
+            r0,
+            rows,
+            seq_q,
+            head_dim,
+            rows_per_cube,
+            c.head_dim,
+            units,
         );
     }
     stage_query_rows::<F, NV>(
@@ -671,7 +694,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         rows,
         seq_q,
         value_dim,
-        DQ_ROWS,
+        rows_per_cube,
         c.value_dim,
         units,
     );
@@ -1437,13 +1460,14 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
 /// (none: not launched); with `fused_dq`, `dQ` comes from the dK/dV kernel through an f32
 /// accumulator ([`flash_dq_accum()`] on `dq_cubes`, a grid of one row per 32 units).
 /// `rows` is the number of query rows, `B·Hq·Sq`; `c` is the dQ kernel's configuration but
-/// for `block_q` ([`DQ_ROWS`]; the dK/dV kernel's is [`dkv_config()`]). Given scores
+/// for `block_q`, which is `dq_rows` ([`DQ_ROWS`], or [`WIDE_DX_ROWS`] for given scores where
+/// [`dq_shared_bytes()`] fits; the dK/dV kernel's is [`dkv_config()`]). Given scores
 /// (`softmax_matmul`): `t.q` is `X`, `t.ds` its gradient, `write_ds` true.
 ///
 /// # Safety
 /// The operands' shapes and strides describe their buffers; the rows of `q`, `k`, `v` and
 /// `d_out` are 16-byte aligned (the kernels' vector); the grids are the kernels' (key blocks,
-/// times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of [`DQ_ROWS`];
+/// times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of `dq_rows`;
 /// pairs folded by [`super::backward::fold_pairs`]).
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_backward_mma<R: Runtime>(
@@ -1456,6 +1480,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
     softcap: f32,
     dropout: crate::dropout::DropoutParams,
     c: FlashConfig,
+    dq_rows: u32,
     write_ds: bool,
     fused_dq: bool,
     dtype: StorageType,
@@ -1533,7 +1558,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
             (false, Some(cubes)) => flash_backward_dq_mma::launch_unchecked::<R>(
                 client,
                 cube_count(cubes),
-                units,
+                cubecl::CubeDim::new_1d(dq_rows / MMA_M * PLANE),
                 NV8,
                 ds_vector,
                 t.q.arg(),
@@ -1553,7 +1578,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                 d.threshold,
                 d.inv_keep(),
                 FlashConfig {
-                    block_q: DQ_ROWS,
+                    block_q: dq_rows,
                     ..c
                 },
                 write_ds,

@@ -626,6 +626,37 @@ fn mma_backward_config(d3: usize) -> FlashConfig {
     }
 }
 
+/// Rows per cube of the matrix-unit `dX` kernel for `dims` (with `shared_v`, `v` has one batch
+/// and the batches are rows of one grid row; else each batch is one):
+/// [`flash::mma_backward::WIDE_DX_ROWS`] where its shared memory (the `dO` tile of all of `d3`
+/// and two `V` blocks) fits and its row blocks still give every multiprocessor one, else
+/// [`flash::mma_backward::DQ_ROWS`]. The `dX` kernel runs one cube per multiprocessor at
+/// `d3` 512 either way (shared memory), so the wide cube doubles the warps that hide its
+/// latency (ncu, H100, d2 1024: 4 warps, an instruction every 5.2 cycles per scheduler;
+/// `NOTES.md`, session 17); on a grid smaller than the device, halving the cubes would cost
+/// more than that.
+pub fn mma_dx_rows<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims, shared_v: bool) -> u32 {
+    use flash::mma_backward::{DQ_ROWS, WIDE_DX_ROWS, dq_shared_bytes};
+    let hw = &client.properties().hardware;
+    let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;
+    let c = FlashConfig {
+        block_q: WIDE_DX_ROWS,
+        ..mma_backward_config(dims.d3)
+    };
+    let (rows, pairs) = if shared_v {
+        (dims.batch * dims.d1, 1)
+    } else {
+        (dims.d1, dims.batch)
+    };
+    let fits = dq_shared_bytes(c) <= hw.max_shared_memory_size
+        && WIDE_DX_ROWS / fragment::MMA_M * fragment::PLANE <= hw.max_units_per_cube;
+    if fits && rows.div_ceil(WIDE_DX_ROWS as usize) * pairs >= sms {
+        WIDE_DX_ROWS
+    } else {
+        DQ_ROWS
+    }
+}
+
 /// Whether the matrix-unit backward runs: f16/bf16 with manual `mma`, `ldmatrix` and
 /// `cp.async`, 16-byte vectors dividing every row and stride of `x`, `v` and `d_out`, and both
 /// kernels' shared memory (the `dX` kernel's grows with `d3`).
@@ -908,9 +939,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     };
     match path {
         SmmBackwardPath::MatrixUnits => {
-            use flash::mma_backward::{DQ_ROWS, dkv_blocks, launch_backward_mma};
+            use flash::mma_backward::{dkv_blocks, launch_backward_mma};
+            let dx_rows = mma_dx_rows(client, dims, shared_v);
             let dkv = (dkv_blocks(d2, d3, true), y, z);
-            let dq = ((group * d1).div_ceil(DQ_ROWS as usize), y, z);
+            let dq = ((group * d1).div_ceil(dx_rows as usize), y, z);
             for cubes in [dkv, dq] {
                 check_cubes(client, cubes)?;
             }
@@ -928,6 +960,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     1.0,
                     crate::dropout::DropoutParams::new(0.0, 0),
                     mma_backward_config(d3),
+                    dx_rows,
                     true,
                     false,
                     dtype,
