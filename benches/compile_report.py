@@ -15,7 +15,11 @@ stack, shared memory. Subtracting both from a cold first call gives the expansio
 - `--via nvcc`: the toolkit's `nvcc --ptx` (the same front end, compiling as a whole
   translation unit with host code), then `ptxas` (the assembler the JIT embeds).
 
-Either way `ptxas -v` on the PTX gives the resources. Usage, on the GPU machine:
+Either way `ptxas -v` on the PTX gives the resources. `--headers` times NVRTC alone on an empty
+kernel under each set of the includes cubecl's CUDA compiler emits (its `compile_includes`: the
+matrix-unit kernels here get `<mma.h>`, and with cubecl's `Barrier` for `cp.async`
+`<cooperative_groups.h>`, `<cooperative_groups/memcpy_async.h>` and `<cuda/barrier>`), the
+fixed part of every such kernel's compile. Usage, on the GPU machine:
 
     CUBECL_DEBUG_LOG=/tmp/kernels.log BURN_FLASH_CACHE=off <a program that launches kernels>
     python3 benches/compile_report.py /tmp/kernels.log --out $OUT/compile.csv [--arch sm_90a]
@@ -148,9 +152,43 @@ def resources(report):
     }
 
 
+HEADER_SETS = [
+    ("runtime+fp16", ["cuda_runtime.h", "cuda_fp16.h"]),
+    ("+mma.h", ["cuda_runtime.h", "cuda_fp16.h", "mma.h"]),
+    ("+cooperative_groups", ["cuda_runtime.h", "cuda_fp16.h", "cooperative_groups.h"]),
+    ("+cg/memcpy_async", ["cuda_runtime.h", "cuda_fp16.h", "cooperative_groups.h",
+                          "cooperative_groups/memcpy_async.h"]),
+    ("+cuda/barrier", ["cuda_runtime.h", "cuda_fp16.h", "cuda/barrier"]),
+    ("all (matrix-unit kernels)", ["cuda_runtime.h", "cuda_fp16.h", "mma.h", "cooperative_groups.h",
+                                   "cooperative_groups/memcpy_async.h", "cuda/barrier"]),
+]
+
+
+def headers(nvrtc, out, reps=3):
+    """NVRTC seconds (median of `reps`) of an empty kernel under each include set."""
+    body = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] = 1.0f; }\n'
+    with open(out, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["includes", "nvrtc_s", "note"])
+        for label, files in HEADER_SETS:
+            source = "".join(f"#include <{h}>\n" for h in files) + body
+            times, note = [], ""
+            for _ in range(reps):
+                seconds, ptx, log = nvrtc.compile(source)
+                if ptx is None:
+                    note = "NVRTC failed: " + " | ".join(log.splitlines()[:2])[:300]
+                    break
+                times.append(seconds)
+            med = sorted(times)[len(times) // 2] if times else None
+            writer.writerow([label, round(med, 3) if med is not None else "", note])
+            print(f"{label:<28} {med if med is None else round(med, 3)} s {note}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("log")
+    ap.add_argument("log", nargs="?", help="cubecl's compilation log (not with --headers)")
+    ap.add_argument("--headers", action="store_true",
+                    help="time NVRTC on an empty kernel under each include set cubecl emits")
     ap.add_argument("--out", default="compile.csv")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--keep", help="directory to keep the .cu and .ptx files in")
@@ -168,6 +206,13 @@ def main():
             if args.via == "nvrtc":
                 sys.exit(f"NVRTC unavailable: {err}")
             print(f"NVRTC unavailable ({err}): nvcc + ptxas instead", flush=True)
+    if args.headers:
+        if not nvrtc:
+            sys.exit("--headers needs NVRTC")
+        headers(nvrtc, args.out)
+        return
+    if not args.log:
+        ap.error("a compilation log is needed (or --headers)")
     via = "nvrtc" if nvrtc else "nvcc"
     # `to_ptx_s`: NVRTC's or nvcc's seconds; `to_sass_s`: the driver's JIT (cuModuleLoadData)
     # or ptxas.

@@ -218,7 +218,9 @@ fn stage_query_rows<F: Float, NV: Size>(
 
 /// Asynchronous copies (`cp.async`) of `n_rows × width` elements, columns `col0..`, into
 /// `dst` at `buf`, tile row `r` being query row `r0 + r` of the group as in
-/// [`stage_query_rows()`]; zeros past `rows` and `cols`.
+/// [`stage_query_rows()`]; zeros past `rows` and `cols`. `(h0, p0)` is `r0`'s (head, position),
+/// `(r0 / Sq, r0 % Sq)`: a block inside one head (the common case) addresses its rows from
+/// them, without a division per vector.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_query_rows_async<F: Float, NV: Size>(
@@ -228,6 +230,8 @@ fn stage_query_rows_async<F: Float, NV: Size>(
     batch: usize,
     head0: usize,
     r0: usize,
+    h0: usize,
+    p0: usize,
     rows: usize,
     seq_q: usize,
     col0: usize,
@@ -239,19 +243,27 @@ fn stage_query_rows_async<F: Float, NV: Size>(
     let per_row = comptime!(width as usize / NV8);
     let ldv = comptime!((width + V_PAD) as usize / NV8);
     let total = comptime!(n_rows as usize * per_row);
+    // Every row of the block is a row of head `h0` (so none is past `rows`, a multiple of Sq).
+    let inside = p0 + n_rows as usize <= seq_q;
+    let row_stride = t.stride(2);
+    let lead = batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride;
     #[unroll]
     for e in 0..comptime!(total.div_ceil(units as usize)) {
         let idx = UNIT_POS as usize + e * units as usize;
         if idx < total {
             let (r, cv) = (idx / per_row, idx % per_row);
-            let row = r0 + r;
             let col = col0 + cv * NV8;
-            let rr = usize::min(row, rows - 1);
-            let src = batch * t.stride(0)
-                + (head0 + rr / seq_q) * t.stride(1)
-                + (rr % seq_q) * t.stride(2)
-                + col;
-            let ok = row < rows && col < cols;
+            let mut src = lead + r * row_stride + col;
+            let mut ok = col < cols;
+            if !inside {
+                let row = r0 + r;
+                let rr = usize::min(row, rows - 1);
+                src = batch * t.stride(0)
+                    + (head0 + rr / seq_q) * t.stride(1)
+                    + (rr % seq_q) * row_stride
+                    + col;
+                ok = ok && row < rows;
+            }
             copy_vec::<F, NV>(t, dst, select(ok, src / NV8, 0), buf + r * ldv + cv, ok);
         }
     }
@@ -289,6 +301,8 @@ fn stage_query_block<F: Float, NV: Size>(
     let bq = comptime!(c.block_k as usize);
     let q_len = comptime!(bq * (step_width(c) + V_PAD) as usize / NV8);
     let o_len = comptime!(bq * (c.value_dim + V_PAD) as usize / NV8);
+    // The block's first row's (head, position): one division per block, not per vector.
+    let (h0, p0) = (r0 / seq_q, r0 % seq_q);
     stage_query_rows_async::<F, NV>(
         q,
         q_s,
@@ -296,6 +310,8 @@ fn stage_query_block<F: Float, NV: Size>(
         batch,
         head0,
         r0,
+        h0,
+        p0,
         rows,
         seq_q,
         q_col0,
@@ -311,6 +327,8 @@ fn stage_query_block<F: Float, NV: Size>(
         batch,
         head0,
         r0,
+        h0,
+        p0,
         rows,
         seq_q,
         o_col0,
@@ -321,9 +339,13 @@ fn stage_query_block<F: Float, NV: Size>(
     );
     if UNIT_POS < c.block_k {
         let row = r0 + UNIT_POS as usize;
-        let rr = usize::min(row, rows - 1);
-        let head = head0 + rr / seq_q;
-        let pos = rr % seq_q;
+        let mut head = head0 + h0;
+        let mut pos = p0 + UNIT_POS as usize;
+        if p0 + bq > seq_q {
+            let rr = usize::min(row, rows - 1);
+            head = head0 + rr / seq_q;
+            pos = rr % seq_q;
+        }
         let l = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         let at = buf * 2 * bq + UNIT_POS as usize;
         stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
@@ -1189,11 +1211,15 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let _token = bar0.arrive();
     // The K and V tiles and the first block's (lse, δ) (plain stores) are visible to all.
     sync_cube();
+    // Step `i`'s block `qb` and its rank among its head's live blocks, advanced without a
+    // division: after a head's last live block come the next head's `first` dead ones.
+    let mut qb = first;
+    let mut rank = 0usize;
     for i in 0..n_live {
         let parity = i % 2;
-        let next = i + 1;
-        if next < n_live {
-            let nb = (next / live_per_head) * per_head + first + next % live_per_head;
+        let wraps = rank + 1 == live_per_head;
+        let nb = qb + 1 + select(wraps, first, 0);
+        if i + 1 < n_live {
             stage_query_block::<F, NV>(
                 q,
                 d_out,
@@ -1219,7 +1245,6 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         }
         commit_next(&bar0, &bar1, i);
         wait_step(&bar0, &bar1, i);
-        let qb = (i / live_per_head) * per_head + first + i % live_per_head;
         let r0 = qb * bq;
         let last = usize::min(r0 + bq, rows) - 1;
         // Causal: the block's largest position must see the cube's first key.
@@ -1418,6 +1443,8 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         }
         // Every plane is done with this buffer (and dS) before block + 2's copies overwrite it.
         sync_cube();
+        qb = nb;
+        rank = select(wraps, 0, rank + 1);
     }
     if n_live == 0 {
         // The prologue's (empty) copies complete before the cube exits.
