@@ -36,6 +36,14 @@ pub enum Mutation {
     FillGrad,
     /// `quiet-off`: the attention forward ignores quiet softmax's `1 +` in the denominator.
     QuietOff,
+    /// `stage-head-start`: the `dK`/`dV` kernel stages every query block that lies inside one
+    /// head from that head's first row (its position `p0` taken as 0).
+    StageHeadStart,
+    /// `dx-narrow-blocks`: the `dX` kernel places its row blocks [`DQ_ROWS`] apart whatever
+    /// its rows per cube (the 128-row cube of given scores then overlaps and skips rows).
+    ///
+    /// [`DQ_ROWS`]: crate::flash::mma_backward::DQ_ROWS
+    DxNarrowBlocks,
 }
 
 impl Mutation {
@@ -51,6 +59,8 @@ impl Mutation {
             Self::DropoutFreshMask => "dropout-fresh-mask",
             Self::FillGrad => "fill-grad",
             Self::QuietOff => "quiet-off",
+            Self::StageHeadStart => "stage-head-start",
+            Self::DxNarrowBlocks => "dx-narrow-blocks",
         }
     }
 }
@@ -71,10 +81,12 @@ pub fn active(mutation: Mutation) -> bool {
             Mutation::DropoutFreshMask,
             Mutation::FillGrad,
             Mutation::QuietOff,
+            Mutation::StageHeadStart,
+            Mutation::DxNarrowBlocks,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -132,4 +144,14 @@ pub fn fill_grad() -> bool {
 /// [`Mutation::QuietOff`] is active.
 pub fn quiet_off() -> bool {
     active(Mutation::QuietOff)
+}
+
+/// [`Mutation::StageHeadStart`] is active.
+pub fn stage_head_start() -> bool {
+    active(Mutation::StageHeadStart)
+}
+
+/// [`Mutation::DxNarrowBlocks`] is active.
+pub fn dx_narrow_blocks() -> bool {
+    active(Mutation::DxNarrowBlocks)
 }

@@ -246,7 +246,10 @@ fn stage_query_rows_async<F: Float, NV: Size>(
     // Every row of the block is a row of head `h0` (so none is past `rows`, a multiple of Sq).
     let inside = p0 + n_rows as usize <= seq_q;
     let row_stride = t.stride(2);
-    let lead = batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride;
+    let mut lead = batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride;
+    if comptime!(crate::mutation::stage_head_start()) {
+        lead = batch * t.stride(0) + (head0 + h0) * t.stride(1);
+    }
     #[unroll]
     for e in 0..comptime!(total.div_ceil(units as usize)) {
         let idx = UNIT_POS as usize + e * units as usize;
@@ -668,7 +671,12 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     }
     let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let head0 = hkv * group;
-    let r0 = (CUBE_POS_X * rows_per_cube) as usize;
+    let block_step = comptime!(if crate::mutation::dx_narrow_blocks() {
+        DQ_ROWS
+    } else {
+        rows_per_cube
+    });
+    let r0 = (CUBE_POS_X * block_step) as usize;
     let last = usize::min(r0 + rows_per_cube as usize, rows) - 1;
     let mut kv_end = seq_k;
     if comptime!(c.causal) {
