@@ -246,10 +246,12 @@ fn stage_query_rows_async<F: Float, NV: Size>(
     // Every row of the block is a row of head `h0` (so none is past `rows`, a multiple of Sq).
     let inside = p0 + n_rows as usize <= seq_q;
     let row_stride = t.stride(2);
-    let mut lead = batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride;
-    if comptime!(crate::mutation::stage_head_start()) {
-        lead = batch * t.stride(0) + (head0 + h0) * t.stride(1);
-    }
+    // (Expanded at comptime: without the mutation, only the second branch exists.)
+    let lead = if comptime!(crate::mutation::stage_head_start()) {
+        batch * t.stride(0) + (head0 + h0) * t.stride(1)
+    } else {
+        batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride
+    };
     #[unroll]
     for e in 0..comptime!(total.div_ceil(units as usize)) {
         let idx = UNIT_POS as usize + e * units as usize;
