@@ -1147,6 +1147,37 @@ mod cuda {
         };
         assert_eq!(mma_dx_rows(&client, small, false), DQ_ROWS);
     }
+
+    /// The P-buffer plan of the matrix-unit backward (WIP, branch `s18-pbuffer`): chosen at
+    /// small `d2` with vector rows, not past [`P_BUFFER_MAX_D2`] nor with rows of odd length;
+    /// gradients against the f64 reference on both sides of the threshold (ragged `d1`, a
+    /// masked case, `d3` over one column tile).
+    #[test]
+    fn p_buffer_plans() {
+        use burn_flash::kernels::softmax_matmul::{P_BUFFER_MAX_D2, mma_p_buffer};
+        let dims = |d2| SmmDims {
+            batch: 2,
+            d1: 100,
+            d2,
+            d3: 264,
+        };
+        let strides = |d2: usize| [100 * d2, d2, 1];
+        assert!(mma_p_buffer(dims(264), &[2, 100, 264], &strides(264)));
+        let past = P_BUFFER_MAX_D2 + 8;
+        assert!(!mma_p_buffer(dims(past), &[2, 100, past], &strides(past)));
+        // Rows of 260 elements are not whole 16-byte vectors: no `dX` vector stores, no buffer.
+        assert!(!mma_p_buffer(dims(260), &[2, 100, 260], &strides(260)));
+        let device = Default::default();
+        for (xs, vs, masked) in [
+            ([2, 99, 264], [2, 264, 264], false),
+            ([2, 99, 264], [2, 264, 136], true),
+            ([1, 37, past], [1, past, 136], false),
+        ] {
+            for dtype in [FloatDType::F16, FloatDType::BF16] {
+                check_gradients::<C>(xs, vs, masked, dtype, &device);
+            }
+        }
+    }
 }
 
 #[cfg(feature = "ndarray")]

@@ -431,6 +431,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 mma_backward::DQ_ROWS,
                 t.ds.is_some(),
                 fused,
+                None,
                 dtype,
             );
         }

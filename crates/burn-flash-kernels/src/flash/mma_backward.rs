@@ -626,6 +626,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
     ds: &mut Tensor<Vector<F, ND>>,
+    p_out: &mut Tensor<Vector<F, ND>>,
     scale: f32,
     softcap: f32,
     seed_lo: u32,
@@ -635,6 +636,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     #[comptime] c: FlashConfig,
     #[comptime] write_ds: bool,
     #[comptime] ds_vectors: bool,
+    #[comptime] write_p: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     // One plane per 16 rows: `c.block_q` is [`DQ_ROWS`] or, for given scores, [`WIDE_DX_ROWS`].
@@ -737,6 +739,8 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     let mut row_delta = Array::<f32>::new(2usize);
     let mut row_at = Array::<usize>::new(2usize);
     let mut ds_at = Array::<usize>::new(2usize);
+    // With `write_p` (given scores, `dX` stored as vectors): where each row of `P` starts.
+    let mut p_at = Array::<usize>::new(2usize);
     // The (batch, query head) pair of each row: the dropout generator's key.
     let mut row_pair = Array::<usize>::new(2usize);
     let mut refs = new_refs(2usize);
@@ -763,6 +767,10 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         ds_at[h] = 0usize;
         if comptime!(write_ds) {
             ds_at[h] = batch * ds.stride(0) + head * ds.stride(1) + pos * ds.stride(2);
+        }
+        p_at[h] = 0usize;
+        if comptime!(write_p) {
+            p_at[h] = batch * p_out.stride(0) + head * p_out.stride(1) + pos * p_out.stride(2);
         }
     }
     let mut acc = zero_accumulators(comptime!(c.head_dim / MMA_N));
@@ -857,6 +865,13 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         } else {
             1
         }));
+        // With `write_p`: this step's `P` of the same runs, stored beside `dX` for the dK/dV
+        // kernel (the P-buffer plan).
+        let mut p_run = Array::<f32>::new(comptime!(if write_p {
+            2 * chunks as usize * NV8
+        } else {
+            1
+        }));
         if comptime!(!given) {
             step_scores::<F, NV>(&q_s, &k_s, k_buf, &mut s, c);
         }
@@ -927,6 +942,11 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                         // j / 4 (the layout `load_scores` read them in), stored below.
                         dx_run[comptime!((h as u32 * chunks + j / 4) * NV8 as u32 + 2 * (j % 4) + n)
                             as usize] = val;
+                        if comptime!(write_p) {
+                            p_run[comptime!(
+                                (h as u32 * chunks + j / 4) * NV8 as u32 + 2 * (j % 4) + n
+                            ) as usize] = p;
+                        }
                     } else if comptime!(write_ds) {
                         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
                         if row < rows && key < seq_k {
@@ -956,6 +976,16 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                             );
                         }
                         ds[(ds_at[h as usize] + key) / NV8] = o;
+                        if comptime!(write_p) {
+                            let mut pv = Vector::<F, ND>::empty();
+                            #[unroll]
+                            for e in 0..comptime!(NV8) {
+                                pv[e] = F::cast_from(
+                                    p_run[comptime!(((h * chunks + ch) as usize) * NV8 + e)],
+                                );
+                            }
+                            p_out[(p_at[h as usize] + key) / NV8] = pv;
+                        }
                     }
                 }
             }
@@ -1053,6 +1083,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     inv_keep: f32,
     #[comptime] c: FlashConfig,
     #[comptime] fused_dq: bool,
+    #[comptime] p_given: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!(PLANES * PLANE);
@@ -1282,16 +1313,23 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 #[unroll]
                 for i in 0..4u32 {
                     let xs = xa[i as usize];
-                    let mut pp = Vector::<F, Const<2>>::empty();
-                    #[unroll]
-                    for n in 0..2u32 {
-                        let col = comptime!((16 * kc + 8 * (i / 2) + n) as usize) + quad * 2;
-                        let ok = key[comptime!((i % 2) as usize)] <= key_last;
-                        let x = f32::cast_from(xs[n as usize]);
-                        pp[n as usize] =
-                            F::cast_from(select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32));
+                    if comptime!(p_given) {
+                        // The staged block is `P` itself (written by the dX kernel): its
+                        // fragments are `Pᵀ`'s. A key past the end only reaches its own dV
+                        // row, which is never stored; a row past the end was zero-filled.
+                        pfrag[i as usize] = xs;
+                    } else {
+                        let mut pp = Vector::<F, Const<2>>::empty();
+                        #[unroll]
+                        for n in 0..2u32 {
+                            let col = comptime!((16 * kc + 8 * (i / 2) + n) as usize) + quad * 2;
+                            let ok = key[comptime!((i % 2) as usize)] <= key_last;
+                            let x = f32::cast_from(xs[n as usize]);
+                            pp[n as usize] =
+                                F::cast_from(select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32));
+                        }
+                        pfrag[i as usize] = pp;
                     }
-                    pfrag[i as usize] = pp;
                 }
                 pa.push(pfrag);
             }
@@ -1520,6 +1558,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
     dq_rows: u32,
     write_ds: bool,
     fused_dq: bool,
+    p_buffer: Option<&super::backward::Operand>,
     dtype: StorageType,
 ) {
     let d = dropout;
@@ -1562,13 +1601,14 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
         if let (true, Some(cubes)) = (fused_dq, dq_cubes) {
             accum(cubes, false);
         }
-        if let Some(cubes) = dkv_cubes {
+        let launch_dkv = || {
+            let Some(cubes) = dkv_cubes else { return };
             flash_backward_dkv_mma::launch_unchecked::<R>(
                 client,
                 cube_count(cubes),
                 units,
                 NV8,
-                t.q.arg(),
+                p_buffer.map_or(t.q.arg(), |p| p.arg()),
                 t.k.arg(),
                 t.v.arg(),
                 t.mask.arg(),
@@ -1587,10 +1627,11 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                 d.inv_keep(),
                 dkv_config(c),
                 fused_dq,
+                p_buffer.is_some(),
                 dtype,
             );
-        }
-        match (fused_dq, dq_cubes) {
+        };
+        let launch_dq = || match (fused_dq, dq_cubes) {
             (true, Some(cubes)) => accum(cubes, true),
             (false, Some(cubes)) => flash_backward_dq_mma::launch_unchecked::<R>(
                 client,
@@ -1608,6 +1649,7 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                 delta.arg(),
                 t.dq.arg(),
                 t.ds.arg(),
+                p_buffer.map_or(t.ds.arg(), |p| p.arg()),
                 scale,
                 softcap,
                 d.seed_lo,
@@ -1620,9 +1662,18 @@ pub unsafe fn launch_backward_mma<R: Runtime>(
                 },
                 write_ds,
                 ds_vector == NV8,
+                p_buffer.is_some(),
                 dtype,
             ),
             (_, None) => {}
+        };
+        // The P-buffer plan: the dX kernel writes `P`, which the dK/dV kernel then reads.
+        if p_buffer.is_some() {
+            launch_dq();
+            launch_dkv();
+        } else {
+            launch_dkv();
+            launch_dq();
         }
     }
 }

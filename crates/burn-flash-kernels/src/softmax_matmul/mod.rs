@@ -657,6 +657,22 @@ pub fn mma_dx_rows<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims, shared_
     }
 }
 
+/// The largest `d2` at which the matrix-unit backward writes `P` for its dK/dV kernel
+/// ([`mma_p_buffer()`]). Not measured yet (branch `s18-pbuffer`, `NOTES.md` session 18).
+pub const P_BUFFER_MAX_D2: usize = 2048;
+
+/// Whether the matrix-unit backward takes the P-buffer plan for `dims`: `d2` at most
+/// [`P_BUFFER_MAX_D2`] (one more `d1 × d2` buffer in the dtype, the size of `dX`, so only where
+/// it is small) and `dX` stored as 16-byte vectors (the `P` stores are `dX`'s).
+pub fn mma_p_buffer(dims: SmmDims, dx_shape: &[usize], dx_strides: &[usize]) -> bool {
+    let rank = dx_shape.len();
+    let vectors = rank > 0
+        && dx_shape[rank - 1].is_multiple_of(8)
+        && dx_strides[rank - 1] == 1
+        && dx_strides[..rank - 1].iter().all(|s| s.is_multiple_of(8));
+    dims.d2 <= P_BUFFER_MAX_D2 && vectors
+}
+
 /// Whether the matrix-unit backward runs: f16/bf16 with manual `mma`, `ldmatrix` and
 /// `cp.async`, 16-byte vectors dividing every row and stride of `x`, `v` and `d_out`, and both
 /// kernels' shared memory (the `dX` kernel's grows with `d3`).
@@ -941,6 +957,19 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         SmmBackwardPath::MatrixUnits => {
             use flash::mma_backward::{dkv_blocks, launch_backward_mma};
             let dx_rows = mma_dx_rows(client, dims, shared_v);
+            // The P-buffer plan (small d2): the dX kernel stores `P` in a buffer laid out as
+            // `dX`, which the dK/dV kernel then stages instead of recomputing it from `X`.
+            let p_buffer = mma_p_buffer(dims, dx.shape, dx.strides).then(|| {
+                let elems = 1 + dx
+                    .shape
+                    .iter()
+                    .zip(dx.strides)
+                    .map(|(&n, &s)| n.saturating_sub(1) * s)
+                    .sum::<usize>();
+                let mut p = shared(&dx);
+                p.handle = client.empty(elems * dtype.size());
+                p
+            });
             let dkv = (dkv_blocks(d2, d3, true), y, z);
             let dq = ((group * d1).div_ceil(dx_rows as usize), y, z);
             for cubes in [dkv, dq] {
@@ -963,6 +992,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     dx_rows,
                     true,
                     false,
+                    p_buffer.as_ref(),
                     dtype,
                 );
             }
