@@ -3,11 +3,13 @@
 //! `burn::backend::Cuda`/`Wgpu` are).
 //!
 //! `cargo bench --bench softmax_matmul -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
-//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--wide]
+//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--wide] [--p-buffer]
 //! [--plot CSV]` (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in
 //! one process when both are built; wgpu's files then end in `-wgpu`). `--sweeps` and
 //! `--runtimes` pick a subset (all by default); `--lowp-blocks` adds forced `(block_1,
-//! block_2)` rows to the f16/bf16 sweep, `--wide` the wide kernel's; `--plot CSV` redraws the
+//! block_2)` rows to the f16/bf16 sweep, `--wide` the wide kernel's, `--p-buffer` the P-buffer
+//! plan's (f16/bf16, forward and forward + backward: its A/B against the plan's fused loop in one
+//! run); `--plot CSV` redraws the
 //! PNG of an earlier run from its `softmax_matmul.csv` and the `_lowp`/`_backward` files
 //! beside it.
 //!
@@ -89,6 +91,11 @@ struct Cli {
     /// sweep: measured slower than the plan's kernel, so off by default.
     #[arg(long)]
     wide: bool,
+    /// Add rows of the P-buffer plan (`p_buffer: Some(true)`: `P` written by a softmax kernel,
+    /// then `P·V`) to the f16/bf16 forward and forward + backward sweeps: measured slower than
+    /// the fused loop, so off by default.
+    #[arg(long)]
+    p_buffer: bool,
     /// Redraw the PNG from an earlier run's softmax_matmul.csv (and its _lowp/_backward
     /// files), then exit.
     #[arg(long, value_name = "CSV")]
@@ -195,6 +202,9 @@ impl Impl {
         match self {
             Impl::Composed => "burn_composed",
             Impl::Flash(o) if o.blocks.is_none() && o.wide == Some(true) => "burn_flash_wide",
+            Impl::Flash(o) if o.blocks.is_none() && o.p_buffer == Some(true) => {
+                "burn_flash_p_buffer"
+            }
             Impl::Flash(o) if o.blocks.is_none() => "burn_flash_heuristic",
             Impl::Flash(_) => "burn_flash",
         }
@@ -285,10 +295,20 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
     };
     [Impl::Flash(Default::default())]
         .into_iter()
+        .chain(p_buffer_rows(cli))
         .chain(wide_rows)
         .chain(forced)
         .chain([Impl::Composed])
         .collect()
+}
+
+/// With `--p-buffer`, the P-buffer plan.
+fn p_buffer_rows(cli: &Cli) -> Vec<Impl> {
+    let p_buffer = Impl::Flash(SoftmaxMatmulOptions {
+        p_buffer: Some(true),
+        ..Default::default()
+    });
+    if cli.p_buffer { vec![p_buffer] } else { vec![] }
 }
 
 fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
@@ -565,7 +585,14 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 println!("{label} backward: not supported by this device, skipped");
             }
             for &d2 in self.d2s.iter().filter(|&&d2| d2 <= 4096) {
-                for imp in [Impl::Flash(Default::default()), Impl::Composed] {
+                let p_buffer = p_buffer_rows(self.cli)
+                    .into_iter()
+                    .filter(|_| label != "f32");
+                let imps = [Impl::Flash(Default::default())]
+                    .into_iter()
+                    .chain(p_buffer)
+                    .chain([Impl::Composed]);
+                for imp in imps {
                     if !supported {
                         bwd.push(&self.unsupported(label, d2, imp.name()));
                         continue;

@@ -449,7 +449,8 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ..Default::default()
     };
     let off_plan = plan(dims, off).expect("the default plan runs");
-    assert_eq!(off_plan.kernel, SmmForwardKernel::MatrixUnits);
+    assert_ne!(off_plan.kernel, SmmForwardKernel::Wide);
+    assert_eq!(off_plan.path(), SmmPath::MatrixUnits);
 
     let step_32 = SoftmaxMatmulOptions {
         blocks: Some((64, 32)),
@@ -492,6 +493,118 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         head: 6,
     };
     check_masked_rows::<B>((9, 136, 144), rows, on, dtype, device, "wide, masked rows");
+}
+
+/// The P-buffer plan (a softmax kernel writes `P` and `lse`, then `P·V` on the matrix units):
+/// the plan takes it only when asked for, where the matrix units run (CUDA f16/bf16, 16-byte
+/// rows) and the softmax holds a row in registers; forcing it elsewhere is an error that says
+/// why. Where it runs, it and the fused loop both match the
+/// reference at ragged `d1` and `d2` (partial steps and blocks), `d3` over several column tiles,
+/// ±50 scores, a maximum that rises along the row, masked rows and a shared `v`; the
+/// gradients through it (its `lse` feeds the backward) too.
+fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let on = SoftmaxMatmulOptions {
+        p_buffer: Some(true),
+        ..Default::default()
+    };
+    let off = SoftmaxMatmulOptions {
+        p_buffer: Some(false),
+        ..Default::default()
+    };
+    let dims = |d2| SmmDims {
+        batch: 2,
+        d1: 70,
+        d2,
+        d3: 200,
+    };
+    let plan = |dims, options| softmax_matmul_plan::<B>(device, dims, dtype.into(), options);
+    let refused = "the P-buffer plan cannot run: ";
+    let runs = match plan(dims(264), on) {
+        Some(Ok(p)) => {
+            assert_eq!(p.kernel, SmmForwardKernel::PBuffer);
+            true
+        }
+        Some(Err(err)) => {
+            let msg = err.to_string();
+            assert!(msg.starts_with(refused), "{msg}");
+            false
+        }
+        None => return,
+    };
+    let kernel = |d2, options| {
+        plan(dims(d2), options)
+            .expect("a fused backend plans")
+            .expect("the plan runs")
+            .kernel
+    };
+    // The default never takes it.
+    assert_ne!(kernel(264, Default::default()), SmmForwardKernel::PBuffer);
+    if !runs {
+        return;
+    }
+    assert_eq!(kernel(264, Default::default()), SmmForwardKernel::MatrixUnits);
+    assert_eq!(kernel(264, off), SmmForwardKernel::MatrixUnits);
+    assert_eq!(kernel(8200, on), SmmForwardKernel::PBuffer);
+    // Refusals: plain units forced, the wide kernel forced too, rows past the softmax's
+    // register tiers.
+    let units = SoftmaxMatmulOptions {
+        path: Some(SmmPath::Units),
+        ..on
+    };
+    let msg = plan(dims(264), units).unwrap().expect_err("refused").to_string();
+    assert_eq!(msg, format!("{refused}it runs on the matrix units only"));
+    let wide = SoftmaxMatmulOptions {
+        wide: Some(true),
+        ..on
+    };
+    let msg = plan(dims(264), wide).unwrap().expect_err("refused").to_string();
+    assert_eq!(msg, format!("{refused}the wide kernel was forced too"));
+    let msg = plan(dims(1 << 20), on).unwrap().expect_err("refused").to_string();
+    assert!(
+        msg.starts_with(&format!("{refused}rows of {} are outside", 1 << 20)),
+        "{msg}"
+    );
+
+    for opts in [on, off] {
+        let tag = if opts == on { "P buffer" } else { "fused" };
+        for (batch, d1, d2, d3) in [
+            (1, 1, 8, 8),
+            (2, 63, 24, 144),
+            (2, 97, 264, 520),
+            (1, 130, 1032, 136),
+            (2, 70, 2048, 64),
+        ] {
+            let x = rand3::<B>([batch, d1, d2], 8.0, dtype, device);
+            let v = rand3::<B>([batch, d2, d3], 1.0, dtype, device);
+            check_forward(x, v, opts, dtype, &format!("{tag} {batch}×{d1}×{d2}×{d3}"));
+        }
+        let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
+        let v = rand3::<B>([1, 1032, 256], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("{tag}, ±50, shared v"));
+        let d2 = 296;
+        let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
+        let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
+        let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
+        let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
+        check_forward(x, v, opts, dtype, &format!("{tag}, maximum in the last step"));
+        let rows = MaskedRows {
+            full: [0, 5],
+            tail: (3, 8),
+            head: 6,
+        };
+        check_masked_rows::<B>(
+            (9, 136, 144),
+            rows,
+            opts,
+            dtype,
+            device,
+            &format!("{tag}, masked rows"),
+        );
+    }
+    // Its `lse` feeds the backward: the gradients through it, with masked rows and a shared
+    // `v`.
+    check_gradients_with::<B>([2, 99, 264], [2, 264, 136], false, on, dtype, device);
+    check_gradients_with::<B>([3, 70, 520], [1, 520, 40], true, on, dtype, device);
 }
 
 /// The register-tiled plain-unit kernel (the heuristic's choice on plain units for outputs of
@@ -709,8 +822,20 @@ fn check_gradients<B: FlashBackend>(
     dtype: FloatDType,
     device: &B::Device,
 ) {
+    check_gradients_with::<B>(xs, vs, masked, Default::default(), dtype, device);
+}
+
+/// [`check_gradients()`] through `softmax_matmul_with(…, options)`.
+fn check_gradients_with<B: FlashBackend>(
+    xs: [usize; 3],
+    vs: [usize; 3],
+    masked: bool,
+    options: SoftmaxMatmulOptions,
+    dtype: FloatDType,
+    device: &B::Device,
+) {
     type A<B> = Autodiff<B>;
-    let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?}");
+    let ctx = format!("gradients x {xs:?} v {vs:?} masked {masked} {dtype:?} {options:?}");
     let mut x = rand3::<A<B>>(xs, 4.0, dtype, device);
     if masked {
         // Row 1 of each batch fully −inf, row 2 half.
@@ -730,7 +855,7 @@ fn check_gradients<B: FlashBackend>(
     let x = x.detach().require_grad();
     let v = rand3::<A<B>>(vs, 1.0, dtype, device).require_grad();
     let w = rand3::<A<B>>([xs[0], xs[1], vs[2]], 1.0, dtype, device);
-    let loss = (softmax_matmul(x.clone(), v.clone()) * w.clone()).sum();
+    let loss = (softmax_matmul_with(x.clone(), v.clone(), options) * w.clone()).sum();
     // NaN-filled buffers of the gradients' sizes: an element the backward does not write
     // reads back as NaN.
     poison::<B, 3>(xs, dtype, device);
@@ -1034,7 +1159,8 @@ macro_rules! fused_suite {
                 tiled_units,
                 every_path,
                 impossible_blocks_are_refused,
-                wide_kernel
+                wide_kernel,
+                p_buffer_forward
             ]
         );
     };

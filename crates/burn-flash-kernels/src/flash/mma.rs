@@ -324,11 +324,8 @@ fn step<F: Float, NV: Size>(
     let (scale, softcap) = params;
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
-    let mat = lane / 8;
-    let mat_row = lane % 8;
     let quad = (lane % 4) as usize;
     let rts = comptime!(c.row_tiles);
-    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let key_tiles = comptime!(c.block_k / MMA_N);
     let value_tiles = comptime!(c.value_dim / MMA_N);
 
@@ -428,7 +425,6 @@ fn step<F: Float, NV: Size>(
 
     // -- per 16 keys: P (the A fragment of S tiles 2κ and 2κ + 1), then O += P·V with each V
     // fragment pair (`ldmatrix.x4.trans`) shared by the row tiles --
-    let v_lane = v_buf + ((mat % 2) * 8 + mat_row) as usize * v_ldv + (mat / 2) as usize;
     #[unroll]
     for kc in 0..comptime!(c.block_k / 16) {
         let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
@@ -484,36 +480,98 @@ fn step<F: Float, NV: Size>(
             }
             pa.push(a);
         }
+        accumulate_pv::<F, NV>(v_s, v_buf, kc, &pa, acc, c);
+    }
+}
+
+/// `O += P·V` for 16 keys (`kc`-th group of the step) of one plane: `pa` holds the `A`
+/// fragment of `P` for each row tile; each `V` fragment pair (`ldmatrix.x4.trans` from the
+/// buffer at `v_buf`) is shared by the row tiles.
+#[cube]
+fn accumulate_pv<F: Float, NV: Size>(
+    v_s: &SharedMemory<Vector<F, NV>>,
+    v_buf: usize,
+    #[comptime] kc: u32,
+    pa: &Sequence<Array<Vector<F, Const<2>>>>,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] c: FlashConfig,
+) {
+    let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let mat = lane / 8;
+    let mat_row = lane % 8;
+    let rts = comptime!(c.row_tiles);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let value_tiles = comptime!(c.value_dim / MMA_N);
+    let v_lane = v_buf + ((mat % 2) * 8 + mat_row) as usize * v_ldv + (mat / 2) as usize;
+    #[unroll]
+    for np in 0..comptime!(c.value_dim / 16) {
+        let start = v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
+        let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
+            &v_s.slice(start, start + 1),
+            MatrixIdent::B,
+            4usize,
+            true,
+        );
+        let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
+        let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
+        b0[0usize] = regs[0usize];
+        b0[1usize] = regs[1usize];
+        b1[0usize] = regs[2usize];
+        b1[1usize] = regs[3usize];
         #[unroll]
-        for np in 0..comptime!(c.value_dim / 16) {
-            let start = v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
-            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                &v_s.slice(start, start + 1),
-                MatrixIdent::B,
-                4usize,
-                true,
+        for rt in 0..rts {
+            let a = pa.index(rt as usize);
+            def.execute_inplace(
+                a,
+                &b0,
+                acc.index_mut(comptime!(rt * value_tiles + 2 * np) as usize),
             );
-            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-            b0[0usize] = regs[0usize];
-            b0[1usize] = regs[1usize];
-            b1[0usize] = regs[2usize];
-            b1[1usize] = regs[3usize];
-            #[unroll]
-            for rt in 0..rts {
-                let a = pa.index(rt as usize);
-                def.execute_inplace(
-                    a,
-                    &b0,
-                    acc.index_mut(comptime!(rt * value_tiles + 2 * np) as usize),
-                );
-                def.execute_inplace(
-                    a,
-                    &b1,
-                    acc.index_mut(comptime!(rt * value_tiles + 2 * np + 1) as usize),
-                );
-            }
+            def.execute_inplace(
+                a,
+                &b1,
+                acc.index_mut(comptime!(rt * value_tiles + 2 * np + 1) as usize),
+            );
         }
+    }
+}
+
+/// One step of `block_k` keys for one plane with [`ScoreSource::Probabilities`]: `O += P·V`
+/// with `P` as loaded (`xr`, the layout of given scores). The `A` register `i` of row tile `rt`
+/// (row `r + 8·(i % 2)`, keys `16κ + 8·(i / 2) + 2t + n`) is elements `2u, 2u + 1` of the
+/// slot's vector of the chunk (8-key tile `2κ + i / 2 = 4·chunk + u`): no conversion, no
+/// arithmetic. Keys past the end need no test: their `P` is a finite weight read from a
+/// clamped column and their `V` rows are staged as zeros.
+///
+/// [`ScoreSource::Probabilities`]: super::ScoreSource::Probabilities
+#[cube]
+fn step_probabilities<F: Float, NV: Size>(
+    v_s: &SharedMemory<Vector<F, NV>>,
+    v_buf: usize,
+    xr: &Array<Vector<F, NV>>,
+    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
+    #[comptime] c: FlashConfig,
+) {
+    let rts = comptime!(c.row_tiles);
+    let chunks = comptime!(c.block_k / CHUNK);
+    #[unroll]
+    for kc in 0..comptime!(c.block_k / 16) {
+        let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
+        #[unroll]
+        for rt in 0..rts {
+            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
+            #[unroll]
+            for i in 0..4u32 {
+                let j = comptime!(2 * kc + i / 2);
+                let vec = xr[comptime!(((2 * rt + i % 2) * chunks + j / 4) as usize)];
+                let mut pair = Vector::<F, Const<2>>::empty();
+                pair[0usize] = vec[comptime!((2 * (j % 4)) as usize)];
+                pair[1usize] = vec[comptime!((2 * (j % 4) + 1) as usize)];
+                a[i as usize] = pair;
+            }
+            pa.push(a);
+        }
+        accumulate_pv::<F, NV>(v_s, v_buf, kc, &pa, acc, c);
     }
 }
 
@@ -604,7 +662,11 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let mut l = Array::<f32>::new(slots);
     // Given scores: the row sums as `mma` accumulators (vector h of row tile rt holds, twice,
     // the sum of row r + 16·rt + 8·h).
-    let mut l_mma = zero_accumulators(comptime!(if c.given() { c.row_tiles } else { 1 }));
+    let mut l_mma = zero_accumulators(comptime!(if c.given() && !c.probabilities() {
+        c.row_tiles
+    } else {
+        1
+    }));
     // Given scores: where each slot's row starts in `X`, and two steps of them in registers.
     let mut x_rows = Array::<usize>::new(slots);
     let x_len = comptime!(if c.given() {
@@ -708,7 +770,9 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         }
         wait_step(&bar0, &bar1, st);
         let bufs = (parity * k_len, parity * v_len);
-        if st < full_steps {
+        if comptime!(c.probabilities()) {
+            step_probabilities::<F, NV>(&v_s, parity * v_len, &xr, &mut acc, c);
+        } else if st < full_steps {
             step::<F, NV>(
                 &q_s,
                 &k_s,
@@ -767,21 +831,26 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         wait_step(&bar0, &bar1, 0);
     }
 
-    // -- normalise and store --
+    // -- normalise and store (given probabilities: as they are; their kernel wrote `lse`) --
     let mut inv = Array::<f32>::new(slots);
     #[unroll]
     for slot in 0..slots {
-        let total = if comptime!(c.given()) {
-            l_mma.index(comptime!(slot / 2))[comptime!(slot % 2)][0usize]
+        if comptime!(c.probabilities()) {
+            inv[slot] = 1.0f32;
         } else {
-            quad_sum(l[slot])
-        };
-        inv[slot] = inverse_sum(output_sum(m[slot], total, c));
-        let row = my_row + slot * 8;
-        if quad == 0 && row < rows && blk.first_tile {
-            let head = head0 + row / seq_q;
-            let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-            lse[at] = row_lse(m[slot], total, c);
+            let total = if comptime!(c.given()) {
+                l_mma.index(comptime!(slot / 2))[comptime!(slot % 2)][0usize]
+            } else {
+                quad_sum(l[slot])
+            };
+            inv[slot] = inverse_sum(output_sum(m[slot], total, c));
+            let row = my_row + slot * 8;
+            if quad == 0 && row < rows && blk.first_tile {
+                let head = head0 + row / seq_q;
+                let at =
+                    batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
+                lse[at] = row_lse(m[slot], total, c);
+            }
         }
     }
     #[unroll]

@@ -69,6 +69,11 @@ pub enum ScoreSource {
     /// Read from a score tensor `X` `[B, H, Sq, Sk]` (passed in place of the queries): the
     /// scores are used as they are (no scale; softcap, mask, causal and bias must be off).
     Given,
+    /// Read from a tensor `P` laid out as [`ScoreSource::Given`]'s scores that already holds
+    /// the softmax weights (each row normalised, finite): the forward computes `P·V` only, with
+    /// no maxima, sums or `lse` (matrix-unit forward only; `softmax_matmul`'s P-buffer plan,
+    /// whose softmax kernel writes `P` and `lse`).
+    Probabilities,
     /// `S = scale·Q·Kᵀ`, computed on chip, with the score rules of [`scores`].
     QueryKey,
 }
@@ -109,9 +114,19 @@ pub struct FlashConfig {
 }
 
 impl FlashConfig {
-    /// Whether the scores are given (read from memory) rather than computed.
+    /// Whether the scores are given (read from memory) rather than computed: raw scores or
+    /// [`ScoreSource::Probabilities`].
     pub fn given(&self) -> bool {
-        self.source == ScoreSource::Given
+        matches!(
+            self.source,
+            ScoreSource::Given | ScoreSource::Probabilities
+        )
+    }
+
+    /// Whether the given scores are already the softmax weights
+    /// ([`ScoreSource::Probabilities`]).
+    pub fn probabilities(&self) -> bool {
+        self.source == ScoreSource::Probabilities
     }
 
     /// Whether masked keys take [`FlashConfig::masked_score`] (a mask is read and the score

@@ -133,6 +133,38 @@ pub fn softmax_rows<F: Float, N: Size>(
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
+    rows_forward::<F, N>(input, output, num_rows, neg_inf, cfg);
+}
+
+/// [`softmax_rows()`] (softmax only) that also writes each row's log-sum-exp `ln Σ e^x` to
+/// `lse` (f32, one per row: the input's shape without its last dimension, any strides; −inf
+/// for a row without a finite element, whose output is 0): `softmax_matmul`'s P-buffer plan.
+#[cube(launch_unchecked)]
+pub fn softmax_rows_lse<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    lse: &mut Tensor<f32>,
+    num_rows: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (row, active, shift, s) = rows_forward::<F, N>(input, output, num_rows, neg_inf, cfg);
+    if active && UNIT_POS_X == 0 {
+        lse[row_offset(lse, row, lse.rank())] = select(s == 0.0f32, neg_inf, shift + f32::ln(s));
+    }
+}
+
+/// The body of [`softmax_rows()`]: returns the unit's row, whether it exists, the row's shift
+/// and its shifted sum `Σ e^(x − shift)`.
+#[cube]
+fn rows_forward<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    output: &mut Tensor<Vector<F, N>>,
+    num_rows: usize,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+) -> (usize, bool, f32, f32) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
     let dim = input.rank() - 1;
@@ -176,6 +208,7 @@ pub fn softmax_rows<F: Float, N: Size>(
             output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
         }
     }
+    (row, active, shift, s)
 }
 
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with

@@ -68,6 +68,15 @@ pub enum SmmForwardKernel {
     /// through shared memory, where [`SmmForwardKernel::MatrixUnits`] recomputes `P` for each
     /// column tile of 128. Only when asked for ([`SoftmaxMatmulOptions::wide`]).
     Wide,
+    /// The P-buffer plan on the matrix units: a softmax kernel on a register tier writes
+    /// `P = softmax(X)` (the dtype, a `d1 × d2` buffer per batch) and the row log-sum-exp, then
+    /// [`flash::mma::flash_forward_mma()`] with [`ScoreSource::Probabilities`] computes `P·V`
+    /// with no `exp`: each element's exponential is taken once instead of once per output
+    /// column tile, for one more write and read of `P`. Only when asked for
+    /// ([`SoftmaxMatmulOptions::p_buffer`]): on an H200 it measured 10–25 % slower than the
+    /// fused loop at every `d2` from 64 to 2048 (`NOTES.md`, session 19), because `P·V` in
+    /// that loop's tiles is bound by L1 traffic, not by the `exp`s.
+    PBuffer,
 }
 
 impl SmmForwardKernel {
@@ -75,7 +84,7 @@ impl SmmForwardKernel {
     pub fn path(self) -> SmmPath {
         match self {
             Self::Units | Self::Tiled => SmmPath::Units,
-            Self::MatrixUnits | Self::Wide => SmmPath::MatrixUnits,
+            Self::MatrixUnits | Self::Wide | Self::PBuffer => SmmPath::MatrixUnits,
         }
     }
 
@@ -85,7 +94,7 @@ impl SmmForwardKernel {
         match self {
             Self::Units => Some(flash::FlashKernel::Units),
             Self::Tiled => Some(flash::FlashKernel::Tiled),
-            Self::MatrixUnits => Some(flash::FlashKernel::MatrixUnits),
+            Self::MatrixUnits | Self::PBuffer => Some(flash::FlashKernel::MatrixUnits),
             Self::Wide => None,
         }
     }
@@ -103,6 +112,10 @@ pub struct SoftmaxMatmulOptions {
     /// (`None`, like `Some(false)`) does not: on an H100 it measured 3–8 % slower than the
     /// column-tiled matrix-unit loop at every point of the seed protocol (NOTES.md, session 16).
     pub wide: Option<bool>,
+    /// Run [`SmmForwardKernel::PBuffer`] (`Some(true)`: an error where it cannot run). The
+    /// default (`None`, like `Some(false)`) does not: it measured slower than the fused loop at
+    /// every `d2` of the seed protocol (`NOTES.md`, session 19).
+    pub p_buffer: Option<bool>,
 }
 
 /// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.
@@ -141,6 +154,11 @@ pub enum SoftmaxMatmulError {
         /// Why not.
         reason: String,
     },
+    /// [`SmmForwardKernel::PBuffer`] was forced and cannot run.
+    PBufferUnavailable {
+        /// Why not.
+        reason: String,
+    },
     /// More cubes along one grid axis than the device can launch.
     TooLarge {
         /// Cubes along each axis the launch would need.
@@ -166,6 +184,9 @@ impl fmt::Display for SoftmaxMatmulError {
             }
             Self::WideUnavailable { reason } => {
                 write!(f, "the wide matrix-unit kernel cannot run: {reason}")
+            }
+            Self::PBufferUnavailable { reason } => {
+                write!(f, "the P-buffer plan cannot run: {reason}")
             }
             Self::TooLarge { cubes } => write!(
                 f,
@@ -346,6 +367,15 @@ pub fn plan_softmax_matmul<R: Runtime>(
         (None, None) => SmmPath::MatrixUnits,
         (None, Some(_)) => SmmPath::Units,
     };
+    if options.p_buffer == Some(true) {
+        let refuse = |reason: String| Err(SoftmaxMatmulError::PBufferUnavailable { reason });
+        if path != SmmPath::MatrixUnits {
+            return refuse(mma_why_not.unwrap_or_else(|| "it runs on the matrix units only".into()));
+        }
+        if options.wide == Some(true) {
+            return refuse("the wide kernel was forced too".into());
+        }
+    }
     let (b1, b2) = match options.blocks {
         Some((b1, b2)) => {
             if !BLOCK_SIZES.contains(&b1) || !BLOCK_SIZES.contains(&b2) {
@@ -445,6 +475,31 @@ pub fn plan_softmax_matmul<R: Runtime>(
         dims.d1.div_ceil(b1),
         dims.batch,
     )?;
+    // Forced on (the matrix units were checked above): the softmax must hold a row in
+    // registers.
+    let kernel = match (kernel, options.p_buffer) {
+        (SmmForwardKernel::MatrixUnits, Some(true)) => {
+            let longest = crate::softmax::row_limits(client, dtype, Default::default())
+                .map(|limits| limits.cube)
+                .unwrap_or(0);
+            if dims.d2 == 0 || dims.d2 > longest {
+                return Err(SoftmaxMatmulError::PBufferUnavailable {
+                    reason: format!(
+                        "rows of {} are outside the softmax's register tiers (1..={longest})",
+                        dims.d2
+                    ),
+                });
+            }
+            SmmForwardKernel::PBuffer
+        }
+        (SmmForwardKernel::MatrixUnits, _) => kernel,
+        (_, Some(true)) => {
+            return Err(SoftmaxMatmulError::PBufferUnavailable {
+                reason: "forced blocks exclude the matrix units".into(),
+            });
+        }
+        (_, _) => kernel,
+    };
     Ok(SoftmaxMatmulPlan {
         kernel,
         block_1: b1,
@@ -530,9 +585,16 @@ fn wide_plan<R: Runtime>(
 /// `V` fragment for 32 and 64 rows; 128 rows take 8 planes of one tile (more warps to hide
 /// latency: the layout of the 16-bit `softmax_matmul` forward before the loops merged).
 fn flash_config(kernel: SmmForwardKernel, b1: usize, b2: usize, t3: usize) -> FlashConfig {
-    let mma = kernel == SmmForwardKernel::MatrixUnits;
+    let mma = matches!(
+        kernel,
+        SmmForwardKernel::MatrixUnits | SmmForwardKernel::PBuffer
+    );
     let config = FlashConfig {
-        source: ScoreSource::Given,
+        source: if kernel == SmmForwardKernel::PBuffer {
+            ScoreSource::Probabilities
+        } else {
+            ScoreSource::Given
+        },
         block_q: b1 as u32,
         row_tiles: if mma && (32..=64).contains(&b1) { 2 } else { 1 },
         block_k: b2 as u32,
@@ -800,6 +862,29 @@ pub fn launch_softmax_matmul<R: Runtime>(
     // scores, V `[batch or 1, 1, d2, d3]`, out `[batch, 1, d1, d3]`, lse `[batch, 1, d1]`.
     let count = check_cubes(client, plan.cubes)?;
     let mut config = flash_config(plan.kernel, plan.block_1, plan.block_2, plan.tile_3);
+    // The P-buffer plan: `P = softmax(X)` and `lse` first, then `P·V` reads `P` where the
+    // fused loop reads `X`.
+    let p_handle;
+    let (p_shape, p_strides) = (
+        [dims.batch, dims.d1, dims.d2],
+        [dims.d1 * dims.d2, dims.d2, 1],
+    );
+    let x = if plan.kernel == SmmForwardKernel::PBuffer {
+        p_handle = client.empty(dims.batch * dims.d1 * dims.d2 * dtype.size());
+        let p = TensorRef {
+            handle: &p_handle,
+            shape: &p_shape,
+            strides: &p_strides,
+        };
+        crate::softmax::launch_softmax_lse(client, x, p, lse, dtype).map_err(|e| {
+            SoftmaxMatmulError::PBufferUnavailable {
+                reason: e.to_string(),
+            }
+        })?;
+        p
+    } else {
+        x
+    };
     let heads = |t: &TensorRef<'_>, batch_stride: usize| {
         let mut shape = t.shape.to_vec();
         let mut strides = t.strides.to_vec();
