@@ -406,6 +406,39 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
     }
 }
 
+/// The row kernels take the hardware's approximate exponential only for 16-bit types on CUDA
+/// (`RowConfig::fast_exp`): f32 keeps the accurate one, and other runtimes never get the
+/// fast-math modes. Every tier's plan says so, forward and backward.
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+fn fast_exp_choice<B: FlashBackend>(device: &B::Device, cuda: bool) {
+    for dtype in [FloatDType::F32, FloatDType::F16, FloatDType::BF16] {
+        if !B::supports_dtype(device, dtype.into()) {
+            continue;
+        }
+        let want = cuda && dtype != FloatDType::F32;
+        for n in [100, 5000, 1 << 20] {
+            for backward in [false, true] {
+                let opts = SoftmaxOptions::default();
+                let plan = B::flash_softmax_plan(
+                    device,
+                    &[4, n],
+                    &[n, 1],
+                    1,
+                    dtype.into(),
+                    backward,
+                    opts,
+                )
+                .expect("fused backend")
+                .expect("plan");
+                assert_eq!(
+                    plan.config.fast_exp, want,
+                    "{dtype:?} n {n} backward {backward}: {plan:?}"
+                );
+            }
+        }
+    }
+}
+
 fn bad_dim_is_refused<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
     let x = random::<B, 2>([3, 4], -1.0, 1.0, FloatDType::F32, device);
     for (variant, name) in [
@@ -760,6 +793,11 @@ mod wgpu {
         super::shift_invariance::<W>(&Default::default());
     }
 
+    #[test]
+    fn accurate_exponential() {
+        fast_exp_choice::<W>(&Default::default(), false);
+    }
+
     // CubeBackend without the Fusion wrapper.
     mod unfused {
         use super::*;
@@ -797,6 +835,11 @@ mod cuda {
     #[test]
     fn shift_invariance_f32() {
         super::shift_invariance::<C>(&Default::default());
+    }
+
+    #[test]
+    fn fast_exponential_for_16_bit() {
+        fast_exp_choice::<C>(&Default::default(), true);
     }
 
     // CUDA has f64 tensors; the kernels do not take them.

@@ -542,7 +542,10 @@ fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     if !runs {
         return;
     }
-    assert_eq!(kernel(264, Default::default()), SmmForwardKernel::MatrixUnits);
+    assert_eq!(
+        kernel(264, Default::default()),
+        SmmForwardKernel::MatrixUnits
+    );
     assert_eq!(kernel(264, off), SmmForwardKernel::MatrixUnits);
     assert_eq!(kernel(8200, on), SmmForwardKernel::PBuffer);
     // Refusals: plain units forced, the wide kernel forced too, rows past the softmax's
@@ -551,15 +554,24 @@ fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         path: Some(SmmPath::Units),
         ..on
     };
-    let msg = plan(dims(264), units).unwrap().expect_err("refused").to_string();
+    let msg = plan(dims(264), units)
+        .unwrap()
+        .expect_err("refused")
+        .to_string();
     assert_eq!(msg, format!("{refused}it runs on the matrix units only"));
     let wide = SoftmaxMatmulOptions {
         wide: Some(true),
         ..on
     };
-    let msg = plan(dims(264), wide).unwrap().expect_err("refused").to_string();
+    let msg = plan(dims(264), wide)
+        .unwrap()
+        .expect_err("refused")
+        .to_string();
     assert_eq!(msg, format!("{refused}the wide kernel was forced too"));
-    let msg = plan(dims(1 << 20), on).unwrap().expect_err("refused").to_string();
+    let msg = plan(dims(1 << 20), on)
+        .unwrap()
+        .expect_err("refused")
+        .to_string();
     assert!(
         msg.starts_with(&format!("{refused}rows of {} are outside", 1 << 20)),
         "{msg}"
@@ -586,7 +598,13 @@ fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
         let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
         let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
-        check_forward(x, v, opts, dtype, &format!("{tag}, maximum in the last step"));
+        check_forward(
+            x,
+            v,
+            opts,
+            dtype,
+            &format!("{tag}, maximum in the last step"),
+        );
         let rows = MaskedRows {
             full: [0, 5],
             tail: (3, 8),

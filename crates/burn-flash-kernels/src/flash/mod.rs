@@ -117,10 +117,7 @@ impl FlashConfig {
     /// Whether the scores are given (read from memory) rather than computed: raw scores or
     /// [`ScoreSource::Probabilities`].
     pub fn given(&self) -> bool {
-        matches!(
-            self.source,
-            ScoreSource::Given | ScoreSource::Probabilities
-        )
+        matches!(self.source, ScoreSource::Given | ScoreSource::Probabilities)
     }
 
     /// Whether the given scores are already the softmax weights

@@ -35,10 +35,28 @@ pub enum SoftmaxVariant {
 pub struct RowConfig {
     /// Which softmax.
     pub variant: SoftmaxVariant,
+    /// The hardware's approximate exponential and logarithm ([`exp_modes`]): 16-bit types on
+    /// CUDA, whose rounding (2^-11 or 2^-8) is far above theirs.
+    pub fast_exp: bool,
     /// Layout of units over rows and how they reduce.
     pub group: GroupShape,
     /// Vectors each unit holds in registers (per row, or per chunk for the split scheme).
     pub vectors_per_unit: u32,
+}
+
+/// The fast-math modes of a row kernel: with `fast`, the ones under which cubecl's CUDA
+/// compiler emits `__expf` and `__logf` (`MUFU.EX2` and `MUFU.LG2` with a multiply, against
+/// the accurate `expf`'s range reduction and polynomial, ~8 instructions) — none otherwise.
+/// The kernels keep their −inf semantics: the hardware gives `e^(−inf) = 0`, `ln 0 = −inf`, and
+/// NaN through both; cubecl's CUDA compiler uses these modes only to pick those functions
+/// (division keeps its accurate form: it asks for `AllowReciprocal` too).
+pub fn exp_modes(fast: bool) -> enumset::EnumSet<cubecl::ir::FastMath> {
+    use cubecl::ir::FastMath;
+    if fast {
+        FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+    } else {
+        enumset::EnumSet::empty()
+    }
 }
 
 /// The shift subtracted before exponentiating, from the row maximum `m`.
@@ -124,7 +142,7 @@ fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
 }
 
 /// Forward, whole row in registers: one read and one write per element.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_rows<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
@@ -139,7 +157,7 @@ pub fn softmax_rows<F: Float, N: Size>(
 /// [`softmax_rows()`] (softmax only) that also writes each row's log-sum-exp `ln Σ e^x` to
 /// `lse` (f32, one per row: the input's shape without its last dimension, any strides; −inf
 /// for a row without a finite element, whose output is 0): `softmax_matmul`'s P-buffer plan.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_rows_lse<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
@@ -213,7 +231,7 @@ fn rows_forward<F: Float, N: Size>(
 
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with
 /// `l = Σ e^(x − m)` (shifted by 0 if the chunk is fully −inf).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_split_partials<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     partial_max: &mut Array<f32>,
@@ -265,7 +283,7 @@ pub fn softmax_split_partials<F: Float, N: Size>(
 }
 
 /// Forward, split rows, second pass: merge the row's partials and normalise this cube's chunk.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_split_finish<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
@@ -344,7 +362,7 @@ pub const PUBLISHED: u32 = 0xFFFF_FFFF;
 /// while the device holds at least `num_chunks` cubes at once (the host checks this). Each word
 /// is written and read with atomics, and a reader spins on the word itself, so no ordering
 /// between different words is needed.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_split_exchange<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
@@ -542,7 +560,7 @@ fn backward_apply<F: Float, N: Size>(
 }
 
 /// Backward, whole row in registers: two reads and one write per element.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_backward_rows<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
@@ -589,7 +607,7 @@ pub fn softmax_backward_rows<F: Float, N: Size>(
 }
 
 /// Backward, split rows, first pass: each chunk's share of the row sum.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_backward_split_partials<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
@@ -631,7 +649,7 @@ pub fn softmax_backward_split_partials<F: Float, N: Size>(
 }
 
 /// Backward, split rows, second pass: add the row's partial sums and write this chunk of `dx`.
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_backward_split_finish<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
@@ -678,7 +696,7 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
 /// other chunks and writes its chunk of `dx` from registers: `y` and `dy` read once, where the
 /// two-kernel split reads them twice. `exchange` and the ticket protocol are those of
 /// [`softmax_split_exchange()`]'s, with one word per (row, chunk).
-#[cube(launch_unchecked)]
+#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_backward_split_exchange<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,

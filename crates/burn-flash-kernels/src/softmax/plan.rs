@@ -91,6 +91,10 @@ pub(crate) struct DeviceFacts {
     /// Most chunks per row the exchange tier may use: the streaming multiprocessors (each
     /// holds at least one cube of the tier at once), on CUDA only; `None` elsewhere.
     exchange_chunks: Option<usize>,
+    /// The approximate exponential ([`RowConfig::fast_exp`]): 16-bit types on CUDA. Elsewhere
+    /// the accurate one: f32 results keep their few-ulp accuracy, and other compilers may read
+    /// the fast-math modes' "no inf" as leave to drop the −inf handling.
+    fast_exp: bool,
 }
 
 impl DeviceFacts {
@@ -135,6 +139,7 @@ impl DeviceFacts {
             // The exchange needs cubes that make progress while others spin: CUDA's scheduler
             // gives that; Vulkan/Metal/WebGPU do not promise it (lavapipe runs workgroups on a
             // small thread pool).
+            fast_exp: R::name(client) == "cuda" && elem_size == 2,
             exchange_chunks: (R::name(client) == "cuda")
                 .then_some(hw.num_streaming_multiprocessors)
                 .flatten()
@@ -263,6 +268,7 @@ pub(crate) fn plan(
     };
     let config = RowConfig {
         variant,
+        fast_exp: facts.fast_exp,
         group: GroupShape {
             units_per_row,
             rows_per_cube,

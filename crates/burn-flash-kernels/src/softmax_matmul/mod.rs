@@ -370,7 +370,9 @@ pub fn plan_softmax_matmul<R: Runtime>(
     if options.p_buffer == Some(true) {
         let refuse = |reason: String| Err(SoftmaxMatmulError::PBufferUnavailable { reason });
         if path != SmmPath::MatrixUnits {
-            return refuse(mma_why_not.unwrap_or_else(|| "it runs on the matrix units only".into()));
+            return refuse(
+                mma_why_not.unwrap_or_else(|| "it runs on the matrix units only".into()),
+            );
         }
         if options.wide == Some(true) {
             return refuse("the wide kernel was forced too".into());
