@@ -44,6 +44,9 @@ pub enum Mutation {
     ///
     /// [`DQ_ROWS`]: crate::flash::mma_backward::DQ_ROWS
     DxNarrowBlocks,
+    /// `lse-shift`: the softmax kernel of the P-buffer plan writes each row's shift (its
+    /// maximum) where the log-sum-exp belongs.
+    LseShift,
 }
 
 impl Mutation {
@@ -61,6 +64,7 @@ impl Mutation {
             Self::QuietOff => "quiet-off",
             Self::StageHeadStart => "stage-head-start",
             Self::DxNarrowBlocks => "dx-narrow-blocks",
+            Self::LseShift => "lse-shift",
         }
     }
 }
@@ -83,10 +87,11 @@ pub fn active(mutation: Mutation) -> bool {
             Mutation::QuietOff,
             Mutation::StageHeadStart,
             Mutation::DxNarrowBlocks,
+            Mutation::LseShift,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, lse-shift"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -154,4 +159,9 @@ pub fn stage_head_start() -> bool {
 /// [`Mutation::DxNarrowBlocks`] is active.
 pub fn dx_narrow_blocks() -> bool {
     active(Mutation::DxNarrowBlocks)
+}
+
+/// [`Mutation::LseShift`] is active.
+pub fn lse_shift() -> bool {
+    active(Mutation::LseShift)
 }

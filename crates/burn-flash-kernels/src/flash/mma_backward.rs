@@ -968,23 +968,10 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                 for ch in 0..chunks {
                     let key = j0 + (ch * CHUNK) as usize + quad * NV8;
                     if row < rows && key < seq_k {
-                        let mut o = Vector::<F, ND>::empty();
-                        #[unroll]
-                        for e in 0..comptime!(NV8) {
-                            o[e] = F::cast_from(
-                                dx_run[comptime!(((h * chunks + ch) as usize) * NV8 + e)],
-                            );
-                        }
-                        ds[(ds_at[h as usize] + key) / NV8] = o;
+                        let run = comptime!(((h * chunks + ch) as usize) * NV8);
+                        store_run::<F, ND>(ds, (ds_at[h as usize] + key) / NV8, &dx_run, run);
                         if comptime!(write_p) {
-                            let mut pv = Vector::<F, ND>::empty();
-                            #[unroll]
-                            for e in 0..comptime!(NV8) {
-                                pv[e] = F::cast_from(
-                                    p_run[comptime!(((h * chunks + ch) as usize) * NV8 + e)],
-                                );
-                            }
-                            p_out[(p_at[h as usize] + key) / NV8] = pv;
+                            store_run::<F, ND>(p_out, (p_at[h as usize] + key) / NV8, &p_run, run);
                         }
                     }
                 }
@@ -1686,4 +1673,22 @@ fn rows_of_vectors(t: &super::backward::Operand, n: usize) -> bool {
         && t.strides[d - 1] == 1
         && t.shape[d - 1].is_multiple_of(n)
         && t.strides[..d - 1].iter().all(|s| s.is_multiple_of(n))
+}
+
+/// Stores the run of [`NV8`] values of `values` from `first` as one vector of `out` at `at`
+/// (in vectors), each cast to `F`: a lane's 8 consecutive keys of a chunk (`dX`, and `P` in
+/// the P-buffer plan).
+#[cube]
+fn store_run<F: Float, ND: Size>(
+    out: &mut Tensor<Vector<F, ND>>,
+    at: usize,
+    values: &Array<f32>,
+    #[comptime] first: usize,
+) {
+    let mut o = Vector::<F, ND>::empty();
+    #[unroll]
+    for e in 0..comptime!(NV8) {
+        o[e] = F::cast_from(values[first + e]);
+    }
+    out[at] = o;
 }
