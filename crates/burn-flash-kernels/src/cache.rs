@@ -12,7 +12,8 @@
 //! `~/Library/Caches/burn-flash/…`, on Windows `%LOCALAPPDATA%\burn-flash\…`.
 //!
 //! - **Where**: [`cache_dir()`]. `BURN_FLASH_CACHE_DIR` replaces the `<user cache dir>/burn-flash`
-//!   part.
+//!   part. A build with the `mutants` feature running a mutation adds `-mutation-<name>` to the
+//!   directory: a mutation changes the code, not cubecl's keys.
 //! - **Clear**: delete that directory (`rm -rf ~/.cache/burn-flash`); old versions' directories
 //!   are never read again and can go at any time.
 //! - **Off**: `BURN_FLASH_CACHE=off`. A `cubecl.toml` (or `burn.toml` `[cubecl]` section) that
@@ -47,11 +48,14 @@ pub fn cache_dir() -> Option<PathBuf> {
         Some(dir) if !dir.is_empty() => PathBuf::from(dir),
         _ => dirs::cache_dir()?.join("burn-flash"),
     };
-    Some(base.join(format!(
-        "{}-{}",
-        env!("CARGO_PKG_VERSION"),
-        KERNEL_SOURCE_HASH
-    )))
+    let mut dir = format!("{}-{}", env!("CARGO_PKG_VERSION"), KERNEL_SOURCE_HASH);
+    // A mutation changes the kernels' code but not cubecl's keys: its kernels get their own
+    // entries, or a mutated run would load the plain PTX (and a plain run the mutated one).
+    if let Some(name) = crate::mutation::chosen_name() {
+        dir.push_str("-mutation-");
+        dir.push_str(name);
+    }
+    Some(base.join(dir))
 }
 
 /// The cache directory cubecl's configuration names, if it has one (burn-flash's or the

@@ -72,6 +72,13 @@ impl Mutation {
 /// Whether the kernels are built with `mutation`.
 #[cfg(feature = "mutants")]
 pub fn active(mutation: Mutation) -> bool {
+    chosen_name() == Some(mutation.name())
+}
+
+/// The mutation this process runs with (`BURN_FLASH_MUTATION`), checked against the known
+/// names on first use.
+#[cfg(feature = "mutants")]
+pub fn chosen_name() -> Option<&'static str> {
     static CHOSEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     let chosen = CHOSEN.get_or_init(|| {
         let name = std::env::var("BURN_FLASH_MUTATION").ok()?;
@@ -96,7 +103,7 @@ pub fn active(mutation: Mutation) -> bool {
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
     });
-    chosen.as_deref() == Some(mutation.name())
+    chosen.as_deref()
 }
 
 /// Whether the kernels are built with `mutation`: never, without the `mutants` feature.
@@ -104,6 +111,12 @@ pub fn active(mutation: Mutation) -> bool {
 pub fn active(mutation: Mutation) -> bool {
     let _ = mutation;
     false
+}
+
+/// The mutation this process runs with: none, without the `mutants` feature.
+#[cfg(not(feature = "mutants"))]
+pub fn chosen_name() -> Option<&'static str> {
+    None
 }
 
 /// [`Mutation::ZeroDx`] is active.
