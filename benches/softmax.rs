@@ -81,6 +81,11 @@ struct Cli {
     /// cannot run gives a row with the reason). With `--profile`, one forced call each.
     #[arg(long, value_enum, value_delimiter = ',')]
     tiers: Vec<TierName>,
+    /// Forward rows with `SoftmaxOptions::unit_vectors` forced to each of these (vectors per
+    /// unit of the cube tier), beside the plan's choice, on the bare `CubeBackend`; shapes
+    /// outside the cube tier are skipped.
+    #[arg(long, value_delimiter = ',')]
+    unit_vectors: Vec<usize>,
     /// Redraw the PNG of an earlier run's CSV, then exit.
     #[arg(long, value_name = "CSV")]
     plot: Option<PathBuf>,
@@ -119,6 +124,7 @@ impl TierName {
         SoftmaxOptions {
             tier: Some(self.tier()),
             plane_ops: None,
+            unit_vectors: None,
         }
     }
 }
@@ -325,6 +331,49 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                     measure(same_calls, &sync, call, Ok(&mut twin))
                 }),
             );
+            for &k in &cli.unit_vectors {
+                let options = SoftmaxOptions {
+                    unit_vectors: Some(k),
+                    ..Default::default()
+                };
+                let cube = Un::<R, BT>::flash_softmax_plan(
+                    &device,
+                    &[m, n],
+                    &[n, 1],
+                    1,
+                    dtype.into(),
+                    false,
+                    options,
+                )
+                .and_then(|plan| plan.ok())
+                .is_some_and(|plan| plan.tier == burn_flash::SoftmaxTier::Cube);
+                if !cube {
+                    continue;
+                }
+                let label: &'static str =
+                    Box::leak(format!("burn-flash cube, {k} vectors a unit (CubeBackend)").into());
+                record(
+                    "forward",
+                    label,
+                    attempt(|| {
+                        let (xu, _) = inputs();
+                        let call = || {
+                            burn_flash::softmax_with(
+                                xu.clone(),
+                                1,
+                                SoftmaxVariant::Softmax,
+                                options,
+                            )
+                        };
+                        drop(call());
+                        let mut twin = Twin {
+                            client: &client,
+                            call,
+                        };
+                        measure(same_calls, &sync, call, Ok(&mut twin))
+                    }),
+                );
+            }
             for tier in &cli.tiers {
                 record(
                     "forward",
@@ -638,6 +687,7 @@ fn strided_section<R: CubeRuntime, BT: BoolElement>(
     let strided = SoftmaxOptions {
         tier: Some(burn_flash::SoftmaxTier::Strided),
         plane_ops: None,
+        unit_vectors: None,
     };
     for rows in [1usize << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20] {
         let n = total / rows;

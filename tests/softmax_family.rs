@@ -15,6 +15,7 @@ use common::*;
 const STRIDED: SoftmaxOptions = SoftmaxOptions {
     tier: Some(SoftmaxTier::Strided),
     plane_ops: None,
+    unit_vectors: None,
 };
 
 use burn_flash::kernels::softmax::STRIDED_MAX_LEN;
@@ -306,6 +307,56 @@ fn empty_tensors<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// `unit_vectors` spreads a cube-tier row over more units: the plan takes as many units as the
+/// row needs at that many vectors each (within the cube's limit), every choice computes the same
+/// function forward and backward, and a count outside 1 to the 128 B limit is refused.
+fn unit_vectors_spread_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("a fused backend reports its limits");
+    // The vectors of 128 B: 16-byte vectors where the runtime loads them (rows of 8n).
+    let plan = |n: usize, k: Option<usize>| {
+        let opts = SoftmaxOptions {
+            unit_vectors: k,
+            ..Default::default()
+        };
+        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts)
+            .expect("fused backend")
+    };
+    let n = (limits.plane + 8).next_multiple_of(8);
+    let default = plan(n, None).expect("plan");
+    assert_eq!(default.tier, SoftmaxTier::Cube, "row of {n}");
+    let max_k = default.config.vectors_per_unit as usize;
+    let mut units = default.cube_dim.x;
+    for k in (1..max_k).rev() {
+        let p = plan(n, Some(k)).expect("plan");
+        assert!(p.cube_dim.x >= units, "k {k}: {p:?}");
+        assert!(p.config.vectors_per_unit as usize <= max_k, "k {k}: {p:?}");
+        units = p.cube_dim.x;
+    }
+    let msg = plan(n, Some(0)).expect_err("refused").to_string();
+    assert!(msg.contains("unit_vectors must be from 1"), "{msg}");
+    let too_many = 128 / (default.vector_size * DType::from(dtype).size()) + 1;
+    assert!(plan(n, Some(too_many)).is_err(), "k {too_many}");
+    for k in [1, 2] {
+        let opts = SoftmaxOptions {
+            unit_vectors: Some(k),
+            ..Default::default()
+        };
+        let ctx = format!("unit_vectors {k}, row {n}");
+        let x = random::<B, 2>([13, n], -6.0, 6.0, dtype, device);
+        check_forward(x, 1, SoftmaxVariant::Softmax, opts, dtype, &ctx);
+        check_backward::<B, 2>(
+            [13, n],
+            1,
+            SoftmaxVariant::Softmax,
+            opts,
+            dtype,
+            device,
+            false,
+            &ctx,
+        );
+    }
+}
+
 /// Every row scheme, forced, computes the same function (plane operations on and off where the
 /// runtime can run both).
 fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
@@ -315,6 +366,7 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             let opts = SoftmaxOptions {
                 tier: None,
                 plane_ops: *p,
+                unit_vectors: None,
             };
             matches!(
                 B::flash_softmax_row_limits(device, dtype.into(), opts),
@@ -330,6 +382,7 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let opts = SoftmaxOptions {
             tier: None,
             plane_ops,
+            unit_vectors: None,
         };
         let limits = B::flash_softmax_row_limits(device, dtype.into(), opts)
             .unwrap()
@@ -348,6 +401,7 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                     let opts = SoftmaxOptions {
                         tier: Some(tier),
                         plane_ops,
+                        unit_vectors: None,
                     };
                     let x = random::<B, 2>([13, n], -6.0, 6.0, dtype, device);
                     let ctx = format!("forced {tier:?} planes {plane_ops:?}");
@@ -463,6 +517,7 @@ fn impossible_forced_tier_is_refused<B: FlashBackend>(device: &B::Device, dtype:
     let opts = SoftmaxOptions {
         tier: Some(SoftmaxTier::Plane),
         plane_ops: None,
+        unit_vectors: None,
     };
     let msg = panic_message(|| {
         softmax_with(x.clone(), 1, SoftmaxVariant::Softmax, opts);
@@ -487,6 +542,7 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let opts = SoftmaxOptions {
             tier,
             plane_ops: None,
+            unit_vectors: None,
         };
         B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
             .expect("fused backend")
@@ -509,6 +565,7 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let exchange = SoftmaxOptions {
         tier: Some(SoftmaxTier::Exchange),
         plane_ops: None,
+        unit_vectors: None,
     };
     // One chunk is 256 units' registers: 128 B each in f32, 64 B in 16-bit types, so 8192
     // elements in every dtype.
@@ -567,6 +624,7 @@ fn exchange_tier_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType)
     let opts = |tier| SoftmaxOptions {
         tier,
         plane_ops: None,
+        unit_vectors: None,
     };
     let plan = |tier| {
         B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts(tier))
@@ -768,6 +826,7 @@ macro_rules! fused_suite {
             $dtype,
             [
                 forced_tiers_agree,
+                unit_vectors_spread_rows,
                 tier_choice_follows_limits,
                 impossible_forced_tier_is_refused,
             ]

@@ -180,6 +180,7 @@ fn impossible_forced_tier_is_refused() {
     let opts = SoftmaxOptions {
         tier: Some(SoftmaxTier::Cube),
         plane_ops: None,
+        unit_vectors: None,
     };
     let (err, _) = refused(&[3, 2], &[1, 3], 1, f32_type(), opts);
     assert_eq!(
@@ -194,6 +195,7 @@ fn strided_scheme_refuses_rows_longer_than_its_limit() {
     let opts = SoftmaxOptions {
         tier: Some(SoftmaxTier::Strided),
         plane_ops: None,
+        unit_vectors: None,
     };
     let (err, _) = refused(&[1, n], &[n, 1], 1, f32_type(), opts);
     assert_eq!(

@@ -50,6 +50,10 @@ pub struct SoftmaxOptions {
     /// Force plane (warp) operations on or off. On needs a runtime with a fixed plane width
     /// (lavapipe has one, though cubecl does not advertise plane operations there).
     pub plane_ops: Option<bool>,
+    /// Vectors of a row each unit of the cube tier holds (the default: as many as 128 B of row
+    /// allows, on the fewest units). Fewer vectors spread a row over more units, up to the
+    /// cube's limit; from 1 to the 128 B limit, anything else is an error.
+    pub unit_vectors: Option<usize>,
 }
 
 /// Why a softmax launch was refused. Nothing is launched when one is returned.

@@ -258,7 +258,16 @@ pub(crate) fn plan(
             if n_vec > cube_max_vec {
                 return Err(unavailable("the row does not fit in one cube's registers"));
             }
-            let x = (n_vec.div_ceil(max_k).next_power_of_two() as u32)
+            let per_unit = match options.unit_vectors {
+                None => max_k,
+                Some(k) if (1..=max_k).contains(&k) => k,
+                Some(_) => {
+                    return Err(unavailable(
+                        "unit_vectors must be from 1 to the vectors of 128 B of row",
+                    ));
+                }
+            };
+            let x = (n_vec.div_ceil(per_unit).next_power_of_two() as u32)
                 .max(plane)
                 .min(facts.cube_units);
             (x, 1, n_vec.div_ceil(x as usize).max(1))
