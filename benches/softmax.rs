@@ -331,6 +331,22 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                     measure(same_calls, &sync, call, Ok(&mut twin))
                 }),
             );
+            // A forced forward on the bare backend (a forced scheme the shape cannot run panics
+            // in its first call, before any timing).
+            let forced = |options: SoftmaxOptions| {
+                attempt(|| {
+                    let (xu, _) = inputs();
+                    let call = || {
+                        burn_flash::softmax_with(xu.clone(), 1, SoftmaxVariant::Softmax, options)
+                    };
+                    drop(call());
+                    let mut twin = Twin {
+                        client: &client,
+                        call,
+                    };
+                    measure(same_calls, &sync, call, Ok(&mut twin))
+                })
+            };
             for &k in &cli.unit_vectors {
                 let options = SoftmaxOptions {
                     unit_vectors: Some(k),
@@ -347,57 +363,13 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                 )
                 .and_then(|plan| plan.ok())
                 .is_some_and(|plan| plan.tier == burn_flash::SoftmaxTier::Cube);
-                if !cube {
-                    continue;
+                if cube {
+                    let label = format!("burn-flash cube, {k} vectors a unit (CubeBackend)");
+                    record("forward", Box::leak(label.into()), forced(options));
                 }
-                let label: &'static str =
-                    Box::leak(format!("burn-flash cube, {k} vectors a unit (CubeBackend)").into());
-                record(
-                    "forward",
-                    label,
-                    attempt(|| {
-                        let (xu, _) = inputs();
-                        let call = || {
-                            burn_flash::softmax_with(
-                                xu.clone(),
-                                1,
-                                SoftmaxVariant::Softmax,
-                                options,
-                            )
-                        };
-                        drop(call());
-                        let mut twin = Twin {
-                            client: &client,
-                            call,
-                        };
-                        measure(same_calls, &sync, call, Ok(&mut twin))
-                    }),
-                );
             }
             for tier in &cli.tiers {
-                record(
-                    "forward",
-                    tier.label(),
-                    attempt(|| {
-                        let (xu, _) = inputs();
-                        let options = tier.options();
-                        let call = || {
-                            burn_flash::softmax_with(
-                                xu.clone(),
-                                1,
-                                SoftmaxVariant::Softmax,
-                                options,
-                            )
-                        };
-                        // A forced scheme the shape cannot run panics here, before any timing.
-                        drop(call());
-                        let mut twin = Twin {
-                            client: &client,
-                            call,
-                        };
-                        measure(same_calls, &sync, call, Ok(&mut twin))
-                    }),
-                );
+                record("forward", tier.label(), forced(tier.options()));
             }
             record(
                 "forward",

@@ -493,6 +493,49 @@ fn fast_exp_choice<B: FlashBackend>(device: &B::Device, cuda: bool) {
     }
 }
 
+/// The forward register tiers keep each unit's exponentials in registers (`cache_exp`) where
+/// its share of the row is at most 32 elements in a cube of at most 512 units: short rows do,
+/// the backward never, a full 1024-unit cube not; 16-bit rows on the cube tier only with
+/// `unit_vectors` small enough.
+fn kept_exponentials<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("a fused backend reports its limits");
+    let plan = |n: usize, backward: bool, unit_vectors: Option<usize>| {
+        let opts = SoftmaxOptions {
+            unit_vectors,
+            ..Default::default()
+        };
+        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
+            .expect("fused backend")
+            .expect("plan")
+    };
+    let short = plan(96, false, None);
+    assert!(short.config.cache_exp, "{short:?}");
+    assert!(!plan(96, true, None).config.cache_exp, "backward");
+    let full = plan(limits.cube, false, None);
+    assert!(full.cube_dim.x * full.cube_dim.y > 512 || full.config.cache_exp);
+    if full.cube_dim.x * full.cube_dim.y > 512 {
+        assert!(!full.config.cache_exp, "{full:?}");
+    }
+    // 16-bit rows of 16-byte vectors up to 128 units of 4 vectors (4096 elements) take the
+    // cube tier that way, with kept exponentials; longer ones 8 vectors a unit, without.
+    let n = 4096;
+    let mid = plan(n, false, None);
+    if dtype != FloatDType::F32 && mid.vector_size == 8 && mid.tier == SoftmaxTier::Cube {
+        assert_eq!(mid.config.vectors_per_unit, 4, "{mid:?}");
+        assert!(mid.config.cache_exp, "{mid:?}");
+        let long = plan(16384, false, None);
+        assert_eq!(long.config.vectors_per_unit, 8, "{long:?}");
+        assert!(!long.config.cache_exp, "{long:?}");
+    }
+    let n = (limits.plane + 8).next_multiple_of(8);
+    let spread = plan(n, false, Some(1));
+    assert_eq!(
+        spread.config.cache_exp,
+        spread.vector_size <= 32 && spread.cube_dim.x <= 512,
+        "{spread:?}"
+    );
+}
+
 fn bad_dim_is_refused<B: FlashBackend>(device: &B::Device, _dtype: FloatDType) {
     let x = random::<B, 2>([3, 4], -1.0, 1.0, FloatDType::F32, device);
     for (variant, name) in [
@@ -827,6 +870,7 @@ macro_rules! fused_suite {
             [
                 forced_tiers_agree,
                 unit_vectors_spread_rows,
+                kept_exponentials,
                 tier_choice_follows_limits,
                 impossible_forced_tier_is_refused,
             ]

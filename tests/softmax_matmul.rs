@@ -475,24 +475,39 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
     let v = rand3::<B>([2, 1032, 256], 1.0, dtype, device);
     check_forward(x, v, on, dtype, "wide, ±50");
-    // A maximum that rises along every row: the reference moves in many steps.
+    let x = rand3::<B>([3, 70, 264], 8.0, dtype, device);
+    let v = rand3::<B>([1, 264, 320], 1.0, dtype, device);
+    check_forward(x, v, on, dtype, "wide, shared v");
+    check_hard_rows::<B>(on, dtype, device, "wide");
+}
+
+/// The forward with `options` on the rows that break an online softmax (16-byte rows, `d3`
+/// of 144–256): ±50 scores with a shared `v`, a maximum that rises along every row (the
+/// reference moves in many steps), and fully masked rows (0 and 5), a row finite only in its
+/// last 8 columns (3) and one finite only in its first column (6).
+fn check_hard_rows<B: FlashBackend>(
+    options: SoftmaxMatmulOptions,
+    dtype: FloatDType,
+    device: &B::Device,
+    tag: &str,
+) {
+    let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
+    let v = rand3::<B>([1, 1032, 256], 1.0, dtype, device);
+    check_forward(x, v, options, dtype, &format!("{tag}, ±50, shared v"));
     let d2 = 296;
     let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
     let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
     let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
     let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
-    check_forward(x, v, on, dtype, "wide, maximum in the last step");
-    let x = rand3::<B>([3, 70, 264], 8.0, dtype, device);
-    let v = rand3::<B>([1, 264, 320], 1.0, dtype, device);
-    check_forward(x, v, on, dtype, "wide, shared v");
-    // Fully masked rows (0 and 5), a row finite only in its last 8 columns (3), one finite only
-    // in its first column (6).
+    let ctx = format!("{tag}, maximum in the last step");
+    check_forward(x, v, options, dtype, &ctx);
     let rows = MaskedRows {
         full: [0, 5],
         tail: (3, 8),
         head: 6,
     };
-    check_masked_rows::<B>((9, 136, 144), rows, on, dtype, device, "wide, masked rows");
+    let ctx = format!("{tag}, masked rows");
+    check_masked_rows::<B>((9, 136, 144), rows, options, dtype, device, &ctx);
 }
 
 /// The P-buffer plan (a softmax kernel writes `P` and `lse`, then `P·V` on the matrix units):
@@ -590,34 +605,7 @@ fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             let v = rand3::<B>([batch, d2, d3], 1.0, dtype, device);
             check_forward(x, v, opts, dtype, &format!("{tag} {batch}×{d1}×{d2}×{d3}"));
         }
-        let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
-        let v = rand3::<B>([1, 1032, 256], 1.0, dtype, device);
-        check_forward(x, v, opts, dtype, &format!("{tag}, ±50, shared v"));
-        let d2 = 296;
-        let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
-        let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
-        let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
-        let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
-        check_forward(
-            x,
-            v,
-            opts,
-            dtype,
-            &format!("{tag}, maximum in the last step"),
-        );
-        let rows = MaskedRows {
-            full: [0, 5],
-            tail: (3, 8),
-            head: 6,
-        };
-        check_masked_rows::<B>(
-            (9, 136, 144),
-            rows,
-            opts,
-            dtype,
-            device,
-            &format!("{tag}, masked rows"),
-        );
+        check_hard_rows::<B>(opts, dtype, device, tag);
     }
     // Its `lse` feeds the backward: the gradients through it, with masked rows and a shared
     // `v`.
@@ -1292,10 +1280,10 @@ mod cuda {
         assert_eq!(mma_dx_rows(&client, small, false), DQ_ROWS);
     }
 
-    /// The P-buffer plan of the matrix-unit backward (WIP, branch `s18-pbuffer`): chosen at
-    /// small `d2` with vector rows, not past [`P_BUFFER_MAX_D2`] nor with rows of odd length;
-    /// gradients against the f64 reference on both sides of the threshold (ragged `d1`, a
-    /// masked case, `d3` over one column tile).
+    /// The P-buffer plan of the matrix-unit backward: chosen at small `d2` with vector rows,
+    /// not past [`P_BUFFER_MAX_D2`] nor with rows of odd length; gradients against the f64
+    /// reference on both sides of the threshold (ragged `d1`, a masked case, `d3` over one
+    /// column tile).
     #[test]
     fn p_buffer_plans() {
         use burn_flash::kernels::softmax_matmul::{P_BUFFER_MAX_D2, mma_p_buffer};

@@ -480,33 +480,42 @@ fn step<F: Float, NV: Size>(
             }
             pa.push(a);
         }
-        accumulate_pv::<F, NV>(v_s, v_buf, kc, &pa, acc, c);
+        let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+        let v_at = v_lane_at(v_buf, v_ldv);
+        accumulate_pv::<F, NV>(v_s, v_at, kc, &pa, acc, v_ldv, c.value_dim, c.row_tiles);
     }
 }
 
-/// `O += P·V` for 16 keys (`kc`-th group of the step) of one plane: `pa` holds the `A`
-/// fragment of `P` for each row tile; each `V` fragment pair (`ldmatrix.x4.trans` from the
-/// buffer at `v_buf`) is shared by the row tiles.
+/// This lane's `ldmatrix.x4.trans` address in a `V` buffer at `v_buf` with rows of `ldv`
+/// vectors: matrices 1 and 3 are 8 rows down, 2 and 3 one vector (8 columns) right.
 #[cube]
-fn accumulate_pv<F: Float, NV: Size>(
+pub(crate) fn v_lane_at(v_buf: usize, #[comptime] ldv: usize) -> usize {
+    let lane = UNIT_POS_PLANE;
+    let (mat, mat_row) = (lane / 8, lane % 8);
+    v_buf + ((mat % 2) * 8 + mat_row) as usize * ldv + (mat / 2) as usize
+}
+
+/// `O += P·V` for the `kc`-th 16 keys of a step, for one plane: `pa` holds the `A` fragment
+/// of `P` for each of `rts` row tiles, and each `V` fragment pair (`ldmatrix.x4.trans` at
+/// `v_at`, this lane's address from [`v_lane_at()`] in a buffer of rows of `ldv` vectors) is
+/// shared by the row tiles; `cols` output columns, `cols / 8` accumulator tiles per row tile.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn accumulate_pv<F: Float, NV: Size>(
     v_s: &SharedMemory<Vector<F, NV>>,
-    v_buf: usize,
+    v_at: usize,
     #[comptime] kc: u32,
     pa: &Sequence<Array<Vector<F, Const<2>>>>,
     acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    #[comptime] c: FlashConfig,
+    #[comptime] ldv: usize,
+    #[comptime] cols: u32,
+    #[comptime] rts: u32,
 ) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
-    let lane = UNIT_POS_PLANE;
-    let mat = lane / 8;
-    let mat_row = lane % 8;
-    let rts = comptime!(c.row_tiles);
-    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
-    let value_tiles = comptime!(c.value_dim / MMA_N);
-    let v_lane = v_buf + ((mat % 2) * 8 + mat_row) as usize * v_ldv + (mat / 2) as usize;
+    let tiles = comptime!(cols / MMA_N);
     #[unroll]
-    for np in 0..comptime!(c.value_dim / 16) {
-        let start = v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
+    for np in 0..comptime!(cols / 16) {
+        let start = v_at + comptime!((kc * 16) as usize * ldv + np as usize * 2);
         let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
             &v_s.slice(start, start + 1),
             MatrixIdent::B,
@@ -525,12 +534,12 @@ fn accumulate_pv<F: Float, NV: Size>(
             def.execute_inplace(
                 a,
                 &b0,
-                acc.index_mut(comptime!(rt * value_tiles + 2 * np) as usize),
+                acc.index_mut(comptime!(rt * tiles + 2 * np) as usize),
             );
             def.execute_inplace(
                 a,
                 &b1,
-                acc.index_mut(comptime!(rt * value_tiles + 2 * np + 1) as usize),
+                acc.index_mut(comptime!(rt * tiles + 2 * np + 1) as usize),
             );
         }
     }
@@ -571,7 +580,9 @@ fn step_probabilities<F: Float, NV: Size>(
             }
             pa.push(a);
         }
-        accumulate_pv::<F, NV>(v_s, v_buf, kc, &pa, acc, c);
+        let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+        let v_at = v_lane_at(v_buf, v_ldv);
+        accumulate_pv::<F, NV>(v_s, v_at, kc, &pa, acc, v_ldv, c.value_dim, c.row_tiles);
     }
 }
 

@@ -38,6 +38,10 @@ pub struct RowConfig {
     /// The hardware's approximate exponential and logarithm ([`exp_modes`]): 16-bit types on
     /// CUDA, whose rounding (2^-11 or 2^-8) is far above theirs.
     pub fast_exp: bool,
+    /// The forward register tiers keep `e^(x − shift)` in f32 registers from the sum pass to
+    /// the write pass instead of computing it again (softmax and quiet softmax, where the
+    /// unit's share of the row is at most 32 elements and the cube has room for the registers).
+    pub cache_exp: bool,
     /// Layout of units over rows and how they reduce.
     pub group: GroupShape,
     /// Vectors each unit holds in registers (per row, or per chunk for the split scheme).
@@ -213,11 +217,19 @@ fn rows_forward<F: Float, N: Size>(
     let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
     let shift = softmax_shift(m, neg_inf, cfg.variant);
 
-    // -- l = Σ e^(x − shift) --
+    // -- l = Σ e^(x − shift) (kept, with `cache_exp`) --
     let mut local_sum = 0.0f32;
+    let mut kept =
+        Array::<Vector<f32, N>>::new(comptime!(if cfg.cache_exp { k_count as usize } else { 1 }));
     #[unroll]
     for k in 0..k_count {
-        local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
+        if comptime!(cfg.cache_exp) {
+            let e = Vector::exp(Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(shift));
+            kept[k as usize] = e;
+            local_sum = vector_sum(local_sum, e);
+        } else {
+            local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
+        }
     }
     let s = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
     let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
@@ -227,7 +239,11 @@ fn rows_forward<F: Float, N: Size>(
     for k in 0..k_count {
         let j = (UNIT_POS_X + k * x) as usize;
         if active && j < n_vec {
-            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+            if comptime!(cfg.cache_exp) {
+                output[out_base + j] = Vector::cast_from(kept[k as usize] * Vector::new(norm));
+            } else {
+                output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+            }
         }
     }
     (row, active, shift, s)

@@ -722,7 +722,8 @@ pub fn mma_dx_rows<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims, shared_
 }
 
 /// The largest `d2` at which the matrix-unit backward writes `P` for its dK/dV kernel
-/// ([`mma_p_buffer()`]). Not measured yet (branch `s18-pbuffer`, `NOTES.md` session 18).
+/// ([`mma_p_buffer()`]): fwd+bwd measured 3–4 % faster with it at d2 1024–2048 and 1–2 % at
+/// 256 on an H100 (`NOTES.md`, session 18); above, the buffer's size grows with `d2`.
 pub const P_BUFFER_MAX_D2: usize = 2048;
 
 /// Whether the matrix-unit backward takes the P-buffer plan for `dims`: `d2` at most

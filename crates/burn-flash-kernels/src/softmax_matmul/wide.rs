@@ -28,7 +28,7 @@ use cubecl::{
     prelude::*,
 };
 
-use crate::flash::mma::{NV8, stage_rows, store_row_vectors};
+use crate::flash::mma::{NV8, accumulate_pv, stage_rows, store_row_vectors};
 use crate::flash::{
     FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
     row_lse,
@@ -328,36 +328,7 @@ fn consume<F: Float, NV: Size>(
                 false,
             ));
         }
-        #[unroll]
-        for np in 0..comptime!(SLAB / 16) {
-            let start = v_buf + v_lane + comptime!((kc * 16) as usize * v_ldv + np as usize * 2);
-            let regs = def.load_matrix::<Vector<F, NV>, Const<2>>(
-                &v_s.slice(start, start + 1),
-                MatrixIdent::B,
-                4usize,
-                true,
-            );
-            let mut b0 = Array::<Vector<F, Const<2>>>::new(2usize);
-            let mut b1 = Array::<Vector<F, Const<2>>>::new(2usize);
-            b0[0usize] = regs[0usize];
-            b0[1usize] = regs[1usize];
-            b1[0usize] = regs[2usize];
-            b1[1usize] = regs[3usize];
-            #[unroll]
-            for rt in 0..rts {
-                let a = pa.index(rt as usize);
-                def.execute_inplace(
-                    a,
-                    &b0,
-                    acc.index_mut(comptime!(rt * tiles + 2 * np) as usize),
-                );
-                def.execute_inplace(
-                    a,
-                    &b1,
-                    acc.index_mut(comptime!(rt * tiles + 2 * np + 1) as usize),
-                );
-            }
-        }
+        accumulate_pv::<F, NV>(v_s, v_buf + v_lane, kc, &pa, acc, v_ldv, SLAB, rts);
     }
 }
 
