@@ -511,9 +511,17 @@ fn kept_exponentials<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let short = plan(96, false, None);
     assert!(short.config.cache_exp, "{short:?}");
     assert!(!plan(96, true, None).config.cache_exp, "backward");
+    // The longest cube-tier row: kept only if its share and its cube are small enough (never
+    // in a 1024-unit cube).
     let full = plan(limits.cube, false, None);
-    assert!(full.cube_dim.x * full.cube_dim.y > 512 || full.config.cache_exp);
-    if full.cube_dim.x * full.cube_dim.y > 512 {
+    let share = full.config.vectors_per_unit as usize * full.vector_size;
+    let units = (full.cube_dim.x * full.cube_dim.y) as usize;
+    assert_eq!(
+        full.config.cache_exp,
+        share <= 32 && units <= 512,
+        "{full:?}"
+    );
+    if units > 512 {
         assert!(!full.config.cache_exp, "{full:?}");
     }
     // 16-bit rows of 16-byte vectors up to 128 units of 4 vectors (4096 elements) take the
@@ -529,9 +537,10 @@ fn kept_exponentials<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
     let n = (limits.plane + 8).next_multiple_of(8);
     let spread = plan(n, false, Some(1));
+    let share = spread.config.vectors_per_unit as usize * spread.vector_size;
     assert_eq!(
         spread.config.cache_exp,
-        spread.vector_size <= 32 && spread.cube_dim.x <= 512,
+        share <= 32 && spread.cube_dim.x <= 512,
         "{spread:?}"
     );
 }
