@@ -7,7 +7,9 @@ mod common;
 
 use burn::backend::Autodiff;
 use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
-use burn_flash::kernels::softmax_matmul::{BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath};
+use burn_flash::kernels::softmax_matmul::{
+    BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath, SoftmaxMatmulError, SoftmaxMatmulPlan,
+};
 use burn_flash::{
     FlashBackend, SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
 };
@@ -400,18 +402,11 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         d3: 200,
     };
     let refused = "the wide matrix-unit kernel cannot run: ";
-    let runs = match softmax_matmul_plan::<B>(device, dims, dtype.into(), on) {
-        Some(Ok(plan)) => {
-            assert_eq!(plan.kernel, SmmForwardKernel::Wide);
-            assert_eq!((plan.block_1, plan.block_2, plan.tile_3), (64, 64, 256));
-            true
-        }
-        Some(Err(err)) => {
-            let msg = err.to_string();
-            assert!(msg.starts_with(refused), "{msg}");
-            false
-        }
-        None => return,
+    let forced = softmax_matmul_plan::<B>(device, dims, dtype.into(), on);
+    let Some(runs) = forced_plan_runs(forced, SmmForwardKernel::Wide, refused, |plan| {
+        assert_eq!((plan.block_1, plan.block_2, plan.tile_3), (64, 64, 256));
+    }) else {
+        return;
     };
     let plan = |dims, options| {
         softmax_matmul_plan::<B>(device, dims, dtype.into(), options)
@@ -481,6 +476,29 @@ fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     check_hard_rows::<B>(on, dtype, device, "wide");
 }
 
+/// Whether a forced kernel's plan runs: `Some(true)` when the plan names `kernel` (then `check`
+/// looks at it), `Some(false)` when it is refused with a message starting with `refused`, `None`
+/// on a backend that does not plan (the fallback).
+fn forced_plan_runs(
+    forced: Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>>,
+    kernel: SmmForwardKernel,
+    refused: &str,
+    check: impl FnOnce(&SoftmaxMatmulPlan),
+) -> Option<bool> {
+    match forced? {
+        Ok(plan) => {
+            assert_eq!(plan.kernel, kernel, "{plan:?}");
+            check(&plan);
+            Some(true)
+        }
+        Err(err) => {
+            let msg = err.to_string();
+            assert!(msg.starts_with(refused), "{msg}");
+            Some(false)
+        }
+    }
+}
+
 /// The forward with `options` on the rows that break an online softmax (16-byte rows, `d3`
 /// of 144–256): ±50 scores with a shared `v`, a maximum that rises along every row (the
 /// reference moves in many steps), and fully masked rows (0 and 5), a row finite only in its
@@ -534,17 +552,13 @@ fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     };
     let plan = |dims, options| softmax_matmul_plan::<B>(device, dims, dtype.into(), options);
     let refused = "the P-buffer plan cannot run: ";
-    let runs = match plan(dims(264), on) {
-        Some(Ok(p)) => {
-            assert_eq!(p.kernel, SmmForwardKernel::PBuffer);
-            true
-        }
-        Some(Err(err)) => {
-            let msg = err.to_string();
-            assert!(msg.starts_with(refused), "{msg}");
-            false
-        }
-        None => return,
+    let Some(runs) = forced_plan_runs(
+        plan(dims(264), on),
+        SmmForwardKernel::PBuffer,
+        refused,
+        |_| {},
+    ) else {
+        return;
     };
     let kernel = |d2, options| {
         plan(dims(d2), options)

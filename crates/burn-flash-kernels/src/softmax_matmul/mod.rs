@@ -477,8 +477,8 @@ pub fn plan_softmax_matmul<R: Runtime>(
         dims.d1.div_ceil(b1),
         dims.batch,
     )?;
-    // Forced on (the matrix units were checked above): the softmax must hold a row in
-    // registers.
+    // Forced on (the path was checked above: here `kernel` is the matrix-unit loop), the
+    // softmax must hold a row in registers.
     let kernel = match (kernel, options.p_buffer) {
         (SmmForwardKernel::MatrixUnits, Some(true)) => {
             let longest = crate::softmax::row_limits(client, dtype, Default::default())
@@ -494,13 +494,7 @@ pub fn plan_softmax_matmul<R: Runtime>(
             }
             SmmForwardKernel::PBuffer
         }
-        (SmmForwardKernel::MatrixUnits, _) => kernel,
-        (_, Some(true)) => {
-            return Err(SoftmaxMatmulError::PBufferUnavailable {
-                reason: "forced blocks exclude the matrix units".into(),
-            });
-        }
-        (_, _) => kernel,
+        _ => kernel,
     };
     Ok(SoftmaxMatmulPlan {
         kernel,
