@@ -307,6 +307,117 @@ fn empty_tensors<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// A random tensor uploaded in `dtype` itself: a view of it (a slice) reaches the op as a view,
+/// where Fusion may fuse a cast with the slice into one contiguous tensor.
+fn uploaded<B: FlashBackend>(
+    shape: [usize; 3],
+    lo: f32,
+    hi: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 3> {
+    let values = uniform(shape.iter().product(), lo, hi, fresh_seed());
+    let data = burn::tensor::TensorData::new(values, shape).convert_dtype(dtype.into());
+    let x = Tensor::<B, 3>::from_data(data, (device, DType::from(dtype)));
+    assert_eq!(x.dtype(), DType::from(dtype), "uploaded in its dtype");
+    x
+}
+
+/// Row starts: tensors whose rows sit at one stride (contiguous, sliced rows, leading dims in
+/// any order) take the flat path (`row · stride` from the launch's scalars); leading dims that
+/// do not collapse (a slice of a middle dim) take the general one (the tensors' shapes and
+/// strides). The general path is checked in every forced tier the device runs, forward, and
+/// backward with a sliced `dy`, against the f64 reference.
+fn flat_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let plan = |shape: &[usize], strides: &[usize], backward: bool| {
+        let dim = shape.len() - 1;
+        let opts = SoftmaxOptions::default();
+        B::flash_softmax_plan(device, shape, strides, dim, dtype.into(), backward, opts)
+            .expect("fused backend")
+            .expect("plan")
+    };
+    let n = 96;
+    let contiguous = plan(&[4, 6, n], &[6 * n, n, 1], false);
+    assert!(contiguous.config.flat_rows, "{contiguous:?}");
+    assert_eq!(contiguous.row_strides, vec![n, n]);
+    let swapped = plan(&[6, 4, n], &[n, 6 * n, 1], true);
+    assert!(
+        swapped.config.flat_rows,
+        "leading dims swapped: {swapped:?}"
+    );
+    assert_eq!(swapped.row_strides, vec![n; 3]);
+    let pitched = plan(&[7, n], &[128, 1], false);
+    assert_eq!(pitched.row_strides, vec![128, 128], "{pitched:?}");
+    assert_eq!(plan(&[1, 1, n], &[5, 3, 1], false).row_strides, vec![0, 0]);
+    let sliced = plan(&[4, 3, n], &[6 * n, n, 1], false);
+    assert!(!sliced.config.flat_rows, "middle dim sliced: {sliced:?}");
+    assert!(sliced.row_strides.is_empty());
+
+    let limits = row_limits::<B>(device, dtype).expect("fused backend");
+    let mut tiers = vec![
+        (SoftmaxTier::Plane, 40),
+        (SoftmaxTier::Cube, limits.plane + 8),
+        (SoftmaxTier::Split, limits.plane + 8),
+    ];
+    if B::flash_softmax_plan(
+        device,
+        &[2, 64],
+        &[64, 1],
+        1,
+        dtype.into(),
+        false,
+        SoftmaxOptions {
+            tier: Some(SoftmaxTier::Exchange),
+            ..Default::default()
+        },
+    )
+    .expect("fused backend")
+    .is_ok()
+    {
+        tiers.push((SoftmaxTier::Exchange, limits.plane + 8));
+    }
+    for (tier, n) in tiers {
+        let opts = SoftmaxOptions {
+            tier: Some(tier),
+            ..Default::default()
+        };
+        for variant in VARIANTS {
+            let ctx = format!("middle-dim slice, {tier:?}");
+            let x = uploaded::<B>([3, 5, n], -5.0, 5.0, dtype, device).slice([0..3, 1..4, 0..n]);
+            let y = check_forward(x, 2, variant, opts, dtype, &ctx);
+            // The backward with `dy` a middle-dim slice (y and dx contiguous).
+            let y = burn::tensor::TensorData::new(y.iter().map(|&v| v as f32).collect(), [3, 3, n])
+                .convert_dtype(dtype.into());
+            // Uploaded in its dtype: a pending cast would let Fusion copy `dy`'s slice into a
+            // contiguous tensor in the same fused kernel.
+            let yt = Tensor::<B, 3>::from_data(y, (device, DType::from(dtype)));
+            let dy = uploaded::<B>([3, 5, n], -0.5, 1.5, dtype, device).slice([0..3, 1..4, 0..n]);
+            let (yv, dyv) = (read(yt.clone()), read(dy.clone()));
+            poison::<B, 3>([3, 3, n], dtype, device);
+            let dx = B::flash_softmax_backward(
+                yt.into_primitive().tensor(),
+                dy.into_primitive().tensor(),
+                2,
+                variant,
+                opts,
+            );
+            let dx = Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(dx));
+            sync::<B>(device);
+            let (want, scale) = softmax_backward_ref(&yv, &dyv, &[3, 3, n], 2, variant);
+            let ctx = format!("{ctx} backward {variant:?} {dtype:?}");
+            assert_rows_close(
+                &read(dx),
+                &want,
+                &scale,
+                &[3, 3, n],
+                2,
+                grad_rel(dtype),
+                &ctx,
+            );
+        }
+    }
+}
+
 /// `unit_vectors` spreads a cube-tier row over more units: the plan takes as many units as the
 /// row needs at that many vectors each (within the cube's limit), every choice computes the same
 /// function forward and backward, and a count outside 1 to the 128 B limit is refused.
@@ -524,6 +635,16 @@ fn kept_exponentials<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     if units > 512 {
         assert!(!full.config.cache_exp, "{full:?}");
     }
+    // Rows kept in f32 or not at all in 16-bit types are kept rounded to the type (forward
+    // only; never in f32).
+    for p in [&short, &full] {
+        let narrow = dtype != FloatDType::F32 && !p.config.cache_exp;
+        assert_eq!(p.config.narrow_exp, narrow, "{p:?}");
+    }
+    assert!(
+        !plan(limits.cube / 2, true, None).config.narrow_exp,
+        "backward"
+    );
     // 16-bit rows of 16-byte vectors up to 128 units of 4 vectors (4096 elements) take the
     // cube tier that way, with kept exponentials; longer ones 8 vectors a unit, without.
     let n = 4096;
@@ -878,6 +999,7 @@ macro_rules! fused_suite {
             $dtype,
             [
                 forced_tiers_agree,
+                flat_rows,
                 unit_vectors_spread_rows,
                 kept_exponentials,
                 tier_choice_follows_limits,

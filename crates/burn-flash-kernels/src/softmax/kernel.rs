@@ -42,6 +42,14 @@ pub struct RowConfig {
     /// the write pass instead of computing it again (softmax and quiet softmax, where the
     /// unit's share of the row is at most 32 elements and the cube has room for the registers).
     pub cache_exp: bool,
+    /// The forward register and exchange tiers of 16-bit softmax and quiet softmax keep
+    /// `e^(x − shift)` rounded to the storage type in the registers that held `x`, and write
+    /// `e · norm`: one exponential per element where `cache_exp` has no room (the output is
+    /// rounded twice, within one unit of its last place).
+    pub narrow_exp: bool,
+    /// Every tensor of the launch has its rows at one stride ([`RowStarts`]): a row starts at
+    /// `row · stride`, without [`row_offset`]'s metadata loads and per-dimension divisions.
+    pub flat_rows: bool,
     /// Layout of units over rows and how they reduce.
     pub group: GroupShape,
     /// Vectors each unit holds in registers (per row, or per chunk for the split scheme).
@@ -137,6 +145,52 @@ fn vector_sum<N: Size>(acc: f32, v: Vector<f32, N>) -> f32 {
     s
 }
 
+/// The row length and, with [`RowConfig::flat_rows`], the row strides of a launch's tensors,
+/// in vectors (scalars for `softmax_rows_lse`'s `lse`), in the order of the kernel's tensor
+/// arguments (unused ones are 0). Runtime scalars: the kernel reads them from its parameters,
+/// not from the tensors' metadata in global memory.
+#[derive(CubeLaunch, CubeType, Clone, Copy)]
+pub struct RowStarts {
+    /// Vectors per row.
+    pub vectors: usize,
+    /// Row stride of the first tensor.
+    pub first: usize,
+    /// Row stride of the second tensor.
+    pub second: usize,
+    /// Row stride of the third tensor.
+    pub third: usize,
+}
+
+/// First vector of `row` in `t`: `row · stride` for flat rows, else from `t`'s shape and
+/// strides (the softmax dimension last).
+#[cube]
+fn row_start<F: Float, N: Size>(
+    t: &Tensor<Vector<F, N>>,
+    row: usize,
+    stride: usize,
+    #[comptime] flat: bool,
+) -> usize {
+    if comptime!(flat) {
+        row * stride
+    } else {
+        row_offset(t, row, t.rank() - 1) / N::value()
+    }
+}
+
+/// The element-wise maximum of `a` and `b`, in their own type (exact; two 16-bit lanes per
+/// instruction on CUDA): the register tiers take each vector's maximum this way and convert
+/// to f32 once per unit ([`vector_max`]) rather than once per element.
+#[cube]
+fn vector_max_in<F: Float, N: Size>(a: Vector<F, N>, b: Vector<F, N>) -> Vector<F, N> {
+    max(a, b)
+}
+
+/// `e · factor` in the storage type, from exponentials kept in it ([`RowConfig::narrow_exp`]).
+#[cube]
+fn scale_narrow<F: Float, N: Size>(e: Vector<F, N>, factor: f32) -> Vector<F, N> {
+    Vector::cast_from(Vector::<f32, N>::cast_from(e) * Vector::new(factor))
+}
+
 /// Index of the first row of this cube and whether the calling unit's row exists.
 #[cube]
 fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
@@ -150,12 +204,13 @@ fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
 pub fn softmax_rows<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
+    starts: RowStarts,
     num_rows: usize,
     neg_inf: f32,
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    rows_forward::<F, N>(input, output, num_rows, neg_inf, cfg);
+    rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
 }
 
 /// [`softmax_rows()`] (softmax only) that also writes each row's log-sum-exp `ln Σ e^x` to
@@ -166,18 +221,25 @@ pub fn softmax_rows_lse<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
     lse: &mut Tensor<f32>,
+    starts: RowStarts,
     num_rows: usize,
     neg_inf: f32,
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let (row, active, shift, s) = rows_forward::<F, N>(input, output, num_rows, neg_inf, cfg);
+    let (row, active, shift, s) =
+        rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
     if active && UNIT_POS_X == 0 {
         let mut value = select(s == 0.0f32, neg_inf, shift + f32::ln(s));
         if comptime!(crate::mutation::lse_shift()) {
             value = shift;
         }
-        lse[row_offset(lse, row, lse.rank())] = value;
+        let at = if comptime!(cfg.flat_rows) {
+            row * starts.third
+        } else {
+            row_offset(lse, row, lse.rank())
+        };
+        lse[at] = value;
     }
 }
 
@@ -187,23 +249,23 @@ pub fn softmax_rows_lse<F: Float, N: Size>(
 fn rows_forward<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
+    starts: RowStarts,
     num_rows: usize,
     neg_inf: f32,
     #[comptime] cfg: RowConfig,
 ) -> (usize, bool, f32, f32) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let dim = input.rank() - 1;
     let (row, active) = cube_row(num_rows, cfg.group);
-    let n_vec = input.shape(dim) / N::value();
-    let in_base = row_offset(input, row, dim) / N::value();
-    let out_base = row_offset(output, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let in_base = row_start(input, row, starts.first, cfg.flat_rows);
+    let out_base = row_start(output, row, starts.second, cfg.flat_rows);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     // -- load the row once, track the maximum --
     let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
-    let mut local_max = neg_inf;
+    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
     #[unroll]
     for k in 0..k_count {
         let j = (UNIT_POS_X + k * x) as usize;
@@ -212,9 +274,9 @@ fn rows_forward<F: Float, N: Size>(
             v = input[in_base + j];
         }
         regs[k as usize] = v;
-        local_max = vector_max(local_max, v);
+        vmax = vector_max_in(vmax, v);
     }
-    let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
+    let m = group_reduce(vector_max(neg_inf, vmax), &mut smem_max, true, cfg.group);
     let shift = softmax_shift(m, neg_inf, cfg.variant);
 
     // -- l = Σ e^(x − shift) (kept, with `cache_exp`) --
@@ -223,9 +285,13 @@ fn rows_forward<F: Float, N: Size>(
         Array::<Vector<f32, N>>::new(comptime!(if cfg.cache_exp { k_count as usize } else { 1 }));
     #[unroll]
     for k in 0..k_count {
-        if comptime!(cfg.cache_exp) {
+        if comptime!(cfg.cache_exp || cfg.narrow_exp) {
             let e = Vector::exp(Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(shift));
-            kept[k as usize] = e;
+            if comptime!(cfg.cache_exp) {
+                kept[k as usize] = e;
+            } else {
+                regs[k as usize] = Vector::cast_from(e);
+            }
             local_sum = vector_sum(local_sum, e);
         } else {
             local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
@@ -241,6 +307,8 @@ fn rows_forward<F: Float, N: Size>(
         if active && j < n_vec {
             if comptime!(cfg.cache_exp) {
                 output[out_base + j] = Vector::cast_from(kept[k as usize] * Vector::new(norm));
+            } else if comptime!(cfg.narrow_exp) {
+                output[out_base + j] = scale_narrow(regs[k as usize], norm);
             } else {
                 output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
             }
@@ -256,6 +324,7 @@ pub fn softmax_split_partials<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     partial_max: &mut Array<f32>,
     partial_sum: &mut Array<f32>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     neg_inf: f32,
@@ -269,15 +338,14 @@ pub fn softmax_split_partials<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = input.rank() - 1;
-    let n_vec = input.shape(dim) / N::value();
-    let in_base = row_offset(input, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let in_base = row_start(input, row, starts.first, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
-    let mut local_max = neg_inf;
+    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
     #[unroll]
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
@@ -286,8 +354,9 @@ pub fn softmax_split_partials<F: Float, N: Size>(
             v = input[in_base + j];
         }
         regs[k as usize] = v;
-        local_max = vector_max(local_max, v);
+        vmax = vector_max_in(vmax, v);
     }
+    let local_max = vector_max(neg_inf, vmax);
     let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
     let shift = select(m == neg_inf, 0.0f32, m);
     let mut local_sum = 0.0f32;
@@ -309,6 +378,7 @@ pub fn softmax_split_finish<F: Float, N: Size>(
     output: &mut Tensor<Vector<F, N>>,
     partial_max: &Array<f32>,
     partial_sum: &Array<f32>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     neg_inf: f32,
@@ -322,10 +392,9 @@ pub fn softmax_split_finish<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = input.rank() - 1;
-    let n_vec = input.shape(dim) / N::value();
-    let in_base = row_offset(input, row, dim) / N::value();
-    let out_base = row_offset(output, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let in_base = row_start(input, row, starts.first, cfg.flat_rows);
+    let out_base = row_start(output, row, starts.second, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
@@ -387,6 +456,7 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     input: &Tensor<Vector<F, N>>,
     output: &mut Tensor<Vector<F, N>>,
     exchange: &mut Array<Atomic<u32>>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     neg_inf: f32,
@@ -406,17 +476,16 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = input.rank() - 1;
-    let n_vec = input.shape(dim) / N::value();
-    let in_base = row_offset(input, row, dim) / N::value();
-    let out_base = row_offset(output, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let in_base = row_start(input, row, starts.first, cfg.flat_rows);
+    let out_base = row_start(output, row, starts.second, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     // -- this chunk's (m, l), as the two-kernel split's first pass --
     let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
-    let mut local_max = neg_inf;
+    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
     #[unroll]
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
@@ -425,14 +494,23 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
             v = input[in_base + j];
         }
         regs[k as usize] = v;
-        local_max = vector_max(local_max, v);
+        vmax = vector_max_in(vmax, v);
     }
+    let local_max = vector_max(neg_inf, vmax);
     let chunk_max = group_reduce(local_max, &mut smem_max, true, cfg.group);
     let chunk_shift = select(chunk_max == neg_inf, 0.0f32, chunk_max);
     let mut local_sum = 0.0f32;
     #[unroll]
     for k in 0..k_count {
-        local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
+        if comptime!(cfg.narrow_exp) {
+            let e = Vector::exp(
+                Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(chunk_shift),
+            );
+            regs[k as usize] = Vector::cast_from(e);
+            local_sum = vector_sum(local_sum, e);
+        } else {
+            local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
+        }
     }
     let chunk_sum = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
     let words = 1 + 2 * (row * num_chunks);
@@ -473,12 +551,24 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     let own = select(m == neg_inf, 0.0f32, m);
     let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
     let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+    // Narrow: the chunk holds e^(x − chunk_shift), and chunk_shift ≤ shift, so the output is
+    // that times e^(chunk_shift − shift)·norm ≤ 1 (0 for a fully −inf chunk, whose kept
+    // values are 0 and whose factor could overflow).
+    let chunk_norm = select(
+        chunk_max == neg_inf,
+        0.0f32,
+        f32::exp(chunk_shift - shift) * norm,
+    );
 
     #[unroll]
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
-            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+            if comptime!(cfg.narrow_exp) {
+                output[out_base + j] = scale_narrow(regs[k as usize], chunk_norm);
+            } else {
+                output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+            }
         }
     }
 }
@@ -585,18 +675,18 @@ pub fn softmax_backward_rows<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
+    starts: RowStarts,
     num_rows: usize,
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let dim = y.rank() - 1;
     let (row, active) = cube_row(num_rows, cfg.group);
-    let n_vec = y.shape(dim) / N::value();
-    let y_base = row_offset(y, row, dim) / N::value();
-    let dy_base = row_offset(dy, row, dim) / N::value();
-    let dx_base = row_offset(dx, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let y_base = row_start(y, row, starts.first, cfg.flat_rows);
+    let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
+    let dx_base = row_start(dx, row, starts.third, cfg.flat_rows);
     let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     let mut regs_y = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
@@ -632,6 +722,7 @@ pub fn softmax_backward_split_partials<F: Float, N: Size>(
     y: &Tensor<Vector<F, N>>,
     dy: &Tensor<Vector<F, N>>,
     partial_sum: &mut Array<f32>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     #[comptime] cfg: RowConfig,
@@ -644,10 +735,9 @@ pub fn softmax_backward_split_partials<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = y.rank() - 1;
-    let n_vec = y.shape(dim) / N::value();
-    let y_base = row_offset(y, row, dim) / N::value();
-    let dy_base = row_offset(dy, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let y_base = row_start(y, row, starts.first, cfg.flat_rows);
+    let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
@@ -675,6 +765,7 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
     dy: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
     partial_sum: &Array<f32>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     #[comptime] cfg: RowConfig,
@@ -687,11 +778,10 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = y.rank() - 1;
-    let n_vec = y.shape(dim) / N::value();
-    let y_base = row_offset(y, row, dim) / N::value();
-    let dy_base = row_offset(dy, row, dim) / N::value();
-    let dx_base = row_offset(dx, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let y_base = row_start(y, row, starts.first, cfg.flat_rows);
+    let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
+    let dx_base = row_start(dx, row, starts.third, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
@@ -722,6 +812,7 @@ pub fn softmax_backward_split_exchange<F: Float, N: Size>(
     dy: &Tensor<Vector<F, N>>,
     dx: &mut Tensor<Vector<F, N>>,
     exchange: &mut Array<Atomic<u32>>,
+    starts: RowStarts,
     num_rows: usize,
     num_chunks: usize,
     #[comptime] cfg: RowConfig,
@@ -740,11 +831,10 @@ pub fn softmax_backward_split_exchange<F: Float, N: Size>(
     if row >= num_rows {
         terminate!();
     }
-    let dim = y.rank() - 1;
-    let n_vec = y.shape(dim) / N::value();
-    let y_base = row_offset(y, row, dim) / N::value();
-    let dy_base = row_offset(dy, row, dim) / N::value();
-    let dx_base = row_offset(dx, row, dim) / N::value();
+    let n_vec = starts.vectors;
+    let y_base = row_start(y, row, starts.first, cfg.flat_rows);
+    let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
+    let dx_base = row_start(dx, row, starts.third, cfg.flat_rows);
     let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_chunk = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_row = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));

@@ -341,6 +341,7 @@ pub fn launch_softmax<R: Runtime>(
                 v,
                 x.arg(input.handle),
                 y.arg(output.handle),
+                row_starts(&plan, 0),
                 rows,
                 neg_inf,
                 cfg,
@@ -357,6 +358,7 @@ pub fn launch_softmax<R: Runtime>(
                     x.arg(input.handle),
                     ArrayArg::from_raw_parts(partial_max.clone(), rows * chunks),
                     ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     neg_inf,
@@ -372,6 +374,7 @@ pub fn launch_softmax<R: Runtime>(
                     y.arg(output.handle),
                     ArrayArg::from_raw_parts(partial_max, rows * chunks),
                     ArrayArg::from_raw_parts(partial_sum, rows * chunks),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     neg_inf,
@@ -390,6 +393,7 @@ pub fn launch_softmax<R: Runtime>(
                     x.arg(input.handle),
                     y.arg(output.handle),
                     ArrayArg::from_raw_parts(exchange, words),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     neg_inf,
@@ -436,13 +440,16 @@ pub(crate) fn launch_softmax_lse<R: Runtime>(
         });
     }
     let [x, y] = permute_all(input.shape, [input.strides, output.strides], rank - 1);
-    let plan = plan_layouts(
+    let mut plan = plan_layouts(
         client,
         &[x.layout(), y.layout()],
         dtype,
         SoftmaxVariant::Softmax,
         SoftmaxOptions::default(),
     )?;
+    // Flat rows need `lse`'s rows at one stride too.
+    let lse_stride = plan::rows_stride(lse.shape, lse.strides);
+    plan.config.flat_rows &= lse_stride.is_some();
     if !matches!(plan.tier, SoftmaxTier::Plane | SoftmaxTier::Cube) {
         return Err(SoftmaxError::TierUnavailable {
             tier: plan.tier,
@@ -464,6 +471,7 @@ pub(crate) fn launch_softmax_lse<R: Runtime>(
             x.arg(input.handle),
             y.arg(output.handle),
             TensorArg::from_raw_parts(lse.handle.clone(), lse.strides.into(), lse.shape.into()),
+            row_starts(&plan, lse_stride.unwrap_or(0)),
             plan.num_rows,
             f32::NEG_INFINITY,
             plan.config,
@@ -509,6 +517,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     py.arg(y.handle),
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
+                    row_starts(&plan, 0),
                     rows,
                     cfg,
                     dtype,
@@ -526,6 +535,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
                     ArrayArg::from_raw_parts(exchange, words),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     cfg,
@@ -542,6 +552,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     py.arg(y.handle),
                     pdy.arg(dy.handle),
                     ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     cfg,
@@ -556,6 +567,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
                     ArrayArg::from_raw_parts(partial_sum, rows * chunks),
+                    row_starts(&plan, 0),
                     rows,
                     chunks,
                     cfg,
@@ -576,4 +588,14 @@ pub fn launch_softmax_backward<R: Runtime>(
         }
     }
     Ok(Some(plan))
+}
+
+/// The [`kernel::RowStarts`] of a launch of `plan`: the row length and, with flat rows, the
+/// row strides of the plan's tensors in vectors, then `extra` (a further tensor's row stride,
+/// in its own elements) where the plan has fewer than three.
+fn row_starts<R: Runtime>(plan: &SoftmaxPlan, extra: usize) -> kernel::RowStartsLaunch<R> {
+    let v = plan.vector_size.max(1);
+    let mut strides = plan.row_strides.iter().map(|s| s / v).chain([extra, 0, 0]);
+    let mut next = || strides.next().unwrap_or(0);
+    kernel::RowStartsLaunch::new(plan.row_len / v, next(), next(), next())
 }

@@ -55,6 +55,10 @@ pub struct SoftmaxPlan {
     pub num_rows: usize,
     /// Length of a row.
     pub row_len: usize,
+    /// The row stride of each tensor of the launch, in elements, in the order of the planned
+    /// layouts, where every tensor's leading dimensions collapse into one stride
+    /// ([`RowConfig::flat_rows`]); empty otherwise.
+    pub row_strides: Vec<usize>,
     /// Chunks per row (split tier only; 1 otherwise).
     pub num_chunks: usize,
     /// Units per cube.
@@ -296,10 +300,26 @@ pub(crate) fn plan(
         && variant != SoftmaxVariant::LogSoftmax
         && k * vector_size <= 32
         && units_per_row * rows_per_cube <= 512;
+    // Narrow kept exponentials: the other 16-bit forward rows of softmax and quiet softmax held
+    // in registers (the two-kernel split reads its input again instead).
+    let narrow_exp = layouts.len() == 2
+        && elem_size == 2
+        && !cache_exp
+        && matches!(
+            tier,
+            SoftmaxTier::Plane | SoftmaxTier::Cube | SoftmaxTier::Exchange
+        )
+        && variant != SoftmaxVariant::LogSoftmax;
+    let row_strides: Option<Vec<usize>> = layouts
+        .iter()
+        .map(|l| rows_stride(&l.shape[..rank - 1], &l.strides[..rank - 1]))
+        .collect();
     let config = RowConfig {
         variant,
         fast_exp: facts.fast_exp,
         cache_exp,
+        narrow_exp,
+        flat_rows: row_strides.is_some() && tier != SoftmaxTier::Strided,
         group: GroupShape {
             units_per_row,
             rows_per_cube,
@@ -323,10 +343,30 @@ pub(crate) fn plan(
         config,
         num_rows,
         row_len,
+        row_strides: row_strides.unwrap_or_default(),
         num_chunks,
         cube_dim: CubeDim::new_2d(units_per_row, rows_per_cube),
         cube_count: spread_cube_count(cubes, facts.max_cube_count)?,
     })
+}
+
+/// The one stride between consecutive rows of a tensor whose rows enumerate the indices of
+/// `shape` (last dimension fastest), or `None` where the dimensions do not collapse into one:
+/// each dimension longer than 1 must step over the whole of the next longer-than-1 one inside
+/// it. Dimensions of length 1 take no part; with none left (one row) the stride is 0.
+pub(crate) fn rows_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
+    let mut inner: Option<(usize, usize)> = None; // (row stride, span of the dims so far)
+    for (&size, &stride) in shape.iter().zip(strides).rev() {
+        if size == 1 {
+            continue;
+        }
+        inner = match inner {
+            None => Some((stride, stride * size)),
+            Some((row, span)) if stride == span => Some((row, span * size)),
+            Some(_) => return None,
+        };
+    }
+    Some(inner.map_or(0, |(row, _)| row))
 }
 
 /// A linear count of cubes as a 2-D grid within the device's per-dimension limits. Kernels read
