@@ -42,11 +42,6 @@ pub struct RowConfig {
     /// the write pass instead of computing it again (softmax and quiet softmax, where the
     /// unit's share of the row is at most 32 elements and the cube has room for the registers).
     pub cache_exp: bool,
-    /// The forward register and exchange tiers of 16-bit softmax and quiet softmax keep
-    /// `e^(x − shift)` rounded to the storage type in the registers that held `x`, and write
-    /// `e · norm`: one exponential per element where `cache_exp` has no room (the output is
-    /// rounded twice, within one unit of its last place).
-    pub narrow_exp: bool,
     /// Every tensor of the launch has its rows at one stride ([`RowStarts`]): a row starts at
     /// `row · stride`, without [`row_offset`]'s metadata loads and per-dimension divisions.
     pub flat_rows: bool,
@@ -185,12 +180,6 @@ fn vector_max_in<F: Float, N: Size>(a: Vector<F, N>, b: Vector<F, N>) -> Vector<
     max(a, b)
 }
 
-/// `e · factor` in the storage type, from exponentials kept in it ([`RowConfig::narrow_exp`]).
-#[cube]
-fn scale_narrow<F: Float, N: Size>(e: Vector<F, N>, factor: f32) -> Vector<F, N> {
-    Vector::cast_from(Vector::<f32, N>::cast_from(e) * Vector::new(factor))
-}
-
 /// Index of the first row of this cube and whether the calling unit's row exists.
 #[cube]
 fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
@@ -285,13 +274,9 @@ fn rows_forward<F: Float, N: Size>(
         Array::<Vector<f32, N>>::new(comptime!(if cfg.cache_exp { k_count as usize } else { 1 }));
     #[unroll]
     for k in 0..k_count {
-        if comptime!(cfg.cache_exp || cfg.narrow_exp) {
+        if comptime!(cfg.cache_exp) {
             let e = Vector::exp(Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(shift));
-            if comptime!(cfg.cache_exp) {
-                kept[k as usize] = e;
-            } else {
-                regs[k as usize] = Vector::cast_from(e);
-            }
+            kept[k as usize] = e;
             local_sum = vector_sum(local_sum, e);
         } else {
             local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
@@ -307,8 +292,6 @@ fn rows_forward<F: Float, N: Size>(
         if active && j < n_vec {
             if comptime!(cfg.cache_exp) {
                 output[out_base + j] = Vector::cast_from(kept[k as usize] * Vector::new(norm));
-            } else if comptime!(cfg.narrow_exp) {
-                output[out_base + j] = scale_narrow(regs[k as usize], norm);
             } else {
                 output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
             }
@@ -502,15 +485,7 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     let mut local_sum = 0.0f32;
     #[unroll]
     for k in 0..k_count {
-        if comptime!(cfg.narrow_exp) {
-            let e = Vector::exp(
-                Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(chunk_shift),
-            );
-            regs[k as usize] = Vector::cast_from(e);
-            local_sum = vector_sum(local_sum, e);
-        } else {
-            local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
-        }
+        local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
     }
     let chunk_sum = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
     let words = 1 + 2 * (row * num_chunks);
@@ -551,24 +526,12 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     let own = select(m == neg_inf, 0.0f32, m);
     let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
     let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
-    // Narrow: the chunk holds e^(x − chunk_shift), and chunk_shift ≤ shift, so the output is
-    // that times e^(chunk_shift − shift)·norm ≤ 1 (0 for a fully −inf chunk, whose kept
-    // values are 0 and whose factor could overflow).
-    let chunk_norm = select(
-        chunk_max == neg_inf,
-        0.0f32,
-        f32::exp(chunk_shift - shift) * norm,
-    );
 
     #[unroll]
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
-            if comptime!(cfg.narrow_exp) {
-                output[out_base + j] = scale_narrow(regs[k as usize], chunk_norm);
-            } else {
-                output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
-            }
+            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
         }
     }
 }

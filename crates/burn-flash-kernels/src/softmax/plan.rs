@@ -300,16 +300,6 @@ pub(crate) fn plan(
         && variant != SoftmaxVariant::LogSoftmax
         && k * vector_size <= 32
         && units_per_row * rows_per_cube <= 512;
-    // Narrow kept exponentials: the other 16-bit forward rows of softmax and quiet softmax held
-    // in registers (the two-kernel split reads its input again instead).
-    let narrow_exp = layouts.len() == 2
-        && elem_size == 2
-        && !cache_exp
-        && matches!(
-            tier,
-            SoftmaxTier::Plane | SoftmaxTier::Cube | SoftmaxTier::Exchange
-        )
-        && variant != SoftmaxVariant::LogSoftmax;
     let row_strides: Option<Vec<usize>> = layouts
         .iter()
         .map(|l| rows_stride(&l.shape[..rank - 1], &l.strides[..rank - 1]))
@@ -318,7 +308,6 @@ pub(crate) fn plan(
         variant,
         fast_exp: facts.fast_exp,
         cache_exp,
-        narrow_exp,
         flat_rows: row_strides.is_some() && tier != SoftmaxTier::Strided,
         group: GroupShape {
             units_per_row,
