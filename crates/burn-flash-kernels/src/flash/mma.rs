@@ -425,6 +425,8 @@ fn step<F: Float, NV: Size>(
 
     // -- per 16 keys: P (the A fragment of S tiles 2κ and 2κ + 1), then O += P·V with each V
     // fragment pair (`ldmatrix.x4.trans`) shared by the row tiles --
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let v_at = v_lane_at(v_buf, v_ldv);
     #[unroll]
     for kc in 0..comptime!(c.block_k / 16) {
         let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
@@ -480,8 +482,6 @@ fn step<F: Float, NV: Size>(
             }
             pa.push(a);
         }
-        let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
-        let v_at = v_lane_at(v_buf, v_ldv);
         accumulate_pv::<F, NV>(v_s, v_at, kc, &pa, acc, v_ldv, c.value_dim, c.row_tiles);
     }
 }
@@ -563,6 +563,8 @@ fn step_probabilities<F: Float, NV: Size>(
 ) {
     let rts = comptime!(c.row_tiles);
     let chunks = comptime!(c.block_k / CHUNK);
+    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
+    let v_at = v_lane_at(v_buf, v_ldv);
     #[unroll]
     for kc in 0..comptime!(c.block_k / 16) {
         let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
@@ -580,8 +582,6 @@ fn step_probabilities<F: Float, NV: Size>(
             }
             pa.push(a);
         }
-        let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
-        let v_at = v_lane_at(v_buf, v_ldv);
         accumulate_pv::<F, NV>(v_s, v_at, kc, &pa, acc, v_ldv, c.value_dim, c.row_tiles);
     }
 }

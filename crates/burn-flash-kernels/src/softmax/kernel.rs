@@ -101,11 +101,18 @@ fn softmax_apply<F: Float, N: Size>(
     norm: f32,
     #[comptime] variant: SoftmaxVariant,
 ) -> Vector<F, N> {
-    let xf = Vector::<f32, N>::cast_from(x);
     match variant {
-        SoftmaxVariant::LogSoftmax => Vector::cast_from(xf - Vector::new(norm)),
-        _ => Vector::cast_from(Vector::exp(xf - Vector::new(shift)) * Vector::new(norm)),
+        SoftmaxVariant::LogSoftmax => {
+            Vector::cast_from(Vector::<f32, N>::cast_from(x) - Vector::new(norm))
+        }
+        _ => Vector::cast_from(vector_exp(x, shift) * Vector::new(norm)),
     }
+}
+
+/// `e^(x − shift)` element-wise, in f32.
+#[cube]
+fn vector_exp<F: Float, N: Size>(x: Vector<F, N>, shift: f32) -> Vector<f32, N> {
+    Vector::exp(Vector::<f32, N>::cast_from(x) - Vector::new(shift))
 }
 
 #[cube]
@@ -121,13 +128,7 @@ fn vector_max<F: Float, N: Size>(acc: f32, v: Vector<F, N>) -> f32 {
 
 #[cube]
 fn vector_exp_sum<F: Float, N: Size>(acc: f32, v: Vector<F, N>, shift: f32) -> f32 {
-    let e = Vector::exp(Vector::<f32, N>::cast_from(v) - Vector::new(shift));
-    let mut s = acc;
-    #[unroll]
-    for i in 0..N::value() {
-        s += e[i];
-    }
-    s
+    vector_sum(acc, vector_exp(v, shift))
 }
 
 #[cube]
@@ -275,7 +276,7 @@ fn rows_forward<F: Float, N: Size>(
     #[unroll]
     for k in 0..k_count {
         if comptime!(cfg.cache_exp) {
-            let e = Vector::exp(Vector::<f32, N>::cast_from(regs[k as usize]) - Vector::new(shift));
+            let e = vector_exp(regs[k as usize], shift);
             kept[k as usize] = e;
             local_sum = vector_sum(local_sum, e);
         } else {
