@@ -698,48 +698,6 @@ fn impossible_forced_tier_is_refused<B: FlashBackend>(device: &B::Device, dtype:
 /// and backward, up to one chunk per streaming multiprocessor; forced, it matches the f64
 /// reference on ragged lengths, masked chunks, fully masked rows and more cubes than
 /// the device holds at once (so that cubes wait on cubes that have not started).
-/// Persistent register tiers (CUDA): a forward with more row blocks than the device holds
-/// cubes at once runs each cube over several blocks, loading the next block's rows before it
-/// writes the current one. The plan takes it only then (never backward); values on row counts
-/// that leave the last round of blocks partly empty, in the plane and cube tiers, every variant.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn persistent_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let plan = |m: usize, n: usize, backward: bool| {
-        let opts = SoftmaxOptions::default();
-        B::flash_softmax_plan(device, &[m, n], &[n, 1], 1, dtype.into(), backward, opts)
-            .expect("fused backend")
-            .expect("plan")
-    };
-    let limits = row_limits::<B>(device, dtype).expect("fused backend");
-    assert!(!plan(8, 4096, false).config.persistent, "8 rows");
-    assert!(!plan(20000, 4096, true).config.persistent, "backward");
-    for n in [100, 4096.min(limits.cube)] {
-        let big = plan(20000, n, false);
-        assert!(big.config.persistent, "{big:?}");
-        let blocks = 20000usize.div_ceil(big.cube_dim.y as usize);
-        let cubes = match big.cube_count {
-            cubecl::CubeCount::Static(x, y, z) => (x * y * z) as usize,
-            ref other => panic!("{other:?}"),
-        };
-        assert!(cubes < blocks, "{cubes} cubes for {blocks} blocks");
-        // Two and a half rounds of blocks, and a last block with 7 rows of the plane tier's
-        // several.
-        let round = cubes * big.cube_dim.y as usize;
-        let m = 2 * round + round / 2 + 7;
-        for variant in VARIANTS {
-            let x = random::<B, 2>([m, n], -6.0, 6.0, dtype, device);
-            check_forward(
-                x,
-                1,
-                variant,
-                SoftmaxOptions::default(),
-                dtype,
-                "persistent",
-            );
-        }
-    }
-}
-
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let limits = row_limits::<B>(device, dtype).expect("fused backend");
@@ -1097,9 +1055,6 @@ mod cuda {
     suite!(exchange_f32, C, FloatDType::F32, [exchange_tier]);
     suite!(exchange_f16, C, FloatDType::F16, [exchange_tier]);
     suite!(exchange_bf16, C, FloatDType::BF16, [exchange_tier]);
-    suite!(persistent_f32, C, FloatDType::F32, [persistent_rows]);
-    suite!(persistent_f16, C, FloatDType::F16, [persistent_rows]);
-    suite!(persistent_bf16, C, FloatDType::BF16, [persistent_rows]);
 
     #[test]
     fn shift_invariance_f32() {

@@ -45,10 +45,6 @@ pub struct RowConfig {
     /// Every tensor of the launch has its rows at one stride ([`RowStarts`]): a row starts at
     /// `row · stride`, without [`row_offset()`]'s metadata loads and per-dimension divisions.
     pub flat_rows: bool,
-    /// `softmax_rows` runs persistent cubes: each takes row blocks `CUBE_POS`,
-    /// `CUBE_POS + CUBE_COUNT`, … and issues the loads of its next block before it reduces and
-    /// writes the current one, so that a cube's loads stay in flight through its arithmetic.
-    pub persistent: bool,
     /// Layout of units over rows and how they reduce.
     pub group: GroupShape,
     /// Vectors each unit holds in registers (per row, or per chunk for the split scheme).
@@ -204,11 +200,7 @@ pub fn softmax_rows<F: Float, N: Size>(
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    if comptime!(cfg.persistent) {
-        rows_forward_persistent::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
-    } else {
-        rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
-    }
+    rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
 }
 
 /// [`softmax_rows()`] (softmax only) that also writes each row's log-sum-exp `ln Σ e^x` to
@@ -252,143 +244,29 @@ fn rows_forward<F: Float, N: Size>(
     neg_inf: f32,
     #[comptime] cfg: RowConfig,
 ) -> (usize, bool, f32, f32) {
-    let (row, active) = cube_row(num_rows, cfg.group);
-    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
-    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
-    let mut regs = Array::<Vector<F, N>>::new(comptime!(cfg.vectors_per_unit as usize));
-    load_row::<F, N>(input, &mut regs, row, active, starts, neg_inf, cfg);
-    let (shift, s) = write_row::<F, N>(
-        output,
-        &regs,
-        &mut smem_max,
-        &mut smem_sum,
-        row,
-        active,
-        starts,
-        neg_inf,
-        cfg,
-    );
-    (row, active, shift, s)
-}
-
-/// [`rows_forward()`] over row blocks `CUBE_POS`, `CUBE_POS + CUBE_COUNT`, … of
-/// `rows_per_cube` rows ([`RowConfig::persistent`]): the next block's loads are issued before
-/// the current block is reduced and written. The block loop is uniform over the cube (its
-/// reductions synchronise the cube); rows past the end are inactive units, as in
-/// [`cube_row()`].
-#[cube]
-fn rows_forward_persistent<F: Float, N: Size>(
-    input: &Tensor<Vector<F, N>>,
-    output: &mut Tensor<Vector<F, N>>,
-    starts: RowStarts,
-    num_rows: usize,
-    neg_inf: f32,
-    #[comptime] cfg: RowConfig,
-) {
-    let k_count = comptime!(cfg.vectors_per_unit as usize);
-    let per_cube = comptime!(cfg.group.rows_per_cube as usize);
-    let blocks = num_rows.div_ceil(per_cube);
-    let step = CUBE_COUNT;
-    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
-    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
-    let mut next = Array::<Vector<F, N>>::new(k_count);
-    let mut regs = Array::<Vector<F, N>>::new(k_count);
-    let mut block = CUBE_POS;
-    let first = block * per_cube + UNIT_POS_Y as usize;
-    load_row::<F, N>(
-        input,
-        &mut next,
-        first,
-        first < num_rows,
-        starts,
-        neg_inf,
-        cfg,
-    );
-    while block < blocks {
-        let row = block * per_cube + UNIT_POS_Y as usize;
-        let active = row < num_rows;
-        #[unroll]
-        for k in 0..k_count {
-            regs[k] = next[k];
-        }
-        let following = block + step;
-        let ahead = following * per_cube + UNIT_POS_Y as usize;
-        load_row::<F, N>(
-            input,
-            &mut next,
-            ahead,
-            ahead < num_rows,
-            starts,
-            neg_inf,
-            cfg,
-        );
-        write_row::<F, N>(
-            output,
-            &regs,
-            &mut smem_max,
-            &mut smem_sum,
-            row,
-            active,
-            starts,
-            neg_inf,
-            cfg,
-        );
-        block = following;
-    }
-}
-
-/// Issues the loads of this unit's vectors of `row` into `regs` (−inf where `active` is false
-/// or past the row's end).
-#[cube]
-fn load_row<F: Float, N: Size>(
-    input: &Tensor<Vector<F, N>>,
-    regs: &mut Array<Vector<F, N>>,
-    row: usize,
-    active: bool,
-    starts: RowStarts,
-    neg_inf: f32,
-    #[comptime] cfg: RowConfig,
-) {
     let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let (row, active) = cube_row(num_rows, cfg.group);
     let n_vec = starts.vectors;
-    let in_base = row_start(input, select(active, row, 0), starts.first, cfg.flat_rows);
+    let in_base = row_start(input, row, starts.first, cfg.flat_rows);
+    let out_base = row_start(output, row, starts.second, cfg.flat_rows);
+    let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+    let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
+
+    // -- load the row once, track the maximum --
+    let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
+    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
     #[unroll]
-    for k in 0..cfg.vectors_per_unit {
+    for k in 0..k_count {
         let j = (UNIT_POS_X + k * x) as usize;
         let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
         if active && j < n_vec {
             v = input[in_base + j];
         }
         regs[k as usize] = v;
+        vmax = vector_max_in(vmax, v);
     }
-}
-
-/// The softmax of the row held in `regs` ([`load_row()`]), written to `output`: its maximum
-/// and shifted sum over the row's units, then one write per element. Returns the shift and
-/// the shifted sum `Σ e^(x − shift)`. Every unit of the cube must call this.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn write_row<F: Float, N: Size>(
-    output: &mut Tensor<Vector<F, N>>,
-    regs: &Array<Vector<F, N>>,
-    smem_max: &mut SharedMemory<f32>,
-    smem_sum: &mut SharedMemory<f32>,
-    row: usize,
-    active: bool,
-    starts: RowStarts,
-    neg_inf: f32,
-    #[comptime] cfg: RowConfig,
-) -> (f32, f32) {
-    let x = comptime!(cfg.group.units_per_row);
-    let k_count = comptime!(cfg.vectors_per_unit);
-    let n_vec = starts.vectors;
-    let out_base = row_start(output, select(active, row, 0), starts.second, cfg.flat_rows);
-    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
-    #[unroll]
-    for k in 0..k_count {
-        vmax = vector_max_in(vmax, regs[k as usize]);
-    }
-    let m = group_reduce(vector_max(neg_inf, vmax), smem_max, true, cfg.group);
+    let m = group_reduce(vector_max(neg_inf, vmax), &mut smem_max, true, cfg.group);
     let shift = softmax_shift(m, neg_inf, cfg.variant);
 
     // -- l = Σ e^(x − shift) (kept, with `cache_exp`) --
@@ -405,7 +283,7 @@ fn write_row<F: Float, N: Size>(
             local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
         }
     }
-    let s = group_reduce(local_sum, smem_sum, false, cfg.group);
+    let s = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
     let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
 
     // -- write once --
@@ -420,7 +298,7 @@ fn write_row<F: Float, N: Size>(
             }
         }
     }
-    (shift, s)
+    (row, active, shift, s)
 }
 
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with

@@ -447,16 +447,9 @@ pub(crate) fn launch_softmax_lse<R: Runtime>(
         SoftmaxVariant::Softmax,
         SoftmaxOptions::default(),
     )?;
-    // Flat rows need `lse`'s rows at one stride too; the kernel is not persistent (one cube
-    // per row block).
+    // Flat rows need `lse`'s rows at one stride too.
     let lse_stride = plan::rows_stride(lse.shape, lse.strides);
     plan.config.flat_rows &= lse_stride.is_some();
-    if plan.config.persistent {
-        plan.config.persistent = false;
-        let blocks = plan.num_rows.div_ceil(plan.cube_dim.y as usize);
-        let max = client.properties().hardware.max_cube_count;
-        plan.cube_count = plan::spread_cube_count(blocks, max)?;
-    }
     if !matches!(plan.tier, SoftmaxTier::Plane | SoftmaxTier::Cube) {
         return Err(SoftmaxError::TierUnavailable {
             tier: plan.tier,

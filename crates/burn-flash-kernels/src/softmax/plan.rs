@@ -27,11 +27,6 @@ const PLANE_TIER_UNITS: u32 = 256;
 const KEPT_EXP_VECTORS: usize = 4;
 /// See [`KEPT_EXP_VECTORS`].
 const KEPT_EXP_UNITS: usize = 128;
-/// Units per streaming multiprocessor that the persistent register tiers
-/// ([`RowConfig::persistent`]) launch: half of an NVIDIA SM's 2048, so that the cubes are
-/// resident at once with up to 64 registers a unit and each keeps its next rows' loads in
-/// flight.
-const PERSISTENT_UNITS_PER_SM: u32 = 1024;
 /// Units per cube of the split scheme's chunk. 256 units × 128 B = 32 KiB of row per cube: a
 /// 2^20 f32 row is 32 chunks, enough cubes to fill the GPU even for a single row.
 const SPLIT_UNITS: u32 = 256;
@@ -314,12 +309,6 @@ pub(crate) fn plan(
         fast_exp: facts.fast_exp,
         cache_exp,
         flat_rows: row_strides.is_some() && tier != SoftmaxTier::Strided,
-        persistent: layouts.len() == 2
-            && matches!(tier, SoftmaxTier::Plane | SoftmaxTier::Cube)
-            && facts.exchange_chunks.is_some_and(|sms| {
-                let blocks = num_rows.div_ceil(rows_per_cube as usize);
-                blocks > persistent_cubes_for(sms, units_per_row * rows_per_cube)
-            }),
         group: GroupShape {
             units_per_row,
             rows_per_cube,
@@ -327,17 +316,12 @@ pub(crate) fn plan(
         },
         vectors_per_unit: k as u32,
     };
-    let (num_chunks, mut cubes) = match tier {
+    let (num_chunks, cubes) = match tier {
         SoftmaxTier::Plane => (1, num_rows.div_ceil(rows_per_cube as usize)),
         SoftmaxTier::Cube => (1, num_rows),
         SoftmaxTier::Split | SoftmaxTier::Exchange => (split_chunks, num_rows * split_chunks),
         SoftmaxTier::Strided => (1, num_rows.div_ceil(units_per_row as usize)),
     };
-    // Persistent cubes (CUDA, forward register tiers): as many as are resident at once, when
-    // there are more row blocks than that.
-    if config.persistent {
-        cubes = cubes.min(persistent_cubes(facts, units_per_row * rows_per_cube));
-    }
     Ok(SoftmaxPlan {
         tier,
         vector_size: if tier == SoftmaxTier::Strided {
@@ -353,18 +337,6 @@ pub(crate) fn plan(
         cube_dim: CubeDim::new_2d(units_per_row, rows_per_cube),
         cube_count: spread_cube_count(cubes, facts.max_cube_count)?,
     })
-}
-
-/// Cubes of `units` units that [`RowConfig::persistent`] launches on a device of `sms`
-/// streaming multiprocessors.
-fn persistent_cubes_for(sms: usize, units: u32) -> usize {
-    sms * (PERSISTENT_UNITS_PER_SM / units).max(1) as usize
-}
-
-/// [`persistent_cubes_for`] on the planned device (CUDA; its multiprocessor count is the
-/// exchange tier's chunk limit).
-fn persistent_cubes(facts: &DeviceFacts, units: u32) -> usize {
-    persistent_cubes_for(facts.exchange_chunks.unwrap_or(1), units)
 }
 
 /// The one stride between consecutive rows of a tensor whose rows enumerate the indices of
@@ -388,10 +360,7 @@ pub(crate) fn rows_stride(shape: &[usize], strides: &[usize]) -> Option<usize> {
 
 /// A linear count of cubes as a 2-D grid within the device's per-dimension limits. Kernels read
 /// the linear `CUBE_POS` and ignore cubes past the end.
-pub(crate) fn spread_cube_count(
-    cubes: usize,
-    max: (u32, u32, u32),
-) -> Result<CubeCount, SoftmaxError> {
+fn spread_cube_count(cubes: usize, max: (u32, u32, u32)) -> Result<CubeCount, SoftmaxError> {
     let max_x = max.0 as usize;
     if cubes <= max_x {
         return Ok(CubeCount::Static(cubes.max(1) as u32, 1, 1));
