@@ -142,14 +142,17 @@ fn vector_sum<N: Size>(acc: f32, v: Vector<f32, N>) -> f32 {
 }
 
 /// The row length and, with [`RowConfig::flat_rows`], the row strides of a launch's tensors,
-/// in vectors (scalars for `softmax_rows_lse`'s `lse`), in the order of the kernel's tensor
-/// arguments (unused ones are 0). Runtime scalars: the kernel reads them from its parameters,
+/// in elements, in the order of the kernel's tensor arguments (unused ones are 0). Runtime scalars: the kernel reads them from its parameters,
 /// not from the tensors' metadata in global memory.
 #[derive(CubeLaunch, CubeType, Clone, Copy)]
 pub struct RowStarts {
     /// Vectors per row.
     pub vectors: usize,
-    /// Row stride of the first tensor.
+    /// Row stride of the first tensor, in elements: the kernels divide the start by the vector
+    /// width (a shift), which tells the compiler that adding a unit's vector index cannot wrap,
+    /// so that it addresses a unit's vectors from one base with immediate offsets (with the
+    /// stride in vectors NVRTC computed a 64-bit address per vector, and under the 1024-unit
+    /// cube's 64 registers issued the last two loads late: 1–4 % slower, session 20).
     pub first: usize,
     /// Row stride of the second tensor.
     pub second: usize,
@@ -167,7 +170,7 @@ fn row_start<F: Float, N: Size>(
     #[comptime] flat: bool,
 ) -> usize {
     if comptime!(flat) {
-        row * stride
+        row * stride / N::value()
     } else {
         row_offset(t, row, t.rank() - 1) / N::value()
     }

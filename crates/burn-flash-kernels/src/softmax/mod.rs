@@ -590,12 +590,12 @@ pub fn launch_softmax_backward<R: Runtime>(
     Ok(Some(plan))
 }
 
-/// The [`kernel::RowStarts`] of a launch of `plan`: the row length and, with flat rows, the
-/// row strides of the plan's tensors in vectors, then `extra` (a further tensor's row stride,
-/// in its own elements) where the plan has fewer than three.
+/// The [`kernel::RowStarts`] of a launch of `plan`: the row length in vectors and, with flat
+/// rows, the row strides of the plan's tensors, then `extra` (a further tensor's row stride)
+/// where the plan has fewer than three, all in elements.
 fn row_starts<R: Runtime>(plan: &SoftmaxPlan, extra: usize) -> kernel::RowStartsLaunch<R> {
     let v = plan.vector_size.max(1);
-    let mut strides = plan.row_strides.iter().map(|s| s / v).chain([extra, 0, 0]);
+    let mut strides = plan.row_strides.iter().copied().chain([extra, 0, 0]);
     let mut next = || strides.next().unwrap_or(0);
     kernel::RowStartsLaunch::new(plan.row_len / v, next(), next(), next())
 }
