@@ -142,8 +142,9 @@ fn vector_sum<N: Size>(acc: f32, v: Vector<f32, N>) -> f32 {
 }
 
 /// The row length and, with [`RowConfig::flat_rows`], the row strides of a launch's tensors,
-/// in elements, in the order of the kernel's tensor arguments (unused ones are 0). Runtime scalars: the kernel reads them from its parameters,
-/// not from the tensors' metadata in global memory.
+/// in elements, in the order of the kernel's tensor arguments (unused ones are 0). Runtime
+/// scalars: the kernel reads them from its parameters, not from the tensors' metadata in
+/// global memory.
 #[derive(CubeLaunch, CubeType, Clone, Copy)]
 pub struct RowStarts {
     /// Vectors per row.
