@@ -231,6 +231,47 @@ fn huge_magnitudes<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// Rows whose maximum is far below zero (−300: `e^300` overflows f32) through every tier the
+/// device runs, forced. The chunked tiers merge partial sums relative to partial maxima, and a
+/// unit that holds no chunk of a short row has the pair `(−inf, 0)`: moving its 0 to the row's
+/// shift must not compute `0 · e^(0 − shift) = 0 · inf = NaN`.
+fn far_below_zero<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let limits = row_limits::<B>(device, dtype).expect("fused backend");
+    for tier in [
+        SoftmaxTier::Plane,
+        SoftmaxTier::Cube,
+        SoftmaxTier::Split,
+        SoftmaxTier::Exchange,
+        SoftmaxTier::Strided,
+    ] {
+        let opts = SoftmaxOptions {
+            tier: Some(tier),
+            plane_ops: None,
+            unit_vectors: None,
+        };
+        let lengths = match tier {
+            SoftmaxTier::Plane => vec![7, limits.plane],
+            SoftmaxTier::Cube => vec![300, limits.cube],
+            SoftmaxTier::Split | SoftmaxTier::Exchange => vec![100, 3000, limits.cube + 1],
+            _ => vec![100, 3000],
+        };
+        for n in lengths {
+            let planned =
+                B::flash_softmax_plan(device, &[5, n], &[n, 1], 1, dtype.into(), false, opts)
+                    .expect("fused backend");
+            if tier == SoftmaxTier::Exchange && planned.is_err() {
+                // Refused where cubes may not wait on each other: `exchange_tier_refused`.
+                continue;
+            }
+            for variant in VARIANTS {
+                let x = random::<B, 2>([5, n], -304.0, -300.0, dtype, device);
+                let ctx = format!("far below zero, forced {tier:?}, n {n}");
+                check_forward(x, 1, variant, opts, dtype, &ctx);
+            }
+        }
+    }
+}
+
 /// `softmax(x + 1000) = softmax(x)`: exact only where `x + 1000` is representable, i.e. f32.
 fn shift_invariance<B: FlashBackend>(device: &B::Device) {
     for n in [64, 2000, 70000] {
@@ -989,6 +1030,7 @@ macro_rules! fused_suite {
             $dtype,
             [
                 forced_tiers_agree,
+                far_below_zero,
                 flat_rows,
                 unit_vectors_spread_rows,
                 kept_exponentials,

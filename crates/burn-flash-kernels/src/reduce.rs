@@ -101,6 +101,21 @@ pub fn group_reduce(
     v
 }
 
+/// `l · e^(m − reference)`: a partial sum `l` taken relative to `m` (or to 0 where `m` is −inf,
+/// and then `l` is 0), moved to `reference ≥ m`. 0 for `m = −inf`, whatever the reference:
+/// `0 · e^(0 − reference)` is NaN once `e^(−reference)` overflows (a row maximum below −88).
+#[cube]
+pub fn rebase(m: f32, l: f32, reference: f32, neg_inf: f32) -> f32 {
+    select(m == neg_inf, 0.0f32, l * f32::exp(m - reference))
+}
+
+/// The reference a partial sum is taken relative to: `m`, or 0 when `m` is −inf (a fully
+/// masked part: `x − m` would be `−inf − (−inf) = NaN`).
+#[cube]
+pub fn reference(m: f32, neg_inf: f32) -> f32 {
+    select(m == neg_inf, 0.0f32, m)
+}
+
 /// Offset, in scalars, of the first element of `row`, where rows enumerate every index of the
 /// tensor's dimensions other than `dim` (last dimension fastest).
 #[cube]

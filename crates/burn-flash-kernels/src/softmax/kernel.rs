@@ -17,7 +17,7 @@
 
 use cubecl::prelude::*;
 
-use crate::reduce::{GroupShape, group_reduce, row_offset};
+use crate::reduce::{GroupShape, group_reduce, rebase, reference, row_offset};
 
 /// Member of the softmax family computed by a kernel (a comptime flag).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -73,7 +73,7 @@ pub fn exp_modes(fast: bool) -> enumset::EnumSet<cubecl::ir::FastMath> {
 /// also never shifts below 0, so that its implicit extra term `e^0 = 1` stays representable.
 #[cube]
 fn softmax_shift(m: f32, neg_inf: f32, #[comptime] variant: SoftmaxVariant) -> f32 {
-    let shift = select(m == neg_inf, 0.0f32, m);
+    let shift = reference(m, neg_inf);
     match variant {
         SoftmaxVariant::QuietSoftmax => f32::max(shift, 0.0f32),
         _ => shift,
@@ -305,6 +305,36 @@ fn rows_forward<F: Float, N: Size>(
     (row, active, shift, s)
 }
 
+/// Merges the partial `(pm, pl)` into `(m, l)`, each sum relative to its [`reference()`]:
+/// `M = max(m, pm)`, `L = l·e^(m − M) + pl·e^(pm − M)`, a −inf part adding nothing.
+#[cube]
+fn merge_partial(m: f32, l: f32, pm: f32, pl: f32, neg_inf: f32) -> (f32, f32) {
+    let merged = f32::max(m, pm);
+    let r = reference(merged, neg_inf);
+    let mut own = rebase(m, l, r, neg_inf);
+    if comptime!(crate::mutation::no_rescale()) {
+        own = l;
+    }
+    (merged, own + rebase(pm, pl, r, neg_inf))
+}
+
+/// The row's shift and norm from every unit's merged `(m, l)`: the row maximum, then the
+/// units' sums moved to the shift and summed.
+#[cube]
+fn row_norm(
+    m: f32,
+    l: f32,
+    smem_max: &mut SharedMemory<f32>,
+    smem_sum: &mut SharedMemory<f32>,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+) -> (f32, f32) {
+    let row_max = group_reduce(m, smem_max, true, cfg.group);
+    let shift = softmax_shift(row_max, neg_inf, cfg.variant);
+    let s = group_reduce(rebase(m, l, shift, neg_inf), smem_sum, false, cfg.group);
+    (shift, softmax_norm(s, shift, neg_inf, cfg.variant))
+}
+
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with
 /// `l = Σ e^(x − m)` (shifted by 0 if the chunk is fully −inf).
 #[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
@@ -346,7 +376,7 @@ pub fn softmax_split_partials<F: Float, N: Size>(
     }
     let local_max = vector_max(neg_inf, vmax);
     let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
-    let shift = select(m == neg_inf, 0.0f32, m);
+    let shift = reference(m, neg_inf);
     let mut local_sum = 0.0f32;
     #[unroll]
     for k in 0..k_count {
@@ -387,31 +417,18 @@ pub fn softmax_split_finish<F: Float, N: Size>(
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
-    // -- merge partials: M = max(m_a, m_b), L = l_a·e^(m_a−M) + l_b·e^(m_b−M) --
+    // -- merge the partials: each unit a strided share of them, then the units --
     let mut m = neg_inf;
     let mut l = 0.0f32;
     let mut p = UNIT_POS_X as usize;
     while p < num_chunks {
-        let pm = partial_max[row * num_chunks + p];
-        let pl = partial_sum[row * num_chunks + p];
-        // The partial's l was taken with shift 0 when its chunk was fully −inf (pl = 0 then).
-        let ps = select(pm == neg_inf, 0.0f32, pm);
-        let merged = f32::max(m, pm);
-        let ms = select(merged == neg_inf, 0.0f32, merged);
-        let cur = select(m == neg_inf, 0.0f32, m);
-        let mut alpha = f32::exp(cur - ms);
-        if comptime!(crate::mutation::no_rescale()) {
-            alpha = 1.0f32;
-        }
-        l = l * alpha + pl * f32::exp(ps - ms);
+        let at = row * num_chunks + p;
+        let (merged, sum) = merge_partial(m, l, partial_max[at], partial_sum[at], neg_inf);
         m = merged;
+        l = sum;
         p += x as usize;
     }
-    let row_max = group_reduce(m, &mut smem_max, true, cfg.group);
-    let shift = softmax_shift(row_max, neg_inf, cfg.variant);
-    let own = select(m == neg_inf, 0.0f32, m);
-    let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
-    let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+    let (shift, norm) = row_norm(m, l, &mut smem_max, &mut smem_sum, neg_inf, cfg);
 
     #[unroll]
     for k in 0..k_count {
@@ -486,7 +503,7 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     }
     let local_max = vector_max(neg_inf, vmax);
     let chunk_max = group_reduce(local_max, &mut smem_max, true, cfg.group);
-    let chunk_shift = select(chunk_max == neg_inf, 0.0f32, chunk_max);
+    let chunk_shift = reference(chunk_max, neg_inf);
     let mut local_sum = 0.0f32;
     #[unroll]
     for k in 0..k_count {
@@ -512,25 +529,16 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
         while b == 0u32 {
             b = exchange[words + 2 * p + 1].load();
         }
-        let pm = f32::reinterpret(a ^ PUBLISHED);
-        let pl = f32::reinterpret(b ^ PUBLISHED);
-        let ps = select(pm == neg_inf, 0.0f32, pm);
-        let merged = f32::max(m, pm);
-        let ms = select(merged == neg_inf, 0.0f32, merged);
-        let cur = select(m == neg_inf, 0.0f32, m);
-        let mut alpha = f32::exp(cur - ms);
-        if comptime!(crate::mutation::no_rescale()) {
-            alpha = 1.0f32;
-        }
-        l = l * alpha + pl * f32::exp(ps - ms);
+        let (pm, pl) = (
+            f32::reinterpret(a ^ PUBLISHED),
+            f32::reinterpret(b ^ PUBLISHED),
+        );
+        let (merged, sum) = merge_partial(m, l, pm, pl, neg_inf);
         m = merged;
+        l = sum;
         p += x as usize;
     }
-    let row_max = group_reduce(m, &mut smem_max, true, cfg.group);
-    let shift = softmax_shift(row_max, neg_inf, cfg.variant);
-    let own = select(m == neg_inf, 0.0f32, m);
-    let s = group_reduce(l * f32::exp(own - shift), &mut smem_sum, false, cfg.group);
-    let norm = softmax_norm(s, shift, neg_inf, cfg.variant);
+    let (shift, norm) = row_norm(m, l, &mut smem_max, &mut smem_sum, neg_inf, cfg);
 
     #[unroll]
     for k in 0..k_count {
@@ -568,19 +576,12 @@ pub fn softmax_strided<F: Float>(
     let mut l = 0.0f32;
     for j in 0..n {
         let v = f32::cast_from(input[in_base + j * in_stride]);
-        let merged = f32::max(m, v);
-        let ms = select(merged == neg_inf, 0.0f32, merged);
-        let cur = select(m == neg_inf, 0.0f32, m);
-        let mut alpha = f32::exp(cur - ms);
-        if comptime!(crate::mutation::no_rescale()) {
-            alpha = 1.0f32;
-        }
-        l = l * alpha + f32::exp(v - ms);
+        let (merged, sum) = merge_partial(m, l, v, 1.0f32, neg_inf);
         m = merged;
+        l = sum;
     }
     let shift = softmax_shift(m, neg_inf, variant);
-    let own = select(m == neg_inf, 0.0f32, m);
-    let s = l * f32::exp(own - shift);
+    let s = rebase(m, l, shift, neg_inf);
     let norm = softmax_norm(s, shift, neg_inf, variant);
     for j in 0..n {
         let v = f32::cast_from(input[in_base + j * in_stride]);
