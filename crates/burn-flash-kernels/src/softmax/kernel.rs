@@ -544,7 +544,7 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
-            output[out_base + j] = softmax_apply(regs[k as usize], shift, norm, cfg.variant);
+            output[out_base + j] = softmax_apply(input[in_base + j], shift, norm, cfg.variant);
         }
     }
 }
