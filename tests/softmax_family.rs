@@ -759,6 +759,13 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             SoftmaxTier::Exchange,
             "row of {long}, backward {backward}"
         );
+        // bf16's forward reads its chunk again for the write pass (registers); the values
+        // below run that path in bf16 and the register-held one in f32 and f16.
+        assert_eq!(
+            auto.config.reread,
+            !backward && dtype == FloatDType::BF16,
+            "re-read, {dtype:?}, backward {backward}"
+        );
         assert_eq!(
             plan(1 << 22, backward, None).unwrap().tier,
             SoftmaxTier::Split,

@@ -42,6 +42,11 @@ pub struct RowConfig {
     /// the write pass instead of computing it again (softmax and quiet softmax, where the
     /// unit's share of the row is at most 32 elements and the cube has room for the registers).
     pub cache_exp: bool,
+    /// The exchange forward ([`softmax_split_exchange()`]) reads its chunk again for the write
+    /// pass (an L2 hit: the row's cubes wait on each other only briefly) instead of holding it
+    /// in registers through the wait: bf16, whose widened values held 55 registers a unit
+    /// there against f16's 37 (`plan::exchange_rereads`).
+    pub reread: bool,
     /// Every tensor of the launch has its rows at one stride ([`RowStarts`]): a row starts at
     /// `row · stride`, without [`row_offset()`]'s metadata loads and per-dimension divisions.
     pub flat_rows: bool,
@@ -544,7 +549,12 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     for k in 0..k_count {
         let j = chunk_start + (UNIT_POS_X + k * x) as usize;
         if j < n_vec {
-            output[out_base + j] = softmax_apply(input[in_base + j], shift, norm, cfg.variant);
+            let v = if comptime!(cfg.reread) {
+                input[in_base + j]
+            } else {
+                regs[k as usize]
+            };
+            output[out_base + j] = softmax_apply(v, shift, norm, cfg.variant);
         }
     }
 }

@@ -87,6 +87,16 @@ fn full_cube_spills(dtype: StorageType) -> bool {
     matches!(dtype, StorageType::Scalar(ElemType::Float(FloatKind::BF16)))
 }
 
+/// Whether the exchange forward reads its chunk again for the write pass
+/// ([`RowConfig::reread`]) for `dtype`: bf16. Its kernel held 55 registers a unit against
+/// f16's 37 for the same instructions, so 4 cubes of 256 units fit a multiprocessor against 6;
+/// re-reading (L2 hits) brought it to 48 registers and 60 % occupancy (from 49 %) and ran
+/// bf16 N = 65536 at 2522–2526 device GB/s against 2293–2317, while f16 N = 262144 lost 15 %
+/// with it (2340–2356 against 2750–2760; H100, session 21, same call, two rounds).
+fn exchange_rereads(dtype: StorageType) -> bool {
+    full_cube_spills(dtype)
+}
+
 /// Device facts the heuristic needs (read from the client's properties, a field access: no
 /// cache needed).
 #[derive(Debug, Clone)]
@@ -100,6 +110,8 @@ pub(crate) struct DeviceFacts {
     chunk_unit_bytes: usize,
     /// Most units of a cube-tier cube ([`full_cube_spills`] halves it).
     cube_units: u32,
+    /// The exchange forward re-reads its chunk ([`exchange_rereads`]).
+    exchange_reread: bool,
     /// Most chunks per row the exchange tier may use: the streaming multiprocessors (each
     /// holds at least one cube of the tier at once), on CUDA only; `None` elsewhere.
     exchange_chunks: Option<usize>,
@@ -152,6 +164,7 @@ impl DeviceFacts {
             // gives that; Vulkan/Metal/WebGPU do not promise it (lavapipe runs workgroups on a
             // small thread pool).
             fast_exp: R::name(client) == "cuda" && elem_size == 2,
+            exchange_reread: exchange_rereads(dtype),
             exchange_chunks: (R::name(client) == "cuda")
                 .then_some(hw.num_streaming_multiprocessors)
                 .flatten()
@@ -308,6 +321,7 @@ pub(crate) fn plan(
         variant,
         fast_exp: facts.fast_exp,
         cache_exp,
+        reread: tier == SoftmaxTier::Exchange && layouts.len() == 2 && facts.exchange_reread,
         flat_rows: row_strides.is_some() && tier != SoftmaxTier::Strided,
         group: GroupShape {
             units_per_row,
