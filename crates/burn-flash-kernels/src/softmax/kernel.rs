@@ -451,7 +451,8 @@ pub const PUBLISHED: u32 = 0xFFFF_FFFF;
 
 /// Forward, split rows in one pass (CUDA): each cube holds its chunk in registers, publishes the
 /// chunk's `(m, l)`, waits for the other chunks of its row, merges, and writes its chunk from
-/// registers — every element read once, where the two-kernel split reads it twice.
+/// registers — every element read once from memory, where the two-kernel split reads it twice
+/// (with [`RowConfig::reread`], bf16, the write pass reads the chunk again from L2).
 ///
 /// `exchange` (zeroed before the launch): word 0 hands out tickets, then two words per
 /// (row, chunk), `m` and `l` with their bits complemented ([`PUBLISHED`]). A cube takes its
