@@ -802,7 +802,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                     row.kernel = format!("{:?}", plan.kernel);
                     notes.push(format!(
                         "tiles {}x{}, {} units",
-                        plan.block_q, plan.block_k, plan.units
+                        plan.config.block_q, plan.config.block_k, plan.units
                     ));
                     if mode == Mode::Train {
                         let backward = burn_flash::attention_backward_plan::<Fu<R, BT>>(
@@ -817,7 +817,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                             row.kernel = format!("{} + bwd {:?}", row.kernel, b.kernel);
                             notes.push(format!(
                                 "backward blocks {} rows / {} keys, {} per step",
-                                b.block_rows, b.block_keys, b.step
+                                b.config.block_q, b.block_keys, b.config.block_k
                             ));
                         }
                     }

@@ -3,13 +3,11 @@
 //! `burn::backend::Cuda`/`Wgpu` are).
 //!
 //! `cargo bench --bench softmax_matmul -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
-//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32] [--wide] [--p-buffer]
+//! [--d2s 64,128] [--sweeps f32,lowp,backward] [--lowp-blocks 64x64,64x32]
 //! [--plot CSV]` (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in
 //! one process when both are built; wgpu's files then end in `-wgpu`). `--sweeps` and
 //! `--runtimes` pick a subset (all by default); `--lowp-blocks` adds forced `(block_1,
-//! block_2)` rows to the f16/bf16 sweep, `--wide` the wide kernel's, `--p-buffer` the P-buffer
-//! plan's (f16/bf16, forward and forward + backward: its A/B against the plan's fused loop in one
-//! run); `--plot CSV` redraws the
+//! block_2)` rows to the f16/bf16 sweep; `--plot CSV` redraws the
 //! PNG of an earlier run from its `softmax_matmul.csv` and the `_lowp`/`_backward` files
 //! beside it.
 //!
@@ -87,15 +85,6 @@ struct Cli {
     /// Forced (block_1, block_2) rows added to the f16/bf16 sweep, as B1xB2 (e.g. 64x32).
     #[arg(long, value_delimiter = ',', value_parser = parse_pair, value_name = "B1xB2")]
     lowp_blocks: Vec<(usize, usize)>,
-    /// Add the wide kernel's rows (`P` once per row block, both its steps) to the f16/bf16
-    /// sweep: measured slower than the plan's kernel, so off by default.
-    #[arg(long)]
-    wide: bool,
-    /// Add rows of the P-buffer plan (`p_buffer: Some(true)`: `P` written by a softmax kernel,
-    /// then `P·V`) to the f16/bf16 forward and forward + backward sweeps: measured slower than
-    /// the fused loop, so off by default.
-    #[arg(long)]
-    p_buffer: bool,
     /// Redraw the PNG from an earlier run's softmax_matmul.csv (and its _lowp/_backward
     /// files), then exit.
     #[arg(long, value_name = "CSV")]
@@ -201,10 +190,6 @@ impl Impl {
     fn name(&self) -> &'static str {
         match self {
             Impl::Composed => "burn_composed",
-            Impl::Flash(o) if o.blocks.is_none() && o.wide == Some(true) => "burn_flash_wide",
-            Impl::Flash(o) if o.blocks.is_none() && o.p_buffer == Some(true) => {
-                "burn_flash_p_buffer"
-            }
             Impl::Flash(o) if o.blocks.is_none() => "burn_flash_heuristic",
             Impl::Flash(_) => "burn_flash",
         }
@@ -225,12 +210,8 @@ impl Impl {
         match self {
             Impl::Flash(SoftmaxMatmulOptions {
                 blocks: Some((b1, b2)),
-                wide,
                 ..
-            }) => {
-                let wide = if *wide == Some(true) { "_wide" } else { "" };
-                format!("{}_{b1}x{b2}{wide}", self.name())
-            }
+            }) => format!("{}_{b1}x{b2}", self.name()),
             _ => self.name().into(),
         }
     }
@@ -277,38 +258,11 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
             ..Default::default()
         })
     });
-    // The plan's kernel, and with `--wide` the wide kernel (P once per row block) with both
-    // its steps: it measured slower, so it runs only when asked for.
-    let wide = Impl::Flash(SoftmaxMatmulOptions {
-        wide: Some(true),
-        ..Default::default()
-    });
-    let wide_32 = Impl::Flash(SoftmaxMatmulOptions {
-        blocks: Some((64, 32)),
-        wide: Some(true),
-        ..Default::default()
-    });
-    let wide_rows = if cli.wide {
-        vec![wide, wide_32]
-    } else {
-        vec![]
-    };
     [Impl::Flash(Default::default())]
         .into_iter()
-        .chain(p_buffer_rows(cli))
-        .chain(wide_rows)
         .chain(forced)
         .chain([Impl::Composed])
         .collect()
-}
-
-/// With `--p-buffer`, the P-buffer plan.
-fn p_buffer_rows(cli: &Cli) -> Vec<Impl> {
-    let p_buffer = Impl::Flash(SoftmaxMatmulOptions {
-        p_buffer: Some(true),
-        ..Default::default()
-    });
-    if cli.p_buffer { vec![p_buffer] } else { vec![] }
 }
 
 fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
@@ -585,14 +539,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 println!("{label} backward: not supported by this device, skipped");
             }
             for &d2 in self.d2s.iter().filter(|&&d2| d2 <= 4096) {
-                let p_buffer = p_buffer_rows(self.cli)
-                    .into_iter()
-                    .filter(|_| label != "f32");
-                let imps = [Impl::Flash(Default::default())]
-                    .into_iter()
-                    .chain(p_buffer)
-                    .chain([Impl::Composed]);
-                for imp in imps {
+                for imp in [Impl::Flash(Default::default()), Impl::Composed] {
                     if !supported {
                         bwd.push(&self.unsupported(label, d2, imp.name()));
                         continue;

@@ -530,7 +530,12 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // Dv 200: 2 column tiles of 128; 2·4·130 rows over 2 kv heads: 260 rows each, 3 blocks of
     // 128; 2·2 (batch, kv head) pairs.
     assert_eq!(
-        (plan.block_q, plan.block_k, plan.value_dim, plan.cubes),
+        (
+            plan.config.block_q,
+            plan.config.block_k,
+            plan.config.value_dim,
+            plan.cubes
+        ),
         (128, 16, 128, (2, 3, 4)),
         "{plan:?}"
     );

@@ -562,7 +562,8 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         // cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2 cubes), 32 per
         // step (D 80 > 64); B·Hkv = 6.
         assert_eq!(plain.kernel, AttentionBackwardKernel::MatrixUnits);
-        assert_eq!((plain.head_dim, plain.value_dim, plain.step), (80, 48, 32));
+        let c = plain.config;
+        assert_eq!((c.head_dim, c.value_dim, c.block_k), (80, 48, 32));
         assert_eq!(plain.dkv_cubes, (2, 6, 1));
         assert_eq!(plain.dq_cubes, (7, 6, 1));
     } else {
@@ -573,8 +574,13 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // 64 (one column tile of 128: 2 cubes), 4·100 rows of a key/value head in blocks of 64
     // (7 cubes), keys in steps of 32.
     let masked = plan(true).expect("plan").expect("plan");
+    // The plan carries the kernels' configuration: the mask is in it, the rest as without.
+    assert!(masked.config.mask && !plain.config.mask);
+    let launch = |p: &burn_flash::kernels::attention::AttentionBackwardPlan| {
+        (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
+    };
     if cuda && dtype != FloatDType::F32 {
-        assert_eq!(masked, plain);
+        assert_eq!(launch(&masked), launch(&plain));
         // So does dropout.
         let dropout = FlashAttentionOptions {
             dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
@@ -584,14 +590,13 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
                 .expect("plan")
                 .expect("plan");
-        assert_eq!(dropped, plain);
+        assert!(dropped.config.dropout);
+        assert_eq!(launch(&dropped), launch(&plain));
     } else {
         assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
-        assert_eq!((masked.head_dim, masked.value_dim), (128, 64));
-        assert_eq!(
-            (masked.block_keys, masked.block_rows, masked.step),
-            (64, 64, 32)
-        );
+        let c = masked.config;
+        assert_eq!((c.head_dim, c.value_dim), (128, 64));
+        assert_eq!((masked.block_keys, c.block_q, c.block_k), (64, 64, 32));
         assert_eq!(masked.dkv_cubes, (2, 6, 1));
         assert_eq!(masked.dq_cubes, (7, 6, 1));
     }
@@ -638,9 +643,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
     }
 
-    // f16/bf16 on CUDA at a head dim whose dQ tile splits evenly over the planes (64): dQ in
-    // its own kernel, unless `BURN_FLASH_BACKWARD_DQ=fused` asks for it fused into the dK/dV
-    // kernel, whose dQ grid then converts 3·8·100 rows, 8 per cube.
+    // f16/bf16 on CUDA at head dim 64: the matrix-unit kernels.
     if cuda && dtype != FloatDType::F32 {
         let even = AttentionDims {
             head_dim: 64,
@@ -656,13 +659,8 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         )
         .expect("plan")
         .expect("plan");
-        let fused = std::env::var("BURN_FLASH_BACKWARD_DQ").as_deref() == Ok("fused");
-        if !fused {
-            assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnits);
-        } else {
-            assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnitsFusedDq);
-            assert_eq!(planned.dq_cubes, (300, 1, 1));
-        }
+        assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnits);
+        assert_eq!(planned.matrix_units, None);
         check::<B>(
             &Setup::new([3, 8, 100, 64], 2, 70, 40),
             dtype,

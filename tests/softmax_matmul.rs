@@ -7,9 +7,7 @@ mod common;
 
 use burn::backend::Autodiff;
 use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
-use burn_flash::kernels::softmax_matmul::{
-    BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath, SoftmaxMatmulError, SoftmaxMatmulPlan,
-};
+use burn_flash::kernels::softmax_matmul::{BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath};
 use burn_flash::{
     FlashBackend, SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
 };
@@ -383,250 +381,6 @@ fn check_masked_rows<B: FlashBackend>(
     );
 }
 
-/// The wide matrix-unit kernel (one cube per 64 rows and all of `d3` in 129..=512, each `P`
-/// block computed once and shared through shared memory; CUDA f16/bf16 with 16-byte rows).
-/// The plan takes it only when asked for; where it runs, it matches the reference
-/// at ragged `d1` (around its 64 rows), `d2` (partial, whole and several steps of both step
-/// lengths), `d3` (3 to 8 column slabs of 64, partial ones), ±50 scores and a maximum that
-/// rises along the row (the rescale), masked rows and a shared `v`. Elsewhere (f32, wgpu), for
-/// `d3` outside 129..=512 and for other blocks, forcing it is an error that says why.
-fn wide_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let on = SoftmaxMatmulOptions {
-        wide: Some(true),
-        ..Default::default()
-    };
-    let dims = SmmDims {
-        batch: 2,
-        d1: 70,
-        d2: 264,
-        d3: 200,
-    };
-    let refused = "the wide matrix-unit kernel cannot run: ";
-    let forced = softmax_matmul_plan::<B>(device, dims, dtype.into(), on);
-    let Some(runs) = forced_plan_runs(forced, SmmForwardKernel::Wide, refused, |plan| {
-        assert_eq!((plan.block_1, plan.block_2, plan.tile_3), (64, 64, 256));
-    }) else {
-        return;
-    };
-    let plan = |dims, options| {
-        softmax_matmul_plan::<B>(device, dims, dtype.into(), options)
-            .expect("a fused backend plans")
-    };
-    let default = plan(dims, SoftmaxMatmulOptions::default()).expect("the default plan runs");
-    assert_ne!(
-        default.kernel,
-        SmmForwardKernel::Wide,
-        "only when asked for"
-    );
-    if !runs {
-        return;
-    }
-    for d3 in [128, 520] {
-        let other = SmmDims { d3, ..dims };
-        let msg = plan(other, on).expect_err("refused").to_string();
-        assert!(
-            msg.starts_with(&format!("{refused}it takes d3 in 129..=512 (d3 = {d3};")),
-            "{msg}"
-        );
-    }
-    let bad_blocks = SoftmaxMatmulOptions {
-        blocks: Some((32, 32)),
-        ..on
-    };
-    assert_eq!(
-        plan(dims, bad_blocks).expect_err("refused").to_string(),
-        format!(
-            "{refused}its blocks are 64 rows and one of [64, 32] columns of x per step, not (32, 32)"
-        )
-    );
-    let off = SoftmaxMatmulOptions {
-        wide: Some(false),
-        ..Default::default()
-    };
-    let off_plan = plan(dims, off).expect("the default plan runs");
-    assert_ne!(off_plan.kernel, SmmForwardKernel::Wide);
-    assert_eq!(off_plan.path(), SmmPath::MatrixUnits);
-
-    let step_32 = SoftmaxMatmulOptions {
-        blocks: Some((64, 32)),
-        ..on
-    };
-    for (batch, d1, d2, d3, opts) in [
-        (1, 1, 8, 136, on),
-        (2, 63, 24, 144, on),
-        (2, 65, 72, 192, on),
-        (1, 64, 64, 200, on),
-        (2, 97, 264, 504, on),
-        (2, 130, 1032, 512, on),
-        (3, 40, 96, 320, on),
-        (2, 63, 24, 144, step_32),
-        (2, 97, 264, 504, step_32),
-        (1, 130, 1032, 256, step_32),
-    ] {
-        let x = rand3::<B>([batch, d1, d2], 8.0, dtype, device);
-        let v = rand3::<B>([batch, d2, d3], 1.0, dtype, device);
-        check_forward(x, v, opts, dtype, &format!("wide {batch}×{d1}×{d2}×{d3}"));
-    }
-    let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
-    let v = rand3::<B>([2, 1032, 256], 1.0, dtype, device);
-    check_forward(x, v, on, dtype, "wide, ±50");
-    let x = rand3::<B>([3, 70, 264], 8.0, dtype, device);
-    let v = rand3::<B>([1, 264, 320], 1.0, dtype, device);
-    check_forward(x, v, on, dtype, "wide, shared v");
-    check_hard_rows::<B>(on, dtype, device, "wide");
-}
-
-/// Whether a forced kernel's plan runs: `Some(true)` when the plan names `kernel` (then `check`
-/// looks at it), `Some(false)` when it is refused with a message starting with `refused`, `None`
-/// on a backend that does not plan (the fallback).
-fn forced_plan_runs(
-    forced: Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>>,
-    kernel: SmmForwardKernel,
-    refused: &str,
-    check: impl FnOnce(&SoftmaxMatmulPlan),
-) -> Option<bool> {
-    match forced? {
-        Ok(plan) => {
-            assert_eq!(plan.kernel, kernel, "{plan:?}");
-            check(&plan);
-            Some(true)
-        }
-        Err(err) => {
-            let msg = err.to_string();
-            assert!(msg.starts_with(refused), "{msg}");
-            Some(false)
-        }
-    }
-}
-
-/// The forward with `options` on the rows that break an online softmax (16-byte rows, `d3`
-/// of 144–256): ±50 scores with a shared `v`, a maximum that rises along every row (the
-/// reference moves in many steps), and fully masked rows (0 and 5), a row finite only in its
-/// last 8 columns (3) and one finite only in its first column (6).
-fn check_hard_rows<B: FlashBackend>(
-    options: SoftmaxMatmulOptions,
-    dtype: FloatDType,
-    device: &B::Device,
-    tag: &str,
-) {
-    let x = rand3::<B>([2, 70, 1032], 50.0, dtype, device);
-    let v = rand3::<B>([1, 1032, 256], 1.0, dtype, device);
-    check_forward(x, v, options, dtype, &format!("{tag}, ±50, shared v"));
-    let d2 = 296;
-    let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
-    let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
-    let x = rand3::<B>([1, 80, d2], 2.0, dtype, device) + ramp;
-    let v = rand3::<B>([1, d2, 192], 1.0, dtype, device);
-    let ctx = format!("{tag}, maximum in the last step");
-    check_forward(x, v, options, dtype, &ctx);
-    let rows = MaskedRows {
-        full: [0, 5],
-        tail: (3, 8),
-        head: 6,
-    };
-    let ctx = format!("{tag}, masked rows");
-    check_masked_rows::<B>((9, 136, 144), rows, options, dtype, device, &ctx);
-}
-
-/// The P-buffer plan (a softmax kernel writes `P` and `lse`, then `P·V` on the matrix units):
-/// the plan takes it only when asked for, where the matrix units run (CUDA f16/bf16, 16-byte
-/// rows) and the softmax holds a row in registers; forcing it elsewhere is an error that says
-/// why. Where it runs, it and the fused loop both match the
-/// reference at ragged `d1` and `d2` (partial steps and blocks), `d3` over several column tiles,
-/// ±50 scores, a maximum that rises along the row, masked rows and a shared `v`; the
-/// gradients through it (its `lse` feeds the backward) too.
-fn p_buffer_forward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let on = SoftmaxMatmulOptions {
-        p_buffer: Some(true),
-        ..Default::default()
-    };
-    let off = SoftmaxMatmulOptions {
-        p_buffer: Some(false),
-        ..Default::default()
-    };
-    let dims = |d2| SmmDims {
-        batch: 2,
-        d1: 70,
-        d2,
-        d3: 200,
-    };
-    let plan = |dims, options| softmax_matmul_plan::<B>(device, dims, dtype.into(), options);
-    let refused = "the P-buffer plan cannot run: ";
-    let Some(runs) = forced_plan_runs(
-        plan(dims(264), on),
-        SmmForwardKernel::PBuffer,
-        refused,
-        |_| {},
-    ) else {
-        return;
-    };
-    let kernel = |d2, options| {
-        plan(dims(d2), options)
-            .expect("a fused backend plans")
-            .expect("the plan runs")
-            .kernel
-    };
-    // The default never takes it.
-    assert_ne!(kernel(264, Default::default()), SmmForwardKernel::PBuffer);
-    if !runs {
-        return;
-    }
-    assert_eq!(
-        kernel(264, Default::default()),
-        SmmForwardKernel::MatrixUnits
-    );
-    assert_eq!(kernel(264, off), SmmForwardKernel::MatrixUnits);
-    assert_eq!(kernel(8200, on), SmmForwardKernel::PBuffer);
-    // Refusals: plain units forced, the wide kernel forced too, rows past the softmax's
-    // register tiers.
-    let units = SoftmaxMatmulOptions {
-        path: Some(SmmPath::Units),
-        ..on
-    };
-    let msg = plan(dims(264), units)
-        .unwrap()
-        .expect_err("refused")
-        .to_string();
-    assert_eq!(msg, format!("{refused}it runs on the matrix units only"));
-    let wide = SoftmaxMatmulOptions {
-        wide: Some(true),
-        ..on
-    };
-    let msg = plan(dims(264), wide)
-        .unwrap()
-        .expect_err("refused")
-        .to_string();
-    assert_eq!(msg, format!("{refused}the wide kernel was forced too"));
-    let msg = plan(dims(1 << 20), on)
-        .unwrap()
-        .expect_err("refused")
-        .to_string();
-    assert!(
-        msg.starts_with(&format!("{refused}rows of {} are outside", 1 << 20)),
-        "{msg}"
-    );
-
-    for opts in [on, off] {
-        let tag = if opts == on { "P buffer" } else { "fused" };
-        for (batch, d1, d2, d3) in [
-            (1, 1, 8, 8),
-            (2, 63, 24, 144),
-            (2, 97, 264, 520),
-            (1, 130, 1032, 136),
-            (2, 70, 2048, 64),
-        ] {
-            let x = rand3::<B>([batch, d1, d2], 8.0, dtype, device);
-            let v = rand3::<B>([batch, d2, d3], 1.0, dtype, device);
-            check_forward(x, v, opts, dtype, &format!("{tag} {batch}×{d1}×{d2}×{d3}"));
-        }
-        check_hard_rows::<B>(opts, dtype, device, tag);
-    }
-    // Its `lse` feeds the backward: the gradients through it, with masked rows and a shared
-    // `v`.
-    check_gradients_with::<B>([2, 99, 264], [2, 264, 136], false, on, dtype, device);
-    check_gradients_with::<B>([3, 70, 520], [1, 520, 40], true, on, dtype, device);
-}
-
 /// The register-tiled plain-unit kernel (the heuristic's choice on plain units for outputs of
 /// at least 65 × 65, where the runtime has plane shuffles): partial 128 × 128 output tiles and
 /// partial 16-column steps, vector widths 4, 2 and 1, ±50 scores and a rising maximum (lazy
@@ -646,8 +400,12 @@ fn tiled_units<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     match softmax_matmul_plan::<B>(device, dims, dtype.into(), opts) {
         Some(Ok(plan)) => {
             assert_eq!(plan.kernel, SmmForwardKernel::Tiled);
-            let tiled = (plan.block_1, plan.block_2, plan.tile_3, plan.cubes);
-            assert_eq!(tiled, (128, 16, 128, (2, 2, 2)), "the tiled kernel's plan");
+            let tiled = (plan.blocks(), plan.cubes);
+            assert_eq!(
+                tiled,
+                ((128, 16, 128), (2, 2, 2)),
+                "the tiled kernel's plan"
+            );
         }
         Some(Err(err)) => panic!("{err}"),
         None => return,
@@ -967,10 +725,6 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
         path: Some(SmmPath::Units),
         ..Default::default()
     };
-    let wide = SoftmaxMatmulOptions {
-        wide: Some(true),
-        ..Default::default()
-    };
     let default = SoftmaxMatmulOptions::default();
     // (dtype, [batch, d1, d2, d3], x transposed, options, kernel)
     let cases = [
@@ -1076,19 +830,6 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             "{dtype:?} {dims:?} transposed {transposed} {options:?}: {plan:?}"
         );
     }
-    // The wide kernel only when asked for (the matrix units only: `wide_kernel` checks the
-    // refusals).
-    if matrix_units {
-        let dims = SmmDims {
-            batch: 2,
-            d1: 130,
-            d2: 1024,
-            d3: 200,
-        };
-        let bf16 = DType::from(FloatDType::BF16).into();
-        let plan = plan_softmax_matmul(&client, dims, bf16, 8, wide).expect("wide runs");
-        assert_eq!(plan.kernel, K::Wide, "{plan:?}");
-    }
 }
 
 /// The backward path of the `gradients` cases: with `matrix_units` (CUDA) the 16-byte aligned
@@ -1130,10 +871,16 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_un
             &client,
             dims,
             DType::from(dtype).into(),
-            (&[batch, d1, d2], &[d1 * d2, d2, 1]),
-            (&v_shape, &v_strides),
-            (&[batch, d1, d3], &[d1 * d3, d3, 1]),
-        );
+            [
+                (&[batch, d1, d2], &[d1 * d2, d2, 1]),
+                (&v_shape, &v_strides),
+                (&[batch, d1, d3], &[d1 * d3, d3, 1]),
+                (&[batch, d1, d2], &[d1 * d2, d2, 1]),
+                (&v_shape, &[d2 * d3, d3, 1]),
+            ],
+        )
+        .expect("plans")
+        .path;
         assert_eq!(got, want, "{dtype:?} x [{batch}, {d1}, {d2}], d3 {d3}");
     }
 }
@@ -1178,9 +925,7 @@ macro_rules! fused_suite {
                 aligned_rows,
                 tiled_units,
                 every_path,
-                impossible_blocks_are_refused,
-                wide_kernel,
-                p_buffer_forward
+                impossible_blocks_are_refused
             ]
         );
     };
@@ -1258,7 +1003,7 @@ mod cuda {
     #[test]
     fn wide_dx_rows() {
         use burn_cubecl::cubecl::Runtime;
-        use burn_flash::kernels::flash::mma_backward::{DQ_ROWS, WIDE_DX_ROWS};
+        use burn_flash::kernels::flash::backward::mma::{DQ_ROWS, WIDE_DX_ROWS};
         use burn_flash::kernels::softmax_matmul::mma_dx_rows;
         let device = Default::default();
         let client = burn_cubecl::cubecl::cuda::CudaRuntime::client(&device);

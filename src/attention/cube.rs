@@ -6,11 +6,11 @@ use burn_cubecl::{
     ops::numeric::empty_device_dtype, tensor::CubeTensor,
 };
 use burn_flash_kernels::attention::{
-    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionOptions, AttentionPlan,
-    BackwardFeatures, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
+    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionFeatures, AttentionOptions,
+    AttentionPlan, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
     plan_attention_backward,
 };
-use burn_flash_kernels::softmax::TensorRef;
+use burn_flash_kernels::tensor::TensorRef;
 use cubecl::prelude::ComputeClient;
 
 use super::{AttentionGrads, FlashAttentionOptions, OP, scale_of};
@@ -38,19 +38,27 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
     }
 }
 
-/// The plan for contiguous tensors of `dims`.
+/// Contiguous tensors of `dims`, with or without a mask and a bias.
+fn features(dims: AttentionDims, mask: bool, bias: bool) -> AttentionFeatures {
+    AttentionFeatures {
+        aligned: dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8),
+        mask,
+        bias,
+    }
+}
+
+/// The plan for contiguous tensors of `dims`, without a mask or bias.
 pub(crate) fn plan<R: CubeRuntime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
 ) -> Result<AttentionPlan, AttentionError> {
-    let aligned = dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8);
     plan_attention(
         client,
         dims,
         dtype.into(),
-        aligned,
+        features(dims, false, false),
         &kernel_options(options, dims.head_dim),
     )
 }
@@ -119,16 +127,11 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
     mask: bool,
     bias: bool,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    let features = BackwardFeatures {
-        aligned: dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8),
-        mask,
-        bias,
-    };
     plan_attention_backward(
         client,
         dims,
         dtype.into(),
-        features,
+        features(dims, mask, bias),
         &kernel_options(options, dims.head_dim),
     )
 }

@@ -49,6 +49,70 @@ pub fn supported<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> b
     mma && props.features.matmul.ldmatrix.contains(&dtype)
 }
 
+/// Why the matrix-unit kernels cannot take a call: every plan asks [`unavailable`] and names
+/// the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatrixUnitsUnavailable {
+    /// f32 never takes the matrix units: their f32 mode rounds operands to TF32.
+    F32,
+    /// The device has no manual `mma` and `ldmatrix` for the element type.
+    NoMma {
+        /// The element type.
+        dtype: StorageType,
+    },
+    /// The device has no asynchronous copies (`cp.async`).
+    NoAsyncCopy,
+    /// The rows are not 16-byte aligned (row lengths and strides multiples of 8 elements).
+    Unaligned,
+    /// A head dim is wider than the kernels' accumulators take.
+    HeadDim {
+        /// The widest they take.
+        max: u32,
+    },
+    /// The kernels need more units or shared memory per cube than the device has.
+    Resources,
+}
+
+impl core::fmt::Display for MatrixUnitsUnavailable {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32 never runs on the matrix units (their f32 mode rounds to TF32)",
+            Self::NoMma { dtype } => {
+                return write!(
+                    f,
+                    "this device has no manual mma and ldmatrix for {dtype:?}"
+                );
+            }
+            Self::NoAsyncCopy => "this device has no asynchronous copies",
+            Self::Unaligned => {
+                "rows are not 16-byte aligned (row lengths and every stride multiples of 8)"
+            }
+            Self::HeadDim { max } => return write!(f, "head dims above {max}"),
+            Self::Resources => "the kernels need more units or shared memory than the device has",
+        })
+    }
+}
+
+/// Why the matrix-unit kernels cannot run `dtype` on this device with rows that are
+/// (`aligned`) or are not 16-byte aligned; `None` where they can.
+pub fn unavailable<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    aligned: bool,
+) -> Option<MatrixUnitsUnavailable> {
+    if dtype.size() == 4 {
+        Some(MatrixUnitsUnavailable::F32)
+    } else if !supported(client, dtype) {
+        Some(MatrixUnitsUnavailable::NoMma { dtype })
+    } else if !client.properties().features.copy_async {
+        Some(MatrixUnitsUnavailable::NoAsyncCopy)
+    } else if !aligned {
+        Some(MatrixUnitsUnavailable::Unaligned)
+    } else {
+        None
+    }
+}
+
 /// Units per cube for `rows` rows: one plane per 16 rows.
 pub fn units_for_rows(rows: usize) -> u32 {
     (rows as u32 / MMA_M) * PLANE

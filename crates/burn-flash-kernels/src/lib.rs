@@ -5,8 +5,9 @@
 //! - [`softmax_matmul`]: `softmax(X)·V` without the softmax matrix (forward and backward);
 //! - [`attention`]: fused attention forward (`Q·Kᵀ` → scale/softcap/mask/bias/causal → online
 //!   softmax → `·V`), the scores never written;
-//! - [`flash`]: the one flash forward loop (online softmax, `·V`) both ops run, with the
-//!   scores given (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
+//! - [`flash`]: the flash kernels both ops run, forward and backward, with the scores given
+//!   (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
+//! - [`tensor`]: what every launch takes ([`tensor::TensorRef`]) and checks first (the dtype);
 //! - [`cache`]: the compilation cache burn-flash turns on (where it lives, how to clear it);
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
@@ -15,8 +16,6 @@
 
 pub mod attention;
 pub mod cache;
-// `#[cube]` expands every function into undocumented helper items.
-#[allow(missing_docs)]
 pub mod flash;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -36,6 +35,7 @@ pub mod softmax;
 pub mod softmax_matmul;
 #[allow(missing_docs)]
 pub mod staging;
+pub mod tensor;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod tiling;

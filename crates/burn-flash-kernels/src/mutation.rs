@@ -42,11 +42,8 @@ pub enum Mutation {
     /// `dx-narrow-blocks`: the `dX` kernel places its row blocks [`DQ_ROWS`] apart whatever
     /// its rows per cube (the 128-row cube of given scores then overlaps and skips rows).
     ///
-    /// [`DQ_ROWS`]: crate::flash::mma_backward::DQ_ROWS
+    /// [`DQ_ROWS`]: crate::flash::backward::mma::DQ_ROWS
     DxNarrowBlocks,
-    /// `lse-shift`: the softmax kernel of the P-buffer plan writes each row's shift (its
-    /// maximum) where the log-sum-exp belongs.
-    LseShift,
 }
 
 impl Mutation {
@@ -64,7 +61,6 @@ impl Mutation {
             Self::QuietOff => "quiet-off",
             Self::StageHeadStart => "stage-head-start",
             Self::DxNarrowBlocks => "dx-narrow-blocks",
-            Self::LseShift => "lse-shift",
         }
     }
 }
@@ -94,11 +90,10 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::QuietOff,
             Mutation::StageHeadStart,
             Mutation::DxNarrowBlocks,
-            Mutation::LseShift,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, lse-shift"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -172,9 +167,4 @@ pub fn stage_head_start() -> bool {
 /// [`Mutation::DxNarrowBlocks`] is active.
 pub fn dx_narrow_blocks() -> bool {
     active(Mutation::DxNarrowBlocks)
-}
-
-/// [`Mutation::LseShift`] is active.
-pub fn lse_shift() -> bool {
-    active(Mutation::LseShift)
 }

@@ -10,7 +10,7 @@
 //! 4 × 4 block (transposed into place) hit every bank once while the product's reads stay one
 //! wavefront.
 //!
-//! User: the register-tiled flash forward ([`crate::flash::tiled`]: `A = P`ᵀ, `B = V`).
+//! User: the register-tiled flash forward ([`crate::flash::forward::tiled`]: `A = P`ᵀ, `B = V`).
 
 use cubecl::prelude::*;
 

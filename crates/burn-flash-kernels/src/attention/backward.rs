@@ -6,44 +6,31 @@
 use cubecl::prelude::*;
 
 use super::{
-    AttentionDims, AttentionError, AttentionOptions, MAX_HEAD_DIM, attention_dims,
-    broadcast_strides, expect_shape,
+    AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, attention_dims,
+    broadcast_strides, expect_shape, validate,
 };
-use crate::flash::{FlashConfig, ScoreSource, backward, mma_backward};
-use crate::softmax::TensorRef;
+use crate::flash::backward::{Schedule, launch_backward, mma, units};
+use crate::flash::block::fold_pairs;
+use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
+use crate::fragment::{self, MatrixUnitsUnavailable};
+use crate::tensor::TensorRef;
 
 /// The kernels of a backward launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttentionBackwardKernel {
     /// Plain units, every runtime and float type, f32 arithmetic:
-    /// [`backward::flash_delta()`], then [`backward::flash_backward_dkv()`] (one cube per key
-    /// block, looping over the query rows of the group) and [`backward::flash_backward_dq()`]
-    /// (one cube per block of query rows, looping over the keys they see).
+    /// [`crate::flash::backward::flash_delta()`], then [`units::flash_backward_dkv()`] (one
+    /// cube per key block, looping over the query rows of the group) and
+    /// [`units::flash_backward_dq()`] (one cube per block of query rows, looping over the keys
+    /// they see).
     Units,
     /// The matrix units (f16/bf16 on CUDA sm_80+, 16-byte aligned rows):
-    /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] and
-    /// [`mma_backward::flash_backward_dq_mma()`] (which also writes `dS` for a tracked bias).
-    /// Computed scores with scale, softcap, masks, biases, causal, grouped heads and dropout,
-    /// `D`, `Dv` up to [`mma_backward::MAX_DIM`].
+    /// [`crate::flash::backward::flash_delta()`],
+    /// [`crate::flash::backward::mma_dkv::flash_backward_dkv_mma()`] and
+    /// [`crate::flash::backward::mma_dq::flash_backward_dq_mma()`] (which also writes `dS` for
+    /// a tracked bias). Computed scores with scale, softcap, masks, biases, causal, grouped
+    /// heads and dropout, `D`, `Dv` up to [`mma::MAX_DIM`].
     MatrixUnits,
-    /// The matrix units with `dQ` fused into the dK/dV kernel (FlashAttention-2's schedule):
-    /// [`backward::flash_delta()`], [`mma_backward::flash_backward_dkv_mma()`] adding each
-    /// step's `dS·K` to an f32 `dQ` with atomics (zeroed and converted by
-    /// [`mma_backward::flash_dq_accum()`]). Five products instead of seven, an f32 scratch of
-    /// `dQ`'s size. Opt-in (`BURN_FLASH_BACKWARD_DQ=fused`): slower than
-    /// [`AttentionBackwardKernel::MatrixUnits`] on an H100 (NOTES.md, session 12: the atomics).
-    /// The scope of [`AttentionBackwardKernel::MatrixUnits`] without a mask, bias or dropout, where
-    /// [`mma_backward::dq_split()`] splits a step's `dQ` tile evenly over the planes.
-    MatrixUnitsFusedDq,
-}
-
-/// The `dQ` schedule of the matrix-unit backward, from `BURN_FLASH_BACKWARD_DQ`: `fused`
-/// (atomics from the dK/dV kernel, where it applies) or anything else, the default: its own
-/// kernel, the faster one measured. A switch for benchmarks and tests of both schedules.
-fn fused_dq_wanted() -> bool {
-    // Read once: the plan runs on every backward call.
-    static FUSED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FUSED.get_or_init(|| std::env::var("BURN_FLASH_BACKWARD_DQ").is_ok_and(|v| v == "fused"))
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -81,61 +68,83 @@ fn record_launch(launch: BackwardLaunch) {
     log.push_back(launch);
 }
 
-/// What of a call beyond its sizes the backward plan depends on.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct BackwardFeatures {
-    /// `q`, `k`, `v` and `dO` rows are 16-byte aligned ([`super::rows_aligned`]).
-    pub aligned: bool,
-    /// A mask is given.
-    pub mask: bool,
-    /// A bias is given.
-    pub bias: bool,
-}
-
 /// The backward launch [`plan_attention_backward`] chose.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionBackwardPlan {
     /// The kernels that run.
     pub kernel: AttentionBackwardKernel,
-    /// Query rows per cube of the `dQ` kernel.
-    pub block_rows: usize,
+    /// The `dQ` kernel's configuration: score rules and tile (query rows per cube, keys per
+    /// step, head dims rounded up); the `dK`/`dV` kernel's follows from it.
+    pub config: FlashConfig,
     /// Keys per cube of the `dK`/`dV` kernel.
     pub block_keys: usize,
-    /// Keys per step of the `dQ` kernel (query rows per step of the `dK`/`dV` kernel: the
-    /// same on the matrix units, [`backward::STEP_ROWS`] on plain units).
-    pub step: usize,
-    /// Head dim the kernels are compiled for (`D` rounded up).
-    pub head_dim: usize,
-    /// Value head dim the kernels are compiled for (`Dv` rounded up).
-    pub value_dim: usize,
     /// Cubes of the `dK`/`dV` kernel: (key blocks — times column tiles on plain units — and
     /// `B·Hkv` folded over y and z).
     pub dkv_cubes: (usize, usize, usize),
     /// Cubes of the `dQ` kernel: (row blocks of `G·Sq`, and `B·Hkv` folded over y and z).
     pub dq_cubes: (usize, usize, usize),
+    /// Why the matrix units do not run this call (`None`: they do).
+    pub matrix_units: Option<MatrixUnitsUnavailable>,
 }
 
-/// The backward launch for `dims`, without launching: the matrix units where
-/// [`AttentionBackwardKernel::MatrixUnits`] takes the call, else plain units.
+/// The matrix-unit backward's tile (the `dQ` kernel's: [`mma::DQ_ROWS`] rows per cube,
+/// [`mma::step_len`] keys per step) for `D`, `Dv` rounded up to 16.
+pub fn mma_tile(d16: u32, dv16: u32) -> Tile {
+    Tile {
+        block_q: mma::DQ_ROWS,
+        row_tiles: 1,
+        block_k: mma::step_len(d16, dv16),
+        head_dim: d16,
+        value_dim: dv16,
+    }
+}
+
+/// The plain-unit backward's tile (the `dQ` kernel's): [`units::BLOCK_ROWS`] rows per cube,
+/// [`units::STEP_KEYS`] keys per step, `D` and `Dv` rounded up to [`units::CHUNK`].
+pub fn units_tile(head_dim: usize, value_dim: usize) -> Tile {
+    Tile {
+        block_q: units::BLOCK_ROWS,
+        row_tiles: 1,
+        block_k: units::STEP_KEYS,
+        head_dim: head_dim.next_multiple_of(units::CHUNK as usize) as u32,
+        value_dim: value_dim.next_multiple_of(units::CHUNK as usize) as u32,
+    }
+}
+
+/// Why the matrix-unit backward cannot run a call of config `c` (`None`: it can): the
+/// device and alignment ([`fragment::unavailable`]), head dims up to [`mma::MAX_DIM`], and
+/// both kernels' units and shared memory.
+fn mma_unavailable<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    aligned: bool,
+    c: FlashConfig,
+) -> Option<MatrixUnitsUnavailable> {
+    let hw = &client.properties().hardware;
+    fragment::unavailable(client, dtype, aligned).or(
+        if c.head_dim.max(c.value_dim) > mma::MAX_DIM {
+            Some(MatrixUnitsUnavailable::HeadDim { max: mma::MAX_DIM })
+        } else if hw.max_units_per_cube < mma::PLANES * fragment::PLANE
+            || hw.max_shared_memory_size
+                < mma::dkv_shared_bytes(mma::dkv_config(c)).max(mma::dq_shared_bytes(c))
+        {
+            Some(MatrixUnitsUnavailable::Resources)
+        } else {
+            None
+        },
+    )
+}
+
+/// The backward launch for `dims`, without launching: the matrix units where they take the
+/// call, else plain units.
 pub fn plan_attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: StorageType,
-    features: BackwardFeatures,
+    features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    // The forward's plan checks dtype, heads, head dims and options the same way.
-    super::plan_attention(
-        client,
-        dims,
-        dtype,
-        false,
-        &AttentionOptions {
-            kernel: None,
-            block_k: None,
-            ..*options
-        },
-    )?;
+    validate(client, dims, dtype, options)?;
     let AttentionDims {
         batch,
         heads_q,
@@ -145,117 +154,62 @@ pub fn plan_attention_backward<R: Runtime>(
         head_dim,
         value_dim,
     } = dims;
-    debug_assert!(head_dim <= MAX_HEAD_DIM && value_dim <= MAX_HEAD_DIM);
     let hw = &client.properties().hardware;
-    if hw.max_units_per_cube < backward::UNITS || hw.max_shared_memory_size < backward::SHARED_BYTES
-    {
+    if hw.max_units_per_cube < units::UNITS || hw.max_shared_memory_size < units::SHARED_BYTES {
         return Err(AttentionError::KernelUnavailable {
             kernel: super::AttentionKernel::Units,
             reason: format!(
                 "the backward needs {} units and {} B of shared memory per cube",
-                backward::UNITS,
-                backward::SHARED_BYTES
+                units::UNITS,
+                units::SHARED_BYTES
             ),
         });
     }
     let (mx, my, mz) = hw.max_cube_count;
-    let (y, z) = backward::fold_pairs(batch * heads_kv, my);
+    let (y, z) = fold_pairs(batch * heads_kv, my);
     let rows = heads_q / heads_kv * seq_q;
-    let (d16, dv16) = (
-        head_dim.next_multiple_of(16) as u32,
-        value_dim.next_multiple_of(16) as u32,
+    let rules = options.rules(features);
+    let mma_config = FlashConfig::new(
+        ScoreSource::QueryKey,
+        rules,
+        mma_tile(
+            head_dim.next_multiple_of(16) as u32,
+            value_dim.next_multiple_of(16) as u32,
+        ),
     );
-    let mma_config = mma_config(d16, dv16, options, features);
-    let fused_dq = fused_dq_wanted()
-        && !features.mask
-        && !features.bias
-        && options.dropout.is_none()
-        && mma_backward::dq_split(mma_config.block_k, d16).is_some()
-        && hw.max_shared_memory_size >= mma_backward::dkv_shared_bytes(mma_config, true);
-    let mma = crate::fragment::supported(client, dtype)
-        && features.aligned
-        && d16.max(dv16) <= mma_backward::MAX_DIM
-        && hw.max_units_per_cube >= mma_backward::PLANES * crate::fragment::PLANE
-        && hw.max_shared_memory_size
-            >= mma_backward::dkv_shared_bytes(mma_config, false).max(
-                mma_backward::dq_shared_bytes(FlashConfig {
-                    block_q: mma_backward::DQ_ROWS,
-                    ..mma_config
-                }),
-            );
-    if mma {
-        let dkv_cubes = (seq_k.div_ceil(mma_backward::DKV_KEYS as usize), y, z);
-        let dq_cubes = if fused_dq {
-            backward::row_groups_grid(batch * heads_q * seq_q)
-        } else {
-            (rows.div_ceil(mma_backward::DQ_ROWS as usize), y, z)
-        };
-        for cubes in [dkv_cubes, dq_cubes] {
-            if cubes.0 > mx as usize || cubes.2 > mz as usize {
-                return Err(AttentionError::TooLarge { cubes });
-            }
-        }
-        return Ok(AttentionBackwardPlan {
-            kernel: if fused_dq {
-                AttentionBackwardKernel::MatrixUnitsFusedDq
-            } else {
-                AttentionBackwardKernel::MatrixUnits
-            },
-            block_rows: mma_backward::DQ_ROWS as usize,
-            block_keys: mma_backward::DKV_KEYS as usize,
-            step: mma_config.block_k as usize,
-            head_dim: d16 as usize,
-            value_dim: dv16 as usize,
-            dkv_cubes,
-            dq_cubes,
-        });
-    }
-    let dkv_cubes = (
-        backward::dkv_blocks(seq_k, head_dim, value_dim, false),
-        y,
-        z,
-    );
-    let dq_cubes = (rows.div_ceil(backward::BLOCK_ROWS as usize), y, z);
+    let matrix_units = mma_unavailable(client, dtype, features.aligned, mma_config);
+    let (kernel, config, block_keys, dkv_cubes) = match matrix_units {
+        None => (
+            AttentionBackwardKernel::MatrixUnits,
+            mma_config,
+            mma::DKV_KEYS,
+            (seq_k.div_ceil(mma::DKV_KEYS as usize), y, z),
+        ),
+        Some(_) => (
+            AttentionBackwardKernel::Units,
+            FlashConfig::new(
+                ScoreSource::QueryKey,
+                rules,
+                units_tile(head_dim, value_dim),
+            ),
+            units::BLOCK_KEYS,
+            (units::dkv_blocks(seq_k, head_dim, value_dim, false), y, z),
+        ),
+    };
+    let dq_cubes = (rows.div_ceil(config.block_q as usize), y, z);
     for cubes in [dkv_cubes, dq_cubes] {
         if cubes.0 > mx as usize || cubes.2 > mz as usize {
             return Err(AttentionError::TooLarge { cubes });
         }
     }
     Ok(AttentionBackwardPlan {
-        kernel: AttentionBackwardKernel::Units,
-        block_rows: backward::BLOCK_ROWS as usize,
-        block_keys: backward::BLOCK_KEYS as usize,
-        step: backward::STEP_KEYS as usize,
-        head_dim: head_dim.next_multiple_of(backward::CHUNK as usize),
-        value_dim: value_dim.next_multiple_of(backward::CHUNK as usize),
+        kernel,
+        config,
+        block_keys: block_keys as usize,
         dkv_cubes,
         dq_cubes,
+        matrix_units,
     })
-}
-
-/// The configuration of the matrix-unit kernels (the dK/dV kernel's; the dQ kernel's has
-/// `block_q` = [`mma_backward::DQ_ROWS`]): `block_q` rows (keys) per cube, `block_k` per step.
-fn mma_config(
-    d16: u32,
-    dv16: u32,
-    options: &AttentionOptions,
-    features: BackwardFeatures,
-) -> FlashConfig {
-    FlashConfig {
-        source: ScoreSource::QueryKey,
-        block_q: mma_backward::DKV_KEYS,
-        row_tiles: 1,
-        block_k: mma_backward::step_len(d16, dv16),
-        head_dim: d16,
-        value_dim: dv16,
-        causal: options.causal,
-        mask: features.mask,
-        bias: features.bias,
-        softcap: options.softcap.is_some(),
-        dropout: options.dropout.is_some(),
-        masked_score: options.masked_score.map(f32::to_bits),
-        quiet: options.quiet,
-    }
 }
 
 /// The tensors of a backward launch.
@@ -328,7 +282,7 @@ pub fn launch_attention_backward<R: Runtime>(
         .as_ref()
         .map(|b| broadcast_strides("bias", b, full))
         .transpose()?;
-    let features = BackwardFeatures {
+    let features = AttentionFeatures {
         aligned: super::rows_aligned(&[
             (t.q.shape, t.q.strides),
             (t.k.shape, t.k.strides),
@@ -336,7 +290,7 @@ pub fn launch_attention_backward<R: Runtime>(
             (t.d_out.shape, t.d_out.strides),
         ]),
         mask: t.mask.is_some(),
-        bias: t.bias.is_some() || t.ds.is_some(),
+        bias: t.bias.is_some(),
     };
     let plan = plan_attention_backward(client, dims, dtype, features, options)?;
     let pairs = batch * heads_kv;
@@ -344,34 +298,7 @@ pub fn launch_attention_backward<R: Runtime>(
     if pairs == 0 {
         return Ok(plan);
     }
-    let record = |kernel| {
-        record_launch(BackwardLaunch {
-            dims,
-            kernel,
-            mask: t.mask.is_some(),
-            ds: t.ds.is_some(),
-        })
-    };
-    let config = FlashConfig {
-        source: ScoreSource::QueryKey,
-        block_q: backward::BLOCK_ROWS,
-        row_tiles: 1,
-        block_k: backward::STEP_KEYS,
-        head_dim: plan.head_dim as u32,
-        value_dim: plan.value_dim as u32,
-        causal: options.causal,
-        mask: t.mask.is_some(),
-        bias: t.bias.is_some(),
-        softcap: options.softcap.is_some(),
-        dropout: options.dropout.is_some(),
-        masked_score: options.masked_score.map(f32::to_bits),
-        quiet: options.quiet,
-    };
-    // Both launchers take the same dropout (none: a probability of 0, never read).
-    let dropout = options
-        .dropout
-        .unwrap_or(crate::dropout::DropoutParams::new(0.0, 0));
-    let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| backward::Operand {
+    let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| Operand {
         handle: t.handle.clone(),
         shape: match strides {
             Some(_) => full.to_vec(),
@@ -380,7 +307,7 @@ pub fn launch_attention_backward<R: Runtime>(
         strides: strides.cloned().unwrap_or_else(|| t.strides.to_vec()),
     };
     // An absent mask, bias or `ds` is never read or written: `q` or `dq` stands in.
-    let operands = backward::BackwardOperands {
+    let operands = BackwardOperands {
         q: operand(&t.q, None),
         k: operand(&t.k, None),
         v: operand(&t.v, None),
@@ -400,61 +327,36 @@ pub fn launch_attention_backward<R: Runtime>(
         dv: operand(&t.dv, None),
         ds: operand(t.ds.as_ref().unwrap_or(&t.dq), None),
     };
-    if matches!(
-        plan.kernel,
-        AttentionBackwardKernel::MatrixUnits | AttentionBackwardKernel::MatrixUnitsFusedDq
-    ) {
-        let fused = plan.kernel == AttentionBackwardKernel::MatrixUnitsFusedDq;
-        let c = FlashConfig {
-            bias: t.bias.is_some(),
-            ..mma_config(
-                plan.head_dim as u32,
-                plan.value_dim as u32,
-                options,
-                features,
-            )
-        };
-        // SAFETY: every index is bounds-checked against the shapes passed here, which describe
-        // the caller's buffers (checked above); the rows of `q`, `k`, `v` and `dO` are 16-byte
-        // aligned (`features.aligned`), the kernels' vector width; the grids are the plan's.
-        unsafe {
-            mma_backward::launch_backward_mma(
-                client,
-                &operands,
-                rows,
-                (seq_k > 0).then_some(plan.dkv_cubes),
-                (rows > 0).then_some(plan.dq_cubes),
-                options.scale,
-                options.softcap.unwrap_or(1.0),
-                dropout,
-                c,
-                mma_backward::DQ_ROWS,
-                t.ds.is_some(),
-                fused,
-                None,
-                dtype,
-            );
-        }
-        record(plan.kernel);
-        return Ok(plan);
-    }
+    let write_ds = t.ds.is_some();
+    let schedule = match plan.kernel {
+        AttentionBackwardKernel::MatrixUnits => Schedule::MatrixUnits {
+            write_ds,
+            p_buffer: None,
+        },
+        AttentionBackwardKernel::Units => Schedule::Units { write_ds },
+    };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
-    // caller's buffers (checked above); the grids are the plan's.
+    // caller's buffers (checked above); on the matrix units the rows of `q`, `k`, `v` and `dO`
+    // are 16-byte aligned (`features.aligned`), the kernels' vector width; the grids are the
+    // plan's.
     unsafe {
-        backward::launch_backward(
+        launch_backward(
             client,
+            schedule,
             &operands,
             rows,
             (seq_k > 0).then_some(plan.dkv_cubes),
             (rows > 0).then_some(plan.dq_cubes),
-            options.scale,
-            options.softcap.unwrap_or(1.0),
-            dropout,
-            config,
-            t.ds.is_some(),
+            options.scalars(),
+            plan.config,
             dtype,
         );
     }
-    record(AttentionBackwardKernel::Units);
+    record_launch(BackwardLaunch {
+        dims,
+        kernel: plan.kernel,
+        mask: t.mask.is_some(),
+        ds: write_ds,
+    });
     Ok(plan)
 }

@@ -28,13 +28,16 @@ use core::fmt;
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use crate::dropout::DropoutParams;
-use crate::flash::{FlashConfig, FlashKernel, FlashTensors, ScoreSource, mma, tiled, units};
-use crate::fragment;
-use crate::softmax::TensorRef;
+use crate::flash::forward::{launch_forward, mma, tiled, units};
+use crate::flash::{
+    FlashConfig, FlashKernel, FlashTensors, Scalars, ScoreRules, ScoreSource, Tile,
+};
+use crate::fragment::{self, MatrixUnitsUnavailable};
+use crate::tensor::{TensorRef, UnsupportedDType};
 
 pub use backward::{
-    AttentionBackwardKernel, AttentionBackwardPlan, BackwardFeatures, BackwardLaunch,
-    BackwardTensors, launch_attention_backward, plan_attention_backward, recent_backward_launches,
+    AttentionBackwardKernel, AttentionBackwardPlan, BackwardLaunch, BackwardTensors,
+    launch_attention_backward, plan_attention_backward, recent_backward_launches,
 };
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.
@@ -90,6 +93,42 @@ pub struct AttentionOptions {
     pub quiet: bool,
 }
 
+impl AttentionOptions {
+    /// The score rules of a call with these options and `features`.
+    pub fn rules(&self, features: AttentionFeatures) -> ScoreRules {
+        ScoreRules {
+            causal: self.causal,
+            mask: features.mask,
+            bias: features.bias,
+            softcap: self.softcap.is_some(),
+            dropout: self.dropout.is_some(),
+            masked_score: self.masked_score.map(f32::to_bits),
+            quiet: self.quiet,
+        }
+    }
+
+    /// The kernels' runtime scalars.
+    pub fn scalars(&self) -> Scalars {
+        Scalars {
+            scale: self.scale,
+            softcap: self.softcap,
+            dropout: self.dropout,
+        }
+    }
+}
+
+/// What of a call beyond its sizes a plan depends on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionFeatures {
+    /// The rows of `q`, `k`, `v` and `out` (backward: `dO`) are 16-byte aligned
+    /// ([`rows_aligned`]).
+    pub aligned: bool,
+    /// A mask is given.
+    pub mask: bool,
+    /// A bias is given (backward: or `dS` is asked for).
+    pub bias: bool,
+}
+
 /// Sizes of one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AttentionDims {
@@ -109,28 +148,23 @@ pub struct AttentionDims {
     pub value_dim: usize,
 }
 
-/// The launch [`plan_attention`] chose.
+/// The launch [`plan_attention`] chose: the kernel and the configuration it is compiled with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {
     /// The kernel that runs.
     pub kernel: AttentionKernel,
-    /// Query rows per cube (rows run over the query heads of a group).
-    pub block_q: usize,
-    /// Tiles of 16 query rows per plane (matrix units; 1 on plain units).
-    pub row_tiles: usize,
-    /// Keys per online-softmax step.
-    pub block_k: usize,
-    /// Head dim the kernel is compiled for (`D` rounded up).
-    pub head_dim: usize,
-    /// Output columns per cube: `Dv` rounded up, or (tiled kernel) the column tile.
-    pub value_dim: usize,
+    /// Its configuration: score rules and tile (query rows per cube, keys per step, head dims
+    /// rounded up, output columns per cube).
+    pub config: FlashConfig,
     /// Units per cube.
     pub units: u32,
     /// Shared memory per cube, in bytes.
     pub shared_bytes: usize,
     /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`), the
-    /// last two folded so that any `B·Hkv` runs ([`crate::flash::fold_grid`]).
+    /// last two folded so that any `B·Hkv` runs ([`crate::flash::block::fold_grid`]).
     pub cubes: (usize, usize, usize),
+    /// Why the matrix units do not run this call (`None`: they do, or could).
+    pub matrix_units: Option<MatrixUnitsUnavailable>,
 }
 
 /// Why an attention launch was refused. Nothing is launched when one is returned.
@@ -207,6 +241,12 @@ impl fmt::Display for AttentionError {
 
 impl core::error::Error for AttentionError {}
 
+impl From<UnsupportedDType> for AttentionError {
+    fn from(e: UnsupportedDType) -> Self {
+        Self::UnsupportedDType { dtype: e.dtype }
+    }
+}
+
 /// Whether the matrix-unit kernel can read these `q`, `k`, `v` and write this `out` (shape,
 /// strides): unit stride along the head dim, head dims and every other stride multiples of 8
 /// elements (16 bytes).
@@ -219,25 +259,68 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
     })
 }
 
-/// The launch for `dims`, without launching. `aligned` is [`rows_aligned`] of `q`, `k`, `v`
-/// (for contiguous tensors: `D` and `Dv` multiples of 8).
+/// Checks what every attention plan needs, forward and backward: a float type the device
+/// runs, `Hkv` dividing `Hq`, head dims in `1..=`[`MAX_HEAD_DIM`], finite options.
+pub fn validate<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    options: &AttentionOptions,
+) -> Result<(), AttentionError> {
+    crate::tensor::check_dtype(client, dtype)?;
+    let AttentionDims {
+        batch,
+        heads_q,
+        heads_kv,
+        seq_k,
+        head_dim,
+        value_dim,
+        ..
+    } = dims;
+    if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "k",
+            expected: format!("a number of heads dividing Hq = {heads_q}"),
+            got: vec![batch, heads_kv, seq_k, head_dim],
+        });
+    }
+    if !(1..=MAX_HEAD_DIM).contains(&head_dim) || !(1..=MAX_HEAD_DIM).contains(&value_dim) {
+        return Err(AttentionError::UnsupportedHeadDim {
+            head_dim,
+            value_dim,
+        });
+    }
+    let invalid = |reason: String| Err(AttentionError::InvalidOption { reason });
+    if !options.scale.is_finite() {
+        return invalid(format!("scale must be finite, got {}", options.scale));
+    }
+    if let Some(cap) = options.softcap
+        && !(cap > 0.0 && cap.is_finite())
+    {
+        return invalid(format!("softcap must be positive and finite, got {cap}"));
+    }
+    if let Some(fill) = options.masked_score
+        && !fill.is_finite()
+    {
+        return invalid(format!("masked_score must be finite, got {fill}"));
+    }
+    Ok(())
+}
+
+/// The launch for `dims`, without launching.
 ///
 /// Heuristic (no autotuning): the matrix units for f16/bf16 where the device has `mma`,
-/// `ldmatrix` and `cp.async` and the rows are aligned, with 128 query rows (4 planes of 2 row
-/// tiles) per cube and 64 keys per step (32 when `D` or `Dv` exceeds 64, 16 when shared memory
-/// is short); plain units otherwise: the register-tiled kernel for outputs of at least
-/// 65 × 65 (`G·Sq` rows, `Dv` columns) where it fits, else 64 rows and 32 keys per cube of 256
-/// units.
+/// `ldmatrix` and `cp.async` and the rows are aligned ([`mma_tile`]); plain units otherwise:
+/// the register-tiled kernel for outputs of at least 65 × 65 (`G·Sq` rows, `Dv` columns)
+/// where it fits and no dropout is asked for, else [`units_tile`].
 pub fn plan_attention<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: StorageType,
-    aligned: bool,
+    features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionPlan, AttentionError> {
-    crate::softmax::check_dtype(client, dtype).map_err(|_| AttentionError::UnsupportedDType {
-        dtype: format!("{dtype:?}"),
-    })?;
+    validate(client, dims, dtype, options)?;
     let AttentionDims {
         batch,
         heads_q,
@@ -247,148 +330,63 @@ pub fn plan_attention<R: Runtime>(
         value_dim,
         ..
     } = dims;
-    if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
-        return Err(AttentionError::ShapeMismatch {
-            arg: "k",
-            expected: format!("a number of heads dividing Hq = {heads_q}"),
-            got: vec![batch, heads_kv, dims.seq_k, head_dim],
-        });
-    }
-    if !(1..=MAX_HEAD_DIM).contains(&head_dim) || !(1..=MAX_HEAD_DIM).contains(&value_dim) {
-        return Err(AttentionError::UnsupportedHeadDim {
-            head_dim,
-            value_dim,
-        });
-    }
-    if !options.scale.is_finite() {
-        return Err(AttentionError::InvalidOption {
-            reason: format!("scale must be finite, got {}", options.scale),
-        });
-    }
-    if let Some(cap) = options.softcap
-        && !(cap > 0.0 && cap.is_finite())
-    {
-        return Err(AttentionError::InvalidOption {
-            reason: format!("softcap must be positive and finite, got {cap}"),
-        });
-    }
-    if let Some(fill) = options.masked_score
-        && !fill.is_finite()
-    {
-        return Err(AttentionError::InvalidOption {
-            reason: format!("masked_score must be finite, got {fill}"),
-        });
-    }
-    let props = client.properties();
-    let hw = &props.hardware;
-    let mma_why_not = if !fragment::supported(client, dtype) {
-        Some(format!(
-            "no manual mma and ldmatrix for {dtype:?} on this device (f32 never takes them)"
-        ))
-    } else if !props.features.copy_async {
-        Some("no asynchronous copies on this device".into())
-    } else if !aligned {
-        Some("q, k, v rows are not 16-byte aligned (D, Dv and strides multiples of 8)".into())
-    } else {
-        None
-    };
-    let base = FlashConfig {
-        source: ScoreSource::QueryKey,
-        block_q: 0,
-        row_tiles: 1,
-        block_k: 0,
-        head_dim: 0,
-        value_dim: 0,
-        causal: options.causal,
-        mask: false,
-        bias: false,
-        softcap: options.softcap.is_some(),
-        dropout: options.dropout.is_some(),
-        masked_score: options.masked_score.map(f32::to_bits),
-        quiet: options.quiet,
-    };
-    let kernel = match options.kernel {
-        Some(AttentionKernel::Tiled) if options.dropout.is_some() => {
-            return Err(AttentionError::KernelUnavailable {
-                kernel: AttentionKernel::Tiled,
-                reason: "dropout runs on the matrix-unit and plain-unit kernels only".into(),
-            });
+    let matrix_units = fragment::unavailable(client, dtype, features.aligned);
+    let rules = options.rules(features);
+    let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
+    let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
+    let kernel = match (options.kernel, matrix_units) {
+        (Some(AttentionKernel::Tiled), _) if options.dropout.is_some() => {
+            return Err(unavailable(
+                AttentionKernel::Tiled,
+                "dropout runs on the matrix-unit and plain-unit kernels only".into(),
+            ));
         }
-        Some(AttentionKernel::MatrixUnits) if mma_why_not.is_some() => {
-            return Err(AttentionError::KernelUnavailable {
-                kernel: AttentionKernel::MatrixUnits,
-                reason: mma_why_not.unwrap_or_default(),
-            });
+        (Some(AttentionKernel::MatrixUnits), Some(why)) => {
+            return Err(unavailable(AttentionKernel::MatrixUnits, why.to_string()));
         }
-        Some(kernel) => kernel,
-        None if mma_why_not.is_none() => AttentionKernel::MatrixUnits,
-        None if options.dropout.is_none()
-            && heads_q / heads_kv * seq_q > 64
-            && value_dim > 64
-            && tiled::fits(client, tiled::config(base, head_dim)) =>
+        (Some(kernel), _) => kernel,
+        (None, None) => AttentionKernel::MatrixUnits,
+        (None, Some(_))
+            if options.dropout.is_none()
+                && heads_q / heads_kv * seq_q > 64
+                && value_dim > 64
+                && tiled::fits(client, tiled_config) =>
         {
             AttentionKernel::Tiled
         }
-        None => AttentionKernel::Units,
+        (None, Some(_)) => AttentionKernel::Units,
     };
-    let max_shared = hw.max_shared_memory_size;
+    let max_shared = client.properties().hardware.max_shared_memory_size;
     let config = match kernel {
-        AttentionKernel::MatrixUnits => {
-            let d = head_dim.next_multiple_of(16) as u32;
-            let dv = value_dim.next_multiple_of(16) as u32;
-            // Two row tiles per plane (128 rows per cube) while the accumulators fit the
-            // registers (Dv ≤ 128); 64 keys per step up to D = 64, 32 beyond.
-            let row_tiles = if dv <= 128 { 2 } else { 1 };
-            let mut config = FlashConfig {
-                block_q: 64 * row_tiles,
-                row_tiles,
-                block_k: if d.max(dv) <= 64 { 64 } else { 32 },
-                head_dim: d,
-                value_dim: dv,
-                ..base
-            };
-            if let Some(bk) = options.block_k {
-                if bk == 0 || !bk.is_multiple_of(16) || bk > 128 {
-                    return Err(AttentionError::InvalidOption {
-                        reason: format!(
-                            "block_k {bk} on the matrix units: a multiple of 16 up to 128"
-                        ),
-                    });
-                }
-                config.block_k = bk as u32;
-            } else if mma::shared_bytes(config) > max_shared {
-                config.block_k = 16;
-            }
-            config
-        }
+        AttentionKernel::MatrixUnits => FlashConfig::new(
+            ScoreSource::QueryKey,
+            rules,
+            mma_tile(head_dim, value_dim, options.block_k)?,
+        ),
         AttentionKernel::Tiled => {
-            if let Some(bk) = options.block_k.filter(|&bk| bk != tiled::BLOCK_K as usize) {
-                return Err(AttentionError::InvalidOption {
-                    reason: format!(
-                        "block_k {bk} on the tiled kernel: it takes {} keys per step",
-                        tiled::BLOCK_K
-                    ),
-                });
-            }
-            tiled::config(base, head_dim)
+            fixed_block_k(options.block_k, tiled::BLOCK_K, "the tiled kernel")?;
+            tiled_config
         }
         AttentionKernel::Units => {
-            if let Some(bk) = options.block_k.filter(|&bk| bk != units::BLOCK_K as usize) {
-                return Err(AttentionError::InvalidOption {
-                    reason: format!(
-                        "block_k {bk} on plain units: the kernel takes {} keys per step",
-                        units::BLOCK_K
-                    ),
-                });
-            }
+            fixed_block_k(options.block_k, units::BLOCK_K, "plain units")?;
+            FlashConfig::new(
+                ScoreSource::QueryKey,
+                rules,
+                units_tile(head_dim, value_dim),
+            )
+        }
+    };
+    // Keys per step on the matrix units fall to 16 where shared memory is short.
+    let config = match kernel {
+        AttentionKernel::MatrixUnits
+            if options.block_k.is_none() && mma::shared_bytes(config) > max_shared =>
+        {
             FlashConfig {
-                block_q: units::BLOCK_Q,
-                block_k: units::BLOCK_K,
-                head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
-                value_dim: value_dim.next_multiple_of(units::V_CHUNK as usize) as u32,
-                ..base
+                block_k: 16,
+                ..config
             }
         }
+        _ => config,
     };
     let (units, shared_bytes) = match kernel {
         AttentionKernel::MatrixUnits => (mma::units(config), mma::shared_bytes(config)),
@@ -398,14 +396,15 @@ pub fn plan_attention<R: Runtime>(
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
     };
+    let hw = &client.properties().hardware;
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
-        return Err(AttentionError::KernelUnavailable {
+        return Err(unavailable(
             kernel,
-            reason: format!(
+            format!(
                 "needs {units} units and {shared_bytes} B of shared memory per cube; the device has {} and {max_shared}",
                 hw.max_units_per_cube
             ),
-        });
+        ));
     }
     let group = heads_q / heads_kv;
     let unfolded = (
@@ -413,19 +412,74 @@ pub fn plan_attention<R: Runtime>(
         (group * seq_q).div_ceil(config.block_q as usize).max(1),
         (batch * heads_kv).max(1),
     );
-    let cubes = crate::flash::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
-        .ok_or(AttentionError::TooLarge { cubes: unfolded })?;
+    let cubes =
+        crate::flash::block::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
+            .ok_or(AttentionError::TooLarge { cubes: unfolded })?;
     Ok(AttentionPlan {
         kernel,
-        block_q: config.block_q as usize,
-        row_tiles: config.row_tiles as usize,
-        block_k: config.block_k as usize,
-        head_dim: config.head_dim as usize,
-        value_dim: config.value_dim as usize,
+        config,
         units,
         shared_bytes,
         cubes,
+        matrix_units,
     })
+}
+
+/// The matrix-unit forward's tile for head dims `D`, `Dv`: two row tiles per plane (128 rows
+/// per cube) while the accumulators fit the registers (`Dv ≤ 128`); 64 keys per step up to
+/// `D = 64`, 32 beyond, or the forced `block_k` (a multiple of 16 up to 128).
+pub fn mma_tile(
+    head_dim: usize,
+    value_dim: usize,
+    block_k: Option<usize>,
+) -> Result<Tile, AttentionError> {
+    let d = head_dim.next_multiple_of(16) as u32;
+    let dv = value_dim.next_multiple_of(16) as u32;
+    let row_tiles = if dv <= 128 { 2 } else { 1 };
+    let block_k = match block_k {
+        None => {
+            if d.max(dv) <= 64 {
+                64
+            } else {
+                32
+            }
+        }
+        Some(bk) if bk > 0 && bk.is_multiple_of(16) && bk <= 128 => bk as u32,
+        Some(bk) => {
+            return Err(AttentionError::InvalidOption {
+                reason: format!("block_k {bk} on the matrix units: a multiple of 16 up to 128"),
+            });
+        }
+    };
+    Ok(Tile {
+        block_q: 64 * row_tiles,
+        row_tiles,
+        block_k,
+        head_dim: d,
+        value_dim: dv,
+    })
+}
+
+/// The plain-unit forward's tile: [`units::BLOCK_Q`] rows, [`units::BLOCK_K`] keys per step,
+/// `D` and `Dv` rounded up to its chunks.
+pub fn units_tile(head_dim: usize, value_dim: usize) -> Tile {
+    Tile {
+        block_q: units::BLOCK_Q,
+        row_tiles: 1,
+        block_k: units::BLOCK_K,
+        head_dim: head_dim.next_multiple_of(units::D_CHUNK as usize) as u32,
+        value_dim: value_dim.next_multiple_of(units::V_CHUNK as usize) as u32,
+    }
+}
+
+/// A forced `block_k` on a kernel whose keys per step are fixed at `fixed`: only that.
+fn fixed_block_k(block_k: Option<usize>, fixed: u32, kernel: &str) -> Result<(), AttentionError> {
+    match block_k {
+        Some(bk) if bk != fixed as usize => Err(AttentionError::InvalidOption {
+            reason: format!("block_k {bk} on {kernel}: it takes {fixed} keys per step"),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// A tensor argument with the given strides.
@@ -550,31 +604,20 @@ pub fn launch_attention<R: Runtime>(
         .as_ref()
         .map(|b| broadcast_strides("bias", b, full))
         .transpose()?;
-    let aligned = rows_aligned(&[
-        (q.shape, q.strides),
-        (k.shape, k.strides),
-        (v.shape, v.strides),
-        (out.shape, out.strides),
-    ]);
-    let plan = plan_attention(client, dims, dtype, aligned, options)?;
+    let features = AttentionFeatures {
+        aligned: rows_aligned(&[
+            (q.shape, q.strides),
+            (k.shape, k.strides),
+            (v.shape, v.strides),
+            (out.shape, out.strides),
+        ]),
+        mask: mask.is_some(),
+        bias: bias.is_some(),
+    };
+    let plan = plan_attention(client, dims, dtype, features, options)?;
     if batch * heads_q * seq_q * value_dim == 0 {
         return Ok(plan);
     }
-    let config = FlashConfig {
-        source: ScoreSource::QueryKey,
-        block_q: plan.block_q as u32,
-        row_tiles: plan.row_tiles as u32,
-        block_k: plan.block_k as u32,
-        head_dim: plan.head_dim as u32,
-        value_dim: plan.value_dim as u32,
-        causal: options.causal,
-        mask: mask.is_some(),
-        bias: bias.is_some(),
-        softcap: options.softcap.is_some(),
-        dropout: options.dropout.is_some(),
-        masked_score: options.masked_score.map(f32::to_bits),
-        quiet: options.quiet,
-    };
     let count = CubeCount::Static(
         plan.cubes.0 as u32,
         plan.cubes.1 as u32,
@@ -611,17 +654,15 @@ pub fn launch_attention<R: Runtime>(
     // rows (`rows_aligned`), its vector width; `vector` divides the rows and strides of `q`,
     // `k`, `v` and `out` (`tiled::vector`).
     unsafe {
-        crate::flash::launch_forward(
+        launch_forward(
             client,
             plan.kernel.into(),
             count,
             dim,
             vector,
             tensors,
-            options.scale,
-            options.softcap.unwrap_or(1.0),
-            options.dropout.unwrap_or(DropoutParams::new(0.0, 0)),
-            config,
+            options.scalars(),
+            plan.config,
             dtype,
         );
     }

@@ -2,13 +2,13 @@
 //! kernel, in the order of Burn's `attention_fallback`: scale, softcap `c·tanh(s/c)`, the bool
 //! mask, the causal mask (bottom-right aligned: query position `i` sees key `j` when
 //! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
-//! are *invisible*, and [`crate::flash::probability()`] gives them `P = 0`. With
+//! are *invisible*, and [`crate::flash::online::probability()`] gives them `P = 0`. With
 //! [`FlashConfig::masked_score`] a key the bool mask masks stays visible and takes that score
 //! instead of the finished one (burn-nn's `mask_fill(mask, min_float)`).
 
 use cubecl::{ir::FastMath, prelude::*};
 
-use super::FlashConfig;
+use crate::flash::config::FlashConfig;
 
 /// Where a unit's query rows read the mask and the bias, one slot per row: the row's query
 /// position `i` (for the causal test) and the element offsets of `mask[b, h, i, 0]` and

@@ -44,8 +44,8 @@ pub struct RowConfig {
     pub cache_exp: bool,
     /// The exchange forward ([`softmax_split_exchange()`]) reads its chunk again for the write
     /// pass (an L2 hit: the row's cubes wait on each other only briefly) instead of holding it
-    /// in registers through the wait: bf16, whose widened values held 55 registers a unit
-    /// there against f16's 37 (`plan::exchange_rereads`).
+    /// in registers through the wait: bf16, whose widened values hold more registers than
+    /// f16's for the same code (`plan::exchange_rereads`).
     pub reread: bool,
     /// Every tensor of the launch has its rows at one stride ([`RowStarts`]): a row starts at
     /// `row · stride`, without [`row_offset()`]'s metadata loads and per-dimension divisions.
@@ -156,9 +156,8 @@ pub struct RowStarts {
     pub vectors: usize,
     /// Row stride of the first tensor, in elements: the kernels divide the start by the vector
     /// width (a shift), which tells the compiler that adding a unit's vector index cannot wrap,
-    /// so that it addresses a unit's vectors from one base with immediate offsets (with the
-    /// stride in vectors NVRTC computed a 64-bit address per vector, and under the 1024-unit
-    /// cube's 64 registers issued the last two loads late: 1–4 % slower, session 20).
+    /// so that it addresses a unit's vectors from one base with immediate offsets (a stride in
+    /// vectors made it compute an address per vector).
     pub first: usize,
     /// Row stride of the second tensor.
     pub second: usize,
@@ -210,36 +209,6 @@ pub fn softmax_rows<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
-}
-
-/// [`softmax_rows()`] (softmax only) that also writes each row's log-sum-exp `ln Σ e^x` to
-/// `lse` (f32, one per row: the input's shape without its last dimension, any strides; −inf
-/// for a row without a finite element, whose output is 0): `softmax_matmul`'s P-buffer plan.
-#[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
-pub fn softmax_rows_lse<F: Float, N: Size>(
-    input: &Tensor<Vector<F, N>>,
-    output: &mut Tensor<Vector<F, N>>,
-    lse: &mut Tensor<f32>,
-    starts: RowStarts,
-    num_rows: usize,
-    neg_inf: f32,
-    #[comptime] cfg: RowConfig,
-    #[define(F)] _dtype: StorageType,
-) {
-    let (row, active, shift, s) =
-        rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
-    if active && UNIT_POS_X == 0 {
-        let mut value = select(s == 0.0f32, neg_inf, shift + f32::ln(s));
-        if comptime!(crate::mutation::lse_shift()) {
-            value = shift;
-        }
-        let at = if comptime!(cfg.flat_rows) {
-            row * starts.third
-        } else {
-            row_offset(lse, row, lse.rank())
-        };
-        lse[at] = value;
-    }
 }
 
 /// The body of [`softmax_rows()`]: returns the unit's row, whether it exists, the row's shift

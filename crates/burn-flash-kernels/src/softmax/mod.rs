@@ -18,6 +18,8 @@ use cubecl::{
     zspace::{Shape, Strides},
 };
 
+pub use crate::tensor::{TensorRef, check_dtype};
+
 pub use kernel::SoftmaxVariant;
 pub use plan::{STRIDED_MAX_LEN, SoftmaxPlan};
 
@@ -140,36 +142,10 @@ impl fmt::Display for SoftmaxError {
 
 impl core::error::Error for SoftmaxError {}
 
-/// A tensor in device memory as the launch functions see it: a buffer, its shape and its
-/// strides (in elements, any layout).
-#[derive(Debug, Clone, Copy)]
-pub struct TensorRef<'a> {
-    /// The buffer.
-    pub handle: &'a Handle,
-    /// Shape.
-    pub shape: &'a [usize],
-    /// Strides in elements.
-    pub strides: &'a [usize],
-}
-
-/// Checks that `dtype` is a float type the kernels are written for and the device supports.
-pub fn check_dtype<R: Runtime>(
-    client: &ComputeClient<R>,
-    dtype: StorageType,
-) -> Result<(), SoftmaxError> {
-    use cubecl::ir::{ElemType, FloatKind};
-    let is_float = matches!(
-        dtype,
-        StorageType::Scalar(ElemType::Float(
-            FloatKind::F32 | FloatKind::F16 | FloatKind::BF16
-        ))
-    );
-    if !is_float || !client.properties().supports_type(dtype) {
-        return Err(SoftmaxError::UnsupportedDType {
-            dtype: format!("{dtype:?}"),
-        });
+impl From<crate::tensor::UnsupportedDType> for SoftmaxError {
+    fn from(e: crate::tensor::UnsupportedDType) -> Self {
+        Self::UnsupportedDType { dtype: e.dtype }
     }
-    Ok(())
 }
 
 /// Permutation that moves `dim` last and orders the other dimensions by decreasing stride of
@@ -415,70 +391,6 @@ pub fn launch_softmax<R: Runtime>(
         }
     }
     Ok(Some(plan))
-}
-
-/// `output = softmax(input)` along the last dimension and `lse` = each row's log-sum-exp (f32,
-/// shape `input.shape[..rank − 1]`, any strides; −inf for a row without a finite element), on a
-/// register tier ([`SoftmaxTier::Plane`] or [`SoftmaxTier::Cube`]): `softmax_matmul`'s
-/// P-buffer plan. An error, and nothing launched, where the rows need another tier.
-pub(crate) fn launch_softmax_lse<R: Runtime>(
-    client: &ComputeClient<R>,
-    input: TensorRef<'_>,
-    output: TensorRef<'_>,
-    lse: TensorRef<'_>,
-    dtype: StorageType,
-) -> Result<SoftmaxPlan, SoftmaxError> {
-    check_same_shape("output", input.shape, &output)?;
-    let rank = input.shape.len();
-    check_dim(rank.saturating_sub(1), rank)?;
-    let rows_shape = &input.shape[..rank - 1];
-    if lse.shape != rows_shape || lse.strides.len() != rows_shape.len() {
-        return Err(SoftmaxError::ShapeMismatch {
-            arg: "lse",
-            expected: rows_shape.to_vec(),
-            got: lse.shape.to_vec(),
-        });
-    }
-    let [x, y] = permute_all(input.shape, [input.strides, output.strides], rank - 1);
-    let mut plan = plan_layouts(
-        client,
-        &[x.layout(), y.layout()],
-        dtype,
-        SoftmaxVariant::Softmax,
-        SoftmaxOptions::default(),
-    )?;
-    // Flat rows need `lse`'s rows at one stride too.
-    let lse_stride = plan::rows_stride(lse.shape, lse.strides);
-    plan.config.flat_rows &= lse_stride.is_some();
-    if !matches!(plan.tier, SoftmaxTier::Plane | SoftmaxTier::Cube) {
-        return Err(SoftmaxError::TierUnavailable {
-            tier: plan.tier,
-            row_len: plan.row_len,
-            reason: "the log-sum-exp output needs a register tier (plane or cube)",
-        });
-    }
-    if input.shape.contains(&0) {
-        return Ok(plan);
-    }
-    // SAFETY: every index is bounds-checked in the kernel against the shapes passed here, which
-    // describe the caller's buffers; `lse` has one element per row (checked above).
-    unsafe {
-        kernel::softmax_rows_lse::launch_unchecked::<R>(
-            client,
-            plan.cube_count.clone(),
-            plan.cube_dim,
-            plan.vector_size,
-            x.arg(input.handle),
-            y.arg(output.handle),
-            TensorArg::from_raw_parts(lse.handle.clone(), lse.strides.into(), lse.shape.into()),
-            row_starts(&plan, lse_stride.unwrap_or(0)),
-            plan.num_rows,
-            f32::NEG_INFINITY,
-            plan.config,
-            dtype,
-        );
-    }
-    Ok(plan)
 }
 
 /// `dx` from the forward output `y` and the output gradient `dy`, along `dim`:

@@ -21,9 +21,8 @@ const MAX_UNITS_PER_CUBE: u32 = 1024;
 const PLANE_TIER_UNITS: u32 = 256;
 /// 16-bit forward rows that fit [`KEPT_EXP_UNITS`] units of [`KEPT_EXP_VECTORS`] vectors each
 /// take the cube tier that way rather than on the fewest units (8 vectors each), so that each
-/// unit keeps its exponentials in registers ([`RowConfig::cache_exp`]): at N = 4096 on an H200
-/// that measured 6–13 % faster than 64 units of 8 vectors (device GB/s, session 19); at
-/// N = 16384 (512 units of 4) it was 13 % slower.
+/// unit keeps its exponentials in registers ([`RowConfig::cache_exp`]). Longer rows keep the
+/// fewest units: spread this way they were slower (RESULTS.md, softmax).
 const KEPT_EXP_VECTORS: usize = 4;
 /// See [`KEPT_EXP_VECTORS`].
 const KEPT_EXP_UNITS: usize = 128;
@@ -68,9 +67,8 @@ pub struct SoftmaxPlan {
 }
 
 /// Bytes of a row one unit of the chunked tiers (split, exchange) holds for `dtype`: 64 for
-/// 16-bit types. Their vectors widen to f32 for the arithmetic, and at 128 B the exchange
-/// kernel took 73 (f16) / 100 (bf16) registers against f32's 64, at 36 % / 24 % occupancy
-/// (ncu, H100): 67 % of copy at N = 262144 f16, against 81 % at 64 B (and 62 % at 32 B).
+/// 16-bit types. Their vectors widen to f32 for the arithmetic, so at 128 B a unit holds more
+/// registers than f32's and fewer cubes fit a multiprocessor.
 fn chunk_unit_bytes(dtype: StorageType) -> usize {
     if dtype.size() == 2 {
         ROW_BYTES_PER_UNIT / 2
@@ -80,19 +78,16 @@ fn chunk_unit_bytes(dtype: StorageType) -> usize {
 }
 
 /// Whether a 1024-unit cube holding [`ROW_BYTES_PER_UNIT`] each spills registers for `dtype`
-/// (bf16 did: 64 registers per unit, 190 MB of local loads at N = 65536 on an H100, 46 % of
-/// copy; f16 did not, 93 %). Such rows take the chunked tiers instead.
+/// (bf16 does; f16 does not). Such rows take the chunked tiers instead.
 fn full_cube_spills(dtype: StorageType) -> bool {
     use cubecl::ir::{ElemType, FloatKind};
     matches!(dtype, StorageType::Scalar(ElemType::Float(FloatKind::BF16)))
 }
 
 /// Whether the exchange forward reads its chunk again for the write pass
-/// ([`RowConfig::reread`]) for `dtype`: bf16. Its kernel held 55 registers a unit against
-/// f16's 37 for the same instructions, so 4 cubes of 256 units fit a multiprocessor against 6;
-/// re-reading (L2 hits) brought it to 48 registers and 60 % occupancy (from 49 %) and ran
-/// bf16 N = 65536 at 2522–2526 device GB/s against 2293–2317, while f16 N = 262144 lost 15 %
-/// with it (2340–2356 against 2750–2760; H100, session 21, same call, two rounds).
+/// ([`RowConfig::reread`]) for `dtype`: bf16, whose kernel holds more registers than f16's for
+/// the same instructions, so fewer cubes fit a multiprocessor; the second read (an L2 hit)
+/// frees them. f16 has the registers to spare and would only pay for the extra read.
 fn exchange_rereads(dtype: StorageType) -> bool {
     full_cube_spills(dtype)
 }

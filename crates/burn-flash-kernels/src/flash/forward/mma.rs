@@ -1,6 +1,6 @@
 //! The flash forward on the matrix units (f16/bf16, `mma` m16n8k16 with f32 accumulators,
 //! `ldmatrix`, `cp.async`; CUDA sm_80+): FlashAttention-2's schedule, with the score source a
-//! comptime choice ([`super::ScoreSource`]).
+//! comptime choice ([`crate::flash::ScoreSource`]).
 //!
 //! One cube per block of `block_q` query rows of one (batch, key/value head) and one tile of
 //! `value_dim` output columns; its rows run over the `G` query heads of the group (GQA: the
@@ -24,8 +24,8 @@
 //!     fragment layout has columns `2t, 2t + 1` of each 8-key tile, and `V`'s rows are staged
 //!     in that order (`staged_row`).
 //! - scale, softcap, mask, causal test and bias on the fragments in registers
-//!   ([`super::scores`]; given scores are used as they are, only the end of the row is
-//!   tested); the online softmax with the lazy rescale ([`super::next_reference()`]) and the
+//!   ([`crate::flash::scores`]; given scores are used as they are, only the end of the row is
+//!   tested); the online softmax with the lazy rescale ([`crate::flash::online::next_reference()`]) and the
 //!   hardware's approximate `exp` (`__expf`: fast math without `NaN`/`inf` guarantees, which
 //!   cubecl needs to emit it; `e^(−inf) = 0` holds in hardware, and the softcap keeps the
 //!   accurate `tanh`); given scores take their row sums on the matrix units (`P` times a block
@@ -46,13 +46,14 @@ use cubecl::{
     prelude::*,
 };
 
-use super::backward::Dropout;
-use super::scores::{RowRefs, new_refs, score, set_row, visible};
-use super::{
-    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
-    row_lse,
-};
 use crate::dropout::keep_weight;
+use crate::flash::args::{Dropout, ScoreArgs};
+use crate::flash::block::cube_block;
+use crate::flash::config::FlashConfig;
+use crate::flash::online::{
+    inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
+};
+use crate::flash::scores::{RowRefs, new_refs, score, set_row, visible};
 use crate::fragment::{
     MMA_M, MMA_N, PLANE, V_PAD, load_b_pair, quad_max, quad_sum, quad_transpose, zero_accumulators,
 };
@@ -545,47 +546,6 @@ pub(crate) fn accumulate_pv<F: Float, NV: Size>(
     }
 }
 
-/// One step of `block_k` keys for one plane with [`ScoreSource::Probabilities`]: `O += P·V`
-/// with `P` as loaded (`xr`, the layout of given scores). The `A` register `i` of row tile `rt`
-/// (row `r + 8·(i % 2)`, keys `16κ + 8·(i / 2) + 2t + n`) is elements `2u, 2u + 1` of the
-/// slot's vector of the chunk (8-key tile `2κ + i / 2 = 4·chunk + u`): no conversion, no
-/// arithmetic. Keys past the end need no test: their `P` is a finite weight read from a
-/// clamped column and their `V` rows are staged as zeros.
-///
-/// [`ScoreSource::Probabilities`]: super::ScoreSource::Probabilities
-#[cube]
-fn step_probabilities<F: Float, NV: Size>(
-    v_s: &SharedMemory<Vector<F, NV>>,
-    v_buf: usize,
-    xr: &Array<Vector<F, NV>>,
-    acc: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    #[comptime] c: FlashConfig,
-) {
-    let rts = comptime!(c.row_tiles);
-    let chunks = comptime!(c.block_k / CHUNK);
-    let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
-    let v_at = v_lane_at(v_buf, v_ldv);
-    #[unroll]
-    for kc in 0..comptime!(c.block_k / 16) {
-        let mut pa = Sequence::<Array<Vector<F, Const<2>>>>::new();
-        #[unroll]
-        for rt in 0..rts {
-            let mut a = Array::<Vector<F, Const<2>>>::new(4usize);
-            #[unroll]
-            for i in 0..4u32 {
-                let j = comptime!(2 * kc + i / 2);
-                let vec = xr[comptime!(((2 * rt + i % 2) * chunks + j / 4) as usize)];
-                let mut pair = Vector::<F, Const<2>>::empty();
-                pair[0usize] = vec[comptime!((2 * (j % 4)) as usize)];
-                pair[1usize] = vec[comptime!((2 * (j % 4) + 1) as usize)];
-                a[i as usize] = pair;
-            }
-            pa.push(a);
-        }
-        accumulate_pv::<F, NV>(v_s, v_at, kc, &pa, acc, v_ldv, c.value_dim, c.row_tiles);
-    }
-}
-
 /// `out = softmax(scores)·v` and the row log-sum-exp `lse` of the finished scores, for
 /// f16/bf16 tensors whose rows are contiguous and 16-byte aligned (row lengths and every
 /// stride multiples of 8).
@@ -612,22 +572,13 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     bias: &Tensor<F>,
     out: &mut Tensor<Vector<F, NO>>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    softcap: f32,
-    seed_lo: u32,
-    seed_hi: u32,
-    threshold: u32,
-    inv_keep: f32,
+    args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
-    let drop = Dropout {
-        seed_lo,
-        seed_hi,
-        threshold,
-        inv_keep,
-    };
+    let drop = args.dropout;
+    let (scale, softcap) = (args.scale, args.softcap);
     let bk = comptime!(c.block_k) as usize;
     let given = comptime!(c.given());
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
@@ -673,11 +624,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let mut l = Array::<f32>::new(slots);
     // Given scores: the row sums as `mma` accumulators (vector h of row tile rt holds, twice,
     // the sum of row r + 16·rt + 8·h).
-    let mut l_mma = zero_accumulators(comptime!(if c.given() && !c.probabilities() {
-        c.row_tiles
-    } else {
-        1
-    }));
+    let mut l_mma = zero_accumulators(comptime!(if c.given() { c.row_tiles } else { 1 }));
     // Given scores: where each slot's row starts in `X`, and two steps of them in registers.
     let mut x_rows = Array::<usize>::new(slots);
     let x_len = comptime!(if c.given() {
@@ -781,9 +728,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         }
         wait_step(&bar0, &bar1, st);
         let bufs = (parity * k_len, parity * v_len);
-        if comptime!(c.probabilities()) {
-            step_probabilities::<F, NV>(&v_s, parity * v_len, &xr, &mut acc, c);
-        } else if st < full_steps {
+        if st < full_steps {
             step::<F, NV>(
                 &q_s,
                 &k_s,
@@ -842,26 +787,21 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         wait_step(&bar0, &bar1, 0);
     }
 
-    // -- normalise and store (given probabilities: as they are; their kernel wrote `lse`) --
+    // -- normalise and store --
     let mut inv = Array::<f32>::new(slots);
     #[unroll]
     for slot in 0..slots {
-        if comptime!(c.probabilities()) {
-            inv[slot] = 1.0f32;
+        let total = if comptime!(c.given()) {
+            l_mma.index(comptime!(slot / 2))[comptime!(slot % 2)][0usize]
         } else {
-            let total = if comptime!(c.given()) {
-                l_mma.index(comptime!(slot / 2))[comptime!(slot % 2)][0usize]
-            } else {
-                quad_sum(l[slot])
-            };
-            inv[slot] = inverse_sum(output_sum(m[slot], total, c));
-            let row = my_row + slot * 8;
-            if quad == 0 && row < rows && blk.first_tile {
-                let head = head0 + row / seq_q;
-                let at =
-                    batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-                lse[at] = row_lse(m[slot], total, c);
-            }
+            quad_sum(l[slot])
+        };
+        inv[slot] = inverse_sum(output_sum(m[slot], total, c));
+        let row = my_row + slot * 8;
+        if quad == 0 && row < rows && blk.first_tile {
+            let head = head0 + row / seq_q;
+            let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
+            lse[at] = row_lse(m[slot], total, c);
         }
     }
     #[unroll]

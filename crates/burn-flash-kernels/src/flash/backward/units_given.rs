@@ -2,10 +2,10 @@
 //! arithmetic for every float type), with the inner loop of [`crate::tiling`].
 //!
 //! With given scores (`softmax_matmul`) nothing is accumulated across the two gradients: no
-//! `dQ` needs `dS` while `dK` does, so the flash schedule of [`super::backward`] (both
-//! products of a step in one cube, 4 × 2 scores per unit) buys nothing, and each gradient is
-//! one product with the core's rules at its edge. Measured on an H100 (f32, batch 16, d1 2048,
-//! d3 512: NOTES.md, session 13) this schedule is twice as fast as the flash one:
+//! `dQ` needs `dS` while `dK` does, so the flash schedule of [`crate::flash::backward::units`]
+//! (both products of a step in one cube, 4 × 2 scores per unit) buys nothing, and each gradient
+//! is one product with the core's rules at its edge (faster than the flash schedule:
+//! RESULTS.md, softmax·V backward):
 //!
 //! - `dV = Pᵀ·dO` (`dv`): `C[j, c] = Σ_r P[r, j]·dO[r, c]`, `k = r` runs over every row of the
 //!   group (`G·d1`: a shared `V` sums its batches here, as grouped-query attention sums a
@@ -15,7 +15,7 @@
 //!   it transposed (4-vector column XOR-swizzled by `2·(k / 4)`, conflict-free as in the
 //!   forward). The epilogue reads `x`, `lse` and `δ` and stores `P ⊙ (C − δ)`: the core's `dS`.
 //!
-//! Tensors are the core's 4-D views ([`super::backward::BackwardOperands`] with given scores):
+//! Tensors are the core's 4-D views ([`BackwardOperands`] with given scores):
 //! `x`, `dO`, `dX` `[pairs, G, d1, ·]`, `V`, `dV` `[pairs, 1, d2, d3]`, `lse` `[pairs, G, d1]`,
 //! `δ` contiguous by row. A tile's rows may run over several heads of the group: every row's
 //! address is its own (`head = r / d1`, `pos = r % d1`; a division only where the group has
@@ -29,7 +29,8 @@
 
 use cubecl::prelude::*;
 
-use super::backward::{cube_count, pair_index};
+use crate::flash::args::BackwardOperands;
+use crate::flash::block::{cube_count, pair_index};
 use crate::tiling::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
 /// Shared memory of [`flash_backward_given_tiled()`], in bytes: two `A` and two `B` buffers.
@@ -201,7 +202,7 @@ fn build_step<F: Float, NV: Size>(
 
 /// `dV` (`dv`: `a = x`, `b = dO`, `out = dV`) or `dX` (`a = dO`, `b = V`, `out = dX`) of one
 /// (batch, key/value head) pair (module docs). Grid: `(tiles(m, n), y, z)` with the pairs
-/// folded over `y·z` ([`super::backward::fold_pairs`]), [`crate::tiling::UNITS`] units; `NV` (1, 2 or 4)
+/// folded over `y·z` ([`crate::flash::block::fold_pairs`]), [`crate::tiling::UNITS`] units; `NV` (1, 2 or 4)
 /// divides the rows and strides of every tensor (last stride 1).
 #[cube(launch_unchecked)]
 // `to` is assigned in both comptime branches.
@@ -415,32 +416,29 @@ pub fn flash_backward_given_tiled<F: Float, NV: Size>(
     }
 }
 
-/// Runs the given-score backward with these products: `δ`
-/// ([`super::backward::flash_delta()`]), then [`flash_backward_given_tiled()`] for `dV` (when
-/// `dv_cubes` is given) and for `dX` (`dx_cubes`). `t` holds the core's 4-D views (`t.q` is
-/// `X`, `t.ds` is `dX`); `rows` is the number of rows (`pairs·G·d1`); `vector` (1, 2 or 4)
-/// divides the rows and strides of `x`, `V`, `dO`, `dX` and `dV`.
+/// Runs [`flash_backward_given_tiled()`] for `dV` (when `dv_cubes` is given) and for `dX`
+/// (`dx_cubes`), after `δ` (`delta`, one f32 per row). `t` holds the core's 4-D views (`t.q`
+/// is `X`, `t.ds` is `dX`); `vector` (1, 2 or 4) divides the rows and strides of `x`, `V`,
+/// `dO`, `dX` and `dV`.
 ///
 /// # Safety
 /// The operands' shapes and strides describe their buffers and the grids are the kernel's
-/// (`(tiles(m, n), y, z)`, pairs folded by [`super::backward::fold_pairs`]).
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn launch_given_tiled<R: Runtime>(
+/// (`(tiles(m, n), y, z)`, pairs folded by [`crate::flash::block::fold_pairs`]).
+pub unsafe fn launch<R: Runtime>(
     client: &ComputeClient<R>,
-    t: &super::backward::BackwardOperands,
-    rows: usize,
+    t: &BackwardOperands,
+    delta: &crate::flash::args::Operand,
     dv_cubes: Option<(usize, usize, usize)>,
     dx_cubes: Option<(usize, usize, usize)>,
     vector: usize,
     dtype: StorageType,
 ) {
     let units = cubecl::CubeDim::new_1d(crate::tiling::UNITS);
-    // SAFETY (every launch below): the caller's.
-    unsafe {
-        let delta = super::backward::launch_delta(client, &t.out, &t.d_out, rows, dtype);
-        for (cubes, dv) in [(dv_cubes, true), (dx_cubes, false)] {
-            let Some(cubes) = cubes else { continue };
-            let out = if dv { &t.dv } else { &t.ds };
+    for (cubes, dv) in [(dv_cubes, true), (dx_cubes, false)] {
+        let Some(cubes) = cubes else { continue };
+        let out = if dv { &t.dv } else { &t.ds };
+        // SAFETY: the caller's.
+        unsafe {
             flash_backward_given_tiled::launch_unchecked::<R>(
                 client,
                 cube_count(cubes),

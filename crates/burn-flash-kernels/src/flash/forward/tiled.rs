@@ -1,5 +1,5 @@
 //! The register-tiled flash forward on plain units (every runtime and float type; f32
-//! arithmetic), with the score source a comptime choice ([`super::ScoreSource`]): the loop of
+//! arithmetic), with the score source a comptime choice ([`crate::flash::ScoreSource`]): the loop of
 //! [`super::units`] with the `P·V` product of [`crate::tiling`] (8 × 8 outputs per unit from
 //! 4-vectors), for outputs of at least 65 × 65.
 //!
@@ -12,8 +12,8 @@
 //! 1. **the scores**: given (read from `X` in the previous step, so that the loads overlap its
 //!    product), or `S = Q·Kᵀ` over `D` in chunks of [`D_CHUNK`]: `Q`ᵀ and `K`ᵀ chunks staged in
 //!    shared memory, one query 4-vector by 2 keys per unit and `d`;
-//! 2. the finished scores ([`super::scores`]), the row maxima over the units of a row (plane
-//!    shuffles, or shared memory), the lazy online-softmax update ([`super`]), and `P`ᵀ into
+//! 2. the finished scores ([`crate::flash::scores`]), the row maxima over the units of a row (plane
+//!    shuffles, or shared memory), the lazy online-softmax update ([`crate::flash::online`]), and `P`ᵀ into
 //!    shared memory, 4-vectors along the rows (swizzled as [`crate::tiling`] reads them), with
 //!    the row scales; the `V` units write the step's `V` tile, loaded in the previous step;
 //! 3. the next step's `V` (and `X`) loads, one `sync_cube`, then `O += P·V`
@@ -27,11 +27,13 @@
 
 use cubecl::{features::Plane, prelude::*};
 
-use super::scores::{new_refs, score, set_row, visible};
-use super::{
-    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
-    row_lse,
+use crate::flash::args::ScoreArgs;
+use crate::flash::block::cube_block;
+use crate::flash::config::{FlashConfig, Tile};
+use crate::flash::online::{
+    inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
 };
+use crate::flash::scores::{new_refs, score, set_row, visible};
 use crate::tiling::{BUF, TILE_M, VECS, pre_at, product_step};
 
 pub use crate::tiling::{TILE_N, UNITS};
@@ -119,16 +121,15 @@ pub fn fits<R: Runtime>(client: &ComputeClient<R>, c: FlashConfig) -> bool {
     hw.max_units_per_cube >= UNITS && hw.max_shared_memory_size >= shared_bytes(c, planes(client))
 }
 
-/// The kernel's configuration: the score source and rules of `rules`, its own tiles, `D`
-/// rounded up to [`D_CHUNK`].
-pub fn config(rules: FlashConfig, head_dim: usize) -> FlashConfig {
-    FlashConfig {
+/// The kernel's tile: its own rows, keys per step and output columns, `D` rounded up to
+/// [`D_CHUNK`].
+pub fn tile(head_dim: usize) -> Tile {
+    Tile {
         block_q: BLOCK_Q,
         row_tiles: 1,
         block_k: BLOCK_K,
         head_dim: head_dim.next_multiple_of(D_CHUNK as usize) as u32,
         value_dim: TILE_N,
-        ..rules
     }
 }
 
@@ -397,12 +398,12 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     bias: &Tensor<F>,
     out: &mut Tensor<Vector<F, NV>>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    softcap: f32,
+    args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (scale, softcap) = (args.scale, args.softcap);
     let given = comptime!(c.given());
     let ro = comptime!(roles(c));
     let ku = comptime!(ro.keys as usize);

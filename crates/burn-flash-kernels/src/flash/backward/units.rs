@@ -1,19 +1,8 @@
 //! The flash backward on plain units (every runtime, every float type; f32 arithmetic):
 //! FlashAttention-2's schedule, nothing of size `Sq × Sk` kept.
 //!
-//! With the forward's row log-sum-exp `lse` and `δ = rowsum(dO ⊙ O)` ([`flash_delta()`]), a
-//! block of scores is rebuilt exactly as the forward made it ([`super::scores`]: scale,
-//! softcap, mask, causal, bias) and
-//!
-//! ```text
-//! P  = e^(S − lse)            (0 where the key is invisible or the row has none)
-//! Z  = keep / (1 − p)         (dropout, the forward's mask drawn again; 1 without)
-//! dV += (P ⊙ Z)ᵀ·dO
-//! dP = dO·Vᵀ
-//! dS = P ⊙ (dP ⊙ Z − δ)       (the gradient of the final score: dBias)
-//! dR = dS ⊙ (1 − (s_c / c)²)  (through the softcap, s_c the capped score)
-//! dQ += scale·dR·K,  dK += scale·dRᵀ·Q
-//! ```
+//! The math is [`crate::flash::backward`]'s (`δ` comes from its
+//! [`crate::flash::backward::flash_delta()`] prepass).
 //!
 //! Two kernels, each owning its output so that nothing is accumulated across cubes:
 //! - [`flash_backward_dkv()`]: one cube per block of [`BLOCK_KEYS`] keys (and per tile of
@@ -39,20 +28,13 @@
 
 use cubecl::prelude::*;
 
-use super::FlashConfig;
-use super::scores::{
-    RowRefs, add_bias, capped, causal_end, filled, live_score, new_refs, set_row, visible,
-};
 use crate::dropout::keep_weight;
-
-/// The dropout arguments of a launch ([`crate::dropout::DropoutParams`]).
-#[derive(CubeType)]
-pub struct Dropout {
-    pub seed_lo: u32,
-    pub seed_hi: u32,
-    pub threshold: u32,
-    pub inv_keep: f32,
-}
+use crate::flash::args::{BackwardOperands, Dropout, Operand, Scalars, ScoreArgs};
+use crate::flash::block::{cube_count, pair_block, rows_kv_end};
+use crate::flash::config::FlashConfig;
+use crate::flash::scores::{
+    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+};
 
 /// An f32 4-vector, the unit of the shared tiles.
 type V4 = Vector<f32, Const<4>>;
@@ -84,9 +66,6 @@ const SHARED_ROWS: u32 = 128;
 /// Shared memory of either kernel, in bytes.
 pub const SHARED_BYTES: usize = (SHARED_ROWS * PITCH * 16) as usize;
 
-/// Rows of `δ` per cube of [`flash_delta()`].
-pub const DELTA_ROWS: u32 = 8;
-
 /// Where 4-vector `qv` of row `r` of a shared tile lies: rows of [`PITCH`] 4-vectors, the
 /// 4-vector index XOR-swizzled by `r mod 8`, so that 8 consecutive rows at one `qv` (a score
 /// product's `B` reads) and 8 consecutive `qv` of one row (stages, gradient products) each
@@ -105,13 +84,6 @@ pub fn dkv_blocks(seq_k: usize, head_dim: usize, value_dim: usize, given: bool) 
         head_dim.max(value_dim)
     };
     seq_k.div_ceil(BLOCK_KEYS as usize) * cols.div_ceil(COL_TILE as usize).max(1)
-}
-
-/// The (batch, key/value head) pair of this cube, from the grid's `(y, z)` axes; `None`-like
-/// `pairs` bound checked by the caller.
-#[cube]
-pub(crate) fn pair_index() -> usize {
-    (CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y) as usize
 }
 
 /// The query head of index `g` in the group of key/value head `hkv` (`G = Hq / Hkv` heads).
@@ -309,7 +281,7 @@ fn product_wb(
 
 /// The weights of the unit's `ri × rj` scores, rebuilt from their raw products `raw`: `P`
 /// (`p`, before dropout), the softcap's derivative (`dfac`), whether `dS` flows (`gate`: 0
-/// where a masked key took the fill score, [`super::scores::live_score()`]) and the dropout
+/// where a masked key took the fill score, [`crate::flash::scores::live_score()`]) and the dropout
 /// factor `z`
 /// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again. Keys are
 /// `j0 + tx + 16·j`.
@@ -458,67 +430,6 @@ fn load_rows<F: Float>(
     out
 }
 
-/// The query row of this unit's group of 32 in a row-per-32-units kernel
-/// ([`flash_delta()`], [`super::mma_backward::flash_dq_accum()`]): [`DELTA_ROWS`] rows per
-/// cube, cubes along x then y ([`row_groups_grid`]).
-#[cube]
-pub(crate) fn row_of_group() -> usize {
-    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
-    cube * DELTA_ROWS as usize + (UNIT_POS / 32) as usize
-}
-
-/// Grid of a row-per-32-units kernel over `rows` rows ([`row_of_group()`]): `(x, y, 1)`.
-pub(crate) fn row_groups_grid(rows: usize) -> (usize, usize, usize) {
-    let cubes = rows.div_ceil(DELTA_ROWS as usize).max(1);
-    let x = cubes.min(65535);
-    (x, cubes.div_ceil(x), 1)
-}
-
-/// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
-/// row, [`DELTA_ROWS`] rows per cube; `delta` is contiguous `[B, Hq, Sq]`. Grid: row groups
-/// along x then y.
-#[cube(launch_unchecked)]
-pub fn flash_delta<F: Float>(
-    d_out: &Tensor<F>,
-    out: &Tensor<F>,
-    delta: &mut Tensor<f32>,
-    #[define(F)] _dtype: StorageType,
-) {
-    let heads = out.shape(1);
-    let seq_q = out.shape(2);
-    let dv = out.shape(3);
-    let rows = out.shape(0) * heads * seq_q;
-    let lane = (UNIT_POS % 32) as usize;
-    let group = UNIT_POS / 32;
-    let r = row_of_group();
-    let mut partial = 0.0f32;
-    if r < rows {
-        let (b, h, p) = (r / (heads * seq_q), (r / seq_q) % heads, r % seq_q);
-        let g_base = row_at(d_out, b, h, p);
-        let o_base = row_at(out, b, h, p);
-        for s in 0..dv.div_ceil(32) {
-            let col = s * 32 + lane;
-            if col < dv {
-                partial += f32::cast_from(d_out[g_base + col * d_out.stride(3)])
-                    * f32::cast_from(out[o_base + col * out.stride(3)]);
-            }
-        }
-    }
-    let mut part_s = SharedMemory::<f32>::new(comptime!((32 * DELTA_ROWS) as usize));
-    part_s[UNIT_POS as usize] = partial;
-    sync_cube();
-    if lane == 0 && r < rows {
-        let mut sum = 0.0f32;
-        for q in 0..32u32 {
-            sum += part_s[(group * 32 + q) as usize];
-        }
-        if comptime!(crate::mutation::drop_delta()) {
-            sum = 0.0f32;
-        }
-        delta[r] = sum;
-    }
-}
-
 /// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys and one tile of [`COL_TILE`] columns
 /// (module docs); given scores (`softmax(X)·V`): `dV` alone. `c.head_dim` is `D` rounded up
 /// to [`CHUNK`] (0 for given scores). Grid: `(key blocks × column tiles, y, z)` (x as
@@ -538,12 +449,7 @@ pub fn flash_backward_dkv<F: Float>(
     delta: &Tensor<f32>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
-    scale: f32,
-    softcap: f32,
-    seed_lo: u32,
-    seed_hi: u32,
-    threshold: u32,
-    inv_keep: f32,
+    args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -554,26 +460,17 @@ pub fn flash_backward_dkv<F: Float>(
         comptime!(((STEP_ROWS + BLOCK_KEYS) * PITCH) as usize),
     );
     let given = comptime!(c.given());
-    let mut heads_kv = k.shape(1);
-    let mut seq_k = k.shape(2);
-    let mut cols = usize::max(q.shape(3), v.shape(3));
-    if comptime!(given) {
-        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
-        heads_kv = v.shape(1);
-        seq_k = q.shape(3);
-        cols = v.shape(3);
-    }
-    let seq_q = q.shape(2);
-    let head_dim = q.shape(3);
-    let value_dim = v.shape(3);
+    let (scale, softcap) = (args.scale, args.softcap);
+    let blk = pair_block(q, k, v, c);
+    let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
+    let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
+    let (batch, hkv) = (blk.batch, blk.hkv);
     let heads_q = q.shape(1);
-    let group = heads_q / heads_kv;
-    let rows = group * seq_q;
-    let pair = pair_index();
-    if pair >= q.shape(0) * heads_kv {
-        terminate!();
+    // `D` and `Dv` (given scores: `Dv`) in column tiles.
+    let mut cols = usize::max(head_dim, value_dim);
+    if comptime!(given) {
+        cols = value_dim;
     }
-    let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let tiles = usize::max(cols.div_ceil(COL_TILE as usize), 1);
     let tile = CUBE_POS_X as usize % tiles;
     let j0 = (CUBE_POS_X as usize / tiles) * BLOCK_KEYS as usize;
@@ -608,12 +505,7 @@ pub fn flash_backward_dkv<F: Float>(
     let mut dfac = Array::<f32>::new(8usize);
     let mut gate = Array::<f32>::new(8usize);
     let mut z = Array::<f32>::new(8usize);
-    let drop = Dropout {
-        seed_lo,
-        seed_hi,
-        threshold,
-        inv_keep,
-    };
+    let drop = args.dropout;
 
     let blocks = rows.div_ceil(STEP_ROWS as usize);
     for qb in 0..blocks {
@@ -803,12 +695,7 @@ pub fn flash_backward_dq<F: Float>(
     delta: &Tensor<f32>,
     dq: &mut Tensor<F>,
     ds: &mut Tensor<F>,
-    scale: f32,
-    softcap: f32,
-    seed_lo: u32,
-    seed_hi: u32,
-    threshold: u32,
-    inv_keep: f32,
+    args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] write_ds: bool,
     #[define(F)] _dtype: StorageType,
@@ -820,31 +707,14 @@ pub fn flash_backward_dq<F: Float>(
         comptime!(((BLOCK_ROWS + STEP_KEYS) * PITCH) as usize),
     );
     let given = comptime!(c.given());
-    let mut heads_kv = k.shape(1);
-    let mut seq_k = k.shape(2);
-    if comptime!(given) {
-        // The scores `X` stand in for the queries: `[B, H, Sq, Sk]`.
-        heads_kv = v.shape(1);
-        seq_k = q.shape(3);
-    }
-    let seq_q = q.shape(2);
-    let head_dim = q.shape(3);
-    let value_dim = v.shape(3);
+    let (scale, softcap) = (args.scale, args.softcap);
+    let blk = pair_block(q, k, v, c);
+    let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
+    let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
+    let (batch, hkv) = (blk.batch, blk.hkv);
     let heads_q = q.shape(1);
-    let group = heads_q / heads_kv;
-    let rows = group * seq_q;
-    let pair = pair_index();
-    if pair >= q.shape(0) * heads_kv {
-        terminate!();
-    }
-    let (batch, hkv) = (pair / heads_kv, pair % heads_kv);
     let r0 = (CUBE_POS_X * BLOCK_ROWS) as usize;
-    let last = usize::min(r0 + BLOCK_ROWS as usize, rows) - 1;
-    let mut kv_end = seq_k;
-    if comptime!(c.causal) {
-        let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
-        kv_end = causal_end(pos_hi, seq_q, seq_k);
-    }
+    let kv_end = rows_kv_end(&blk, r0, BLOCK_ROWS as usize, c);
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
 
@@ -865,12 +735,7 @@ pub fn flash_backward_dq<F: Float>(
     let mut dfac = Array::<f32>::new(8usize);
     let mut gate = Array::<f32>::new(8usize);
     let mut z = Array::<f32>::new(8usize);
-    let drop = Dropout {
-        seed_lo,
-        seed_hi,
-        threshold,
-        inv_keep,
-    };
+    let drop = args.dropout;
     let v_chunks = value_dim.div_ceil(CHUNK as usize);
 
     let steps = kv_end.div_ceil(STEP_KEYS as usize);
@@ -1026,88 +891,26 @@ pub fn flash_backward_dq<F: Float>(
     }
 }
 
-/// A tensor of a backward launch, as the kernels index it: its buffer, shape and strides
-/// (zeros along broadcast dimensions).
-#[derive(Debug, Clone)]
-pub struct Operand {
-    /// The buffer.
-    pub handle: cubecl::server::Handle,
-    /// The shape the kernels see.
-    pub shape: Vec<usize>,
-    /// The strides the kernels use.
-    pub strides: Vec<usize>,
-}
-
-impl Operand {
-    pub(crate) fn arg<R: Runtime>(&self) -> TensorArg<R> {
-        // SAFETY: the shape and strides describe the buffer (the launcher's caller's contract);
-        // zero strides only make every index along them read the same element.
-        unsafe {
-            TensorArg::from_raw_parts(
-                self.handle.clone(),
-                self.strides.clone().into(),
-                self.shape.clone().into(),
-            )
-        }
-    }
-}
-
-/// The tensors of [`launch_backward`], 4-D in attention's terms (given scores: `x` as `q` and
-/// `k`, `dX` as `ds`, stand-ins for what the configuration never reads or writes).
-#[derive(Debug, Clone)]
-pub struct BackwardOperands {
-    pub q: Operand,
-    pub k: Operand,
-    pub v: Operand,
-    pub mask: Operand,
-    pub bias: Operand,
-    pub out: Operand,
-    pub d_out: Operand,
-    pub lse: Operand,
-    pub dq: Operand,
-    pub dk: Operand,
-    pub dv: Operand,
-    pub ds: Operand,
-}
-
-/// A backward grid `(x, y, z)` as a launch's cube count (the three backward launchers').
-pub(crate) fn cube_count(cubes: (usize, usize, usize)) -> cubecl::CubeCount {
-    cubecl::CubeCount::Static(cubes.0 as u32, cubes.1 as u32, cubes.2 as u32)
-}
-
-/// `B·Hkv` (`pairs`) over the grid's y and z axes, as [`flash_backward_dkv()`] and
-/// [`flash_backward_dq()`] read it (`z·count_y + y`).
-pub fn fold_pairs(pairs: usize, max_y: u32) -> (usize, usize) {
-    let y = pairs.clamp(1, max_y as usize);
-    (y, pairs.div_ceil(y).max(1))
-}
-
-/// Runs the backward: `δ` ([`flash_delta()`], into a scratch of one f32 per query row), then
-/// [`flash_backward_dkv()`] on `dkv_cubes` (none: not launched) and [`flash_backward_dq()`]
-/// on `dq_cubes` (none: not launched). `rows` is the number of query rows, `B·Hq·Sq`.
+/// Runs [`flash_backward_dkv()`] on `dkv_cubes` and [`flash_backward_dq()`] on `dq_cubes`
+/// (none: not launched), after `δ` (`delta`, one f32 per query row).
 ///
 /// # Safety
 /// The operands' shapes and strides describe their buffers, the grids are the kernels' (key
-/// blocks × column tiles, row blocks; pairs folded by [`fold_pairs`]), and `c` is a
-/// configuration the kernels take (chunks of [`CHUNK`]).
+/// blocks × column tiles, row blocks; pairs folded by [`crate::flash::block::fold_pairs`]),
+/// and `c` is a configuration the kernels take (chunks of [`CHUNK`]).
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn launch_backward<R: Runtime>(
+pub unsafe fn launch<R: Runtime>(
     client: &ComputeClient<R>,
     t: &BackwardOperands,
-    rows: usize,
+    delta: &Operand,
     dkv_cubes: Option<(usize, usize, usize)>,
     dq_cubes: Option<(usize, usize, usize)>,
-    scale: f32,
-    softcap: f32,
-    dropout: crate::dropout::DropoutParams,
+    scalars: Scalars,
     c: FlashConfig,
     write_ds: bool,
     dtype: StorageType,
 ) {
-    // SAFETY: the caller's (below).
-    let delta = unsafe { launch_delta(client, &t.out, &t.d_out, rows, dtype) };
     let units = cubecl::CubeDim::new_1d(UNITS);
-    let d = dropout;
     // SAFETY: the caller's (above).
     unsafe {
         if let Some(cubes) = dkv_cubes {
@@ -1125,12 +928,7 @@ pub unsafe fn launch_backward<R: Runtime>(
                 delta.arg(),
                 t.dk.arg(),
                 t.dv.arg(),
-                scale,
-                softcap,
-                d.seed_lo,
-                d.seed_hi,
-                d.threshold,
-                d.inv_keep(),
+                scalars.arg(),
                 c,
                 dtype,
             );
@@ -1150,51 +948,11 @@ pub unsafe fn launch_backward<R: Runtime>(
                 delta.arg(),
                 t.dq.arg(),
                 t.ds.arg(),
-                scale,
-                softcap,
-                d.seed_lo,
-                d.seed_hi,
-                d.threshold,
-                d.inv_keep(),
+                scalars.arg(),
                 c,
                 write_ds,
                 dtype,
             );
         }
     }
-}
-
-/// `δ = rowsum(dO ⊙ O)` of the `rows` query rows of `out` and `d_out` (4-D, `[B, H, Sq, Dv]`)
-/// into a new contiguous f32 buffer of `rows` elements (row `(b·H + h)·Sq + i`), returned.
-///
-/// # Safety
-/// The operands' shapes and strides describe their buffers.
-pub unsafe fn launch_delta<R: Runtime>(
-    client: &ComputeClient<R>,
-    out: &Operand,
-    d_out: &Operand,
-    rows: usize,
-    dtype: StorageType,
-) -> Operand {
-    let delta = Operand {
-        handle: client.empty(rows.max(1) * 4),
-        shape: vec![rows.max(1)],
-        strides: vec![1],
-    };
-    let (x, y, _) = row_groups_grid(rows);
-    if rows > 0 {
-        // SAFETY: the caller's; every index is bounds-checked against `out`'s shape.
-        unsafe {
-            flash_delta::launch_unchecked::<R>(
-                client,
-                cubecl::CubeCount::Static(x as u32, y as u32, 1),
-                cubecl::CubeDim::new_1d(32 * DELTA_ROWS),
-                d_out.arg(),
-                out.arg(),
-                delta.arg(),
-                dtype,
-            );
-        }
-    }
-    delta
 }

@@ -1,5 +1,5 @@
 //! The flash forward on plain units (every runtime, every float type; f32 arithmetic), with
-//! the score source a comptime choice ([`super::ScoreSource`]).
+//! the score source a comptime choice ([`crate::flash::ScoreSource`]).
 //!
 //! One cube of [`UNITS`] units (a 16 × 16 grid) per block of `block_q` query rows of one
 //! (batch, key/value head) and one tile of `value_dim` output columns, rows running over the
@@ -10,20 +10,22 @@
 //!
 //! 1. the scores of `R` rows × `K` keys per unit: given (read from `X`), or `S = Q·Kᵀ`,
 //!    register-tiled over `D` in chunks of [`D_CHUNK`] staged in shared memory;
-//! 2. the finished scores ([`super::scores`]), the row maxima through shared memory, the
-//!    online-softmax update ([`super`]) and `P` into shared memory;
+//! 2. the finished scores ([`crate::flash::scores`]), the row maxima through shared memory, the
+//!    online-softmax update ([`crate::flash::online`]) and `P` into shared memory;
 //! 3. `O += P·V`, register-tiled, over the tile in chunks of [`V_CHUNK`] columns.
 //!
 //! Causal: the key blocks after every row's diagonal are skipped.
 
 use cubecl::prelude::*;
 
-use super::scores::{new_refs, score, set_row, visible};
-use super::{
-    FlashConfig, cube_block, inverse_sum, next_reference, output_sum, probability, rescale_factor,
-    row_lse,
-};
 use crate::dropout::keep_weight;
+use crate::flash::args::ScoreArgs;
+use crate::flash::block::cube_block;
+use crate::flash::config::FlashConfig;
+use crate::flash::online::{
+    inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
+};
+use crate::flash::scores::{new_refs, score, set_row, visible};
 
 /// Units per cube.
 pub const UNITS: u32 = 256;
@@ -102,15 +104,12 @@ pub fn flash_forward_units<F: Float>(
     bias: &Tensor<F>,
     out: &mut Tensor<F>,
     lse: &mut Tensor<f32>,
-    scale: f32,
-    softcap: f32,
-    seed_lo: u32,
-    seed_hi: u32,
-    threshold: u32,
-    inv_keep: f32,
+    args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (scale, softcap) = (args.scale, args.softcap);
+    let drop = args.dropout;
     let given = comptime!(c.given());
     let v_chunks = comptime!(c.value_dim / V_CHUNK);
     // Rows and keys per unit.
@@ -287,10 +286,10 @@ pub fn flash_forward_units<F: Float>(
                 if comptime!(c.dropout) {
                     let key = j0 + tx as usize + 16 * cc;
                     kept *= keep_weight(
-                        seed_lo,
-                        seed_hi,
-                        threshold,
-                        inv_keep,
+                        drop.seed_lo,
+                        drop.seed_hi,
+                        drop.threshold,
+                        drop.inv_keep,
                         pairs[i],
                         refs.pos[i],
                         key,

@@ -1,0 +1,188 @@
+//! The flash backward (FlashAttention-2's schedule, nothing of size `Sq × Sk` kept): the `δ`
+//! prepass, the choice among the schedules, and their launch.
+//!
+//! With the forward's row log-sum-exp `lse` and `δ = rowsum(dO ⊙ O)` ([`flash_delta()`]), a
+//! block of scores is rebuilt exactly as the forward made it ([`crate::flash::scores`]: scale,
+//! softcap, mask, causal, bias) and
+//!
+//! ```text
+//! P  = e^(S − lse)            (0 where the key is invisible or the row has none)
+//! Z  = keep / (1 − p)         (dropout, the forward's mask drawn again; 1 without)
+//! dV += (P ⊙ Z)ᵀ·dO
+//! dP = dO·Vᵀ
+//! dS = P ⊙ (dP ⊙ Z − δ)       (the gradient of the final score: dBias)
+//! dR = dS ⊙ (1 − (s_c / c)²)  (through the softcap, s_c the capped score)
+//! dQ += scale·dR·K,  dK += scale·dRᵀ·Q
+//! ```
+//!
+//! Given scores (`softmax(X)·V`): `dX` is the core's `dS` and `dV` its `dV`; no `dQ`, `dK`.
+//! Two kernels per schedule, each owning its output, so that nothing is accumulated across
+//! cubes (`dQ` by atomics from the dK/dV kernel, FlashAttention-2's one-kernel schedule,
+//! measured slower: RESULTS.md): a dK/dV kernel (one cube per block of keys, looping over the query rows of the
+//! group) and a dQ kernel (one cube per block of query rows, looping over the keys they see).
+//! - [`units`]: plain units, every runtime and float type, f32 arithmetic;
+//! - [`units_given`]: plain units, the given-score products register-tiled;
+//! - [`mma`] ([`mma_dq`], [`mma_dkv`]): the matrix units (f16/bf16, CUDA sm_80+).
+
+pub mod mma;
+pub mod mma_dkv;
+pub mod mma_dq;
+pub mod units;
+pub mod units_given;
+
+use cubecl::prelude::*;
+
+use crate::flash::args::{BackwardOperands, Operand, Scalars};
+use crate::flash::block::{GROUP_ROWS, row_groups_grid, row_of_group};
+use crate::flash::config::{BackwardKernel, FlashConfig};
+
+/// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
+/// row, [`GROUP_ROWS`] rows per cube; `delta` is contiguous `[B, Hq, Sq]`. Grid: row groups
+/// along x then y.
+#[cube(launch_unchecked)]
+pub fn flash_delta<F: Float>(
+    d_out: &Tensor<F>,
+    out: &Tensor<F>,
+    delta: &mut Tensor<f32>,
+    #[define(F)] _dtype: StorageType,
+) {
+    let heads = out.shape(1);
+    let seq_q = out.shape(2);
+    let dv = out.shape(3);
+    let rows = out.shape(0) * heads * seq_q;
+    let lane = (UNIT_POS % 32) as usize;
+    let group = UNIT_POS / 32;
+    let r = row_of_group();
+    let mut partial = 0.0f32;
+    if r < rows {
+        let (b, h, p) = (r / (heads * seq_q), (r / seq_q) % heads, r % seq_q);
+        let g_base = b * d_out.stride(0) + h * d_out.stride(1) + p * d_out.stride(2);
+        let o_base = b * out.stride(0) + h * out.stride(1) + p * out.stride(2);
+        for s in 0..dv.div_ceil(32) {
+            let col = s * 32 + lane;
+            if col < dv {
+                partial += f32::cast_from(d_out[g_base + col * d_out.stride(3)])
+                    * f32::cast_from(out[o_base + col * out.stride(3)]);
+            }
+        }
+    }
+    let mut part_s = SharedMemory::<f32>::new(comptime!((32 * GROUP_ROWS) as usize));
+    part_s[UNIT_POS as usize] = partial;
+    sync_cube();
+    if lane == 0 && r < rows {
+        let mut sum = 0.0f32;
+        for q in 0..32u32 {
+            sum += part_s[(group * 32 + q) as usize];
+        }
+        if comptime!(crate::mutation::drop_delta()) {
+            sum = 0.0f32;
+        }
+        delta[r] = sum;
+    }
+}
+
+/// `δ = rowsum(dO ⊙ O)` of the `rows` query rows of `out` and `d_out` (4-D, `[B, H, Sq, Dv]`)
+/// into a new contiguous f32 buffer of `rows` elements (row `(b·H + h)·Sq + i`), returned.
+///
+/// # Safety
+/// The operands' shapes and strides describe their buffers.
+pub unsafe fn launch_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    out: &Operand,
+    d_out: &Operand,
+    rows: usize,
+    dtype: StorageType,
+) -> Operand {
+    let delta = Operand {
+        handle: client.empty(rows.max(1) * 4),
+        shape: vec![rows.max(1)],
+        strides: vec![1],
+    };
+    let (x, y, _) = row_groups_grid(rows);
+    if rows > 0 {
+        // SAFETY: the caller's; every index is bounds-checked against `out`'s shape.
+        unsafe {
+            flash_delta::launch_unchecked::<R>(
+                client,
+                cubecl::CubeCount::Static(x as u32, y as u32, 1),
+                cubecl::CubeDim::new_1d(32 * GROUP_ROWS),
+                d_out.arg(),
+                out.arg(),
+                delta.arg(),
+                dtype,
+            );
+        }
+    }
+    delta
+}
+
+/// What a backward launch runs beyond its kernels' configuration: the schedule a plan
+/// picked, with what that schedule alone takes.
+#[derive(Debug, Clone, Copy)]
+pub enum Schedule<'a> {
+    /// [`units::launch()`]; `write_ds`: `dS` (or `dX`) is written.
+    Units {
+        /// `dS` (given scores: `dX`) is written.
+        write_ds: bool,
+    },
+    /// [`units_given::launch()`] (given scores only).
+    UnitsGiven {
+        /// The vector width (1, 2 or 4) dividing every row and stride.
+        vector: usize,
+    },
+    /// [`mma::launch()`].
+    MatrixUnits {
+        /// `dS` (given scores: `dX`) is written.
+        write_ds: bool,
+        /// Where the dX kernel stores `P` for the dK/dV kernel (given scores, small `d2`).
+        p_buffer: Option<&'a Operand>,
+    },
+}
+
+impl Schedule<'_> {
+    /// The kernels of the schedule.
+    pub fn kernel(&self) -> BackwardKernel {
+        match self {
+            Self::Units { .. } => BackwardKernel::Units,
+            Self::UnitsGiven { .. } => BackwardKernel::UnitsGiven,
+            Self::MatrixUnits { .. } => BackwardKernel::MatrixUnits,
+        }
+    }
+}
+
+/// Runs the backward: `δ` ([`flash_delta()`], into a scratch of one f32 per query row; `rows`
+/// query rows, `B·Hq·Sq`), then the schedule's dK/dV kernel on `dkv_cubes` and its dQ kernel on
+/// `dq_cubes` (none: not launched), both with configuration `c` (the dQ kernel's; the tiled
+/// given-score products take none).
+///
+/// # Safety
+/// As the schedule's launcher: [`units::launch()`], [`units_given::launch()`],
+/// [`mma::launch()`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    schedule: Schedule<'_>,
+    t: &BackwardOperands,
+    rows: usize,
+    dkv_cubes: Option<(usize, usize, usize)>,
+    dq_cubes: Option<(usize, usize, usize)>,
+    scalars: Scalars,
+    c: FlashConfig,
+    dtype: StorageType,
+) {
+    // SAFETY (every launch): the caller's.
+    unsafe {
+        let delta = launch_delta(client, &t.out, &t.d_out, rows, dtype);
+        match schedule {
+            Schedule::Units { write_ds } => units::launch(
+                client, t, &delta, dkv_cubes, dq_cubes, scalars, c, write_ds, dtype,
+            ),
+            Schedule::UnitsGiven { vector } => {
+                units_given::launch(client, t, &delta, dkv_cubes, dq_cubes, vector, dtype)
+            }
+            Schedule::MatrixUnits { write_ds, p_buffer } => mma::launch(
+                client, t, &delta, dkv_cubes, dq_cubes, scalars, c, write_ds, p_buffer, dtype,
+            ),
+        }
+    }
+}

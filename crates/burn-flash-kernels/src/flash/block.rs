@@ -1,0 +1,230 @@
+//! Which part of the problem a cube owns (FlashAttention-2's `block_info.h`): the grid layout
+//! of both directions and, on the device, the batch, heads, rows and keys of the cube.
+//!
+//! Forward grids are `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`, backward grids
+//! `(blocks, y, z)` with `y·z ≥ B·Hkv`: in both, the (batch, key/value head) pairs are folded
+//! over two axes so that any `B·Hkv` runs.
+
+use cubecl::prelude::*;
+
+use crate::flash::config::FlashConfig;
+use crate::flash::scores::causal_end;
+
+/// The grid of a forward launch: `x` cubes along the output's column tiles, and `row_blocks`
+/// row blocks for each of `pairs` (batch, key/value head) pairs, the pairs folded over y and z
+/// (`y = fold·row_blocks`, `z = ⌈pairs / fold⌉`, with `fold` the fewest copies that keep `z`
+/// within `max.2`), so that any `B·Hkv` runs. `None` when even that exceeds the device's
+/// limits `max`.
+pub fn fold_grid(
+    x: usize,
+    row_blocks: usize,
+    pairs: usize,
+    max: (u32, u32, u32),
+) -> Option<(usize, usize, usize)> {
+    let (x, row_blocks, pairs) = (x.max(1), row_blocks.max(1), pairs.max(1));
+    let fold = pairs.div_ceil(max.2 as usize);
+    let cubes = (x, row_blocks * fold, pairs.div_ceil(fold));
+    (cubes.0 <= max.0 as usize && cubes.1 <= max.1 as usize).then_some(cubes)
+}
+
+/// The part of the problem one cube of a flash kernel owns, read from the grid position
+/// `(x, y, z)` = (output column tile, block of query rows, batch × key/value head; the last two
+/// folded as [`fold_grid`] lays them out, and cubes past the last pair exit): query rows
+/// `row0 .. row0 + block_q` of key/value head `hkv` of batch `batch` (rows run over the `G`
+/// query heads of the group, `Sq` positions each: row `r` is head `head0 + r / Sq`, position
+/// `r % Sq`) and output columns `col0 .. col0 + value_dim`. The column tiles of a row block are
+/// adjacent in the grid, so they run together and read the block's scores from L2 (given
+/// scores: `X` is read once per column tile).
+#[derive(CubeType)]
+pub struct CubeBlock {
+    /// `Sq`.
+    pub seq_q: usize,
+    /// `Sk`.
+    pub seq_k: usize,
+    /// Query rows of a key/value head: `G·Sq`.
+    pub rows: usize,
+    /// The batch.
+    pub batch: usize,
+    /// The key/value head.
+    pub hkv: usize,
+    /// The group's first query head.
+    pub head0: usize,
+    /// The first row.
+    pub row0: usize,
+    /// The first output column.
+    pub col0: usize,
+    /// Whether this is the first column tile (the one that writes the log-sum-exp).
+    pub first_tile: bool,
+    /// The keys any of the rows sees: `0 .. kv_end` (all of them but under a causal mask).
+    pub kv_end: usize,
+    /// The keys every row sees: `0 .. full_end`.
+    pub full_end: usize,
+}
+
+/// The [`CubeBlock`] of this cube for queries `q` (the scores `X` when they are given) and
+/// keys `k`.
+#[cube]
+pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
+    q: &Tensor<Q>,
+    k: &Tensor<K>,
+    #[comptime] c: FlashConfig,
+) -> CubeBlock {
+    let seq_q = q.shape(2);
+    let mut seq_k = k.shape(2);
+    let mut heads_kv = k.shape(1);
+    if comptime!(c.given()) {
+        seq_k = q.shape(3);
+        heads_kv = q.shape(1);
+    }
+    let group = q.shape(1) / heads_kv;
+    let rows = group * seq_q;
+    // `B·Hkv` folded over y and z ([`fold_grid`]): y runs over `fold` copies of the row blocks.
+    let row_blocks = rows.div_ceil(comptime!(c.block_q as usize));
+    let fold = CUBE_COUNT_Y as usize / row_blocks;
+    let pair = CUBE_POS_Z as usize * fold + CUBE_POS_Y as usize / row_blocks;
+    if pair >= q.shape(0) * heads_kv {
+        terminate!();
+    }
+    let hkv = pair % heads_kv;
+    let row0 = (CUBE_POS_Y as usize % row_blocks) * comptime!(c.block_q as usize);
+    // With a causal mask: up to the last row's diagonal, and all keys up to the first row's.
+    let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
+    let one_head = row0 / seq_q == last / seq_q;
+    let mut kv_end = seq_k;
+    let mut full_end = seq_k;
+    if comptime!(c.causal) {
+        // Largest / smallest position among the rows (all of them when they span heads).
+        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
+        let pos_lo = select(one_head, row0 % seq_q, 0);
+        kv_end = causal_end(pos_hi, seq_q, seq_k);
+        full_end = causal_end(pos_lo, seq_q, seq_k);
+    }
+    CubeBlock {
+        seq_q,
+        seq_k,
+        rows,
+        batch: pair / heads_kv,
+        hkv,
+        head0: hkv * group,
+        row0,
+        col0: (CUBE_POS_X * c.value_dim) as usize,
+        first_tile: CUBE_POS_X == 0,
+        kv_end,
+        full_end,
+    }
+}
+
+/// The sizes a backward cube reads from its tensors, and the (batch, key/value head) pair it
+/// owns (grid axes y and z, [`fold_pairs`]).
+#[derive(CubeType)]
+pub struct PairBlock {
+    /// `Sq`.
+    pub seq_q: usize,
+    /// `Sk`.
+    pub seq_k: usize,
+    /// `D` (the columns of the given scores `X` with [`crate::flash::ScoreSource::Given`]).
+    pub head_dim: usize,
+    /// `Dv`.
+    pub value_dim: usize,
+    /// `Hkv`.
+    pub heads_kv: usize,
+    /// Query heads per key/value head, `G = Hq / Hkv`.
+    pub group: usize,
+    /// Query rows of a key/value head: `G·Sq`.
+    pub rows: usize,
+    /// The batch.
+    pub batch: usize,
+    /// The key/value head.
+    pub hkv: usize,
+    /// The group's first query head.
+    pub head0: usize,
+}
+
+/// The [`PairBlock`] of this backward cube for queries `q` (the scores `X` when they are
+/// given: `[B, H, Sq, Sk]`, `Hkv = H`), keys `k` and values `v`. Cubes past the last pair exit.
+#[cube]
+pub fn pair_block<Q: CubePrimitive, K: CubePrimitive, V: CubePrimitive>(
+    q: &Tensor<Q>,
+    k: &Tensor<K>,
+    v: &Tensor<V>,
+    #[comptime] c: FlashConfig,
+) -> PairBlock {
+    let mut heads_kv = k.shape(1);
+    let mut seq_k = k.shape(2);
+    if comptime!(c.given()) {
+        heads_kv = v.shape(1);
+        seq_k = q.shape(3);
+    }
+    let seq_q = q.shape(2);
+    let group = q.shape(1) / heads_kv;
+    let pair = pair_index();
+    if pair >= q.shape(0) * heads_kv {
+        terminate!();
+    }
+    let hkv = pair % heads_kv;
+    PairBlock {
+        seq_q,
+        seq_k,
+        head_dim: q.shape(3),
+        value_dim: v.shape(3),
+        heads_kv,
+        group,
+        rows: group * seq_q,
+        batch: pair / heads_kv,
+        hkv,
+        head0: hkv * group,
+    }
+}
+
+/// The keys the rows `r0 .. r0 + n` of a [`PairBlock`] see: `0 .. kv_end`, all of them but under
+/// a causal mask (up to the last row's diagonal; every row's when the rows span heads).
+#[cube]
+pub fn rows_kv_end(blk: &PairBlock, r0: usize, n: usize, #[comptime] c: FlashConfig) -> usize {
+    let mut kv_end = blk.seq_k;
+    if comptime!(c.causal) {
+        let last = usize::min(r0 + n, blk.rows) - 1;
+        let pos_hi = select(
+            r0 / blk.seq_q == last / blk.seq_q,
+            last % blk.seq_q,
+            blk.seq_q - 1,
+        );
+        kv_end = causal_end(pos_hi, blk.seq_q, blk.seq_k);
+    }
+    kv_end
+}
+
+/// The (batch, key/value head) pair of this backward cube, from the grid's `(y, z)` axes.
+#[cube]
+pub fn pair_index() -> usize {
+    (CUBE_POS_Z * CUBE_COUNT_Y + CUBE_POS_Y) as usize
+}
+
+/// `B·Hkv` (`pairs`) over a backward grid's y and z axes, as [`pair_index()`] reads it
+/// (`z·count_y + y`).
+pub fn fold_pairs(pairs: usize, max_y: u32) -> (usize, usize) {
+    let y = pairs.clamp(1, max_y as usize);
+    (y, pairs.div_ceil(y).max(1))
+}
+
+/// Rows of a row-per-32-units kernel per cube ([`row_of_group()`]).
+pub const GROUP_ROWS: u32 = 8;
+
+/// The row of this group of 32 units in a row-per-32-units kernel ([`GROUP_ROWS`] rows per
+/// cube, cubes along x then y).
+#[cube]
+pub fn row_of_group() -> usize {
+    let cube = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+    cube * GROUP_ROWS as usize + (UNIT_POS / 32) as usize
+}
+
+/// Grid of a row-per-32-units kernel over `rows` rows ([`row_of_group()`]): `(x, y, 1)`.
+pub fn row_groups_grid(rows: usize) -> (usize, usize, usize) {
+    let cubes = rows.div_ceil(GROUP_ROWS as usize).max(1);
+    let x = cubes.min(65535);
+    (x, cubes.div_ceil(x), 1)
+}
+
+/// A grid `(x, y, z)` as a launch's cube count.
+pub fn cube_count(cubes: (usize, usize, usize)) -> cubecl::CubeCount {
+    cubecl::CubeCount::Static(cubes.0 as u32, cubes.1 as u32, cubes.2 as u32)
+}

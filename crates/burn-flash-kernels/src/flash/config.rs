@@ -1,0 +1,207 @@
+//! The comptime configuration of a flash kernel: where its scores come from, the score rules
+//! a call asks for, and the tile a plan chose. A plan builds it once ([`FlashConfig::new`]) and
+//! the launch compiles the kernel with it as it is.
+
+/// Where a kernel's scores come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScoreSource {
+    /// Read from a score tensor `X` `[B, H, Sq, Sk]` (passed in place of the queries): the
+    /// scores are used as they are (no scale; softcap, mask, causal and bias are off).
+    Given,
+    /// `S = scale·Q·Kᵀ`, computed on chip, with the score rules of [`crate::flash::scores`].
+    QueryKey,
+}
+
+/// What a call asks of its scores and of the softmax over them: everything in a
+/// [`FlashConfig`] but its tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScoreRules {
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+    /// A bool mask is read.
+    pub mask: bool,
+    /// An additive bias is read.
+    pub bias: bool,
+    /// Scores are softcapped.
+    pub softcap: bool,
+    /// Dropout on the weights ([`crate::dropout`]; the plain-unit and matrix-unit kernels).
+    pub dropout: bool,
+    /// With a mask, the score a masked key takes (the bits of an `f32`; burn-nn's `min_float`
+    /// fill). The key stays in the softmax, so a fully masked row is uniform; its score is a
+    /// constant, so its `dS` reaches neither `Q`, `K` nor a bias. `None`: masked keys are
+    /// invisible ([`crate::flash::scores`]).
+    pub masked_score: Option<u32>,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` ([`crate::flash::online::output_sum()`],
+    /// [`crate::flash::online::row_lse()`]).
+    pub quiet: bool,
+}
+
+impl ScoreRules {
+    /// No rule: the scores as they are, a plain softmax (given scores).
+    pub const NONE: Self = Self {
+        causal: false,
+        mask: false,
+        bias: false,
+        softcap: false,
+        dropout: false,
+        masked_score: None,
+        quiet: false,
+    };
+}
+
+/// The tile a plan chose for a kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tile {
+    /// Query rows per cube (keys per cube for a backward dK/dV kernel).
+    pub block_q: u32,
+    /// Tiles of 16 query rows per plane (matrix-unit forward; 1 elsewhere).
+    pub row_tiles: u32,
+    /// Keys (score columns) per step of the online softmax (query rows per step of a dK/dV
+    /// kernel).
+    pub block_k: u32,
+    /// Head dim of `q`/`k`, rounded up to the kernel's granule (0 for given scores).
+    pub head_dim: u32,
+    /// Output columns per cube: all of `Dv` rounded up to the kernel's granule, or one column
+    /// tile of a wider output (the grid's x axis runs over the tiles).
+    pub value_dim: u32,
+}
+
+/// Comptime configuration of a flash kernel: score source, [`ScoreRules`] and [`Tile`],
+/// flattened so that kernels read `c.block_q`, `c.causal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FlashConfig {
+    /// Where the scores come from.
+    pub source: ScoreSource,
+    /// [`Tile::block_q`].
+    pub block_q: u32,
+    /// [`Tile::row_tiles`].
+    pub row_tiles: u32,
+    /// [`Tile::block_k`].
+    pub block_k: u32,
+    /// [`Tile::head_dim`].
+    pub head_dim: u32,
+    /// [`Tile::value_dim`].
+    pub value_dim: u32,
+    /// [`ScoreRules::causal`].
+    pub causal: bool,
+    /// [`ScoreRules::mask`].
+    pub mask: bool,
+    /// [`ScoreRules::bias`].
+    pub bias: bool,
+    /// [`ScoreRules::softcap`].
+    pub softcap: bool,
+    /// [`ScoreRules::dropout`].
+    pub dropout: bool,
+    /// [`ScoreRules::masked_score`].
+    pub masked_score: Option<u32>,
+    /// [`ScoreRules::quiet`].
+    pub quiet: bool,
+}
+
+impl FlashConfig {
+    /// The configuration of a kernel with scores from `source` under `rules`, on `tile`.
+    pub fn new(source: ScoreSource, rules: ScoreRules, tile: Tile) -> Self {
+        let ScoreRules {
+            causal,
+            mask,
+            bias,
+            softcap,
+            dropout,
+            masked_score,
+            quiet,
+        } = rules;
+        let Tile {
+            block_q,
+            row_tiles,
+            block_k,
+            head_dim,
+            value_dim,
+        } = tile;
+        Self {
+            source,
+            block_q,
+            row_tiles,
+            block_k,
+            head_dim,
+            value_dim,
+            causal,
+            mask,
+            bias,
+            softcap,
+            dropout,
+            masked_score,
+            quiet,
+        }
+    }
+
+    /// The same rules on another tile.
+    pub fn with_tile(self, tile: Tile) -> Self {
+        Self::new(self.source, self.rules(), tile)
+    }
+
+    /// The configuration's score rules.
+    pub fn rules(&self) -> ScoreRules {
+        ScoreRules {
+            causal: self.causal,
+            mask: self.mask,
+            bias: self.bias,
+            softcap: self.softcap,
+            dropout: self.dropout,
+            masked_score: self.masked_score,
+            quiet: self.quiet,
+        }
+    }
+
+    /// The configuration's tile.
+    pub fn tile(&self) -> Tile {
+        Tile {
+            block_q: self.block_q,
+            row_tiles: self.row_tiles,
+            block_k: self.block_k,
+            head_dim: self.head_dim,
+            value_dim: self.value_dim,
+        }
+    }
+
+    /// Whether the scores are given (read from memory) rather than computed.
+    pub fn given(&self) -> bool {
+        self.source == ScoreSource::Given
+    }
+
+    /// Whether masked keys take [`FlashConfig::masked_score`] (a mask is read and the score
+    /// is set).
+    pub fn fills(&self) -> bool {
+        self.mask && self.masked_score.is_some()
+    }
+
+    /// The score of a masked key ([`FlashConfig::masked_score`]; 0 when unset, never read).
+    pub fn fill_score(&self) -> f32 {
+        f32::from_bits(self.masked_score.unwrap_or(0))
+    }
+}
+
+/// The forward kernels: what an op's plan picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlashKernel {
+    /// [`crate::flash::forward::units::flash_forward_units()`]: plain units, every runtime
+    /// and float type.
+    Units,
+    /// [`crate::flash::forward::tiled::flash_forward_tiled()`]: plain units, register-tiled.
+    Tiled,
+    /// [`crate::flash::forward::mma::flash_forward_mma()`]: f16/bf16 on the matrix units.
+    MatrixUnits,
+}
+
+/// The backward kernels: what an op's plan picked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BackwardKernel {
+    /// Plain units, the flash schedule ([`crate::flash::backward::units`]): every runtime and
+    /// float type, f32 arithmetic; both score sources.
+    Units,
+    /// Plain units, the given-score products register-tiled
+    /// ([`crate::flash::backward::units_given`]): `softmax(X)·V` only.
+    UnitsGiven,
+    /// The matrix units ([`crate::flash::backward::mma`]): f16/bf16 on CUDA sm_80+, 16-byte
+    /// aligned rows; both score sources.
+    MatrixUnits,
+}

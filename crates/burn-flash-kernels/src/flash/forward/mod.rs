@@ -1,0 +1,106 @@
+//! The flash forward: one online-softmax loop ([`crate::flash::online`]) per inner-product
+//! path, the score source a comptime choice ([`ScoreSource`]):
+//! [`ScoreSource::Given`] reads a score matrix `X` from memory (`softmax(X)·V`),
+//! [`ScoreSource::QueryKey`] computes `S = scale·Q·Kᵀ` on chip and never writes it
+//! (attention). Everything after the scores is shared: the score rules
+//! ([`crate::flash::scores`]), the update, `P·V`, the normalisation and the stores.
+//! - [`mma`]: FlashAttention-2's schedule on the matrix units (f16/bf16, CUDA sm_80+);
+//! - [`units`]: plain units, every runtime and float type, f32 arithmetic, up to 64 × 64
+//!   outputs per cube;
+//! - [`tiled`]: the same on plain units with a register-tiled `P·V` (128 × 128 outputs per
+//!   cube, 8 × 8 per unit), for outputs of at least 65 × 65.
+//!
+//! [`ScoreSource`]: crate::flash::ScoreSource
+//! [`ScoreSource::Given`]: crate::flash::ScoreSource::Given
+//! [`ScoreSource::QueryKey`]: crate::flash::ScoreSource::QueryKey
+
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod mma;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod tiled;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod units;
+
+use cubecl::{CubeCount, CubeDim, prelude::*};
+
+use crate::flash::args::{FlashTensors, Scalars};
+use crate::flash::config::{FlashConfig, FlashKernel};
+
+/// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
+/// both ops (`softmax_matmul`, attention) start a forward. The dropout of `scalars` is read
+/// only by the plain-unit and matrix-unit kernels, and only when `c.dropout`. `vector` is the
+/// tiled kernel's vector width (the matrix-unit kernel always reads 16-byte vectors,
+/// [`mma::NV8`]).
+///
+/// # Safety
+/// The tensors' shapes and strides describe their buffers, and the kernel's conditions hold:
+/// 16-byte aligned rows for the matrix units ([`mma::flash_forward_mma()`]), `vector` dividing
+/// the rows and strides of `q`, `k`, `v` and `out` for the tiled kernel.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_forward<R: Runtime>(
+    client: &ComputeClient<R>,
+    kernel: FlashKernel,
+    count: CubeCount,
+    dim: CubeDim,
+    vector: usize,
+    t: FlashTensors<R>,
+    scalars: Scalars,
+    c: FlashConfig,
+    dtype: StorageType,
+) {
+    let FlashTensors {
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        out,
+        lse,
+    } = t;
+    let args = scalars.arg::<R>();
+    // SAFETY: the caller's (see above).
+    unsafe {
+        match kernel {
+            FlashKernel::MatrixUnits => mma::flash_forward_mma::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                mma::NV8,
+                mma::out_vector(c),
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                args,
+                c,
+                dtype,
+            ),
+            FlashKernel::Tiled => tiled::flash_forward_tiled::launch_unchecked::<R>(
+                client,
+                count,
+                dim,
+                vector,
+                q,
+                k,
+                v,
+                mask,
+                bias,
+                out,
+                lse,
+                args,
+                c,
+                tiled::planes(client),
+                dtype,
+            ),
+            FlashKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
+                client, count, dim, q, k, v, mask, bias, out, lse, args, c, dtype,
+            ),
+        }
+    }
+}
