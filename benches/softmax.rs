@@ -11,7 +11,7 @@
 //! Timing: `common::measure` (its docs give the protocol): after 10 warm-up calls, 20 passes
 //! (5 with `--quick`), each a batch of calls long enough (≥ 10 ms, ≤ 2000 calls) between two
 //! syncs; per-call medians. A model syncs once per step, not once per op: the pass length
-//! spreads each sync's fixed cost (Fusion's hand-off to its device thread, 20–50 µs) as a
+//! spreads each sync's fixed cost (Fusion's hand-off to its device thread, then cubecl's) as a
 //! step does; `softmax_marginal.csv` gives the per-call cost without it. The bare-`CubeBackend` burn-flash row issues as many calls per pass
 //! as the Fusion one. Rows through Burn's Fusion backend (`burn::backend::Cuda`/`Wgpu`) take
 //! their device time from the same op on the bare `CubeBackend`.

@@ -224,7 +224,7 @@ impl Impl {
     }
 
     /// Forward, then backward with output gradient `w`: `backward` seeds a non-scalar root
-    /// with ones, so no reduction (Burn's `sum` costs ~0.7 ms here) is timed with the op.
+    /// with ones, so no reduction (Burn's `sum` of the whole output) is timed with the op.
     fn forward_backward<B: AutodiffBackend + FlashBackend>(
         &self,
         x: &Tensor<B, 3>,
@@ -683,9 +683,9 @@ fn report_row(dtype: &str, what: &str, r: &SweepRow) {
 /// Whether Burn's f32 matmul rounds its operands: max |error| / Σ|a·b| over the outputs of a
 /// 256×1024×256 product, against an f64 product on the host. Expected figures at K = 1024:
 /// full f32 accumulation of f32 products, ~1e-7; operands rounded to a 10-bit mantissa (TF32,
-/// or f16: unit roundoff 2^-11, averaging down by ~√K), ~2e-5 (Burn 0.21 on an H200 measured
-/// 1.6e-5); a 7-bit mantissa (bf16, 2^-8), ~8× that, ~1.5e-4. The thresholds sit between the
-/// classes. (An earlier threshold of 1e-4 called the H200's TF32-class result full f32.)
+/// or f16: unit roundoff 2^-11, averaging down by ~√K), ~2e-5 (Burn 0.21's CUDA matmul is in
+/// this class); a 7-bit mantissa (bf16, 2^-8), ~8× that, ~1.5e-4. The thresholds sit between
+/// the classes.
 fn matmul_precision<B: Backend>(device: &B::Device, path: &Path) {
     let (m, k, n) = (256, 1024, 256);
     let a: Vec<f32> = (0..m * k)

@@ -839,7 +839,9 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
 /// the core's flash schedule below.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
 fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
-    use burn_flash::kernels::softmax_matmul::{SmmBackwardPath as P, plan_softmax_matmul_backward};
+    use burn_flash::kernels::softmax_matmul::{
+        SmmBackwardPath as P, check_dtype, plan_softmax_matmul_backward,
+    };
     let client = R::client(device);
     let mma = |fallback: P| {
         if matrix_units {
@@ -867,10 +869,16 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_un
         let dims = SmmDims { batch, d1, d2, d3 };
         let v_shape = [if shared_v { 1 } else { batch }, d2, d3];
         let v_strides = [if shared_v { 0 } else { d2 * d3 }, d3, 1];
+        let dtype_s = DType::from(dtype).into();
+        if check_dtype(&client, dtype_s).is_err() {
+            // bf16 on an adapter without it (lavapipe): the plan refuses it; CUDA has it.
+            assert!(!matrix_units, "{dtype:?} unsupported");
+            continue;
+        }
         let got = plan_softmax_matmul_backward(
             &client,
             dims,
-            DType::from(dtype).into(),
+            dtype_s,
             [
                 (&[batch, d1, d2], &[d1 * d2, d2, 1]),
                 (&v_shape, &v_strides),

@@ -335,7 +335,7 @@ pub fn measure<T>(
         drop(last);
     }
     // The twin's passes after all the timed ones: interleaved, the twin's buffers (another
-    // stream's, on CUDA) moved the next timed pass by 10–35 % for short f16 calls on an H200.
+    // stream's, on CUDA) disturbed the next timed pass.
     let mut device = Ok(Vec::with_capacity(protocol.passes));
     let mut timing_method = None;
     for _ in 0..protocol.passes {

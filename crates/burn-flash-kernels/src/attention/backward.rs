@@ -145,15 +145,6 @@ pub fn plan_attention_backward<R: Runtime>(
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
     validate(client, dims, dtype, options)?;
-    let AttentionDims {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        seq_k,
-        head_dim,
-        value_dim,
-    } = dims;
     let hw = &client.properties().hardware;
     if hw.max_units_per_cube < units::UNITS || hw.max_shared_memory_size < units::SHARED_BYTES {
         return Err(AttentionError::KernelUnavailable {
@@ -166,15 +157,15 @@ pub fn plan_attention_backward<R: Runtime>(
         });
     }
     let (mx, my, mz) = hw.max_cube_count;
-    let (y, z) = fold_pairs(batch * heads_kv, my);
-    let rows = heads_q / heads_kv * seq_q;
+    let (y, z) = fold_pairs(dims.batch * dims.heads_kv, my);
+    let rows = dims.group() * dims.seq_q;
     let rules = options.rules(features);
     let mma_config = FlashConfig::new(
         ScoreSource::QueryKey,
         rules,
         mma_tile(
-            head_dim.next_multiple_of(16) as u32,
-            value_dim.next_multiple_of(16) as u32,
+            dims.head_dim.next_multiple_of(16) as u32,
+            dims.value_dim.next_multiple_of(16) as u32,
         ),
     );
     let matrix_units = mma_unavailable(client, dtype, features.aligned, mma_config);
@@ -183,17 +174,21 @@ pub fn plan_attention_backward<R: Runtime>(
             AttentionBackwardKernel::MatrixUnits,
             mma_config,
             mma::DKV_KEYS,
-            (seq_k.div_ceil(mma::DKV_KEYS as usize), y, z),
+            (dims.seq_k.div_ceil(mma::DKV_KEYS as usize), y, z),
         ),
         Some(_) => (
             AttentionBackwardKernel::Units,
             FlashConfig::new(
                 ScoreSource::QueryKey,
                 rules,
-                units_tile(head_dim, value_dim),
+                units_tile(dims.head_dim, dims.value_dim),
             ),
             units::BLOCK_KEYS,
-            (units::dkv_blocks(seq_k, head_dim, value_dim, false), y, z),
+            (
+                units::dkv_blocks(dims.seq_k, dims.head_dim, dims.value_dim, false),
+                y,
+                z,
+            ),
         ),
     };
     let dq_cubes = (rows.div_ceil(config.block_q as usize), y, z);
@@ -252,23 +247,13 @@ pub fn launch_attention_backward<R: Runtime>(
 ) -> Result<AttentionBackwardPlan, AttentionError> {
     crate::cache::ensure_linked();
     let dims = attention_dims(&t.q, &t.k, &t.v)?;
-    let AttentionDims {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        seq_k,
-        value_dim,
-        ..
-    } = dims;
-    let out_shape = [batch, heads_q, seq_q, value_dim];
-    expect_shape("out", &t.out, &out_shape)?;
-    expect_shape("d_out", &t.d_out, &out_shape)?;
-    expect_shape("lse", &t.lse, &[batch, heads_q, seq_q])?;
+    expect_shape("out", &t.out, &dims.out_shape())?;
+    expect_shape("d_out", &t.d_out, &dims.out_shape())?;
+    expect_shape("lse", &t.lse, &dims.lse_shape())?;
     expect_shape("dq", &t.dq, t.q.shape)?;
     expect_shape("dk", &t.dk, t.k.shape)?;
     expect_shape("dv", &t.dv, t.v.shape)?;
-    let full = [batch, heads_q, seq_q, seq_k];
+    let full = dims.scores_shape();
     if let Some(ds) = &t.ds {
         expect_shape("ds", ds, &full)?;
     }
@@ -293,8 +278,8 @@ pub fn launch_attention_backward<R: Runtime>(
         bias: t.bias.is_some(),
     };
     let plan = plan_attention_backward(client, dims, dtype, features, options)?;
-    let pairs = batch * heads_kv;
-    let rows = pairs * (heads_q / heads_kv) * seq_q;
+    let pairs = dims.batch * dims.heads_kv;
+    let rows = pairs * dims.group() * dims.seq_q;
     if pairs == 0 {
         return Ok(plan);
     }
@@ -345,7 +330,7 @@ pub fn launch_attention_backward<R: Runtime>(
             schedule,
             &operands,
             rows,
-            (seq_k > 0).then_some(plan.dkv_cubes),
+            (dims.seq_k > 0).then_some(plan.dkv_cubes),
             (rows > 0).then_some(plan.dq_cubes),
             options.scalars(),
             plan.config,

@@ -148,6 +148,28 @@ pub struct AttentionDims {
     pub value_dim: usize,
 }
 
+impl AttentionDims {
+    /// Query heads per key/value head, `G = Hq / Hkv`.
+    pub fn group(&self) -> usize {
+        self.heads_q / self.heads_kv
+    }
+
+    /// The shape of the output (and of its gradient), `[B, Hq, Sq, Dv]`.
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.value_dim]
+    }
+
+    /// The shape of the row log-sum-exp, `[B, Hq, Sq]`.
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads_q, self.seq_q]
+    }
+
+    /// The shape of the scores (a full mask, a bias, `dS`), `[B, Hq, Sq, Sk]`.
+    pub fn scores_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.seq_k]
+    }
+}
+
 /// The launch [`plan_attention`] chose: the kernel and the configuration it is compiled with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {
@@ -268,20 +290,13 @@ pub fn validate<R: Runtime>(
     options: &AttentionOptions,
 ) -> Result<(), AttentionError> {
     crate::tensor::check_dtype(client, dtype)?;
-    let AttentionDims {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_k,
-        head_dim,
-        value_dim,
-        ..
-    } = dims;
+    let (heads_q, heads_kv) = (dims.heads_q, dims.heads_kv);
+    let (head_dim, value_dim) = (dims.head_dim, dims.value_dim);
     if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
         return Err(AttentionError::ShapeMismatch {
             arg: "k",
             expected: format!("a number of heads dividing Hq = {heads_q}"),
-            got: vec![batch, heads_kv, seq_k, head_dim],
+            got: vec![dims.batch, heads_kv, dims.seq_k, head_dim],
         });
     }
     if !(1..=MAX_HEAD_DIM).contains(&head_dim) || !(1..=MAX_HEAD_DIM).contains(&value_dim) {
@@ -321,15 +336,7 @@ pub fn plan_attention<R: Runtime>(
     options: &AttentionOptions,
 ) -> Result<AttentionPlan, AttentionError> {
     validate(client, dims, dtype, options)?;
-    let AttentionDims {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        head_dim,
-        value_dim,
-        ..
-    } = dims;
+    let (head_dim, value_dim) = (dims.head_dim, dims.value_dim);
     let matrix_units = fragment::unavailable(client, dtype, features.aligned);
     let rules = options.rules(features);
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
@@ -348,7 +355,7 @@ pub fn plan_attention<R: Runtime>(
         (None, None) => AttentionKernel::MatrixUnits,
         (None, Some(_))
             if options.dropout.is_none()
-                && heads_q / heads_kv * seq_q > 64
+                && dims.group() * dims.seq_q > 64
                 && value_dim > 64
                 && tiled::fits(client, tiled_config) =>
         {
@@ -406,11 +413,12 @@ pub fn plan_attention<R: Runtime>(
             ),
         ));
     }
-    let group = heads_q / heads_kv;
     let unfolded = (
         value_dim.div_ceil(config.value_dim as usize).max(1),
-        (group * seq_q).div_ceil(config.block_q as usize).max(1),
-        (batch * heads_kv).max(1),
+        (dims.group() * dims.seq_q)
+            .div_ceil(config.block_q as usize)
+            .max(1),
+        (dims.batch * dims.heads_kv).max(1),
     );
     let cubes =
         crate::flash::block::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
@@ -585,17 +593,9 @@ pub fn launch_attention<R: Runtime>(
 ) -> Result<AttentionPlan, AttentionError> {
     crate::cache::ensure_linked();
     let dims = attention_dims(&q, &k, &v)?;
-    let AttentionDims {
-        batch,
-        heads_q,
-        seq_q,
-        seq_k,
-        value_dim,
-        ..
-    } = dims;
-    expect_shape("out", &out, &[batch, heads_q, seq_q, value_dim])?;
-    expect_shape("lse", &lse, &[batch, heads_q, seq_q])?;
-    let full = [batch, heads_q, seq_q, seq_k];
+    expect_shape("out", &out, &dims.out_shape())?;
+    expect_shape("lse", &lse, &dims.lse_shape())?;
+    let full = dims.scores_shape();
     let mask_strides = mask
         .as_ref()
         .map(|m| broadcast_strides("mask", m, full))
@@ -615,7 +615,7 @@ pub fn launch_attention<R: Runtime>(
         bias: bias.is_some(),
     };
     let plan = plan_attention(client, dims, dtype, features, options)?;
-    if batch * heads_q * seq_q * value_dim == 0 {
+    if dims.out_shape().contains(&0) {
         return Ok(plan);
     }
     let count = CubeCount::Static(

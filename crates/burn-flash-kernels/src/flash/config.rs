@@ -134,24 +134,6 @@ impl FlashConfig {
         }
     }
 
-    /// The same rules on another tile.
-    pub fn with_tile(self, tile: Tile) -> Self {
-        Self::new(self.source, self.rules(), tile)
-    }
-
-    /// The configuration's score rules.
-    pub fn rules(&self) -> ScoreRules {
-        ScoreRules {
-            causal: self.causal,
-            mask: self.mask,
-            bias: self.bias,
-            softcap: self.softcap,
-            dropout: self.dropout,
-            masked_score: self.masked_score,
-            quiet: self.quiet,
-        }
-    }
-
     /// The configuration's tile.
     pub fn tile(&self) -> Tile {
         Tile {

@@ -33,8 +33,9 @@ pub mod units_given;
 use cubecl::prelude::*;
 
 use crate::flash::args::{BackwardOperands, Operand, Scalars};
-use crate::flash::block::{GROUP_ROWS, row_groups_grid, row_of_group};
+use crate::flash::block::{GROUP_ROWS, cube_count, row_groups_grid, row_of_group};
 use crate::flash::config::{BackwardKernel, FlashConfig};
+use crate::fragment::{MMA_M, PLANE};
 
 /// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
 /// row, [`GROUP_ROWS`] rows per cube; `delta` is contiguous `[B, Hq, Sq]`. Grid: row groups
@@ -130,7 +131,7 @@ pub enum Schedule<'a> {
         /// The vector width (1, 2 or 4) dividing every row and stride.
         vector: usize,
     },
-    /// [`mma::launch()`].
+    /// [`launch_mma()`].
     MatrixUnits {
         /// `dS` (given scores: `dX`) is written.
         write_ds: bool,
@@ -157,7 +158,7 @@ impl Schedule<'_> {
 ///
 /// # Safety
 /// As the schedule's launcher: [`units::launch()`], [`units_given::launch()`],
-/// [`mma::launch()`].
+/// [`launch_mma()`].
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -180,9 +181,116 @@ pub unsafe fn launch_backward<R: Runtime>(
             Schedule::UnitsGiven { vector } => {
                 units_given::launch(client, t, &delta, dkv_cubes, dq_cubes, vector, dtype)
             }
-            Schedule::MatrixUnits { write_ds, p_buffer } => mma::launch(
+            Schedule::MatrixUnits { write_ds, p_buffer } => launch_mma(
                 client, t, &delta, dkv_cubes, dq_cubes, scalars, c, write_ds, p_buffer, dtype,
             ),
         }
+    }
+}
+
+/// Runs [`flash_backward_dkv_mma()`] on `dkv_cubes` and [`flash_backward_dq_mma()`] on
+/// `dq_cubes` (none: not launched), after `δ` (`delta`, one f32 per query row). `c` is the dQ
+/// kernel's configuration: `c.block_q` rows per cube ([`mma::DQ_ROWS`], or
+/// [`mma::WIDE_DX_ROWS`] for given scores where [`mma::dq_shared_bytes()`] fits); the dK/dV
+/// kernel's is [`mma::dkv_config()`].
+/// Given scores (`softmax_matmul`): `t.q` is `X`, `t.ds` its gradient, `write_ds` true. With
+/// `p_buffer`, the dX kernel stores `P` there (laid out as `dX`) and the dK/dV kernel stages it
+/// instead of rebuilding it from `X`.
+///
+/// [`flash_backward_dkv_mma()`]: mma_dkv::flash_backward_dkv_mma
+/// [`flash_backward_dq_mma()`]: mma_dq::flash_backward_dq_mma
+///
+/// # Safety
+/// The operands' shapes and strides describe their buffers; the rows of `q`, `k`, `v` and
+/// `d_out` are 16-byte aligned (the kernels' vector); the grids are the kernels' (key blocks,
+/// times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of `c.block_q`;
+/// pairs folded by [`crate::flash::block::fold_pairs`]).
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch_mma<R: Runtime>(
+    client: &ComputeClient<R>,
+    t: &BackwardOperands,
+    delta: &Operand,
+    dkv_cubes: Option<(usize, usize, usize)>,
+    dq_cubes: Option<(usize, usize, usize)>,
+    scalars: Scalars,
+    c: FlashConfig,
+    write_ds: bool,
+    p_buffer: Option<&Operand>,
+    dtype: StorageType,
+) {
+    use crate::flash::forward::mma::NV8;
+    use mma::{PLANES, dkv_config};
+    use mma_dkv::flash_backward_dkv_mma;
+    use mma_dq::flash_backward_dq_mma;
+    // Given scores store `dX` as 16-byte vectors where its rows allow (`dS` of attention, for
+    // a tracked bias, an element at a time).
+    let ds_vector = if c.given() && write_ds && t.ds.rows_of_vectors(NV8) {
+        NV8
+    } else {
+        1
+    };
+    let launch_dkv = || {
+        let Some(cubes) = dkv_cubes else { return };
+        // SAFETY: the caller's.
+        unsafe {
+            flash_backward_dkv_mma::launch_unchecked::<R>(
+                client,
+                cube_count(cubes),
+                cubecl::CubeDim::new_1d(PLANES * PLANE),
+                NV8,
+                p_buffer.map_or(t.q.arg(), |p| p.arg()),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dk.arg(),
+                t.dv.arg(),
+                scalars.arg(),
+                dkv_config(c),
+                p_buffer.is_some(),
+                dtype,
+            );
+        }
+    };
+    let launch_dq = || {
+        let Some(cubes) = dq_cubes else { return };
+        // SAFETY: the caller's.
+        unsafe {
+            flash_backward_dq_mma::launch_unchecked::<R>(
+                client,
+                cube_count(cubes),
+                cubecl::CubeDim::new_1d(c.block_q / MMA_M * PLANE),
+                NV8,
+                ds_vector,
+                t.q.arg(),
+                t.k.arg(),
+                t.v.arg(),
+                t.mask.arg(),
+                t.bias.arg(),
+                t.d_out.arg(),
+                t.lse.arg(),
+                delta.arg(),
+                t.dq.arg(),
+                t.ds.arg(),
+                p_buffer.map_or(t.ds.arg(), |p| p.arg()),
+                scalars.arg(),
+                c,
+                write_ds,
+                ds_vector == NV8,
+                p_buffer.is_some(),
+                dtype,
+            );
+        }
+    };
+    // The P-buffer plan: the dX kernel writes `P`, which the dK/dV kernel then reads.
+    if p_buffer.is_some() {
+        launch_dq();
+        launch_dkv();
+    } else {
+        launch_dkv();
+        launch_dq();
     }
 }

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The mutation check on the GPU machine: each deliberate kernel bug (`BURN_FLASH_MUTATION`, see
+# `crates/burn-flash-kernels/src/mutation.rs`) against the CUDA tests that must catch it, one
+# process per (mutation, test), JOBS at a time. A mutation is caught when at least one of its
+# tests fails; the script exits non-zero if any mutation survives.
+#
+# Usage, from the project root on the GPU machine, after `../shared/tools/gpu-pack --features
+# cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
+# attention_backward` here:
+#   benches/mutations.sh [JOBS]
+# Every line (CAUGHT/PASS per test, then a verdict per mutation) goes to $OUT/mutations.txt.
+set -uo pipefail
+jobs=${1:-14}
+.gpu/run ls >/dev/null # unpacks the binaries once
+bin=/tmp/gpu-pack-bin
+summary=${OUT:-/tmp}/mutations.txt
+# mutation, test binary, exact test name
+cases=$(cat <<'EOF'
+zero-dx softmax_matmul.test cuda::f32::gradients
+zero-dx softmax_matmul.test cuda::bf16::gradients
+zero-dx softmax_family.test cuda::f32::gradients_every_tier
+drop-delta softmax_matmul.test cuda::bf16::gradients
+drop-delta softmax_family.test cuda::f32::gradients_every_tier
+drop-delta attention_backward.test cuda::f32::shapes_and_options
+no-rescale softmax_matmul.test cuda::f16::large_magnitudes
+no-rescale softmax_matmul.test cuda::fused_f32::tiled_units
+no-rescale softmax_family.test cuda::fused_f32::forced_tiers_agree
+no-rescale attention.test cuda::bf16::causal
+causal-top-left attention.test cuda::f32::causal
+causal-top-left attention_backward.test cuda::bf16::causal
+zero-dq attention_backward.test cuda::f32::shapes_and_options
+zero-dq attention_backward.test cuda::bf16::shapes_and_options
+gqa-modulo attention_backward.test cuda::f32::grouped_query_heads
+gqa-modulo attention_backward.test cuda::bf16::grouped_query_heads
+dropout-fresh-mask attention_backward.test cuda::f32::dropout_gradients
+dropout-fresh-mask attention_backward.test cuda::bf16::dropout_gradients
+fill-grad attention_backward.test cuda::f32::masked_score_and_quiet
+fill-grad attention_backward.test cuda::bf16::masked_score_and_quiet
+quiet-off attention.test cuda::f32::masked_score_and_quiet
+quiet-off attention.test cuda::bf16::masked_score_and_quiet
+stage-head-start softmax_matmul.test cuda::bf16::gradients
+stage-head-start softmax_matmul.test cuda::wide_dx_rows
+stage-head-start attention_backward.test cuda::bf16::causal
+dx-narrow-blocks softmax_matmul.test cuda::wide_dx_rows
+dx-narrow-blocks softmax_matmul.test cuda::bf16::gradients
+EOF
+)
+logs=/tmp/mutations
+rm -rf "$logs" && mkdir -p "$logs"
+# A test that fails under its mutation has caught it (CAUGHT); one that passes has not (PASS).
+echo "$cases" | xargs -P "$jobs" -L 1 bash -c '
+  m=$0; b=$1; t=$2; log="'"$logs"'/$m-${b%.test}-${t//::/-}.log"
+  if BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
+  then echo "PASS $m $b $t"; else echo "CAUGHT $m $b $t"; fi
+' | sort | tee "$summary"
+survivors=0
+for m in $(echo "$cases" | cut -d' ' -f1 | sort -u); do
+  if grep -q "^CAUGHT $m " "$summary"; then
+    echo "mutation $m: caught by $(grep -c "^CAUGHT $m " "$summary") of $(grep -c " $m " "$summary") tests"
+  else
+    echo "mutation $m: SURVIVED"
+    survivors=$((survivors + 1))
+  fi
+done | tee -a "$summary"
+tar -czf "${OUT:-/tmp}/mutation-logs.tar.gz" -C /tmp mutations
+[ "$survivors" -eq 0 ]
