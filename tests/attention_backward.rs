@@ -575,7 +575,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // (7 cubes), keys in steps of 32.
     let masked = plan(true).expect("plan").expect("plan");
     // The plan carries the kernels' configuration: the mask is in it, the rest as without.
-    assert!(masked.config.mask && !plain.config.mask);
+    assert!(masked.config.rules.mask && !plain.config.rules.mask);
     let launch = |p: &burn_flash::kernels::attention::AttentionBackwardPlan| {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
@@ -590,7 +590,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
                 .expect("plan")
                 .expect("plan");
-        assert!(dropped.config.dropout);
+        assert!(dropped.config.rules.dropout);
         assert_eq!(launch(&dropped), launch(&plain));
     } else {
         assert_eq!(masked.kernel, AttentionBackwardKernel::Units);

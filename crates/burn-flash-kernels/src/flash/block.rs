@@ -92,7 +92,7 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     let one_head = row0 / seq_q == last / seq_q;
     let mut kv_end = seq_k;
     let mut full_end = seq_k;
-    if comptime!(c.causal) {
+    if comptime!(c.rules.causal) {
         // Largest / smallest position among the rows (all of them when they span heads).
         let pos_hi = select(one_head, last % seq_q, seq_q - 1);
         let pos_lo = select(one_head, row0 % seq_q, 0);
@@ -181,7 +181,7 @@ pub fn pair_block<Q: CubePrimitive, K: CubePrimitive, V: CubePrimitive>(
 #[cube]
 pub fn rows_kv_end(blk: &PairBlock, r0: usize, n: usize, #[comptime] c: FlashConfig) -> usize {
     let mut kv_end = blk.seq_k;
-    if comptime!(c.causal) {
+    if comptime!(c.rules.causal) {
         let last = usize::min(r0 + n, blk.rows) - 1;
         let pos_hi = select(
             r0 / blk.seq_q == last / blk.seq_q,

@@ -66,8 +66,8 @@ pub struct Tile {
     pub value_dim: u32,
 }
 
-/// Comptime configuration of a flash kernel: score source, [`ScoreRules`] and [`Tile`],
-/// flattened so that kernels read `c.block_q`, `c.causal`.
+/// Comptime configuration of a flash kernel: score source, [`ScoreRules`] and the [`Tile`]'s
+/// sizes (flattened, so that kernels read `c.block_q`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct FlashConfig {
     /// Where the scores come from.
@@ -82,34 +82,13 @@ pub struct FlashConfig {
     pub head_dim: u32,
     /// [`Tile::value_dim`].
     pub value_dim: u32,
-    /// [`ScoreRules::causal`].
-    pub causal: bool,
-    /// [`ScoreRules::mask`].
-    pub mask: bool,
-    /// [`ScoreRules::bias`].
-    pub bias: bool,
-    /// [`ScoreRules::softcap`].
-    pub softcap: bool,
-    /// [`ScoreRules::dropout`].
-    pub dropout: bool,
-    /// [`ScoreRules::masked_score`].
-    pub masked_score: Option<u32>,
-    /// [`ScoreRules::quiet`].
-    pub quiet: bool,
+    /// What the call asks of its scores.
+    pub rules: ScoreRules,
 }
 
 impl FlashConfig {
     /// The configuration of a kernel with scores from `source` under `rules`, on `tile`.
     pub fn new(source: ScoreSource, rules: ScoreRules, tile: Tile) -> Self {
-        let ScoreRules {
-            causal,
-            mask,
-            bias,
-            softcap,
-            dropout,
-            masked_score,
-            quiet,
-        } = rules;
         let Tile {
             block_q,
             row_tiles,
@@ -124,13 +103,7 @@ impl FlashConfig {
             block_k,
             head_dim,
             value_dim,
-            causal,
-            mask,
-            bias,
-            softcap,
-            dropout,
-            masked_score,
-            quiet,
+            rules,
         }
     }
 
@@ -150,15 +123,15 @@ impl FlashConfig {
         self.source == ScoreSource::Given
     }
 
-    /// Whether masked keys take [`FlashConfig::masked_score`] (a mask is read and the score
+    /// Whether masked keys take [`ScoreRules::masked_score`] (a mask is read and the score
     /// is set).
     pub fn fills(&self) -> bool {
-        self.mask && self.masked_score.is_some()
+        self.rules.mask && self.rules.masked_score.is_some()
     }
 
-    /// The score of a masked key ([`FlashConfig::masked_score`]; 0 when unset, never read).
+    /// The score of a masked key ([`ScoreRules::masked_score`]; 0 when unset, never read).
     pub fn fill_score(&self) -> f32 {
-        f32::from_bits(self.masked_score.unwrap_or(0))
+        f32::from_bits(self.rules.masked_score.unwrap_or(0))
     }
 }
 

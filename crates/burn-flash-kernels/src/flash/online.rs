@@ -77,7 +77,7 @@ pub fn log_sum_exp(m: f32, l: f32) -> f32 {
 #[cube]
 pub fn output_sum(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut total = l;
-    if comptime!(c.quiet && !crate::mutation::quiet_off()) {
+    if comptime!(c.rules.quiet && !crate::mutation::quiet_off()) {
         total += f32::exp(-m);
     }
     total
@@ -88,7 +88,7 @@ pub fn output_sum(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
 #[cube]
 pub fn row_lse(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut lse = log_sum_exp(m, l);
-    if comptime!(c.quiet) {
+    if comptime!(c.rules.quiet) {
         lse = quiet_lse(lse);
     }
     lse

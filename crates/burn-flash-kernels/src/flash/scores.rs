@@ -3,7 +3,7 @@
 //! mask, the causal mask (bottom-right aligned: query position `i` sees key `j` when
 //! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
 //! are *invisible*, and [`crate::flash::online::probability()`] gives them `P = 0`. With
-//! [`FlashConfig::masked_score`] a key the bool mask masks stays visible and takes that score
+//! [`crate::flash::ScoreRules::masked_score`] a key the bool mask masks stays visible and takes that score
 //! instead of the finished one (burn-nn's `mask_fill(mask, min_float)`).
 
 use cubecl::{ir::FastMath, prelude::*};
@@ -57,10 +57,10 @@ pub fn set_row<F: Float>(
     refs.pos[slot] = pos;
     refs.mask[slot] = 0usize;
     refs.bias[slot] = 0usize;
-    if comptime!(c.mask) {
+    if comptime!(c.rules.mask) {
         refs.mask[slot] = batch * mask.stride(0) + head * mask.stride(1) + pos * mask.stride(2);
     }
-    if comptime!(c.bias) {
+    if comptime!(c.rules.bias) {
         refs.bias[slot] = batch * bias.stride(0) + head * bias.stride(1) + pos * bias.stride(2);
     }
 }
@@ -82,7 +82,7 @@ pub fn visible<F: Float>(
     let mut ok = true;
     if comptime!(bounds) {
         ok = key < seq_k;
-        if comptime!(c.causal) {
+        if comptime!(c.rules.causal) {
             if comptime!(crate::mutation::causal_top_left()) {
                 ok = ok && key <= refs.pos[slot];
             } else {
@@ -90,7 +90,7 @@ pub fn visible<F: Float>(
             }
         }
     }
-    if comptime!(c.mask && !c.fills()) {
+    if comptime!(c.rules.mask && !c.fills()) {
         ok = ok && !masked::<F>(mask, refs, slot, key, seq_k, c);
     }
     ok
@@ -107,14 +107,14 @@ pub fn masked<F: Float>(
     #[comptime] c: FlashConfig,
 ) -> bool {
     let mut hit = false;
-    if comptime!(c.mask) {
+    if comptime!(c.rules.mask) {
         let k = usize::min(key, seq_k - 1);
         hit = f32::cast_from(mask[refs.mask[slot] + k * mask.stride(3)]) != 0.0f32;
     }
     hit
 }
 
-/// The finished score `s` of key `key`, or [`FlashConfig::masked_score`] where the mask masks
+/// The finished score `s` of key `key`, or [`crate::flash::ScoreRules::masked_score`] where the mask masks
 /// the key and the config fills masked keys (`s` itself otherwise).
 #[cube]
 pub fn filled<F: Float>(
@@ -177,7 +177,7 @@ pub fn score<F: Float>(
 #[cube]
 pub fn capped(raw: f32, scale: f32, softcap: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut s = raw * scale;
-    if comptime!(c.softcap) {
+    if comptime!(c.rules.softcap) {
         s = soft_cap(s, softcap);
     }
     s
@@ -195,7 +195,7 @@ pub fn add_bias<F: Float>(
     #[comptime] c: FlashConfig,
 ) -> f32 {
     let mut s = s;
-    if comptime!(c.bias) {
+    if comptime!(c.rules.bias) {
         let k = usize::min(key, seq_k - 1);
         s += f32::cast_from(bias[refs.bias[slot] + k * bias.stride(3)]);
     }

@@ -2,7 +2,7 @@
 //! `ldmatrix`; CUDA sm_80+): the schedule of [`crate::flash::backward::units`] with every product on the
 //! matrix units and every intermediate in registers.
 //!
-//! - [`flash_backward_dq_mma()`]: a cube owns [`DQ_ROWS`] query rows (a plane 16; given
+//! - [`flash_backward_dq_mma()`](fn@super::mma_dq::flash_backward_dq_mma): a cube owns [`DQ_ROWS`] query rows (a plane 16; given
 //!   scores: [`WIDE_DX_ROWS`] where they fit, `softmax_matmul::mma_dx_rows`), their `Q`
 //!   and `dO` tiles staged once; per block of keys it stages `K` and `V`, computes `S = Q·Kᵀ`
 //!   and `dP = dO·Vᵀ` into accumulator fragments, turns them into `dS` (the forward's score
@@ -10,7 +10,7 @@
 //!   registers, and `dQ += dS·K` takes `dS` as its `A` operand straight from those registers
 //!   (the accumulator fragments of two adjacent 8-key tiles are the `A` fragment of their 16
 //!   keys, as `P` is in the forward) and `K` by `ldmatrix.trans`.
-//! - [`flash_backward_dkv_mma()`]: a cube owns [`DKV_KEYS`] keys (a plane 16), their `K` and
+//! - [`flash_backward_dkv_mma()`](fn@super::mma_dkv::flash_backward_dkv_mma): a cube owns [`DKV_KEYS`] keys (a plane 16), their `K` and
 //!   `V` tiles staged once; per block of query rows (the group's query heads, summed in the
 //!   kernel) it stages `Q`, `dO`, `lse` and `δ`, computes the transposed scores `Sᵀ = K·Qᵀ`
 //!   and `dPᵀ = V·dOᵀ`, so that `Pᵀ` and `dSᵀ` are `A` fragments in registers for
@@ -51,7 +51,7 @@ use crate::staging::copy_vec;
 
 /// Planes per cube of both kernels.
 pub const PLANES: u32 = 4;
-/// Query rows per cube of [`flash_backward_dq_mma()`] (attention's, and given scores' where
+/// Query rows per cube of [`flash_backward_dq_mma()`](fn@super::mma_dq::flash_backward_dq_mma) (attention's, and given scores' where
 /// [`WIDE_DX_ROWS`] does not fit).
 pub const DQ_ROWS: u32 = PLANES * MMA_M;
 /// Rows per cube of the `dX` kernel (given scores) where its shared memory fits: 8 planes share
@@ -59,7 +59,7 @@ pub const DQ_ROWS: u32 = PLANES * MMA_M;
 /// `dO` tile of all of `Dv` and two `V` blocks: 133 KB at `Dv` 512 with 64 rows, 200 KB with
 /// 128).
 pub const WIDE_DX_ROWS: u32 = 2 * DQ_ROWS;
-/// Keys per cube of [`flash_backward_dkv_mma()`].
+/// Keys per cube of [`flash_backward_dkv_mma()`](fn@super::mma_dkv::flash_backward_dkv_mma).
 pub const DKV_KEYS: u32 = PLANES * MMA_M;
 /// Largest head dim (`D` and `Dv`) the kernels take (their accumulators' registers).
 pub const MAX_DIM: u32 = 128;
@@ -124,7 +124,11 @@ pub fn dkv_shared_bytes(c: FlashConfig) -> usize {
         (keys + 2 * bk) * (d + dv)
     };
     // lse, δ and (with a mask, bias or dropout) each row's head and position, in two buffers.
-    let rows = if c.mask || c.bias || c.dropout { 8 } else { 4 };
+    let rows = if c.rules.mask || c.rules.bias || c.rules.dropout {
+        8
+    } else {
+        4
+    };
     tiles * 2 + rows * bk * 4
 }
 
@@ -315,7 +319,7 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
         let at = buf * 2 * bq + UNIT_POS as usize;
         stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
         stat_s[at + bq] = delta[(batch * q.shape(1) + head) * seq_q + pos];
-        if comptime!(c.mask || c.bias || c.dropout) {
+        if comptime!(c.rules.mask || c.rules.bias || c.rules.dropout) {
             row_s[at] = head as u32;
             row_s[at + bq] = pos as u32;
         }

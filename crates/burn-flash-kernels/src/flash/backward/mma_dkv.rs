@@ -57,7 +57,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let x_ldv = comptime!((step_width(c) + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let bq = comptime!(c.block_k as usize);
-    let row_len = comptime!(if c.mask || c.bias || c.dropout {
+    let row_len = comptime!(if c.rules.mask || c.rules.bias || c.rules.dropout {
         4 * bq
     } else {
         1usize
@@ -143,7 +143,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let mut per_head = blocks;
     let mut first = 0usize;
     let mut live_per_head = blocks;
-    if comptime!(c.causal) {
+    if comptime!(c.rules.causal) {
         if seq_q % bq == 0 {
             per_head = seq_q / bq;
             let sees = key0 + seq_q;
@@ -223,7 +223,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         let last = usize::min(r0 + bq, rows) - 1;
         // Causal: the block's largest position must see the cube's first key.
         let mut live = true;
-        if comptime!(c.causal) {
+        if comptime!(c.rules.causal) {
             let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
             live = key0 + seq_q <= pos_hi + seq_k;
         }
@@ -301,22 +301,22 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                         let sc = capped(raw[n], scale, softcap, c);
                         let mut x = sc;
                         let mut fac = scale;
-                        if comptime!(c.softcap) {
+                        if comptime!(c.rules.softcap) {
                             let t = sc / softcap;
                             fac = scale * (1.0f32 - t * t);
                         }
                         let mut ok = key[h] <= key_last;
                         // 0 where a masked key took the fill score (a constant: no dS).
                         let mut gate = 1.0f32;
-                        if comptime!(c.mask || c.bias) {
+                        if comptime!(c.rules.mask || c.rules.bias) {
                             // The row's head and position, staged with its lse and δ.
                             let head = row_s[sb + col] as usize;
                             let pos = row_s[sb + bq + col] as usize;
                             let kk = usize::min(key[h], seq_k - 1);
-                            if comptime!(c.causal) {
+                            if comptime!(c.rules.causal) {
                                 ok = ok && key[h] + seq_q <= pos + seq_k;
                             }
-                            if comptime!(c.mask) {
+                            if comptime!(c.rules.mask) {
                                 let at = batch * mask.stride(0)
                                     + head * mask.stride(1)
                                     + pos * mask.stride(2)
@@ -328,7 +328,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                                     ok = ok && !hit;
                                 }
                             }
-                            if comptime!(c.bias) {
+                            if comptime!(c.rules.bias) {
                                 let at = batch * bias.stride(0)
                                     + head * bias.stride(1)
                                     + pos * bias.stride(2)
@@ -339,13 +339,13 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                                 x = select(gate == 0.0f32, f32::new(comptime!(c.fill_score())), x);
                             }
                         }
-                        if comptime!(c.causal && !(c.mask || c.bias)) {
+                        if comptime!(c.rules.causal && !(c.rules.mask || c.rules.bias)) {
                             let pos = usize::min(row, rows - 1) % seq_q;
                             ok = ok && key[h] + seq_q <= pos + seq_k;
                         }
                         let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
                         let mut z = 1.0f32;
-                        if comptime!(c.dropout) {
+                        if comptime!(c.rules.dropout) {
                             // The forward's mask of this weight: its row's (head, position).
                             let head = row_s[sb + col] as usize;
                             let pos = row_s[sb + bq + col] as usize;

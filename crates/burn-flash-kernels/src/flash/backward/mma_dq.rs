@@ -285,7 +285,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                         let sc = capped(raw[n as usize], scale, softcap, c);
                         x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
                         x = filled::<F>(mask, &refs, h, x, key, seq_k, c);
-                        if comptime!(c.softcap) {
+                        if comptime!(c.rules.softcap) {
                             let t = sc / softcap;
                             fac = scale * (1.0f32 - t * t);
                         }
@@ -293,7 +293,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                     }
                     let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);
                     let mut dpz = dpv[n as usize];
-                    if comptime!(c.dropout) {
+                    if comptime!(c.rules.dropout) {
                         // dP̃ = dO·Vᵀ reaches P through the forward's mask: dP ⊙ Z.
                         dpz *= keep_weight(
                             drop.seed_lo,

@@ -131,7 +131,7 @@ pub enum Schedule<'a> {
         /// The vector width (1, 2 or 4) dividing every row and stride.
         vector: usize,
     },
-    /// [`launch_mma()`].
+    /// `launch_mma()`.
     MatrixUnits {
         /// `dS` (given scores: `dX`) is written.
         write_ds: bool,
@@ -158,7 +158,7 @@ impl Schedule<'_> {
 ///
 /// # Safety
 /// As the schedule's launcher: [`units::launch()`], [`units_given::launch()`],
-/// [`launch_mma()`].
+/// `launch_mma()`.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_backward<R: Runtime>(
     client: &ComputeClient<R>,

@@ -319,7 +319,7 @@ fn rebuild<F: Float>(
             let key = j0 + (tx + GRID * j) as usize;
             let sc = capped(raw[at], scale, softcap, c);
             let mut fac = 1.0f32;
-            if comptime!(c.softcap) {
+            if comptime!(c.rules.softcap) {
                 let t = sc / softcap;
                 fac = 1.0f32 - t * t;
             }
@@ -338,7 +338,7 @@ fn rebuild<F: Float>(
                 );
             }
             z[at] = 1.0f32;
-            if comptime!(c.dropout) {
+            if comptime!(c.rules.dropout) {
                 z[at] = keep_weight(
                     drop.seed_lo,
                     drop.seed_hi,
@@ -513,7 +513,7 @@ pub fn flash_backward_dkv<F: Float>(
         let last = usize::min(r0 + STEP_ROWS as usize, rows) - 1;
         // Causal: the block's largest position must see the first key.
         let mut live = true;
-        if comptime!(c.causal) {
+        if comptime!(c.rules.causal) {
             let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
             live = j0 + seq_q <= pos_hi + seq_k;
             if comptime!(crate::mutation::causal_top_left()) {

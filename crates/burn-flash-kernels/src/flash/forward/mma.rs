@@ -447,7 +447,7 @@ fn step<F: Float, NV: Size>(
                     // Invisible keys carry the lowest value; only steps that test bounds or
                     // read a mask have them (a given −inf needs no test: e^(−inf − m) = 0).
                     let mut p = f32::exp(x - m[slot]);
-                    if comptime!(bounds || c.mask) {
+                    if comptime!(bounds || c.rules.mask) {
                         p = probability(x, m[slot], x > f32::min_value());
                     }
                     if comptime!(!c.given()) {
@@ -455,7 +455,7 @@ fn step<F: Float, NV: Size>(
                     }
                     // The row sum takes every weight; `P·V` the kept ones, scaled.
                     let mut kept = p;
-                    if comptime!(c.dropout) {
+                    if comptime!(c.rules.dropout) {
                         let key =
                             j0 + key_of(comptime!(2 * kc + i / 2), quad, comptime!(n as u32), c);
                         kept *= keep_weight(

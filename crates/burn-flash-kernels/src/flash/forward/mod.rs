@@ -31,7 +31,7 @@ use crate::flash::config::{FlashConfig, FlashKernel};
 
 /// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
 /// both ops (`softmax_matmul`, attention) start a forward. The dropout of `scalars` is read
-/// only by the plain-unit and matrix-unit kernels, and only when `c.dropout`. `vector` is the
+/// only by the plain-unit and matrix-unit kernels, and only when `c.rules.dropout`. `vector` is the
 /// tiled kernel's vector width (the matrix-unit kernel always reads 16-byte vectors,
 /// [`mma::NV8`]).
 ///

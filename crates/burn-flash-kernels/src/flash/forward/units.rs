@@ -283,7 +283,7 @@ pub fn flash_forward_units<F: Float>(
                 let p = probability(sacc[at], m[i], vis[at]);
                 // The row sum takes every weight; `P·V` the kept ones, scaled.
                 let mut kept = p;
-                if comptime!(c.dropout) {
+                if comptime!(c.rules.dropout) {
                     let key = j0 + tx as usize + 16 * cc;
                     kept *= keep_weight(
                         drop.seed_lo,
