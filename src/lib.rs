@@ -22,6 +22,7 @@
 
 pub mod attention;
 mod backend;
+mod fusion;
 pub mod nn;
 pub mod softmax;
 pub mod softmax_matmul;

@@ -14,7 +14,7 @@ use burn_fusion::{
 
 use super::{AttentionGrads, FlashAttentionOptions};
 use crate::FlashBackend;
-use crate::softmax::fusion::{custom_op, register};
+use crate::fusion::{custom_op, register};
 
 #[derive(Debug)]
 struct ForwardOp<B> {

@@ -1,5 +1,5 @@
-//! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels. It ends the
-//! fused block around it (Burn's fuser cannot see inside).
+//! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels
+//! ([`crate::fusion`]).
 //!
 //! Per call, the user thread only checks what can fail (`dim`, dtype; the plan only for forced
 //! options) and records the operation; the operation struct keeps the tensors' IR it needs, not
@@ -7,18 +7,16 @@
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{
-    CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr,
-};
+use burn::backend::ir::{HandleContainer, OperationOutput, TensorId, TensorIr};
 use burn::tensor::ops::FloatTensor;
 use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
 use burn_fusion::{
-    Fusion, FusionBackend, FusionRuntime, FusionTensor,
-    client::GlobalFusionClient,
+    Fusion, FusionBackend, FusionRuntime,
     stream::{Operation, OperationStreams},
 };
 
 use crate::FlashBackend;
+use crate::fusion::{custom_op, register};
 
 #[derive(Debug)]
 struct SoftmaxOp<B> {
@@ -91,38 +89,6 @@ fn validate<B: FusionBackend + FlashBackend>(
     {
         panic!("burn_flash::{op}: {err}");
     }
-}
-
-/// The IR Fusion records for a custom operation (`CustomOpIr::new` would copy both lists).
-pub(crate) fn custom_op(
-    name: &'static str,
-    inputs: Vec<TensorIr>,
-    outputs: Vec<TensorIr>,
-) -> CustomOpIr {
-    CustomOpIr {
-        id: name.to_owned(),
-        inputs,
-        outputs,
-    }
-}
-
-/// Records a custom op on Fusion's stream, then hands Fusion's task queue to its device thread
-/// at once. Fusion's channel otherwise holds tasks until 32 have queued or the user syncs, so a
-/// custom op (which no fuser takes: it runs as soon as the device thread sees it) would wait
-/// for unrelated later tasks, and a lone call would start its kernel only at the sync.
-/// `BURN_FLASH_FUSION_FLUSH=0` leaves the queue alone (for comparisons).
-pub(crate) fn register<R: FusionRuntime, O: Operation<R> + 'static>(
-    client: &GlobalFusionClient<R>,
-    streams: OperationStreams,
-    desc: CustomOpIr,
-    op: O,
-) -> Vec<FusionTensor<R>> {
-    static FLUSH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let outputs = client.register(streams, OperationIr::Custom(desc), op);
-    if *FLUSH.get_or_init(|| std::env::var("BURN_FLASH_FUSION_FLUSH").map_or(true, |v| v != "0")) {
-        client.flush_queue();
-    }
-    outputs
 }
 
 pub(crate) fn forward<B: FusionBackend + FlashBackend>(
