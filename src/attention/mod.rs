@@ -28,6 +28,7 @@
 //! [`FlashAttentionOptions::dropout`].
 
 pub(crate) mod autodiff;
+pub(crate) mod backend;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;

@@ -5,6 +5,7 @@
 //! [`quiet_softmax`] and −inf from [`log_softmax`], never NaN. A row containing NaN gives NaN.
 
 pub(crate) mod autodiff;
+pub(crate) mod backend;
 pub(crate) mod cube;
 pub(crate) mod fusion;
 pub mod reference;
