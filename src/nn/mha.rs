@@ -381,11 +381,6 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             self.dropout.prob,
             &q.device(),
         );
-        let [_, _, seq_q, _] = q.dims();
-        let seq_k = k.dims()[2];
-        if seq_q == 1 && mask.is_none() && options.dropout.is_none() && split_decode(seq_k) {
-            return decode_split(q, k, v, options);
-        }
         crate::attention_with_lse(q, k, v, mask, None, options).0
     }
 
@@ -458,89 +453,4 @@ impl<B: Backend> MhaCache<B> {
     pub fn is_empty(&self) -> bool {
         self.output.is_empty()
     }
-}
-
-/// Keys per chunk of a split decoding step ([`decode_split`]).
-const SPLIT_KEYS: usize = 256;
-
-/// Whether one query row against `seq_k` keys is split over chunks of keys: with
-/// `BURN_FLASH_DECODE_SPLIT=1`, from two chunks on. Off by default: on an H100 a decoding step
-/// of a small model is bound by the host's cost per op, not by the attention kernel (the same
-/// 3.6–6 ms per token at 512 and 4096 tokens of context), and the split's extra ops made it
-/// slower (4.97 against 3.61 ms, d_model 512, 4 layers, bf16; NOTES.md, session 14). It is
-/// the lever once a step is bound by the kernel (large batches, long contexts).
-fn split_decode(seq_k: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    seq_k >= 2 * SPLIT_KEYS
-        && *ON.get_or_init(|| std::env::var("BURN_FLASH_DECODE_SPLIT").is_ok_and(|v| v == "1"))
-}
-
-/// One query row per head attending to `seq_k` keys (a decoding step), split over chunks of
-/// [`SPLIT_KEYS`] keys that run as a batch of their own (FlashDecoding's split-K): the kernel
-/// gives one cube per (batch, head, chunk) instead of one per (batch, head), which a single
-/// row leaves with a long serial loop over the keys. The chunks' outputs merge by their
-/// log-sum-exps: `out = Σ e^(lse_c − L)·out_c` with `L = log Σ e^(lse_c)`; quiet softmax is
-/// applied after the merge (`out·σ(L)`). Only without a mask and dropout: the last row of a
-/// bottom-right causal call sees every key, so causal changes nothing here.
-fn decode_split<B: FlashBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    options: crate::FlashAttentionOptions,
-) -> Tensor<B, 4> {
-    let [batch, heads, _, d] = q.dims();
-    let [_, heads_kv, seq_k, _] = k.dims();
-    let dv = v.dims()[3];
-    let chunks = seq_k / SPLIT_KEYS;
-    let main = chunks * SPLIT_KEYS;
-    let plain = crate::FlashAttentionOptions {
-        quiet: false,
-        module: burn::tensor::ops::AttentionModuleOptions {
-            is_causal: false,
-            ..options.module
-        },
-        ..options
-    };
-    // [B, Hkv, c·L, D] → [B·c, Hkv, L, D].
-    let split = |t: Tensor<B, 4>, width: usize| {
-        t.slice([0..batch, 0..heads_kv, 0..main, 0..width])
-            .reshape([batch, heads_kv, chunks, SPLIT_KEYS, width])
-            .swap_dims(1, 2)
-            .reshape([batch * chunks, heads_kv, SPLIT_KEYS, width])
-    };
-    let q_c = q
-        .clone()
-        .reshape([batch, 1, heads, 1, d])
-        .expand([batch, chunks, heads, 1, d])
-        .reshape([batch * chunks, heads, 1, d]);
-    let (out, lse) = crate::attention_with_lse(
-        q_c,
-        split(k.clone(), d),
-        split(v.clone(), dv),
-        None,
-        None,
-        plain,
-    );
-    let mut outs = out.reshape([batch, chunks, heads, dv]);
-    let mut lses = lse.reshape([batch, chunks, heads]);
-    if main < seq_k {
-        let rest =
-            |t: Tensor<B, 4>, width: usize| t.slice([0..batch, 0..heads_kv, main..seq_k, 0..width]);
-        let (o, l) = crate::attention_with_lse(q, rest(k, d), rest(v, dv), None, None, plain);
-        outs = Tensor::cat(vec![outs, o.reshape([batch, 1, heads, dv])], 1);
-        lses = Tensor::cat(vec![lses, l.reshape([batch, 1, heads])], 1);
-    }
-    let dtype = outs.dtype();
-    let m = lses.clone().max_dim(1);
-    let w = (lses - m.clone()).exp();
-    let total = w.clone().sum_dim(1);
-    let weights = (w / total.clone()).cast(dtype).unsqueeze_dim::<4>(3);
-    let mut out = (outs * weights).sum_dim(1);
-    if options.quiet {
-        // σ(L) with L = m + ln Σ w.
-        let big_l = m + total.log();
-        let sigma = big_l.neg().exp().add_scalar(1.0).recip().cast(dtype);
-        out = out * sigma.unsqueeze_dim::<4>(3);
-    }
-    out.reshape([batch, heads, 1, dv])
 }
