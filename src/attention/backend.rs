@@ -172,7 +172,7 @@ impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
         bias: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::fusion::forward::<B>(query, key, value, mask, bias, options)
+        super::fusion::forward::<B>((query, key, value, mask, bias), options)
     }
 
     fn flash_attention_backward(
@@ -187,9 +187,8 @@ impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
         options: FlashAttentionOptions,
         want_ds: bool,
     ) -> AttentionGrads<Self> {
-        super::fusion::backward::<B>(
-            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
-        )
+        let inputs = (query, key, value, mask, bias);
+        super::fusion::backward::<B>(inputs, out, lse, d_out, options, want_ds)
     }
 
     planning!(B);

@@ -4,10 +4,7 @@
 use core::marker::PhantomData;
 
 use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
-use burn::tensor::{
-    DType, Shape,
-    ops::{BoolTensor, FloatTensor},
-};
+use burn::tensor::{DType, Shape, ops::FloatTensor};
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
 use super::{AttentionGrads, FlashAttentionOptions, Inputs};
@@ -91,49 +88,40 @@ fn record<B: FusionBackend + FlashBackend>(
 }
 
 pub(crate) fn forward<B: FusionBackend + FlashBackend>(
-    query: FloatTensor<Fusion<B>>,
-    key: FloatTensor<Fusion<B>>,
-    value: FloatTensor<Fusion<B>>,
-    mask: Option<BoolTensor<Fusion<B>>>,
-    bias: Option<FloatTensor<Fusion<B>>>,
+    inputs: Inputs<Fusion<B>>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<Fusion<B>>, FloatTensor<Fusion<B>>) {
+    let (query, value) = (&inputs.0, &inputs.2);
     let (b, hq, sq) = (query.shape[0], query.shape[1], query.shape[2]);
     let dv = value.shape[3];
-    let out = uninit(&query, Shape::from([b, hq, sq, dv]), query.dtype);
-    let lse = uninit(&query, Shape::from([b, hq, sq]), DType::F32);
-    let inputs = (query, key, value, mask, bias);
+    let out = uninit(query, Shape::from([b, hq, sq, dv]), query.dtype);
+    let lse = uninit(query, Shape::from([b, hq, sq]), DType::F32);
     let name = "burn_flash::attention";
     let [out, lse] = record::<B>(name, inputs, vec![], vec![out, lse], false, options).outputs();
     (out, lse)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<B: FusionBackend + FlashBackend>(
-    query: FloatTensor<Fusion<B>>,
-    key: FloatTensor<Fusion<B>>,
-    value: FloatTensor<Fusion<B>>,
-    mask: Option<BoolTensor<Fusion<B>>>,
-    bias: Option<FloatTensor<Fusion<B>>>,
+    inputs: Inputs<Fusion<B>>,
     out: FloatTensor<Fusion<B>>,
     lse: FloatTensor<Fusion<B>>,
     d_out: FloatTensor<Fusion<B>>,
     options: FlashAttentionOptions,
     want_ds: bool,
 ) -> AttentionGrads<Fusion<B>> {
+    let (query, key, value) = (&inputs.0, &inputs.1, &inputs.2);
     let dtype = query.dtype;
     let full = Shape::from([query.shape[0], query.shape[1], query.shape[2], key.shape[2]]);
     let mut outputs = vec![
-        uninit(&query, query.shape.clone(), dtype),
-        uninit(&key, key.shape.clone(), dtype),
-        uninit(&value, value.shape.clone(), dtype),
+        uninit(query, query.shape.clone(), dtype),
+        uninit(key, key.shape.clone(), dtype),
+        uninit(value, value.shape.clone(), dtype),
     ];
     if want_ds {
-        outputs.push(uninit(&query, full, dtype));
+        outputs.push(uninit(query, full, dtype));
     }
-    let (inputs, rest) = ((query, key, value, mask, bias), vec![out, lse, d_out]);
     let name = "burn_flash::attention_backward";
-    let grads = record::<B>(name, inputs, rest, outputs, true, options);
+    let grads = record::<B>(name, inputs, vec![out, lse, d_out], outputs, true, options);
     let mut grads = grads.into_iter();
     let mut next = || grads.next().expect("registered output");
     let (dq, dk, dv) = (next(), next(), next());
