@@ -22,22 +22,24 @@
 
 pub mod attention;
 mod backend;
+mod fusion;
 pub mod nn;
 pub mod softmax;
 pub mod softmax_matmul;
 
+pub use attention::backend::AttentionBackend;
 pub use attention::{
     AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionKernel,
     FlashAttentionOptions, attention, attention_backward_plan, attention_plan, attention_with_lse,
 };
-pub use backend::{
-    AttentionBackend, FlashAutodiffBackend, FlashBackend, SoftmaxBackend, SoftmaxMatmulBackend,
-};
+pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
+pub use softmax::backend::SoftmaxBackend;
 pub use softmax::{
     SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,
 };
+pub use softmax_matmul::backend::SoftmaxMatmulBackend;
 pub use softmax_matmul::{
     SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
 };

@@ -511,11 +511,6 @@ fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatD
 /// decoder's autoregressive inference against its full forward; `KvCache` growing past its
 /// first capacity.
 fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    // The split decoding step is opt-in (`BURN_FLASH_DECODE_SPLIT=1`), read at the first step
-    // over 512 keys or more: this test's, below.
-    // SAFETY: no other thread reads or writes the environment concurrently in a way that
-    // matters; the value only selects between two equal results.
-    unsafe { std::env::set_var("BURN_FLASH_DECODE_SPLIT", "1") };
     let (nb, s, d_model, heads) = (2, 14, 32, 4);
     let theirs = fixed(
         BurnMhaConfig::new(d_model, heads)
@@ -611,35 +606,6 @@ fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             err <= tol,
             "decoder cache at {len}: error {err:e} > {tol:e}"
         );
-    }
-    // Long enough for single-token steps to split the keys into chunks (`decode_split`: 256
-    // keys each, plus a remainder; opt-in, so switched on here), with quiet softmax too.
-    let long = 600;
-    let y = rand3::<B>([1, long, d_model], 1.0, dtype, device);
-    for quiet in [false, true] {
-        let m = transfer(
-            theirs.clone(),
-            MultiHeadAttentionConfig::new(d_model, heads)
-                .with_dropout(0.0)
-                .with_quiet_softmax(quiet)
-                .init::<B>(device),
-            device,
-        );
-        let full = read(m.forward(MhaInput::self_attn(y.clone()).causal()).context);
-        let mut cache = MhaCache::autoregressive();
-        for len in [590, 591, 600] {
-            let prefix = y.clone().slice([0..1, 0..len, 0..d_model]);
-            let got = read(
-                m.forward_cache(MhaInput::self_attn(prefix).causal(), &mut cache)
-                    .context,
-            );
-            let err = max_err(&got, &full[..len * d_model]);
-            let tol = 16.0 * eps(dtype) * max_abs(&full);
-            assert!(
-                err <= tol,
-                "split decoding at {len}, quiet {quiet}: error {err:e} > {tol:e}"
-            );
-        }
     }
     // The encoder (pre-LN, as a GPT stack), several positions per call, against its full
     // causal forward.

@@ -17,7 +17,7 @@ use burn::tensor::{
     ops::{BoolTensor, FloatTensor},
 };
 
-use super::FlashAttentionOptions;
+use super::{FlashAttentionOptions, Inputs};
 use crate::FlashBackend;
 
 /// Two float tensors of `Autodiff<B, C>`: the op's two results.
@@ -27,14 +27,9 @@ type Pair<B, C> = (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>);
 #[derive(Debug)]
 struct AttentionBackward;
 
-/// What the backward needs: `q`, `k`, `v`, the mask, the bias, the output and `lse`, the
-/// options.
+/// What the backward needs: the call's inputs, the output and `lse`, the options.
 type State<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<BoolTensor<B>>,
-    Option<FloatTensor<B>>,
+    Inputs<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FlashAttentionOptions,
@@ -45,7 +40,7 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let d_out = grads.consume::<B>(&ops.node);
-        let (q, k, v, mask, bias, out, lse, options) = ops.state;
+        let ((q, k, v, mask, bias), out, lse, options) = ops.state;
         let bias_node = ops.parents.get(3).cloned().flatten();
         let bias_dims = bias.as_ref().map(|b| b.shape().dims::<4>());
         let want_ds = bias_node.is_some();
@@ -95,16 +90,8 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
                 OpsKind::Tracked(prep) => {
                     let bias: Option<FloatTensor<B>> = $bias;
                     let (out, lse) = run(q.clone(), k.clone(), v.clone(), bias.clone());
-                    let state = (
-                        q,
-                        k,
-                        v,
-                        mask.clone(),
-                        bias,
-                        out.clone(),
-                        lse.clone(),
-                        options,
-                    );
+                    let inputs = (q, k, v, mask.clone(), bias);
+                    let state = (inputs, out.clone(), lse.clone(), options);
                     (
                         prep.finish(state, out),
                         <Autodiff<B, C> as AutodiffBackend>::from_inner(lse),

@@ -27,6 +27,7 @@
 //! [`FlashAttentionOptions::dropout`].
 
 pub(crate) mod autodiff;
+pub(crate) mod backend;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;
@@ -34,7 +35,7 @@ pub(crate) mod fusion;
 use burn::tensor::{
     Bool, DType, Tensor, TensorPrimitive,
     backend::Backend,
-    ops::{AttentionModuleOptions, FloatTensor},
+    ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
 pub use burn_flash_kernels::dropout::DropoutParams;
@@ -62,6 +63,15 @@ pub struct AttentionGrads<B: Backend> {
 use crate::FlashBackend;
 
 const OP: &str = "burn_flash::attention";
+
+/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask and the bias.
+pub(crate) type Inputs<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<BoolTensor<B>>,
+    Option<FloatTensor<B>>,
+);
 
 /// Burn's attention options plus burn-flash's overrides.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

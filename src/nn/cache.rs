@@ -8,6 +8,8 @@ use std::ops::Range;
 
 use burn::tensor::{Tensor, backend::Backend};
 
+use super::rows;
+
 /// Positions a cache allocates at first, at least.
 const MIN_CAPACITY: usize = 64;
 
@@ -198,21 +200,29 @@ impl<B: Backend> RowCache<B> {
         input: Tensor<B, 3>,
         f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
     ) -> Tensor<B, 3> {
-        let [batch, seq, width] = input.dims();
+        let seq = input.dims()[1];
+        self.extend("RowCache", "input", seq, |new| f(rows(input, new)))
+    }
+
+    /// Every row of a sequence of `seq` positions: the rows past the ones held are computed
+    /// by `f` from their positions (`held..seq`) and appended. Panics, naming `who` and its
+    /// `input`, when the sequence is shorter than what the cache holds.
+    pub(crate) fn extend(
+        &mut self,
+        who: &str,
+        input: &str,
+        seq: usize,
+        f: impl FnOnce(Range<usize>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
         let held = self.len();
         assert!(
             seq >= held,
-            "RowCache: the input has {seq} positions, the cache already holds {held} (a new sequence needs a new cache)"
+            "{who}: the {input} has {seq} positions, the cache already holds {held} (a new sequence needs a new cache)"
         );
         if seq == held {
             return self.view();
         }
-        let new = if held == 0 {
-            input
-        } else {
-            input.slice([0..batch, held..seq, 0..width])
-        };
-        self.append(f(new))
+        self.append(f(held..seq))
     }
 
     /// Appends rows (`[B, n, D]`) and returns every row held.

@@ -6,7 +6,7 @@ use burn::module::{Initializer, Module};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
-use super::{attention_mask, merge_heads, module_options, split_heads};
+use super::{attention_mask, check_divides, merge_heads, module_options, split_heads};
 use crate::FlashBackend;
 
 const WHO: &str = "burn_flash::nn::CrossAttention";
@@ -79,11 +79,10 @@ impl CrossAttentionConfig {
     /// A module with burn-nn's initialisation (Kaiming uniform, gain `1/√d_head`). Panics when
     /// `n_heads_kv` does not divide `n_heads`.
     pub fn init<B: Backend>(&self, device: &B::Device) -> CrossAttention<B> {
-        assert!(
-            self.n_heads_kv > 0 && self.n_heads.is_multiple_of(self.n_heads_kv),
-            "{WHO}: `n_heads_kv` {} must divide `n_heads` {}",
-            self.n_heads_kv,
-            self.n_heads
+        check_divides(
+            WHO,
+            ("n_heads_kv", self.n_heads_kv),
+            ("n_heads", self.n_heads),
         );
         let linear = |d_in, d_out| {
             LinearConfig::new(d_in, d_out)

@@ -6,7 +6,9 @@ use burn::nn::{Dropout, DropoutConfig, Gelu, Linear, LinearConfig};
 use burn::tensor::{Bool, Tensor, activation, backend::Backend};
 
 use super::cache::{KvCache, RowCache};
-use super::{attention_mask, merge_heads, module_options, split_heads};
+use super::{
+    attention_mask, check_divides, display_settings, merge_heads, module_options, rows, split_heads,
+};
 use crate::FlashBackend;
 
 const WHO: &str = "burn_flash::nn::MultiHeadAttention";
@@ -67,9 +69,7 @@ pub struct MultiHeadAttention<B: Backend> {
 
 impl<B: Backend> ModuleDisplay for MultiHeadAttention<B> {
     fn custom_settings(&self) -> Option<DisplaySettings> {
-        DisplaySettings::new()
-            .with_new_line_after_attribute(false)
-            .optional()
+        display_settings()
     }
 
     fn custom_content(&self, content: Content) -> Option<Content> {
@@ -87,12 +87,7 @@ impl<B: Backend> ModuleDisplay for MultiHeadAttention<B> {
 impl MultiHeadAttentionConfig {
     /// A module with burn-nn's initialisation. Panics when `n_heads` does not divide `d_model`.
     pub fn init<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
-        assert!(
-            self.n_heads > 0 && self.d_model.is_multiple_of(self.n_heads),
-            "{WHO}: `n_heads` {} must divide `d_model` {}",
-            self.n_heads,
-            self.d_model
-        );
+        check_divides(WHO, ("n_heads", self.n_heads), ("d_model", self.d_model));
         let linear = || {
             LinearConfig::new(self.d_model, self.d_model)
                 .with_initializer(self.initializer.clone())
@@ -114,41 +109,37 @@ impl MultiHeadAttentionConfig {
     }
 }
 
+/// burn-nn's `MultiHeadAttention` and this one have the same fields: `Self` with each of
+/// `$m`'s moved in.
+macro_rules! moved_fields {
+    ($m:ident) => {
+        Self {
+            query: $m.query,
+            key: $m.key,
+            value: $m.value,
+            output: $m.output,
+            dropout: $m.dropout,
+            activation: $m.activation,
+            d_model: $m.d_model,
+            n_heads: $m.n_heads,
+            d_k: $m.d_k,
+            min_float: $m.min_float,
+            quiet_softmax: $m.quiet_softmax,
+        }
+    };
+}
+
 impl<B: Backend> From<burn::nn::attention::MultiHeadAttention<B>> for MultiHeadAttention<B> {
     /// The same parameters, moved.
     fn from(m: burn::nn::attention::MultiHeadAttention<B>) -> Self {
-        Self {
-            query: m.query,
-            key: m.key,
-            value: m.value,
-            output: m.output,
-            dropout: m.dropout,
-            activation: m.activation,
-            d_model: m.d_model,
-            n_heads: m.n_heads,
-            d_k: m.d_k,
-            min_float: m.min_float,
-            quiet_softmax: m.quiet_softmax,
-        }
+        moved_fields!(m)
     }
 }
 
 impl<B: Backend> From<MultiHeadAttention<B>> for burn::nn::attention::MultiHeadAttention<B> {
     /// The same parameters, moved.
     fn from(m: MultiHeadAttention<B>) -> Self {
-        Self {
-            query: m.query,
-            key: m.key,
-            value: m.value,
-            output: m.output,
-            dropout: m.dropout,
-            activation: m.activation,
-            d_model: m.d_model,
-            n_heads: m.n_heads,
-            d_k: m.d_k,
-            min_float: m.min_float,
-            quiet_softmax: m.quiet_softmax,
-        }
+        moved_fields!(m)
     }
 }
 
@@ -193,6 +184,16 @@ impl<B: Backend> MhaInput<B> {
         self
     }
 
+    /// A new input's masks and causal flag, at once.
+    pub(crate) fn with_masks(self, (mask_pad, mask_attn, causal): MaskArgs<B>) -> Self {
+        Self {
+            mask_pad,
+            mask_attn,
+            causal,
+            ..self
+        }
+    }
+
     /// Causal attention, query `i` seeing keys `j ≤ i + Sk − Sq` (bottom-right aligned, which
     /// for `Sq = Sk` is burn-nn's `generate_autoregressive_mask`), with no mask tensor: nothing
     /// `S × S` is read and the blocks above the diagonal are skipped. Masked keys leave the
@@ -216,36 +217,17 @@ pub struct MhaOutput<B: Backend> {
 /// A call's masks and causal flag: `mask_pad`, `mask_attn`, `causal`.
 pub(crate) type MaskArgs<B> = (Option<Tensor<B, 2, Bool>>, Option<Tensor<B, 3, Bool>>, bool);
 
-/// Rows `from..to` of `x` `[B, S, D]` (`x` itself from 0).
-pub(crate) fn rows<B: Backend>(x: Tensor<B, 3>, from: usize, to: usize) -> Tensor<B, 3> {
-    let [batch, seq, width] = x.dims();
-    if from == 0 && to == seq {
-        x
-    } else {
-        x.slice([0..batch, from..to, 0..width])
-    }
-}
-
 impl<B: FlashBackend> MultiHeadAttention<B> {
     /// Attention of `input`'s queries to its keys and values: the context `[B, Sq, d_model]`.
     ///
     /// # Panics
     /// When the inputs' widths are not `d_model`, their batches differ, key and value lengths
     /// differ, or a mask's shape is not `[B, Sk]` / `[B, Sq, Sk]`.
-    pub fn forward(&self, input: MhaInput<B>) -> MhaOutput<B> {
-        let (batch, seq_q, seq_k) = self.check(&input);
+    pub fn forward(&self, mut input: MhaInput<B>) -> MhaOutput<B> {
+        let (mask, _) = self.checked_mask(&mut input);
         let q = split_heads(self.query.forward(input.query), self.n_heads);
         let k = split_heads(self.key.forward(input.key), self.n_heads);
         let v = split_heads(self.value.forward(input.value), self.n_heads);
-        let mask = attention_mask(
-            WHO,
-            input.mask_pad,
-            input.mask_attn,
-            batch,
-            0..seq_q,
-            seq_q,
-            seq_k,
-        );
         let context = self.attend(q, k, v, mask, input.causal);
         MhaOutput {
             context: self.output.forward(merge_heads(context)),
@@ -280,10 +262,10 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
                 seq_k >= done,
                 "{WHO}: the keys have {seq_k} positions, the cache already holds {done}"
             );
-            (rows(input.key, done, seq_k), rows(input.value, done, seq_k))
+            (rows(input.key, done..seq_k), rows(input.value, done..seq_k))
         };
         let context = self.cached_rows(
-            rows(input.query, start, seq_q),
+            rows(input.query, start..seq_q),
             k_new,
             v_new,
             (input.mask_pad, input.mask_attn, input.causal),
@@ -336,20 +318,11 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
     /// The attention weights `[B, H, Sq, Sk]` burn-nn's `MhaOutput.weights` holds: the softmax
     /// of the masked scores, from stock ops (it writes `Sq × Sk` per head; no dropout). For
     /// inspection: [`MultiHeadAttention::forward`] never makes them.
-    pub fn attention_weights(&self, input: MhaInput<B>) -> Tensor<B, 4> {
-        let (batch, seq_q, seq_k) = self.check(&input);
+    pub fn attention_weights(&self, mut input: MhaInput<B>) -> Tensor<B, 4> {
+        let (mask, [batch, seq_q, seq_k]) = self.checked_mask(&mut input);
         let q = split_heads(self.query.forward(input.query), self.n_heads);
         let k = split_heads(self.key.forward(input.key), self.n_heads);
         let mut scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
-        let mask = attention_mask(
-            WHO,
-            input.mask_pad,
-            input.mask_attn,
-            batch,
-            0..seq_q,
-            seq_q,
-            seq_k,
-        );
         let full = [batch, self.n_heads, seq_q, seq_k];
         if let Some(mask) = mask {
             scores = scores.mask_fill(mask.expand(full), self.min_float);
@@ -381,12 +354,16 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             self.dropout.prob,
             &q.device(),
         );
-        let [_, _, seq_q, _] = q.dims();
-        let seq_k = k.dims()[2];
-        if seq_q == 1 && mask.is_none() && options.dropout.is_none() && split_decode(seq_k) {
-            return decode_split(q, k, v, options);
-        }
         crate::attention_with_lse(q, k, v, mask, None, options).0
+    }
+
+    /// Checks `input`'s shapes and takes its masks, as one mask of every query row
+    /// ([`attention_mask`]); returns it and `[B, Sq, Sk]`.
+    fn checked_mask(&self, input: &mut MhaInput<B>) -> (Option<Tensor<B, 4, Bool>>, [usize; 3]) {
+        let (batch, seq_q, seq_k) = self.check(input);
+        let (pad, attn) = (input.mask_pad.take(), input.mask_attn.take());
+        let mask = attention_mask(WHO, pad, attn, batch, 0..seq_q, seq_q, seq_k);
+        (mask, [batch, seq_q, seq_k])
     }
 
     /// Checks the input's shapes; returns `(B, Sq, Sk)`.
@@ -458,89 +435,4 @@ impl<B: Backend> MhaCache<B> {
     pub fn is_empty(&self) -> bool {
         self.output.is_empty()
     }
-}
-
-/// Keys per chunk of a split decoding step ([`decode_split`]).
-const SPLIT_KEYS: usize = 256;
-
-/// Whether one query row against `seq_k` keys is split over chunks of keys: with
-/// `BURN_FLASH_DECODE_SPLIT=1`, from two chunks on. Off by default: on an H100 a decoding step
-/// of a small model is bound by the host's cost per op, not by the attention kernel (the same
-/// 3.6–6 ms per token at 512 and 4096 tokens of context), and the split's extra ops made it
-/// slower (4.97 against 3.61 ms, d_model 512, 4 layers, bf16; NOTES.md, session 14). It is
-/// the lever once a step is bound by the kernel (large batches, long contexts).
-fn split_decode(seq_k: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    seq_k >= 2 * SPLIT_KEYS
-        && *ON.get_or_init(|| std::env::var("BURN_FLASH_DECODE_SPLIT").is_ok_and(|v| v == "1"))
-}
-
-/// One query row per head attending to `seq_k` keys (a decoding step), split over chunks of
-/// [`SPLIT_KEYS`] keys that run as a batch of their own (FlashDecoding's split-K): the kernel
-/// gives one cube per (batch, head, chunk) instead of one per (batch, head), which a single
-/// row leaves with a long serial loop over the keys. The chunks' outputs merge by their
-/// log-sum-exps: `out = Σ e^(lse_c − L)·out_c` with `L = log Σ e^(lse_c)`; quiet softmax is
-/// applied after the merge (`out·σ(L)`). Only without a mask and dropout: the last row of a
-/// bottom-right causal call sees every key, so causal changes nothing here.
-fn decode_split<B: FlashBackend>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-    options: crate::FlashAttentionOptions,
-) -> Tensor<B, 4> {
-    let [batch, heads, _, d] = q.dims();
-    let [_, heads_kv, seq_k, _] = k.dims();
-    let dv = v.dims()[3];
-    let chunks = seq_k / SPLIT_KEYS;
-    let main = chunks * SPLIT_KEYS;
-    let plain = crate::FlashAttentionOptions {
-        quiet: false,
-        module: burn::tensor::ops::AttentionModuleOptions {
-            is_causal: false,
-            ..options.module
-        },
-        ..options
-    };
-    // [B, Hkv, c·L, D] → [B·c, Hkv, L, D].
-    let split = |t: Tensor<B, 4>, width: usize| {
-        t.slice([0..batch, 0..heads_kv, 0..main, 0..width])
-            .reshape([batch, heads_kv, chunks, SPLIT_KEYS, width])
-            .swap_dims(1, 2)
-            .reshape([batch * chunks, heads_kv, SPLIT_KEYS, width])
-    };
-    let q_c = q
-        .clone()
-        .reshape([batch, 1, heads, 1, d])
-        .expand([batch, chunks, heads, 1, d])
-        .reshape([batch * chunks, heads, 1, d]);
-    let (out, lse) = crate::attention_with_lse(
-        q_c,
-        split(k.clone(), d),
-        split(v.clone(), dv),
-        None,
-        None,
-        plain,
-    );
-    let mut outs = out.reshape([batch, chunks, heads, dv]);
-    let mut lses = lse.reshape([batch, chunks, heads]);
-    if main < seq_k {
-        let rest =
-            |t: Tensor<B, 4>, width: usize| t.slice([0..batch, 0..heads_kv, main..seq_k, 0..width]);
-        let (o, l) = crate::attention_with_lse(q, rest(k, d), rest(v, dv), None, None, plain);
-        outs = Tensor::cat(vec![outs, o.reshape([batch, 1, heads, dv])], 1);
-        lses = Tensor::cat(vec![lses, l.reshape([batch, 1, heads])], 1);
-    }
-    let dtype = outs.dtype();
-    let m = lses.clone().max_dim(1);
-    let w = (lses - m.clone()).exp();
-    let total = w.clone().sum_dim(1);
-    let weights = (w / total.clone()).cast(dtype).unsqueeze_dim::<4>(3);
-    let mut out = (outs * weights).sum_dim(1);
-    if options.quiet {
-        // σ(L) with L = m + ln Σ w.
-        let big_l = m + total.log();
-        let sigma = big_l.neg().exp().add_scalar(1.0).recip().cast(dtype);
-        out = out * sigma.unsqueeze_dim::<4>(3);
-    }
-    out.reshape([batch, heads, 1, dv])
 }

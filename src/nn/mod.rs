@@ -52,6 +52,7 @@ pub use transformer::{
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use burn::module::DisplaySettings;
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
 use crate::{AttentionDropout, FlashAttentionOptions};
@@ -149,6 +150,31 @@ fn attention_mask<B: Backend>(
     match (pad, attn) {
         (Some(pad), Some(attn)) => Some(pad.expand([batch, 1, n, seq_k]).bool_or(attn)),
         (pad, attn) => pad.or(attn),
+    }
+}
+
+/// The display settings of this module's modules: burn-nn's (each attribute on one line).
+fn display_settings() -> Option<DisplaySettings> {
+    DisplaySettings::new()
+        .with_new_line_after_attribute(false)
+        .optional()
+}
+
+/// Panics (naming `who`) unless `n` is positive and divides `m` (each with its name).
+fn check_divides(who: &str, (n_name, n): (&str, usize), (m_name, m): (&str, usize)) {
+    assert!(
+        n > 0 && m.is_multiple_of(n),
+        "{who}: `{n_name}` {n} must divide `{m_name}` {m}"
+    );
+}
+
+/// Rows `range` of `x` `[B, S, D]` (`x` itself for all of them).
+fn rows<B: Backend>(x: Tensor<B, 3>, range: std::ops::Range<usize>) -> Tensor<B, 3> {
+    let [batch, seq, width] = x.dims();
+    if range == (0..seq) {
+        x
+    } else {
+        x.slice([0..batch, range, 0..width])
     }
 }
 

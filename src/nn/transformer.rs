@@ -10,74 +10,214 @@ use burn::nn::{Dropout, DropoutConfig, LayerNorm, LayerNormConfig};
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
 use super::cache::RowCache;
-use super::mha::{
-    MaskArgs, MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig, rows,
-};
+use super::mha::{MaskArgs, MhaCache, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
+use super::{display_settings, rows};
 use crate::FlashBackend;
 
-/// The configuration of a [`TransformerEncoder`]: burn-nn's `TransformerEncoderConfig`, field
-/// for field, with its defaults.
-#[derive(Config, Debug)]
-pub struct TransformerEncoderConfig {
-    /// The size of the model.
-    pub d_model: usize,
-    /// The size of the position-wise feed-forward network.
-    pub d_ff: usize,
-    /// The number of attention heads.
-    pub n_heads: usize,
-    /// The number of layers.
-    pub n_layers: usize,
-    /// The dropout rate (attention weights, residual paths, feed-forward).
-    #[config(default = 0.1)]
-    pub dropout: f64,
-    /// Layer norm before each sub-layer (pre-LN) instead of after the residual (post-LN).
-    #[config(default = false)]
-    pub norm_first: bool,
-    /// Quiet softmax in the attention.
-    #[config(default = false)]
-    pub quiet_softmax: bool,
-    /// The initializer of the linear layers.
-    #[config(default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}")]
-    pub initializer: Initializer,
-    /// The feed-forward activation.
-    #[config(default = "ActivationConfig::Gelu")]
-    pub activation: ActivationConfig,
-    /// The epsilon of the layer norms.
-    #[config(default = 1e-5)]
-    pub layer_norm_eps: f64,
+/// What the encoder and the decoder have alike, as burn-nn has them: the configuration (the
+/// same fields and defaults), the stack of layers (the same fields besides the layers' type)
+/// with its display and its conversion from burn-nn's, and the autoregressive cache (a cache
+/// per layer and the stack's outputs).
+macro_rules! stack {
+    (
+        $what:literal,
+        $config:ident,
+        $stack:ident,
+        $layer:ident,
+        $cache:ident,
+        $layer_cache:ident $(,)?
+    ) => {
+        #[doc = concat!(
+                                    "The configuration of a [`",
+                                    stringify!($stack),
+                                    "`]: burn-nn's `",
+                                    stringify!($config),
+                                    "`, field for field, with its defaults."
+                                )]
+        #[derive(Config, Debug)]
+        pub struct $config {
+            /// The size of the model.
+            pub d_model: usize,
+            /// The size of the position-wise feed-forward network.
+            pub d_ff: usize,
+            /// The number of attention heads.
+            pub n_heads: usize,
+            /// The number of layers.
+            pub n_layers: usize,
+            /// The dropout rate (attention weights, residual paths, feed-forward).
+            #[config(default = 0.1)]
+            pub dropout: f64,
+            /// Layer norm before each sub-layer (pre-LN) instead of after the residual (post-LN).
+            #[config(default = false)]
+            pub norm_first: bool,
+            /// Quiet softmax in the attention.
+            #[config(default = false)]
+            pub quiet_softmax: bool,
+            /// The initializer of the linear layers.
+            #[config(
+                default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}"
+            )]
+            pub initializer: Initializer,
+            /// The feed-forward activation.
+            #[config(default = "ActivationConfig::Gelu")]
+            pub activation: ActivationConfig,
+            /// The epsilon of the layer norms.
+            #[config(default = 1e-5)]
+            pub layer_norm_eps: f64,
+        }
+
+        #[doc = concat!(
+                                    "A stack of [`",
+                                    stringify!($layer),
+                                    "`]s: burn-nn's `",
+                                    stringify!($stack),
+                                    "` (the same fields and record) on [`MultiHeadAttention`]."
+                                )]
+        #[derive(Module, Debug)]
+        #[module(custom_display)]
+        pub struct $stack<B: Backend> {
+            /// The layers.
+            pub layers: Vec<$layer<B>>,
+            /// The size of the model.
+            pub d_model: usize,
+            /// The size of the feed-forward network.
+            pub d_ff: usize,
+            /// The number of heads.
+            pub n_heads: usize,
+            /// The number of layers.
+            pub n_layers: usize,
+            /// The dropout rate.
+            pub dropout: f64,
+            /// Pre-LN.
+            pub norm_first: bool,
+            /// Quiet softmax.
+            pub quiet_softmax: bool,
+        }
+
+        impl<B: Backend> ModuleDisplay for $stack<B> {
+            fn custom_settings(&self) -> Option<DisplaySettings> {
+                display_settings()
+            }
+
+            fn custom_content(&self, content: Content) -> Option<Content> {
+                content
+                    .add("d_model", &self.d_model)
+                    .add("d_ff", &self.d_ff)
+                    .add("n_heads", &self.n_heads)
+                    .add("n_layers", &self.n_layers)
+                    .add("dropout", &self.dropout)
+                    .add("norm_first", &self.norm_first)
+                    .add("quiet_softmax", &self.quiet_softmax)
+                    .optional()
+            }
+        }
+
+        impl $config {
+            /// An attention of a layer, with burn-nn's initialisation.
+            fn attention<B: Backend>(&self, device: &B::Device) -> MultiHeadAttention<B> {
+                MultiHeadAttentionConfig::new(self.d_model, self.n_heads)
+                    .with_initializer(self.initializer.clone())
+                    .with_dropout(self.dropout)
+                    .with_quiet_softmax(self.quiet_softmax)
+                    .init(device)
+            }
+
+            /// A layer norm.
+            fn norm<B: Backend>(&self, device: &B::Device) -> LayerNorm<B> {
+                LayerNormConfig::new(self.d_model)
+                    .with_epsilon(self.layer_norm_eps)
+                    .init(device)
+            }
+
+            /// The parts every layer has, made in burn-nn's order.
+            fn layer_parts<B: Backend>(&self, device: &B::Device) -> LayerParts<B> {
+                LayerParts {
+                    mha: self.attention(device),
+                    pwff: PositionWiseFeedForwardConfig::new(self.d_model, self.d_ff)
+                        .with_initializer(self.initializer.clone())
+                        .with_dropout(self.dropout)
+                        .with_activation(self.activation.clone())
+                        .init(device),
+                    norm: self.norm(device),
+                    dropout: DropoutConfig::new(self.dropout).init(),
+                }
+            }
+
+            /// The stack of `layers` with this configuration's sizes.
+            fn stack<B: Backend>(&self, layers: Vec<$layer<B>>) -> $stack<B> {
+                $stack {
+                    layers,
+                    d_model: self.d_model,
+                    d_ff: self.d_ff,
+                    n_heads: self.n_heads,
+                    n_layers: self.n_layers,
+                    dropout: self.dropout,
+                    norm_first: self.norm_first,
+                    quiet_softmax: self.quiet_softmax,
+                }
+            }
+        }
+
+        impl<B: Backend> From<burn::nn::transformer::$stack<B>> for $stack<B> {
+            #[doc = concat!("burn-nn's ", $what, " with its parameters moved into this one.")]
+            fn from(s: burn::nn::transformer::$stack<B>) -> Self {
+                Self {
+                    layers: s.layers.into_iter().map(Into::into).collect(),
+                    d_model: s.d_model,
+                    d_ff: s.d_ff,
+                    n_heads: s.n_heads,
+                    n_layers: s.n_layers,
+                    dropout: s.dropout,
+                    norm_first: s.norm_first,
+                    quiet_softmax: s.quiet_softmax,
+                }
+            }
+        }
+
+        #[doc = concat!(
+                                    "The autoregressive cache of a [`",
+                                    stringify!($stack),
+                                    "`]: each layer's cache and the stack's outputs."
+                                )]
+        #[derive(Debug)]
+        pub struct $cache<B: Backend> {
+            layers: Vec<$layer_cache<B>>,
+            output: RowCache<B>,
+        }
+
+        impl<B: FlashBackend> $stack<B> {
+            #[doc = concat!(
+                                        "An empty cache for [`",
+                                        stringify!($stack),
+                                        "::forward_autoregressive_inference`]."
+                                    )]
+            pub fn new_autoregressive_cache(&self) -> $cache<B> {
+                $cache {
+                    layers: self.layers.iter().map(|_| $layer_cache::empty()).collect(),
+                    output: RowCache::new(),
+                }
+            }
+        }
+    };
 }
 
-/// The configuration of a [`TransformerDecoder`]: burn-nn's `TransformerDecoderConfig`, field
-/// for field, with its defaults.
-#[derive(Config, Debug)]
-pub struct TransformerDecoderConfig {
-    /// The size of the model.
-    pub d_model: usize,
-    /// The size of the position-wise feed-forward network.
-    pub d_ff: usize,
-    /// The number of attention heads.
-    pub n_heads: usize,
-    /// The number of layers.
-    pub n_layers: usize,
-    /// The dropout rate (attention weights, residual paths, feed-forward).
-    #[config(default = 0.1)]
-    pub dropout: f64,
-    /// Layer norm before each sub-layer (pre-LN) instead of after the residual (post-LN).
-    #[config(default = false)]
-    pub norm_first: bool,
-    /// Quiet softmax in the attention.
-    #[config(default = false)]
-    pub quiet_softmax: bool,
-    /// The initializer of the linear layers.
-    #[config(default = "Initializer::KaimingUniform{gain:0.5773502691896258, fan_out_only:false}")]
-    pub initializer: Initializer,
-    /// The feed-forward activation.
-    #[config(default = "ActivationConfig::Gelu")]
-    pub activation: ActivationConfig,
-    /// The epsilon of the layer norms.
-    #[config(default = 1e-5)]
-    pub layer_norm_eps: f64,
-}
+stack!(
+    "encoder",
+    TransformerEncoderConfig,
+    TransformerEncoder,
+    TransformerEncoderLayer,
+    TransformerEncoderAutoregressiveCache,
+    TransformerEncoderLayerAutoregressiveCache,
+);
+
+stack!(
+    "decoder",
+    TransformerDecoderConfig,
+    TransformerDecoder,
+    TransformerDecoderLayer,
+    TransformerDecoderAutoregressiveCache,
+    TransformerDecoderLayerAutoregressiveCache,
+);
 
 /// The parts of one layer, built alike for both stacks.
 struct LayerParts<B: Backend> {
@@ -87,110 +227,27 @@ struct LayerParts<B: Backend> {
     dropout: Dropout,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attention<B: Backend>(
-    d_model: usize,
-    n_heads: usize,
-    dropout: f64,
-    quiet: bool,
-    initializer: &Initializer,
-    device: &B::Device,
-) -> MultiHeadAttention<B> {
-    MultiHeadAttentionConfig::new(d_model, n_heads)
-        .with_initializer(initializer.clone())
-        .with_dropout(dropout)
-        .with_quiet_softmax(quiet)
-        .init(device)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn layer_parts<B: Backend>(
-    d_model: usize,
-    d_ff: usize,
-    n_heads: usize,
-    dropout: f64,
-    quiet: bool,
-    initializer: &Initializer,
-    activation: &ActivationConfig,
-    eps: f64,
-    device: &B::Device,
-) -> LayerParts<B> {
-    LayerParts {
-        mha: attention(d_model, n_heads, dropout, quiet, initializer, device),
-        pwff: PositionWiseFeedForwardConfig::new(d_model, d_ff)
-            .with_initializer(initializer.clone())
-            .with_dropout(dropout)
-            .with_activation(activation.clone())
-            .init(device),
-        norm: LayerNormConfig::new(d_model).with_epsilon(eps).init(device),
-        dropout: DropoutConfig::new(dropout).init(),
-    }
-}
-
 /// burn-nn's sub-layer step: `x + dropout(f(norm(x)))` with `norm_first`, else
-/// `norm(x + dropout(f(x)))`. `norm` and `f` take the whole sequence (a cache computes only its
-/// new rows).
+/// `norm(x + dropout(f(x)))`. `f` takes the whole sequence (a cache computes only its new
+/// rows).
 fn sublayer<B: Backend>(
     x: Tensor<B, 3>,
     norm_first: bool,
     dropout: &Dropout,
-    mut norm: impl FnMut(Tensor<B, 3>) -> Tensor<B, 3>,
+    norm: &LayerNorm<B>,
     f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
 ) -> Tensor<B, 3> {
     if norm_first {
-        let y = f(norm(x.clone()));
+        let y = f(norm.forward(x.clone()));
         x + dropout.forward(y)
     } else {
         let y = f(x.clone());
-        norm(x + dropout.forward(y))
+        norm.forward(x + dropout.forward(y))
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Encoder
-
-/// A stack of [`TransformerEncoderLayer`]s: burn-nn's `TransformerEncoder` (the same fields and
-/// record) on [`MultiHeadAttention`].
-#[derive(Module, Debug)]
-#[module(custom_display)]
-pub struct TransformerEncoder<B: Backend> {
-    /// The layers.
-    pub layers: Vec<TransformerEncoderLayer<B>>,
-    /// The size of the model.
-    pub d_model: usize,
-    /// The size of the feed-forward network.
-    pub d_ff: usize,
-    /// The number of heads.
-    pub n_heads: usize,
-    /// The number of layers.
-    pub n_layers: usize,
-    /// The dropout rate.
-    pub dropout: f64,
-    /// Pre-LN.
-    pub norm_first: bool,
-    /// Quiet softmax.
-    pub quiet_softmax: bool,
-}
-
-impl<B: Backend> ModuleDisplay for TransformerEncoder<B> {
-    fn custom_settings(&self) -> Option<DisplaySettings> {
-        DisplaySettings::new()
-            .with_new_line_after_attribute(false)
-            .optional()
-    }
-
-    fn custom_content(&self, content: Content) -> Option<Content> {
-        content
-            .add("d_model", &self.d_model)
-            .add("d_ff", &self.d_ff)
-            .add("n_heads", &self.n_heads)
-            .add("n_layers", &self.n_layers)
-            .add("dropout", &self.dropout)
-            .add("norm_first", &self.norm_first)
-            .add("quiet_softmax", &self.quiet_softmax)
-            .optional()
-    }
-}
 
 /// One encoder layer: self-attention and feed-forward sub-layers (burn-nn's
 /// `TransformerEncoderLayer`).
@@ -249,6 +306,11 @@ impl<B: Backend> TransformerEncoderInput<B> {
         self.causal = true;
         self
     }
+
+    /// The masks and causal flag of every layer's attention.
+    fn masks(&self) -> MaskArgs<B> {
+        (self.mask_pad.clone(), self.mask_attn.clone(), self.causal)
+    }
 }
 
 impl TransformerEncoderConfig {
@@ -256,43 +318,18 @@ impl TransformerEncoderConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerEncoder<B> {
         let layers = (0..self.n_layers)
             .map(|_| {
-                let parts = |d| {
-                    layer_parts::<B>(
-                        self.d_model,
-                        self.d_ff,
-                        self.n_heads,
-                        self.dropout,
-                        self.quiet_softmax,
-                        &self.initializer,
-                        &self.activation,
-                        self.layer_norm_eps,
-                        d,
-                    )
-                };
-                let a = parts(device);
-                let norm_2 = LayerNormConfig::new(self.d_model)
-                    .with_epsilon(self.layer_norm_eps)
-                    .init(device);
+                let parts = self.layer_parts::<B>(device);
                 TransformerEncoderLayer {
-                    mha: a.mha,
-                    pwff: a.pwff,
-                    norm_1: a.norm,
-                    norm_2,
-                    dropout: a.dropout,
+                    mha: parts.mha,
+                    pwff: parts.pwff,
+                    norm_1: parts.norm,
+                    norm_2: self.norm(device),
+                    dropout: parts.dropout,
                     norm_first: self.norm_first,
                 }
             })
             .collect();
-        TransformerEncoder {
-            layers,
-            d_model: self.d_model,
-            d_ff: self.d_ff,
-            n_heads: self.n_heads,
-            n_layers: self.n_layers,
-            dropout: self.dropout,
-            norm_first: self.norm_first,
-            quiet_softmax: self.quiet_softmax,
-        }
+        self.stack(layers)
     }
 }
 
@@ -305,30 +342,10 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         mask_attn: Option<Tensor<B, 3, Bool>>,
         causal: bool,
     ) -> Tensor<B, 3> {
-        let attend = |h: Tensor<B, 3>| {
-            let input = mha_input(MhaInput::self_attn(h), mask_pad, mask_attn, causal);
+        self.sublayers(x, |h| {
+            let input = MhaInput::self_attn(h).with_masks((mask_pad, mask_attn, causal));
             self.mha.forward(input).context
-        };
-        let x = sublayer(
-            x,
-            self.norm_first,
-            &self.dropout,
-            |t| match self.norm_first {
-                true => self.norm_2.forward(t),
-                false => self.norm_1.forward(t),
-            },
-            attend,
-        );
-        sublayer(
-            x,
-            self.norm_first,
-            &self.dropout,
-            |t| match self.norm_first {
-                true => self.norm_1.forward(t),
-                false => self.norm_2.forward(t),
-            },
-            |h| self.pwff.forward(h),
-        )
+        })
     }
 
     /// [`TransformerEncoderLayer::forward`] for autoregressive inference (burn-nn's calling
@@ -343,21 +360,11 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         cache: &mut TransformerEncoderLayerAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
         let seq = x.dims()[1];
-        let start = cache.output.len();
-        assert!(
-            seq >= start,
-            "TransformerEncoderLayer: the input has {seq} positions, the cache already holds {start}"
-        );
-        if seq == start {
-            return cache.output.view();
-        }
-        let out = self.new_rows(
-            rows(x, start, seq),
-            (mask_pad, mask_attn, causal),
-            start..seq,
-            &mut cache.mha,
-        );
-        cache.output.append(out)
+        let (mha, output) = (&mut cache.mha, &mut cache.output);
+        output.extend("TransformerEncoderLayer", "input", seq, |positions| {
+            let x = rows(x, positions.clone());
+            self.new_rows(x, (mask_pad, mask_attn, causal), positions, mha)
+        })
     }
 
     /// The layer's output for the rows `positions` of the sequence (inputs `x`, `[B, n, d]`):
@@ -370,41 +377,35 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         positions: std::ops::Range<usize>,
         cache: &mut MhaCache<B>,
     ) -> Tensor<B, 3> {
-        let (first, second) = match self.norm_first {
+        self.sublayers(x, |h| {
+            self.mha
+                .cached_rows(h.clone(), h.clone(), h, masks, positions, cache)
+        })
+    }
+
+    /// The attention sub-layer (`attend`, on the sub-layer's input), then the feed-forward.
+    fn sublayers(
+        &self,
+        x: Tensor<B, 3>,
+        attend: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        let (nf, dropout) = (self.norm_first, &self.dropout);
+        let (first, second) = match nf {
             true => (&self.norm_2, &self.norm_1),
             false => (&self.norm_1, &self.norm_2),
         };
-        let x = sublayer(
-            x,
-            self.norm_first,
-            &self.dropout,
-            |t| first.forward(t),
-            |h| {
-                self.mha
-                    .cached_rows(h.clone(), h.clone(), h, masks, positions, cache)
-            },
-        );
-        sublayer(
-            x,
-            self.norm_first,
-            &self.dropout,
-            |t| second.forward(t),
-            |h| self.pwff.forward(h),
-        )
+        let x = sublayer(x, nf, dropout, first, attend);
+        sublayer(x, nf, dropout, second, |h| self.pwff.forward(h))
     }
 }
 
 impl<B: FlashBackend> TransformerEncoder<B> {
     /// The encoder on the whole sequence: `[B, S, d_model]`.
     pub fn forward(&self, input: TransformerEncoderInput<B>) -> Tensor<B, 3> {
-        let mut x = input.tensor;
+        let mut x = input.tensor.clone();
         for layer in &self.layers {
-            x = layer.forward(
-                x,
-                input.mask_pad.clone(),
-                input.mask_attn.clone(),
-                input.causal,
-            );
+            let (mask_pad, mask_attn, causal) = input.masks();
+            x = layer.forward(x, mask_pad, mask_attn, causal);
         }
         x
     }
@@ -419,36 +420,14 @@ impl<B: FlashBackend> TransformerEncoder<B> {
         cache: &mut TransformerEncoderAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
         let seq = input.tensor.dims()[1];
-        let start = cache.output.len();
-        assert!(
-            seq >= start,
-            "TransformerEncoder: the input has {seq} positions, the cache already holds {start} (a new sequence needs a new cache)"
-        );
-        if seq == start {
-            return cache.output.view();
-        }
-        let mut x = rows(input.tensor, start, seq);
-        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            let masks = (
-                input.mask_pad.clone(),
-                input.mask_attn.clone(),
-                input.causal,
-            );
-            x = layer.new_rows(x, masks, start..seq, &mut c.mha);
-        }
-        cache.output.append(x)
-    }
-
-    /// An empty cache for [`TransformerEncoder::forward_autoregressive_inference`].
-    pub fn new_autoregressive_cache(&self) -> TransformerEncoderAutoregressiveCache<B> {
-        TransformerEncoderAutoregressiveCache {
-            layers: self
-                .layers
-                .iter()
-                .map(|_| TransformerEncoderLayerAutoregressiveCache::empty())
-                .collect(),
-            output: RowCache::new(),
-        }
+        let (layers, output) = (&mut cache.layers, &mut cache.output);
+        output.extend("TransformerEncoder", "input", seq, |positions| {
+            let mut x = rows(input.tensor.clone(), positions.clone());
+            for (layer, c) in self.layers.iter().zip(layers) {
+                x = layer.new_rows(x, input.masks(), positions.clone(), &mut c.mha);
+            }
+            x
+        })
     }
 }
 
@@ -470,78 +449,8 @@ impl<B: Backend> TransformerEncoderLayerAutoregressiveCache<B> {
     }
 }
 
-/// The autoregressive cache of a [`TransformerEncoder`]: each layer's keys and values, and the
-/// encoder's outputs.
-#[derive(Debug)]
-pub struct TransformerEncoderAutoregressiveCache<B: Backend> {
-    layers: Vec<TransformerEncoderLayerAutoregressiveCache<B>>,
-    output: RowCache<B>,
-}
-
-fn mha_input<B: Backend>(
-    input: MhaInput<B>,
-    mask_pad: Option<Tensor<B, 2, Bool>>,
-    mask_attn: Option<Tensor<B, 3, Bool>>,
-    causal: bool,
-) -> MhaInput<B> {
-    let mut input = input;
-    if let Some(m) = mask_pad {
-        input = input.mask_pad(m);
-    }
-    if let Some(m) = mask_attn {
-        input = input.mask_attn(m);
-    }
-    if causal {
-        input = input.causal();
-    }
-    input
-}
-
 // ---------------------------------------------------------------------------------------------
 // Decoder
-
-/// A stack of [`TransformerDecoderLayer`]s: burn-nn's `TransformerDecoder` (the same fields and
-/// record) on [`MultiHeadAttention`].
-#[derive(Module, Debug)]
-#[module(custom_display)]
-pub struct TransformerDecoder<B: Backend> {
-    /// The layers.
-    pub layers: Vec<TransformerDecoderLayer<B>>,
-    /// The size of the model.
-    pub d_model: usize,
-    /// The size of the feed-forward network.
-    pub d_ff: usize,
-    /// The number of heads.
-    pub n_heads: usize,
-    /// The number of layers.
-    pub n_layers: usize,
-    /// The dropout rate.
-    pub dropout: f64,
-    /// Pre-LN.
-    pub norm_first: bool,
-    /// Quiet softmax.
-    pub quiet_softmax: bool,
-}
-
-impl<B: Backend> ModuleDisplay for TransformerDecoder<B> {
-    fn custom_settings(&self) -> Option<DisplaySettings> {
-        DisplaySettings::new()
-            .with_new_line_after_attribute(false)
-            .optional()
-    }
-
-    fn custom_content(&self, content: Content) -> Option<Content> {
-        content
-            .add("d_model", &self.d_model)
-            .add("d_ff", &self.d_ff)
-            .add("n_heads", &self.n_heads)
-            .add("n_layers", &self.n_layers)
-            .add("dropout", &self.dropout)
-            .add("norm_first", &self.norm_first)
-            .add("quiet_softmax", &self.quiet_softmax)
-            .optional()
-    }
-}
 
 /// One decoder layer: self-attention, cross-attention to the memory, feed-forward (burn-nn's
 /// `TransformerDecoderLayer`).
@@ -621,6 +530,18 @@ impl<B: Backend> TransformerDecoderInput<B> {
         self.target_causal = true;
         self
     }
+
+    /// The masks and causal flag of every layer's self-attention.
+    fn target_masks(&self) -> MaskArgs<B> {
+        let (pad, attn) = (&self.target_mask_pad, &self.target_mask_attn);
+        (pad.clone(), attn.clone(), self.target_causal)
+    }
+
+    /// The masks of every layer's cross-attention.
+    fn memory_masks(&self) -> MaskArgs<B> {
+        let (pad, attn) = (&self.memory_mask_pad, &self.memory_mask_attn);
+        (pad.clone(), attn.clone(), false)
+    }
 }
 
 impl TransformerDecoderConfig {
@@ -628,52 +549,21 @@ impl TransformerDecoderConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> TransformerDecoder<B> {
         let layers = (0..self.n_layers)
             .map(|_| {
-                let self_attn = attention(
-                    self.d_model,
-                    self.n_heads,
-                    self.dropout,
-                    self.quiet_softmax,
-                    &self.initializer,
-                    device,
-                );
-                let rest = layer_parts::<B>(
-                    self.d_model,
-                    self.d_ff,
-                    self.n_heads,
-                    self.dropout,
-                    self.quiet_softmax,
-                    &self.initializer,
-                    &self.activation,
-                    self.layer_norm_eps,
-                    device,
-                );
-                let norm = || {
-                    LayerNormConfig::new(self.d_model)
-                        .with_epsilon(self.layer_norm_eps)
-                        .init(device)
-                };
+                let self_attn = self.attention(device);
+                let rest = self.layer_parts::<B>(device);
                 TransformerDecoderLayer {
                     cross_attn: rest.mha,
                     self_attn,
                     pwff: rest.pwff,
                     norm_1: rest.norm,
-                    norm_2: norm(),
-                    norm_3: norm(),
+                    norm_2: self.norm(device),
+                    norm_3: self.norm(device),
                     dropout: rest.dropout,
                     norm_first: self.norm_first,
                 }
             })
             .collect();
-        TransformerDecoder {
-            layers,
-            d_model: self.d_model,
-            d_ff: self.d_ff,
-            n_heads: self.n_heads,
-            n_layers: self.n_layers,
-            dropout: self.dropout,
-            norm_first: self.norm_first,
-            quiet_softmax: self.quiet_softmax,
-        }
+        self.stack(layers)
     }
 }
 
@@ -698,60 +588,20 @@ impl<B: Backend> TransformerDecoderLayerAutoregressiveCache<B> {
     }
 }
 
-/// The autoregressive cache of a [`TransformerDecoder`]: each layer's caches and the decoder's
-/// outputs.
-#[derive(Debug)]
-pub struct TransformerDecoderAutoregressiveCache<B: Backend> {
-    layers: Vec<TransformerDecoderLayerAutoregressiveCache<B>>,
-    output: RowCache<B>,
-}
-
 impl<B: FlashBackend> TransformerDecoderLayer<B> {
     /// The layer on the whole target sequence; returns the new target.
     pub fn forward(&self, input: &TransformerDecoderInput<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let nf = self.norm_first;
-        // Norms by role: pre-LN inputs of self-attention / cross-attention / feed-forward are
-        // norm_3 / norm_1 / norm_2; post-LN outputs are norm_1 / norm_2 / norm_3.
-        let (n_self, n_cross, n_ff) = match nf {
-            true => (&self.norm_3, &self.norm_1, &self.norm_2),
-            false => (&self.norm_1, &self.norm_2, &self.norm_3),
-        };
-        let x = sublayer(
+        self.sublayers(
             x,
-            nf,
-            &self.dropout,
-            |t| n_self.forward(t),
             |h| {
-                let i = mha_input(
-                    MhaInput::self_attn(h),
-                    input.target_mask_pad.clone(),
-                    input.target_mask_attn.clone(),
-                    input.target_causal,
-                );
+                let i = MhaInput::self_attn(h).with_masks(input.target_masks());
                 self.self_attn.forward(i).context
             },
-        );
-        let x = sublayer(
-            x,
-            nf,
-            &self.dropout,
-            |t| n_cross.forward(t),
             |h| {
-                let i = mha_input(
-                    MhaInput::new(h, input.memory.clone(), input.memory.clone()),
-                    input.memory_mask_pad.clone(),
-                    input.memory_mask_attn.clone(),
-                    false,
-                );
+                let memory = input.memory.clone();
+                let i = MhaInput::new(h, memory.clone(), memory).with_masks(input.memory_masks());
                 self.cross_attn.forward(i).context
             },
-        );
-        sublayer(
-            x,
-            nf,
-            &self.dropout,
-            |t| n_ff.forward(t),
-            |h| self.pwff.forward(h),
         )
     }
 
@@ -765,22 +615,12 @@ impl<B: FlashBackend> TransformerDecoderLayer<B> {
         cache: &mut TransformerDecoderLayerAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
         let seq = x.dims()[1];
-        let start = cache.output.len();
-        assert!(
-            seq >= start,
-            "TransformerDecoderLayer: the target has {seq} positions, the cache already holds {start}"
-        );
-        if seq == start {
-            return cache.output.view();
-        }
-        let out = self.new_rows(
-            input,
-            rows(x, start, seq),
-            start..seq,
-            &mut cache.self_attn,
-            &mut cache.cross_attn,
-        );
-        cache.output.append(out)
+        let output = &mut cache.output;
+        let (self_cache, cross_cache) = (&mut cache.self_attn, &mut cache.cross_attn);
+        output.extend("TransformerDecoderLayer", "target", seq, |positions| {
+            let x = rows(x, positions.clone());
+            self.new_rows(input, x, positions, self_cache, cross_cache)
+        })
     }
 
     /// The layer's output for the target rows `positions` (inputs `x`, `[B, n, d]`).
@@ -792,61 +632,39 @@ impl<B: FlashBackend> TransformerDecoderLayer<B> {
         self_cache: &mut MhaCache<B>,
         cross_cache: &mut MhaCache<B>,
     ) -> Tensor<B, 3> {
-        let nf = self.norm_first;
+        let self_positions = positions.clone();
+        self.sublayers(
+            x,
+            |h| {
+                let (masks, attn) = (input.target_masks(), &self.self_attn);
+                attn.cached_rows(h.clone(), h.clone(), h, masks, self_positions, self_cache)
+            },
+            |h| {
+                let (masks, memory) = (input.memory_masks(), input.memory.clone());
+                let attn = &self.cross_attn;
+                attn.cached_rows(h, memory.clone(), memory, masks, positions, cross_cache)
+            },
+        )
+    }
+
+    /// The self-attention sub-layer (`attend`), the cross-attention sub-layer (`cross`), each
+    /// on its sub-layer's input, then the feed-forward.
+    fn sublayers(
+        &self,
+        x: Tensor<B, 3>,
+        attend: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+        cross: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
+    ) -> Tensor<B, 3> {
+        let (nf, dropout) = (self.norm_first, &self.dropout);
+        // Norms by role: pre-LN inputs of self-attention / cross-attention / feed-forward are
+        // norm_3 / norm_1 / norm_2; post-LN outputs are norm_1 / norm_2 / norm_3.
         let (n_self, n_cross, n_ff) = match nf {
             true => (&self.norm_3, &self.norm_1, &self.norm_2),
             false => (&self.norm_1, &self.norm_2, &self.norm_3),
         };
-        let x = sublayer(
-            x,
-            nf,
-            &self.dropout,
-            |t| n_self.forward(t),
-            |h| {
-                let masks = (
-                    input.target_mask_pad.clone(),
-                    input.target_mask_attn.clone(),
-                    input.target_causal,
-                );
-                self.self_attn.cached_rows(
-                    h.clone(),
-                    h.clone(),
-                    h,
-                    masks,
-                    positions.clone(),
-                    self_cache,
-                )
-            },
-        );
-        let x = sublayer(
-            x,
-            nf,
-            &self.dropout,
-            |t| n_cross.forward(t),
-            |h| {
-                let masks = (
-                    input.memory_mask_pad.clone(),
-                    input.memory_mask_attn.clone(),
-                    false,
-                );
-                let memory = input.memory.clone();
-                self.cross_attn.cached_rows(
-                    h,
-                    memory.clone(),
-                    memory,
-                    masks,
-                    positions,
-                    cross_cache,
-                )
-            },
-        );
-        sublayer(
-            x,
-            nf,
-            &self.dropout,
-            |t| n_ff.forward(t),
-            |h| self.pwff.forward(h),
-        )
+        let x = sublayer(x, nf, dropout, n_self, attend);
+        let x = sublayer(x, nf, dropout, n_cross, cross);
+        sublayer(x, nf, dropout, n_ff, |h| self.pwff.forward(h))
     }
 }
 
@@ -870,36 +688,20 @@ impl<B: FlashBackend> TransformerDecoder<B> {
         cache: &mut TransformerDecoderAutoregressiveCache<B>,
     ) -> Tensor<B, 3> {
         let seq = input.target.dims()[1];
-        let start = cache.output.len();
-        assert!(
-            seq >= start,
-            "TransformerDecoder: the target has {seq} positions, the cache already holds {start} (a new sequence needs a new cache)"
-        );
-        if seq == start {
-            return cache.output.view();
-        }
-        let mut x = rows(input.target.clone(), start, seq);
-        for (layer, c) in self.layers.iter().zip(cache.layers.iter_mut()) {
-            x = layer.new_rows(&input, x, start..seq, &mut c.self_attn, &mut c.cross_attn);
-        }
-        cache.output.append(x)
-    }
-
-    /// An empty cache for [`TransformerDecoder::forward_autoregressive_inference`].
-    pub fn new_autoregressive_cache(&self) -> TransformerDecoderAutoregressiveCache<B> {
-        TransformerDecoderAutoregressiveCache {
-            layers: self
-                .layers
-                .iter()
-                .map(|_| TransformerDecoderLayerAutoregressiveCache::empty())
-                .collect(),
-            output: RowCache::new(),
-        }
+        let (layers, output) = (&mut cache.layers, &mut cache.output);
+        output.extend("TransformerDecoder", "target", seq, |positions| {
+            let mut x = rows(input.target.clone(), positions.clone());
+            for (layer, c) in self.layers.iter().zip(layers) {
+                let (self_cache, cross_cache) = (&mut c.self_attn, &mut c.cross_attn);
+                x = layer.new_rows(&input, x, positions.clone(), self_cache, cross_cache);
+            }
+            x
+        })
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Conversions from burn-nn's modules (the same parameters, moved)
+// Conversions from burn-nn's layers (the same parameters, moved)
 
 impl<B: Backend> From<burn::nn::transformer::TransformerEncoderLayer<B>>
     for TransformerEncoderLayer<B>
@@ -912,22 +714,6 @@ impl<B: Backend> From<burn::nn::transformer::TransformerEncoderLayer<B>>
             norm_2: l.norm_2,
             dropout: l.dropout,
             norm_first: l.norm_first,
-        }
-    }
-}
-
-impl<B: Backend> From<burn::nn::transformer::TransformerEncoder<B>> for TransformerEncoder<B> {
-    /// burn-nn's encoder with its parameters moved into this one.
-    fn from(e: burn::nn::transformer::TransformerEncoder<B>) -> Self {
-        Self {
-            layers: e.layers.into_iter().map(Into::into).collect(),
-            d_model: e.d_model,
-            d_ff: e.d_ff,
-            n_heads: e.n_heads,
-            n_layers: e.n_layers,
-            dropout: e.dropout,
-            norm_first: e.norm_first,
-            quiet_softmax: e.quiet_softmax,
         }
     }
 }
@@ -945,22 +731,6 @@ impl<B: Backend> From<burn::nn::transformer::TransformerDecoderLayer<B>>
             norm_3: l.norm_3,
             dropout: l.dropout,
             norm_first: l.norm_first,
-        }
-    }
-}
-
-impl<B: Backend> From<burn::nn::transformer::TransformerDecoder<B>> for TransformerDecoder<B> {
-    /// burn-nn's decoder with its parameters moved into this one.
-    fn from(d: burn::nn::transformer::TransformerDecoder<B>) -> Self {
-        Self {
-            layers: d.layers.into_iter().map(Into::into).collect(),
-            d_model: d.d_model,
-            d_ff: d.d_ff,
-            n_heads: d.n_heads,
-            n_layers: d.n_layers,
-            dropout: d.dropout,
-            norm_first: d.norm_first,
-            quiet_softmax: d.quiet_softmax,
         }
     }
 }

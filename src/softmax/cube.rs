@@ -12,7 +12,7 @@ use burn_flash_kernels::softmax::{
     launch_softmax_backward,
 };
 
-use super::{check_dim, variant_name};
+use super::check_input;
 
 fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
     TensorRef {
@@ -114,9 +114,7 @@ pub(crate) fn forward<R: CubeRuntime>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> CubeTensor<R> {
-    let op = variant_name(variant);
-    check_dim(op, dim, x.shape().num_dims());
-    check_dtype(op, "tensor", x.dtype);
+    let op = check_input(variant, dim, x.shape().num_dims(), "tensor", x.dtype);
     if x.meta.num_elements() == 0 {
         // Nothing to compute: an empty tensor of the right shape is the input itself.
         return x;
@@ -147,9 +145,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
 ) -> CubeTensor<R> {
-    let op = variant_name(variant);
-    check_dim(op, dim, y.shape().num_dims());
-    check_dtype(op, "output", y.dtype);
+    let op = check_input(variant, dim, y.shape().num_dims(), "output", y.dtype);
     y.assert_is_on_same_device(&dy);
     if dy.dtype != y.dtype {
         panic!(

@@ -1,29 +1,24 @@
-//! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels. It ends the
-//! fused block around it (Burn's fuser cannot see inside).
+//! Softmax on `Fusion<B>`: an opaque custom operation that runs `B`'s kernels
+//! ([`crate::fusion`]).
 //!
 //! Per call, the user thread only checks what can fail (`dim`, dtype; the plan only for forced
-//! options) and records the operation; the operation struct keeps the tensors' IR it needs, not
-//! a second copy of the whole `CustomOpIr`.
+//! options) and records the operation (one for both directions).
 
 use core::marker::PhantomData;
 
-use burn::backend::ir::{
-    CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr,
-};
+use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
 use burn::tensor::ops::FloatTensor;
 use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
-use burn_fusion::{
-    Fusion, FusionBackend, FusionRuntime, FusionTensor,
-    client::GlobalFusionClient,
-    stream::{Operation, OperationStreams},
-};
+use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
 use crate::FlashBackend;
+use crate::fusion::{Handles, uninit};
 
+/// Softmax (`inputs`: `x`) or its backward (`inputs`: `y`, `dy`), writing `out`.
 #[derive(Debug)]
 struct SoftmaxOp<B> {
-    x: TensorIr,
-    y: TensorId,
+    inputs: Vec<TensorIr>,
+    out: TensorId,
     dim: usize,
     variant: SoftmaxVariant,
     options: SoftmaxOptions,
@@ -31,36 +26,18 @@ struct SoftmaxOp<B> {
 }
 
 impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxOp<B> {
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
-        let x = handles.get_float_tensor::<B>(&self.x);
-        let out = B::flash_softmax(x, self.dim, self.variant, self.options);
-        handles.register_float_tensor::<B>(&self.y, out);
-    }
-}
-
-#[derive(Debug)]
-struct SoftmaxBackwardOp<B> {
-    y: TensorIr,
-    dy: TensorIr,
-    dx: TensorId,
-    dim: usize,
-    variant: SoftmaxVariant,
-    options: SoftmaxOptions,
-    _backend: PhantomData<B>,
-}
-
-impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxBackwardOp<B> {
-    fn execute(
-        &self,
-        handles: &mut HandleContainer<<B::FusionRuntime as FusionRuntime>::FusionHandle>,
-    ) {
-        let y = handles.get_float_tensor::<B>(&self.y);
-        let dy = handles.get_float_tensor::<B>(&self.dy);
-        let out = B::flash_softmax_backward(y, dy, self.dim, self.variant, self.options);
-        handles.register_float_tensor::<B>(&self.dx, out);
+    fn execute(&self, handles: &mut Handles<B>) {
+        let (dim, variant, options) = (self.dim, self.variant, self.options);
+        let out = match &self.inputs[..] {
+            [x] => B::flash_softmax(handles.get_float_tensor::<B>(x), dim, variant, options),
+            [y, dy] => {
+                let y = handles.get_float_tensor::<B>(y);
+                let dy = handles.get_float_tensor::<B>(dy);
+                B::flash_softmax_backward(y, dy, dim, variant, options)
+            }
+            _ => unreachable!("softmax reads one tensor, its backward two"),
+        };
+        handles.register_float_tensor::<B>(&self.out, out);
     }
 }
 
@@ -74,9 +51,7 @@ fn validate<B: FusionBackend + FlashBackend>(
     arg: &str,
     backward: bool,
 ) {
-    let op = super::variant_name(variant);
-    super::check_dim(op, dim, x.shape.num_dims());
-    super::cube::check_dtype(op, arg, x.dtype);
+    let op = super::check_input(variant, dim, x.shape.num_dims(), arg, x.dtype);
     if options == SoftmaxOptions::default() {
         // The heuristic's own plan always runs: only forced options can make it fail.
         return;
@@ -93,36 +68,25 @@ fn validate<B: FusionBackend + FlashBackend>(
     }
 }
 
-/// The IR Fusion records for a custom operation (`CustomOpIr::new` would copy both lists).
-pub(crate) fn custom_op(
+/// Records the op `name` on `inputs` (`x`, or `y` and `dy`); its output has the first
+/// input's shape and dtype.
+fn record<B: FusionBackend + FlashBackend>(
     name: &'static str,
-    inputs: Vec<TensorIr>,
-    outputs: Vec<TensorIr>,
-) -> CustomOpIr {
-    CustomOpIr {
-        id: name.to_owned(),
+    inputs: Vec<FloatTensor<Fusion<B>>>,
+    dim: usize,
+    variant: SoftmaxVariant,
+    options: SoftmaxOptions,
+) -> FloatTensor<Fusion<B>> {
+    let out = uninit(&inputs[0], inputs[0].shape.clone(), inputs[0].dtype);
+    let op = |inputs, outputs: Vec<TensorId>| SoftmaxOp::<B> {
         inputs,
-        outputs,
-    }
-}
-
-/// Records a custom op on Fusion's stream, then hands Fusion's task queue to its device thread
-/// at once. Fusion's channel otherwise holds tasks until 32 have queued or the user syncs, so a
-/// custom op (which no fuser takes: it runs as soon as the device thread sees it) would wait
-/// for unrelated later tasks, and a lone call would start its kernel only at the sync.
-/// `BURN_FLASH_FUSION_FLUSH=0` leaves the queue alone (for comparisons).
-pub(crate) fn register<R: FusionRuntime, O: Operation<R> + 'static>(
-    client: &GlobalFusionClient<R>,
-    streams: OperationStreams,
-    desc: CustomOpIr,
-    op: O,
-) -> Vec<FusionTensor<R>> {
-    static FLUSH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let outputs = client.register(streams, OperationIr::Custom(desc), op);
-    if *FLUSH.get_or_init(|| std::env::var("BURN_FLASH_FUSION_FLUSH").map_or(true, |v| v != "0")) {
-        client.flush_queue();
-    }
-    outputs
+        out: outputs[0],
+        dim,
+        variant,
+        options,
+        _backend: PhantomData,
+    };
+    crate::fusion::record(name, inputs, vec![out], op).output()
 }
 
 pub(crate) fn forward<B: FusionBackend + FlashBackend>(
@@ -132,20 +96,7 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     options: SoftmaxOptions,
 ) -> FloatTensor<Fusion<B>> {
     validate::<B>(&x, dim, variant, options, "tensor", false);
-    let client = x.client.clone();
-    let streams = OperationStreams::with_inputs([&x]);
-    let out = TensorIr::uninit(client.create_empty_handle(), x.shape.clone(), x.dtype);
-    let x = x.into_ir();
-    let op = SoftmaxOp::<B> {
-        x: x.clone(),
-        y: out.id,
-        dim,
-        variant,
-        options,
-        _backend: PhantomData,
-    };
-    let desc = custom_op("burn_flash::softmax", vec![x], vec![out]);
-    register(&client, streams, desc, op).output()
+    record::<B>("burn_flash::softmax", vec![x], dim, variant, options)
 }
 
 pub(crate) fn backward<B: FusionBackend + FlashBackend>(
@@ -164,19 +115,6 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
             y.shape
         );
     }
-    let client = y.client.clone();
-    let streams = OperationStreams::with_inputs([&y, &dy]);
-    let out = TensorIr::uninit(client.create_empty_handle(), y.shape.clone(), y.dtype);
-    let (y, dy) = (y.into_ir(), dy.into_ir());
-    let op = SoftmaxBackwardOp::<B> {
-        y: y.clone(),
-        dy: dy.clone(),
-        dx: out.id,
-        dim,
-        variant,
-        options,
-        _backend: PhantomData,
-    };
-    let desc = custom_op("burn_flash::softmax_backward", vec![y, dy], vec![out]);
-    register(&client, streams, desc, op).output()
+    let name = "burn_flash::softmax_backward";
+    record::<B>(name, vec![y, dy], dim, variant, options)
 }

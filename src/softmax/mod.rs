@@ -5,6 +5,7 @@
 //! [`quiet_softmax`] and −inf from [`log_softmax`], never NaN. A row containing NaN gives NaN.
 
 pub(crate) mod autodiff;
+pub(crate) mod backend;
 pub(crate) mod cube;
 pub(crate) mod fusion;
 pub mod reference;
@@ -21,6 +22,21 @@ pub(crate) fn check_dim(op: &str, dim: usize, rank: usize) {
     }
 }
 
+/// Panics with Burn's message style unless `dim` is a dimension of a rank-`rank` tensor and
+/// `dtype` one the kernels run (`arg` names the tensor); returns the op's name.
+pub(crate) fn check_input(
+    variant: SoftmaxVariant,
+    dim: usize,
+    rank: usize,
+    arg: &str,
+    dtype: burn::tensor::DType,
+) -> &'static str {
+    let op = variant_name(variant);
+    check_dim(op, dim, rank);
+    cube::check_dtype(op, arg, dtype);
+    op
+}
+
 /// Fused softmax along `dim`: `y = e^x / Σ e^x`. Drop-in for
 /// `burn::tensor::activation::softmax`.
 ///
@@ -28,12 +44,7 @@ pub(crate) fn check_dim(op: &str, dim: usize, rank: usize) {
 /// If `dim >= D`, or (CubeCL backends) if the tensor's dtype is not f32, f16 or bf16 or the
 /// device does not support it.
 pub fn softmax<const D: usize, B: FlashBackend>(tensor: Tensor<B, D>, dim: usize) -> Tensor<B, D> {
-    softmax_with(
-        tensor,
-        dim,
-        SoftmaxVariant::Softmax,
-        SoftmaxOptions::default(),
-    )
+    with_defaults(tensor, dim, SoftmaxVariant::Softmax)
 }
 
 /// Fused log-softmax along `dim`: `y = x − ln Σ e^x`. Drop-in for
@@ -45,12 +56,7 @@ pub fn log_softmax<const D: usize, B: FlashBackend>(
     tensor: Tensor<B, D>,
     dim: usize,
 ) -> Tensor<B, D> {
-    softmax_with(
-        tensor,
-        dim,
-        SoftmaxVariant::LogSoftmax,
-        SoftmaxOptions::default(),
-    )
+    with_defaults(tensor, dim, SoftmaxVariant::LogSoftmax)
 }
 
 /// Fused quiet softmax along `dim`: `y = e^x / (1 + Σ e^x)`. Drop-in for
@@ -62,12 +68,7 @@ pub fn quiet_softmax<const D: usize, B: FlashBackend>(
     tensor: Tensor<B, D>,
     dim: usize,
 ) -> Tensor<B, D> {
-    softmax_with(
-        tensor,
-        dim,
-        SoftmaxVariant::QuietSoftmax,
-        SoftmaxOptions::default(),
-    )
+    with_defaults(tensor, dim, SoftmaxVariant::QuietSoftmax)
 }
 
 /// Any member of the softmax family with explicit launch options (forcing a row scheme or
@@ -84,6 +85,15 @@ pub fn softmax_with<const D: usize, B: FlashBackend>(
     check_dim(variant_name(variant), dim, D);
     let y = B::flash_softmax(tensor.into_primitive().tensor(), dim, variant, options);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// [`softmax_with`] with the default options.
+fn with_defaults<const D: usize, B: FlashBackend>(
+    tensor: Tensor<B, D>,
+    dim: usize,
+    variant: SoftmaxVariant,
+) -> Tensor<B, D> {
+    softmax_with(tensor, dim, variant, SoftmaxOptions::default())
 }
 
 pub(crate) fn variant_name(variant: SoftmaxVariant) -> &'static str {

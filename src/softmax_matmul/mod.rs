@@ -6,6 +6,7 @@
 //! block by block from that log-sum-exp.
 
 pub(crate) mod autodiff;
+pub(crate) mod backend;
 pub(crate) mod cube;
 pub(crate) mod fusion;
 pub mod reference;

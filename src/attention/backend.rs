@@ -1,0 +1,213 @@
+//! [`AttentionBackend`](crate::AttentionBackend): fused attention as a Burn backend extension,
+//! and its implementations for CubeCL backends (fused kernels), `Fusion` and `Autodiff`
+//! ([`crate::FlashBackend`] lists the backends).
+
+use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
+use burn::tensor::{
+    DType,
+    ops::{BoolTensor, FloatTensor},
+};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_flash_kernels::attention::{
+    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionPlan,
+};
+use burn_fusion::{Fusion, FusionBackend};
+
+use super::{AttentionGrads, FlashAttentionOptions};
+use crate::{FlashBackend, SoftmaxMatmulBackend};
+
+/// Fused attention ([`crate::attention()`]); provided bodies as
+/// [`SoftmaxBackend`](crate::SoftmaxBackend)'s.
+pub trait AttentionBackend: SoftmaxMatmulBackend {
+    /// `(out, lse)` of attention (see [`crate::attention()`]) over `query` `[B, Hq, Sq, D]`,
+    /// `key` `[B, Hkv, Sk, D]`, `value` `[B, Hkv, Sk, Dv]`, with `mask`/`bias` broadcasting
+    /// to `[B, Hq, Sq, Sk]`; `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the scores.
+    /// Arguments are checked by the caller.
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::composed::forward::<Self>(query, key, value, mask, bias, options)
+    }
+
+    /// Gradients of [`AttentionBackend::flash_attention`] (same arguments and options) from
+    /// its output `out`, its `lse` and the output gradient `d_out`; the score gradient `ds`
+    /// only when `want_ds` (a tracked bias). Arguments are checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        want_ds: bool,
+    ) -> AttentionGrads<Self> {
+        super::composed::backward::<Self>(
+            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
+        )
+    }
+
+    /// The launch the fused attention backward would make for contiguous tensors, with or
+    /// without a `mask` and a `bias` (`None`: composed fallback).
+    fn flash_attention_backward_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+        mask: bool,
+        bias: bool,
+    ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+        let _ = (device, dims, dtype, options, mask, bias);
+        None
+    }
+
+    /// The launch the fused attention would make for contiguous tensors (`None`: this backend
+    /// uses the composed fallback).
+    fn flash_attention_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+    ) -> Option<Result<AttentionPlan, AttentionError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
+}
+
+/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
+macro_rules! planning {
+    ($inner:ty) => {
+        fn flash_attention_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+        ) -> Option<Result<AttentionPlan, AttentionError>> {
+            <$inner>::flash_attention_plan(device, dims, dtype, options)
+        }
+
+        fn flash_attention_backward_plan(
+            device: &Self::Device,
+            dims: AttentionDims,
+            dtype: DType,
+            options: FlashAttentionOptions,
+            mask: bool,
+            bias: bool,
+        ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+            <$inner>::flash_attention_backward_plan(device, dims, dtype, options, mask, bias)
+        }
+    };
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cube::forward::<R, F, I, BT>(query, key, value, mask, bias, options)
+    }
+
+    fn flash_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        want_ds: bool,
+    ) -> AttentionGrads<Self> {
+        super::cube::backward::<R, F, I, BT>(
+            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
+        )
+    }
+
+    fn flash_attention_backward_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+        mask: bool,
+        bias: bool,
+    ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+        let client = R::client(device);
+        Some(super::cube::backward_plan(
+            &client, dims, dtype, options, mask, bias,
+        ))
+    }
+
+    fn flash_attention_plan(
+        device: &Self::Device,
+        dims: AttentionDims,
+        dtype: DType,
+        options: FlashAttentionOptions,
+    ) -> Option<Result<AttentionPlan, AttentionError>> {
+        let client = R::client(device);
+        Some(super::cube::plan(&client, dims, dtype, options))
+    }
+}
+
+impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::fusion::forward::<B>((query, key, value, mask, bias), options)
+    }
+
+    fn flash_attention_backward(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+        options: FlashAttentionOptions,
+        want_ds: bool,
+    ) -> AttentionGrads<Self> {
+        let inputs = (query, key, value, mask, bias);
+        super::fusion::backward::<B>(inputs, out, lse, d_out, options, want_ds)
+    }
+
+    planning!(B);
+}
+
+/// The forward runs `B`'s attention and keeps its inputs, output and `lse`; the backward
+/// runs `B`'s attention backward (fused kernels on CubeCL backends, the composed gradient
+/// on the fallback).
+impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
+    fn flash_attention(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        mask: Option<BoolTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::autodiff::forward::<B, C>(query, key, value, mask, bias, options)
+    }
+
+    planning!(B);
+}

@@ -1,0 +1,209 @@
+//! [`SoftmaxBackend`](crate::SoftmaxBackend): the softmax family as a Burn backend extension,
+//! and its implementations for CubeCL backends (fused kernels), `Fusion` and `Autodiff`
+//! ([`crate::FlashBackend`] lists the backends).
+
+use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
+use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_flash_kernels::softmax::{
+    RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
+};
+use burn_fusion::{Fusion, FusionBackend};
+
+use crate::FlashBackend;
+
+/// The fused softmax family ([`crate::softmax()`] …).
+///
+/// The provided method bodies are the always-correct fallback made of stock Burn ops; the
+/// CubeCL backends override them with fused kernels. Users call the free functions, not these.
+pub trait SoftmaxBackend: Backend {
+    /// Softmax family along `dim` of a float tensor of any rank.
+    fn flash_softmax(
+        x: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        let _ = options;
+        super::reference::forward::<Self>(x, dim, variant)
+    }
+
+    /// Gradient of [`SoftmaxBackend::flash_softmax`] from its output `y` and the output gradient
+    /// `dy`.
+    fn flash_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        let _ = options;
+        super::reference::backward::<Self>(y, dy, dim, variant)
+    }
+
+    /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
+    /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
+    fn flash_softmax_plan(
+        device: &Self::Device,
+        shape: &[usize],
+        strides: &[usize],
+        dim: usize,
+        dtype: DType,
+        backward: bool,
+        options: SoftmaxOptions,
+    ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+        let _ = (device, shape, strides, dim, dtype, backward, options);
+        None
+    }
+
+    /// Longest rows of the register tiers on `device` (`None` without fused kernels).
+    fn flash_softmax_row_limits(
+        device: &Self::Device,
+        dtype: DType,
+        options: SoftmaxOptions,
+    ) -> Option<Result<RowLimits, SoftmaxError>> {
+        let _ = (device, dtype, options);
+        None
+    }
+}
+
+/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
+macro_rules! planning {
+    ($inner:ty) => {
+        fn flash_softmax_plan(
+            device: &Self::Device,
+            shape: &[usize],
+            strides: &[usize],
+            dim: usize,
+            dtype: DType,
+            backward: bool,
+            options: SoftmaxOptions,
+        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, backward, options)
+        }
+
+        fn flash_softmax_row_limits(
+            device: &Self::Device,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<RowLimits, SoftmaxError>> {
+            <$inner>::flash_softmax_row_limits(device, dtype, options)
+        }
+    };
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn flash_softmax(
+        x: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::cube::forward(x, dim, variant, options)
+    }
+
+    fn flash_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::cube::backward(y, dy, dim, variant, options)
+    }
+
+    fn flash_softmax_plan(
+        device: &Self::Device,
+        shape: &[usize],
+        strides: &[usize],
+        dim: usize,
+        dtype: DType,
+        backward: bool,
+        options: SoftmaxOptions,
+    ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+        let client = R::client(device);
+        // What the op does with a non-contiguous softmax dim and few rows: relay out first.
+        let relaid;
+        let strides = if super::cube::relayout_first(shape, strides, dim, &options) {
+            relaid = super::cube::dim_last_strides(shape, dim);
+            &relaid[..]
+        } else {
+            strides
+        };
+        let tensors: &[&[usize]] = if backward {
+            &[strides, strides, strides]
+        } else {
+            &[strides, strides]
+        };
+        Some(burn_flash_kernels::softmax::plan_softmax(
+            &client,
+            shape,
+            tensors,
+            dim,
+            dtype.into(),
+            SoftmaxVariant::Softmax,
+            options,
+        ))
+    }
+
+    fn flash_softmax_row_limits(
+        device: &Self::Device,
+        dtype: DType,
+        options: SoftmaxOptions,
+    ) -> Option<Result<RowLimits, SoftmaxError>> {
+        let client = R::client(device);
+        Some(burn_flash_kernels::softmax::row_limits(
+            &client,
+            dtype.into(),
+            options,
+        ))
+    }
+}
+
+impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
+    fn flash_softmax(
+        x: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::fusion::forward::<B>(x, dim, variant, options)
+    }
+
+    fn flash_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::fusion::backward::<B>(y, dy, dim, variant, options)
+    }
+
+    planning!(B);
+}
+
+impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxBackend for Autodiff<B, C> {
+    fn flash_softmax(
+        x: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::autodiff::forward::<B, C>(x, dim, variant, options)
+    }
+
+    fn flash_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        options: SoftmaxOptions,
+    ) -> FloatTensor<Self> {
+        super::autodiff::backward::<B, C>(y, dy, dim, variant, options)
+    }
+
+    planning!(B);
+}

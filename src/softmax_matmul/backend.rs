@@ -1,0 +1,146 @@
+//! [`SoftmaxMatmulBackend`](crate::SoftmaxMatmulBackend): the fused `softmax(X)·V` as a Burn
+//! backend extension, and its implementations for CubeCL backends (fused kernels), `Fusion`
+//! and `Autodiff` ([`crate::FlashBackend`] lists the backends).
+
+use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
+use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_flash_kernels::softmax_matmul::{
+    SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
+};
+use burn_fusion::{Fusion, FusionBackend};
+
+use crate::FlashBackend;
+
+/// The fused `softmax(X)·V` ([`crate::softmax_matmul()`]); provided bodies as
+/// [`SoftmaxBackend`](crate::SoftmaxBackend)'s.
+pub trait SoftmaxMatmulBackend: Backend {
+    /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
+    /// `[batch or 1, d2, d3]`; the log-sum-exp (`[batch, d1]`) is what the backward needs.
+    fn flash_softmax_matmul(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = options;
+        super::reference::forward::<Self>(x, v)
+    }
+
+    /// Gradients `(dx, dv)` of [`SoftmaxMatmulBackend::flash_softmax_matmul`] from its inputs, its
+    /// outputs and the output gradient `d_out`.
+    fn flash_softmax_matmul_backward(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let _ = (out, lse);
+        super::reference::backward::<Self>(x, v, d_out)
+    }
+
+    /// The forward launch the fused `softmax(X)·V` would make (`None`: composed fallback).
+    fn flash_softmax_matmul_plan(
+        device: &Self::Device,
+        dims: SmmDims,
+        dtype: DType,
+        options: SoftmaxMatmulOptions,
+    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
+}
+
+/// The planning method passes through wrappers (`Fusion`, `Autodiff`) unchanged.
+macro_rules! planning {
+    ($inner:ty) => {
+        fn flash_softmax_matmul_plan(
+            device: &Self::Device,
+            dims: SmmDims,
+            dtype: DType,
+            options: SoftmaxMatmulOptions,
+        ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+            <$inner>::flash_softmax_matmul_plan(device, dims, dtype, options)
+        }
+    };
+}
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxMatmulBackend
+    for CubeBackend<R, F, I, BT>
+{
+    fn flash_softmax_matmul(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cube::forward(x, v, options)
+    }
+
+    fn flash_softmax_matmul_backward(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::cube::backward(x, v, out, lse, d_out)
+    }
+
+    fn flash_softmax_matmul_plan(
+        device: &Self::Device,
+        dims: SmmDims,
+        dtype: DType,
+        options: SoftmaxMatmulOptions,
+    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+        use burn_flash_kernels::softmax_matmul::{contiguous_row_vector, plan_softmax_matmul};
+        let client = R::client(device);
+        let dtype = dtype.into();
+        // Contiguous tensors: the layout Burn gives new tensors.
+        let vector = contiguous_row_vector(dims, dtype);
+        Some(plan_softmax_matmul(&client, dims, dtype, vector, options))
+    }
+}
+
+impl<B: FusionBackend + FlashBackend> SoftmaxMatmulBackend for Fusion<B> {
+    fn flash_softmax_matmul(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::fusion::forward::<B>(x, v, options)
+    }
+
+    fn flash_softmax_matmul_backward(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::fusion::backward::<B>(x, v, out, lse, d_out)
+    }
+
+    planning!(B);
+}
+
+impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxMatmulBackend for Autodiff<B, C> {
+    fn flash_softmax_matmul(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::autodiff::forward::<B, C>(x, v, options)
+    }
+
+    fn flash_softmax_matmul_backward(
+        x: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_out: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::autodiff::backward::<B, C>(x, v, out, lse, d_out)
+    }
+
+    planning!(B);
+}
