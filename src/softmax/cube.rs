@@ -31,10 +31,9 @@ pub(crate) fn check_dtype(op: &str, arg: &str, dtype: DType) {
 
 /// Fewest rows (fibres along the softmax dim) for which the heuristic reads a non-contiguous
 /// softmax dim in place with the strided scheme; below, it copies to a dim-last layout first.
-/// The strided scheme runs one unit per row. Measured on an H200 (f32, 2^26 elements, rows
-/// along a stride, `benches/softmax.rs` "strided" rows): 16 384 rows: strided 1586 µs, copy
-/// first 687 µs; 65 536 rows: strided 483 µs, copy first 750 µs; 262 144 rows: 254 µs against
-/// 1532 µs.
+/// The strided scheme runs one unit per row, so with few rows it leaves the GPU idle; the
+/// crossover with copying first lies between 2^14 and 2^16 rows (`benches/softmax.rs`, strided
+/// rows; RESULTS.md §2.5).
 pub(crate) const STRIDED_MIN_ROWS: usize = 1 << 16;
 
 /// Whether the op copies a tensor of this layout to a dim-last layout before launching: a forced

@@ -57,8 +57,8 @@ fn record<B: FusionBackend + FlashBackend>(
 
 /// Fusion runs the op later, on its own thread, where a panic would only surface at the next
 /// sync: check dtypes and the plan now. The default plan can fail too (a dtype the device
-/// lacks, more cubes than it launches), and planning is cheap (~500 instructions with the
-/// client lookup, measured with callgrind), so it stays here.
+/// lacks, more cubes than it launches), and planning is cheap next to the op's other host work
+/// (RESULTS.md §9), so it stays here.
 fn validate<B: FusionBackend + FlashBackend>(
     x: &FloatTensor<Fusion<B>>,
     v: &FloatTensor<Fusion<B>>,
