@@ -10,6 +10,7 @@ use burn_flash::{
     AttentionKernel, FlashAttentionOptions, FlashBackend, attention, attention::AttentionDims,
     attention_plan, attention_with_lse,
 };
+use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
 
 /// Row-major f64 copies of one call's inputs, and the reference output.
@@ -27,12 +28,6 @@ struct Case {
     fill: Option<f64>,
     /// Quiet softmax.
     quiet: bool,
-}
-
-/// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
-fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
-    let pick = |x: usize, d: usize| if dims[d] == 1 { 0 } else { x };
-    ((pick(b, 0) * dims[1] + pick(h, 1)) * dims[2] + pick(i, 2)) * dims[3] + pick(j, 3)
 }
 
 impl Case {
@@ -115,32 +110,6 @@ impl Case {
             }
         }
         (out, lse)
-    }
-}
-
-/// Rounding of a model: `acc` after every addition of a sum, `store` after every stored
-/// intermediate and output.
-#[derive(Clone, Copy)]
-struct Rounding {
-    acc: fn(f64) -> f64,
-    store: fn(f64) -> f64,
-}
-
-const EXACT: Rounding = Rounding {
-    acc: |x| x,
-    store: |x| x,
-};
-
-/// The naive implementation of `dtype`: f32 sums, storage in `dtype` (the rounding a
-/// composition of Burn ops in that dtype has, on any backend and matmul).
-fn naive(dtype: FloatDType) -> Rounding {
-    Rounding {
-        acc: |x| x as f32 as f64,
-        store: match dtype {
-            FloatDType::F16 => |x| burn::tensor::f16::from_f64(x).to_f64(),
-            FloatDType::BF16 => |x| burn::tensor::bf16::from_f64(x).to_f64(),
-            _ => |x| x as f32 as f64,
-        },
     }
 }
 
@@ -302,33 +271,6 @@ fn check_lse(got: &[f64], want: &[f64], dtype: FloatDType, context: &str) {
     }
 }
 
-fn rand4<B: FlashBackend>(
-    dims: [usize; 4],
-    scale: f32,
-    dtype: FloatDType,
-    device: &B::Device,
-) -> Tensor<B, 4> {
-    random::<B, 4>(dims, -scale, scale, dtype, device)
-}
-
-fn bool_mask<B: FlashBackend>(
-    dims: [usize; 4],
-    device: &B::Device,
-    f: impl Fn([usize; 4]) -> bool,
-) -> Tensor<B, 4, Bool> {
-    let mut values = Vec::with_capacity(dims.iter().product());
-    for b in 0..dims[0] {
-        for h in 0..dims[1] {
-            for i in 0..dims[2] {
-                for j in 0..dims[3] {
-                    values.push(f([b, h, i, j]));
-                }
-            }
-        }
-    }
-    Tensor::from_data(TensorData::new(values, dims), device)
-}
-
 /// Odd sizes, `Sq ≠ Sk`, `Dv ≠ D`, head dims 32…128, custom scale and softcap.
 fn shapes_and_options<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let plain = AttentionModuleOptions::default();
@@ -419,7 +361,7 @@ fn masks_and_biases<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let v = rand4::<B>([nb, 2, sk, 16], 1.0, dtype, device);
     let plain = AttentionModuleOptions::default();
     // Batch b pads its last 5·b + 3 keys.
-    let padding = bool_mask::<B>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 5 * b + 3 >= sk);
+    let padding = bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 5 * b + 3 >= sk);
     let args = (q.clone(), k.clone(), v.clone());
     check(
         args.0,
@@ -432,7 +374,7 @@ fn masks_and_biases<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         "padding mask",
     );
     // Full mask with two fully masked rows per head.
-    let full = bool_mask::<B>([nb, hq, sq, sk], device, |[b, h, i, j]| {
+    let full = bool_mask::<B, 4>([nb, hq, sq, sk], device, |[b, h, i, j]| {
         i == 3 || i == sq - 1 || (b + h + i + j) % 3 == 0
     });
     let (q2, k2, v2) = (q.clone(), k.clone(), v.clone());
@@ -560,7 +502,7 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let q = rand4::<B>([2, 2, sq, 64], 2.0, dtype, device);
     let k = rand4::<B>([2, 2, sk, 64], 2.0, dtype, device);
     let v = rand4::<B>([2, 2, sk, 96], 1.0, dtype, device);
-    let mask = bool_mask::<B>([2, 2, sq, sk], device, |[b, _, i, j]| {
+    let mask = bool_mask::<B, 4>([2, 2, sq, sk], device, |[b, _, i, j]| {
         (b == 1 && j >= sk - 20) || (b == 0 && i == 5) || (i + j) % 11 == 0
     });
     let bias = rand4::<B>([2, 1, sq, sk], 2.0, dtype, device);
@@ -635,7 +577,7 @@ fn gradients_match_burns_fallback<B: FlashBackend>(device: &B::Device, dtype: Fl
     let k = rand4::<A<B>>([nb, hkv, sk, d], 1.0, dtype, device).require_grad();
     let v = rand4::<A<B>>([nb, hkv, sk, dv], 1.0, dtype, device).require_grad();
     let bias = rand4::<A<B>>([1, hq, sq, sk], 1.0, dtype, device).require_grad();
-    let mask = bool_mask::<A<B>>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 4 * b + 2 >= sk);
+    let mask = bool_mask::<A<B>, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 4 * b + 2 >= sk);
     let w = rand4::<A<B>>([nb, hq, sq, dv], 1.0, dtype, device);
     let inputs = [&q, &k, &v, &bias];
 
@@ -1026,8 +968,8 @@ fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType
             let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
             let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
             let mask = mask_dims.map(|dims| match dims[1] {
-                1 => bool_mask::<B>(dims, device, padding),
-                _ => bool_mask::<B>(dims, device, full),
+                1 => bool_mask::<B, 4>(dims, device, padding),
+                _ => bool_mask::<B, 4>(dims, device, full),
             });
             let bias = with_bias.then(|| rand4::<B>([1, hq, sq, sk], 1.0, dtype, device));
             let options = FlashAttentionOptions {
@@ -1123,7 +1065,7 @@ fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
         msg.contains("`value` [2, 2, 9, 16] must have the batch, heads and positions"),
         "{msg}"
     );
-    let mask = bool_mask::<B>([2, 4, 8, 7], device, |_| false);
+    let mask = bool_mask::<B, 4>([2, 4, 8, 7], device, |_| false);
     let msg = refused(q.clone(), k.clone(), v.clone(), Some(mask), None, plain);
     assert!(msg.contains("`mask` has shape [2, 4, 8, 7]"), "{msg}");
     let bias = rand4::<B>([3, 1, 1, 8], 1.0, dtype, device);

@@ -9,7 +9,7 @@
 mod common;
 
 use burn::backend::Autodiff;
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData, bf16, f16, ops::AttentionModuleOptions};
+use burn::tensor::{FloatDType, Tensor, ops::AttentionModuleOptions};
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
     FlashBackend,
@@ -17,15 +17,10 @@ use burn_flash::{
     attention_backward_plan, attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
+use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
 
 type A<B> = Autodiff<B>;
-
-/// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
-fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
-    let pick = |x: usize, d: usize| if dims[d] == 1 { 0 } else { x };
-    ((pick(b, 0) * dims[1] + pick(h, 1)) * dims[2] + pick(i, 2)) * dims[3] + pick(j, 3)
-}
 
 /// One call's inputs (row-major f64 copies of the device values) and options.
 struct Case {
@@ -46,40 +41,6 @@ struct Case {
     fill: Option<f64>,
     /// Quiet softmax.
     quiet: bool,
-}
-
-/// Rounding of a model: `acc` after every multiply-add of a sum, `store` after every stored
-/// intermediate and output, `lse` of the row log-sum-exp `P` is rebuilt from.
-#[derive(Clone, Copy)]
-struct Rounding {
-    acc: fn(f64) -> f64,
-    store: fn(f64) -> f64,
-    lse: fn(f64) -> f64,
-}
-
-const EXACT: Rounding = Rounding {
-    acc: |x| x,
-    store: |x| x,
-    lse: |x| x,
-};
-
-fn to_f32(x: f64) -> f64 {
-    x as f32 as f64
-}
-
-/// The naive model of `dtype`: f32 accumulation, storage in `dtype`, and `P` rebuilt from an
-/// f32 log-sum-exp as every attention backward that keeps no `Sq × Sk` state does (it matters
-/// only where `|lse|` is large: a row of burn-nn's −1e4 fill scores has an lse ulp of 2⁻¹⁰).
-fn naive(dtype: FloatDType) -> Rounding {
-    Rounding {
-        acc: to_f32,
-        lse: to_f32,
-        store: match dtype {
-            FloatDType::F16 => |x| f16::from_f64(x).to_f64(),
-            FloatDType::BF16 => |x| bf16::from_f64(x).to_f64(),
-            _ => to_f32,
-        },
-    }
 }
 
 /// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape).
@@ -255,24 +216,6 @@ impl Setup {
     }
 }
 
-fn bool_mask<B: FlashBackend>(
-    dims: [usize; 4],
-    device: &B::Device,
-    f: impl Fn([usize; 4]) -> bool,
-) -> Tensor<B, 4, Bool> {
-    let mut values = Vec::with_capacity(dims.iter().product());
-    for b in 0..dims[0] {
-        for h in 0..dims[1] {
-            for i in 0..dims[2] {
-                for j in 0..dims[3] {
-                    values.push(f([b, h, i, j]));
-                }
-            }
-        }
-    }
-    Tensor::from_data(TensorData::new(values, dims), device)
-}
-
 /// A random `[B, H, S, D]` tensor of `dtype`, as given or as the swap of a `[B, S, H, D]` one.
 fn input<B: FlashBackend>(
     dims: [usize; 4],
@@ -304,7 +247,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     let g = random::<A<B>, 4>([nb, hq, sq, dv], -1.0, 1.0, dtype, &device);
     let mask = setup
         .mask
-        .map(|(dims, f)| bool_mask::<A<B>>(dims, &device, f));
+        .map(|(dims, f)| bool_mask::<A<B>, 4>(dims, &device, f));
     let bias = setup
         .bias
         .map(|dims| random::<A<B>, 4>(dims, -1.0, 1.0, dtype, &device).require_grad());

@@ -5,10 +5,10 @@
 
 mod common;
 
-use burn::tensor::{DType, Distribution, FloatDType, Tensor, backend::Backend, module};
+use burn::tensor::{DType, Distribution, FloatDType, Tensor, module};
 use burn_flash::{FlashBackend, attention};
-use common::peak_memory::{peak_memory, use_exact_pool};
-use common::*;
+use common::memory_check::{check_backend, check_peak};
+use common::peak_memory::use_exact_pool;
 
 /// Memory allowed beyond inputs + output + log-sum-exp: launch metadata and alignment, far
 /// below one `Sq × Sk` score matrix of the sizes below.
@@ -20,7 +20,7 @@ type Dims = (usize, usize, usize, usize);
 /// Checks the forward's peak memory: inputs + output + one f32 per query row + [`SLACK`].
 /// `composed = true` runs Burn's `attention_fallback` instead, which holds the scores and
 /// must fail the same check: the proof that the check can fail.
-fn check_peak<B: FlashBackend, R: cubecl::Runtime>(
+fn forward_peak<B: FlashBackend, R: cubecl::Runtime>(
     device: &B::Device,
     dtype: FloatDType,
     composed: bool,
@@ -28,7 +28,6 @@ fn check_peak<B: FlashBackend, R: cubecl::Runtime>(
 ) where
     R::Device: From<B::Device>,
 {
-    let client = R::client(&R::Device::from(device.clone()));
     let draw = || {
         Tensor::<B, 4>::random([b, h, s, d], Distribution::Uniform(-1.0, 1.0), device).cast(dtype)
     };
@@ -37,50 +36,23 @@ fn check_peak<B: FlashBackend, R: cubecl::Runtime>(
         is_causal: true,
         ..Default::default()
     };
-    let (out, mem) = peak_memory(
-        &client,
-        || sync::<B>(device),
-        || {
-            if composed {
-                module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
-            } else {
-                attention(q.clone(), k.clone(), v.clone(), None, None, options)
-            }
-        },
-    );
     let elem = DType::from(dtype).size() as u64;
     let inputs = 3 * (b * h * s * d) as u64 * elem;
     let outputs = (b * h * s * d) as u64 * elem + (b * h * s) as u64 * 4;
-    let allowed = inputs + outputs + SLACK;
     let name = if composed { "Burn's fallback" } else { "fused" };
-    eprintln!(
-        "{name} {dtype:?} B{b} H{h} S{s} D{d}: peak {} KiB (inputs {} KiB, outputs {} KiB, \
-         allowed {} KiB)",
-        mem.peak >> 10,
+    let what = format!(
+        "{name} {dtype:?} B{b} H{h} S{s} D{d} (inputs {} KiB + outputs {} KiB + {SLACK} B)",
         inputs >> 10,
         outputs >> 10,
-        allowed >> 10,
     );
-    assert_eq!(
-        mem.peak <= allowed,
-        !composed,
-        "{name} {dtype:?}: peak {} B, allowed inputs + outputs + {SLACK} = {allowed} B ({mem:?})",
-        mem.peak
-    );
-    drop((q, k, v, out));
-}
-
-fn check_backend<B: FlashBackend, R: cubecl::Runtime>(composed: Dims, fused: &[(Dims, FloatDType)])
-where
-    R::Device: From<B::Device>,
-{
-    let device = Default::default();
-    check_peak::<B, R>(&device, FloatDType::F32, true, composed);
-    for &(dims, dtype) in fused {
-        if <B as Backend>::supports_dtype(&device, dtype.into()) {
-            check_peak::<B, R>(&device, dtype, false, dims);
+    let (out, _) = check_peak::<B, R, _>(device, &what, composed, inputs + outputs + SLACK, || {
+        if composed {
+            module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
+        } else {
+            attention(q.clone(), k.clone(), v.clone(), None, None, options)
         }
-    }
+    });
+    drop((q, k, v, out));
 }
 
 /// Small enough for a CPU (lavapipe): the fallback's f32 scores (2 MiB) are 32 × the slack.
@@ -89,9 +61,10 @@ where
 fn wgpu_forward_within_inputs_plus_output() {
     use_exact_pool();
     let dims = (1, 2, 512, 64);
-    check_backend::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>(
+    check_backend::<burn::backend::Wgpu, _>(
         dims,
         &[(dims, FloatDType::F32), (dims, FloatDType::F16)],
+        forward_peak::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>,
     );
 }
 
@@ -102,13 +75,14 @@ fn wgpu_forward_within_inputs_plus_output() {
 fn cuda_forward_within_inputs_plus_output() {
     use_exact_pool();
     let big = (4, 16, 16384, 128);
-    check_backend::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>(
+    check_backend::<burn::backend::Cuda, _>(
         (4, 16, 2048, 128),
         &[
             (big, FloatDType::BF16),
             (big, FloatDType::F16),
             ((4, 16, 4096, 128), FloatDType::F32),
         ],
+        forward_peak::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>,
     );
 }
 
@@ -118,7 +92,7 @@ fn cuda_forward_within_inputs_plus_output() {
 /// fuses `dQ` into the dK/dV kernel, also its f32 accumulator (`dQ`'s size in f32).
 /// `composed = true` runs Burn's autodiff of `attention_fallback`, which must fail the same
 /// check.
-fn check_train_peak<B: FlashBackend, R: cubecl::Runtime>(
+fn training_peak<B: FlashBackend, R: cubecl::Runtime>(
     device: &B::Device,
     dtype: FloatDType,
     composed: bool,
@@ -127,7 +101,6 @@ fn check_train_peak<B: FlashBackend, R: cubecl::Runtime>(
     R::Device: From<B::Device>,
 {
     type A<B> = burn::backend::Autodiff<B>;
-    let client = R::client(&R::Device::from(device.clone()));
     let draw = || {
         Tensor::<A<B>, 4>::random([b, h, s, d], Distribution::Uniform(-1.0, 1.0), device)
             .cast(dtype)
@@ -138,51 +111,22 @@ fn check_train_peak<B: FlashBackend, R: cubecl::Runtime>(
         is_causal: true,
         ..Default::default()
     };
-    let (grads, mem) = peak_memory(
-        &client,
-        || sync::<B>(device),
-        || {
-            let out = if composed {
-                module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
-            } else {
-                attention(q.clone(), k.clone(), v.clone(), None, None, options)
-            };
-            out.backward()
-        },
-    );
     let elem = DType::from(dtype).size() as u64;
     let n = (b * h * s * d) as u64 * elem;
     let rows = (b * h * s) as u64 * 4;
     // q, k, v; out, lse; the output's gradient; dq, dk, dv; δ.
     let allowed = 3 * n + (n + rows) + n + 3 * n + rows + SLACK;
     let name = if composed { "Burn's fallback" } else { "fused" };
-    eprintln!(
-        "train {name} {dtype:?} B{b} H{h} S{s} D{d}: peak {} KiB (allowed {} KiB)",
-        mem.peak >> 10,
-        allowed >> 10,
-    );
-    assert_eq!(
-        mem.peak <= allowed,
-        !composed,
-        "train {name} {dtype:?}: peak {} B, allowed {allowed} B ({mem:?})",
-        mem.peak
-    );
+    let what = format!("train {name} {dtype:?} B{b} H{h} S{s} D{d}");
+    let (grads, _) = check_peak::<B, R, _>(device, &what, composed, allowed, || {
+        let out = if composed {
+            module::attention_fallback(q.clone(), k.clone(), v.clone(), None, None, options)
+        } else {
+            attention(q.clone(), k.clone(), v.clone(), None, None, options)
+        };
+        out.backward()
+    });
     drop((q, k, v, grads));
-}
-
-fn check_train_backend<B: FlashBackend, R: cubecl::Runtime>(
-    composed: Dims,
-    fused: &[(Dims, FloatDType)],
-) where
-    R::Device: From<B::Device>,
-{
-    let device = Default::default();
-    check_train_peak::<B, R>(&device, FloatDType::F32, true, composed);
-    for &(dims, dtype) in fused {
-        if <B as Backend>::supports_dtype(&device, dtype.into()) {
-            check_train_peak::<B, R>(&device, dtype, false, dims);
-        }
-    }
 }
 
 /// A training step on lavapipe: the fallback's f32 scores (2 MiB per saved tensor) fail, the
@@ -192,9 +136,10 @@ fn check_train_backend<B: FlashBackend, R: cubecl::Runtime>(
 fn wgpu_training_step_within_inputs_outputs_and_gradients() {
     use_exact_pool();
     let dims = (1, 2, 512, 64);
-    check_train_backend::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>(
+    check_backend::<burn::backend::Wgpu, _>(
         dims,
         &[(dims, FloatDType::F32)],
+        training_peak::<burn::backend::Wgpu, cubecl::wgpu::WgpuRuntime>,
     );
 }
 
@@ -204,8 +149,9 @@ fn wgpu_training_step_within_inputs_outputs_and_gradients() {
 #[test]
 fn cuda_training_step_within_inputs_outputs_and_gradients() {
     use_exact_pool();
-    check_train_backend::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>(
+    check_backend::<burn::backend::Cuda, _>(
         (4, 16, 2048, 128),
         &[((4, 16, 16384, 128), FloatDType::BF16)],
+        training_peak::<burn::backend::Cuda, cubecl::cuda::CudaRuntime>,
     );
 }

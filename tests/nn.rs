@@ -71,25 +71,6 @@ fn bool_ref<B: Backend, const D: usize>(t: &Tensor<B, D, Bool>) -> Tensor<R, D, 
     Tensor::from_data(TensorData::new(values, t.dims()), &Default::default())
 }
 
-fn bool_mask<B: Backend, const D: usize>(
-    dims: [usize; D],
-    device: &B::Device,
-    f: impl Fn(&[usize]) -> bool,
-) -> Tensor<B, D, Bool> {
-    let n: usize = dims.iter().product();
-    let values: Vec<bool> = (0..n)
-        .map(|mut i| {
-            let mut idx = [0usize; D];
-            for d in (0..D).rev() {
-                idx[d] = i % dims[d];
-                i /= dims[d];
-            }
-            f(&idx)
-        })
-        .collect();
-    Tensor::from_data(TensorData::new(values, dims), device)
-}
-
 /// Ours (`got`) against burn-nn in the dtype (`naive`) and burn-nn in f64 (`want`).
 fn compare<B: Backend, const D: usize>(
     got: Tensor<B, D>,

@@ -66,13 +66,7 @@ impl Problem {
     /// Row `(b, i)` of the softmax in f64; zeros for a row without a finite score.
     fn p_row(&self, b: usize, i: usize) -> Vec<f64> {
         let row: Vec<f64> = (0..self.d2).map(|j| self.x_at(b, i, j)).collect();
-        let m = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
-        if m == f64::NEG_INFINITY {
-            return vec![0.0; self.d2];
-        }
-        let e: Vec<f64> = row.iter().map(|&v| (v - m).exp()).collect();
-        let s: f64 = e.iter().sum();
-        e.into_iter().map(|v| v / s).collect()
+        softmax_row_ref(&row, burn_flash::SoftmaxVariant::Softmax)
     }
 
     fn forward(&self) -> Vec<f64> {

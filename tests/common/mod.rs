@@ -2,11 +2,13 @@
 
 #![allow(dead_code)]
 
+pub mod attention_ref;
+pub mod memory_check;
 pub mod peak_memory;
 
 use std::cell::RefCell;
 
-use burn::tensor::{FloatDType, Tensor, TensorData, backend::Backend};
+use burn::tensor::{Bool, FloatDType, Tensor, TensorData, backend::Backend};
 use burn_flash::SoftmaxVariant;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -304,6 +306,36 @@ pub fn rand3<B: Backend>(
     device: &B::Device,
 ) -> Tensor<B, 3> {
     random::<B, 3>(shape, -scale, scale, dtype, device)
+}
+
+/// A `[d0, d1, d2, d3]` tensor of `dtype`, uniform in `[-scale, scale)`.
+pub fn rand4<B: Backend>(
+    shape: [usize; 4],
+    scale: f32,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    random::<B, 4>(shape, -scale, scale, dtype, device)
+}
+
+/// A bool tensor of `dims` whose element at index `[i0, i1, …]` is `f` of it (row-major).
+pub fn bool_mask<B: Backend, const D: usize>(
+    dims: [usize; D],
+    device: &B::Device,
+    f: impl Fn([usize; D]) -> bool,
+) -> Tensor<B, D, Bool> {
+    let n: usize = dims.iter().product();
+    let values: Vec<bool> = (0..n)
+        .map(|mut i| {
+            let mut idx = [0usize; D];
+            for d in (0..D).rev() {
+                idx[d] = i % dims[d];
+                i /= dims[d];
+            }
+            f(idx)
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, dims), device)
 }
 
 /// Unit roundoff of a dtype's storage.

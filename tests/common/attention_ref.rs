@@ -1,0 +1,48 @@
+//! What the attention suites' f64 references share: broadcast indexing and the rounding
+//! models (exact, and a naive implementation's in a dtype).
+
+use burn::tensor::{FloatDType, bf16, f16};
+
+/// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
+pub fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
+    let pick = |x: usize, d: usize| if dims[d] == 1 { 0 } else { x };
+    ((pick(b, 0) * dims[1] + pick(h, 1)) * dims[2] + pick(i, 2)) * dims[3] + pick(j, 3)
+}
+
+/// Rounding of a model: `acc` after every addition (or multiply-add) of a sum, `store` after
+/// every stored intermediate and output, `lse` of the row log-sum-exp a backward rebuilds `P`
+/// from.
+#[derive(Clone, Copy)]
+pub struct Rounding {
+    pub acc: fn(f64) -> f64,
+    pub store: fn(f64) -> f64,
+    pub lse: fn(f64) -> f64,
+}
+
+/// No rounding: the f64 reference.
+pub const EXACT: Rounding = Rounding {
+    acc: |x| x,
+    store: |x| x,
+    lse: |x| x,
+};
+
+fn to_f32(x: f64) -> f64 {
+    x as f32 as f64
+}
+
+/// The naive implementation of `dtype`: f32 sums, storage in `dtype` (the rounding a
+/// composition of Burn ops in that dtype has, on any backend and matmul), and `P` rebuilt from
+/// an f32 log-sum-exp as every attention backward that keeps no `Sq × Sk` state does (it
+/// matters only where `|lse|` is large: a row of burn-nn's −1e4 fill scores has an lse ulp of
+/// 2⁻¹⁰).
+pub fn naive(dtype: FloatDType) -> Rounding {
+    Rounding {
+        acc: to_f32,
+        lse: to_f32,
+        store: match dtype {
+            FloatDType::F16 => |x| f16::from_f64(x).to_f64(),
+            FloatDType::BF16 => |x| bf16::from_f64(x).to_f64(),
+            _ => to_f32,
+        },
+    }
+}
