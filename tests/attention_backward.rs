@@ -825,9 +825,9 @@ macro_rules! backward_suite {
 mod wgpu {
     use super::*;
     type W = burn::backend::Wgpu;
-    // Lavapipe runs every test but the 70 400-head case (`many_heads`: 179 of this binary's
-    // ~430 s on CI's 2 cores, one 256-unit cube per pair). CUDA runs it in every dtype, and in
-    // f32 on the plain-unit backward kernels that wgpu runs.
+    // Lavapipe runs every test but the 70 400-head case (`many_heads`: one 256-unit cube per
+    // pair, most of this binary's CI time). CUDA runs it in every dtype, and in f32 on the
+    // plain-unit backward kernels that wgpu runs.
     backward_suite!(f32, W, FloatDType::F32, []);
     suite!(
         f16,
