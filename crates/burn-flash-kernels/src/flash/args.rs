@@ -1,7 +1,12 @@
 //! The arguments every flash kernel of a direction takes (FlashAttention-2's `flash.h`
-//! params): the scalar bundle [`ScoreArgs`] (scale, softcap, dropout) as a `CubeLaunch` type,
-//! and the tensor views of a forward ([`FlashTensors`]) and of a backward
-//! ([`BackwardOperands`]) launch. A new kernel family takes the same bundles.
+//! params), as `CubeLaunch` bundles: the scalars [`ScoreArgs`] (scale, softcap, dropout), the
+//! score operands [`ScoreInputs`] (`q`, `k`, `v`, mask, bias) that both directions read, the
+//! forward's outputs [`ForwardOutputs`] and the backward's extra inputs [`GradInputs`]. On the
+//! host, a forward launch's tensors are [`FlashTensors`] and a backward's
+//! [`BackwardOperands`]. A new kernel family takes the same bundles.
+//!
+//! The bundles are generic over the element type `E` the kernel reads the operands as (`F`, or
+//! a vector of `F`); the mask and bias are always read one element at a time.
 
 use cubecl::prelude::*;
 
@@ -30,6 +35,42 @@ pub struct ScoreArgs {
     pub softcap: f32,
     /// The dropout.
     pub dropout: Dropout,
+}
+
+/// The score operands of a flash kernel, forward and backward (given scores: `x` as `q` and
+/// `k`; stand-ins for the tensors the configuration never reads).
+#[derive(CubeLaunch, CubeType)]
+pub struct ScoreInputs<E: CubePrimitive, F: CubePrimitive> {
+    /// Queries `[B, Hq, Sq, D]`, or the given scores `X`.
+    pub q: Tensor<E>,
+    /// Keys `[B, Hkv, Sk, D]`.
+    pub k: Tensor<E>,
+    /// Values `[B, Hkv, Sk, Dv]`.
+    pub v: Tensor<E>,
+    /// The bool mask in the element type (1 = masked out), broadcast to `[B, Hq, Sq, Sk]`.
+    pub mask: Tensor<F>,
+    /// The additive bias, broadcast to `[B, Hq, Sq, Sk]`.
+    pub bias: Tensor<F>,
+}
+
+/// What a forward kernel writes.
+#[derive(CubeLaunch, CubeType)]
+pub struct ForwardOutputs<E: CubePrimitive> {
+    /// The output `[B, Hq, Sq, Dv]`.
+    pub out: Tensor<E>,
+    /// The row log-sum-exp `[B, Hq, Sq]` (f32).
+    pub lse: Tensor<f32>,
+}
+
+/// What a backward kernel reads beside the [`ScoreInputs`].
+#[derive(CubeLaunch, CubeType)]
+pub struct GradInputs<E: CubePrimitive> {
+    /// The output's gradient `[B, Hq, Sq, Dv]`.
+    pub d_out: Tensor<E>,
+    /// The forward's row log-sum-exp `[B, Hq, Sq]` (f32).
+    pub lse: Tensor<f32>,
+    /// `δ = rowsum(dO ⊙ O)` `[B, Hq, Sq]` (f32).
+    pub delta: Tensor<f32>,
 }
 
 /// The host side of [`ScoreArgs`].
@@ -116,6 +157,31 @@ impl Operand {
             && self.strides[d - 1] == 1
             && self.shape[d - 1].is_multiple_of(n)
             && self.strides[..d - 1].iter().all(|s| s.is_multiple_of(n))
+    }
+}
+
+impl BackwardOperands {
+    /// The [`ScoreInputs`] launch argument, reading `q` from `q` (the operands' own, or a
+    /// buffer standing in for it).
+    pub fn score_inputs<E: CubePrimitive, F: CubePrimitive, R: Runtime>(
+        &self,
+        q: &Operand,
+    ) -> ScoreInputsLaunch<E, F, R> {
+        ScoreInputsLaunch::new(
+            q.arg(),
+            self.k.arg(),
+            self.v.arg(),
+            self.mask.arg(),
+            self.bias.arg(),
+        )
+    }
+
+    /// The [`GradInputs`] launch argument, with `δ` from `delta`.
+    pub fn grad_inputs<E: CubePrimitive, R: Runtime>(
+        &self,
+        delta: &Operand,
+    ) -> GradInputsLaunch<E, R> {
+        GradInputsLaunch::new(self.d_out.arg(), self.lse.arg(), delta.arg())
     }
 }
 

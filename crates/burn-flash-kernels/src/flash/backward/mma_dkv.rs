@@ -9,7 +9,7 @@ use cubecl::{
 };
 
 use crate::dropout::keep_weight;
-use crate::flash::args::ScoreArgs;
+use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
 use crate::flash::block::pair_block;
 use crate::flash::config::FlashConfig;
@@ -34,14 +34,8 @@ use crate::staging::{commit_next, wait_step};
     clippy::manual_is_multiple_of
 )]
 pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
-    q: &Tensor<Vector<F, NV>>,
-    k: &Tensor<Vector<F, NV>>,
-    v: &Tensor<Vector<F, NV>>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    d_out: &Tensor<Vector<F, NV>>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    grads: &GradInputs<Vector<F, NV>>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     args: ScoreArgs,
@@ -49,6 +43,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     #[comptime] p_given: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (d_out, lse, delta) = (&grads.d_out, &grads.lse, &grads.delta);
     let units = comptime!(PLANES * PLANE);
     let given = comptime!(c.given());
     let drop = args.dropout;

@@ -4,11 +4,11 @@
 use cubecl::{ir::FastMath, prelude::barrier::Barrier, prelude::*};
 
 use crate::dropout::keep_weight;
-use crate::flash::args::ScoreArgs;
+use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
 use crate::flash::block::{pair_block, rows_kv_end};
 use crate::flash::config::FlashConfig;
-use crate::flash::forward::mma::{CHUNK, NV8, key_of, load_scores, stage_rows, step_scores};
+use crate::flash::forward::mma::{CHUNK, KvRows, NV8, key_of, load_scores, stage_kv, step_scores};
 use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_row, visible};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
@@ -25,14 +25,8 @@ use crate::staging::{commit_next, wait_step};
 // inside it (joined, the branch would be expanded for computed scores too).
 #[allow(clippy::too_many_arguments, unused_assignments, clippy::collapsible_if)]
 pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
-    q: &Tensor<Vector<F, NV>>,
-    k: &Tensor<Vector<F, NV>>,
-    v: &Tensor<Vector<F, NV>>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    d_out: &Tensor<Vector<F, NV>>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    grads: &GradInputs<Vector<F, NV>>,
     dq: &mut Tensor<F>,
     ds: &mut Tensor<Vector<F, ND>>,
     p_out: &mut Tensor<Vector<F, ND>>,
@@ -43,6 +37,9 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     #[comptime] write_p: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (d_out, lse, delta) = (&grads.d_out, &grads.lse, &grads.delta);
     // One plane per 16 rows: `c.block_q` is [`DQ_ROWS`] or, for given scores, [`WIDE_DX_ROWS`].
     let rows_per_cube = comptime!(c.block_q);
     let units = comptime!(rows_per_cube / MMA_M * PLANE);
@@ -155,35 +152,23 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         }
     }
     let mut acc = zero_accumulators(comptime!(c.head_dim / MMA_N));
-    let k_base = batch * k.stride(0) + hkv * k.stride(1);
-    let v_base = batch * v.stride(0) + hkv * v.stride(1);
+    let kv = KvRows {
+        k_base: batch * k.stride(0) + hkv * k.stride(1),
+        v_base: batch * v.stride(0) + hkv * v.stride(1),
+        ks: k.stride(2),
+        vs: v.stride(2),
+        kv_end,
+        head_dim,
+        v_cols: value_dim,
+    };
     let bk = comptime!(c.block_k as usize);
     let steps = kv_end.div_ceil(bk);
-    let (ks, vs) = (k.stride(2), v.stride(2));
     // K and V blocks stream through two buffers: step j + 1's copies run while step j computes.
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
-    if comptime!(!given) {
-        stage_rows::<F, NV>(
-            k, &mut k_s, 0, 0, k_base, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
-        );
-    }
     // Given scores: V's rows in the operand order of the lanes' consecutive keys
     // ([`crate::flash::forward::mma::key_of()`]), so that `dP`'s fragments line up with the X vectors.
-    stage_rows::<F, NV>(
-        v,
-        &mut v_s,
-        0,
-        0,
-        v_base,
-        vs,
-        kv_end,
-        value_dim,
-        c.block_k,
-        c.value_dim,
-        units,
-        given,
-    );
+    stage_kv::<F, NV>(k, v, &mut k_s, &mut v_s, 0, 0, &kv, c, units);
     bar0.commit_copy_async();
     let _token = bar0.arrive();
     if comptime!(given) {
@@ -198,36 +183,16 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         let parity = st % 2;
         let next = st + 1;
         if next < steps {
-            let nb = 1 - parity;
-            if comptime!(!given) {
-                stage_rows::<F, NV>(
-                    k,
-                    &mut k_s,
-                    nb * k_len,
-                    next * bk,
-                    k_base,
-                    ks,
-                    kv_end,
-                    head_dim,
-                    c.block_k,
-                    c.head_dim,
-                    units,
-                    false,
-                );
-            }
-            stage_rows::<F, NV>(
+            stage_kv::<F, NV>(
+                k,
                 v,
+                &mut k_s,
                 &mut v_s,
-                nb * v_len,
+                1 - parity,
                 next * bk,
-                v_base,
-                vs,
-                kv_end,
-                value_dim,
-                c.block_k,
-                c.value_dim,
+                &kv,
+                c,
                 units,
-                given,
             );
         }
         commit_next(&bar0, &bar1, st);

@@ -29,8 +29,8 @@
 use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
-use crate::flash::args::{BackwardOperands, Dropout, Operand, Scalars, ScoreArgs};
-use crate::flash::block::{cube_count, pair_block, rows_kv_end};
+use crate::flash::args::{BackwardOperands, GradInputs, Operand, Scalars, ScoreArgs, ScoreInputs};
+use crate::flash::block::{PairBlock, cube_count, pair_block, rows_kv_end};
 use crate::flash::config::FlashConfig;
 use crate::flash::scores::{
     RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
@@ -145,7 +145,7 @@ fn stage<F: Float>(
     }
 }
 
-/// Stages `n` query rows `r0..` of a key/value head's group (row `r` is head
+/// Stages `n` query rows `r0..` of the key/value head's group of `blk` (row `r` is head
 /// `group_head(r / Sq)`, position `r % Sq`) × [`CHUNK`] columns into the tile at `at`, zeros
 /// past the rows.
 #[cube]
@@ -154,17 +154,13 @@ fn stage_rows<F: Float>(
     t: &Tensor<F>,
     sh: &mut SharedMemory<V4>,
     at: usize,
-    batch: usize,
-    hkv: usize,
-    group: usize,
-    heads_kv: usize,
+    blk: &PairBlock,
     r0: usize,
-    rows: usize,
-    seq_q: usize,
     c0: usize,
     cols: usize,
     #[comptime] n: u32,
 ) {
+    let (rows, seq_q) = (blk.rows, blk.seq_q);
     #[unroll]
     for e in 0..comptime!(n * (CHUNK / 4) / UNITS) {
         let idx = UNIT_POS + e * UNITS;
@@ -172,8 +168,8 @@ fn stage_rows<F: Float>(
         let row = r0 + r as usize;
         let ok = row < rows;
         let rr = usize::min(row, rows - 1);
-        let head = group_head(hkv, rr / seq_q, group, heads_kv);
-        let base = row_at(t, batch, head, rr % seq_q);
+        let head = group_head(blk.hkv, rr / seq_q, blk.group, blk.heads_kv);
+        let base = row_at(t, blk.batch, head, rr % seq_q);
         sh[at + slot(r, qv)] = load4::<F>(t, ok, base, c0, qv, cols);
     }
 }
@@ -186,29 +182,24 @@ fn stage_rows<F: Float>(
 fn read_scores<F: Float>(
     x: &Tensor<F>,
     raw: &mut Array<f32>,
-    batch: usize,
-    hkv: usize,
-    group: usize,
-    heads_kv: usize,
+    blk: &PairBlock,
     r0: usize,
-    rows: usize,
-    seq_q: usize,
     j0: usize,
-    seq_k: usize,
     ty: u32,
     tx: u32,
     #[comptime] ri: u32,
     #[comptime] rj: u32,
 ) {
+    let (rows, seq_q) = (blk.rows, blk.seq_q);
     #[unroll]
     for i in 0..ri {
         let row = r0 + (ty + GRID * i) as usize;
         #[unroll]
         for j in 0..rj {
             let key = j0 + (tx + GRID * j) as usize;
-            if row < rows && key < seq_k {
-                let head = group_head(hkv, row / seq_q, group, heads_kv);
-                let at = row_at(x, batch, head, row % seq_q) + key * x.stride(3);
+            if row < rows && key < blk.seq_k {
+                let head = group_head(blk.hkv, row / seq_q, blk.group, blk.heads_kv);
+                let at = row_at(x, blk.batch, head, row % seq_q) + key * x.stride(3);
                 raw[(i * rj + j) as usize] = f32::cast_from(x[at]);
             }
         }
@@ -279,37 +270,106 @@ fn product_wb(
     }
 }
 
-/// The weights of the unit's `ri × rj` scores, rebuilt from their raw products `raw`: `P`
-/// (`p`, before dropout), the softcap's derivative (`dfac`), whether `dS` flows (`gate`: 0
-/// where a masked key took the fill score, [`crate::flash::scores::live_score()`]) and the dropout
-/// factor `z`
-/// (`keep / (1 − p)`, 1 without dropout), the forward's own mask drawn again. Keys are
-/// `j0 + tx + 16·j`.
+/// The unit's `ri × rj` (at most 8) score terms: the raw products `raw` (`Q·Kᵀ` before the
+/// scale, or the given scores), `dP` (`dp`), and what [`rebuild()`] makes of `raw`.
+#[derive(CubeType)]
+struct Weights {
+    raw: Array<f32>,
+    dp: Array<f32>,
+    p: Array<f32>,
+    dfac: Array<f32>,
+    gate: Array<f32>,
+    z: Array<f32>,
+}
+
+#[cube]
+fn new_weights() -> Weights {
+    Weights {
+        raw: Array::new(8usize),
+        dp: Array::new(8usize),
+        p: Array::new(8usize),
+        dfac: Array::new(8usize),
+        gate: Array::new(8usize),
+        z: Array::new(8usize),
+    }
+}
+
+/// The unit's raw scores of rows `r0 + ty + 16·i` and keys `j0 + tx + 16·j` into `w.raw`,
+/// with `w.dp` zeroed: the given scores read from `X`, or `Q·Kᵀ` over the chunks of `D`,
+/// staging `n_rows` query rows at `a_at` and `n_keys` keys (`keys` valid, from `k_base`) at
+/// `b_at`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn raw_scores<F: Float>(
+    inputs: &ScoreInputs<F, F>,
+    sh: &mut SharedMemory<V4>,
+    w: &mut Weights,
+    blk: &PairBlock,
+    r0: usize,
+    j0: usize,
+    k_base: usize,
+    keys: usize,
+    a_at: usize,
+    b_at: usize,
+    ty: u32,
+    tx: u32,
+    #[comptime] c: FlashConfig,
+    #[comptime] n_rows: u32,
+    #[comptime] n_keys: u32,
+    #[comptime] ri: u32,
+    #[comptime] rj: u32,
+) {
+    let (q, k) = (&inputs.q, &inputs.k);
+    #[unroll]
+    for n in 0..8usize {
+        w.raw[n] = 0.0f32;
+        w.dp[n] = 0.0f32;
+    }
+    if comptime!(c.given()) {
+        read_scores::<F>(q, &mut w.raw, blk, r0, j0, ty, tx, ri, rj);
+    }
+    for dc in 0..comptime!(c.head_dim / CHUNK) {
+        let c0 = (dc * CHUNK) as usize;
+        stage_rows::<F>(q, sh, a_at, blk, r0, c0, blk.head_dim, n_rows);
+        stage::<F>(
+            k,
+            sh,
+            b_at,
+            k_base,
+            k.stride(2),
+            keys,
+            c0,
+            blk.head_dim,
+            n_keys,
+        );
+        sync_cube();
+        product_abt(sh, a_at, b_at, &mut w.raw, ty, tx, ri, rj);
+        sync_cube();
+    }
+}
+
+/// The weights of the unit's `ri × rj` scores of rows `rw`, rebuilt from their raw products
+/// `w.raw`: `P` (`w.p`, before dropout), the softcap's derivative (`w.dfac`), whether `dS`
+/// flows (`w.gate`: 0 where a masked key took the fill score,
+/// [`crate::flash::scores::live_score()`]) and the dropout factor `w.z` (`keep / (1 − p)`, 1
+/// without dropout), the forward's own mask drawn again. Keys are `j0 + tx + 16·j`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn rebuild<F: Float>(
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    refs: &RowRefs,
-    raw: &Array<f32>,
-    row_ok: &Array<bool>,
-    row_lse: &Array<f32>,
+    inputs: &ScoreInputs<F, F>,
+    rw: &Rows,
+    w: &mut Weights,
+    blk: &PairBlock,
     j0: usize,
     tx: u32,
-    seq_q: usize,
-    seq_k: usize,
-    scale: f32,
-    softcap: f32,
-    drop: &Dropout,
-    row_pair: &Array<usize>,
-    p: &mut Array<f32>,
-    dfac: &mut Array<f32>,
-    gate: &mut Array<f32>,
-    z: &mut Array<f32>,
+    args: &ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] ri: u32,
     #[comptime] rj: u32,
 ) {
+    let (mask, bias, refs) = (&inputs.mask, &inputs.bias, &rw.refs);
+    let (seq_q, seq_k) = (blk.seq_q, blk.seq_k);
+    let (softcap, drop) = (args.softcap, &args.dropout);
     #[unroll]
     for i in 0..ri {
         let slot = i as usize;
@@ -317,7 +377,7 @@ fn rebuild<F: Float>(
         for j in 0..rj {
             let at = (i * rj + j) as usize;
             let key = j0 + (tx + GRID * j) as usize;
-            let sc = capped(raw[at], scale, softcap, c);
+            let sc = capped(w.raw[at], args.scale, softcap, c);
             let mut fac = 1.0f32;
             if comptime!(c.rules.softcap) {
                 let t = sc / softcap;
@@ -325,26 +385,26 @@ fn rebuild<F: Float>(
             }
             let s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
             let s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
-            let ok = row_ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
+            let ok = rw.ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
             // A row without a visible key has lse = −inf (and every P = 0).
-            let live = ok && row_lse[slot] > f32::min_value();
-            p[at] = select(live, f32::exp(s - row_lse[slot]), 0.0f32);
-            dfac[at] = fac;
+            let live = ok && rw.lse[slot] > f32::min_value();
+            w.p[at] = select(live, f32::exp(s - rw.lse[slot]), 0.0f32);
+            w.dfac[at] = fac;
             if comptime!(c.fills()) {
-                gate[at] = select(
+                w.gate[at] = select(
                     live_score::<F>(mask, refs, slot, key, seq_k, c),
                     1.0f32,
                     0.0f32,
                 );
             }
-            z[at] = 1.0f32;
+            w.z[at] = 1.0f32;
             if comptime!(c.rules.dropout) {
-                z[at] = keep_weight(
+                w.z[at] = keep_weight(
                     drop.seed_lo,
                     drop.seed_hi,
                     drop.threshold,
                     drop.inv_keep,
-                    row_pair[slot],
+                    rw.pair[slot],
                     refs.pos[slot],
                     key,
                     true,
@@ -367,28 +427,24 @@ struct Rows {
     ds: Array<usize>,
 }
 
-/// Fills [`Rows`] for rows `r0 + ty + 16·i` (i < `ri`) of the group of `hkv`.
+/// Fills [`Rows`] for rows `r0 + ty + 16·i` (i < `ri`) of the group of `blk`'s key/value head.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_rows<F: Float>(
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    inputs: &ScoreInputs<F, F>,
+    grads: &GradInputs<F>,
     ds: &Tensor<F>,
-    batch: usize,
-    hkv: usize,
-    group: usize,
-    heads_kv: usize,
-    heads_q: usize,
+    blk: &PairBlock,
     r0: usize,
-    rows: usize,
-    seq_q: usize,
     ty: u32,
     #[comptime] c: FlashConfig,
     #[comptime] ri: u32,
     #[comptime] ds_rows: bool,
 ) -> Rows {
+    let (lse, delta) = (&grads.lse, &grads.delta);
+    let (batch, hkv, group, heads_kv) = (blk.batch, blk.hkv, blk.group, blk.heads_kv);
+    let (rows, seq_q) = (blk.rows, blk.seq_q);
+    let heads_q = inputs.q.shape(1);
     let n = comptime!(ri as usize);
     let mut out = Rows {
         refs: new_refs(n),
@@ -406,8 +462,8 @@ fn load_rows<F: Float>(
         set_row::<F>(
             &mut out.refs,
             slot,
-            mask,
-            bias,
+            &inputs.mask,
+            &inputs.bias,
             batch,
             head0,
             row,
@@ -439,33 +495,24 @@ fn load_rows<F: Float>(
 // expanded for given scores too).
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_dkv<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    d_out: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    inputs: &ScoreInputs<F, F>,
+    grads: &GradInputs<F>,
     dk: &mut Tensor<F>,
     dv: &mut Tensor<F>,
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let d_chunks = comptime!(c.head_dim / CHUNK);
+    let (q, k, v, d_out) = (&inputs.q, &inputs.k, &inputs.v, &grads.d_out);
     let (a_at, b_at, w_at) = (
         0usize,
         comptime!((STEP_ROWS * PITCH) as usize),
         comptime!(((STEP_ROWS + BLOCK_KEYS) * PITCH) as usize),
     );
     let given = comptime!(c.given());
-    let (scale, softcap) = (args.scale, args.softcap);
     let blk = pair_block(q, k, v, c);
     let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
-    let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
-    let (batch, hkv) = (blk.batch, blk.hkv);
-    let heads_q = q.shape(1);
+    let (rows, batch, hkv) = (blk.rows, blk.batch, blk.hkv);
     // `D` and `Dv` (given scores: `Dv`) in column tiles.
     let mut cols = usize::max(head_dim, value_dim);
     if comptime!(given) {
@@ -499,13 +546,7 @@ pub fn flash_backward_dkv<F: Float>(
         acc_dk[n] = V4::new(0.0f32);
         acc_dv[n] = V4::new(0.0f32);
     }
-    let mut raw = Array::<f32>::new(8usize);
-    let mut dp = Array::<f32>::new(8usize);
-    let mut p = Array::<f32>::new(8usize);
-    let mut dfac = Array::<f32>::new(8usize);
-    let mut gate = Array::<f32>::new(8usize);
-    let mut z = Array::<f32>::new(8usize);
-    let drop = args.dropout;
+    let mut w = new_weights();
 
     let blocks = rows.div_ceil(STEP_ROWS as usize);
     for qb in 0..blocks {
@@ -521,47 +562,12 @@ pub fn flash_backward_dkv<F: Float>(
             }
         }
         if live {
-            let rw = load_rows::<F>(
-                mask, bias, lse, delta, dk, batch, hkv, group, heads_kv, heads_q, r0, rows, seq_q,
-                ty, c, 2u32, false,
+            let rw = load_rows::<F>(inputs, grads, dk, &blk, r0, ty, c, 2u32, false);
+            raw_scores::<F>(
+                inputs, &mut sh, &mut w, &blk, r0, j0, k_base, keys, a_at, b_at, ty, tx, c,
+                STEP_ROWS, BLOCK_KEYS, 2u32, 4u32,
             );
-            // S = Q·Kᵀ, or the given scores
-            #[unroll]
-            for n in 0..8usize {
-                raw[n] = 0.0f32;
-                dp[n] = 0.0f32;
-            }
-            if comptime!(given) {
-                read_scores::<F>(
-                    q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx,
-                    2u32, 4u32,
-                );
-            }
-            for dc in 0..d_chunks {
-                let c0 = (dc * CHUNK) as usize;
-                stage_rows::<F>(
-                    q, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, head_dim,
-                    STEP_ROWS,
-                );
-                stage::<F>(
-                    k,
-                    &mut sh,
-                    b_at,
-                    k_base,
-                    k.stride(2),
-                    keys,
-                    c0,
-                    head_dim,
-                    BLOCK_KEYS,
-                );
-                sync_cube();
-                product_abt(&sh, a_at, b_at, &mut raw, ty, tx, 2u32, 4u32);
-                sync_cube();
-            }
-            rebuild::<F>(
-                mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
-                &drop, &rw.pair, &mut p, &mut dfac, &mut gate, &mut z, c, 2u32, 4u32,
-            );
+            rebuild::<F>(inputs, &rw, &mut w, &blk, j0, tx, &args, c, 2u32, 4u32);
             // dV takes the weights the forward's `P·V` took: kept and scaled.
             #[unroll]
             for i in 0..2u32 {
@@ -569,17 +575,14 @@ pub fn flash_backward_dkv<F: Float>(
                 #[unroll]
                 for j in 0..4u32 {
                     let at = (i * 4 + j) as usize;
-                    vec[j as usize] = p[at] * z[at];
+                    vec[j as usize] = w.p[at] * w.z[at];
                 }
                 sh[w_at + slot(ty + GRID * i, tx)] = vec;
             }
             // dP = dO·Vᵀ and dV += Pᵀ·dO, one chunk of dO for both.
             for vc in vc_lo..vc_hi {
                 let c0 = vc * CHUNK as usize;
-                stage_rows::<F>(
-                    d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0,
-                    value_dim, STEP_ROWS,
-                );
+                stage_rows::<F>(d_out, &mut sh, a_at, &blk, r0, c0, value_dim, STEP_ROWS);
                 stage::<F>(
                     v,
                     &mut sh,
@@ -593,7 +596,7 @@ pub fn flash_backward_dkv<F: Float>(
                 );
                 sync_cube();
                 if comptime!(!given) {
-                    product_abt(&sh, a_at, b_at, &mut dp, ty, tx, 2u32, 4u32);
+                    product_abt(&sh, a_at, b_at, &mut w.dp, ty, tx, 2u32, 4u32);
                 }
                 #[unroll]
                 for t in 0..TILE_CHUNKS {
@@ -611,9 +614,10 @@ pub fn flash_backward_dkv<F: Float>(
                     #[unroll]
                     for j in 0..4u32 {
                         let at = (i * 4 + j) as usize;
-                        let mut g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]) * dfac[at];
+                        let mut g =
+                            w.p[at] * (w.dp[at] * w.z[at] - rw.delta[i as usize]) * w.dfac[at];
                         if comptime!(c.fills() && !crate::mutation::fill_grad()) {
-                            g *= gate[at];
+                            g *= w.gate[at];
                         }
                         vec[j as usize] = g;
                     }
@@ -623,21 +627,8 @@ pub fn flash_backward_dkv<F: Float>(
                 for t in 0..TILE_CHUNKS {
                     let dc = chunk0 + t as usize;
                     if dc < d_total {
-                        stage_rows::<F>(
-                            q,
-                            &mut sh,
-                            a_at,
-                            batch,
-                            hkv,
-                            group,
-                            heads_kv,
-                            r0,
-                            rows,
-                            seq_q,
-                            dc * CHUNK as usize,
-                            head_dim,
-                            STEP_ROWS,
-                        );
+                        let c0 = dc * CHUNK as usize;
+                        stage_rows::<F>(q, &mut sh, a_at, &blk, r0, c0, head_dim, STEP_ROWS);
                         sync_cube();
                         product_wb(&sh, w_at, a_at, &mut acc_dk, ty, tx, t * 4, STEP_ROWS);
                         sync_cube();
@@ -663,7 +654,7 @@ pub fn flash_backward_dkv<F: Float>(
                     let col = (chunk0 + t as usize) * CHUNK as usize + (4 * tx + e) as usize;
                     if comptime!(!given) {
                         if col < head_dim {
-                            let val = scale * vec_k[e as usize];
+                            let val = args.scale * vec_k[e as usize];
                             dk[dk_base + col * dk.stride(3)] = F::cast_from(val);
                         }
                     }
@@ -685,14 +676,8 @@ pub fn flash_backward_dkv<F: Float>(
 // expanded when `write_ds` is off too.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_backward_dq<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    d_out: &Tensor<F>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    inputs: &ScoreInputs<F, F>,
+    grads: &GradInputs<F>,
     dq: &mut Tensor<F>,
     ds: &mut Tensor<F>,
     args: ScoreArgs,
@@ -700,6 +685,7 @@ pub fn flash_backward_dq<F: Float>(
     #[comptime] write_ds: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v, d_out) = (&inputs.q, &inputs.k, &inputs.v, &grads.d_out);
     let d_chunks = comptime!(c.head_dim / CHUNK);
     let (a_at, b_at, w_at) = (
         0usize,
@@ -707,12 +693,10 @@ pub fn flash_backward_dq<F: Float>(
         comptime!(((BLOCK_ROWS + STEP_KEYS) * PITCH) as usize),
     );
     let given = comptime!(c.given());
-    let (scale, softcap) = (args.scale, args.softcap);
     let blk = pair_block(q, k, v, c);
     let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
     let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
     let (batch, hkv) = (blk.batch, blk.hkv);
-    let heads_q = q.shape(1);
     let r0 = (CUBE_POS_X * BLOCK_ROWS) as usize;
     let kv_end = rows_kv_end(&blk, r0, BLOCK_ROWS as usize, c);
     let ty = UNIT_POS / GRID;
@@ -725,17 +709,8 @@ pub fn flash_backward_dq<F: Float>(
     for n in 0..acc_n {
         acc[n] = V4::new(0.0f32);
     }
-    let rw = load_rows::<F>(
-        mask, bias, lse, delta, ds, batch, hkv, group, heads_kv, heads_q, r0, rows, seq_q, ty, c,
-        4u32, write_ds,
-    );
-    let mut raw = Array::<f32>::new(8usize);
-    let mut dp = Array::<f32>::new(8usize);
-    let mut p = Array::<f32>::new(8usize);
-    let mut dfac = Array::<f32>::new(8usize);
-    let mut gate = Array::<f32>::new(8usize);
-    let mut z = Array::<f32>::new(8usize);
-    let drop = args.dropout;
+    let rw = load_rows::<F>(inputs, grads, ds, &blk, r0, ty, c, 4u32, write_ds);
+    let mut w = new_weights();
     let v_chunks = value_dim.div_ceil(CHUNK as usize);
 
     let steps = kv_end.div_ceil(STEP_KEYS as usize);
@@ -744,44 +719,13 @@ pub fn flash_backward_dq<F: Float>(
         let keys = usize::min(seq_k - j0, STEP_KEYS as usize);
         let k_base = row_at(k, batch, hkv, j0);
         let v_base = row_at(v, batch, hkv, j0);
-        #[unroll]
-        for n in 0..8usize {
-            raw[n] = 0.0f32;
-            dp[n] = 0.0f32;
-        }
-        if comptime!(given) {
-            read_scores::<F>(
-                q, &mut raw, batch, hkv, group, heads_kv, r0, rows, seq_q, j0, seq_k, ty, tx, 4u32,
-                2u32,
-            );
-        }
-        for dc in 0..d_chunks {
-            let c0 = (dc * CHUNK) as usize;
-            stage_rows::<F>(
-                q, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, head_dim,
-                BLOCK_ROWS,
-            );
-            stage::<F>(
-                k,
-                &mut sh,
-                b_at,
-                k_base,
-                k.stride(2),
-                keys,
-                c0,
-                head_dim,
-                STEP_KEYS,
-            );
-            sync_cube();
-            product_abt(&sh, a_at, b_at, &mut raw, ty, tx, 4u32, 2u32);
-            sync_cube();
-        }
+        raw_scores::<F>(
+            inputs, &mut sh, &mut w, &blk, r0, j0, k_base, keys, a_at, b_at, ty, tx, c, BLOCK_ROWS,
+            STEP_KEYS, 4u32, 2u32,
+        );
         for vc in 0..v_chunks {
             let c0 = vc * CHUNK as usize;
-            stage_rows::<F>(
-                d_out, &mut sh, a_at, batch, hkv, group, heads_kv, r0, rows, seq_q, c0, value_dim,
-                BLOCK_ROWS,
-            );
+            stage_rows::<F>(d_out, &mut sh, a_at, &blk, r0, c0, value_dim, BLOCK_ROWS);
             stage::<F>(
                 v,
                 &mut sh,
@@ -794,13 +738,10 @@ pub fn flash_backward_dq<F: Float>(
                 STEP_KEYS,
             );
             sync_cube();
-            product_abt(&sh, a_at, b_at, &mut dp, ty, tx, 4u32, 2u32);
+            product_abt(&sh, a_at, b_at, &mut w.dp, ty, tx, 4u32, 2u32);
             sync_cube();
         }
-        rebuild::<F>(
-            mask, bias, &rw.refs, &raw, &rw.ok, &rw.lse, j0, tx, seq_q, seq_k, scale, softcap,
-            &drop, &rw.pair, &mut p, &mut dfac, &mut gate, &mut z, c, 4u32, 2u32,
-        );
+        rebuild::<F>(inputs, &rw, &mut w, &blk, j0, tx, &args, c, 4u32, 2u32);
         // dS, and dR = dS ⊙ softcap' into `W` transposed: key `tx + 16·j`, rows `ty + 16·i`.
         #[unroll]
         for j in 0..2u32 {
@@ -809,9 +750,9 @@ pub fn flash_backward_dq<F: Float>(
             #[unroll]
             for i in 0..4u32 {
                 let at = (i * 2 + j) as usize;
-                let mut g = p[at] * (dp[at] * z[at] - rw.delta[i as usize]);
+                let mut g = w.p[at] * (w.dp[at] * w.z[at] - rw.delta[i as usize]);
                 if comptime!(c.fills() && !crate::mutation::fill_grad()) {
-                    g *= gate[at];
+                    g *= w.gate[at];
                 }
                 if comptime!(write_ds) {
                     if rw.ok[i as usize] && key < seq_k {
@@ -823,7 +764,7 @@ pub fn flash_backward_dq<F: Float>(
                         ds[at] = F::cast_from(val);
                     }
                 }
-                vec[i as usize] = g * dfac[at];
+                vec[i as usize] = g * w.dfac[at];
             }
             if comptime!(!given) {
                 sh[w_at + slot(tx + GRID * j, ty)] = vec;
@@ -879,7 +820,7 @@ pub fn flash_backward_dq<F: Float>(
                 for e in 0..4u32 {
                     let col = (dc * CHUNK + 4 * tx + e) as usize;
                     if col < head_dim {
-                        let mut val = scale * vec[e as usize];
+                        let mut val = args.scale * vec[e as usize];
                         if comptime!(crate::mutation::zero_dq()) {
                             val = 0.0f32;
                         }
@@ -918,14 +859,8 @@ pub unsafe fn launch<R: Runtime>(
                 client,
                 cube_count(cubes),
                 units,
-                t.q.arg(),
-                t.k.arg(),
-                t.v.arg(),
-                t.mask.arg(),
-                t.bias.arg(),
-                t.d_out.arg(),
-                t.lse.arg(),
-                delta.arg(),
+                t.score_inputs(&t.q),
+                t.grad_inputs(delta),
                 t.dk.arg(),
                 t.dv.arg(),
                 scalars.arg(),
@@ -938,14 +873,8 @@ pub unsafe fn launch<R: Runtime>(
                 client,
                 cube_count(cubes),
                 units,
-                t.q.arg(),
-                t.k.arg(),
-                t.v.arg(),
-                t.mask.arg(),
-                t.bias.arg(),
-                t.d_out.arg(),
-                t.lse.arg(),
-                delta.arg(),
+                t.score_inputs(&t.q),
+                t.grad_inputs(delta),
                 t.dq.arg(),
                 t.ds.arg(),
                 scalars.arg(),

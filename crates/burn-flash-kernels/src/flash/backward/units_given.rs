@@ -29,7 +29,7 @@
 
 use cubecl::prelude::*;
 
-use crate::flash::args::BackwardOperands;
+use crate::flash::args::{BackwardOperands, GradInputs};
 use crate::flash::block::{cube_count, pair_index};
 use crate::tiling::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
@@ -53,6 +53,27 @@ struct Operand {
     per_head: usize,
     rows: usize,
     cols: usize,
+}
+
+/// The [`Operand`] of the 4-D tensor `t` for batch pair `pair`: memory row `r` is head
+/// `r / per_head`, position `r % per_head`.
+#[cube]
+fn operand<E: CubePrimitive>(
+    t: &Tensor<E>,
+    pair: usize,
+    per_head: usize,
+    rows: usize,
+    cols: usize,
+) -> Operand {
+    Operand {
+        base: pair * t.stride(0),
+        s_head: t.stride(1),
+        s_pos: t.stride(2),
+        s_col: t.stride(3),
+        per_head,
+        rows,
+        cols,
+    }
 }
 
 /// Offset of element `col` of memory row `row` of `op`. Only rows over several heads (the
@@ -210,13 +231,12 @@ fn build_step<F: Float, NV: Size>(
 pub fn flash_backward_given_tiled<F: Float, NV: Size>(
     x: &Tensor<Vector<F, NV>>,
     v: &Tensor<Vector<F, NV>>,
-    d_out: &Tensor<Vector<F, NV>>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
+    grads: &GradInputs<Vector<F, NV>>,
     out: &mut Tensor<Vector<F, NV>>,
     #[comptime] dv: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (d_out, lse, delta) = (&grads.d_out, &grads.lse, &grads.delta);
     let nv = NV::value();
     let group = x.shape(1);
     let d1 = x.shape(2);
@@ -244,33 +264,10 @@ pub fn flash_backward_given_tiled<F: Float, NV: Size>(
     let tx = (plane % 2) * 8 + UNIT_POS % 8;
 
     // The group's rows (x, dO): memory row r is head r / d1, position r % d1; V's rows: keys.
-    let x_op = Operand {
-        base: pair * x.stride(0),
-        s_head: x.stride(1),
-        s_pos: x.stride(2),
-        s_col: x.stride(3),
-        per_head: d1,
-        rows,
-        cols: d2,
-    };
-    let o_op = Operand {
-        base: pair * d_out.stride(0),
-        s_head: d_out.stride(1),
-        s_pos: d_out.stride(2),
-        s_col: d_out.stride(3),
-        per_head: d1,
-        rows,
-        cols: d3,
-    };
-    let v_op = Operand {
-        base: pair * v.stride(0),
-        s_head: 0,
-        s_pos: v.stride(2),
-        s_col: v.stride(3),
-        per_head: d2,
-        rows: d2,
-        cols: d3,
-    };
+    // (V's rows are all of one head: `per_head` = `rows` = `d2`.)
+    let x_op = operand(x, pair, d1, rows, d2);
+    let o_op = operand(d_out, pair, d1, rows, d3);
+    let v_op = operand(v, pair, d2, d2, d3);
     let lse_op = Operand {
         base: pair * lse.stride(0),
         s_head: lse.stride(1),
@@ -446,9 +443,7 @@ pub unsafe fn launch<R: Runtime>(
                 vector,
                 t.q.arg(),
                 t.v.arg(),
-                t.d_out.arg(),
-                t.lse.arg(),
-                delta.arg(),
+                t.grad_inputs(delta),
                 out.arg(),
                 dv,
                 dtype,

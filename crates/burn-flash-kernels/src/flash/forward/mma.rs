@@ -47,7 +47,7 @@ use cubecl::{
 };
 
 use crate::dropout::keep_weight;
-use crate::flash::args::{Dropout, ScoreArgs};
+use crate::flash::args::{Dropout, ForwardOutputs, ScoreArgs, ScoreInputs};
 use crate::flash::block::cube_block;
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
@@ -122,6 +122,70 @@ pub(crate) fn key_of(
 fn staged_row(p: usize) -> usize {
     let q = p % 32;
     (p - q) + 16 * ((q % 8) / 4) + 8 * ((q % 4) / 2) + 2 * (q / 8) + q % 2
+}
+
+/// Where a cube's keys and values come from: `K` and `V` rows of one (batch, key/value head)
+/// (`k_base`, `v_base`, with row strides `ks`, `vs`), the keys it reads (`kv_end`), and the
+/// columns of `K` and of `V` that exist (`head_dim`, `v_cols`; past them the tiles are zero).
+#[derive(CubeType)]
+pub(crate) struct KvRows {
+    pub k_base: usize,
+    pub v_base: usize,
+    pub ks: usize,
+    pub vs: usize,
+    pub kv_end: usize,
+    pub head_dim: usize,
+    pub v_cols: usize,
+}
+
+/// Starts the copies of the key block at `j0` into buffer `buf` of `k_s` (computed scores
+/// only) and of `v_s` (given scores: in the lanes' key order, [`key_of()`]), with
+/// [`stage_rows()`]; each buffer holds `c.block_k` rows of the padded width.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_kv<F: Float, NV: Size>(
+    k: &Tensor<Vector<F, NV>>,
+    v: &Tensor<Vector<F, NV>>,
+    k_s: &mut SharedMemory<Vector<F, NV>>,
+    v_s: &mut SharedMemory<Vector<F, NV>>,
+    buf: usize,
+    j0: usize,
+    at: &KvRows,
+    #[comptime] c: FlashConfig,
+    #[comptime] units: u32,
+) {
+    let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
+    let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
+    if comptime!(!c.given()) {
+        stage_rows::<F, NV>(
+            k,
+            k_s,
+            buf * k_len,
+            j0,
+            at.k_base,
+            at.ks,
+            at.kv_end,
+            at.head_dim,
+            c.block_k,
+            c.head_dim,
+            units,
+            false,
+        );
+    }
+    stage_rows::<F, NV>(
+        v,
+        v_s,
+        buf * v_len,
+        j0,
+        at.v_base,
+        at.vs,
+        at.kv_end,
+        at.v_cols,
+        c.block_k,
+        c.value_dim,
+        units,
+        c.given(),
+    );
 }
 
 /// Issues the asynchronous copies of a `rows × width` tile (zeros past `valid_rows` and
@@ -565,17 +629,15 @@ pub(crate) fn accumulate_pv<F: Float, NV: Size>(
 // expanded for computed scores too.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
 pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
-    q: &Tensor<Vector<F, NV>>,
-    k: &Tensor<Vector<F, NV>>,
-    v: &Tensor<Vector<F, NV>>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    out: &mut Tensor<Vector<F, NO>>,
-    lse: &mut Tensor<f32>,
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    outputs: &mut ForwardOutputs<Vector<F, NO>>,
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (out, lse) = (&mut outputs.out, &mut outputs.lse);
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
     let drop = args.dropout;
     let (scale, softcap) = (args.scale, args.softcap);
@@ -603,10 +665,15 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let steps = kv_end.div_ceil(bk);
     let full_steps = full_end / bk;
 
-    let kv_base_k = batch * k.stride(0) + hkv * k.stride(1);
-    let kv_base_v = batch * v.stride(0) + hkv * v.stride(1) + col0;
-    let (ks, vs) = (k.stride(2), v.stride(2));
-    let v_cols = value_dim - col0;
+    let kv = KvRows {
+        k_base: batch * k.stride(0) + hkv * k.stride(1),
+        v_base: batch * v.stride(0) + hkv * v.stride(1) + col0,
+        ks: k.stride(2),
+        vs: v.stride(2),
+        kv_end,
+        head_dim,
+        v_cols: value_dim - col0,
+    };
 
     let mut q_s = SharedMemory::<Vector<F, NV>>::new(comptime!(if c.given() {
         1
@@ -658,24 +725,8 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         stage_q::<F, NV>(
             q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
         );
-        stage_rows::<F, NV>(
-            k, &mut k_s, 0, 0, kv_base_k, ks, kv_end, head_dim, c.block_k, c.head_dim, units, false,
-        );
     }
-    stage_rows::<F, NV>(
-        v,
-        &mut v_s,
-        0,
-        0,
-        kv_base_v,
-        vs,
-        kv_end,
-        v_cols,
-        c.block_k,
-        c.value_dim,
-        units,
-        given,
-    );
+    stage_kv::<F, NV>(k, v, &mut k_s, &mut v_s, 0, 0, &kv, c, units);
     bar0.commit_copy_async();
     let _token = bar0.arrive();
     if comptime!(given) {
@@ -688,36 +739,16 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         let parity = st % 2;
         let next = st + 1;
         if next < steps {
-            let nb = 1 - parity;
-            if comptime!(!given) {
-                stage_rows::<F, NV>(
-                    k,
-                    &mut k_s,
-                    nb * k_len,
-                    next * bk,
-                    kv_base_k,
-                    ks,
-                    kv_end,
-                    head_dim,
-                    c.block_k,
-                    c.head_dim,
-                    units,
-                    false,
-                );
-            }
-            stage_rows::<F, NV>(
+            stage_kv::<F, NV>(
+                k,
                 v,
+                &mut k_s,
                 &mut v_s,
-                nb * v_len,
+                1 - parity,
                 next * bk,
-                kv_base_v,
-                vs,
-                kv_end,
-                v_cols,
-                c.block_k,
-                c.value_dim,
+                &kv,
+                c,
                 units,
-                given,
             );
         }
         commit_next(&bar0, &bar1, st);

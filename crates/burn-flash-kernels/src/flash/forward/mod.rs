@@ -26,7 +26,7 @@ pub mod units;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
-use crate::flash::args::{FlashTensors, Scalars};
+use crate::flash::args::{FlashTensors, ForwardOutputsLaunch, Scalars, ScoreInputsLaunch};
 use crate::flash::config::{FlashConfig, FlashKernel};
 
 /// Launches `kernel` with configuration `c` on grid `count` of `dim` units: the one place where
@@ -70,13 +70,8 @@ pub unsafe fn launch_forward<R: Runtime>(
                 dim,
                 mma::NV8,
                 mma::out_vector(c),
-                q,
-                k,
-                v,
-                mask,
-                bias,
-                out,
-                lse,
+                ScoreInputsLaunch::new(q, k, v, mask, bias),
+                ForwardOutputsLaunch::new(out, lse),
                 args,
                 c,
                 dtype,
@@ -86,20 +81,22 @@ pub unsafe fn launch_forward<R: Runtime>(
                 count,
                 dim,
                 vector,
-                q,
-                k,
-                v,
-                mask,
-                bias,
-                out,
-                lse,
+                ScoreInputsLaunch::new(q, k, v, mask, bias),
+                ForwardOutputsLaunch::new(out, lse),
                 args,
                 c,
                 tiled::planes(client),
                 dtype,
             ),
             FlashKernel::Units => units::flash_forward_units::launch_unchecked::<R>(
-                client, count, dim, q, k, v, mask, bias, out, lse, args, c, dtype,
+                client,
+                count,
+                dim,
+                ScoreInputsLaunch::new(q, k, v, mask, bias),
+                ForwardOutputsLaunch::new(out, lse),
+                args,
+                c,
+                dtype,
             ),
         }
     }

@@ -27,7 +27,7 @@
 
 use cubecl::{features::Plane, prelude::*};
 
-use crate::flash::args::ScoreArgs;
+use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
 use crate::flash::block::cube_block;
 use crate::flash::config::{FlashConfig, Tile};
 use crate::flash::online::{
@@ -391,18 +391,16 @@ fn query_key<F: Float, NV: Size>(
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_tiled<F: Float, NV: Size>(
-    q: &Tensor<Vector<F, NV>>,
-    k: &Tensor<Vector<F, NV>>,
-    v: &Tensor<Vector<F, NV>>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    out: &mut Tensor<Vector<F, NV>>,
-    lse: &mut Tensor<f32>,
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    outputs: &mut ForwardOutputs<Vector<F, NV>>,
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] planes: bool,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (out, lse) = (&mut outputs.out, &mut outputs.lse);
     let (scale, softcap) = (args.scale, args.softcap);
     let given = comptime!(c.given());
     let ro = comptime!(roles(c));

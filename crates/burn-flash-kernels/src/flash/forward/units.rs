@@ -19,7 +19,7 @@
 use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
-use crate::flash::args::ScoreArgs;
+use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
 use crate::flash::block::cube_block;
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
@@ -97,17 +97,15 @@ pub fn fits(c: FlashConfig) -> bool {
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward_units<F: Float>(
-    q: &Tensor<F>,
-    k: &Tensor<F>,
-    v: &Tensor<F>,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    out: &mut Tensor<F>,
-    lse: &mut Tensor<f32>,
+    inputs: &ScoreInputs<F, F>,
+    outputs: &mut ForwardOutputs<F>,
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[define(F)] _dtype: StorageType,
 ) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (out, lse) = (&mut outputs.out, &mut outputs.lse);
     let (scale, softcap) = (args.scale, args.softcap);
     let drop = args.dropout;
     let given = comptime!(c.given());
