@@ -8,10 +8,12 @@ use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
 use crate::flash::block::{pair_block, rows_kv_end};
 use crate::flash::config::FlashConfig;
-use crate::flash::forward::mma::{CHUNK, KvRows, NV8, key_of, load_scores, stage_kv, step_scores};
+use crate::flash::forward::mma::{
+    CHUNK, KvRows, NV8, advance_kv, end_step, key_of, start_kv, step_scores,
+};
 use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_row, visible};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
-use crate::staging::{commit_next, wait_step};
+use crate::staging::wait_step;
 
 /// `dQ` of `c.block_q` query rows of the group of one (batch, key/value head) (module docs).
 /// `c.block_q` = [`DQ_ROWS`] (or [`WIDE_DX_ROWS`] with given scores), `c.block_k` keys per
@@ -168,40 +170,18 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     // Given scores: V's rows in the operand order of the lanes' consecutive keys
     // ([`crate::flash::forward::mma::key_of()`]), so that `dP`'s fragments line up with the X vectors.
-    stage_kv::<F, NV>(k, v, &mut k_s, &mut v_s, 0, 0, &kv, c, units);
-    bar0.commit_copy_async();
-    let _token = bar0.arrive();
-    if comptime!(given) {
-        if steps > 0 {
-            load_scores::<F, NV>(q, &mut xr, &x_rows, 0, seq_k, c);
-        }
-    }
+    start_kv::<F, NV>(
+        inputs, &mut k_s, &mut v_s, &mut xr, &x_rows, &bar0, steps, &kv, seq_k, c, units,
+    );
     // The Q and dO tiles (plain stores) are visible to every plane.
     sync_cube();
     for st in 0..steps {
         let j0 = st * bk;
         let parity = st % 2;
-        let next = st + 1;
-        if next < steps {
-            stage_kv::<F, NV>(
-                k,
-                v,
-                &mut k_s,
-                &mut v_s,
-                1 - parity,
-                next * bk,
-                &kv,
-                c,
-                units,
-            );
-        }
-        commit_next(&bar0, &bar1, st);
-        if comptime!(given) {
-            // The next step's scores (the last step's again at the end: never used).
-            let j_next = usize::min(next, steps - 1) * bk;
-            load_scores::<F, NV>(q, &mut xn, &x_rows, j_next, seq_k, c);
-        }
-        wait_step(&bar0, &bar1, st);
+        advance_kv::<F, NV>(
+            inputs, &mut k_s, &mut v_s, &mut xn, &x_rows, &bar0, &bar1, st, steps, &kv, seq_k, c,
+            units,
+        );
         let (k_buf, v_buf) = (parity * k_len, parity * v_len);
         let mut s = zero_accumulators(key_tiles);
         let mut dp = zero_accumulators(key_tiles);
@@ -334,14 +314,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                 comptime!(c.head_dim / 16),
             );
         }
-        // Every plane is done with this buffer before step + 2's copies overwrite it.
-        sync_cube();
-        if comptime!(given) {
-            #[unroll]
-            for i in 0..x_len {
-                xr[i] = xn[i];
-            }
-        }
+        end_step::<F, NV>(&mut xr, &xn, c, x_len);
     }
     if steps == 0 {
         // The prologue's copies complete before the cube exits.

@@ -188,6 +188,96 @@ pub(crate) fn stage_kv<F: Float, NV: Size>(
     );
 }
 
+/// The K/V pipeline's prologue: step 0's `K` and `V` copies ([`stage_kv()`]) committed on
+/// `bar0`, and, for given scores, step 0's scores into `xr`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_kv<F: Float, NV: Size>(
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    k_s: &mut SharedMemory<Vector<F, NV>>,
+    v_s: &mut SharedMemory<Vector<F, NV>>,
+    xr: &mut Array<Vector<F, NV>>,
+    x_rows: &Array<usize>,
+    bar0: &Barrier,
+    steps: usize,
+    at: &KvRows,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+    #[comptime] units: u32,
+) {
+    stage_kv::<F, NV>(&inputs.k, &inputs.v, k_s, v_s, 0, 0, at, c, units);
+    bar0.commit_copy_async();
+    let _token = bar0.arrive();
+    if comptime!(c.given()) {
+        if steps > 0 {
+            load_scores::<F, NV>(&inputs.q, xr, x_rows, 0, seq_k, c);
+        }
+    }
+}
+
+/// The K/V pipeline at step `st`: starts step `st + 1`'s copies into the other buffers (`K`
+/// and `V`, [`stage_kv()`]; given scores: its scores into `xn`) where there is one, then
+/// waits for step `st`'s.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn advance_kv<F: Float, NV: Size>(
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    k_s: &mut SharedMemory<Vector<F, NV>>,
+    v_s: &mut SharedMemory<Vector<F, NV>>,
+    xn: &mut Array<Vector<F, NV>>,
+    x_rows: &Array<usize>,
+    bar0: &Barrier,
+    bar1: &Barrier,
+    st: usize,
+    steps: usize,
+    at: &KvRows,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+    #[comptime] units: u32,
+) {
+    let bk = comptime!(c.block_k as usize);
+    let next = st + 1;
+    if next < steps {
+        stage_kv::<F, NV>(
+            &inputs.k,
+            &inputs.v,
+            k_s,
+            v_s,
+            1 - st % 2,
+            next * bk,
+            at,
+            c,
+            units,
+        );
+    }
+    commit_next(bar0, bar1, st);
+    if comptime!(c.given()) {
+        // The next step's scores (the last step's again at the end: never used).
+        let j_next = usize::min(next, steps - 1) * bk;
+        load_scores::<F, NV>(&inputs.q, xn, x_rows, j_next, seq_k, c);
+    }
+    wait_step(bar0, bar1, st);
+}
+
+/// The end of a K/V pipeline step: every plane is done with the step's buffers before
+/// step + 2's copies overwrite them, and, for given scores, the next step's scores (`xn`, of
+/// `x_len` vectors) become the current ones (`xr`).
+#[cube]
+pub(crate) fn end_step<F: Float, NV: Size>(
+    xr: &mut Array<Vector<F, NV>>,
+    xn: &Array<Vector<F, NV>>,
+    #[comptime] c: FlashConfig,
+    #[comptime] x_len: usize,
+) {
+    sync_cube();
+    if comptime!(c.given()) {
+        #[unroll]
+        for i in 0..x_len {
+            xr[i] = xn[i];
+        }
+    }
+}
+
 /// Issues the asynchronous copies of a `rows × width` tile (zeros past `valid_rows` and
 /// `valid_cols`) into `dst` at `buf`, row `r` read from `src` at `base + (row0 + r)·row_stride`
 /// and written to row `r`, or with `permute` to row [`staged_row()`]`(r)`.
@@ -726,38 +816,16 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
             q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
         );
     }
-    stage_kv::<F, NV>(k, v, &mut k_s, &mut v_s, 0, 0, &kv, c, units);
-    bar0.commit_copy_async();
-    let _token = bar0.arrive();
-    if comptime!(given) {
-        if steps > 0 {
-            load_scores::<F, NV>(q, &mut xr, &x_rows, 0, seq_k, c);
-        }
-    }
+    start_kv::<F, NV>(
+        inputs, &mut k_s, &mut v_s, &mut xr, &x_rows, &bar0, steps, &kv, seq_k, c, units,
+    );
 
     for st in 0..steps {
         let parity = st % 2;
-        let next = st + 1;
-        if next < steps {
-            stage_kv::<F, NV>(
-                k,
-                v,
-                &mut k_s,
-                &mut v_s,
-                1 - parity,
-                next * bk,
-                &kv,
-                c,
-                units,
-            );
-        }
-        commit_next(&bar0, &bar1, st);
-        if comptime!(given) {
-            // The next step's scores (the last step's again at the end: never used).
-            let j_next = usize::min(next, steps - 1) * bk;
-            load_scores::<F, NV>(q, &mut xn, &x_rows, j_next, seq_k, c);
-        }
-        wait_step(&bar0, &bar1, st);
+        advance_kv::<F, NV>(
+            inputs, &mut k_s, &mut v_s, &mut xn, &x_rows, &bar0, &bar1, st, steps, &kv, seq_k, c,
+            units,
+        );
         let bufs = (parity * k_len, parity * v_len);
         if st < full_steps {
             step::<F, NV>(
@@ -804,14 +872,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
                 true,
             );
         }
-        // Every plane is done with this buffer before step + 2's copies overwrite it.
-        sync_cube();
-        if comptime!(given) {
-            #[unroll]
-            for i in 0..x_len {
-                xr[i] = xn[i];
-            }
-        }
+        end_step::<F, NV>(&mut xr, &xn, c, x_len);
     }
     if steps == 0 {
         // Nothing to see: the prologue's copies still complete before the cube exits.

@@ -90,6 +90,36 @@ pub fn fits(c: FlashConfig) -> bool {
         && c.value_dim > 0
 }
 
+/// Stages keys `j0 .. j0 + n_keys` × columns `c0 .. c0 + width` of `t` (the rows of one
+/// (batch, head) from `base`) into `sh` from `at`, row pitch `ld`, as f32; zeros past `kv_end`
+/// keys and `cols` columns.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_keys<F: Float>(
+    t: &Tensor<F>,
+    sh: &mut SharedMemory<f32>,
+    base: usize,
+    j0: usize,
+    kv_end: usize,
+    c0: usize,
+    cols: usize,
+    #[comptime] at: u32,
+    #[comptime] ld: u32,
+    #[comptime] n_keys: u32,
+    #[comptime] width: u32,
+) {
+    #[unroll]
+    for e in 0..comptime!(n_keys * width / UNITS) {
+        let idx = UNIT_POS + e * UNITS;
+        let (key, col) = ((idx / width) as usize, (idx % width) as usize);
+        let mut val = 0.0f32;
+        if j0 + key < kv_end && c0 + col < cols {
+            val = f32::cast_from(t[base + (j0 + key) * t.stride(2) + (c0 + col) * t.stride(3)]);
+        }
+        sh[(at + (idx / width) * ld) as usize + col] = val;
+    }
+}
+
 /// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source),
 /// for any float type and layout. `c.head_dim` is `D` rounded up to [`D_CHUNK`], `c.value_dim`
 /// the output tile, a multiple of [`V_CHUNK`]; `c.block_q`, `c.block_k` are 16, 32 or 64.
@@ -203,18 +233,9 @@ pub fn flash_forward_units<F: Float>(
                     }
                     sh[((idx / D_CHUNK) * QK_LD) as usize + d] = val;
                 }
-                #[unroll]
-                for e in 0..comptime!(c.block_k * D_CHUNK / UNITS) {
-                    let idx = UNIT_POS + e * UNITS;
-                    let (key, d) = ((idx / D_CHUNK) as usize, (idx % D_CHUNK) as usize);
-                    let mut val = 0.0f32;
-                    if j0 + key < kv_end && d0 + d < head_dim {
-                        val = f32::cast_from(
-                            k[k_base + (j0 + key) * k.stride(2) + (d0 + d) * k.stride(3)],
-                        );
-                    }
-                    sh[(k_at + (idx / D_CHUNK) * QK_LD) as usize + d] = val;
-                }
+                stage_keys::<F>(
+                    k, &mut sh, k_base, j0, kv_end, d0, head_dim, k_at, QK_LD, c.block_k, D_CHUNK,
+                );
                 sync_cube();
                 for d in 0..D_CHUNK {
                     let mut a = Array::<f32>::new(rows_u as usize);
@@ -328,18 +349,9 @@ pub fn flash_forward_units<F: Float>(
             for vc in 0..v_chunks {
                 let c0 = col0 + (vc * V_CHUNK) as usize;
                 let k0 = j0 + (vh * v_keys) as usize;
-                #[unroll]
-                for e in 0..comptime!(v_keys * V_CHUNK / UNITS) {
-                    let idx = UNIT_POS + e * UNITS;
-                    let (key, col) = ((idx / V_CHUNK) as usize, (idx % V_CHUNK) as usize);
-                    let mut val = 0.0f32;
-                    if k0 + key < kv_end && c0 + col < value_dim {
-                        val = f32::cast_from(
-                            v[v_base + (k0 + key) * v.stride(2) + (c0 + col) * v.stride(3)],
-                        );
-                    }
-                    sh[idx as usize] = val;
-                }
+                stage_keys::<F>(
+                    v, &mut sh, v_base, k0, kv_end, c0, value_dim, 0u32, V_CHUNK, v_keys, V_CHUNK,
+                );
                 sync_cube();
                 for kk in 0..v_keys {
                     let mut a = Array::<f32>::new(rows_u as usize);
