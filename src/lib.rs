@@ -22,6 +22,7 @@
 
 pub mod attention;
 mod backend;
+mod cube;
 mod fusion;
 pub mod nn;
 pub mod softmax;

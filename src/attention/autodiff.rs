@@ -12,9 +12,7 @@ use burn::backend::{
     },
 };
 use burn::tensor::{
-    Tensor, TensorMetadata, TensorPrimitive,
-    backend::AutodiffBackend,
-    ops::{BoolTensor, FloatTensor},
+    Tensor, TensorMetadata, TensorPrimitive, backend::AutodiffBackend, ops::FloatTensor,
 };
 
 use super::{FlashAttentionOptions, Inputs};
@@ -69,11 +67,7 @@ fn reduce_to<B: FlashBackend>(ds: FloatTensor<B>, dims: [usize; 4]) -> FloatTens
 }
 
 pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
-    query: FloatTensor<Autodiff<B, C>>,
-    key: FloatTensor<Autodiff<B, C>>,
-    value: FloatTensor<Autodiff<B, C>>,
-    mask: Option<BoolTensor<Autodiff<B, C>>>,
-    bias: Option<FloatTensor<Autodiff<B, C>>>,
+    (query, key, value, mask, bias): Inputs<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> Pair<B, C> {
     let run = |q, k, v, bias| B::flash_attention(q, k, v, mask.clone(), bias, options);

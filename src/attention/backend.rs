@@ -82,9 +82,47 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
     }
 }
 
-/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
-macro_rules! planning {
-    ($inner:ty) => {
+/// The methods an implementation passes on, written once. `forward: m::<G, …>` forwards
+/// [`AttentionBackend::flash_attention`] to `super::m::forward` (`m`: `cube`, `fusion`,
+/// `autodiff`) with the generic arguments `G, …` and the call's tensors as one
+/// [`Inputs`](super::Inputs), `backward: m::<G, …>` its backward to `super::m::backward`
+/// likewise, `ops: m::<G, …>` both; `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`)
+/// planning methods to its inner backend `B` unchanged.
+macro_rules! delegate {
+    (ops: $module:ident::<$($g:ident),+>) => {
+        delegate!(forward: $module::<$($g),+>);
+        delegate!(backward: $module::<$($g),+>);
+    };
+    (forward: $module:ident::<$($g:ident),+>) => {
+        fn flash_attention(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            super::$module::forward::<$($g),+>((query, key, value, mask, bias), options)
+        }
+    };
+    (backward: $module:ident::<$($g:ident),+>) => {
+        fn flash_attention_backward(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            mask: Option<BoolTensor<Self>>,
+            bias: Option<FloatTensor<Self>>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+            options: FlashAttentionOptions,
+            want_ds: bool,
+        ) -> AttentionGrads<Self> {
+            let inputs = (query, key, value, mask, bias);
+            super::$module::backward::<$($g),+>(inputs, out, lse, d_out, options, want_ds)
+        }
+    };
+    (planning: $inner:ty) => {
         fn flash_attention_plan(
             device: &Self::Device,
             dims: AttentionDims,
@@ -110,33 +148,7 @@ macro_rules! planning {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionBackend
     for CubeBackend<R, F, I, BT>
 {
-    fn flash_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        bias: Option<FloatTensor<Self>>,
-        options: FlashAttentionOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::cube::forward::<R, F, I, BT>(query, key, value, mask, bias, options)
-    }
-
-    fn flash_attention_backward(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        bias: Option<FloatTensor<Self>>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-        options: FlashAttentionOptions,
-        want_ds: bool,
-    ) -> AttentionGrads<Self> {
-        super::cube::backward::<R, F, I, BT>(
-            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
-        )
-    }
+    delegate!(ops: cube::<R, F, I, BT>);
 
     fn flash_attention_backward_plan(
         device: &Self::Device,
@@ -164,50 +176,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
 }
 
 impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
-    fn flash_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        bias: Option<FloatTensor<Self>>,
-        options: FlashAttentionOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::fusion::forward::<B>((query, key, value, mask, bias), options)
-    }
-
-    fn flash_attention_backward(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        bias: Option<FloatTensor<Self>>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-        options: FlashAttentionOptions,
-        want_ds: bool,
-    ) -> AttentionGrads<Self> {
-        let inputs = (query, key, value, mask, bias);
-        super::fusion::backward::<B>(inputs, out, lse, d_out, options, want_ds)
-    }
-
-    planning!(B);
+    delegate!(ops: fusion::<B>);
+    delegate!(planning: B);
 }
 
 /// The forward runs `B`'s attention and keeps its inputs, output and `lse`; the backward
 /// runs `B`'s attention backward (fused kernels on CubeCL backends, the composed gradient
 /// on the fallback).
 impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
-    fn flash_attention(
-        query: FloatTensor<Self>,
-        key: FloatTensor<Self>,
-        value: FloatTensor<Self>,
-        mask: Option<BoolTensor<Self>>,
-        bias: Option<FloatTensor<Self>>,
-        options: FlashAttentionOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::autodiff::forward::<B, C>(query, key, value, mask, bias, options)
-    }
-
-    planning!(B);
+    delegate!(forward: autodiff::<B, C>);
+    delegate!(planning: B);
 }

@@ -1,27 +1,18 @@
 //! Attention on `CubeBackend`: validate, convert the mask, allocate, launch.
 
-use burn::tensor::{DType, FloatDType, Shape, ops::BoolTensorOps};
+use burn::tensor::{DType, FloatDType, ops::BoolTensorOps};
 use burn_cubecl::{
-    BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement,
-    ops::numeric::empty_device_dtype, tensor::CubeTensor,
+    BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement, tensor::CubeTensor,
 };
 use burn_flash_kernels::attention::{
     AttentionBackwardPlan, AttentionDims, AttentionError, AttentionFeatures, AttentionOptions,
     AttentionPlan, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
     plan_attention_backward,
 };
-use burn_flash_kernels::tensor::TensorRef;
 use cubecl::prelude::ComputeClient;
 
-use super::{AttentionGrads, FlashAttentionOptions, OP, scale_of};
-
-fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
-    TensorRef {
-        handle: &t.handle,
-        shape: t.meta.shape(),
-        strides: t.meta.strides(),
-    }
-}
+use super::{AttentionGrads, FlashAttentionOptions, Inputs, OP, scale_of};
+use crate::cube::{empty, tensor_ref};
 
 /// The kernels crate's options for a call with head dim `head_dim`.
 pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) -> AttentionOptions {
@@ -63,12 +54,19 @@ pub(crate) fn plan<R: CubeRuntime>(
     )
 }
 
+/// A bool mask as the kernels read it: 1 / 0 in the queries' float type `dtype`.
+fn float_mask<R, F, I, BT>(mask: Option<CubeTensor<R>>, dtype: DType) -> Option<CubeTensor<R>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    mask.map(|m| CubeBackend::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)))
+}
+
 pub(crate) fn forward<R, F, I, BT>(
-    query: CubeTensor<R>,
-    key: CubeTensor<R>,
-    value: CubeTensor<R>,
-    mask: Option<CubeTensor<R>>,
-    bias: Option<CubeTensor<R>>,
+    (query, key, value, mask, bias): Inputs<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -77,10 +75,8 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     let dtype = query.dtype;
-    // The kernels read the mask as 1 / 0 in the queries' float type.
-    let mask = mask.map(|m| B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)));
+    let mask = float_mask::<R, F, I, BT>(mask, dtype);
     let [batch, heads_q, seq_q, head_dim]: [usize; 4] = query
         .meta
         .shape()
@@ -88,22 +84,10 @@ where
         .try_into()
         .unwrap_or_else(|_| panic!("{OP}: `query` must be 4-D"));
     let value_dim = value.meta.shape()[3];
-    let client = query.client.clone();
-    let device = query.device.clone();
-    let out = empty_device_dtype(
-        client.clone(),
-        device.clone(),
-        Shape::from([batch, heads_q, seq_q, value_dim]),
-        dtype,
-    );
-    let lse = empty_device_dtype(
-        client.clone(),
-        device,
-        Shape::from([batch, heads_q, seq_q]),
-        DType::F32,
-    );
+    let out = empty(&query, [batch, heads_q, seq_q, value_dim], dtype);
+    let lse = empty(&query, [batch, heads_q, seq_q], DType::F32);
     launch_attention::<R>(
-        &client,
+        &query.client,
         tensor_ref(&query),
         tensor_ref(&key),
         tensor_ref(&value),
@@ -136,13 +120,8 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
     )
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<R, F, I, BT>(
-    query: CubeTensor<R>,
-    key: CubeTensor<R>,
-    value: CubeTensor<R>,
-    mask: Option<CubeTensor<R>>,
-    bias: Option<CubeTensor<R>>,
+    (query, key, value, mask, bias): Inputs<CubeBackend<R, F, I, BT>>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
@@ -155,28 +134,17 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    type B<R, F, I, BT> = CubeBackend<R, F, I, BT>;
     let dtype = query.dtype;
-    let mask = mask.map(|m| B::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)));
-    let client = query.client.clone();
-    let device = query.device.clone();
-    let empty = |shape: &[usize]| {
-        empty_device_dtype(
-            client.clone(),
-            device.clone(),
-            Shape::from(shape.to_vec()),
-            dtype,
-        )
-    };
-    let dq = empty(query.meta.shape());
-    let dk = empty(key.meta.shape());
-    let dv = empty(value.meta.shape());
+    let mask = float_mask::<R, F, I, BT>(mask, dtype);
+    let dq = empty(&query, query.meta.shape(), dtype);
+    let dk = empty(&query, key.meta.shape(), dtype);
+    let dv = empty(&query, value.meta.shape(), dtype);
     let q_shape = query.meta.shape();
     let full = [q_shape[0], q_shape[1], q_shape[2], key.meta.shape()[2]];
-    let ds = want_ds.then(|| empty(&full));
+    let ds = want_ds.then(|| empty(&query, full, dtype));
     let head_dim = q_shape[3];
     launch_attention_backward::<R>(
-        &client,
+        &query.client,
         BackwardTensors {
             q: tensor_ref(&query),
             k: tensor_ref(&key),

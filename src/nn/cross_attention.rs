@@ -6,7 +6,7 @@ use burn::module::{Initializer, Module};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig};
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
-use super::{attention_mask, check_divides, merge_heads, module_options, split_heads};
+use super::{attention_mask, check_divides, merge_heads, module_options, project_heads};
 use crate::FlashBackend;
 
 const WHO: &str = "burn_flash::nn::CrossAttention";
@@ -118,8 +118,7 @@ impl<B: FlashBackend> CrossAttention<B> {
         mask: Option<Tensor<B, 2, Bool>>,
     ) -> Tensor<B, 3> {
         self.check(&query, &context);
-        let k = split_heads(self.key.forward(context.clone()), self.n_heads_kv);
-        let v = split_heads(self.value.forward(context), self.n_heads_kv);
+        let (k, v) = self.keys_values(context);
         self.attend(query, k, v, mask)
     }
 
@@ -135,13 +134,16 @@ impl<B: FlashBackend> CrossAttention<B> {
         self.check(&query, &context);
         let (k, v) = cache
             .kv
-            .get_or_insert_with(|| {
-                let k = split_heads(self.key.forward(context.clone()), self.n_heads_kv);
-                let v = split_heads(self.value.forward(context), self.n_heads_kv);
-                (k, v)
-            })
+            .get_or_insert_with(|| self.keys_values(context))
             .clone();
         self.attend(query, k, v, mask)
+    }
+
+    /// The keys and values of `context`, `[B, n_heads_kv, Lk, d_head]` each.
+    fn keys_values(&self, context: Tensor<B, 3>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        let k = project_heads(&self.key, context.clone(), self.n_heads_kv);
+        let v = project_heads(&self.value, context, self.n_heads_kv);
+        (k, v)
     }
 
     fn attend(
@@ -153,7 +155,7 @@ impl<B: FlashBackend> CrossAttention<B> {
     ) -> Tensor<B, 3> {
         let [batch, seq_q, _] = query.dims();
         let seq_k = k.dims()[2];
-        let q = split_heads(self.query.forward(query), self.n_heads);
+        let q = project_heads(&self.query, query, self.n_heads);
         let mask = attention_mask(WHO, mask, None, batch, 0..seq_q, seq_q, seq_k);
         let mut options = module_options::<B>(
             self.d_head,

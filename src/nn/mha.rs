@@ -7,7 +7,8 @@ use burn::tensor::{Bool, Tensor, activation, backend::Backend};
 
 use super::cache::{KvCache, RowCache};
 use super::{
-    attention_mask, check_divides, display_settings, merge_heads, module_options, rows, split_heads,
+    attention_mask, check_divides, display_settings, merge_heads, module_options, project_heads,
+    rows,
 };
 use crate::FlashBackend;
 
@@ -225,9 +226,8 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
     /// differ, or a mask's shape is not `[B, Sk]` / `[B, Sq, Sk]`.
     pub fn forward(&self, mut input: MhaInput<B>) -> MhaOutput<B> {
         let (mask, _) = self.checked_mask(&mut input);
-        let q = split_heads(self.query.forward(input.query), self.n_heads);
-        let k = split_heads(self.key.forward(input.key), self.n_heads);
-        let v = split_heads(self.value.forward(input.value), self.n_heads);
+        let q = project_heads(&self.query, input.query, self.n_heads);
+        let (k, v) = self.keys_values(input.key, input.value);
         let context = self.attend(q, k, v, mask, input.causal);
         MhaOutput {
             context: self.output.forward(merge_heads(context)),
@@ -292,20 +292,16 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
         cache: &mut MhaCache<B>,
     ) -> Tensor<B, 3> {
         let batch = query.dims()[0];
-        let q = split_heads(self.query.forward(query), self.n_heads);
+        let q = project_heads(&self.query, query, self.n_heads);
         let (k, v) = if cache.cross {
             if cache.keys.is_empty() {
-                cache
-                    .keys
-                    .append(split_heads(self.key.forward(key), self.n_heads));
-                cache
-                    .values
-                    .append(split_heads(self.value.forward(value), self.n_heads));
+                let (k, v) = self.keys_values(key, value);
+                cache.keys.append(k);
+                cache.values.append(v);
             }
             (cache.keys.view(), cache.values.view())
         } else {
-            let k = split_heads(self.key.forward(key), self.n_heads);
-            let v = split_heads(self.value.forward(value), self.n_heads);
+            let (k, v) = self.keys_values(key, value);
             (cache.keys.append(k), cache.values.append(v))
         };
         let seq_k = k.dims()[2];
@@ -320,8 +316,8 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
     /// inspection: [`MultiHeadAttention::forward`] never makes them.
     pub fn attention_weights(&self, mut input: MhaInput<B>) -> Tensor<B, 4> {
         let (mask, [batch, seq_q, seq_k]) = self.checked_mask(&mut input);
-        let q = split_heads(self.query.forward(input.query), self.n_heads);
-        let k = split_heads(self.key.forward(input.key), self.n_heads);
+        let q = project_heads(&self.query, input.query, self.n_heads);
+        let k = project_heads(&self.key, input.key, self.n_heads);
         let mut scores = q.matmul(k.transpose()).div_scalar((self.d_k as f32).sqrt());
         let full = [batch, self.n_heads, seq_q, seq_k];
         if let Some(mask) = mask {
@@ -335,6 +331,14 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             true => activation::quiet_softmax(scores, 3),
             false => activation::softmax(scores, 3),
         }
+    }
+
+    /// The keys and values of the inputs `key` and `value`, `[B, H, Sk, d_k]` each.
+    fn keys_values(&self, key: Tensor<B, 3>, value: Tensor<B, 3>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        (
+            project_heads(&self.key, key, self.n_heads),
+            project_heads(&self.value, value, self.n_heads),
+        )
     }
 
     /// `softmax(Q·Kᵀ/√d_k)·V` per head, `[B, H, Sq, d_k]`.

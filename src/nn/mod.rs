@@ -53,6 +53,7 @@ pub use transformer::{
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::DisplaySettings;
+use burn::nn::Linear;
 use burn::tensor::{Bool, Tensor, backend::Backend};
 
 use crate::{AttentionDropout, FlashAttentionOptions};
@@ -178,8 +179,10 @@ fn rows<B: Backend>(x: Tensor<B, 3>, range: std::ops::Range<usize>) -> Tensor<B,
     }
 }
 
-/// `[B, S, H·D]` → `[B, H, S, D]` (a view: the kernels read any strides).
-fn split_heads<B: Backend>(x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
+/// `x` `[B, S, d]` through `linear` to `[B, S, H·D]`, split into `heads` heads: `[B, H, S, D]`
+/// (a view: the kernels read any strides).
+fn project_heads<B: Backend>(linear: &Linear<B>, x: Tensor<B, 3>, heads: usize) -> Tensor<B, 4> {
+    let x = linear.forward(x);
     let [batch, seq, width] = x.dims();
     x.reshape([batch, seq, heads, width / heads])
         .swap_dims(1, 2)

@@ -67,9 +67,32 @@ pub trait SoftmaxBackend: Backend {
     }
 }
 
-/// The planning methods pass through wrappers (`Fusion`, `Autodiff`) unchanged.
-macro_rules! planning {
-    ($inner:ty) => {
+/// The methods an implementation passes on, written once. `ops: m::<G, …>` forwards the ops
+/// to `super::m::forward` and `super::m::backward` (`m`: `cube`, `fusion`, `autodiff`) with the
+/// generic arguments `G, …`; `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning
+/// methods to its inner backend `B` unchanged.
+macro_rules! delegate {
+    (ops: $module:ident::<$($g:ident),+>) => {
+        fn flash_softmax(
+            x: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            super::$module::forward::<$($g),+>(x, dim, variant, options)
+        }
+
+        fn flash_softmax_backward(
+            y: FloatTensor<Self>,
+            dy: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            super::$module::backward::<$($g),+>(y, dy, dim, variant, options)
+        }
+    };
+    (planning: $inner:ty) => {
         fn flash_softmax_plan(
             device: &Self::Device,
             shape: &[usize],
@@ -95,24 +118,7 @@ macro_rules! planning {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBackend
     for CubeBackend<R, F, I, BT>
 {
-    fn flash_softmax(
-        x: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::cube::forward(x, dim, variant, options)
-    }
-
-    fn flash_softmax_backward(
-        y: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::cube::backward(y, dy, dim, variant, options)
-    }
+    delegate!(ops: cube::<R>);
 
     fn flash_softmax_plan(
         device: &Self::Device,
@@ -163,47 +169,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
 }
 
 impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
-    fn flash_softmax(
-        x: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::fusion::forward::<B>(x, dim, variant, options)
-    }
-
-    fn flash_softmax_backward(
-        y: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::fusion::backward::<B>(y, dy, dim, variant, options)
-    }
-
-    planning!(B);
+    delegate!(ops: fusion::<B>);
+    delegate!(planning: B);
 }
 
 impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxBackend for Autodiff<B, C> {
-    fn flash_softmax(
-        x: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::autodiff::forward::<B, C>(x, dim, variant, options)
-    }
-
-    fn flash_softmax_backward(
-        y: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        super::autodiff::backward::<B, C>(y, dy, dim, variant, options)
-    }
-
-    planning!(B);
+    delegate!(ops: autodiff::<B, C>);
+    delegate!(planning: B);
 }

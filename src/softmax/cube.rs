@@ -1,26 +1,14 @@
 //! Softmax on `CubeBackend`: validate, allocate, launch.
 
 use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_cubecl::{
-    CubeRuntime,
-    kernel::into_contiguous,
-    ops::{numeric::empty_device_dtype, permute},
-    tensor::CubeTensor,
-};
+use burn_cubecl::{CubeRuntime, kernel::into_contiguous, ops::permute, tensor::CubeTensor};
 use burn_flash_kernels::softmax::{
-    STRIDED_MAX_LEN, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
+    STRIDED_MAX_LEN, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, launch_softmax,
     launch_softmax_backward,
 };
 
 use super::check_input;
-
-fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
-    TensorRef {
-        handle: &t.handle,
-        shape: t.meta.shape(),
-        strides: t.meta.strides(),
-    }
-}
+use crate::cube::{empty, tensor_ref};
 
 /// Panics unless `dtype` is one the kernels run (the message names the argument).
 pub(crate) fn check_dtype(op: &str, arg: &str, dtype: DType) {
@@ -91,12 +79,7 @@ pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> 
     let mut order: Vec<usize> = (0..shape.len()).collect();
     order.sort_by(|&a, &b| strides[b].cmp(&strides[a]));
     let permuted: Shape = order.iter().map(|&d| shape[d]).collect();
-    let out = empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        permuted,
-        like.dtype,
-    );
+    let out = empty(like, permuted, like.dtype);
     if order.iter().enumerate().all(|(i, &d)| i == d) {
         return out;
     }

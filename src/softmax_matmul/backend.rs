@@ -51,9 +51,31 @@ pub trait SoftmaxMatmulBackend: Backend {
     }
 }
 
-/// The planning method passes through wrappers (`Fusion`, `Autodiff`) unchanged.
-macro_rules! planning {
-    ($inner:ty) => {
+/// The methods an implementation passes on, written once. `ops: m::<G, …>` forwards the ops
+/// to `super::m::forward` and `super::m::backward` (`m`: `cube`, `fusion`, `autodiff`) with the
+/// generic arguments `G, …`; `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning
+/// methods to its inner backend `B` unchanged.
+macro_rules! delegate {
+    (ops: $module:ident::<$($g:ident),+>) => {
+        fn flash_softmax_matmul(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            options: SoftmaxMatmulOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            super::$module::forward::<$($g),+>(x, v, options)
+        }
+
+        fn flash_softmax_matmul_backward(
+            x: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            out: FloatTensor<Self>,
+            lse: FloatTensor<Self>,
+            d_out: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            super::$module::backward::<$($g),+>(x, v, out, lse, d_out)
+        }
+    };
+    (planning: $inner:ty) => {
         fn flash_softmax_matmul_plan(
             device: &Self::Device,
             dims: SmmDims,
@@ -68,23 +90,7 @@ macro_rules! planning {
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxMatmulBackend
     for CubeBackend<R, F, I, BT>
 {
-    fn flash_softmax_matmul(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        options: SoftmaxMatmulOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::cube::forward(x, v, options)
-    }
-
-    fn flash_softmax_matmul_backward(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::cube::backward(x, v, out, lse, d_out)
-    }
+    delegate!(ops: cube::<R>);
 
     fn flash_softmax_matmul_plan(
         device: &Self::Device,
@@ -102,45 +108,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxMat
 }
 
 impl<B: FusionBackend + FlashBackend> SoftmaxMatmulBackend for Fusion<B> {
-    fn flash_softmax_matmul(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        options: SoftmaxMatmulOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::fusion::forward::<B>(x, v, options)
-    }
-
-    fn flash_softmax_matmul_backward(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::fusion::backward::<B>(x, v, out, lse, d_out)
-    }
-
-    planning!(B);
+    delegate!(ops: fusion::<B>);
+    delegate!(planning: B);
 }
 
 impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxMatmulBackend for Autodiff<B, C> {
-    fn flash_softmax_matmul(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        options: SoftmaxMatmulOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::autodiff::forward::<B, C>(x, v, options)
-    }
-
-    fn flash_softmax_matmul_backward(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::autodiff::backward::<B, C>(x, v, out, lse, d_out)
-    }
-
-    planning!(B);
+    delegate!(ops: autodiff::<B, C>);
+    delegate!(planning: B);
 }

@@ -1,30 +1,13 @@
 //! `softmax(X)·V` on `CubeBackend`: validate, allocate, launch.
 
-use burn::tensor::{DType, Shape};
-use burn_cubecl::{CubeRuntime, ops::numeric::empty_device_dtype, tensor::CubeTensor};
-use burn_flash_kernels::softmax::TensorRef;
+use burn::tensor::DType;
+use burn_cubecl::{CubeRuntime, tensor::CubeTensor};
 use burn_flash_kernels::softmax_matmul::{
     SoftmaxMatmulOptions, launch_softmax_matmul, launch_softmax_matmul_backward,
 };
 
 use super::dims_of;
-
-fn tensor_ref<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorRef<'_> {
-    TensorRef {
-        handle: &t.handle,
-        shape: t.meta.shape(),
-        strides: t.meta.strides(),
-    }
-}
-
-fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Vec<usize>, dtype: DType) -> CubeTensor<R> {
-    empty_device_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        Shape::from(shape),
-        dtype,
-    )
-}
+use crate::cube::{empty, tensor_ref};
 
 fn check<R: CubeRuntime>(x: &CubeTensor<R>, v: &CubeTensor<R>) {
     super::check_dtypes(x.dtype, v.dtype);
@@ -38,8 +21,8 @@ pub(crate) fn forward<R: CubeRuntime>(
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     check(&x, &v);
     let dims = dims_of(x.meta.shape(), v.meta.shape());
-    let out = empty(&x, vec![dims.batch, dims.d1, dims.d3], x.dtype);
-    let lse = empty(&x, vec![dims.batch, dims.d1], DType::F32);
+    let out = empty(&x, [dims.batch, dims.d1, dims.d3], x.dtype);
+    let lse = empty(&x, [dims.batch, dims.d1], DType::F32);
     launch_softmax_matmul::<R>(
         &x.client,
         tensor_ref(&x),
@@ -67,8 +50,8 @@ pub(crate) fn backward<R: CubeRuntime>(
             d_out.dtype, x.dtype
         );
     }
-    let dx = empty(&x, x.meta.shape().to_vec(), x.dtype);
-    let dv = empty(&v, v.meta.shape().to_vec(), v.dtype);
+    let dx = empty(&x, x.meta.shape(), x.dtype);
+    let dv = empty(&v, v.meta.shape(), v.dtype);
     launch_softmax_matmul_backward::<R>(
         &x.client,
         tensor_ref(&x),
