@@ -27,10 +27,7 @@ pub fn launch_copy<R: Runtime>(
         .io_optimized_vector_sizes(dtype.size())
         .find(|v| len.is_multiple_of(*v))
         .unwrap_or(1);
-    let units = len / vector;
-    let cube_dim = CubeDim::new_1d(256);
-    let cubes = units.div_ceil(256).max(1);
-    let count = linear_grid(client, cubes);
+    let (count, cube_dim) = linear_grid(client, len / vector);
     // SAFETY: the kernel checks its index against the input length, and the caller guarantees
     // both buffers hold `len` elements.
     unsafe {
@@ -54,12 +51,16 @@ fn zero_u32_kernel(output: &mut Array<u32>) {
     }
 }
 
-/// `cubes` cubes as a grid within the device's x limit (kernels read the linear `CUBE_POS` /
-/// `ABSOLUTE_POS` and ignore what lies past their length).
-fn linear_grid<R: Runtime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
+/// Cubes of 256 units for `units` units (at least one cube), as a grid within the device's x
+/// limit (kernels read the linear `CUBE_POS` / `ABSOLUTE_POS` and ignore what lies past their
+/// length).
+fn linear_grid<R: Runtime>(client: &ComputeClient<R>, units: usize) -> (CubeCount, CubeDim) {
+    const CUBE_UNITS: usize = 256;
+    let cubes = units.div_ceil(CUBE_UNITS).max(1);
     let max_x = client.properties().hardware.max_cube_count.0 as usize;
     let y = cubes.div_ceil(max_x);
-    CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1)
+    let count = CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1);
+    (count, CubeDim::new_1d(CUBE_UNITS as u32))
 }
 
 /// A new buffer of `len` zeroed `u32` words (the exchange buffers of the kernels that hand
@@ -73,15 +74,14 @@ pub fn zeroed_u32<R: Runtime>(client: &ComputeClient<R>, len: usize) -> Handle {
 /// Sets the first `len` `u32` words of `buffer` to zero (the exchange buffers of the kernels
 /// that hand values between cubes start zeroed).
 pub fn launch_zero_u32<R: Runtime>(client: &ComputeClient<R>, buffer: &Handle, len: usize) {
-    let cubes = len.div_ceil(256).max(1);
-    let count = linear_grid(client, cubes);
+    let (count, cube_dim) = linear_grid(client, len);
     // SAFETY: the kernel checks its index against `len`, which the caller guarantees the
     // buffer holds.
     unsafe {
         zero_u32_kernel::launch_unchecked::<R>(
             client,
             count,
-            CubeDim::new_1d(256),
+            cube_dim,
             ArrayArg::from_raw_parts(buffer.clone(), len),
         );
     }

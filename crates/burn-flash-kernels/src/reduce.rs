@@ -31,8 +31,9 @@ impl GroupShape {
     }
 }
 
+/// `max(a, b)` (`is_max`) or `a + b`: the step of a max or sum reduction.
 #[cube]
-fn combine(a: f32, b: f32, #[comptime] is_max: bool) -> f32 {
+pub(crate) fn combine(a: f32, b: f32, #[comptime] is_max: bool) -> f32 {
     if comptime!(is_max) {
         f32::max(a, b)
     } else {

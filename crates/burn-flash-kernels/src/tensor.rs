@@ -27,12 +27,26 @@ pub struct UnsupportedDType {
 
 impl fmt::Display for UnsupportedDType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "dtype {} is not supported (f32, f16 and bf16 are, where the device has them)",
-            self.dtype
-        )
+        write_unsupported_dtype(f, &self.dtype)
     }
+}
+
+/// The message of [`UnsupportedDType`], and of each op's error variant made from it.
+pub(crate) fn write_unsupported_dtype(f: &mut fmt::Formatter<'_>, dtype: &str) -> fmt::Result {
+    write!(
+        f,
+        "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
+    )
+}
+
+/// The message of an op's `ShapeMismatch` error: argument `arg` has shape `got`, not `expected`.
+pub(crate) fn write_shape_mismatch(
+    f: &mut fmt::Formatter<'_>,
+    arg: &str,
+    expected: &[usize],
+    got: &[usize],
+) -> fmt::Result {
+    write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
 }
 
 impl core::error::Error for UnsupportedDType {}

@@ -4,12 +4,12 @@
 #![cfg(feature = "wgpu")]
 
 use burn_flash_kernels::softmax::{
-    SoftmaxError, SoftmaxOptions, SoftmaxTier, SoftmaxVariant, TensorRef, launch_softmax,
-    launch_softmax_backward,
+    SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxTier, SoftmaxVariant, TensorRef,
+    launch_softmax, launch_softmax_backward,
 };
 use burn_flash_kernels::softmax_matmul::{
-    SmmPath, SoftmaxMatmulError, SoftmaxMatmulOptions, check_dtype, launch_softmax_matmul,
-    launch_softmax_matmul_backward,
+    SmmPath, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan, check_dtype,
+    launch_softmax_matmul, launch_softmax_matmul_backward,
 };
 use cubecl::{
     prelude::*,
@@ -39,6 +39,25 @@ fn f32_type() -> StorageType {
     f32::as_type_native_unchecked().storage_type()
 }
 
+/// Launches a forward softmax from `input` to `output`, both of `shape` and `strides`.
+fn forward(
+    client: &ComputeClient<WgpuRuntime>,
+    (input, output): (&cubecl::server::Handle, &cubecl::server::Handle),
+    shape: &[usize],
+    strides: &[usize],
+    dim: usize,
+    dtype: StorageType,
+    options: SoftmaxOptions,
+) -> Result<Option<SoftmaxPlan>, SoftmaxError> {
+    let t = |h| TensorRef {
+        handle: h,
+        shape,
+        strides,
+    };
+    let variant = SoftmaxVariant::Softmax;
+    launch_softmax(client, t(input), t(output), dim, dtype, variant, options)
+}
+
 /// Launches a forward softmax over a row-major f32 buffer of `shape` (with `strides`) that must
 /// be refused; returns the error and the output buffer's contents afterwards.
 fn refused(
@@ -51,22 +70,16 @@ fn refused(
     let client = client();
     let len = shape.iter().product();
     let (input, output) = buffers(&client, &vec![0.5; len]);
-    let t = |h| TensorRef {
-        handle: h,
+    let err = forward(
+        &client,
+        (&input, &output),
         shape,
         strides,
-    };
-    let err = launch_softmax(
-        &client,
-        t(&input),
-        t(&output),
         dim,
         dtype,
-        SoftmaxVariant::Softmax,
         options,
-    )
-    .unwrap_err();
-    (err, read(&client, output))
+    );
+    (err.unwrap_err(), read(&client, output))
 }
 
 #[test]
@@ -74,20 +87,15 @@ fn launch_without_burn_computes_softmax() {
     let client = client();
     let values: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
     let (input, output) = buffers(&client, &values);
-    let (shape, strides) = ([4usize, 6], [6usize, 1]);
-    let refs = |h| TensorRef {
-        handle: h,
-        shape: &shape,
-        strides: &strides,
-    };
-    let plan = launch_softmax(
+    let options = SoftmaxOptions::default();
+    let plan = forward(
         &client,
-        refs(&input),
-        refs(&output),
+        (&input, &output),
+        &[4, 6],
+        &[6, 1],
         1,
         f32_type(),
-        SoftmaxVariant::Softmax,
-        SoftmaxOptions::default(),
+        options,
     )
     .expect("valid launch")
     .expect("non-empty");
@@ -241,25 +249,36 @@ impl Smm {
         }
     }
 
-    /// Launches the forward with each tensor's (possibly overridden) shape and contiguous
-    /// strides; the error must come back and both outputs stay NaN.
-    fn refused(&self, dtype: StorageType, options: SoftmaxMatmulOptions) -> SoftmaxMatmulError {
+    /// Launches the forward on `x` and `v` with each tensor's (possibly overridden) shape and
+    /// contiguous strides.
+    fn launch(
+        &self,
+        x: &cubecl::server::Handle,
+        v: &cubecl::server::Handle,
+        dtype: StorageType,
+        options: SoftmaxMatmulOptions,
+    ) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
         let strides: Vec<Vec<usize>> = self.shapes.iter().map(|s| contiguous(s)).collect();
         let t = |i: usize, h| TensorRef {
             handle: h,
             shape: &self.shapes[i],
             strides: &strides[i],
         };
-        let err = launch_softmax_matmul(
+        launch_softmax_matmul(
             &self.client,
-            t(0, &self.x),
-            t(1, &self.v),
+            t(0, x),
+            t(1, v),
             t(2, &self.out),
             t(3, &self.lse),
             dtype,
             options,
         )
-        .unwrap_err();
+    }
+
+    /// Launches the forward on its own `x` and `v`; the error must come back and both outputs
+    /// stay NaN.
+    fn refused(&self, dtype: StorageType, options: SoftmaxMatmulOptions) -> SoftmaxMatmulError {
+        let err = self.launch(&self.x, &self.v, dtype, options).unwrap_err();
         for h in [&self.out, &self.lse] {
             let values = read(&self.client, h.clone());
             assert!(values.iter().all(|v| v.is_nan()), "{err}: nothing launched");
@@ -268,6 +287,7 @@ impl Smm {
     }
 }
 
+/// Row-major strides of `shape`.
 fn contiguous(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
@@ -420,22 +440,9 @@ fn softmax_matmul_runs_more_batches_than_a_grid_axis_holds() {
     let v: Vec<f32> = (0..batch).map(|b| b as f32).collect();
     let x_h = smm.client.create_from_slice(f32::as_bytes(&x));
     let v_h = smm.client.create_from_slice(f32::as_bytes(&v));
-    let strides: Vec<Vec<usize>> = smm.shapes.iter().map(|s| contiguous(s)).collect();
-    let t = |i: usize, h| TensorRef {
-        handle: h,
-        shape: &smm.shapes[i],
-        strides: &strides[i],
-    };
-    let plan = launch_softmax_matmul(
-        &smm.client,
-        t(0, &x_h),
-        t(1, &v_h),
-        t(2, &smm.out),
-        t(3, &smm.lse),
-        f32_type(),
-        Default::default(),
-    )
-    .expect("launch");
+    let plan = smm
+        .launch(&x_h, &v_h, f32_type(), Default::default())
+        .expect("launch");
     assert!(plan.cubes.2 <= 65_535 && plan.cubes.1 >= 2, "{plan:?}");
     let out = read(&smm.client, smm.out.clone());
     let lse = read(&smm.client, smm.lse.clone());
@@ -460,12 +467,19 @@ struct AttnShapes {
     mask: Option<[usize; 4]>,
 }
 
-fn row_major(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
-    for d in (0..shape.len().saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * shape[d + 1];
+impl AttnShapes {
+    /// Shapes that fit each other: batch `b`, `hq` query and `hkv` key/value heads, `seq`
+    /// positions, head dims `d` (queries, keys) and `dv` (values), no mask.
+    fn new(b: usize, hq: usize, hkv: usize, seq: usize, d: usize, dv: usize) -> Self {
+        Self {
+            q: [b, hq, seq, d],
+            k: [b, hkv, seq, d],
+            v: [b, hkv, seq, dv],
+            out: [b, hq, seq, dv],
+            lse: [b, hq, seq],
+            mask: None,
+        }
     }
-    strides
 }
 
 /// Launches an attention forward that must be refused; returns the error and the output and
@@ -488,43 +502,24 @@ fn attention_refused(
     let (out, lse) = (nan(&s.out), nan(&s.lse));
     let strides: Vec<Vec<usize>> = [&s.q[..], &s.k, &s.v, &s.out, &s.lse]
         .iter()
-        .map(|shape| row_major(shape))
+        .map(|shape| contiguous(shape))
         .collect();
     let mask_dims = s.mask.unwrap_or([0; 4]);
-    let mask_strides = row_major(&mask_dims);
+    let mask_strides = contiguous(&mask_dims);
+    let t = |handle, shape, strides| TensorRef {
+        handle,
+        shape,
+        strides,
+    };
     let err = launch_attention(
         &client,
-        TensorRef {
-            handle: &q,
-            shape: &s.q,
-            strides: &strides[0],
-        },
-        TensorRef {
-            handle: &k,
-            shape: &s.k,
-            strides: &strides[1],
-        },
-        TensorRef {
-            handle: &v,
-            shape: &s.v,
-            strides: &strides[2],
-        },
-        mask.as_ref().map(|h| TensorRef {
-            handle: h,
-            shape: &mask_dims,
-            strides: &mask_strides,
-        }),
+        t(&q, &s.q, &strides[0]),
+        t(&k, &s.k, &strides[1]),
+        t(&v, &s.v, &strides[2]),
+        mask.as_ref().map(|h| t(h, &mask_dims, &mask_strides)),
         None,
-        TensorRef {
-            handle: &out,
-            shape: &s.out,
-            strides: &strides[3],
-        },
-        TensorRef {
-            handle: &lse,
-            shape: &s.lse,
-            strides: &strides[4],
-        },
+        t(&out, &s.out, &strides[3]),
+        t(&lse, &s.lse, &strides[4]),
         f32_type(),
         &options,
     )
@@ -545,118 +540,63 @@ fn attention_launch_refuses_bad_input() {
         masked_score: None,
         quiet: false,
     };
-    let good = || AttnShapes {
-        q: [2, 4, 8, 32],
-        k: [2, 2, 8, 32],
-        v: [2, 2, 8, 16],
-        out: [2, 4, 8, 16],
-        lse: [2, 4, 8],
-        mask: None,
+    let good = || AttnShapes::new(2, 4, 2, 8, 32, 16);
+    // Each case changes one thing of a good call: its shapes or its options.
+    let shapes = |change: fn(&mut AttnShapes)| {
+        let mut s = good();
+        change(&mut s);
+        (s, options)
     };
-    let cases: Vec<(AttnShapes, AttentionOptions, &str)> = vec![
+    let opts = |change: fn(&mut AttentionOptions)| {
+        let mut o = options;
+        change(&mut o);
+        (good(), o)
+    };
+    let cases = [
         (
-            AttnShapes {
-                k: [2, 2, 8, 24],
-                ..good()
-            },
-            options,
+            shapes(|s| s.k = [2, 2, 8, 24]),
             "`k` has shape [2, 2, 8, 24], expected [2, 2, 8, 32]",
         ),
         (
-            AttnShapes {
-                v: [2, 2, 9, 16],
-                ..good()
-            },
-            options,
+            shapes(|s| s.v = [2, 2, 9, 16]),
             "`v` has shape [2, 2, 9, 16], expected [2, 2, 8, 16]",
         ),
         (
-            AttnShapes {
-                out: [2, 4, 8, 32],
-                ..good()
-            },
-            options,
+            shapes(|s| s.out = [2, 4, 8, 32]),
             "`out` has shape [2, 4, 8, 32], expected [2, 4, 8, 16]",
         ),
         (
-            AttnShapes {
-                lse: [2, 4, 7],
-                ..good()
-            },
-            options,
+            shapes(|s| s.lse = [2, 4, 7]),
             "`lse` has shape [2, 4, 7], expected [2, 4, 8]",
         ),
         (
-            AttnShapes {
-                mask: Some([2, 3, 8, 8]),
-                ..good()
-            },
-            options,
+            shapes(|s| s.mask = Some([2, 3, 8, 8])),
             "`mask` has shape [2, 3, 8, 8], expected [2 or 1, 4 or 1, 8 or 1, 8]",
         ),
         (
-            AttnShapes {
-                k: [2, 3, 8, 32],
-                v: [2, 3, 8, 16],
-                ..good()
-            },
-            options,
+            shapes(|s| (s.k, s.v) = ([2, 3, 8, 32], [2, 3, 8, 16])),
             "expected a number of heads dividing Hq = 4",
         ),
         (
-            AttnShapes {
-                q: [1, 1, 4, 288],
-                k: [1, 1, 4, 288],
-                v: [1, 1, 4, 8],
-                out: [1, 1, 4, 8],
-                lse: [1, 1, 4],
-                mask: None,
-            },
-            options,
+            (AttnShapes::new(1, 1, 1, 4, 288, 8), options),
             "head dims D = 288, Dv = 8 are not supported",
         ),
         (
-            good(),
-            AttentionOptions {
-                softcap: Some(0.0),
-                ..options
-            },
+            opts(|o| o.softcap = Some(0.0)),
             "softcap must be positive and finite",
         ),
+        (opts(|o| o.scale = f32::NAN), "scale must be finite"),
         (
-            good(),
-            AttentionOptions {
-                scale: f32::NAN,
-                ..options
-            },
-            "scale must be finite",
-        ),
-        (
-            good(),
-            AttentionOptions {
-                masked_score: Some(f32::NEG_INFINITY),
-                ..options
-            },
+            opts(|o| o.masked_score = Some(f32::NEG_INFINITY)),
             "masked_score must be finite",
         ),
+        (opts(|o| o.block_k = Some(64)), "block_k 64 on plain units"),
         (
-            good(),
-            AttentionOptions {
-                block_k: Some(64),
-                ..options
-            },
-            "block_k 64 on plain units",
-        ),
-        (
-            good(),
-            AttentionOptions {
-                kernel: Some(AttentionKernel::MatrixUnits),
-                ..options
-            },
+            opts(|o| o.kernel = Some(AttentionKernel::MatrixUnits)),
             "kernel MatrixUnits is not available",
         ),
     ];
-    for (shapes, opts, want) in cases {
+    for ((shapes, opts), want) in cases {
         let (err, out, lse) = attention_refused(shapes, opts);
         let msg = err.to_string();
         assert!(

@@ -208,20 +208,6 @@ pub fn softmax_rows<F: Float, N: Size>(
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    rows_forward::<F, N>(input, output, starts, num_rows, neg_inf, cfg);
-}
-
-/// The body of [`softmax_rows()`]: returns the unit's row, whether it exists, the row's shift
-/// and its shifted sum `Σ e^(x − shift)`.
-#[cube]
-fn rows_forward<F: Float, N: Size>(
-    input: &Tensor<Vector<F, N>>,
-    output: &mut Tensor<Vector<F, N>>,
-    starts: RowStarts,
-    num_rows: usize,
-    neg_inf: f32,
-    #[comptime] cfg: RowConfig,
-) -> (usize, bool, f32, f32) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
     let (row, active) = cube_row(num_rows, cfg.group);
@@ -276,7 +262,6 @@ fn rows_forward<F: Float, N: Size>(
             }
         }
     }
-    (row, active, shift, s)
 }
 
 /// Merges the partial `(pm, pl)` into `(m, l)`, each sum relative to its [`reference()`]:
@@ -309,6 +294,63 @@ fn row_norm(
     (shift, softmax_norm(s, shift, neg_inf, cfg.variant))
 }
 
+/// The row, the chunk and the chunk's first vector of `t = row · num_chunks + chunk` (a cube
+/// position, or the exchange tiers' ticket); a cube past the last row stops here.
+#[cube]
+fn split_chunk(
+    t: usize,
+    num_rows: usize,
+    num_chunks: usize,
+    #[comptime] cfg: RowConfig,
+) -> (usize, usize, usize) {
+    let row = t / num_chunks;
+    let chunk = t % num_chunks;
+    if row >= num_rows {
+        terminate!();
+    }
+    let chunk_vectors = comptime!((cfg.group.units_per_row * cfg.vectors_per_unit) as usize);
+    (row, chunk, chunk * chunk_vectors)
+}
+
+/// Loads this unit's vectors of the chunk from `chunk_start` into `regs` (−inf past the row)
+/// and returns the chunk's `(m, l)`: its maximum and `l = Σ e^(x − m)` (shifted by 0 if the
+/// chunk is fully −inf).
+#[cube]
+fn chunk_partial<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
+    regs: &mut Array<Vector<F, N>>,
+    in_base: usize,
+    chunk_start: usize,
+    n_vec: usize,
+    smem_max: &mut SharedMemory<f32>,
+    smem_sum: &mut SharedMemory<f32>,
+    neg_inf: f32,
+    #[comptime] cfg: RowConfig,
+) -> (f32, f32) {
+    let x = comptime!(cfg.group.units_per_row);
+    let k_count = comptime!(cfg.vectors_per_unit);
+    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
+    #[unroll]
+    for k in 0..k_count {
+        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
+        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
+        if j < n_vec {
+            v = input[in_base + j];
+        }
+        regs[k as usize] = v;
+        vmax = vector_max_in(vmax, v);
+    }
+    let local_max = vector_max(neg_inf, vmax);
+    let m = group_reduce(local_max, smem_max, true, cfg.group);
+    let shift = reference(m, neg_inf);
+    let mut local_sum = 0.0f32;
+    #[unroll]
+    for k in 0..k_count {
+        local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
+    }
+    (m, group_reduce(local_sum, smem_sum, false, cfg.group))
+}
+
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with
 /// `l = Σ e^(x − m)` (shifted by 0 if the chunk is fully −inf).
 #[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
@@ -323,40 +365,22 @@ pub fn softmax_split_partials<F: Float, N: Size>(
     #[comptime] cfg: RowConfig,
     #[define(F)] _dtype: StorageType,
 ) {
-    let x = comptime!(cfg.group.units_per_row);
-    let k_count = comptime!(cfg.vectors_per_unit);
-    let row = CUBE_POS / num_chunks;
-    let chunk = CUBE_POS % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
-    let n_vec = starts.vectors;
+    let (row, _, chunk_start) = split_chunk(CUBE_POS, num_rows, num_chunks, cfg);
     let in_base = row_start(input, row, starts.first, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
-
-    let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
-    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
-    #[unroll]
-    for k in 0..k_count {
-        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
-        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
-        if j < n_vec {
-            v = input[in_base + j];
-        }
-        regs[k as usize] = v;
-        vmax = vector_max_in(vmax, v);
-    }
-    let local_max = vector_max(neg_inf, vmax);
-    let m = group_reduce(local_max, &mut smem_max, true, cfg.group);
-    let shift = reference(m, neg_inf);
-    let mut local_sum = 0.0f32;
-    #[unroll]
-    for k in 0..k_count {
-        local_sum = vector_exp_sum(local_sum, regs[k as usize], shift);
-    }
-    let l = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
+    let mut regs = Array::<Vector<F, N>>::new(comptime!(cfg.vectors_per_unit as usize));
+    let (m, l) = chunk_partial(
+        input,
+        &mut regs,
+        in_base,
+        chunk_start,
+        starts.vectors,
+        &mut smem_max,
+        &mut smem_sum,
+        neg_inf,
+        cfg,
+    );
     if UNIT_POS == 0 {
         partial_max[CUBE_POS] = m;
         partial_sum[CUBE_POS] = l;
@@ -379,15 +403,10 @@ pub fn softmax_split_finish<F: Float, N: Size>(
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let row = CUBE_POS / num_chunks;
-    let chunk = CUBE_POS % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
+    let (row, _, chunk_start) = split_chunk(CUBE_POS, num_rows, num_chunks, cfg);
     let n_vec = starts.vectors;
     let in_base = row_start(input, row, starts.first, cfg.flat_rows);
     let out_base = row_start(output, row, starts.second, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
@@ -418,6 +437,34 @@ pub fn softmax_split_finish<F: Float, N: Size>(
 /// produces).
 pub const PUBLISHED: u32 = 0xFFFF_FFFF;
 
+/// This cube's ticket in an exchange tier: word 0 of `exchange`, drawn once per cube when it
+/// starts (see [`softmax_split_exchange()`]).
+#[cube]
+fn draw_ticket(exchange: &Array<Atomic<u32>>) -> usize {
+    let mut ticket = SharedMemory::<u32>::new(1usize);
+    if UNIT_POS == 0 {
+        ticket[0] = exchange[0].fetch_add(1u32);
+    }
+    sync_cube();
+    ticket[0] as usize
+}
+
+/// Publishes `value` in word `at` of `exchange`, its bits complemented ([`PUBLISHED`]).
+#[cube]
+fn publish(exchange: &Array<Atomic<u32>>, at: usize, value: f32) {
+    exchange[at].store(u32::reinterpret(value) ^ PUBLISHED);
+}
+
+/// Waits until word `at` of `exchange` is published, and returns its value.
+#[cube]
+fn published(exchange: &Array<Atomic<u32>>, at: usize) -> f32 {
+    let mut word = exchange[at].load();
+    while word == 0u32 {
+        word = exchange[at].load();
+    }
+    f32::reinterpret(word ^ PUBLISHED)
+}
+
 /// Forward, split rows in one pass (CUDA): each cube holds its chunk in registers, publishes the
 /// chunk's `(m, l)`, waits for the other chunks of its row, merges, and writes its chunk from
 /// registers — every element read once from memory, where the two-kernel split reads it twice
@@ -445,50 +492,30 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let mut ticket = SharedMemory::<u32>::new(1usize);
-    if UNIT_POS == 0 {
-        ticket[0] = exchange[0].fetch_add(1u32);
-    }
-    sync_cube();
-    let t = ticket[0] as usize;
-    let row = t / num_chunks;
-    let chunk = t % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
+    let (row, chunk, chunk_start) = split_chunk(draw_ticket(exchange), num_rows, num_chunks, cfg);
     let n_vec = starts.vectors;
     let in_base = row_start(input, row, starts.first, cfg.flat_rows);
     let out_base = row_start(output, row, starts.second, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_max = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_sum = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     // -- this chunk's (m, l), as the two-kernel split's first pass --
     let mut regs = Array::<Vector<F, N>>::new(comptime!(k_count as usize));
-    let mut vmax = Vector::<F, N>::new(F::cast_from(neg_inf));
-    #[unroll]
-    for k in 0..k_count {
-        let j = chunk_start + (UNIT_POS_X + k * x) as usize;
-        let mut v = Vector::<F, N>::new(F::cast_from(neg_inf));
-        if j < n_vec {
-            v = input[in_base + j];
-        }
-        regs[k as usize] = v;
-        vmax = vector_max_in(vmax, v);
-    }
-    let local_max = vector_max(neg_inf, vmax);
-    let chunk_max = group_reduce(local_max, &mut smem_max, true, cfg.group);
-    let chunk_shift = reference(chunk_max, neg_inf);
-    let mut local_sum = 0.0f32;
-    #[unroll]
-    for k in 0..k_count {
-        local_sum = vector_exp_sum(local_sum, regs[k as usize], chunk_shift);
-    }
-    let chunk_sum = group_reduce(local_sum, &mut smem_sum, false, cfg.group);
+    let (chunk_max, chunk_sum) = chunk_partial(
+        input,
+        &mut regs,
+        in_base,
+        chunk_start,
+        n_vec,
+        &mut smem_max,
+        &mut smem_sum,
+        neg_inf,
+        cfg,
+    );
     let words = 1 + 2 * (row * num_chunks);
     if UNIT_POS == 0 {
-        exchange[words + 2 * chunk].store(u32::reinterpret(chunk_max) ^ PUBLISHED);
-        exchange[words + 2 * chunk + 1].store(u32::reinterpret(chunk_sum) ^ PUBLISHED);
+        publish(exchange, words + 2 * chunk, chunk_max);
+        publish(exchange, words + 2 * chunk + 1, chunk_sum);
     }
 
     // -- wait for the row's chunks and merge, as the two-kernel split's second pass --
@@ -496,18 +523,8 @@ pub fn softmax_split_exchange<F: Float, N: Size>(
     let mut l = 0.0f32;
     let mut p = UNIT_POS_X as usize;
     while p < num_chunks {
-        let mut a = exchange[words + 2 * p].load();
-        while a == 0u32 {
-            a = exchange[words + 2 * p].load();
-        }
-        let mut b = exchange[words + 2 * p + 1].load();
-        while b == 0u32 {
-            b = exchange[words + 2 * p + 1].load();
-        }
-        let (pm, pl) = (
-            f32::reinterpret(a ^ PUBLISHED),
-            f32::reinterpret(b ^ PUBLISHED),
-        );
+        let at = words + 2 * p;
+        let (pm, pl) = (published(exchange, at), published(exchange, at + 1));
         let (merged, sum) = merge_partial(m, l, pm, pl, neg_inf);
         m = merged;
         l = sum;
@@ -679,15 +696,10 @@ pub fn softmax_backward_split_partials<F: Float, N: Size>(
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let row = CUBE_POS / num_chunks;
-    let chunk = CUBE_POS % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
+    let (row, _, chunk_start) = split_chunk(CUBE_POS, num_rows, num_chunks, cfg);
     let n_vec = starts.vectors;
     let y_base = row_start(y, row, starts.first, cfg.flat_rows);
     let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     let mut local = 0.0f32;
@@ -722,16 +734,11 @@ pub fn softmax_backward_split_finish<F: Float, N: Size>(
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let row = CUBE_POS / num_chunks;
-    let chunk = CUBE_POS % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
+    let (row, _, chunk_start) = split_chunk(CUBE_POS, num_rows, num_chunks, cfg);
     let n_vec = starts.vectors;
     let y_base = row_start(y, row, starts.first, cfg.flat_rows);
     let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
     let dx_base = row_start(dx, row, starts.third, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
     let mut local = 0.0f32;
@@ -769,22 +776,11 @@ pub fn softmax_backward_split_exchange<F: Float, N: Size>(
 ) {
     let x = comptime!(cfg.group.units_per_row);
     let k_count = comptime!(cfg.vectors_per_unit);
-    let mut ticket = SharedMemory::<u32>::new(1usize);
-    if UNIT_POS == 0 {
-        ticket[0] = exchange[0].fetch_add(1u32);
-    }
-    sync_cube();
-    let t = ticket[0] as usize;
-    let row = t / num_chunks;
-    let chunk = t % num_chunks;
-    if row >= num_rows {
-        terminate!();
-    }
+    let (row, chunk, chunk_start) = split_chunk(draw_ticket(exchange), num_rows, num_chunks, cfg);
     let n_vec = starts.vectors;
     let y_base = row_start(y, row, starts.first, cfg.flat_rows);
     let dy_base = row_start(dy, row, starts.second, cfg.flat_rows);
     let dx_base = row_start(dx, row, starts.third, cfg.flat_rows);
-    let chunk_start = chunk * comptime!((x * k_count) as usize);
     let mut smem_chunk = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
     let mut smem_row = SharedMemory::<f32>::new(comptime!(cfg.group.shared_len()));
 
@@ -807,17 +803,13 @@ pub fn softmax_backward_split_exchange<F: Float, N: Size>(
     let chunk_sum = group_reduce(local, &mut smem_chunk, false, cfg.group);
     let words = 1 + row * num_chunks;
     if UNIT_POS == 0 {
-        exchange[words + chunk].store(u32::reinterpret(chunk_sum) ^ PUBLISHED);
+        publish(exchange, words + chunk, chunk_sum);
     }
 
     let mut total = 0.0f32;
     let mut p = UNIT_POS_X as usize;
     while p < num_chunks {
-        let mut a = exchange[words + p].load();
-        while a == 0u32 {
-            a = exchange[words + p].load();
-        }
-        total += f32::reinterpret(a ^ PUBLISHED);
+        total += published(exchange, words + p);
         p += x as usize;
     }
     let s = group_reduce(total, &mut smem_row, false, cfg.group);

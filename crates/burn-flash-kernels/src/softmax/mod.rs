@@ -112,12 +112,9 @@ impl fmt::Display for SoftmaxError {
                 write!(f, "dim {dim} is out of range for a tensor of rank {rank}")
             }
             Self::ShapeMismatch { arg, expected, got } => {
-                write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
+                crate::tensor::write_shape_mismatch(f, arg, expected, got)
             }
-            Self::UnsupportedDType { dtype } => write!(
-                f,
-                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
-            ),
+            Self::UnsupportedDType { dtype } => crate::tensor::write_unsupported_dtype(f, dtype),
             Self::TierUnavailable {
                 tier,
                 row_len,

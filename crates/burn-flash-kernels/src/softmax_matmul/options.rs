@@ -109,12 +109,9 @@ impl fmt::Display for SoftmaxMatmulError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::ShapeMismatch { arg, expected, got } => {
-                write!(f, "`{arg}` has shape {got:?}, expected {expected:?}")
+                crate::tensor::write_shape_mismatch(f, arg, expected, got)
             }
-            Self::UnsupportedDType { dtype } => write!(
-                f,
-                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
-            ),
+            Self::UnsupportedDType { dtype } => crate::tensor::write_unsupported_dtype(f, dtype),
             Self::InvalidBlocks { blocks, reason } => {
                 write!(f, "block sizes {blocks:?} cannot run: {reason}")
             }
