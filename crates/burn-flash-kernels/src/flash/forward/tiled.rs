@@ -34,6 +34,7 @@ use crate::flash::online::{
     inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
 };
 use crate::flash::scores::{new_refs, score, set_row, visible};
+use crate::reduce::combine;
 use crate::tiling::{BUF, TILE_M, VECS, pre_at, product_step};
 
 pub use crate::tiling::{TILE_N, UNITS};
@@ -179,16 +180,6 @@ fn row_reduce(x: f32, #[comptime] row_units: u32, #[comptime] max: bool) -> f32 
         r = combine(r, d, max);
     }
     r
-}
-
-/// `max(a, b)` or `a + b`.
-#[cube]
-fn combine(a: f32, b: f32, #[comptime] max: bool) -> f32 {
-    if comptime!(max) {
-        f32::max(a, b)
-    } else {
-        a + b
-    }
 }
 
 /// Through shared memory: every score unit writes its 4 values `x`, and gets into `r` the sums
