@@ -314,7 +314,7 @@ pub fn launch_softmax<R: Runtime>(
                 v,
                 x.arg(input.handle),
                 y.arg(output.handle),
-                row_starts(&plan, 0),
+                row_starts(&plan),
                 rows,
                 neg_inf,
                 cfg,
@@ -331,7 +331,7 @@ pub fn launch_softmax<R: Runtime>(
                     x.arg(input.handle),
                     ArrayArg::from_raw_parts(partial_max.clone(), rows * chunks),
                     ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     neg_inf,
@@ -347,7 +347,7 @@ pub fn launch_softmax<R: Runtime>(
                     y.arg(output.handle),
                     ArrayArg::from_raw_parts(partial_max, rows * chunks),
                     ArrayArg::from_raw_parts(partial_sum, rows * chunks),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     neg_inf,
@@ -366,7 +366,7 @@ pub fn launch_softmax<R: Runtime>(
                     x.arg(input.handle),
                     y.arg(output.handle),
                     ArrayArg::from_raw_parts(exchange, words),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     neg_inf,
@@ -426,7 +426,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     py.arg(y.handle),
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     cfg,
                     dtype,
@@ -444,7 +444,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
                     ArrayArg::from_raw_parts(exchange, words),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     cfg,
@@ -461,7 +461,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     py.arg(y.handle),
                     pdy.arg(dy.handle),
                     ArrayArg::from_raw_parts(partial_sum.clone(), rows * chunks),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     cfg,
@@ -476,7 +476,7 @@ pub fn launch_softmax_backward<R: Runtime>(
                     pdy.arg(dy.handle),
                     pdx.arg(dx.handle),
                     ArrayArg::from_raw_parts(partial_sum, rows * chunks),
-                    row_starts(&plan, 0),
+                    row_starts(&plan),
                     rows,
                     chunks,
                     cfg,
@@ -500,11 +500,10 @@ pub fn launch_softmax_backward<R: Runtime>(
 }
 
 /// The [`kernel::RowStarts`] of a launch of `plan`: the row length in vectors and, with flat
-/// rows, the row strides of the plan's tensors, then `extra` (a further tensor's row stride)
-/// where the plan has fewer than three, all in elements.
-fn row_starts<R: Runtime>(plan: &SoftmaxPlan, extra: usize) -> kernel::RowStartsLaunch<R> {
+/// rows, the row strides of the plan's tensors (0 past the plan's last), all in elements.
+fn row_starts<R: Runtime>(plan: &SoftmaxPlan) -> kernel::RowStartsLaunch<R> {
     let v = plan.vector_size.max(1);
-    let mut strides = plan.row_strides.iter().copied().chain([extra, 0, 0]);
+    let mut strides = plan.row_strides.iter().copied();
     let mut next = || strides.next().unwrap_or(0);
     kernel::RowStartsLaunch::new(plan.row_len / v, next(), next(), next())
 }
