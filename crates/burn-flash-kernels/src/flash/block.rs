@@ -114,6 +114,61 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     }
 }
 
+/// The query rows of one (batch, key/value head) pair: the `rows = G·Sq` rows of the group's
+/// query heads, `Sq` positions each, so that row `r` is head `head0 + r / Sq`, position
+/// `r % Sq`. Rows past the end are clamped to the last row (computed, never stored).
+#[derive(CubeType)]
+pub struct QueryGroup {
+    /// The batch.
+    pub batch: usize,
+    /// The group's first query head.
+    pub head0: usize,
+    /// `G·Sq`.
+    pub rows: usize,
+    /// `Sq`.
+    pub seq_q: usize,
+}
+
+#[cube]
+impl QueryGroup {
+    /// The query head of row `row` (clamped).
+    pub fn head(&self, row: usize) -> usize {
+        self.head0 + usize::min(row, self.rows - 1) / self.seq_q
+    }
+
+    /// The query position of row `row` (clamped).
+    pub fn pos(&self, row: usize) -> usize {
+        usize::min(row, self.rows - 1) % self.seq_q
+    }
+
+    /// The element offset of row `row` (clamped) of `t` (`[B, H, S, ·]`, column 0).
+    pub fn offset<T: CubePrimitive>(&self, t: &Tensor<T>, row: usize) -> usize {
+        self.batch * t.stride(0) + self.head(row) * t.stride(1) + self.pos(row) * t.stride(2)
+    }
+}
+
+/// The [`QueryGroup`] of a forward cube.
+#[cube]
+pub fn cube_group(blk: &CubeBlock) -> QueryGroup {
+    QueryGroup {
+        batch: blk.batch,
+        head0: blk.head0,
+        rows: blk.rows,
+        seq_q: blk.seq_q,
+    }
+}
+
+/// The [`QueryGroup`] of a backward cube.
+#[cube]
+pub fn pair_group(blk: &PairBlock) -> QueryGroup {
+    QueryGroup {
+        batch: blk.batch,
+        head0: blk.head0,
+        rows: blk.rows,
+        seq_q: blk.seq_q,
+    }
+}
+
 /// The sizes a backward cube reads from its tensors, and the (batch, key/value head) pair it
 /// owns (grid axes y and z, [`fold_pairs`]).
 #[derive(CubeType)]

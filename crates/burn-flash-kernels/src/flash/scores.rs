@@ -8,6 +8,7 @@
 
 use cubecl::{ir::FastMath, prelude::*};
 
+use crate::flash::block::QueryGroup;
 use crate::flash::config::FlashConfig;
 
 /// Where a unit's query rows read the mask and the bias, one slot per row: the row's query
@@ -33,35 +34,25 @@ pub fn new_refs(#[comptime] slots: usize) -> RowRefs {
     }
 }
 
-/// Fills `slot` for query row `row` of the cube's key/value head: rows run over the `G`
-/// query heads of the group, `Sq` positions each, so the row is head `head0 + row / Sq`,
-/// position `row % Sq`. Rows past the end are clamped to the last row (computed, never
-/// stored).
+/// Fills `slot` for row `row` of the cube's [`QueryGroup`] (clamped to the last row).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub fn set_row<F: Float>(
     refs: &mut RowRefs,
     slot: usize,
     mask: &Tensor<F>,
     bias: &Tensor<F>,
-    batch: usize,
-    head0: usize,
+    group: &QueryGroup,
     row: usize,
-    rows: usize,
-    seq_q: usize,
     #[comptime] c: FlashConfig,
 ) {
-    let row = usize::min(row, rows - 1);
-    let head = head0 + row / seq_q;
-    let pos = row % seq_q;
-    refs.pos[slot] = pos;
+    refs.pos[slot] = group.pos(row);
     refs.mask[slot] = 0usize;
     refs.bias[slot] = 0usize;
     if comptime!(c.rules.mask) {
-        refs.mask[slot] = batch * mask.stride(0) + head * mask.stride(1) + pos * mask.stride(2);
+        refs.mask[slot] = group.offset(mask, row);
     }
     if comptime!(c.rules.bias) {
-        refs.bias[slot] = batch * bias.stride(0) + head * bias.stride(1) + pos * bias.stride(2);
+        refs.bias[slot] = group.offset(bias, row);
     }
 }
 

@@ -42,6 +42,7 @@
 
 use cubecl::prelude::*;
 
+use crate::flash::block::QueryGroup;
 use crate::flash::config::FlashConfig;
 #[cfg(doc)]
 use crate::flash::config::ScoreSource;
@@ -139,18 +140,13 @@ pub(crate) fn step_width(c: FlashConfig) -> u32 {
 }
 
 /// Synchronous copies of `n_rows × width` elements into `dst` (row pitch `width + V_PAD`):
-/// tile row `r` is query row `r0 + r` of the group of key/value head `head0 / G` (head
-/// `head0 + row / Sq`, position `row % Sq`), zeros past `rows` and `cols`.
+/// tile row `r` is row `r0 + r` of the [`QueryGroup`], zeros past its rows and `cols`.
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn stage_query_rows<F: Float, NV: Size>(
     t: &Tensor<Vector<F, NV>>,
     dst: &mut SharedMemory<Vector<F, NV>>,
-    batch: usize,
-    head0: usize,
+    group: &QueryGroup,
     r0: usize,
-    rows: usize,
-    seq_q: usize,
     cols: usize,
     #[comptime] n_rows: u32,
     #[comptime] width: u32,
@@ -166,14 +162,9 @@ pub(crate) fn stage_query_rows<F: Float, NV: Size>(
             let (r, cv) = (idx / per_row, idx % per_row);
             let row = r0 + r;
             let col = cv * NV8;
-            let rr = usize::min(row, rows - 1);
-            let src = batch * t.stride(0)
-                + (head0 + rr / seq_q) * t.stride(1)
-                + (rr % seq_q) * t.stride(2)
-                + col;
             let mut val = Vector::<F, NV>::new(F::from_int(0));
-            if row < rows && col < cols {
-                val = t[src / NV8];
+            if row < group.rows && col < cols {
+                val = t[(group.offset(t, row) + col) / NV8];
             }
             dst[r * ldv + cv] = val;
         }
@@ -181,8 +172,8 @@ pub(crate) fn stage_query_rows<F: Float, NV: Size>(
 }
 
 /// Asynchronous copies (`cp.async`) of `n_rows × width` elements, columns `col0..`, into
-/// `dst` at `buf`, tile row `r` being query row `r0 + r` of the group as in
-/// [`stage_query_rows()`]; zeros past `rows` and `cols`. `(h0, p0)` is `r0`'s (head, position),
+/// `dst` at `buf`, tile row `r` being row `r0 + r` of the [`QueryGroup`] as in
+/// [`stage_query_rows()`]; zeros past its rows and `cols`. `(h0, p0)` is `r0`'s (head, position),
 /// `(r0 / Sq, r0 % Sq)`: a block inside one head (the common case) addresses its rows from
 /// them, without a division per vector.
 #[cube]
@@ -191,13 +182,10 @@ pub(crate) fn stage_query_rows_async<F: Float, NV: Size>(
     t: &Tensor<Vector<F, NV>>,
     dst: &mut SharedMemory<Vector<F, NV>>,
     buf: usize,
-    batch: usize,
-    head0: usize,
+    group: &QueryGroup,
     r0: usize,
     h0: usize,
     p0: usize,
-    rows: usize,
-    seq_q: usize,
     col0: usize,
     cols: usize,
     #[comptime] n_rows: u32,
@@ -208,13 +196,14 @@ pub(crate) fn stage_query_rows_async<F: Float, NV: Size>(
     let ldv = comptime!((width + V_PAD) as usize / NV8);
     let total = comptime!(n_rows as usize * per_row);
     // Every row of the block is a row of head `h0` (so none is past `rows`, a multiple of Sq).
-    let inside = p0 + n_rows as usize <= seq_q;
+    let inside = p0 + n_rows as usize <= group.seq_q;
     let row_stride = t.stride(2);
+    let head = group.batch * t.stride(0) + (group.head0 + h0) * t.stride(1);
     // (Expanded at comptime: without the mutation, only the second branch exists.)
     let lead = if comptime!(crate::mutation::stage_head_start()) {
-        batch * t.stride(0) + (head0 + h0) * t.stride(1)
+        head
     } else {
-        batch * t.stride(0) + (head0 + h0) * t.stride(1) + p0 * row_stride
+        head + p0 * row_stride
     };
     #[unroll]
     for e in 0..comptime!(total.div_ceil(units as usize)) {
@@ -226,12 +215,8 @@ pub(crate) fn stage_query_rows_async<F: Float, NV: Size>(
             let mut ok = col < cols;
             if !inside {
                 let row = r0 + r;
-                let rr = usize::min(row, rows - 1);
-                src = batch * t.stride(0)
-                    + (head0 + rr / seq_q) * t.stride(1)
-                    + (rr % seq_q) * row_stride
-                    + col;
-                ok = ok && row < rows;
+                src = group.offset(t, row) + col;
+                ok = ok && row < group.rows;
             }
             copy_vec::<F, NV>(t, dst, select(ok, src / NV8, 0), buf + r * ldv + cv, ok);
         }
@@ -255,11 +240,8 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
     stat_s: &mut SharedMemory<f32>,
     row_s: &mut SharedMemory<u32>,
     buf: usize,
-    batch: usize,
-    head0: usize,
+    group: &QueryGroup,
     r0: usize,
-    rows: usize,
-    seq_q: usize,
     q_col0: usize,
     q_cols: usize,
     o_col0: usize,
@@ -271,18 +253,16 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
     let q_len = comptime!(bq * (step_width(c) + V_PAD) as usize / NV8);
     let o_len = comptime!(bq * (c.value_dim + V_PAD) as usize / NV8);
     // The block's first row's (head, position): one division per block, not per vector.
+    let seq_q = group.seq_q;
     let (h0, p0) = (r0 / seq_q, r0 % seq_q);
     stage_query_rows_async::<F, NV>(
         q,
         q_s,
         buf * q_len,
-        batch,
-        head0,
+        group,
         r0,
         h0,
         p0,
-        rows,
-        seq_q,
         q_col0,
         q_cols,
         c.block_k,
@@ -293,13 +273,10 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
         d_out,
         o_s,
         buf * o_len,
-        batch,
-        head0,
+        group,
         r0,
         h0,
         p0,
-        rows,
-        seq_q,
         o_col0,
         o_cols,
         c.block_k,
@@ -308,17 +285,20 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
     );
     if UNIT_POS < c.block_k {
         let row = r0 + UNIT_POS as usize;
-        let mut head = head0 + h0;
+        let mut head = group.head0 + h0;
         let mut pos = p0 + UNIT_POS as usize;
         if p0 + bq > seq_q {
-            let rr = usize::min(row, rows - 1);
-            head = head0 + rr / seq_q;
-            pos = rr % seq_q;
+            head = group.head(row);
+            pos = group.pos(row);
         }
-        let l = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
+        let l = lse[group.batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         let at = buf * 2 * bq + UNIT_POS as usize;
-        stat_s[at] = select(row < rows && l > f32::min_value(), l, f32::max_value());
-        stat_s[at + bq] = delta[(batch * q.shape(1) + head) * seq_q + pos];
+        stat_s[at] = select(
+            row < group.rows && l > f32::min_value(),
+            l,
+            f32::max_value(),
+        );
+        stat_s[at + bq] = delta[(group.batch * q.shape(1) + head) * seq_q + pos];
         if comptime!(c.rules.mask || c.rules.bias || c.rules.dropout) {
             row_s[at] = head as u32;
             row_s[at + bq] = pos as u32;

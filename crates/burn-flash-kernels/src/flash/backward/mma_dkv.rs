@@ -11,7 +11,7 @@ use cubecl::{
 use crate::dropout::keep_weight;
 use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
-use crate::flash::block::pair_block;
+use crate::flash::block::{pair_block, pair_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{NV8, step_scores};
 use crate::flash::scores::capped;
@@ -66,9 +66,10 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         ..c
     });
     let blk = pair_block(q, k, v, c);
+    let group = pair_group(&blk);
     let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
     let rows = blk.rows;
-    let (batch, hkv, head0) = (blk.batch, blk.hkv, blk.head0);
+    let (batch, hkv) = (blk.batch, blk.hkv);
     // Given scores: `Dv` in column tiles of `c.value_dim`, the cube's tile `CUBE_POS_X % tiles`
     // of its key block; computed scores hold all of `Dv`.
     let mut col_tiles = 1usize;
@@ -163,11 +164,8 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
             &mut stat_s,
             &mut row_s,
             0,
-            batch,
-            head0,
+            &group,
             r0,
-            rows,
-            seq_q,
             x_col0,
             x_cols,
             c0,
@@ -201,11 +199,8 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 &mut stat_s,
                 &mut row_s,
                 1 - parity,
-                batch,
-                head0,
+                &group,
                 nb * bq,
-                rows,
-                seq_q,
                 x_col0,
                 x_cols,
                 c0,

@@ -6,7 +6,7 @@ use cubecl::{ir::FastMath, prelude::barrier::Barrier, prelude::*};
 use crate::dropout::keep_weight;
 use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
-use crate::flash::block::{pair_block, rows_kv_end};
+use crate::flash::block::{pair_block, pair_group, rows_kv_end};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{
     CHUNK, KvRows, NV8, advance_kv, end_step, key_of, start_kv, step_scores,
@@ -57,9 +57,10 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         ..c
     });
     let blk = pair_block(q, k, v, c);
+    let group = pair_group(&blk);
     let (seq_q, seq_k, head_dim, value_dim) = (blk.seq_q, blk.seq_k, blk.head_dim, blk.value_dim);
     let rows = blk.rows;
-    let (batch, hkv, head0) = (blk.batch, blk.hkv, blk.head0);
+    let (batch, hkv) = (blk.batch, blk.hkv);
     let block_step = comptime!(if crate::mutation::dx_narrow_blocks() {
         DQ_ROWS
     } else {
@@ -88,11 +89,8 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         stage_query_rows::<F, NV>(
             q,
             &mut q_s,
-            batch,
-            head0,
+            &group,
             r0,
-            rows,
-            seq_q,
             head_dim,
             rows_per_cube,
             c.head_dim,
@@ -102,11 +100,8 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     stage_query_rows::<F, NV>(
         d_out,
         &mut o_s,
-        batch,
-        head0,
+        &group,
         r0,
-        rows,
-        seq_q,
         value_dim,
         rows_per_cube,
         c.value_dim,
@@ -133,12 +128,11 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     #[unroll]
     for h in 0..2usize {
         let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
-        let rr = usize::min(row, rows - 1);
-        let head = head0 + rr / seq_q;
-        let pos = rr % seq_q;
-        x_rows[h] = batch * q.stride(0) + head * q.stride(1) + pos * q.stride(2);
+        let head = group.head(row);
+        let pos = group.pos(row);
+        x_rows[h] = group.offset(q, row);
         row_pair[h] = batch * q.shape(1) + head;
-        set_row::<F>(&mut refs, h, mask, bias, batch, head0, row, rows, seq_q, c);
+        set_row::<F>(&mut refs, h, mask, bias, &group, row, c);
         row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         // A row without a visible key (lse = −inf) has P = 0.
         row_ok[h] = row < rows && row_lse[h] > f32::min_value();

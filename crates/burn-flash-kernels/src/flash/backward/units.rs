@@ -30,7 +30,7 @@ use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{BackwardOperands, GradInputs, Operand, Scalars, ScoreArgs, ScoreInputs};
-use crate::flash::block::{PairBlock, cube_count, pair_block, rows_kv_end};
+use crate::flash::block::{PairBlock, cube_count, pair_block, pair_group, rows_kv_end};
 use crate::flash::config::FlashConfig;
 use crate::flash::scores::{
     RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
@@ -454,7 +454,7 @@ fn load_rows<F: Float>(
         pair: Array::new(n),
         ds: Array::new(n),
     };
-    let head0 = hkv * group;
+    let q_group = pair_group(blk);
     #[unroll]
     for i in 0..ri {
         let slot = i as usize;
@@ -464,11 +464,8 @@ fn load_rows<F: Float>(
             slot,
             &inputs.mask,
             &inputs.bias,
-            batch,
-            head0,
+            &q_group,
             row,
-            rows,
-            seq_q,
             c,
         );
         let rr = usize::min(row, rows - 1);

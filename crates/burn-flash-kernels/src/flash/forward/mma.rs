@@ -48,7 +48,7 @@ use cubecl::{
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{Dropout, ForwardOutputs, ScoreArgs, ScoreInputs};
-use crate::flash::block::cube_block;
+use crate::flash::block::{QueryGroup, cube_block, cube_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
     inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
@@ -321,18 +321,13 @@ pub(crate) fn stage_rows<F: Float, NV: Size>(
     }
 }
 
-/// Issues the copies of the `Q` tile: cube row `r` is query row `row0 + r` of the group, i.e.
-/// head `head0 + row / Sq`, position `row % Sq`.
+/// Issues the copies of the `Q` tile: cube row `r` is row `row0 + r` of the [`QueryGroup`].
 #[cube]
-#[allow(clippy::too_many_arguments)]
 fn stage_q<F: Float, NV: Size>(
     q: &Tensor<Vector<F, NV>>,
     q_s: &mut SharedMemory<Vector<F, NV>>,
-    batch: usize,
-    head0: usize,
+    group: &QueryGroup,
     row0: usize,
-    rows: usize,
-    seq_q: usize,
     head_dim: usize,
     #[comptime] c: FlashConfig,
     #[comptime] units: u32,
@@ -347,13 +342,8 @@ fn stage_q<F: Float, NV: Size>(
             let (r, cv) = (idx / per_row, idx % per_row);
             let row = row0 + r;
             let col = cv * NV8;
-            let ok = row < rows && col < head_dim;
-            let rr = usize::min(row, rows - 1);
-            let src = batch * q.stride(0)
-                + (head0 + rr / seq_q) * q.stride(1)
-                + (rr % seq_q) * q.stride(2)
-                + col;
-            let at = select(ok, src / NV8, 0);
+            let ok = row < group.rows && col < head_dim;
+            let at = select(ok, (group.offset(q, row) + col) / NV8, 0);
             copy_vec::<F, NV>(q, q_s, at, r * ldv + cv, ok);
         }
     }
@@ -741,6 +731,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let slots = comptime!(2 * c.row_tiles as usize);
 
     let blk = cube_block(q, k, c);
+    let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, block_row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
@@ -799,13 +790,9 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     for slot in 0..slots {
         // Slot 2·rt + h: row r + 16·rt + 8·h.
         let row = my_row + slot * 8;
-        set_row::<F>(
-            &mut refs, slot, mask, bias, batch, head0, row, rows, seq_q, c,
-        );
-        let rr = usize::min(row, rows - 1);
-        pairs[slot] = batch * q.shape(1) + head0 + rr / seq_q;
-        x_rows[slot] =
-            batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
+        set_row::<F>(&mut refs, slot, mask, bias, &group, row, c);
+        pairs[slot] = batch * q.shape(1) + group.head(row);
+        x_rows[slot] = group.offset(q, row);
         m[slot] = f32::min_value();
         l[slot] = 0.0f32;
     }
@@ -814,9 +801,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
 
     // -- prologue: Q (computed scores) and step 0's K, V, or step 0's given scores --
     if comptime!(!given) {
-        stage_q::<F, NV>(
-            q, &mut q_s, batch, head0, block_row0, rows, seq_q, head_dim, c, units,
-        );
+        stage_q::<F, NV>(q, &mut q_s, &group, block_row0, head_dim, c, units);
     }
     start_kv::<F, NV>(
         inputs, &mut k_s, &mut v_s, &mut xr, &x_rows, &bar0, steps, &kv, seq_k, c, units,

@@ -28,7 +28,7 @@
 use cubecl::{features::Plane, prelude::*};
 
 use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
-use crate::flash::block::cube_block;
+use crate::flash::block::{cube_block, cube_group};
 use crate::flash::config::{FlashConfig, Tile};
 use crate::flash::online::{
     inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
@@ -402,6 +402,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let bk = BLOCK_K as usize;
 
     let blk = cube_block(q, k, c);
+    let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
@@ -447,13 +448,9 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     #[unroll]
     for i in 0..4usize {
         let row = row0 + 4 * rg as usize + i;
-        set_row::<F>(&mut refs, i, mask, bias, batch, head0, row, rows, seq_q, c);
-        let rr = usize::min(row, rows - 1);
-        x_rows[i] =
-            batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
-        let sr = usize::min(row0 + 4 * (UNIT_POS / 4) as usize + i, rows - 1);
-        q_rows[i] =
-            batch * q.stride(0) + (head0 + sr / seq_q) * q.stride(1) + (sr % seq_q) * q.stride(2);
+        set_row::<F>(&mut refs, i, mask, bias, &group, row, c);
+        x_rows[i] = group.offset(q, row);
+        q_rows[i] = group.offset(q, row0 + 4 * (UNIT_POS / 4) as usize + i);
         m[i] = f32::min_value();
         l[i] = 0.0f32;
     }

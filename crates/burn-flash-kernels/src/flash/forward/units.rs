@@ -20,7 +20,7 @@ use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
-use crate::flash::block::cube_block;
+use crate::flash::block::{cube_block, cube_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
     inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
@@ -156,6 +156,7 @@ pub fn flash_forward_units<F: Float>(
     let bk = comptime!(c.block_k) as usize;
 
     let blk = cube_block(q, k, c);
+    let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
     let (kv_end, full_end) = (blk.kv_end, blk.full_end);
@@ -180,11 +181,9 @@ pub fn flash_forward_units<F: Float>(
     #[unroll]
     for i in 0..rows_u as usize {
         let row = row0 + ty as usize * rows_u as usize + i;
-        set_row::<F>(&mut refs, i, mask, bias, batch, head0, row, rows, seq_q, c);
-        let rr = usize::min(row, rows - 1);
-        pairs[i] = batch * q.shape(1) + head0 + rr / seq_q;
-        x_rows[i] =
-            batch * q.stride(0) + (head0 + rr / seq_q) * q.stride(1) + (rr % seq_q) * q.stride(2);
+        set_row::<F>(&mut refs, i, mask, bias, &group, row, c);
+        pairs[i] = batch * q.shape(1) + group.head(row);
+        x_rows[i] = group.offset(q, row);
         m[i] = f32::min_value();
         l[i] = 0.0f32;
     }
