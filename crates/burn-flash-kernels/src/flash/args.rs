@@ -185,6 +185,24 @@ impl BackwardOperands {
     }
 }
 
+/// A backward launch as every schedule's launcher takes it: the operands, `δ` (`delta`, one
+/// f32 per query row, from the prepass), the grids of the dK/dV kernel (`dV` for given scores)
+/// and of the dQ kernel (`dX`), `None` for one not launched, and the element type.
+pub struct BackwardLaunch<'a, R: Runtime> {
+    /// The client the kernels launch on.
+    pub client: &'a ComputeClient<R>,
+    /// The operands.
+    pub t: &'a BackwardOperands,
+    /// `δ = rowsum(dO ∘ O)`.
+    pub delta: &'a Operand,
+    /// The dK/dV kernel's grid.
+    pub dkv_cubes: Option<(usize, usize, usize)>,
+    /// The dQ kernel's grid.
+    pub dq_cubes: Option<(usize, usize, usize)>,
+    /// The element type.
+    pub dtype: StorageType,
+}
+
 /// The tensors of a backward launch, 4-D in attention's terms (given scores: `x` as `q` and
 /// `k`, `dX` as `ds`; stand-ins for what the configuration never reads or writes).
 #[derive(Debug, Clone)]

@@ -32,7 +32,7 @@ pub mod units_given;
 
 use cubecl::prelude::*;
 
-use crate::flash::args::{BackwardOperands, Operand, Scalars};
+use crate::flash::args::{BackwardLaunch, BackwardOperands, Operand, Scalars};
 use crate::flash::block::{GROUP_ROWS, cube_count, row_groups_grid, row_of_group};
 use crate::flash::config::{BackwardKernel, FlashConfig};
 use crate::fragment::{MMA_M, PLANE};
@@ -174,23 +174,26 @@ pub unsafe fn launch_backward<R: Runtime>(
     // SAFETY (every launch): the caller's.
     unsafe {
         let delta = launch_delta(client, &t.out, &t.d_out, rows, dtype);
+        let l = BackwardLaunch {
+            client,
+            t,
+            delta: &delta,
+            dkv_cubes,
+            dq_cubes,
+            dtype,
+        };
         match schedule {
-            Schedule::Units { write_ds } => units::launch(
-                client, t, &delta, dkv_cubes, dq_cubes, scalars, c, write_ds, dtype,
-            ),
-            Schedule::UnitsGiven { vector } => {
-                units_given::launch(client, t, &delta, dkv_cubes, dq_cubes, vector, dtype)
+            Schedule::Units { write_ds } => units::launch(&l, scalars, c, write_ds),
+            Schedule::UnitsGiven { vector } => units_given::launch(&l, vector),
+            Schedule::MatrixUnits { write_ds, p_buffer } => {
+                launch_mma(&l, scalars, c, write_ds, p_buffer)
             }
-            Schedule::MatrixUnits { write_ds, p_buffer } => launch_mma(
-                client, t, &delta, dkv_cubes, dq_cubes, scalars, c, write_ds, p_buffer, dtype,
-            ),
         }
     }
 }
 
-/// Runs [`flash_backward_dkv_mma()`] on `dkv_cubes` and [`flash_backward_dq_mma()`] on
-/// `dq_cubes` (none: not launched), after `δ` (`delta`, one f32 per query row). `c` is the dQ
-/// kernel's configuration: `c.block_q` rows per cube ([`mma::DQ_ROWS`], or
+/// Runs [`flash_backward_dkv_mma()`] and [`flash_backward_dq_mma()`] on the launch's grids.
+/// `c` is the dQ kernel's configuration: `c.block_q` rows per cube ([`mma::DQ_ROWS`], or
 /// [`mma::WIDE_DX_ROWS`] for given scores where [`mma::dq_shared_bytes()`] fits); the dK/dV
 /// kernel's is [`mma::dkv_config()`].
 /// Given scores (`softmax_matmul`): `t.q` is `X`, `t.ds` its gradient, `write_ds` true. With
@@ -205,19 +208,14 @@ pub unsafe fn launch_backward<R: Runtime>(
 /// `d_out` are 16-byte aligned (the kernels' vector); the grids are the kernels' (key blocks,
 /// times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of `c.block_q`;
 /// pairs folded by [`crate::flash::block::fold_pairs`]).
-#[allow(clippy::too_many_arguments)]
 unsafe fn launch_mma<R: Runtime>(
-    client: &ComputeClient<R>,
-    t: &BackwardOperands,
-    delta: &Operand,
-    dkv_cubes: Option<(usize, usize, usize)>,
-    dq_cubes: Option<(usize, usize, usize)>,
+    l: &BackwardLaunch<'_, R>,
     scalars: Scalars,
     c: FlashConfig,
     write_ds: bool,
     p_buffer: Option<&Operand>,
-    dtype: StorageType,
 ) {
+    let (client, t, delta, dtype) = (l.client, l.t, l.delta, l.dtype);
     use crate::flash::forward::mma::NV8;
     use mma::{PLANES, dkv_config};
     use mma_dkv::flash_backward_dkv_mma;
@@ -230,7 +228,7 @@ unsafe fn launch_mma<R: Runtime>(
         1
     };
     let launch_dkv = || {
-        let Some(cubes) = dkv_cubes else { return };
+        let Some(cubes) = l.dkv_cubes else { return };
         // SAFETY: the caller's.
         unsafe {
             flash_backward_dkv_mma::launch_unchecked::<R>(
@@ -250,7 +248,7 @@ unsafe fn launch_mma<R: Runtime>(
         }
     };
     let launch_dq = || {
-        let Some(cubes) = dq_cubes else { return };
+        let Some(cubes) = l.dq_cubes else { return };
         // SAFETY: the caller's.
         unsafe {
             flash_backward_dq_mma::launch_unchecked::<R>(

@@ -29,7 +29,7 @@
 use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
-use crate::flash::args::{BackwardOperands, GradInputs, Operand, Scalars, ScoreArgs, ScoreInputs};
+use crate::flash::args::{BackwardLaunch, GradInputs, Scalars, ScoreArgs, ScoreInputs};
 use crate::flash::block::{PairBlock, cube_count, pair_block, pair_group, rows_kv_end};
 use crate::flash::config::FlashConfig;
 use crate::flash::scores::{
@@ -829,29 +829,23 @@ pub fn flash_backward_dq<F: Float>(
     }
 }
 
-/// Runs [`flash_backward_dkv()`] on `dkv_cubes` and [`flash_backward_dq()`] on `dq_cubes`
-/// (none: not launched), after `δ` (`delta`, one f32 per query row).
+/// Runs [`flash_backward_dkv()`] and [`flash_backward_dq()`] on the launch's grids.
 ///
 /// # Safety
 /// The operands' shapes and strides describe their buffers, the grids are the kernels' (key
 /// blocks × column tiles, row blocks; pairs folded by [`crate::flash::block::fold_pairs`]),
 /// and `c` is a configuration the kernels take (chunks of [`CHUNK`]).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn launch<R: Runtime>(
-    client: &ComputeClient<R>,
-    t: &BackwardOperands,
-    delta: &Operand,
-    dkv_cubes: Option<(usize, usize, usize)>,
-    dq_cubes: Option<(usize, usize, usize)>,
+    l: &BackwardLaunch<'_, R>,
     scalars: Scalars,
     c: FlashConfig,
     write_ds: bool,
-    dtype: StorageType,
 ) {
+    let (client, t, delta, dtype) = (l.client, l.t, l.delta, l.dtype);
     let units = cubecl::CubeDim::new_1d(UNITS);
     // SAFETY: the caller's (above).
     unsafe {
-        if let Some(cubes) = dkv_cubes {
+        if let Some(cubes) = l.dkv_cubes {
             flash_backward_dkv::launch_unchecked::<R>(
                 client,
                 cube_count(cubes),
@@ -865,7 +859,7 @@ pub unsafe fn launch<R: Runtime>(
                 dtype,
             );
         }
-        if let Some(cubes) = dq_cubes {
+        if let Some(cubes) = l.dq_cubes {
             flash_backward_dq::launch_unchecked::<R>(
                 client,
                 cube_count(cubes),

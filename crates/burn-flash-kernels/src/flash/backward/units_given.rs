@@ -29,7 +29,7 @@
 
 use cubecl::prelude::*;
 
-use crate::flash::args::{BackwardOperands, GradInputs};
+use crate::flash::args::{BackwardLaunch, GradInputs};
 use crate::flash::block::{cube_count, pair_index};
 use crate::tiling::{BUF, SCORE_UNITS, STEP, TILE_M, TILE_N, VECS, pre_at, product_step};
 
@@ -413,25 +413,17 @@ pub fn flash_backward_given_tiled<F: Float, NV: Size>(
     }
 }
 
-/// Runs [`flash_backward_given_tiled()`] for `dV` (when `dv_cubes` is given) and for `dX`
-/// (`dx_cubes`), after `δ` (`delta`, one f32 per row). `t` holds the core's 4-D views (`t.q`
-/// is `X`, `t.ds` is `dX`); `vector` (1, 2 or 4) divides the rows and strides of `x`, `V`,
-/// `dO`, `dX` and `dV`.
+/// Runs [`flash_backward_given_tiled()`] for `dV` (on the launch's dK/dV grid) and for `dX`
+/// (its dQ grid). The operands are the core's 4-D views (`t.q` is `X`, `t.ds` is `dX`);
+/// `vector` (1, 2 or 4) divides the rows and strides of `x`, `V`, `dO`, `dX` and `dV`.
 ///
 /// # Safety
 /// The operands' shapes and strides describe their buffers and the grids are the kernel's
 /// (`(tiles(m, n), y, z)`, pairs folded by [`crate::flash::block::fold_pairs`]).
-pub unsafe fn launch<R: Runtime>(
-    client: &ComputeClient<R>,
-    t: &BackwardOperands,
-    delta: &crate::flash::args::Operand,
-    dv_cubes: Option<(usize, usize, usize)>,
-    dx_cubes: Option<(usize, usize, usize)>,
-    vector: usize,
-    dtype: StorageType,
-) {
+pub unsafe fn launch<R: Runtime>(l: &BackwardLaunch<'_, R>, vector: usize) {
+    let (client, t, delta, dtype) = (l.client, l.t, l.delta, l.dtype);
     let units = cubecl::CubeDim::new_1d(crate::tiling::UNITS);
-    for (cubes, dv) in [(dv_cubes, true), (dx_cubes, false)] {
+    for (cubes, dv) in [(l.dkv_cubes, true), (l.dq_cubes, false)] {
         let Some(cubes) = cubes else { continue };
         let out = if dv { &t.dv } else { &t.ds };
         // SAFETY: the caller's.
