@@ -26,6 +26,18 @@ pub(crate) fn uninit<R: FusionRuntime>(
     TensorIr::uninit(like.client.create_empty_handle(), shape, dtype)
 }
 
+/// The outputs of a fused `softmax(·)·V`: `out`, `rows` by `width` in `like`'s dtype, and the
+/// log-sum-exp of each row, `rows` in `f32`.
+pub(crate) fn out_and_lse<R: FusionRuntime>(
+    like: &FusionTensor<R>,
+    rows: &[usize],
+    width: usize,
+) -> [TensorIr; 2] {
+    let out = uninit(like, Shape::from([rows, &[width]].concat()), like.dtype);
+    let lse = uninit(like, Shape::from(rows.to_vec()), DType::F32);
+    [out, lse]
+}
+
 /// Records the custom operation `name`, which reads `inputs` and writes `outputs` (made by
 /// [`uninit`]), and returns the outputs' tensors. `op` builds the operation from the inputs'
 /// IR and the outputs' ids, in the same order.

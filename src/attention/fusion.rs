@@ -4,12 +4,12 @@
 use core::marker::PhantomData;
 
 use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
-use burn::tensor::{DType, Shape, ops::FloatTensor};
+use burn::tensor::{Shape, ops::FloatTensor};
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
 use super::{AttentionGrads, FlashAttentionOptions, Inputs};
 use crate::FlashBackend;
-use crate::fusion::{Handles, uninit};
+use crate::fusion::{Handles, out_and_lse, uninit};
 
 /// Attention or its backward.
 #[derive(Debug)]
@@ -94,10 +94,9 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
     let (query, value) = (&inputs.0, &inputs.2);
     let (b, hq, sq) = (query.shape[0], query.shape[1], query.shape[2]);
     let dv = value.shape[3];
-    let out = uninit(query, Shape::from([b, hq, sq, dv]), query.dtype);
-    let lse = uninit(query, Shape::from([b, hq, sq]), DType::F32);
+    let outputs = out_and_lse(query, &[b, hq, sq], dv).to_vec();
     let name = "burn_flash::attention";
-    let [out, lse] = record::<B>(name, inputs, vec![], vec![out, lse], false, options).outputs();
+    let [out, lse] = record::<B>(name, inputs, vec![], outputs, false, options).outputs();
     (out, lse)
 }
 

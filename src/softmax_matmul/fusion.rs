@@ -4,13 +4,13 @@
 use core::marker::PhantomData;
 
 use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
-use burn::tensor::{DType, Shape, ops::FloatTensor};
+use burn::tensor::ops::FloatTensor;
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
 use super::dims_of;
 use crate::FlashBackend;
-use crate::fusion::{Handles, uninit};
+use crate::fusion::{Handles, out_and_lse, uninit};
 
 /// `softmax(X)·V` (`inputs`: `x`, `v`; `outputs`: `out`, `lse`) or its backward (`inputs`:
 /// `x`, `v`, `out`, `lse`, `d_out`; `outputs`: `dx`, `dv`).
@@ -79,10 +79,9 @@ pub(crate) fn forward<B: FusionBackend + FlashBackend>(
 ) -> (FloatTensor<Fusion<B>>, FloatTensor<Fusion<B>>) {
     validate::<B>(&x, &v, options);
     let dims = dims_of(&x.shape, &v.shape);
-    let out = uninit(&x, Shape::from([dims.batch, dims.d1, dims.d3]), x.dtype);
-    let lse = uninit(&x, Shape::from([dims.batch, dims.d1]), DType::F32);
+    let outputs = out_and_lse(&x, &[dims.batch, dims.d1], dims.d3);
     let name = "burn_flash::softmax_matmul";
-    let [out, lse] = record::<B>(name, vec![x, v], [out, lse], options);
+    let [out, lse] = record::<B>(name, vec![x, v], outputs, options);
     (out, lse)
 }
 
