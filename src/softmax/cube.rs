@@ -63,11 +63,16 @@ fn dim_last_contiguous<R: CubeRuntime>(
 ) -> (CubeTensor<R>, Vec<usize>) {
     let rank = t.meta.num_dims();
     let perm: Vec<usize> = (0..rank).filter(|&d| d != dim).chain([dim]).collect();
-    let mut inverse = vec![0; rank];
+    (into_contiguous(permute(t, &perm)), inverse(&perm))
+}
+
+/// The permutation that undoes `perm`.
+fn inverse(perm: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0; perm.len()];
     for (i, &d) in perm.iter().enumerate() {
         inverse[d] = i;
     }
-    (into_contiguous(permute(t, &perm)), inverse)
+    inverse
 }
 
 /// An uninitialised tensor of `like`'s shape whose dimensions are laid out in the same order
@@ -83,11 +88,7 @@ pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> 
     if order.iter().enumerate().all(|(i, &d)| i == d) {
         return out;
     }
-    let mut inverse = vec![0; order.len()];
-    for (i, &d) in order.iter().enumerate() {
-        inverse[d] = i;
-    }
-    permute(out, &inverse)
+    permute(out, &inverse(&order))
 }
 
 pub(crate) fn forward<R: CubeRuntime>(
