@@ -162,9 +162,12 @@ pub(crate) fn stage_query_rows<F: Float, NV: Size>(
             let (r, cv) = (idx / per_row, idx % per_row);
             let row = r0 + r;
             let col = cv * NV8;
+            // The clamped row's address outside the branch, so that only the load is
+            // conditional and the stride reads stay hoisted out of the unrolled loop.
+            let src = group.offset(t, row) + col;
             let mut val = Vector::<F, NV>::new(F::from_int(0));
             if row < group.rows && col < cols {
-                val = t[(group.offset(t, row) + col) / NV8];
+                val = t[src / NV8];
             }
             dst[r * ldv + cv] = val;
         }
