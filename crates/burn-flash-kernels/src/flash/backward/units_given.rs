@@ -15,11 +15,13 @@
 //!   it transposed (4-vector column XOR-swizzled by `2·(k / 4)`, conflict-free as in the
 //!   forward). The epilogue reads `x`, `lse` and `δ` and stores `P ⊙ (C − δ)`: the core's `dS`.
 //!
-//! Tensors are the core's 4-D views ([`BackwardOperands`] with given scores):
-//! `x`, `dO`, `dX` `[pairs, G, d1, ·]`, `V`, `dV` `[pairs, 1, d2, d3]`, `lse` `[pairs, G, d1]`,
-//! `δ` contiguous by row. A tile's rows may run over several heads of the group: every row's
+//! Tensors are the core's 4-D views ([`BackwardOperands`] with given scores): `x`, `dO`, `dX`
+//! `[pairs, G, d1, ·]`, `V`, `dV` `[pairs, 1, d2, d3]`, `lse` `[pairs, G, d1]`, `δ` contiguous
+//! by row. A tile's rows may run over several heads of the group: every row's
 //! address is its own (`head = r / d1`, `pos = r % d1`; a division only where the group has
 //! several heads).
+//!
+//! [`BackwardOperands`]: crate::flash::args::BackwardOperands
 //!
 //! A cube of [`crate::tiling::UNITS`] units owns a [`TILE_M`] × [`TILE_N`] tile of `C` and walks `k` in steps of
 //! [`STEP`]: units 0..128 stage `A`, units 128..256 stage `B` (double-buffered, one `sync_cube` per
