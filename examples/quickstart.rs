@@ -293,7 +293,10 @@ fn try_cuda() -> bool {
 #[cfg(feature = "wgpu")]
 fn run_wgpu() {
     use burn::backend::{Wgpu, wgpu::WgpuDevice};
-    use cubecl::wgpu::{AutoGraphicsApi, init_setup};
+    use cubecl::{
+        Runtime,
+        wgpu::{AutoGraphicsApi, WgpuRuntime, init_setup},
+    };
     let device = WgpuDevice::DefaultDevice;
     let setup = init_setup::<AutoGraphicsApi>(&device, Default::default());
     let info = setup.adapter.get_info();
@@ -303,8 +306,11 @@ fn run_wgpu() {
     } else {
         "a GPU"
     };
+    // The compiler the wgpu runtime picked for this adapter: SPIR-V on Vulkan with the
+    // `vulkan` feature, MSL on Metal with `metal`, WGSL otherwise.
+    let compiler = WgpuRuntime::name(&WgpuRuntime::client(&device));
     println!(
-        "device: wgpu on {} ({kind}, {:?}) — {what}",
+        "device: wgpu on {} ({kind}, {:?}) — {what}; kernels compiled by {compiler}",
         info.name, info.backend
     );
     run::<Wgpu>(device);
