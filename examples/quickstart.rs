@@ -15,9 +15,13 @@
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{
-    Distribution, ElementConversion, Tensor, activation, module, ops::AttentionModuleOptions,
+    DType, Distribution, ElementConversion, Tensor, activation, module, ops::AttentionModuleOptions,
 };
-use burn_flash::{AttentionDropout, FlashAttentionOptions, FlashBackend, attention::AttentionDims};
+use burn_flash::kernels::fragment::MatrixUnitsUnavailable;
+use burn_flash::{
+    AttentionDropout, AttentionKernel, FlashAttentionOptions, FlashBackend,
+    attention::AttentionDims,
+};
 
 /// Largest |a − b|.
 fn max_diff<B: burn::tensor::backend::Backend, const D: usize>(
@@ -68,6 +72,28 @@ fn attention<B: FlashBackend>(device: &B::Device) {
         kernel(backward.map(|p| {
             p.map(|p| format!("{:?}", p.kernel))
                 .map_err(|e| e.to_string())
+        }))
+    );
+
+    // The same call in f16: the matrix units where the device has them (CUDA's `mma`, or
+    // cooperative matrices through Vulkan's SPIR-V or Metal), and why not where it has not.
+    let half = burn_flash::attention_plan::<B>(device, dims, DType::F16, causal.into());
+    println!(
+        "             in f16 the forward would run: {}",
+        kernel(half.map(|p| {
+            p.map(|p| match p.matrix_units {
+                _ if p.kernel == AttentionKernel::CooperativeMatrix => {
+                    format!("{:?} (cubecl's cmma)", p.kernel)
+                }
+                Some(MatrixUnitsUnavailable::NoMma { .. }) => format!(
+                    "{:?} (no matrix units for f16 here: neither CUDA's mma nor cooperative \
+                     matrices; WGSL has none, `--features vulkan` compiles SPIR-V)",
+                    p.kernel
+                ),
+                Some(why) => format!("{:?} ({why})", p.kernel),
+                None => format!("{:?}", p.kernel),
+            })
+            .map_err(|e| e.to_string())
         }))
     );
 

@@ -217,7 +217,7 @@ fn check_with<B: FlashBackend>(
         v.clone(),
         mask.clone(),
         bias.clone(),
-        flash_options,
+        forward_kernel(flash_options, dtype),
     );
     assert_eq!(out.dims(), out_dims, "{context}: output shape");
     assert_eq!(lse.dims(), [nb, hq, sq], "{context}: lse shape");
@@ -431,7 +431,8 @@ fn large_logits_and_strided_inputs<B: FlashBackend>(device: &B::Device, dtype: F
 /// masked rows, a random bias, softcap and scale, head dims 32…256 and `D ≠ Dv`,
 /// `[B, S, H, D]` inputs with logits of ±20, and partial 16-key steps everywhere. Where it
 /// cannot run (units or shared memory), the plan says so and the default on plain units is the
-/// small-tile kernel.
+/// small-tile kernel; where the device has cooperative matrices (and no `mma`), 16-bit calls
+/// default to those.
 fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let dims = AttentionDims {
         batch: 2,
@@ -466,7 +467,14 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         }
     };
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
-    if !cuda || dtype == FloatDType::F32 {
+    // Plain units take the tiled kernel; a device with cooperative matrices and no `mma`
+    // (Vulkan through SPIR-V) takes those for 16-bit types.
+    let cooperative = default.kernel == AttentionKernel::CooperativeMatrix;
+    assert!(
+        !cooperative || (!cuda && dtype != FloatDType::F32),
+        "{default:?}"
+    );
+    if (!cuda || dtype == FloatDType::F32) && !cooperative {
         assert_eq!(default.kernel, AttentionKernel::Tiled, "{default:?}");
     }
     // Dv 200: 2 column tiles of 128; 2·4·130 rows over 2 kv heads: 260 rows each, 3 blocks of
@@ -557,6 +565,139 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         dtype,
         "tiled, [B, S, H, D], large logits",
     );
+    sync::<B>(device);
+}
+
+/// The cooperative-matrix forward, forced (the plan's choice for f16/bf16 on Vulkan through
+/// SPIR-V; offered on CUDA as `wmma`): row blocks that cross query heads (GQA 4:2, 8:1),
+/// causal with `Sq > Sk` and `Sq < Sk`, a padding mask, fully masked rows, a random bias,
+/// softcap and scale, head dims 16…256 and `D ≠ Dv` (odd ones: `D` 40, `Dv` 24, rounded up to
+/// the fragment), `[B, S, H, D]` inputs with logits of ±20, scores that grow along the keys
+/// (the output fragments' rescale), 16 keys per step, and partial steps everywhere. Where the
+/// device offers no cooperative matrix for the dtype (f32, WGSL, lavapipe), forcing it is
+/// refused before any launch.
+fn cooperative_matrix_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 130,
+        seq_k: 97,
+        head_dim: 80,
+        value_dim: 200,
+    };
+    let forced = |causal: bool| FlashAttentionOptions {
+        kernel: Some(AttentionKernel::CooperativeMatrix),
+        module: AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let Some(plan) = attention_plan::<B>(device, dims, dtype.into(), forced(false)) else {
+        // No fused kernels (NdArray, Autodiff).
+        return;
+    };
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let plan = match plan {
+        Ok(plan) => plan,
+        Err(err) => {
+            assert!(
+                !cuda || dtype == FloatDType::F32,
+                "CUDA offers wmma for {dtype:?}: {err}"
+            );
+            assert!(
+                err.to_string()
+                    .contains("CooperativeMatrix is not available"),
+                "{err}"
+            );
+            let q = rand4::<B>([1, 1, 16, 16], 1.0, dtype, device);
+            let msg = panic_message(|| {
+                attention_with_lse(q.clone(), q.clone(), q, None, None, forced(false));
+            });
+            assert!(msg.contains("no cooperative matrix"), "{msg}");
+            return;
+        }
+    };
+    assert_ne!(dtype, FloatDType::F32, "f32 never runs on the matrix units");
+    // 64 rows per cube over 2·4·130 / 2 = 260 rows per kv head: 5 blocks; one column tile
+    // holds all of Dv (rounded up to the fragment); 2·2 (batch, kv head) pairs.
+    assert_eq!(
+        (plan.config.block_q, plan.config.block_k, plan.cubes),
+        (64, 32, (1, 5, 4)),
+        "{plan:?}"
+    );
+
+    let q = rand4::<B>([2, 4, 130, 80], 1.0, dtype, device);
+    let k = rand4::<B>([2, 2, 97, 80], 1.0, dtype, device);
+    let v = rand4::<B>([2, 2, 97, 200], 1.0, dtype, device);
+    let label = "cooperative, GQA 4:2, causal Sq > Sk, Dv 200";
+    check_with(q, k, v, None, None, forced(true), dtype, label);
+    let q = rand4::<B>([1, 8, 9, 64], 1.0, dtype, device);
+    let k = rand4::<B>([1, 1, 75, 64], 1.0, dtype, device);
+    let v = rand4::<B>([1, 1, 75, 64], 1.0, dtype, device);
+    let label = "cooperative, GQA 8:1, causal Sq < Sk";
+    check_with(q, k, v, None, None, forced(true), dtype, label);
+
+    // A padding mask (the last 20 keys of batch 1), fully masked rows (query 5 of every head of
+    // batch 0) through a full mask, a random bias, softcap and scale.
+    let (sq, sk) = (70, 150);
+    let q = rand4::<B>([2, 2, sq, 64], 2.0, dtype, device);
+    let k = rand4::<B>([2, 2, sk, 64], 2.0, dtype, device);
+    let v = rand4::<B>([2, 2, sk, 96], 1.0, dtype, device);
+    let mask = bool_mask::<B, 4>([2, 2, sq, sk], device, |[b, _, i, j]| {
+        (b == 1 && j >= sk - 20) || (b == 0 && i == 5) || (i + j) % 11 == 0
+    });
+    let bias = rand4::<B>([2, 1, sq, sk], 2.0, dtype, device);
+    let mut options = forced(false);
+    options.module.scale = Some(0.2);
+    options.module.softcap = Some(4.0);
+    let label = "cooperative, mask, masked rows, bias, softcap";
+    check_with(q, k, v, Some(mask), Some(bias), options, dtype, label);
+
+    // Head dims 16…256, D ≠ Dv, odd ones; 16 keys per step on every other one.
+    for (n, (d, dv)) in [
+        (16, 16),
+        (32, 32),
+        (96, 96),
+        (192, 192),
+        (256, 256),
+        (40, 24),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let q = rand4::<B>([1, 2, 70, d], 1.0, dtype, device);
+        let k = rand4::<B>([1, 2, 45, d], 1.0, dtype, device);
+        let v = rand4::<B>([1, 2, 45, dv], 1.0, dtype, device);
+        let mut options = forced(n % 2 == 1);
+        options.block_k = (n % 2 == 0).then_some(16);
+        let label = format!("cooperative, D {d} Dv {dv}, block_k {:?}", options.block_k);
+        check_with(q, k, v, None, None, options, dtype, &label);
+    }
+
+    // Scores that grow along the keys (key j scaled by 1 + j/8: scores about 2 + j/4, up to
+    // ~42): each row's maximum rises by about 8 per 32-key step, past the lazy rescale's
+    // margin, so the output fragments are rescaled through shared memory again and again.
+    let sk = 160;
+    let ramp: Vec<f32> = (0..sk).map(|j| 1.0 + j as f32 / 8.0).collect();
+    let ramp = tensor::<B, 4>(ramp, [1, 1, sk, 1], dtype, device);
+    let q = rand4::<B>([2, 2, 40, 64], 0.5, dtype, device) + 0.25;
+    let k = (rand4::<B>([2, 2, sk, 64], 0.5, dtype, device) + 0.25) * ramp;
+    let v = rand4::<B>([2, 2, sk, 64], 1.0, dtype, device);
+    let mut options = forced(false);
+    options.module.scale = Some(0.5);
+    let label = "cooperative, scores growing along the keys (rescales)";
+    check_with(q, k, v, None, None, options, dtype, label);
+
+    // `[B, S, H, D]` inputs read in place, logits of ±20 (D = Dv = 128).
+    let q = rand4::<B>([1, 129, 2, 128], 1.1, dtype, device).swap_dims(1, 2);
+    let k = rand4::<B>([1, 129, 2, 128], 1.1, dtype, device).swap_dims(1, 2);
+    let v = rand4::<B>([1, 129, 2, 128], 1.0, dtype, device).swap_dims(1, 2);
+    let mut options = forced(false);
+    options.module.scale = Some(1.0);
+    let label = "cooperative, [B, S, H, D], large logits";
+    check_with(q, k, v, None, None, options, dtype, label);
     sync::<B>(device);
 }
 
@@ -771,8 +912,10 @@ fn empty_dims<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 
 /// The plan names the kernel the heuristic picks, and each kernel that can run, forced, gives
 /// the reference's values (and, where two ran, not the same bits: two kernels did run).
-/// Plain units everywhere but f16/bf16 on CUDA with 16-byte aligned rows; a forced
-/// matrix-unit kernel where it cannot run is refused before any launch, naming the reason.
+/// The `mma` kernel for f16/bf16 on CUDA with 16-byte aligned rows, cooperative matrices for
+/// f16/bf16 where the device offers them and has no `mma` (Vulkan through SPIR-V), plain units
+/// elsewhere; a forced matrix-unit kernel where it cannot run is refused before any launch,
+/// naming the reason.
 fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let dims = |d: usize| AttentionDims {
         batch: 2,
@@ -797,19 +940,39 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let default = default.expect("default plan");
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
     let matrix_units = cuda && dtype != FloatDType::F32;
+    // Cooperative matrices: offered on CUDA (wmma) for 16-bit types, and wherever the device
+    // registers them (NVIDIA's Vulkan driver through SPIR-V; never WGSL or lavapipe).
+    let cooperative = plan(64, Some(AttentionKernel::CooperativeMatrix))
+        .unwrap()
+        .is_ok();
+    if cuda {
+        assert_eq!(cooperative, dtype != FloatDType::F32);
+    }
+    if dtype == FloatDType::F32 {
+        assert!(!cooperative, "f32 never runs on the matrix units");
+    }
     let expected = if matrix_units {
         AttentionKernel::MatrixUnits
+    } else if cooperative {
+        AttentionKernel::CooperativeMatrix
     } else {
         AttentionKernel::Units
     };
     assert_eq!(default.kernel, expected, "{dtype:?} D 64: {default:?}");
-    // D = 36: rows not 16-byte aligned → plain units.
-    assert_eq!(
-        plan(36, None).unwrap().unwrap().kernel,
+    // D = 36: rows not 16-byte aligned → plain units on CUDA; cooperative matrices, which read
+    // through any strides, elsewhere.
+    let unaligned = if cooperative && !cuda {
+        AttentionKernel::CooperativeMatrix
+    } else {
         AttentionKernel::Units
-    );
+    };
+    assert_eq!(plan(36, None).unwrap().unwrap().kernel, unaligned);
     let mut outputs = Vec::new();
-    for kernel in [AttentionKernel::Units, AttentionKernel::MatrixUnits] {
+    for kernel in [
+        AttentionKernel::Units,
+        AttentionKernel::MatrixUnits,
+        AttentionKernel::CooperativeMatrix,
+    ] {
         let q = rand4::<B>([2, 4, 70, 64], 1.0, dtype, device);
         let k = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
         let v = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
@@ -838,19 +1001,27 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             }
             Err(err) => {
                 assert!(
-                    kernel == AttentionKernel::MatrixUnits && !matrix_units,
+                    (kernel == AttentionKernel::MatrixUnits && !matrix_units)
+                        || (kernel == AttentionKernel::CooperativeMatrix && !cooperative),
                     "{kernel:?} refused on {device:?} {dtype:?}: {err}"
                 );
                 let msg = panic_message(|| {
                     attention_with_lse(q, k, v, None, None, options);
                 });
-                assert!(msg.contains("MatrixUnits is not available"), "{msg}");
+                assert!(
+                    msg.contains(&format!("{kernel:?} is not available")),
+                    "{msg}"
+                );
             }
         }
     }
-    assert_eq!(outputs.len(), if matrix_units { 2 } else { 1 });
-    if let [(_, inputs), _] = &outputs[..] {
-        // The same inputs through both kernels: their roundings differ somewhere.
+    assert_eq!(
+        outputs.len(),
+        1 + matrix_units as usize + cooperative as usize
+    );
+    for (_, inputs) in outputs.iter().skip(1) {
+        // The same inputs through plain units and a matrix-unit kernel: their roundings
+        // differ somewhere.
         let (q, k, v) = inputs.clone();
         let run = |kernel| {
             let options = FlashAttentionOptions {
@@ -863,14 +1034,18 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             };
             read(attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, options).0)
         };
-        let (a, b) = (
-            run(AttentionKernel::Units),
-            run(AttentionKernel::MatrixUnits),
-        );
-        assert!(
-            a != b,
-            "both forced kernels gave identical bits: did both run?"
-        );
+        let a = run(AttentionKernel::Units);
+        for kernel in [
+            AttentionKernel::MatrixUnits,
+            AttentionKernel::CooperativeMatrix,
+        ] {
+            if plan(64, Some(kernel)).unwrap().is_ok() {
+                assert!(
+                    a != run(kernel),
+                    "plain units and {kernel:?} gave identical bits: did both run?"
+                );
+            }
+        }
     }
     sync::<B>(device);
 }
@@ -896,6 +1071,7 @@ fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType
             AttentionKernel::Units,
             AttentionKernel::Tiled,
             AttentionKernel::MatrixUnits,
+            AttentionKernel::CooperativeMatrix,
         ];
         let options = |kernel| FlashAttentionOptions {
             kernel: Some(kernel),
@@ -1123,6 +1299,7 @@ macro_rules! attention_suite {
                 sequence_lengths,
                 planned_kernels,
                 tiled_kernel,
+                cooperative_matrix_kernel,
                 masked_score_and_quiet,
                 many_seeds,
             ]

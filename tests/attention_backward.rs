@@ -279,12 +279,15 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         v.clone(),
         mask,
         bias.clone(),
-        FlashAttentionOptions {
-            dropout: setup.dropout,
-            masked_score: setup.fill,
-            quiet: setup.quiet,
-            ..setup.options.into()
-        },
+        forward_kernel(
+            FlashAttentionOptions {
+                dropout: setup.dropout,
+                masked_score: setup.fill,
+                quiet: setup.quiet,
+                ..setup.options.into()
+            },
+            dtype,
+        ),
     );
     let grads = (out * g).sum().backward();
     let mut got: Vec<Vec<f64>> = [&q, &k, &v]
@@ -663,6 +666,7 @@ fn dropped_weights<B: FlashBackend>(
         dropout,
         ..Default::default()
     };
+    let options = forward_kernel(options, q.dtype().into());
     let (out, _) = attention_with_lse(q.clone(), k.clone(), v, None, None, options);
     read(out)
 }

@@ -701,8 +701,10 @@ fn naive_gradients<B: FlashBackend>(
 /// f16/bf16 with 16-byte rows take the flash loop on the matrix units (unless a forced
 /// `block_2` is not a multiple of 32); f32, every dtype without matrix units (wgpu) and
 /// unaligned rows take the register-tiled plain-unit kernel from 65 × 65 outputs and the flash
-/// loop on plain units below or with forced blocks. The launch matches on this plan's kernel
-/// and nothing else.
+/// loop on plain units below or with forced blocks. A device without `mma` that offers
+/// cooperative matrices for the dtype (NVIDIA's Vulkan driver through SPIR-V) takes them for
+/// every 16-bit case but a forced plain-unit path. The launch matches on this plan's kernel and
+/// nothing else.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
 fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
     use burn_flash::kernels::softmax_matmul::{
@@ -816,6 +818,14 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_u
             )
         } else {
             contiguous_row_vector(dims, dtype_s)
+        };
+        let cooperative = !matrix_units
+            && options.path != Some(SmmPath::Units)
+            && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s).is_some();
+        let want = if cooperative {
+            K::CooperativeMatrix
+        } else {
+            want
         };
         let plan = plan_softmax_matmul(&client, dims, dtype_s, vector, options)
             .unwrap_or_else(|err| panic!("{dtype:?} {dims:?}: {err}"));

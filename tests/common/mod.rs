@@ -438,6 +438,28 @@ pub fn assert_rows_close(
     }
 }
 
+/// The forward kernel the suite's calls ask for: the plan's (`None`), unless the GPU run sets
+/// `BURN_FLASH_FORWARD=cooperative`, which forces the cooperative-matrix forward on every 16-bit
+/// call that leaves the kernel to the plan, so that the whole suite runs it on CUDA (`wmma`),
+/// where the plan picks the `mma` kernel.
+pub fn forward_kernel(
+    options: burn_flash::FlashAttentionOptions,
+    dtype: FloatDType,
+) -> burn_flash::FlashAttentionOptions {
+    let forced = std::env::var("BURN_FLASH_FORWARD").ok();
+    match forced.as_deref() {
+        None | Some("") => options,
+        Some("cooperative") if options.kernel.is_none() && dtype != FloatDType::F32 => {
+            burn_flash::FlashAttentionOptions {
+                kernel: Some(burn_flash::AttentionKernel::CooperativeMatrix),
+                ..options
+            }
+        }
+        Some("cooperative") => options,
+        Some(other) => panic!("BURN_FLASH_FORWARD: `cooperative` or unset, got `{other}`"),
+    }
+}
+
 /// The message of the panic `f` must raise.
 pub fn panic_message(f: impl FnOnce()) -> String {
     let err =

@@ -44,6 +44,9 @@ pub enum Mutation {
     ///
     /// [`DQ_ROWS`]: crate::flash::backward::mma::DQ_ROWS
     DxNarrowBlocks,
+    /// `keep-fragments`: the cooperative-matrix forward never rescales its output fragments
+    /// when a row's reference maximum moves (its row sums still are).
+    KeepFragments,
 }
 
 impl Mutation {
@@ -61,6 +64,7 @@ impl Mutation {
             Self::QuietOff => "quiet-off",
             Self::StageHeadStart => "stage-head-start",
             Self::DxNarrowBlocks => "dx-narrow-blocks",
+            Self::KeepFragments => "keep-fragments",
         }
     }
 }
@@ -90,10 +94,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::QuietOff,
             Mutation::StageHeadStart,
             Mutation::DxNarrowBlocks,
+            Mutation::KeepFragments,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -167,4 +172,9 @@ pub fn stage_head_start() -> bool {
 /// [`Mutation::DxNarrowBlocks`] is active.
 pub fn dx_narrow_blocks() -> bool {
     active(Mutation::DxNarrowBlocks)
+}
+
+/// [`Mutation::KeepFragments`] is active.
+pub fn keep_fragments() -> bool {
+    active(Mutation::KeepFragments)
 }

@@ -16,6 +16,8 @@
 //! of [`crate::flash`] with computed scores ([`ScoreSource::QueryKey`]):
 //! - [`mma`]: FlashAttention-2's schedule on the matrix units, f16/bf16 on CUDA (sm_80+) with
 //!   16-byte aligned rows;
+//! - [`cmma`]: the same loop on cooperative matrices, f16/bf16 where the device offers them
+//!   and has no manual `mma` (Vulkan through SPIR-V, Metal);
 //! - [`tiled`]: plain units, every runtime and float type, f32 arithmetic, register-tiled
 //!   128 × 128 outputs per cube (outputs of at least 65 × 65);
 //! - [`units`]: plain units for the rest (and where 256 units or the tiled kernel's shared
@@ -28,7 +30,7 @@ use core::fmt;
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use crate::dropout::DropoutParams;
-use crate::flash::forward::{launch_forward, mma, tiled, units};
+use crate::flash::forward::{cmma, launch_forward, mma, tiled, units};
 use crate::flash::{
     FlashConfig, FlashKernel, FlashTensors, Scalars, ScoreRules, ScoreSource, Tile,
 };
@@ -54,6 +56,10 @@ pub enum AttentionKernel {
     /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
     /// double buffering (CUDA sm_80+, 16-byte aligned rows).
     MatrixUnits,
+    /// [`cmma::flash_forward_cmma()`]: f16/bf16 on cooperative matrices (cubecl's `cmma`):
+    /// where the device offers them ([`cmma::fragment`]) — Vulkan through SPIR-V, Metal, and
+    /// CUDA's `wmma` when forced.
+    CooperativeMatrix,
 }
 
 impl From<AttentionKernel> for FlashKernel {
@@ -62,6 +68,7 @@ impl From<AttentionKernel> for FlashKernel {
             AttentionKernel::Units => Self::Units,
             AttentionKernel::Tiled => Self::Tiled,
             AttentionKernel::MatrixUnits => Self::MatrixUnits,
+            AttentionKernel::CooperativeMatrix => Self::CooperativeMatrix,
         }
     }
 }
@@ -325,7 +332,9 @@ pub fn validate<R: Runtime>(
 /// The launch for `dims`, without launching.
 ///
 /// Heuristic (no autotuning): the matrix units for f16/bf16 where the device has `mma`,
-/// `ldmatrix` and `cp.async` and the rows are aligned ([`mma_tile`]); plain units otherwise:
+/// `ldmatrix` and `cp.async` and the rows are aligned ([`mma_tile`]); cooperative matrices
+/// where it has no manual `mma` but offers a `cmma` fragment for the dtype ([`cmma_tile`]);
+/// plain units otherwise:
 /// the register-tiled kernel for outputs of at least 65 × 65 (`G·Sq` rows, `Dv` columns)
 /// where it fits and no dropout is asked for, else [`units_tile`].
 pub fn plan_attention<R: Runtime>(
@@ -340,6 +349,7 @@ pub fn plan_attention<R: Runtime>(
     let matrix_units = fragment::unavailable(client, dtype, features.aligned);
     let rules = options.rules(features);
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
+    let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
     let kernel = match (options.kernel, matrix_units) {
         (Some(AttentionKernel::Tiled), _) if options.dropout.is_some() => {
@@ -351,8 +361,19 @@ pub fn plan_attention<R: Runtime>(
         (Some(AttentionKernel::MatrixUnits), Some(why)) => {
             return Err(unavailable(AttentionKernel::MatrixUnits, why.to_string()));
         }
+        (Some(AttentionKernel::CooperativeMatrix), _) if coop.is_none() => {
+            return Err(unavailable(
+                AttentionKernel::CooperativeMatrix,
+                format!(
+                    "this device offers no cooperative matrix for {dtype:?} with f32 accumulators"
+                ),
+            ));
+        }
         (Some(kernel), _) => kernel,
         (None, None) => AttentionKernel::MatrixUnits,
+        (None, Some(MatrixUnitsUnavailable::NoMma { .. })) if coop.is_some() => {
+            AttentionKernel::CooperativeMatrix
+        }
         (None, Some(_))
             if options.dropout.is_none()
                 && dims.group() * dims.seq_q > 64
@@ -370,6 +391,24 @@ pub fn plan_attention<R: Runtime>(
             rules,
             mma_tile(head_dim, value_dim, options.block_k)?,
         ),
+        AttentionKernel::CooperativeMatrix => {
+            let f = coop.expect("checked above");
+            let config = FlashConfig::new(
+                ScoreSource::QueryKey,
+                rules,
+                cmma_tile(head_dim, value_dim, f, options.block_k)?,
+            );
+            if !cmma::fits(config, f) {
+                return Err(AttentionError::InvalidOption {
+                    reason: format!(
+                        "block_k {} on cooperative matrices of {f:?}: a multiple of {}",
+                        config.block_k,
+                        (4 * f.lanes_per_row()).max(f.n).max(f.k)
+                    ),
+                });
+            }
+            config
+        }
         AttentionKernel::Tiled => {
             fixed_block_k(options.block_k, tiled::BLOCK_K, "the tiled kernel")?;
             tiled_config
@@ -393,10 +432,22 @@ pub fn plan_attention<R: Runtime>(
                 ..config
             }
         }
+        AttentionKernel::CooperativeMatrix
+            if options.block_k.is_none() && cmma::shared_bytes(config) > max_shared =>
+        {
+            FlashConfig {
+                block_k: 16,
+                ..config
+            }
+        }
         _ => config,
     };
     let (units, shared_bytes) = match kernel {
         AttentionKernel::MatrixUnits => (mma::units(config), mma::shared_bytes(config)),
+        AttentionKernel::CooperativeMatrix => (
+            coop.map_or(0, |f| f.units(config.block_q)),
+            cmma::shared_bytes(config),
+        ),
         AttentionKernel::Tiled => (
             tiled::UNITS,
             tiled::shared_bytes(config, tiled::planes(client)),
@@ -465,6 +516,33 @@ pub fn mma_tile(
         block_k,
         head_dim: d,
         value_dim: dv,
+    })
+}
+
+/// The cooperative-matrix forward's tile on fragment `f`: [`cmma::BLOCK_Q`] rows,
+/// [`cmma::BLOCK_K`] keys per step or the forced `block_k` (a multiple of 16 up to 128), `D`
+/// and `Dv` rounded up to the fragment.
+pub fn cmma_tile(
+    head_dim: usize,
+    value_dim: usize,
+    f: cmma::Fragment,
+    block_k: Option<usize>,
+) -> Result<Tile, AttentionError> {
+    let block_k = match block_k {
+        None => cmma::BLOCK_K,
+        Some(bk) if bk > 0 && bk.is_multiple_of(16) && bk <= 128 => bk as u32,
+        Some(bk) => {
+            return Err(AttentionError::InvalidOption {
+                reason: format!("block_k {bk} on cooperative matrices: a multiple of 16 up to 128"),
+            });
+        }
+    };
+    Ok(Tile {
+        block_q: cmma::BLOCK_Q,
+        row_tiles: 1,
+        block_k,
+        head_dim: head_dim.next_multiple_of(f.k as usize) as u32,
+        value_dim: value_dim.next_multiple_of(f.n as usize) as u32,
     })
 }
 

@@ -145,6 +145,9 @@ pub enum FlashKernel {
     Tiled,
     /// [`crate::flash::forward::mma::flash_forward_mma()`]: f16/bf16 on the matrix units.
     MatrixUnits,
+    /// [`crate::flash::forward::cmma::flash_forward_cmma()`]: f16/bf16 on cooperative
+    /// matrices (cubecl's `cmma`: Vulkan, Metal, CUDA's `wmma`).
+    CooperativeMatrix,
 }
 
 /// The backward kernels: what an op's plan picked.

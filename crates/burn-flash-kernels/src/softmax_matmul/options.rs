@@ -16,7 +16,8 @@ pub const BLOCK_SIZES: [usize; 3] = [16, 32, 64];
 pub enum SmmPath {
     /// Plain units, f32 arithmetic: every runtime, every float type.
     Units,
-    /// Matrix units (`mma`, f32 accumulation): f16/bf16 where the device has them (CUDA).
+    /// Matrix units (f32 accumulation): f16/bf16 where the device has them: `mma` on CUDA,
+    /// cooperative matrices elsewhere (Vulkan through SPIR-V, Metal).
     MatrixUnits,
 }
 
@@ -36,6 +37,10 @@ pub enum SmmForwardKernel {
     /// straight to registers, `V` by `cp.async` into two buffers (CUDA sm_80+, 16-byte aligned
     /// rows, `block_2` a multiple of 32).
     MatrixUnits,
+    /// [`crate::flash::forward::cmma::flash_forward_cmma()`]: f16/bf16 on cooperative matrices
+    /// (cubecl's `cmma`), the matrix-unit path where the device offers them and has no manual
+    /// `mma` (Vulkan through SPIR-V, Metal); at most 64 rows per cube.
+    CooperativeMatrix,
 }
 
 impl SmmForwardKernel {
@@ -43,7 +48,7 @@ impl SmmForwardKernel {
     pub fn path(self) -> SmmPath {
         match self {
             Self::Units | Self::Tiled => SmmPath::Units,
-            Self::MatrixUnits => SmmPath::MatrixUnits,
+            Self::MatrixUnits | Self::CooperativeMatrix => SmmPath::MatrixUnits,
         }
     }
 
@@ -53,6 +58,7 @@ impl SmmForwardKernel {
             Self::Units => crate::flash::FlashKernel::Units,
             Self::Tiled => crate::flash::FlashKernel::Tiled,
             Self::MatrixUnits => crate::flash::FlashKernel::MatrixUnits,
+            Self::CooperativeMatrix => crate::flash::FlashKernel::CooperativeMatrix,
         }
     }
 }

@@ -130,6 +130,9 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
 /// Heuristic, one kernel per call:
 /// - f16/bf16 where the matrix units run the dtype on 16-byte aligned rows
 ///   ([`fragment::unavailable`]): [`SmmForwardKernel::MatrixUnits`];
+/// - f16/bf16 where the device has no manual `mma` but offers cooperative matrices
+///   ([`forward::cmma::fragment`]; any rows): [`SmmForwardKernel::CooperativeMatrix`], at most
+///   64 rows per cube;
 /// - everything else on plain units: [`SmmForwardKernel::Tiled`] where it fits (see
 ///   `tiled_fits`), [`SmmForwardKernel::Units`] otherwise and for forced blocks.
 ///
@@ -148,10 +151,20 @@ pub fn plan_softmax_matmul<R: Runtime>(
     // The flash loop on the matrix units reads 16-byte vectors of `X` and copies `V`
     // asynchronously; forced steps must be whole chunks of its loads.
     let matrix_units = fragment::unavailable(client, dtype, row_vector * dtype.size() == 16);
-    let mma_why_not = matrix_units.map(|why| why.to_string()).or_else(|| {
+    // Cooperative matrices take the matrix-unit path where the manual `mma` is missing.
+    let coop = forward::cmma::fragment(client, dtype)
+        .filter(|_| matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. })));
+    let mma_why_not = if coop.is_some() {
+        None
+    } else {
+        matrix_units.map(|why| why.to_string())
+    };
+    let mma_why_not = mma_why_not.or_else(|| {
         options
             .blocks
-            .is_some_and(|(_, b2)| !(b2 as u32).is_multiple_of(forward::mma::CHUNK))
+            .is_some_and(|(_, b2)| {
+                coop.is_none() && !(b2 as u32).is_multiple_of(forward::mma::CHUNK)
+            })
             .then(|| {
                 format!(
                     "block_2 must be a multiple of {} on the matrix units",
@@ -210,14 +223,25 @@ pub fn plan_softmax_matmul<R: Runtime>(
     };
     // The output tile as wide as shared memory and d3 allow (up to 128 columns): each column
     // tile re-reads X.
-    let (kernel, tiles, vector) = match path {
-        SmmPath::Units => (
+    let (kernel, tiles, vector) = match (path, coop) {
+        (SmmPath::Units, _) => (
             SmmForwardKernel::Units,
             &[128, 64][..],
             // Scalar loads: the plain-unit loop reads through any strides.
             1,
         ),
-        SmmPath::MatrixUnits => (SmmForwardKernel::MatrixUnits, &[128, 64, 32, 16][..], 8),
+        (SmmPath::MatrixUnits, None) => (SmmForwardKernel::MatrixUnits, &[128, 64, 32, 16][..], 8),
+        // Up to 4-vectors (the cooperative kernel reads through any strides).
+        (SmmPath::MatrixUnits, Some(_)) => (
+            SmmForwardKernel::CooperativeMatrix,
+            &[128, 64, 32, 16][..],
+            row_vector.min(4),
+        ),
+    };
+    // The cooperative kernel holds at most 64 rows (4 planes of 16-row fragments).
+    let b1 = match kernel {
+        SmmForwardKernel::CooperativeMatrix if options.blocks.is_none() => b1.min(64),
+        _ => b1,
     };
     let d3_cap = dims
         .d3
@@ -232,6 +256,12 @@ pub fn plan_softmax_matmul<R: Runtime>(
             match kernel {
                 SmmForwardKernel::MatrixUnits => {
                     (c, forward::mma::units(c), forward::mma::shared_bytes(c))
+                }
+                SmmForwardKernel::CooperativeMatrix => {
+                    let f = coop.expect("the cooperative kernel has a fragment");
+                    let fits = forward::cmma::fits(c, f);
+                    let bytes = forward::cmma::shared_bytes(c);
+                    (c, f.units(c.block_q), if fits { bytes } else { usize::MAX })
                 }
                 _ => (c, forward::units::UNITS, forward::units::shared_bytes(c)),
             }

@@ -1,0 +1,606 @@
+//! The flash forward on cooperative matrices: cubecl's whole-fragment `cmma` (fill, load,
+//! execute, store), which every runtime with matrix units compiles — SPIR-V's
+//! `OpCooperativeMatrixMulAddKHR` on Vulkan, Metal's simdgroup matrices, CUDA's `wmma`. The
+//! score source is a comptime choice ([`crate::flash::ScoreSource`]).
+//!
+//! A fragment's elements cannot be addressed per lane there, so everything between the two
+//! products goes through shared memory, as cubek-attention's "bounce" tiles do. One cube of
+//! `block_q / m` planes per block of `block_q` query rows of one (batch, key/value head) and
+//! one tile of `value_dim` output columns, rows running over the group's query heads
+//! ([`crate::flash::block`]); plane `p` owns the `m` rows `p·m ..` of the block. Lane `λ` of a plane works on row `λ / L` of the plane's
+//! tile (`L = plane / m` lanes per row) and on the columns `nv·(L·g + λ mod L) + e`. Per step of
+//! `block_k` keys:
+//!
+//! 1. the cube stages the step's `K` (computed scores) and `V` blocks in shared memory;
+//! 2. the scores: `S = Q·Kᵀ` on the matrix units (the plane's `Q` fragments stay in registers
+//!    for the whole loop; `K`'s rows are a column-major `B` operand), stored as f32 into the
+//!    plane's score tile; or the given `X` read straight from memory by the lanes;
+//! 3. per lane: the finished scores ([`crate::flash::scores`]), the row maximum across the
+//!    row's `L` lanes (plane shuffles), the online update with the lazy rescale
+//!    ([`crate::flash::online::next_reference()`]) and `P` (dropout applied) into the plane's
+//!    `P` tile in the input type;
+//! 4. only when a row's reference moved (a plane-uniform test, rare with the lazy rescale):
+//!    each output fragment goes through the score tile, is scaled per row and reloaded;
+//! 5. `O += P·V` on the matrix units, `P` as the `A` operand from shared memory, `V`'s rows as
+//!    a row-major `B` operand.
+//!
+//! The output fragments leave through the score tile, each row divided by its sum. Causal: the
+//! key blocks after every row's diagonal are never loaded.
+
+use cubecl::{
+    cmma::{self, Matrix, MatrixIdent, MatrixLayout},
+    features::MmaConfig,
+    ir::{ElemType, FloatKind},
+    prelude::*,
+};
+
+use crate::dropout::keep_weight;
+use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
+use crate::flash::block::{cube_block, cube_group};
+use crate::flash::config::FlashConfig;
+use crate::flash::online::{
+    inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
+};
+use crate::flash::scores::{new_refs, score, set_row, visible};
+
+/// Query rows per cube of attention (and the most of any launch).
+pub const BLOCK_Q: u32 = 64;
+/// Keys per step of attention.
+pub const BLOCK_K: u32 = 32;
+/// Padding of a row of a shared 16-bit tile, in elements (16 bytes): keeps every tile start
+/// 32-byte aligned (what `wmma` asks) while staggering rows across banks.
+pub const PAD: u32 = 8;
+/// Padding of a row of the f32 score tile, in elements (16 bytes).
+pub const S_PAD: u32 = 4;
+
+/// A cooperative-matrix shape `m × n × k` with 16-bit operands and f32 accumulators, and the
+/// plane size the kernel is compiled for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fragment {
+    /// Rows of `A` and of the accumulator.
+    pub m: u32,
+    /// Columns of `B` and of the accumulator.
+    pub n: u32,
+    /// The reduction depth.
+    pub k: u32,
+    /// Lanes per plane.
+    pub plane: u32,
+}
+
+impl Fragment {
+    /// Lanes per row of a plane's tile.
+    pub fn lanes_per_row(&self) -> u32 {
+        self.plane / self.m
+    }
+
+    /// Planes per cube of `block_q` rows: `m` rows per plane.
+    pub fn planes(&self, block_q: u32) -> u32 {
+        block_q / self.m
+    }
+
+    /// Units per cube of `block_q` rows.
+    pub fn units(&self, block_q: u32) -> u32 {
+        self.planes(block_q) * self.plane
+    }
+}
+
+/// The fragment the device offers for operands of `dtype` (f16 or bf16) with f32
+/// accumulators ([`choose`] over the device's `cmma` configurations and plane sizes). `None`
+/// where it has none (WGSL, Mesa's lavapipe, f32).
+pub fn fragment<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> Option<Fragment> {
+    let props = client.properties();
+    let hw = &props.hardware;
+    choose(
+        props.features.matmul.cmma.iter(),
+        (hw.plane_size_min, hw.plane_size_max),
+        dtype,
+    )
+}
+
+/// The fragment among `configs` (a device's `cmma` configurations) for operands of `dtype`
+/// with f32 accumulators, on planes of (smallest, largest) `plane` lanes: square, 16 × 16 × 16
+/// where offered (CUDA's `wmma`, NVIDIA's and AMD's Vulkan drivers), else 8 × 8 × 8 (Metal's
+/// simdgroup matrices), with whole rows of it per plane. `None` for f32, planes of varying
+/// size, or no such configuration.
+pub fn choose<'a>(
+    configs: impl Iterator<Item = &'a MmaConfig>,
+    plane: (u32, u32),
+    dtype: StorageType,
+) -> Option<Fragment> {
+    let sixteen_bit = [FloatKind::F16, FloatKind::BF16]
+        .into_iter()
+        .any(|k| dtype == StorageType::Scalar(ElemType::Float(k)));
+    let (plane, largest) = plane;
+    if !sixteen_bit || plane != largest || plane == 0 {
+        return None;
+    }
+    let f32_acc = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    configs
+        .filter(|c| c.a_type == dtype && c.b_type == dtype && c.cd_type == f32_acc)
+        .filter(|c| c.m == c.n && c.n == c.k && [8, 16].contains(&c.m))
+        .filter(|c| plane.is_multiple_of(c.m) && c.n.is_multiple_of(plane / c.m))
+        .map(|c| Fragment {
+            m: c.m,
+            n: c.n,
+            k: c.k,
+            plane,
+        })
+        .max_by_key(|f| f.m)
+}
+
+/// Offsets, in elements, of the regions of the kernel's two shared arrays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SharedLayout {
+    /// The step's `K` block (computed scores; the `Q` tile is staged at 0 before the loop).
+    pub k_at: u32,
+    /// The step's `V` block.
+    pub v_at: u32,
+    /// The planes' `P` tiles.
+    pub p_at: u32,
+    /// Length of the 16-bit array.
+    pub len: u32,
+    /// Length of the f32 array: the planes' score tiles.
+    pub s_len: u32,
+}
+
+/// Row pitch of the `Q` and `K` tiles.
+fn d_ld(c: FlashConfig) -> u32 {
+    c.head_dim + PAD
+}
+
+/// Row pitch of the `V` block.
+fn v_ld(c: FlashConfig) -> u32 {
+    c.value_dim + PAD
+}
+
+/// Row pitch of a `P` tile.
+fn p_ld(c: FlashConfig) -> u32 {
+    c.block_k + PAD
+}
+
+/// Row pitch of a score tile.
+fn s_ld(c: FlashConfig) -> u32 {
+    c.block_k + S_PAD
+}
+
+/// The shared layout of `c`.
+pub fn layout(c: FlashConfig) -> SharedLayout {
+    let k_len = if c.given() { 0 } else { c.block_k * d_ld(c) };
+    let q_len = if c.given() { 0 } else { c.block_q * d_ld(c) };
+    let v_at = k_len;
+    let p_at = v_at + c.block_k * v_ld(c);
+    SharedLayout {
+        k_at: 0,
+        v_at,
+        p_at,
+        len: (p_at + c.block_q * p_ld(c)).max(q_len),
+        s_len: c.block_q * s_ld(c),
+    }
+}
+
+/// Shared memory of [`flash_forward_cmma()`] for `c` and 16-bit operands, in bytes.
+pub fn shared_bytes(c: FlashConfig) -> usize {
+    let lay = layout(c);
+    lay.len as usize * 2 + lay.s_len as usize * 4
+}
+
+/// Whether `c` fits the kernel on fragment `f`: 16 to [`BLOCK_Q`] rows in whole planes, whole
+/// fragments along the keys, `D` and the output tile, and whole lanes per row of the step's
+/// columns.
+pub fn fits(c: FlashConfig, f: Fragment) -> bool {
+    let lanes = f.lanes_per_row();
+    [16, 32, 64].contains(&c.block_q)
+        && c.block_q.is_multiple_of(f.m)
+        && c.block_k > 0
+        && c.block_k.is_multiple_of(f.n)
+        && c.block_k.is_multiple_of(f.k)
+        && c.block_k.is_multiple_of(4 * lanes)
+        && f.n.is_multiple_of(lanes)
+        && c.head_dim.is_multiple_of(f.k)
+        && c.value_dim.is_multiple_of(f.n)
+        && c.value_dim > 0
+}
+
+/// Stages rows `first .. first + n_rows` × columns `0 .. width` of `t` (the rows of one
+/// (batch, head) from element offset `base`) into `sh` from `at`, row pitch `ld`, reading
+/// vectors of `NV`; zeros at and past row `end` and column `cols`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    sh: &mut SharedMemory<F>,
+    base: usize,
+    first: usize,
+    end: usize,
+    cols: usize,
+    #[comptime] at: u32,
+    #[comptime] ld: u32,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let nv = NV::value();
+    let vecs = comptime!(width / nv as u32);
+    let total = comptime!(n_rows * vecs);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units)) {
+        let idx = UNIT_POS + e * units;
+        if idx < total {
+            let (r, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
+            let row = first + r;
+            let col = cv * nv;
+            let ok = row < end && col < cols;
+            let src = select(ok, base + row * t.stride(2) + col * t.stride(3), 0);
+            let vec = t[src / nv];
+            let dst = (at + (idx / vecs) * ld) as usize + col;
+            #[unroll]
+            for i in 0..nv {
+                sh[dst + i] = select(ok, vec[i], F::new(0.0));
+            }
+        }
+    }
+}
+
+/// The maximum (`max`) or the sum of `x` over the `lanes` lanes of a row (adjacent lanes).
+#[cube]
+fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) -> f32 {
+    let mut r = x;
+    #[unroll]
+    for b in 0..comptime!(lanes.trailing_zeros()) {
+        let other = plane_shuffle_xor(r, comptime!(1u32 << b));
+        if comptime!(max) {
+            r = f32::max(r, other);
+        } else {
+            r += other;
+        }
+    }
+    r
+}
+
+/// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source), on
+/// the cooperative matrices of fragment `f` (module docs). `q`, `k`, `v` are read as vectors of
+/// `NV` elements (`NV` dividing their rows and strides, unit stride along the rows); `mask`,
+/// `bias` and `out` an element at a time. `c.head_dim` is `D` rounded up to `f.k`,
+/// `c.value_dim` the output tile, a multiple of `f.n` ([`fits`]).
+/// Grid: `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`, `(plane, block_q / m)` units.
+#[cube(launch_unchecked)]
+pub fn flash_forward_cmma<F: Float, NV: Size>(
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    outputs: &mut ForwardOutputs<F>,
+    args: ScoreArgs,
+    #[comptime] c: FlashConfig,
+    #[comptime] f: Fragment,
+    #[define(F)] _dtype: StorageType,
+) {
+    let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (out, lse) = (&mut outputs.out, &mut outputs.lse);
+    let (scale, softcap) = (args.scale, args.softcap);
+    let drop = args.dropout;
+    let given = comptime!(c.given());
+    let nv = NV::value();
+    let (tm, tn, tk) = (f.m as usize, f.n as usize, f.k as usize);
+    let lanes = comptime!(f.lanes_per_row());
+    let units = comptime!(f.units(c.block_q));
+    let lay = comptime!(layout(c));
+    let (k_at, v_at, p_at) = (lay.k_at, lay.v_at, lay.p_at);
+    let (dl, vl, pl, sl) = comptime!((d_ld(c), v_ld(c), p_ld(c), s_ld(c)));
+    let bk = c.block_k as usize;
+    // Vectors of a lane's columns per step, and per output fragment.
+    let groups = comptime!(c.block_k / (lanes * nv as u32)) as usize;
+    let frag_cols = comptime!(f.n / lanes) as usize;
+    let q_frags = comptime!(c.head_dim / f.k) as usize;
+    let o_frags = comptime!(c.value_dim / f.n) as usize;
+
+    let blk = cube_block(q, k, c);
+    let group = cube_group(&blk);
+    let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
+    let (batch, hkv) = (blk.batch, blk.hkv);
+    let head_dim = q.shape(3);
+    // The tile's columns of `V` and of the output that exist.
+    let col0 = blk.col0;
+    let v_cols = out.shape(3) - col0;
+    let plane = UNIT_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    let r = lane / lanes as usize;
+    let cl = lane % lanes as usize;
+    let prow = plane * tm;
+    let row = blk.row0 + prow + r;
+    let k_base = batch * k.stride(0) + hkv * k.stride(1);
+    let v_base = batch * v.stride(0) + hkv * v.stride(1) + col0 * v.stride(3);
+    let steps = blk.kv_end.div_ceil(bk);
+    let full_steps = blk.full_end / bk;
+    // This plane's tiles.
+    let s_at = prow * sl as usize;
+    let s_end = s_at + tm * sl as usize;
+    let pp_at = p_at as usize + prow * pl as usize;
+
+    let mut refs = new_refs(1usize);
+    set_row::<F>(&mut refs, 0, mask, bias, &group, row, c);
+    let pair = batch * q.shape(1) + group.head(row);
+    let x_row = group.offset(q, row);
+
+    // 32-byte aligned: every fragment's tile starts on a 32-byte boundary (`wmma`'s rule).
+    let mut sh = SharedMemory::<F>::new_aligned(comptime!(lay.len as usize), 32usize);
+    let mut ss = SharedMemory::<f32>::new_aligned(comptime!(lay.s_len as usize), 32usize);
+
+    // The plane's `Q` fragments, staged once through shared memory.
+    let mut qf = Sequence::<Matrix<F>>::new();
+    if comptime!(!given) {
+        let q_rows = usize::min(blk.row0 + c.block_q as usize, rows) - blk.row0;
+        // Rows of a block can span heads: each staged row finds its own offset.
+        let vecs = comptime!(c.head_dim / nv as u32);
+        let total = comptime!(c.block_q * vecs);
+        #[unroll]
+        for e in 0..comptime!(total.div_ceil(units)) {
+            let idx = UNIT_POS + e * units;
+            if idx < total {
+                let (rr, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
+                let col = cv * nv;
+                let ok = rr < q_rows && col < head_dim;
+                let src = select(ok, group.offset(q, blk.row0 + rr) + col * q.stride(3), 0);
+                let vec = q[src / nv];
+                let dst = (idx / vecs * dl) as usize + col;
+                #[unroll]
+                for i in 0..nv {
+                    sh[dst + i] = select(ok, vec[i], F::new(0.0));
+                }
+            }
+        }
+        sync_cube();
+        #[unroll]
+        for kc in 0..q_frags {
+            let at = prow * dl as usize + kc * tk;
+            qf.push(Matrix::<F>::from_slice(
+                MatrixIdent::A,
+                tm,
+                tn,
+                tk,
+                MatrixLayout::RowMajor,
+                &sh.slice(at, at + tm * dl as usize),
+                dl,
+            ));
+        }
+        sync_cube();
+    }
+
+    let mut o = Sequence::<Matrix<f32>>::new();
+    #[unroll]
+    for _t in 0..o_frags {
+        o.push(Matrix::<f32>::from_value(
+            MatrixIdent::Accumulator,
+            tm,
+            tn,
+            tk,
+            MatrixLayout::Undefined,
+            0.0f32,
+        ));
+    }
+    let mut m = f32::min_value();
+    let mut l = 0.0f32;
+
+    for st in 0..steps {
+        let j0 = st * bk;
+        // -- 1. stage the step's K and V blocks --
+        if comptime!(!given) {
+            stage_rows::<F, NV>(
+                k, &mut sh, k_base, j0, blk.kv_end, head_dim, k_at, dl, c.block_k, c.head_dim,
+                units,
+            );
+        }
+        stage_rows::<F, NV>(
+            v,
+            &mut sh,
+            v_base,
+            j0,
+            blk.kv_end,
+            v_cols,
+            v_at,
+            vl,
+            c.block_k,
+            c.value_dim,
+            units,
+        );
+        sync_cube();
+
+        // -- 2. the scores --
+        if comptime!(!given) {
+            #[unroll]
+            for nt in 0..comptime!(c.block_k / f.n) as usize {
+                let s = Matrix::<f32>::from_value(
+                    MatrixIdent::Accumulator,
+                    tm,
+                    tn,
+                    tk,
+                    MatrixLayout::Undefined,
+                    0.0f32,
+                );
+                #[unroll]
+                for kc in 0..q_frags {
+                    let at = k_at as usize + nt * tn * dl as usize + kc * tk;
+                    let b = Matrix::<F>::from_slice(
+                        MatrixIdent::B,
+                        tm,
+                        tn,
+                        tk,
+                        MatrixLayout::ColMajor,
+                        &sh.slice(at, at + tn * dl as usize),
+                        dl,
+                    );
+                    cmma::execute::<F, F, f32, f32>(qf.index(kc), &b, &s, &s);
+                }
+                cmma::store(
+                    &mut ss.slice_mut(s_at + nt * tn, s_end),
+                    &s,
+                    sl,
+                    MatrixLayout::RowMajor,
+                );
+            }
+            sync_plane();
+        }
+
+        // -- 3. finished scores, the online update, P --
+        let mut sv = Array::<f32>::new(comptime!(groups * nv));
+        let mut vis = Array::<bool>::new(comptime!(groups * nv));
+        let mut pmax = f32::min_value();
+        #[unroll]
+        for g in 0..groups {
+            let first = (g * lanes as usize + cl) * nv;
+            if comptime!(given) {
+                let key = j0 + first;
+                let vec = q[select(key < seq_k, x_row + key * q.stride(3), 0) / nv];
+                #[unroll]
+                for e in 0..nv {
+                    sv[g * nv + e] = f32::cast_from(vec[e]);
+                }
+            } else {
+                #[unroll]
+                for e in 0..nv {
+                    let raw = ss[s_at + r * sl as usize + first + e];
+                    sv[g * nv + e] = score::<F>(
+                        mask,
+                        bias,
+                        &refs,
+                        0,
+                        raw,
+                        j0 + first + e,
+                        seq_k,
+                        scale,
+                        softcap,
+                        c,
+                    );
+                }
+            }
+            #[unroll]
+            for e in 0..nv {
+                let key = j0 + first + e;
+                let ok = visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, false)
+                    && (st < full_steps
+                        || visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, true));
+                vis[g * nv + e] = ok;
+                pmax = select(ok, f32::max(pmax, sv[g * nv + e]), pmax);
+            }
+        }
+        let rmax = row_reduce(pmax, lanes, true);
+        let m_new = next_reference(m, rmax, true);
+        let alpha = rescale_factor(m, m_new);
+        let moved = plane_any(m_new != m);
+        m = m_new;
+        let mut psum = 0.0f32;
+        #[unroll]
+        for g in 0..groups {
+            let first = (g * lanes as usize + cl) * nv;
+            #[unroll]
+            for e in 0..nv {
+                let at = g * nv + e;
+                let p = probability(sv[at], m, vis[at]);
+                // The row sum takes every weight; `P·V` the kept ones, scaled.
+                let mut kept = p;
+                if comptime!(c.rules.dropout) {
+                    kept *= keep_weight(
+                        drop.seed_lo,
+                        drop.seed_hi,
+                        drop.threshold,
+                        drop.inv_keep,
+                        pair,
+                        refs.pos[0],
+                        j0 + first + e,
+                        false,
+                    );
+                }
+                sh[pp_at + r * pl as usize + first + e] = F::cast_from(kept);
+                psum += p;
+            }
+        }
+        l = alpha * l + row_reduce(psum, lanes, false);
+
+        // -- 4. rescale the output fragments where a row's reference moved --
+        if moved && comptime!(!crate::mutation::keep_fragments()) {
+            #[unroll]
+            for t in 0..o_frags {
+                cmma::store(
+                    &mut ss.slice_mut(s_at, s_end),
+                    o.index(t),
+                    sl,
+                    MatrixLayout::RowMajor,
+                );
+                sync_plane();
+                #[unroll]
+                for i in 0..frag_cols {
+                    let at = s_at + r * sl as usize + i * lanes as usize + cl;
+                    ss[at] *= alpha;
+                }
+                sync_plane();
+                cmma::load_with_layout(
+                    o.index(t),
+                    &ss.slice(s_at, s_end),
+                    sl,
+                    MatrixLayout::RowMajor,
+                );
+                sync_plane();
+            }
+        }
+        sync_plane();
+
+        // -- 5. O += P·V --
+        #[unroll]
+        for kc in 0..comptime!(c.block_k / f.k) as usize {
+            let a_at = pp_at + kc * tk;
+            let a = Matrix::<F>::from_slice(
+                MatrixIdent::A,
+                tm,
+                tn,
+                tk,
+                MatrixLayout::RowMajor,
+                &sh.slice(a_at, a_at + tm * pl as usize),
+                pl,
+            );
+            #[unroll]
+            for t in 0..o_frags {
+                let b_at = v_at as usize + kc * tk * vl as usize + t * tn;
+                let b = Matrix::<F>::from_slice(
+                    MatrixIdent::B,
+                    tm,
+                    tn,
+                    tk,
+                    MatrixLayout::RowMajor,
+                    &sh.slice(b_at, b_at + tk * vl as usize),
+                    vl,
+                );
+                cmma::execute::<F, F, f32, f32>(&a, &b, o.index(t), o.index(t));
+            }
+        }
+        // Every plane is done with K, V and P before the next step stages over them.
+        sync_cube();
+    }
+
+    // -- normalise and store --
+    if row < rows && cl == 0 && blk.first_tile {
+        let at = batch * lse.stride(0)
+            + group.head(row) * lse.stride(1)
+            + group.pos(row) * lse.stride(2);
+        lse[at] = row_lse(m, l, c);
+    }
+    let inv = inverse_sum(output_sum(m, l, c));
+    let o_base = group.offset(out, row);
+    #[unroll]
+    for t in 0..o_frags {
+        cmma::store(
+            &mut ss.slice_mut(s_at, s_end),
+            o.index(t),
+            sl,
+            MatrixLayout::RowMajor,
+        );
+        sync_plane();
+        #[unroll]
+        for i in 0..frag_cols {
+            let col = i * lanes as usize + cl;
+            let gcol = t * tn + col;
+            if row < rows && gcol < v_cols {
+                out[o_base + (col0 + gcol) * out.stride(3)] =
+                    F::cast_from(ss[s_at + r * sl as usize + col] * inv);
+            }
+        }
+        sync_plane();
+    }
+}
