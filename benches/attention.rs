@@ -5,6 +5,7 @@
 //! [--dtypes bf16,f16,f32] [--seqs 512,1024] [--dims 64,128] [--causal false,true]
 //! [--sweeps main,gqa,bias,mask] [--impls burn-flash,burn-attention,burn-fallback]
 //! [--burn-max-s 4096] [--bias-full-max-s 4096] [--passes N] [--no-memory] [--dropout P]
+//! [--block-k N] [--kernel units|tiled|mma|cooperative]
 //! [--plot CSV]`
 //! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process when
 //! both are built; wgpu's files then end in `-wgpu`). `--plot CSV` redraws the PNG of an earlier
@@ -132,6 +133,32 @@ fn forced_block_k() -> Option<usize> {
     BLOCK_K.get().copied().flatten()
 }
 
+/// `--kernel`, set once from the command line.
+static KERNEL: std::sync::OnceLock<Option<KernelName>> = std::sync::OnceLock::new();
+
+/// burn-flash's forward kernel of `--kernel` (the plan's by default).
+fn forced_kernel() -> Option<burn_flash::AttentionKernel> {
+    KERNEL.get().copied().flatten().map(|k| match k {
+        KernelName::Units => burn_flash::AttentionKernel::Units,
+        KernelName::Tiled => burn_flash::AttentionKernel::Tiled,
+        KernelName::Mma => burn_flash::AttentionKernel::MatrixUnits,
+        KernelName::Cooperative => burn_flash::AttentionKernel::CooperativeMatrix,
+    })
+}
+
+/// The forward kernels `--kernel` names.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum KernelName {
+    /// Plain units, small tiles.
+    Units,
+    /// Plain units, register-tiled.
+    Tiled,
+    /// The matrix units by hand (`mma`, CUDA).
+    Mma,
+    /// Cooperative matrices (cubecl's `cmma`: Vulkan, Metal, CUDA's `wmma`).
+    Cooperative,
+}
+
 /// `--dropout`, set once from the command line.
 static DROPOUT: std::sync::OnceLock<Option<f64>> = std::sync::OnceLock::new();
 
@@ -203,6 +230,10 @@ struct Cli {
     /// Force burn-flash's keys per step (a tuning experiment; the plan's choice by default).
     #[arg(long, value_name = "N")]
     block_k: Option<usize>,
+    /// Force burn-flash's forward kernel (the plan's choice by default); a kernel a row cannot
+    /// run makes that row a failure.
+    #[arg(long, value_enum)]
+    kernel: Option<KernelName>,
     /// In-kernel dropout of this probability on burn-flash's rows (Burn's ops have none: their
     /// rows stay without; each burn-flash row's note says so).
     #[arg(long, value_name = "P")]
@@ -329,6 +360,7 @@ impl Impl {
             Impl::Flash => {
                 let options = FlashAttentionOptions {
                     block_k: forced_block_k(),
+                    kernel: forced_kernel(),
                     dropout: bench_dropout(),
                     ..options.into()
                 };
@@ -790,6 +822,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             let dtype = DType::from(cfg.dtype.dtype());
             let options = FlashAttentionOptions {
                 block_k: forced_block_k(),
+                kernel: forced_kernel(),
                 dropout: bench_dropout(),
                 ..cfg.options().into()
             };
@@ -1084,6 +1117,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
 fn main() {
     let cli = Cli::parse();
     BLOCK_K.set(cli.block_k).expect("set once");
+    KERNEL.set(cli.kernel).expect("set once");
     DROPOUT.set(cli.dropout).expect("set once");
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();
