@@ -43,6 +43,11 @@ stage-head-start softmax_matmul.test cuda::wide_dx_rows
 stage-head-start attention_backward.test cuda::bf16::causal
 dx-narrow-blocks softmax_matmul.test cuda::wide_dx_rows
 dx-narrow-blocks softmax_matmul.test cuda::bf16::gradients
+no-rescale attention.test cuda::f16::cooperative_matrix_kernel
+keep-fragments attention.test cuda::f16::cooperative_matrix_kernel
+keep-fragments attention.test cuda::bf16::cooperative_matrix_kernel
+zero-dk attention_backward.test cuda::f16::cooperative_backward
+zero-dk attention_backward.test cuda::bf16::cooperative_backward
 EOF
 )
 logs=/tmp/mutations

@@ -620,11 +620,14 @@ fn cooperative_matrix_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDT
         }
     };
     assert_ne!(dtype, FloatDType::F32, "f32 never runs on the matrix units");
-    // 64 rows per cube over 2·4·130 / 2 = 260 rows per kv head: 5 blocks; one column tile
-    // holds all of Dv (rounded up to the fragment); 2·2 (batch, kv head) pairs.
+    // 128 rows per cube (64 where shared memory is short) over 2·4·130 / 2 = 260 rows per kv
+    // head; one column tile holds all of Dv (rounded up to the fragment); 2·2 (batch, kv head)
+    // pairs.
+    let block_q = plan.config.block_q as usize;
+    assert!([64, 128].contains(&block_q), "{plan:?}");
     assert_eq!(
-        (plan.config.block_q, plan.config.block_k, plan.cubes),
-        (64, 32, (1, 5, 4)),
+        (plan.config.block_k, plan.config.value_dim, plan.cubes),
+        (32, 208, (1, 260usize.div_ceil(block_q), 4)),
         "{plan:?}"
     );
 

@@ -196,6 +196,8 @@ struct Setup {
     fill: Option<f64>,
     /// [`FlashAttentionOptions::quiet`].
     quiet: bool,
+    /// [`FlashAttentionOptions::kernel`] (the plan's where `None`).
+    kernel: Option<AttentionKernel>,
 }
 
 impl Setup {
@@ -212,6 +214,7 @@ impl Setup {
             dropout: None,
             fill: None,
             quiet: false,
+            kernel: None,
         }
     }
 }
@@ -284,6 +287,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
                 dropout: setup.dropout,
                 masked_score: setup.fill,
                 quiet: setup.quiet,
+                kernel: setup.kernel,
                 ..setup.options.into()
             },
             dtype,
@@ -485,8 +489,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         head_dim: 72,
         value_dim: 40,
     };
+    // The options `check` runs with (the forward forced onto cooperative matrices, and the
+    // backward with it, where the run asks).
+    let options = forward_kernel(FlashAttentionOptions::default(), dtype);
     let plan = |mask: bool| {
-        attention_backward_plan::<A<B>>(device, dims, dtype.into(), Default::default(), mask, false)
+        attention_backward_plan::<A<B>>(device, dims, dtype.into(), options, mask, false)
     };
     let Some(plain) = plan(false) else {
         // Only the stock-ops fallback has no plan, and it launches no backward kernel.
@@ -503,11 +510,26 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     };
     let plain = plain.expect("plan");
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
-    if cuda && dtype != FloatDType::F32 {
-        // f16/bf16 on CUDA: the matrix units, D and Dv rounded up to 16; 64 query rows per dQ
-        // cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2 cubes), 32 per
-        // step (D 80 > 64); B·Hkv = 6.
-        assert_eq!(plain.kernel, AttentionBackwardKernel::MatrixUnits);
+    let sixteen = dtype != FloatDType::F32;
+    // The matrix units: `mma` on CUDA (cooperative matrices where the run forces them), the
+    // cooperative matrices where the device has them and no `mma` (Vulkan through SPIR-V).
+    let matrix = plain.kernel != AttentionBackwardKernel::Units;
+    if cuda && sixteen {
+        let want = if cooperative_forced() {
+            AttentionBackwardKernel::CooperativeMatrix
+        } else {
+            AttentionBackwardKernel::MatrixUnits
+        };
+        assert_eq!(plain.kernel, want);
+    }
+    if !cuda && matrix {
+        assert!(sixteen, "{plain:?}");
+        assert_eq!(plain.kernel, AttentionBackwardKernel::CooperativeMatrix);
+    }
+    if matrix {
+        // f16/bf16 on the matrix units (either kind): D and Dv rounded up to 16; 64 query rows
+        // per dQ cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2
+        // cubes), 32 per step; B·Hkv = 6.
         let c = plain.config;
         assert_eq!((c.head_dim, c.value_dim, c.block_k), (80, 48, 32));
         assert_eq!(plain.dkv_cubes, (2, 6, 1));
@@ -525,12 +547,12 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let launch = |p: &burn_flash::kernels::attention::AttentionBackwardPlan| {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
-    if cuda && dtype != FloatDType::F32 {
+    if matrix {
         assert_eq!(launch(&masked), launch(&plain));
         // So does dropout.
         let dropout = FlashAttentionOptions {
             dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
-            ..Default::default()
+            ..options
         };
         let dropped =
             attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
@@ -589,24 +611,20 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
     }
 
-    // f16/bf16 on CUDA at head dim 64: the matrix-unit kernels.
-    if cuda && dtype != FloatDType::F32 {
+    // f16/bf16 at head dim 64 on the matrix units: the same kernels.
+    if matrix {
         let even = AttentionDims {
             head_dim: 64,
             ..dims
         };
-        let planned = attention_backward_plan::<A<B>>(
-            device,
-            even,
-            dtype.into(),
-            Default::default(),
-            false,
-            false,
-        )
-        .expect("plan")
-        .expect("plan");
-        assert_eq!(planned.kernel, AttentionBackwardKernel::MatrixUnits);
-        assert_eq!(planned.matrix_units, None);
+        let planned =
+            attention_backward_plan::<A<B>>(device, even, dtype.into(), options, false, false)
+                .expect("plan")
+                .expect("plan");
+        assert_eq!(planned.kernel, plain.kernel);
+        if planned.kernel == AttentionBackwardKernel::MatrixUnits {
+            assert_eq!(planned.matrix_units, None);
+        }
         check::<B>(
             &Setup::new([3, 8, 100, 64], 2, 70, 40),
             dtype,
@@ -797,6 +815,99 @@ fn many_seeds<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// The cooperative-matrix backward, with the forward forced onto cooperative matrices (the
+/// plan's choice for f16/bf16 on Vulkan through SPIR-V; offered on CUDA as `wmma`): GQA 4:2
+/// with causal `Sq ≠ Sk`, a padding mask, a tracked bias, softcap and scale; dropout; burn-nn's
+/// fill score and quiet softmax with fully masked rows; `[B, S, H, D]` inputs with odd head
+/// dims (`D` 40, `Dv` 24); `D = Dv = 128` over several key blocks and row steps. The backward
+/// plan names the cooperative kernels and they are the ones that ran. Where the device offers
+/// no cooperative matrix for the dtype, forcing the forward is refused before any launch.
+fn cooperative_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let forced = FlashAttentionOptions {
+        kernel: Some(AttentionKernel::CooperativeMatrix),
+        ..Default::default()
+    };
+    let dims = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 37,
+        seq_k: 70,
+        head_dim: 64,
+        value_dim: 32,
+    };
+    let Some(forward) = burn_flash::attention_plan::<B>(device, dims, dtype.into(), forced) else {
+        return;
+    };
+    if let Err(err) = forward {
+        assert!(
+            err.to_string()
+                .contains("CooperativeMatrix is not available"),
+            "{err}"
+        );
+        return;
+    }
+    let planned = attention_backward_plan::<A<B>>(device, dims, dtype.into(), forced, true, true)
+        .expect("plan")
+        .expect("plan");
+    assert_eq!(planned.kernel, AttentionBackwardKernel::CooperativeMatrix);
+
+    let mut setup = Setup::new([2, 4, 37, 64], 2, 70, 32);
+    setup.kernel = Some(AttentionKernel::CooperativeMatrix);
+    setup.mask = Some(([2, 1, 1, 70], |[b, _, _, j]| j + 9 * b + 5 >= 70));
+    setup.bias = Some([1, 4, 37, 70]);
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(5.0),
+        is_causal: true,
+    };
+    check::<B>(
+        &setup,
+        dtype,
+        "cooperative: GQA, causal, mask, bias, softcap",
+    );
+    let ran: Vec<_> = recent_backward_launches()
+        .into_iter()
+        .filter(|l| l.dims == dims)
+        .map(|l| l.kernel)
+        .collect();
+    assert!(
+        !ran.is_empty()
+            && ran
+                .iter()
+                .all(|&k| k == AttentionBackwardKernel::CooperativeMatrix),
+        "launched {ran:?}"
+    );
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.2,
+        seed: fresh_seed(),
+    });
+    check::<B>(&setup, dtype, "cooperative: everything and dropout");
+
+    let mut setup = Setup::new([2, 2, 23, 32], 2, 41, 32);
+    setup.kernel = Some(AttentionKernel::CooperativeMatrix);
+    setup.mask = Some(([2, 2, 23, 41], |[b, h, i, j]| {
+        i == 4 || (b + h + i + j) % 3 == 0
+    }));
+    setup.fill = Some(-1e4);
+    setup.quiet = true;
+    check::<B>(
+        &setup,
+        dtype,
+        "cooperative: fill score, quiet, fully masked rows",
+    );
+
+    let mut setup = Setup::new([1, 2, 45, 40], 1, 33, 24);
+    setup.kernel = Some(AttentionKernel::CooperativeMatrix);
+    setup.strided = true;
+    check::<B>(&setup, dtype, "cooperative: [B, S, H, D], D 40, Dv 24");
+
+    let mut setup = Setup::new([1, 2, 130, 128], 2, 150, 128);
+    setup.kernel = Some(AttentionKernel::CooperativeMatrix);
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "cooperative: D 128, several blocks");
+}
+
 /// The backward suite; `[extra]` replaces the default extra test, the 70 400-head case.
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
@@ -818,6 +929,7 @@ macro_rules! backward_suite {
                 planned_kernels,
                 dropout_gradients,
                 dropout_mask,
+                cooperative_backward,
                 many_seeds
                 $(, $extra)*
             ]
@@ -847,6 +959,7 @@ mod wgpu {
             planned_kernels,
             dropout_gradients,
             dropout_mask,
+            cooperative_backward,
             many_seeds,
         ]
     );

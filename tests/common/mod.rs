@@ -460,6 +460,12 @@ pub fn forward_kernel(
     }
 }
 
+/// Whether the run forces the cooperative-matrix forward ([`forward_kernel`]), which takes the
+/// cooperative-matrix backward with it.
+pub fn cooperative_forced() -> bool {
+    std::env::var("BURN_FLASH_FORWARD").as_deref() == Ok("cooperative")
+}
+
 /// The message of the panic `f` must raise.
 pub fn panic_message(f: impl FnOnce()) -> String {
     let err =

@@ -47,6 +47,8 @@ pub enum Mutation {
     /// `keep-fragments`: the cooperative-matrix forward never rescales its output fragments
     /// when a row's reference maximum moves (its row sums still are).
     KeepFragments,
+    /// `zero-dk`: the cooperative-matrix backward writes `dK = 0`.
+    ZeroDk,
 }
 
 impl Mutation {
@@ -65,6 +67,7 @@ impl Mutation {
             Self::StageHeadStart => "stage-head-start",
             Self::DxNarrowBlocks => "dx-narrow-blocks",
             Self::KeepFragments => "keep-fragments",
+            Self::ZeroDk => "zero-dk",
         }
     }
 }
@@ -95,10 +98,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::StageHeadStart,
             Mutation::DxNarrowBlocks,
             Mutation::KeepFragments,
+            Mutation::ZeroDk,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -177,4 +181,9 @@ pub fn dx_narrow_blocks() -> bool {
 /// [`Mutation::KeepFragments`] is active.
 pub fn keep_fragments() -> bool {
     active(Mutation::KeepFragments)
+}
+
+/// [`Mutation::ZeroDk`] is active.
+pub fn zero_dk() -> bool {
+    active(Mutation::ZeroDk)
 }

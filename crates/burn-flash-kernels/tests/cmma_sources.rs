@@ -1,5 +1,5 @@
-//! The cooperative-matrix kernels compile for the runtimes CI has no device of: every variant a
-//! plan can pick is expanded here (the kernel definition needs only a client, lavapipe's) and
+//! The cooperative-matrix kernels (forward, backward dK/dV and dQ) compile for the runtimes CI
+//! has no device of: every variant a plan can pick is expanded here (the kernel definition needs only a client, lavapipe's) and
 //! compiled to Metal's MSL (8 × 8 × 8 simdgroup matrices) and, with `cuda`, to CUDA C++ (`wmma`
 //! 16 × 16 × 16). An instruction a target lacks fails here, not on a user's Mac. The SPIR-V path
 //! runs for real on NVIDIA's Vulkan driver in the GPU suite.
@@ -7,9 +7,10 @@
 #![cfg(feature = "wgpu")]
 
 use burn_flash_kernels::flash::args::{
-    DropoutCompilationArg, ForwardOutputsCompilationArg, ScoreArgsCompilationArg,
-    ScoreInputsCompilationArg,
+    DropoutCompilationArg, ForwardOutputsCompilationArg, GradInputsCompilationArg,
+    ScoreArgsCompilationArg, ScoreInputsCompilationArg,
 };
+use burn_flash_kernels::flash::backward::cmma as backward;
 use burn_flash_kernels::flash::forward::cmma::{self, Fragment};
 use burn_flash_kernels::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 use cubecl::{
@@ -27,41 +28,113 @@ fn tensor() -> TensorCompilationArg {
     TensorCompilationArg { inplace: None }
 }
 
-/// The definition of the cooperative-matrix forward for `c` on fragment `f`, in `dtype`, with
+fn inputs<E: CubePrimitive, F: CubePrimitive>() -> ScoreInputsCompilationArg<E, F> {
+    ScoreInputsCompilationArg {
+        q: tensor(),
+        k: tensor(),
+        v: tensor(),
+        mask: tensor(),
+        bias: tensor(),
+    }
+}
+
+fn scalars() -> ScoreArgsCompilationArg {
+    ScoreArgsCompilationArg {
+        scale: (),
+        softcap: (),
+        dropout: DropoutCompilationArg {
+            seed_lo: (),
+            seed_hi: (),
+            threshold: (),
+            inv_keep: (),
+        },
+    }
+}
+
+fn grads<E: CubePrimitive>() -> GradInputsCompilationArg<E> {
+    GradInputsCompilationArg {
+        d_out: tensor(),
+        lse: tensor(),
+        delta: tensor(),
+    }
+}
+
+/// Which kernel of the schedule.
+#[derive(Clone, Copy, Debug)]
+enum Which {
+    Forward,
+    BackwardDkv,
+    BackwardDq,
+}
+
+/// The definition of a cooperative-matrix kernel for `c` on fragment `f`, in `dtype`, with
 /// `vector`-element row loads.
-fn kernel(c: FlashConfig, f: Fragment, dtype: StorageType, vector: usize) -> impl CubeKernel {
+fn definition(
+    which: Which,
+    c: FlashConfig,
+    f: Fragment,
+    dtype: StorageType,
+    vector: usize,
+) -> KernelDefinition {
     let client = WgpuRuntime::client(&WgpuDevice::DefaultDevice);
-    let settings =
-        KernelSettings::default().cube_dim(CubeDim::new_2d(f.plane, f.planes(c.block_q)));
-    cmma::flash_forward_cmma::FlashForwardCmma::<WgpuRuntime>::new(
-        settings,
-        client,
-        ScoreInputsCompilationArg {
-            q: tensor(),
-            k: tensor(),
-            v: tensor(),
-            mask: tensor(),
-            bias: tensor(),
-        },
-        ForwardOutputsCompilationArg {
-            out: tensor(),
-            lse: tensor(),
-        },
-        ScoreArgsCompilationArg {
-            scale: (),
-            softcap: (),
-            dropout: DropoutCompilationArg {
-                seed_lo: (),
-                seed_hi: (),
-                threshold: (),
-                inv_keep: (),
-            },
-        },
-        vector,
-        c,
-        f,
-        dtype,
-    )
+    match which {
+        Which::Forward => {
+            let settings =
+                KernelSettings::default().cube_dim(CubeDim::new_2d(f.plane, f.planes(c.block_q)));
+            cmma::flash_forward_cmma::FlashForwardCmma::<WgpuRuntime>::new(
+                settings,
+                client,
+                inputs(),
+                ForwardOutputsCompilationArg {
+                    out: tensor(),
+                    lse: tensor(),
+                },
+                scalars(),
+                vector,
+                c,
+                f,
+                dtype,
+            )
+            .define()
+        }
+        Which::BackwardDkv => {
+            let settings =
+                KernelSettings::default().cube_dim(CubeDim::new_2d(f.plane, backward::PLANES));
+            backward::flash_backward_dkv_cmma::FlashBackwardDkvCmma::<WgpuRuntime>::new(
+                settings,
+                client,
+                inputs(),
+                grads(),
+                tensor(),
+                tensor(),
+                scalars(),
+                vector,
+                c,
+                f,
+                dtype,
+            )
+            .define()
+        }
+        Which::BackwardDq => {
+            let settings =
+                KernelSettings::default().cube_dim(CubeDim::new_2d(f.plane, backward::PLANES));
+            backward::flash_backward_dq_cmma::FlashBackwardDqCmma::<WgpuRuntime>::new(
+                settings,
+                client,
+                inputs(),
+                grads(),
+                tensor(),
+                tensor(),
+                scalars(),
+                vector,
+                c,
+                f,
+                c.fills() || c.given(),
+                dtype,
+            )
+            .define()
+        }
+    }
 }
 
 fn float(kind: FloatKind) -> StorageType {
@@ -102,15 +175,34 @@ fn rule_sets(source: ScoreSource) -> Vec<ScoreRules> {
     ]
 }
 
-/// Every configuration a plan can compile on fragment `f`: both score sources, each rule set,
-/// head dims from 16 to 256 (`D ≠ Dv` included), 16 and 32 keys per step (the plan's fall-back
-/// where shared memory is short, and its default).
-fn variants(f: Fragment) -> Vec<FlashConfig> {
+/// Every configuration a plan can compile on fragment `f`: both score sources, each rule set;
+/// forward: head dims from 16 to 256 (`D ≠ Dv` included), 16 to 128 rows per cube and 16 to 64
+/// keys per step (the plans' defaults and fall-backs); backward: head dims up to 128.
+fn variants(which: Which, f: Fragment) -> Vec<FlashConfig> {
     let mut out = Vec::new();
+    if !matches!(which, Which::Forward) {
+        for source in [ScoreSource::QueryKey, ScoreSource::Given] {
+            for rules in rule_sets(source) {
+                for (d, dv) in [(16, 16), (64, 128), (128, 128)] {
+                    let d = if source == ScoreSource::Given { 0 } else { d };
+                    let c = FlashConfig::new(source, rules, backward::tile(d, dv, f));
+                    if backward::fits(c, f) {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+        return out;
+    }
     for source in [ScoreSource::QueryKey, ScoreSource::Given] {
         for rules in rule_sets(source) {
             for (d, dv) in [(16, 16), (64, 64), (128, 128), (96, 256), (256, 256)] {
-                for (block_q, block_k) in [(16, 16), (32, 64), (cmma::BLOCK_Q, cmma::BLOCK_K)] {
+                for (block_q, block_k) in [
+                    (16, 16),
+                    (32, 64),
+                    (cmma::BLOCK_Q, 16),
+                    (cmma::WIDE_BLOCK_Q, cmma::BLOCK_K),
+                ] {
                     let c = FlashConfig::new(
                         source,
                         rules,
@@ -143,16 +235,24 @@ fn compile_all<C: Compiler>(
 ) -> usize {
     let addr = u32::as_type_native_unchecked().storage_type();
     let mut n = 0;
-    for c in variants(f) {
-        for vector in [1, 2, 4] {
-            let def = kernel(c, f, dtype, vector).define();
+    for (which, c) in [Which::Forward, Which::BackwardDkv, Which::BackwardDq]
+        .into_iter()
+        .flat_map(|w| variants(w, f).into_iter().map(move |c| (w, c)))
+    {
+        // The widths a plan can pass ([`cmma::vector`]): dividing a lane's columns per step.
+        let lane_cols = (c.block_k / f.lanes_per_row()) as usize;
+        for vector in [1, 2, 4, 8]
+            .into_iter()
+            .filter(|n| lane_cols.is_multiple_of(*n))
+        {
+            let def = definition(which, c, f, dtype, vector);
             let source = compiler
                 .compile(def, options, ExecutionMode::Unchecked, addr)
-                .unwrap_or_else(|e| panic!("{c:?} vector {vector} {dtype:?}: {e:?}"))
+                .unwrap_or_else(|e| panic!("{which:?} {c:?} vector {vector} {dtype:?}: {e:?}"))
                 .to_string();
             assert!(
                 source.contains(expect),
-                "{c:?} vector {vector}: no `{expect}` in the source"
+                "{which:?} {c:?} vector {vector}: no `{expect}` in the source"
             );
             n += 1;
         }

@@ -9,7 +9,7 @@ use super::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, attention_dims,
     broadcast_strides, expect_shape, validate,
 };
-use crate::flash::backward::{Schedule, launch_backward, mma, units};
+use crate::flash::backward::{Schedule, cmma, launch_backward, mma, units};
 use crate::flash::block::fold_pairs;
 use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
@@ -31,6 +31,12 @@ pub enum AttentionBackwardKernel {
     /// a tracked bias). Computed scores with scale, softcap, masks, biases, causal, grouped
     /// heads and dropout, `D`, `Dv` up to [`mma::MAX_DIM`].
     MatrixUnits,
+    /// Cooperative matrices (f16/bf16 where cubecl's `cmma` runs and no `mma` does — Vulkan
+    /// through SPIR-V, Metal — or with the forward forced to
+    /// [`super::AttentionKernel::CooperativeMatrix`]): [`crate::flash::backward::flash_delta()`],
+    /// [`cmma::flash_backward_dkv_cmma()`] and [`cmma::flash_backward_dq_cmma()`], every score
+    /// rule, `D`, `Dv` up to [`cmma::MAX_DIM`].
+    CooperativeMatrix,
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -169,14 +175,36 @@ pub fn plan_attention_backward<R: Runtime>(
         ),
     );
     let matrix_units = mma_unavailable(client, dtype, features.aligned, mma_config);
-    let (kernel, config, block_keys, dkv_cubes) = match matrix_units {
-        None => (
+    // Cooperative matrices: where the device has no `mma` (or the forward is forced onto them)
+    // and they take the head dims and fit the device.
+    let cooperative = crate::flash::forward::cmma::fragment(client, dtype).and_then(|f| {
+        let c = FlashConfig::new(
+            ScoreSource::QueryKey,
+            rules,
+            cmma::tile(dims.head_dim, dims.value_dim, f),
+        );
+        let wanted = options.kernel == Some(super::AttentionKernel::CooperativeMatrix)
+            || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
+        let fits = cmma::fits(c, f)
+            && hw.max_units_per_cube >= cmma::PLANES * f.plane
+            && hw.max_shared_memory_size
+                >= cmma::dq_shared_bytes(c).max(cmma::dkv_shared_bytes(c, f));
+        (wanted && fits).then_some((f, c))
+    });
+    let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {
+        (Some((f, c)), _) => (
+            AttentionBackwardKernel::CooperativeMatrix,
+            c,
+            cmma::block_keys(f),
+            (dims.seq_k.div_ceil(cmma::block_keys(f) as usize), y, z),
+        ),
+        (None, None) => (
             AttentionBackwardKernel::MatrixUnits,
             mma_config,
             mma::DKV_KEYS,
             (dims.seq_k.div_ceil(mma::DKV_KEYS as usize), y, z),
         ),
-        Some(_) => (
+        (None, Some(_)) => (
             AttentionBackwardKernel::Units,
             FlashConfig::new(
                 ScoreSource::QueryKey,
@@ -317,6 +345,21 @@ pub fn launch_attention_backward<R: Runtime>(
         AttentionBackwardKernel::MatrixUnits => Schedule::MatrixUnits {
             write_ds,
             p_buffer: None,
+        },
+        AttentionBackwardKernel::CooperativeMatrix => Schedule::CooperativeMatrix {
+            write_ds,
+            vector: crate::flash::forward::cmma::fragment(client, dtype).map_or(1, |f| {
+                crate::flash::forward::cmma::vector(
+                    &[
+                        (t.q.shape, t.q.strides),
+                        (t.k.shape, t.k.strides),
+                        (t.v.shape, t.v.strides),
+                        (t.d_out.shape, t.d_out.strides),
+                    ],
+                    plan.config,
+                    f,
+                )
+            }),
         },
         AttentionBackwardKernel::Units => Schedule::Units { write_ds },
     };

@@ -432,12 +432,18 @@ pub fn plan_attention<R: Runtime>(
                 ..config
             }
         }
-        AttentionKernel::CooperativeMatrix
-            if options.block_k.is_none() && cmma::shared_bytes(config) > max_shared =>
-        {
-            FlashConfig {
-                block_k: 16,
+        // Rows per cube fall to 64, then keys per step to 16, where shared memory is short.
+        AttentionKernel::CooperativeMatrix if cmma::shared_bytes(config) > max_shared => {
+            let narrow = FlashConfig {
+                block_q: cmma::BLOCK_Q,
                 ..config
+            };
+            match options.block_k {
+                None if cmma::shared_bytes(narrow) > max_shared => FlashConfig {
+                    block_k: 16,
+                    ..narrow
+                },
+                _ => narrow,
             }
         }
         _ => config,
@@ -519,9 +525,10 @@ pub fn mma_tile(
     })
 }
 
-/// The cooperative-matrix forward's tile on fragment `f`: [`cmma::BLOCK_Q`] rows,
-/// [`cmma::BLOCK_K`] keys per step or the forced `block_k` (a multiple of 16 up to 128), `D`
-/// and `Dv` rounded up to the fragment.
+/// The cooperative-matrix forward's tile on fragment `f`: [`cmma::WIDE_BLOCK_Q`] rows (eight
+/// planes of 16-row fragments share each `K`/`V` block; the plan falls back to
+/// [`cmma::BLOCK_Q`] where shared memory is short), [`cmma::BLOCK_K`] keys per step or the
+/// forced `block_k` (a multiple of 16 up to 128), `D` and `Dv` rounded up to the fragment.
 pub fn cmma_tile(
     head_dim: usize,
     value_dim: usize,
@@ -538,7 +545,7 @@ pub fn cmma_tile(
         }
     };
     Ok(Tile {
-        block_q: cmma::BLOCK_Q,
+        block_q: cmma::WIDE_BLOCK_Q,
         row_tiles: 1,
         block_k,
         head_dim: head_dim.next_multiple_of(f.k as usize) as u32,
@@ -721,12 +728,18 @@ pub fn launch_attention<R: Runtime>(
         out: arg::<R>(&out, out.shape, out.strides),
         lse: arg::<R>(&lse, lse.shape, lse.strides),
     };
-    let vector = tiled::vector(&[
+    let rows = [
         (q.shape, q.strides),
         (k.shape, k.strides),
         (v.shape, v.strides),
         (out.shape, out.strides),
-    ]);
+    ];
+    let vector = match cmma::fragment(client, dtype) {
+        Some(f) if plan.kernel == AttentionKernel::CooperativeMatrix => {
+            cmma::vector(&rows[..3], plan.config, f)
+        }
+        _ => tiled::vector(&rows),
+    };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); the matrix-unit kernel runs only on 16-byte aligned
     // rows (`rows_aligned`), its vector width; `vector` divides the rows and strides of `q`,

@@ -162,4 +162,7 @@ pub enum BackwardKernel {
     /// The matrix units ([`crate::flash::backward::mma`]): f16/bf16 on CUDA sm_80+, 16-byte
     /// aligned rows; both score sources.
     MatrixUnits,
+    /// Cooperative matrices ([`crate::flash::backward::cmma`]): f16/bf16 where cubecl's `cmma`
+    /// runs, `D`, `Dv` up to 128; both score sources.
+    CooperativeMatrix,
 }

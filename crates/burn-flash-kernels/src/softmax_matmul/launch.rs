@@ -259,6 +259,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         SmmBackwardPath::Tiled => Schedule::UnitsGiven {
             vector: plan.vector,
         },
+        SmmBackwardPath::CooperativeMatrix => Schedule::CooperativeMatrix {
+            write_ds: true,
+            vector: plan.vector,
+        },
         SmmBackwardPath::Units => Schedule::Units { write_ds: true },
     };
     let dv_nonempty = dv.shape.iter().product::<usize>() > 0;

@@ -195,6 +195,9 @@ pub enum SmmBackwardPath {
     /// The matrix units ([`crate::flash::backward::mma`]; f16/bf16 on CUDA, 16-byte aligned
     /// rows, `dO` and two steps of `V` in shared memory).
     MatrixUnits,
+    /// Cooperative matrices ([`crate::flash::backward::cmma`]; f16/bf16 where cubecl's `cmma`
+    /// runs and no `mma` does — Vulkan through SPIR-V, Metal — and `d3` up to 128).
+    CooperativeMatrix,
     /// Plain units, register-tiled ([`crate::flash::backward::units_given`]: the core's
     /// given-score products, 128 × 128 outputs per cube; gradients of at least 65 × 65).
     Tiled,
@@ -213,7 +216,7 @@ pub struct SmmBackwardPlan {
     pub config: FlashConfig,
     /// Matrix units: the `dX` kernel stores `P` for the `dV` kernel (small `d2`).
     pub p_buffer: bool,
-    /// Register-tiled products: the vector width (1, 2 or 4).
+    /// Register-tiled products: the vector width (1, 2 or 4); cooperative matrices: up to 8.
     pub vector: usize,
     /// Cubes of the `dV` kernel.
     pub dv_cubes: (usize, usize, usize),

@@ -7,7 +7,7 @@ use super::options::{
     BLOCK_SIZES, SmmBackwardPath, SmmBackwardPlan, SmmDims, SmmForwardKernel, SmmPath,
     SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use crate::flash::backward::{mma, units, units_given};
+use crate::flash::backward::{cmma as backward_cmma, mma, units, units_given};
 use crate::flash::block::{fold_grid, fold_pairs};
 use crate::flash::forward::{self, tiled};
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
@@ -231,11 +231,12 @@ pub fn plan_softmax_matmul<R: Runtime>(
             1,
         ),
         (SmmPath::MatrixUnits, None) => (SmmForwardKernel::MatrixUnits, &[128, 64, 32, 16][..], 8),
-        // Up to 4-vectors (the cooperative kernel reads through any strides).
-        (SmmPath::MatrixUnits, Some(_)) => (
+        // Vectors of up to 16 bytes that divide a lane's columns of `X` per step (the
+        // cooperative kernel reads through any strides).
+        (SmmPath::MatrixUnits, Some(f)) => (
             SmmForwardKernel::CooperativeMatrix,
             &[128, 64, 32, 16][..],
-            row_vector.min(4),
+            row_vector.min((b2 as u32 / f.lanes_per_row()) as usize),
         ),
     };
     // The cooperative kernel holds at most 64 rows (4 planes of 16-row fragments).
@@ -308,9 +309,23 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     let (y, z) = fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
     let matrix_units = mma_backward_unavailable(client, dims, dtype, &[x, v, d_out]);
     let rows = batch * d1;
+    // Cooperative matrices where the device has them and no `mma`, for `d3` up to their
+    // accumulators' width.
+    let cooperative = forward::cmma::fragment(client, dtype).and_then(|f| {
+        let c = given(backward_cmma::tile(0, d3, f));
+        let hw = &client.properties().hardware;
+        let fits = backward_cmma::fits(c, f)
+            && hw.max_units_per_cube >= backward_cmma::PLANES * f.plane
+            && hw.max_shared_memory_size
+                >= backward_cmma::dq_shared_bytes(c).max(backward_cmma::dkv_shared_bytes(c, f));
+        (fits && matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. })))
+            .then_some((f, c))
+    });
     // Without rows, dV is zero: the flash schedule writes it.
     let path = if rows > 0 && matrix_units.is_none() {
         SmmBackwardPath::MatrixUnits
+    } else if rows > 0 && cooperative.is_some() {
+        SmmBackwardPath::CooperativeMatrix
     } else if rows > 0 && tiled_backward_fits(client, dims) {
         SmmBackwardPath::Tiled
     } else {
@@ -329,6 +344,14 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
             let dx = (group * d1).div_ceil(c.block_q as usize);
             (c, mma::dkv_blocks(d2, d3, true), dx)
         }
+        SmmBackwardPath::CooperativeMatrix => {
+            let (f, c) = cooperative.expect("the path was picked with them");
+            (
+                c,
+                d2.div_ceil(backward_cmma::block_keys(f) as usize),
+                (group * d1).div_ceil(c.block_q as usize),
+            )
+        }
         SmmBackwardPath::Tiled => (
             units_config,
             units_given::tiles(d2, d3),
@@ -344,7 +367,12 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
         path,
         config,
         p_buffer: path == SmmBackwardPath::MatrixUnits && mma_p_buffer(dims, dx.0, dx.1),
-        vector: row_vector(&[x, v, d_out, dx, dv], dtype).min(4),
+        vector: match cooperative {
+            Some((f, c)) if path == SmmBackwardPath::CooperativeMatrix => {
+                forward::cmma::vector(&[x, v, d_out], c, f)
+            }
+            _ => row_vector(&[x, v, d_out, dx, dv], dtype).min(4),
+        },
         dv_cubes: check_cubes(client, (dv_cubes, y, z))?,
         dx_cubes: check_cubes(client, (dx_cubes, y, z))?,
         matrix_units,

@@ -22,8 +22,13 @@
 //! group) and a dQ kernel (one cube per block of query rows, looping over the keys they see).
 //! - [`units`]: plain units, every runtime and float type, f32 arithmetic;
 //! - [`units_given`]: plain units, the given-score products register-tiled;
-//! - [`mma`] ([`mma_dq`], [`mma_dkv`]): the matrix units (f16/bf16, CUDA sm_80+).
+//! - [`mma`] ([`mma_dq`], [`mma_dkv`]): the matrix units (f16/bf16, CUDA sm_80+);
+//! - [`cmma`]: cooperative matrices (f16/bf16 wherever cubecl's `cmma` runs: Vulkan, Metal,
+//!   CUDA's `wmma`).
 
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod cmma;
 pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;
@@ -131,6 +136,14 @@ pub enum Schedule<'a> {
         /// The vector width (1, 2 or 4) dividing every row and stride.
         vector: usize,
     },
+    /// [`cmma::launch()`].
+    CooperativeMatrix {
+        /// `dS` (given scores: `dX`) is written.
+        write_ds: bool,
+        /// The vector width dividing every row and stride of `q`, `k`, `v` and `dO`
+        /// ([`crate::flash::forward::cmma::vector`]).
+        vector: usize,
+    },
     /// `launch_mma()`.
     MatrixUnits {
         /// `dS` (given scores: `dX`) is written.
@@ -147,6 +160,7 @@ impl Schedule<'_> {
             Self::Units { .. } => BackwardKernel::Units,
             Self::UnitsGiven { .. } => BackwardKernel::UnitsGiven,
             Self::MatrixUnits { .. } => BackwardKernel::MatrixUnits,
+            Self::CooperativeMatrix { .. } => BackwardKernel::CooperativeMatrix,
         }
     }
 }
@@ -158,7 +172,7 @@ impl Schedule<'_> {
 ///
 /// # Safety
 /// As the schedule's launcher: [`units::launch()`], [`units_given::launch()`],
-/// `launch_mma()`.
+/// [`cmma::launch()`], `launch_mma()`.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -185,6 +199,9 @@ pub unsafe fn launch_backward<R: Runtime>(
         match schedule {
             Schedule::Units { write_ds } => units::launch(&l, scalars, c, write_ds),
             Schedule::UnitsGiven { vector } => units_given::launch(&l, vector),
+            Schedule::CooperativeMatrix { write_ds, vector } => {
+                cmma::launch(&l, scalars, c, write_ds, vector)
+            }
             Schedule::MatrixUnits { write_ds, p_buffer } => {
                 launch_mma(&l, scalars, c, write_ds, p_buffer)
             }

@@ -11,7 +11,9 @@
 //! tile (`L = plane / m` lanes per row) and on the columns `nv·(L·g + λ mod L) + e`. Per step of
 //! `block_k` keys:
 //!
-//! 1. the cube stages the step's `K` (computed scores) and `V` blocks in shared memory;
+//! 1. the cube writes the step's `K` (computed scores) and `V` blocks, loaded into registers
+//!    during the step before, to shared memory, and starts the loads of the next step's (no
+//!    asynchronous copies outside CUDA: the registers are the second buffer);
 //! 2. the scores: `S = Q·Kᵀ` on the matrix units (the plane's `Q` fragments stay in registers
 //!    for the whole loop; `K`'s rows are a column-major `B` operand), stored as f32 into the
 //!    plane's score tile; or the given `X` read straight from memory by the lanes;
@@ -43,7 +45,9 @@ use crate::flash::online::{
 };
 use crate::flash::scores::{new_refs, score, set_row, visible};
 
-/// Query rows per cube of attention (and the most of any launch).
+/// Query rows per cube where shared memory allows (attention).
+pub const WIDE_BLOCK_Q: u32 = 128;
+/// Query rows per cube otherwise.
 pub const BLOCK_Q: u32 = 64;
 /// Keys per step of attention.
 pub const BLOCK_K: u32 = 32;
@@ -128,6 +132,25 @@ pub fn choose<'a>(
         .max_by_key(|f| f.m)
 }
 
+/// The widest vector, in elements (up to 8: 16 bytes of a 16-bit type), that divides the rows
+/// and every stride of the tensors (shape, strides), each with a unit stride along its rows,
+/// and `block_k / lanes` (the given scores a lane reads per group); 1 otherwise.
+pub fn vector(tensors: &[(&[usize], &[usize])], c: FlashConfig, f: Fragment) -> usize {
+    let lane_cols = (c.block_k / f.lanes_per_row()) as usize;
+    [8, 4, 2]
+        .into_iter()
+        .find(|&n| {
+            lane_cols.is_multiple_of(n)
+                && tensors.iter().all(|(shape, strides)| {
+                    let last = strides.len() - 1;
+                    strides[last] == 1
+                        && shape[last].is_multiple_of(n)
+                        && strides[..last].iter().all(|s| s.is_multiple_of(n))
+                })
+        })
+        .unwrap_or(1)
+}
+
 /// Offsets, in elements, of the regions of the kernel's two shared arrays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SharedLayout {
@@ -184,12 +207,12 @@ pub fn shared_bytes(c: FlashConfig) -> usize {
     lay.len as usize * 2 + lay.s_len as usize * 4
 }
 
-/// Whether `c` fits the kernel on fragment `f`: 16 to [`BLOCK_Q`] rows in whole planes, whole
+/// Whether `c` fits the kernel on fragment `f`: 16 to [`WIDE_BLOCK_Q`] rows in whole planes, whole
 /// fragments along the keys, `D` and the output tile, and whole lanes per row of the step's
 /// columns.
 pub fn fits(c: FlashConfig, f: Fragment) -> bool {
     let lanes = f.lanes_per_row();
-    [16, 32, 64].contains(&c.block_q)
+    [16, 32, 64, 128].contains(&c.block_q)
         && c.block_q.is_multiple_of(f.m)
         && c.block_k > 0
         && c.block_k.is_multiple_of(f.n)
@@ -201,18 +224,44 @@ pub fn fits(c: FlashConfig, f: Fragment) -> bool {
         && c.value_dim > 0
 }
 
-/// Stages rows `first .. first + n_rows` × columns `0 .. width` of `t` (the rows of one
-/// (batch, head) from element offset `base`) into `sh` from `at`, row pitch `ld`, reading
-/// vectors of `NV`; zeros at and past row `end` and column `cols`.
+/// Loads rows `first .. first + n_rows` × columns `0 .. width` of `t` (the rows of one
+/// (batch, head) from element offset `base`) into this unit's registers `regs`, as vectors of
+/// `NV` (the unit's share: vector `UNIT_POS + e·units` of the block in `regs[e]`); zeros at and
+/// past row `end` and column `cols`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_rows<F: Float, NV: Size>(
+pub(crate) fn load_rows<F: Float, NV: Size>(
     t: &Tensor<Vector<F, NV>>,
-    sh: &mut SharedMemory<F>,
+    regs: &mut Array<Vector<F, NV>>,
     base: usize,
     first: usize,
     end: usize,
     cols: usize,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let nv = NV::value();
+    let vecs = comptime!(width / nv as u32);
+    let total = comptime!(n_rows * vecs);
+    let zero = Vector::<F, NV>::new(F::from_int(0));
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units)) {
+        let idx = UNIT_POS + e * units;
+        let (r, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
+        let row = first + r;
+        let col = cv * nv;
+        let ok = idx < total && row < end && col < cols;
+        let src = select(ok, base + row * t.stride(2) + col * t.stride(3), 0);
+        regs[e as usize] = select(ok, t[src / nv], zero);
+    }
+}
+
+/// Writes what [`load_rows()`] loaded into `sh` from `at`, row pitch `ld`.
+#[cube]
+pub(crate) fn store_rows<F: Float, NV: Size>(
+    regs: &Array<Vector<F, NV>>,
+    sh: &mut SharedMemory<F>,
     #[comptime] at: u32,
     #[comptime] ld: u32,
     #[comptime] n_rows: u32,
@@ -226,16 +275,11 @@ fn stage_rows<F: Float, NV: Size>(
     for e in 0..comptime!(total.div_ceil(units)) {
         let idx = UNIT_POS + e * units;
         if idx < total {
-            let (r, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
-            let row = first + r;
-            let col = cv * nv;
-            let ok = row < end && col < cols;
-            let src = select(ok, base + row * t.stride(2) + col * t.stride(3), 0);
-            let vec = t[src / nv];
-            let dst = (at + (idx / vecs) * ld) as usize + col;
+            let dst = (at + (idx / vecs) * ld) as usize + ((idx % vecs) as usize) * nv;
+            let vec = regs[e as usize];
             #[unroll]
             for i in 0..nv {
-                sh[dst + i] = select(ok, vec[i], F::new(0.0));
+                sh[dst + i] = vec[i];
             }
         }
     }
@@ -243,7 +287,7 @@ fn stage_rows<F: Float, NV: Size>(
 
 /// The maximum (`max`) or the sum of `x` over the `lanes` lanes of a row (adjacent lanes).
 #[cube]
-fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) -> f32 {
+pub(crate) fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) -> f32 {
     let mut r = x;
     #[unroll]
     for b in 0..comptime!(lanes.trailing_zeros()) {
@@ -379,29 +423,66 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let mut m = f32::min_value();
     let mut l = 0.0f32;
 
+    // The next step's K and V blocks, in flight in registers while a step computes.
+    let k_regs = comptime!(if given {
+        1
+    } else {
+        (c.block_k * c.head_dim / nv as u32).div_ceil(units)
+    });
+    let v_regs = comptime!((c.block_k * c.value_dim / nv as u32).div_ceil(units));
+    let mut pre_k = Array::<Vector<F, NV>>::new(k_regs as usize);
+    let mut pre_v = Array::<Vector<F, NV>>::new(v_regs as usize);
+    if comptime!(!given) {
+        load_rows::<F, NV>(
+            k, &mut pre_k, k_base, 0, blk.kv_end, head_dim, c.block_k, c.head_dim, units,
+        );
+    }
+    load_rows::<F, NV>(
+        v,
+        &mut pre_v,
+        v_base,
+        0,
+        blk.kv_end,
+        v_cols,
+        c.block_k,
+        c.value_dim,
+        units,
+    );
+
     for st in 0..steps {
         let j0 = st * bk;
-        // -- 1. stage the step's K and V blocks --
+        // -- 1. the step's K and V blocks into shared memory, the next step's into registers --
         if comptime!(!given) {
-            stage_rows::<F, NV>(
-                k, &mut sh, k_base, j0, blk.kv_end, head_dim, k_at, dl, c.block_k, c.head_dim,
+            store_rows::<F, NV>(&pre_k, &mut sh, k_at, dl, c.block_k, c.head_dim, units);
+        }
+        store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, c.block_k, c.value_dim, units);
+        sync_cube();
+        if st + 1 < steps {
+            if comptime!(!given) {
+                load_rows::<F, NV>(
+                    k,
+                    &mut pre_k,
+                    k_base,
+                    j0 + bk,
+                    blk.kv_end,
+                    head_dim,
+                    c.block_k,
+                    c.head_dim,
+                    units,
+                );
+            }
+            load_rows::<F, NV>(
+                v,
+                &mut pre_v,
+                v_base,
+                j0 + bk,
+                blk.kv_end,
+                v_cols,
+                c.block_k,
+                c.value_dim,
                 units,
             );
         }
-        stage_rows::<F, NV>(
-            v,
-            &mut sh,
-            v_base,
-            j0,
-            blk.kv_end,
-            v_cols,
-            v_at,
-            vl,
-            c.block_k,
-            c.value_dim,
-            units,
-        );
-        sync_cube();
 
         // -- 2. the scores --
         if comptime!(!given) {
