@@ -49,6 +49,8 @@ use crate::flash::scores::{new_refs, score, set_row, visible};
 pub const WIDE_BLOCK_Q: u32 = 128;
 /// Query rows per cube otherwise.
 pub const BLOCK_Q: u32 = 64;
+/// Query rows staged at a time to load the planes' `Q` fragments.
+pub const Q_PASS: u32 = 64;
 /// Keys per step of attention.
 pub const BLOCK_K: u32 = 32;
 /// Padding of a row of a shared 16-bit tile, in elements (16 bytes): keeps every tile start
@@ -151,7 +153,8 @@ pub fn vector(tensors: &[(&[usize], &[usize])], c: FlashConfig, f: Fragment) -> 
         .unwrap_or(1)
 }
 
-/// Offsets, in elements, of the regions of the kernel's two shared arrays.
+/// Offsets, in elements, of the regions of the kernel's two shared arrays (the `Q` rows of a
+/// pass are staged at 0 before the loop).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SharedLayout {
     /// The step's `K` block (computed scores; the `Q` tile is staged at 0 before the loop).
@@ -189,7 +192,11 @@ fn s_ld(c: FlashConfig) -> u32 {
 /// The shared layout of `c`.
 pub fn layout(c: FlashConfig) -> SharedLayout {
     let k_len = if c.given() { 0 } else { c.block_k * d_ld(c) };
-    let q_len = if c.given() { 0 } else { c.block_q * d_ld(c) };
+    let q_len = if c.given() {
+        0
+    } else {
+        c.block_q.min(Q_PASS) * d_ld(c)
+    };
     let v_at = k_len;
     let p_at = v_at + c.block_k * v_ld(c);
     SharedLayout {
@@ -368,44 +375,51 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let mut sh = SharedMemory::<F>::new_aligned(comptime!(lay.len as usize), 32usize);
     let mut ss = SharedMemory::<f32>::new_aligned(comptime!(lay.s_len as usize), 32usize);
 
-    // The plane's `Q` fragments, staged once through shared memory.
+    // The plane's `Q` fragments, staged through shared memory [`Q_PASS`] rows at a time (the
+    // planes of a pass load theirs).
     let mut qf = Sequence::<Matrix<F>>::new();
     if comptime!(!given) {
-        let q_rows = usize::min(blk.row0 + c.block_q as usize, rows) - blk.row0;
-        // Rows of a block can span heads: each staged row finds its own offset.
-        let vecs = comptime!(c.head_dim / nv as u32);
-        let total = comptime!(c.block_q * vecs);
         #[unroll]
-        for e in 0..comptime!(total.div_ceil(units)) {
-            let idx = UNIT_POS + e * units;
-            if idx < total {
-                let (rr, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
-                let col = cv * nv;
-                let ok = rr < q_rows && col < head_dim;
-                let src = select(ok, group.offset(q, blk.row0 + rr) + col * q.stride(3), 0);
-                let vec = q[src / nv];
-                let dst = (idx / vecs * dl) as usize + col;
-                #[unroll]
-                for i in 0..nv {
-                    sh[dst + i] = select(ok, vec[i], F::new(0.0));
+        for _kc in 0..q_frags {
+            // SAFETY (cubecl's): loaded below, before any use.
+            qf.push(unsafe {
+                Matrix::<F>::uninitialized(MatrixIdent::A, tm, tn, tk, MatrixLayout::RowMajor)
+            });
+        }
+        let pass_rows = comptime!(c.block_q.min(Q_PASS));
+        let vecs = comptime!(c.head_dim / nv as u32);
+        let total = comptime!(pass_rows * vecs);
+        #[unroll]
+        for pass in 0..comptime!(c.block_q / pass_rows) {
+            let r0 = blk.row0 + (pass * pass_rows) as usize;
+            // Rows of a block can span heads: each staged row finds its own offset.
+            #[unroll]
+            for e in 0..comptime!(total.div_ceil(units)) {
+                let idx = UNIT_POS + e * units;
+                if idx < total {
+                    let (rr, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
+                    let col = cv * nv;
+                    let ok = r0 + rr < rows && col < head_dim;
+                    let src = select(ok, group.offset(q, r0 + rr) + col * q.stride(3), 0);
+                    let vec = q[src / nv];
+                    let dst = (idx / vecs * dl) as usize + col;
+                    #[unroll]
+                    for i in 0..nv {
+                        sh[dst + i] = select(ok, vec[i], F::new(0.0));
+                    }
                 }
             }
+            sync_cube();
+            if prow / pass_rows as usize == pass as usize {
+                let first = (prow % pass_rows as usize) * dl as usize;
+                #[unroll]
+                for kc in 0..q_frags {
+                    let at = first + kc * tk;
+                    cmma::load(qf.index(kc), &sh.slice(at, at + tm * dl as usize), dl);
+                }
+            }
+            sync_cube();
         }
-        sync_cube();
-        #[unroll]
-        for kc in 0..q_frags {
-            let at = prow * dl as usize + kc * tk;
-            qf.push(Matrix::<F>::from_slice(
-                MatrixIdent::A,
-                tm,
-                tn,
-                tk,
-                MatrixLayout::RowMajor,
-                &sh.slice(at, at + tm * dl as usize),
-                dl,
-            ));
-        }
-        sync_cube();
     }
 
     let mut o = Sequence::<Matrix<f32>>::new();
