@@ -21,16 +21,21 @@
 //! during the step before ([`crate::flash::forward::cmma`]'s scheme).
 
 use cubecl::{
-    cmma::{self, Matrix, MatrixIdent, MatrixLayout},
+    cmma::{Matrix, MatrixIdent, MatrixLayout},
     prelude::*,
 };
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{BackwardLaunch, GradInputs, Scalars, ScoreArgs, ScoreInputs};
-use crate::flash::block::{QueryGroup, cube_count, pair_block, pair_group, rows_kv_end};
+use crate::flash::block::{cube_count, pair_block, pair_group, rows_kv_end};
 use crate::flash::config::FlashConfig;
-use crate::flash::forward::cmma::{Fragment, PAD, S_PAD, fragment, load_rows, store_rows};
-use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_row, visible};
+use crate::flash::forward::cmma::{
+    Fragment, PAD, S_PAD, fragment, load_rows, product_abt, product_wb, stage_group_rows,
+    store_accumulators, store_rows,
+};
+use crate::flash::scores::{
+    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+};
 
 /// Planes per cube of either kernel.
 pub const PLANES: u32 = 4;
@@ -93,46 +98,6 @@ pub fn fits(c: FlashConfig, f: Fragment) -> bool {
         && c.value_dim > 0
 }
 
-/// Stages rows `r0 .. r0 + n_rows` of a query group (`group`; rows at and past `rows` zero) ×
-/// columns `col0 .. col0 + width` of `t` (zero at and past `col0 + cols`) into `sh` from `at`,
-/// row pitch `ld`, reading vectors of `NV`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_group_rows<F: Float, NV: Size>(
-    t: &Tensor<Vector<F, NV>>,
-    sh: &mut SharedMemory<F>,
-    group: &QueryGroup,
-    r0: usize,
-    col0: usize,
-    cols: usize,
-    #[comptime] at: u32,
-    #[comptime] ld: u32,
-    #[comptime] n_rows: u32,
-    #[comptime] width: u32,
-    #[comptime] units: u32,
-) {
-    let nv = NV::value();
-    let vecs = comptime!(width / nv as u32);
-    let total = comptime!(n_rows * vecs);
-    #[unroll]
-    for e in 0..comptime!(total.div_ceil(units)) {
-        let idx = UNIT_POS + e * units;
-        if idx < total {
-            let (r, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
-            let row = r0 + r;
-            let col = cv * nv;
-            let ok = row < group.rows && col < cols;
-            let src = select(ok, group.offset(t, row) + (col0 + col) * t.stride(3), 0);
-            let vec = t[src / nv];
-            let dst = (at + (idx / vecs) * ld) as usize + col;
-            #[unroll]
-            for i in 0..nv {
-                sh[dst + i] = select(ok, vec[i], F::new(0.0));
-            }
-        }
-    }
-}
-
 /// The plane's `A` fragments of its `m` rows from a tile at `at` (pitch `ld`): `width / k` of
 /// them, along the columns.
 #[cube]
@@ -178,142 +143,79 @@ fn accumulators(#[comptime] count: u32, #[comptime] f: Fragment) -> Sequence<Mat
     acc
 }
 
-/// `A·Bᵀ` of the plane's `A` fragments `a` (`m` rows × `depth`) and the `STEP` rows of a tile
-/// at `b_at` (pitch `ld`; its rows are the product's columns), stored as f32 into the plane's
-/// bounce tile at `s_at` (pitch `sl`).
+/// What the backward takes of one score ([`crate::flash::backward`]'s math): `P` (0 where the
+/// key is invisible or the row has none), the dropout factor `Z` (the forward's mask drawn
+/// again; 1 without), the softcap's derivative `1 − (s_c/c)²` and whether `dS` flows (0 where a
+/// masked key took the fill score).
+#[derive(CubeType)]
+struct Weight {
+    p: f32,
+    z: f32,
+    fac: f32,
+    gate: f32,
+}
+
+/// The [`Weight`] of key `key` in the row of `refs`' `slot` (a row that exists where `row_ok`,
+/// with log-sum-exp `lse` and dropout pair `pair`), from its raw product `raw` (given scores:
+/// the score itself).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product_abt<F: Float>(
-    a: &Sequence<Matrix<F>>,
-    sh: &SharedMemory<F>,
-    ss: &mut SharedMemory<f32>,
-    b_at: usize,
-    s_at: usize,
-    #[comptime] ld: u32,
-    #[comptime] sl: u32,
-    #[comptime] depth: u32,
-    #[comptime] f: Fragment,
-) {
-    let (tm, tn, tk) = (f.m as usize, f.n as usize, f.k as usize);
-    #[unroll]
-    for nt in 0..comptime!(STEP / f.n) as usize {
-        let acc = Matrix::<f32>::from_value(
-            MatrixIdent::Accumulator,
-            tm,
-            tn,
-            tk,
-            MatrixLayout::Undefined,
+fn weight<F: Float>(
+    mask: &Tensor<F>,
+    bias: &Tensor<F>,
+    refs: &RowRefs,
+    slot: usize,
+    raw: f32,
+    key: usize,
+    row_ok: bool,
+    lse: f32,
+    pair: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> Weight {
+    let mut fac = 1.0f32;
+    let mut s = raw;
+    if comptime!(!c.given()) {
+        let sc = capped(raw, args.scale, args.softcap, c);
+        if comptime!(c.rules.softcap) {
+            let t = sc / args.softcap;
+            fac = 1.0f32 - t * t;
+        }
+        s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
+        s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
+    }
+    let live = row_ok
+        && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true)
+        && lse > f32::min_value();
+    let mut w = Weight {
+        p: select(live, f32::exp(s - lse), 0.0f32),
+        z: 1.0f32,
+        fac,
+        gate: 1.0f32,
+    };
+    if comptime!(c.rules.dropout) {
+        let drop = args.dropout;
+        w.z = keep_weight(
+            drop.seed_lo,
+            drop.seed_hi,
+            drop.threshold,
+            drop.inv_keep,
+            pair,
+            refs.pos[slot],
+            key,
+            true,
+        );
+    }
+    if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+        w.gate = select(
+            live_score::<F>(mask, refs, slot, key, seq_k, c),
+            1.0f32,
             0.0f32,
         );
-        #[unroll]
-        for kc in 0..comptime!(depth / f.k) as usize {
-            let at = b_at + nt * tn * ld as usize + kc * tk;
-            let b = Matrix::<F>::from_slice(
-                MatrixIdent::B,
-                tm,
-                tn,
-                tk,
-                MatrixLayout::ColMajor,
-                &sh.slice(at, at + tn * ld as usize),
-                ld,
-            );
-            cmma::execute::<F, F, f32, f32>(a.index(kc), &b, &acc, &acc);
-        }
-        cmma::store(
-            &mut ss.slice_mut(s_at + nt * tn, s_at + (tm * sl as usize)),
-            &acc,
-            sl,
-            MatrixLayout::RowMajor,
-        );
     }
-}
-
-/// `acc += W·B`: the plane's weight tile at `w_at` (`m` × [`STEP`], pitch `wl`) as `A`, the
-/// [`STEP`] rows of a tile at `b_at` (pitch `ld`, `width` columns) as `B`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn product_wb<F: Float>(
-    acc: &Sequence<Matrix<f32>>,
-    sh: &SharedMemory<F>,
-    w_at: usize,
-    b_at: usize,
-    #[comptime] wl: u32,
-    #[comptime] ld: u32,
-    #[comptime] width: u32,
-    #[comptime] f: Fragment,
-) {
-    let (tm, tn, tk) = (f.m as usize, f.n as usize, f.k as usize);
-    #[unroll]
-    for kc in 0..comptime!(STEP / f.k) as usize {
-        let a_at = w_at + kc * tk;
-        let a = Matrix::<F>::from_slice(
-            MatrixIdent::A,
-            tm,
-            tn,
-            tk,
-            MatrixLayout::RowMajor,
-            &sh.slice(a_at, a_at + tm * wl as usize),
-            wl,
-        );
-        #[unroll]
-        for t in 0..comptime!(width / f.n) as usize {
-            let at = b_at + kc * tk * ld as usize + t * tn;
-            let b = Matrix::<F>::from_slice(
-                MatrixIdent::B,
-                tm,
-                tn,
-                tk,
-                MatrixLayout::RowMajor,
-                &sh.slice(at, at + tk * ld as usize),
-                ld,
-            );
-            cmma::execute::<F, F, f32, f32>(&a, &b, acc.index(t), acc.index(t));
-        }
-    }
-}
-
-/// Writes accumulators `acc` (the plane's `m` rows × `width` columns), times `factor`, to `t`:
-/// row `r` of the plane at element offset `row_at` when `row_ok`, columns below `cols`
-/// (through the bounce tile at `s_at`, pitch `sl`).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn store_accumulators<F: Float>(
-    acc: &Sequence<Matrix<f32>>,
-    ss: &mut SharedMemory<f32>,
-    t: &mut Tensor<F>,
-    row_at: usize,
-    row_ok: bool,
-    cols: usize,
-    factor: f32,
-    s_at: usize,
-    r: usize,
-    cl: usize,
-    #[comptime] sl: u32,
-    #[comptime] width: u32,
-    #[comptime] f: Fragment,
-) {
-    let lanes = comptime!(f.lanes_per_row()) as usize;
-    let s_end = s_at + (f.m * sl) as usize;
-    #[unroll]
-    for tt in 0..comptime!(width / f.n) as usize {
-        cmma::store(
-            &mut ss.slice_mut(s_at, s_end),
-            acc.index(tt),
-            sl,
-            MatrixLayout::RowMajor,
-        );
-        sync_plane();
-        #[unroll]
-        for i in 0..comptime!(f.n / f.lanes_per_row()) as usize {
-            let col = i * lanes + cl;
-            let gcol = tt * f.n as usize + col;
-            if row_ok && gcol < cols {
-                t[row_at + gcol * t.stride(3)] =
-                    F::cast_from(factor * ss[s_at + r * sl as usize + col]);
-            }
-        }
-        sync_plane();
-    }
+    w
 }
 
 /// `dK` and `dV` of one block of `PLANES·m` keys (module docs); given scores: `dV` alone.
@@ -504,7 +406,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                     raw[i] = f32::cast_from(sh[col * xl as usize + plane * f.m as usize + r]);
                 }
             } else {
-                product_abt::<F>(&kf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, f);
+                product_abt::<F>(&kf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
                 sync_plane();
                 #[unroll]
                 for i in 0..cols_l {
@@ -513,7 +415,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                 sync_plane();
             }
             // -- dPᵀ = V·dOᵀ --
-            product_abt::<F>(&vf, &sh, &mut ss, o_at, s_at, vl, sl, c.value_dim, f);
+            product_abt::<F>(&vf, &sh, &mut ss, o_at, s_at, vl, sl, c.value_dim, STEP, f);
             sync_plane();
             let mut dp = Array::<f32>::new(cols_l);
             #[unroll]
@@ -525,50 +427,26 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             let mut g = Array::<f32>::new(cols_l);
             #[unroll]
             for i in 0..cols_l {
-                let mut sc = raw[i];
-                let mut fac = 1.0f32;
-                let mut s = sc;
-                if comptime!(!given) {
-                    sc = capped(raw[i], args.scale, args.softcap, c);
-                    if comptime!(c.rules.softcap) {
-                        let t = sc / args.softcap;
-                        fac = 1.0f32 - t * t;
-                    }
-                    s = add_bias::<F>(bias, &refs, i, sc, key, seq_k, c);
-                    s = filled::<F>(mask, &refs, i, s, key, seq_k, c);
-                }
-                let ok = row_ok[i]
-                    && key < seq_k
-                    && visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true);
-                let live = ok && row_lse[i] > f32::min_value();
-                let p = select(live, f32::exp(s - row_lse[i]), 0.0f32);
-                let mut z = 1.0f32;
-                if comptime!(c.rules.dropout) {
-                    let drop = args.dropout;
-                    z = keep_weight(
-                        drop.seed_lo,
-                        drop.seed_hi,
-                        drop.threshold,
-                        drop.inv_keep,
-                        row_pair[i],
-                        refs.pos[i],
-                        key,
-                        true,
-                    );
-                }
-                let mut gi = p * (dp[i] * z - row_delta[i]) * fac;
-                if comptime!(c.fills() && !crate::mutation::fill_grad()) {
-                    gi *= select(
-                        live_score::<F>(mask, &refs, i, key, seq_k, c),
-                        1.0f32,
-                        0.0f32,
-                    );
-                }
-                g[i] = gi;
-                sh[pw_at + r * wl as usize + i * lanes as usize + cl] = F::cast_from(p * z);
+                let w = weight::<F>(
+                    mask,
+                    bias,
+                    &refs,
+                    i,
+                    raw[i],
+                    key,
+                    row_ok[i],
+                    row_lse[i],
+                    row_pair[i],
+                    seq_q,
+                    seq_k,
+                    &args,
+                    c,
+                );
+                g[i] = w.p * (dp[i] * w.z - row_delta[i]) * w.gate * w.fac;
+                sh[pw_at + r * wl as usize + i * lanes as usize + cl] = F::cast_from(w.p * w.z);
             }
             sync_plane();
-            product_wb::<F>(&acc_dv, &sh, pw_at, o_at, wl, vl, c.value_dim, f);
+            product_wb::<F>(&acc_dv, &sh, pw_at, o_at, wl, vl, c.value_dim, STEP, f);
             if comptime!(!given) {
                 sync_plane();
                 #[unroll]
@@ -576,7 +454,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                     sh[pw_at + r * wl as usize + i * lanes as usize + cl] = F::cast_from(g[i]);
                 }
                 sync_plane();
-                product_wb::<F>(&acc_dk, &sh, pw_at, 0, wl, dl, c.head_dim, f);
+                product_wb::<F>(&acc_dk, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
             }
             // Every plane is done with the step's tiles before the next step stages over them.
             sync_cube();
@@ -792,7 +670,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
                 }
             }
         } else {
-            product_abt::<F>(&qf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, f);
+            product_abt::<F>(&qf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
             sync_plane();
             #[unroll]
             for gi in 0..groups {
@@ -814,6 +692,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
             vl,
             sl,
             c.value_dim,
+            STEP,
             f,
         );
         sync_plane();
@@ -826,42 +705,11 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
                 let at = gi * nv + e;
                 let key = j0 + first + e;
                 let dp = ss[s_at + r * sl as usize + first + e];
-                let mut fac = 1.0f32;
-                let mut s = raw[at];
-                if comptime!(!given) {
-                    let sc = capped(raw[at], args.scale, args.softcap, c);
-                    if comptime!(c.rules.softcap) {
-                        let t = sc / args.softcap;
-                        fac = 1.0f32 - t * t;
-                    }
-                    s = add_bias::<F>(bias, &refs, 0, sc, key, seq_k, c);
-                    s = filled::<F>(mask, &refs, 0, s, key, seq_k, c);
-                }
-                let ok = row_ok && visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, true);
-                let live = ok && row_lse > f32::min_value();
-                let p = select(live, f32::exp(s - row_lse), 0.0f32);
-                let mut z = 1.0f32;
-                if comptime!(c.rules.dropout) {
-                    let drop = args.dropout;
-                    z = keep_weight(
-                        drop.seed_lo,
-                        drop.seed_hi,
-                        drop.threshold,
-                        drop.inv_keep,
-                        pair,
-                        refs.pos[0],
-                        key,
-                        true,
-                    );
-                }
-                let mut g = p * (dp * z - row_delta);
-                if comptime!(c.fills() && !crate::mutation::fill_grad()) {
-                    g *= select(
-                        live_score::<F>(mask, &refs, 0, key, seq_k, c),
-                        1.0f32,
-                        0.0f32,
-                    );
-                }
+                let w = weight::<F>(
+                    mask, bias, &refs, 0, raw[at], key, row_ok, row_lse, pair, seq_q, seq_k, &args,
+                    c,
+                );
+                let g = w.p * (dp * w.z - row_delta) * w.gate;
                 if comptime!(write_ds) {
                     if row_ok && key < seq_k {
                         let mut val = g;
@@ -872,14 +720,14 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
                     }
                 }
                 if comptime!(!given) {
-                    sh[pw_at + r * wl as usize + first + e] = F::cast_from(g * fac);
+                    sh[pw_at + r * wl as usize + first + e] = F::cast_from(g * w.fac);
                 }
             }
         }
         // -- dQ += dR·K --
         if comptime!(!given) {
             sync_plane();
-            product_wb::<F>(&acc, &sh, pw_at, 0, wl, dl, c.head_dim, f);
+            product_wb::<F>(&acc, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
         }
         // Every plane is done with the step's tiles before the next step stages over them.
         sync_cube();

@@ -38,7 +38,7 @@ use cubecl::{
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
-use crate::flash::block::{cube_block, cube_group};
+use crate::flash::block::{QueryGroup, cube_block, cube_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
     inverse_sum, next_reference, output_sum, probability, rescale_factor, row_lse,
@@ -292,6 +292,186 @@ pub(crate) fn store_rows<F: Float, NV: Size>(
     }
 }
 
+/// Stages rows `r0 .. r0 + n_rows` of a query group (`group`; rows at and past `rows` zero) ×
+/// columns `col0 .. col0 + width` of `t` (zero at and past `col0 + cols`) into `sh` from `at`,
+/// row pitch `ld`, reading vectors of `NV`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn stage_group_rows<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    sh: &mut SharedMemory<F>,
+    group: &QueryGroup,
+    r0: usize,
+    col0: usize,
+    cols: usize,
+    #[comptime] at: u32,
+    #[comptime] ld: u32,
+    #[comptime] n_rows: u32,
+    #[comptime] width: u32,
+    #[comptime] units: u32,
+) {
+    let nv = NV::value();
+    let vecs = comptime!(width / nv as u32);
+    let total = comptime!(n_rows * vecs);
+    #[unroll]
+    for e in 0..comptime!(total.div_ceil(units)) {
+        let idx = UNIT_POS + e * units;
+        if idx < total {
+            let (r, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
+            let row = r0 + r;
+            let col = cv * nv;
+            let ok = row < group.rows && col < cols;
+            let src = select(ok, group.offset(t, row) + (col0 + col) * t.stride(3), 0);
+            let vec = t[src / nv];
+            let dst = (at + (idx / vecs) * ld) as usize + col;
+            #[unroll]
+            for i in 0..nv {
+                sh[dst + i] = select(ok, vec[i], F::new(0.0));
+            }
+        }
+    }
+}
+
+/// Writes accumulators `acc` (the plane's `m` rows × `width` columns), times `factor`, to `t`:
+/// row `r` of the plane at element offset `row_at` when `row_ok`, columns below `cols`
+/// (through the bounce tile at `s_at`, pitch `sl`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn store_accumulators<F: Float>(
+    acc: &Sequence<Matrix<f32>>,
+    ss: &mut SharedMemory<f32>,
+    t: &mut Tensor<F>,
+    row_at: usize,
+    row_ok: bool,
+    cols: usize,
+    factor: f32,
+    s_at: usize,
+    r: usize,
+    cl: usize,
+    #[comptime] sl: u32,
+    #[comptime] width: u32,
+    #[comptime] f: Fragment,
+) {
+    let lanes = comptime!(f.lanes_per_row()) as usize;
+    let s_end = s_at + (f.m * sl) as usize;
+    #[unroll]
+    for tt in 0..comptime!(width / f.n) as usize {
+        cmma::store(
+            &mut ss.slice_mut(s_at, s_end),
+            acc.index(tt),
+            sl,
+            MatrixLayout::RowMajor,
+        );
+        sync_plane();
+        #[unroll]
+        for i in 0..comptime!(f.n / f.lanes_per_row()) as usize {
+            let col = i * lanes + cl;
+            let gcol = tt * f.n as usize + col;
+            if row_ok && gcol < cols {
+                t[row_at + gcol * t.stride(3)] =
+                    F::cast_from(factor * ss[s_at + r * sl as usize + col]);
+            }
+        }
+        sync_plane();
+    }
+}
+
+/// `A·Bᵀ` of the plane's `A` fragments `a` (`m` rows × `depth`) and the `cols` rows of a tile
+/// at `b_at` (pitch `ld`; its rows are the product's columns), stored as f32 into the plane's
+/// bounce tile at `s_at` (pitch `sl`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_abt<F: Float>(
+    a: &Sequence<Matrix<F>>,
+    sh: &SharedMemory<F>,
+    ss: &mut SharedMemory<f32>,
+    b_at: usize,
+    s_at: usize,
+    #[comptime] ld: u32,
+    #[comptime] sl: u32,
+    #[comptime] depth: u32,
+    #[comptime] cols: u32,
+    #[comptime] f: Fragment,
+) {
+    let (tm, tn, tk) = (f.m as usize, f.n as usize, f.k as usize);
+    #[unroll]
+    for nt in 0..comptime!(cols / f.n) as usize {
+        let acc = Matrix::<f32>::from_value(
+            MatrixIdent::Accumulator,
+            tm,
+            tn,
+            tk,
+            MatrixLayout::Undefined,
+            0.0f32,
+        );
+        #[unroll]
+        for kc in 0..comptime!(depth / f.k) as usize {
+            let at = b_at + nt * tn * ld as usize + kc * tk;
+            let b = Matrix::<F>::from_slice(
+                MatrixIdent::B,
+                tm,
+                tn,
+                tk,
+                MatrixLayout::ColMajor,
+                &sh.slice(at, at + tn * ld as usize),
+                ld,
+            );
+            cmma::execute::<F, F, f32, f32>(a.index(kc), &b, &acc, &acc);
+        }
+        cmma::store(
+            &mut ss.slice_mut(s_at + nt * tn, s_at + (tm * sl as usize)),
+            &acc,
+            sl,
+            MatrixLayout::RowMajor,
+        );
+    }
+}
+
+/// `acc += W·B`: the plane's weight tile at `w_at` (`m` × `depth`, pitch `wl`) as `A`, the
+/// `depth` rows of a tile at `b_at` (pitch `ld`, `width` columns) as `B`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_wb<F: Float>(
+    acc: &Sequence<Matrix<f32>>,
+    sh: &SharedMemory<F>,
+    w_at: usize,
+    b_at: usize,
+    #[comptime] wl: u32,
+    #[comptime] ld: u32,
+    #[comptime] width: u32,
+    #[comptime] depth: u32,
+    #[comptime] f: Fragment,
+) {
+    let (tm, tn, tk) = (f.m as usize, f.n as usize, f.k as usize);
+    #[unroll]
+    for kc in 0..comptime!(depth / f.k) as usize {
+        let a_at = w_at + kc * tk;
+        let a = Matrix::<F>::from_slice(
+            MatrixIdent::A,
+            tm,
+            tn,
+            tk,
+            MatrixLayout::RowMajor,
+            &sh.slice(a_at, a_at + tm * wl as usize),
+            wl,
+        );
+        #[unroll]
+        for t in 0..comptime!(width / f.n) as usize {
+            let at = b_at + kc * tk * ld as usize + t * tn;
+            let b = Matrix::<F>::from_slice(
+                MatrixIdent::B,
+                tm,
+                tn,
+                tk,
+                MatrixLayout::RowMajor,
+                &sh.slice(at, at + tk * ld as usize),
+                ld,
+            );
+            cmma::execute::<F, F, f32, f32>(&a, &b, acc.index(t), acc.index(t));
+        }
+    }
+}
+
 /// The maximum (`max`) or the sum of `x` over the `lanes` lanes of a row (adjacent lanes).
 #[cube]
 pub(crate) fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) -> f32 {
@@ -387,28 +567,13 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
             });
         }
         let pass_rows = comptime!(c.block_q.min(Q_PASS));
-        let vecs = comptime!(c.head_dim / nv as u32);
-        let total = comptime!(pass_rows * vecs);
         #[unroll]
         for pass in 0..comptime!(c.block_q / pass_rows) {
             let r0 = blk.row0 + (pass * pass_rows) as usize;
             // Rows of a block can span heads: each staged row finds its own offset.
-            #[unroll]
-            for e in 0..comptime!(total.div_ceil(units)) {
-                let idx = UNIT_POS + e * units;
-                if idx < total {
-                    let (rr, cv) = ((idx / vecs) as usize, (idx % vecs) as usize);
-                    let col = cv * nv;
-                    let ok = r0 + rr < rows && col < head_dim;
-                    let src = select(ok, group.offset(q, r0 + rr) + col * q.stride(3), 0);
-                    let vec = q[src / nv];
-                    let dst = (idx / vecs * dl) as usize + col;
-                    #[unroll]
-                    for i in 0..nv {
-                        sh[dst + i] = select(ok, vec[i], F::new(0.0));
-                    }
-                }
-            }
+            stage_group_rows::<F, NV>(
+                q, &mut sh, &group, r0, 0, head_dim, 0u32, dl, pass_rows, c.head_dim, units,
+            );
             sync_cube();
             if prow / pass_rows as usize == pass as usize {
                 let first = (prow % pass_rows as usize) * dl as usize;
@@ -500,37 +665,18 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
 
         // -- 2. the scores --
         if comptime!(!given) {
-            #[unroll]
-            for nt in 0..comptime!(c.block_k / f.n) as usize {
-                let s = Matrix::<f32>::from_value(
-                    MatrixIdent::Accumulator,
-                    tm,
-                    tn,
-                    tk,
-                    MatrixLayout::Undefined,
-                    0.0f32,
-                );
-                #[unroll]
-                for kc in 0..q_frags {
-                    let at = k_at as usize + nt * tn * dl as usize + kc * tk;
-                    let b = Matrix::<F>::from_slice(
-                        MatrixIdent::B,
-                        tm,
-                        tn,
-                        tk,
-                        MatrixLayout::ColMajor,
-                        &sh.slice(at, at + tn * dl as usize),
-                        dl,
-                    );
-                    cmma::execute::<F, F, f32, f32>(qf.index(kc), &b, &s, &s);
-                }
-                cmma::store(
-                    &mut ss.slice_mut(s_at + nt * tn, s_end),
-                    &s,
-                    sl,
-                    MatrixLayout::RowMajor,
-                );
-            }
+            product_abt::<F>(
+                &qf,
+                &sh,
+                &mut ss,
+                k_at as usize,
+                s_at,
+                dl,
+                sl,
+                c.head_dim,
+                c.block_k,
+                f,
+            );
             sync_plane();
         }
 
@@ -638,33 +784,17 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         sync_plane();
 
         // -- 5. O += P·V --
-        #[unroll]
-        for kc in 0..comptime!(c.block_k / f.k) as usize {
-            let a_at = pp_at + kc * tk;
-            let a = Matrix::<F>::from_slice(
-                MatrixIdent::A,
-                tm,
-                tn,
-                tk,
-                MatrixLayout::RowMajor,
-                &sh.slice(a_at, a_at + tm * pl as usize),
-                pl,
-            );
-            #[unroll]
-            for t in 0..o_frags {
-                let b_at = v_at as usize + kc * tk * vl as usize + t * tn;
-                let b = Matrix::<F>::from_slice(
-                    MatrixIdent::B,
-                    tm,
-                    tn,
-                    tk,
-                    MatrixLayout::RowMajor,
-                    &sh.slice(b_at, b_at + tk * vl as usize),
-                    vl,
-                );
-                cmma::execute::<F, F, f32, f32>(&a, &b, o.index(t), o.index(t));
-            }
-        }
+        product_wb::<F>(
+            &o,
+            &sh,
+            pp_at,
+            v_at as usize,
+            pl,
+            vl,
+            c.value_dim,
+            c.block_k,
+            f,
+        );
         // Every plane is done with K, V and P before the next step stages over them.
         sync_cube();
     }
@@ -677,25 +807,20 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         lse[at] = row_lse(m, l, c);
     }
     let inv = inverse_sum(output_sum(m, l, c));
-    let o_base = group.offset(out, row);
-    #[unroll]
-    for t in 0..o_frags {
-        cmma::store(
-            &mut ss.slice_mut(s_at, s_end),
-            o.index(t),
-            sl,
-            MatrixLayout::RowMajor,
-        );
-        sync_plane();
-        #[unroll]
-        for i in 0..frag_cols {
-            let col = i * lanes as usize + cl;
-            let gcol = t * tn + col;
-            if row < rows && gcol < v_cols {
-                out[o_base + (col0 + gcol) * out.stride(3)] =
-                    F::cast_from(ss[s_at + r * sl as usize + col] * inv);
-            }
-        }
-        sync_plane();
-    }
+    let o_at = group.offset(out, row) + col0 * out.stride(3);
+    store_accumulators::<F>(
+        &o,
+        &mut ss,
+        out,
+        o_at,
+        row < rows,
+        v_cols,
+        inv,
+        s_at,
+        r,
+        cl,
+        sl,
+        c.value_dim,
+        f,
+    );
 }
