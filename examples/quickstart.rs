@@ -10,7 +10,9 @@
 //! - the fused softmax family, forward and backward.
 //!
 //! `cargo run --release --example quickstart` (or `cargo xtask demo`, which also installs a
-//! Vulkan driver if none is there).
+//! Vulkan driver if none is there); `-- --wgpu` takes wgpu even where CUDA runs. With
+//! `--features vulkan` on a GPU whose Vulkan driver has cooperative matrices, the f16 line names
+//! the cooperative-matrix kernel.
 
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
@@ -343,8 +345,10 @@ fn run_wgpu() {
 }
 
 fn main() {
+    // `--wgpu`: wgpu even where CUDA runs (a binary built with both shows the Vulkan path).
+    let wgpu_only = std::env::args().any(|a| a == "--wgpu");
     #[cfg(feature = "cuda")]
-    if try_cuda() {
+    if !wgpu_only && try_cuda() {
         return;
     }
     #[cfg(feature = "wgpu")]
