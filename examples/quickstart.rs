@@ -346,9 +346,8 @@ fn run_wgpu() {
 
 fn main() {
     // `--wgpu`: wgpu even where CUDA runs (a binary built with both shows the Vulkan path).
-    let wgpu_only = std::env::args().any(|a| a == "--wgpu");
     #[cfg(feature = "cuda")]
-    if !wgpu_only && try_cuda() {
+    if !std::env::args().any(|a| a == "--wgpu") && try_cuda() {
         return;
     }
     #[cfg(feature = "wgpu")]
