@@ -185,11 +185,7 @@ pub fn plan_attention_backward<R: Runtime>(
         );
         let wanted = options.kernel == Some(super::AttentionKernel::CooperativeMatrix)
             || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
-        let fits = cmma::fits(c, f)
-            && hw.max_units_per_cube >= cmma::PLANES * f.plane
-            && hw.max_shared_memory_size
-                >= cmma::dq_shared_bytes(c).max(cmma::dkv_shared_bytes(c, f));
-        (wanted && fits).then_some((f, c))
+        (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
     let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {
         (Some((f, c)), _) => (

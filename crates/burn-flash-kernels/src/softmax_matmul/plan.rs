@@ -313,13 +313,8 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     // accumulators' width.
     let cooperative = forward::cmma::fragment(client, dtype).and_then(|f| {
         let c = given(backward_cmma::tile(0, d3, f));
-        let hw = &client.properties().hardware;
-        let fits = backward_cmma::fits(c, f)
-            && hw.max_units_per_cube >= backward_cmma::PLANES * f.plane
-            && hw.max_shared_memory_size
-                >= backward_cmma::dq_shared_bytes(c).max(backward_cmma::dkv_shared_bytes(c, f));
-        (fits && matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. })))
-            .then_some((f, c))
+        let wanted = matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
+        (wanted && backward_cmma::runs(client, c, f)).then_some((f, c))
     });
     // Without rows, dV is zero: the flash schedule writes it.
     let path = if rows > 0 && matrix_units.is_none() {

@@ -83,6 +83,15 @@ pub fn dkv_shared_bytes(c: FlashConfig, f: Fragment) -> usize {
     (first.max(step) * 2 + keys * (STEP + S_PAD) * 4) as usize
 }
 
+/// Whether the device of `client` runs the cooperative-matrix backward for `c` on `f`: the
+/// kernels take `c` ([`fits`]) and the device has their units and shared memory.
+pub fn runs<R: Runtime>(client: &ComputeClient<R>, c: FlashConfig, f: Fragment) -> bool {
+    let hw = &client.properties().hardware;
+    fits(c, f)
+        && hw.max_units_per_cube >= PLANES * f.plane
+        && hw.max_shared_memory_size >= dq_shared_bytes(c).max(dkv_shared_bytes(c, f))
+}
+
 /// Whether the cooperative-matrix backward takes `c` on `f`: head dims up to [`MAX_DIM`] in
 /// whole fragments, [`STEP`] a whole number of fragments and of lanes per row.
 pub fn fits(c: FlashConfig, f: Fragment) -> bool {
