@@ -894,9 +894,9 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_un
         .expect("plans")
         .path;
         // A device without `mma` that offers cooperative matrices for the dtype (NVIDIA's
-        // Vulkan driver through SPIR-V) takes them for every 16-bit case, any d3 (column
-        // tiles of `dV`, chunks of `dP`).
+        // Vulkan driver through SPIR-V) takes them for every 16-bit case with d3 up to 128.
         let cooperative = !matrix_units
+            && d3 <= 128
             && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s).is_some();
         let want = if cooperative {
             P::CooperativeMatrix

@@ -49,9 +49,6 @@ pub enum Mutation {
     KeepFragments,
     /// `zero-dk`: the cooperative-matrix backward writes `dK = 0`.
     ZeroDk,
-    /// `first-dp-chunk`: the cooperative-matrix `dX` kernel of a wide `Dv` (given scores) sums
-    /// `dP` over its first column chunk only.
-    FirstDpChunk,
 }
 
 impl Mutation {
@@ -71,7 +68,6 @@ impl Mutation {
             Self::DxNarrowBlocks => "dx-narrow-blocks",
             Self::KeepFragments => "keep-fragments",
             Self::ZeroDk => "zero-dk",
-            Self::FirstDpChunk => "first-dp-chunk",
         }
     }
 }
@@ -103,11 +99,10 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DxNarrowBlocks,
             Mutation::KeepFragments,
             Mutation::ZeroDk,
-            Mutation::FirstDpChunk,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, first-dp-chunk"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -191,9 +186,4 @@ pub fn keep_fragments() -> bool {
 /// [`Mutation::ZeroDk`] is active.
 pub fn zero_dk() -> bool {
     active(Mutation::ZeroDk)
-}
-
-/// [`Mutation::FirstDpChunk`] is active.
-pub fn first_dp_chunk() -> bool {
-    active(Mutation::FirstDpChunk)
 }

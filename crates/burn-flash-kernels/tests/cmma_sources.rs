@@ -65,8 +65,6 @@ enum Which {
     Forward,
     BackwardDkv,
     BackwardDq,
-    /// The dX kernel of given scores wider than a column tile (`dP` summed over chunks).
-    BackwardDxWide,
 }
 
 /// The definition of a cooperative-matrix kernel for `c` on fragment `f`, in `dtype`, with
@@ -117,7 +115,7 @@ fn definition(
             )
             .define()
         }
-        Which::BackwardDq | Which::BackwardDxWide => {
+        Which::BackwardDq => {
             let settings =
                 KernelSettings::default().cube_dim(CubeDim::new_2d(f.plane, backward::PLANES));
             backward::flash_backward_dq_cmma::FlashBackwardDqCmma::<WgpuRuntime>::new(
@@ -132,7 +130,6 @@ fn definition(
                 c,
                 f,
                 c.fills() || c.given(),
-                matches!(which, Which::BackwardDxWide),
                 dtype,
             )
             .define()
@@ -180,15 +177,9 @@ fn rule_sets(source: ScoreSource) -> Vec<ScoreRules> {
 
 /// Every configuration a plan can compile on fragment `f`: both score sources, each rule set;
 /// forward: head dims from 16 to 256 (`D ≠ Dv` included), 16 to 128 rows per cube and 16 to 64
-/// keys per step (the plans' defaults and fall-backs); backward: head dims up to 128, and the
-/// given scores' column tile for a wider `Dv`.
+/// keys per step (the plans' defaults and fall-backs); backward: head dims up to 128.
 fn variants(which: Which, f: Fragment) -> Vec<FlashConfig> {
     let mut out = Vec::new();
-    if matches!(which, Which::BackwardDxWide) {
-        let tile = backward::tile(0, backward::GIVEN_COL_TILE as usize, f);
-        out.push(FlashConfig::new(ScoreSource::Given, ScoreRules::NONE, tile));
-        return out;
-    }
     if !matches!(which, Which::Forward) {
         for source in [ScoreSource::QueryKey, ScoreSource::Given] {
             for rules in rule_sets(source) {
@@ -244,14 +235,9 @@ fn compile_all<C: Compiler>(
 ) -> usize {
     let addr = u32::as_type_native_unchecked().storage_type();
     let mut n = 0;
-    for (which, c) in [
-        Which::Forward,
-        Which::BackwardDkv,
-        Which::BackwardDq,
-        Which::BackwardDxWide,
-    ]
-    .into_iter()
-    .flat_map(|w| variants(w, f).into_iter().map(move |c| (w, c)))
+    for (which, c) in [Which::Forward, Which::BackwardDkv, Which::BackwardDq]
+        .into_iter()
+        .flat_map(|w| variants(w, f).into_iter().map(move |c| (w, c)))
     {
         // The widths a plan can pass ([`cmma::vector`]): dividing a lane's columns per step.
         let lane_cols = (c.block_k / f.lanes_per_row()) as usize;

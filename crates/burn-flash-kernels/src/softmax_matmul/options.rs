@@ -196,8 +196,7 @@ pub enum SmmBackwardPath {
     /// rows, `dO` and two steps of `V` in shared memory).
     MatrixUnits,
     /// Cooperative matrices ([`crate::flash::backward::cmma`]; f16/bf16 where cubecl's `cmma`
-    /// runs and no `mma` does — Vulkan through SPIR-V, Metal; any `d3`, in column tiles of
-    /// [`crate::flash::backward::cmma::GIVEN_COL_TILE`]).
+    /// runs and no `mma` does — Vulkan through SPIR-V, Metal — and `d3` up to 128).
     CooperativeMatrix,
     /// Plain units, register-tiled ([`crate::flash::backward::units_given`]: the core's
     /// given-score products, 128 × 128 outputs per cube; gradients of at least 65 × 65).

@@ -309,11 +309,10 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     let (y, z) = fold_pairs(pairs, client.properties().hardware.max_cube_count.1);
     let matrix_units = mma_backward_unavailable(client, dims, dtype, &[x, v, d_out]);
     let rows = batch * d1;
-    // Cooperative matrices where the device has them and no `mma`: `dV` in column tiles of
-    // `GIVEN_COL_TILE`, the `dX` kernel's `dP` summed over chunks of as many columns.
+    // Cooperative matrices where the device has them and no `mma`, for `d3` up to their
+    // accumulators' width.
     let cooperative = forward::cmma::fragment(client, dtype).and_then(|f| {
-        let tile = d3.min(backward_cmma::GIVEN_COL_TILE as usize);
-        let c = given(backward_cmma::tile(0, tile, f));
+        let c = given(backward_cmma::tile(0, d3, f));
         let wanted = matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && backward_cmma::runs(client, c, f)).then_some((f, c))
     });
@@ -344,8 +343,7 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
             let (f, c) = cooperative.expect("the path was picked with them");
             (
                 c,
-                d2.div_ceil(backward_cmma::block_keys(f) as usize)
-                    * d3.div_ceil(c.value_dim as usize),
+                d2.div_ceil(backward_cmma::block_keys(f) as usize),
                 (group * d1).div_ceil(c.block_q as usize),
             )
         }

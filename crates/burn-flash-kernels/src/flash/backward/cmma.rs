@@ -10,15 +10,11 @@
 //!   `A` fragments. It loops over the query rows of the head's group in steps of [`STEP`]
 //!   (rows above a causal diagonal skipped), computes the transposed scores `Sᵀ = K·Qᵀ` and
 //!   `dPᵀ = V·dOᵀ`, and accumulates `dV += (P ⊙ Z)ᵀ·dO` and `dK += dRᵀ·Q` (given scores:
-//!   `Sᵀ` read from `X`, no `dK` and so no `dPᵀ`; `dV` in column tiles of [`GIVEN_COL_TILE`],
-//!   one per cube);
+//!   `Sᵀ` read from `X`, no `dK` and so no `dPᵀ`);
 //! - [`flash_backward_dq_cmma()`]: one cube per block of `PLANES·m` query rows; plane `p` owns
 //!   rows `p·m ..` and keeps their `Q` and `dO` rows as `A` fragments; it loops over the keys
 //!   the rows see in steps of [`STEP`], computes `S = Q·Kᵀ` and `dP = dO·Vᵀ`, writes `dS`
-//!   where asked (a tracked bias; given scores: `dX`) and accumulates `dQ += dR·K`. Given
-//!   scores with `Dv` wider than [`GIVEN_COL_TILE`] (`wide`): `dP` is summed over chunks of
-//!   that many columns, each step staging a chunk of `dO` and of `V` (the `dO` rows of all of
-//!   `Dv` do not fit in shared memory).
+//!   where asked (a tracked bias; given scores: `dX`) and accumulates `dQ += dR·K`.
 //!
 //! Lane `λ` of a plane works on row `λ / L` of the plane's tiles (`L` lanes per row) and on
 //! the columns `L·g + λ mod L`. The streamed operands of a step are loaded into registers
@@ -47,10 +43,6 @@ pub const PLANES: u32 = 4;
 pub const STEP: u32 = 32;
 /// The widest `D` and `Dv` (their accumulators and `A` fragments stay in registers).
 pub const MAX_DIM: u32 = 128;
-/// Given scores (`softmax_matmul`, any `Dv`): the columns of `dV` one cube of the dK/dV kernel
-/// holds, and the chunk of `Dv` the dX kernel sums `dP` over. The configuration's `value_dim`
-/// is at most this; `Dv` itself comes from the tensors.
-pub const GIVEN_COL_TILE: u32 = MAX_DIM;
 
 /// The dQ kernel's configuration tile on fragment `f`: `PLANES·m` rows per cube, [`STEP`] keys
 /// per step, `D`, `Dv` rounded up to the fragment.
@@ -70,20 +62,16 @@ pub fn block_keys(f: Fragment) -> u32 {
 }
 
 /// Shared memory of the dQ kernel for `c` (16-bit operands), in bytes: the `Q` and `dO` tiles
-/// staged once, then a step's `K` and `V` blocks and the planes' `dR` tiles (`wide`: a step's
-/// chunks of `V` and `dO`); the f32 bounce tiles.
-pub fn dq_shared_bytes(c: FlashConfig, wide: bool) -> usize {
-    (dq_shared_len(c, wide) * 2 + c.block_q * (STEP + S_PAD) * 4) as usize
+/// staged once, then a step's `K` and `V` blocks and the planes' `dR` tiles; the f32 bounce
+/// tiles.
+pub fn dq_shared_bytes(c: FlashConfig) -> usize {
+    (dq_shared_len(c) * 2 + c.block_q * (STEP + S_PAD) * 4) as usize
 }
 
 /// [`dq_shared_bytes`]' 16-bit elements.
-fn dq_shared_len(c: FlashConfig, wide: bool) -> u32 {
+fn dq_shared_len(c: FlashConfig) -> u32 {
     let (dl, vl, wl) = (c.head_dim + PAD, c.value_dim + PAD, STEP + PAD);
-    if wide {
-        STEP * (dl + vl) + c.block_q * vl
-    } else {
-        (c.block_q * (dl + vl)).max(STEP * (dl + vl) + c.block_q * wl)
-    }
+    (c.block_q * (dl + vl)).max(STEP * (dl + vl) + c.block_q * wl)
 }
 
 /// Shared memory of the dK/dV kernel for `c` (the dQ kernel's config) on fragment `f`, in bytes:
@@ -111,7 +99,7 @@ pub fn runs<R: Runtime>(client: &ComputeClient<R>, c: FlashConfig, f: Fragment) 
     let hw = &client.properties().hardware;
     fits(c, f)
         && hw.max_units_per_cube >= PLANES * f.plane
-        && hw.max_shared_memory_size >= dq_shared_bytes(c, c.given()).max(dkv_shared_bytes(c, f))
+        && hw.max_shared_memory_size >= dq_shared_bytes(c).max(dkv_shared_bytes(c, f))
 }
 
 /// Whether the cooperative-matrix backward takes `c` on `f`: head dims up to [`MAX_DIM`] in
@@ -249,9 +237,9 @@ fn weight<F: Float>(
     w
 }
 
-/// `dK` and `dV` of one block of `PLANES·m` keys (module docs); given scores: `dV` alone, one
-/// column tile of `c.value_dim` of it per cube. `c` is the dQ kernel's configuration. Grid:
-/// `(key blocks (given: times column tiles), y, z)`, `y·z ≥ B·Hkv`; `(plane, PLANES)` units.
+/// `dK` and `dV` of one block of `PLANES·m` keys (module docs); given scores: `dV` alone.
+/// `c` is the dQ kernel's configuration. Grid: `(key blocks, y, z)`, `y·z ≥ B·Hkv`;
+/// `(plane, PLANES)` units.
 #[cube(launch_unchecked)]
 // A comptime `if` stays apart from the runtime one inside it.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -297,13 +285,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     let lane = UNIT_POS_X as usize;
     let r = lane / lanes as usize;
     let cl = lane % lanes as usize;
-    // Given scores: the cube's column tile `c0 ..` of `dV` (and `dO`).
-    let mut col_tiles = 1usize;
-    if comptime!(given) {
-        col_tiles = value_dim.div_ceil(comptime!(c.value_dim as usize));
-    }
-    let j0 = (CUBE_POS_X as usize / col_tiles) * keys_n as usize;
-    let c0 = (CUBE_POS_X as usize % col_tiles) * comptime!(c.value_dim as usize);
+    let j0 = CUBE_POS_X as usize * keys_n as usize;
     let key = j0 + plane * f.m as usize + r;
     let s_at = plane * f.m as usize * sl as usize;
     let pw_at = w_at + plane * f.m as usize * wl as usize;
@@ -404,8 +386,8 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                 &mut sh,
                 &group,
                 r0,
-                c0,
-                value_dim - c0,
+                0,
+                value_dim,
                 comptime!(o_at as u32),
                 vl,
                 STEP,
@@ -513,14 +495,14 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             &acc_dk, &mut ss, dk, dk_at, key_ok, head_dim, scale, s_at, r, cl, sl, c.head_dim, f,
         );
     }
-    let dv_at = batch * dv.stride(0) + hkv * dv.stride(1) + kk * dv.stride(2) + c0 * dv.stride(3);
+    let dv_at = batch * dv.stride(0) + hkv * dv.stride(1) + kk * dv.stride(2);
     store_accumulators::<F>(
         &acc_dv,
         &mut ss,
         dv,
         dv_at,
         key_ok,
-        value_dim - c0,
+        value_dim,
         1.0f32,
         s_at,
         r,
@@ -533,9 +515,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
 
 /// `dQ` of one block of `PLANES·m` query rows (module docs), and with `write_ds` the score
 /// gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`; with given scores, `dX`,
-/// and no `dQ`). `wide` (given scores, `Dv` > `c.value_dim`): `dP` summed over chunks of
-/// `c.value_dim` columns. Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`;
-/// `(plane, PLANES)` units.
+/// and no `dQ`). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; `(plane, PLANES)` units.
 #[cube(launch_unchecked)]
 // A comptime `if` stays apart from the runtime one inside it.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
@@ -548,7 +528,6 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     #[comptime] c: FlashConfig,
     #[comptime] f: Fragment,
     #[comptime] write_ds: bool,
-    #[comptime] wide: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let (q, k, v, d_out) = (&inputs.q, &inputs.k, &inputs.v, &grads.d_out);
@@ -566,12 +545,11 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
         STEP + PAD,
         STEP + S_PAD
     ));
-    // Before the loop: `Q` at 0, `dO` after it. Step tiles: `K` at 0, `V`, the planes' `dR`
-    // (`wide`: the chunk of `dO`).
+    // Before the loop: `Q` at 0, `dO` after it. Step tiles: `K` at 0, `V`, the planes' `dR`.
     let o_at = comptime!(c.block_q * dl) as usize;
     let v_at = comptime!(STEP * dl);
     let w_at = comptime!(STEP * (dl + vl)) as usize;
-    let len = comptime!(dq_shared_len(c, wide) as usize);
+    let len = comptime!(dq_shared_len(c) as usize);
     let bk = STEP as usize;
 
     let blk = pair_block(q, k, v, c);
@@ -606,36 +584,33 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let mut sh = SharedMemory::<F>::new_aligned(len, 32usize);
     let mut ss = SharedMemory::<f32>::new_aligned(comptime!((c.block_q * sl) as usize), 32usize);
 
-    // The block's `Q` and `dO` rows, once, as the planes' `A` fragments (`wide`: neither).
+    // The block's `Q` and `dO` rows, once, as the planes' `A` fragments.
     if comptime!(!given) {
         stage_group_rows::<F, NV>(
             q, &mut sh, &group, r0, 0, head_dim, 0u32, dl, c.block_q, c.head_dim, units,
         );
     }
-    if comptime!(!wide) {
-        stage_group_rows::<F, NV>(
-            d_out,
-            &mut sh,
-            &group,
-            r0,
-            0,
-            value_dim,
-            comptime!(c.block_q * dl),
-            vl,
-            c.block_q,
-            c.value_dim,
-            units,
-        );
-    }
+    stage_group_rows::<F, NV>(
+        d_out,
+        &mut sh,
+        &group,
+        r0,
+        0,
+        value_dim,
+        comptime!(c.block_q * dl),
+        vl,
+        c.block_q,
+        c.value_dim,
+        units,
+    );
     sync_cube();
     let q_width = comptime!(if given { 0 } else { c.head_dim });
-    let o_width = comptime!(if wide { 0 } else { c.value_dim });
     let qf = a_fragments::<F>(&sh, plane * f.m as usize * dl as usize, dl, q_width, f);
     let of = a_fragments::<F>(
         &sh,
         o_at + plane * f.m as usize * vl as usize,
         vl,
-        o_width,
+        c.value_dim,
         f,
     );
     sync_cube();
@@ -671,38 +646,36 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let steps = kv_end.div_ceil(bk);
     for st in 0..steps {
         let j0 = st * bk;
-        if comptime!(!wide) {
+        if comptime!(!given) {
+            store_rows::<F, NV>(&pre_k, &mut sh, 0u32, dl, STEP, c.head_dim, units);
+        }
+        store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, STEP, c.value_dim, units);
+        sync_cube();
+        if st + 1 < steps {
             if comptime!(!given) {
-                store_rows::<F, NV>(&pre_k, &mut sh, 0u32, dl, STEP, c.head_dim, units);
-            }
-            store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, STEP, c.value_dim, units);
-            sync_cube();
-            if st + 1 < steps {
-                if comptime!(!given) {
-                    load_rows::<F, NV>(
-                        k,
-                        &mut pre_k,
-                        k_base,
-                        j0 + bk,
-                        kv_end,
-                        head_dim,
-                        STEP,
-                        c.head_dim,
-                        units,
-                    );
-                }
                 load_rows::<F, NV>(
-                    v,
-                    &mut pre_v,
-                    v_base,
+                    k,
+                    &mut pre_k,
+                    k_base,
                     j0 + bk,
                     kv_end,
-                    value_dim,
+                    head_dim,
                     STEP,
-                    c.value_dim,
+                    c.head_dim,
                     units,
                 );
             }
+            load_rows::<F, NV>(
+                v,
+                &mut pre_v,
+                v_base,
+                j0 + bk,
+                kv_end,
+                value_dim,
+                STEP,
+                c.value_dim,
+                units,
+            );
         }
 
         // -- S = Q·Kᵀ (given: `X`) --
@@ -732,105 +705,18 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
             sync_plane();
         }
         // -- dP = dO·Vᵀ --
-        if comptime!(wide) {
-            // Chunks of `c.value_dim` columns: the chunk's `V` rows (loaded into registers
-            // during the chunk before) and `dO` rows, their product added up per lane.
-            let tile = comptime!(c.value_dim as usize);
-            let mut chunks = value_dim.div_ceil(tile);
-            if comptime!(crate::mutation::first_dp_chunk()) {
-                chunks = 1;
-            }
-            let mut dp_sum = Array::<f32>::new(n_l);
-            #[unroll]
-            for at in 0..n_l {
-                dp_sum[at] = 0.0f32;
-            }
-            for ch in 0..chunks {
-                let c0 = ch * tile;
-                store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, STEP, c.value_dim, units);
-                stage_group_rows::<F, NV>(
-                    d_out,
-                    &mut sh,
-                    &group,
-                    r0,
-                    c0,
-                    value_dim - c0,
-                    comptime!(w_at as u32),
-                    vl,
-                    c.block_q,
-                    c.value_dim,
-                    units,
-                );
-                sync_cube();
-                let last = ch + 1 == chunks;
-                if !last || st + 1 < steps {
-                    let next_j0 = select(last, j0 + bk, j0);
-                    let next_c0 = select(last, 0usize, c0 + tile);
-                    load_rows::<F, NV>(
-                        v,
-                        &mut pre_v,
-                        v_base + next_c0 * v.stride(3),
-                        next_j0,
-                        kv_end,
-                        value_dim - next_c0,
-                        STEP,
-                        c.value_dim,
-                        units,
-                    );
-                }
-                let of_chunk = a_fragments::<F>(
-                    &sh,
-                    w_at + plane * f.m as usize * vl as usize,
-                    vl,
-                    c.value_dim,
-                    f,
-                );
-                product_abt::<F>(
-                    &of_chunk,
-                    &sh,
-                    &mut ss,
-                    v_at as usize,
-                    s_at,
-                    vl,
-                    sl,
-                    c.value_dim,
-                    STEP,
-                    f,
-                );
-                sync_plane();
-                #[unroll]
-                for gi in 0..groups {
-                    let first = (gi * lanes as usize + cl) * nv;
-                    #[unroll]
-                    for e in 0..nv {
-                        dp_sum[gi * nv + e] += ss[s_at + r * sl as usize + first + e];
-                    }
-                }
-                // Every plane is done with the chunk's tiles before the next is staged.
-                sync_cube();
-            }
-            #[unroll]
-            for gi in 0..groups {
-                let first = (gi * lanes as usize + cl) * nv;
-                #[unroll]
-                for e in 0..nv {
-                    ss[s_at + r * sl as usize + first + e] = dp_sum[gi * nv + e];
-                }
-            }
-        } else {
-            product_abt::<F>(
-                &of,
-                &sh,
-                &mut ss,
-                v_at as usize,
-                s_at,
-                vl,
-                sl,
-                c.value_dim,
-                STEP,
-                f,
-            );
-        }
+        product_abt::<F>(
+            &of,
+            &sh,
+            &mut ss,
+            v_at as usize,
+            s_at,
+            vl,
+            sl,
+            c.value_dim,
+            STEP,
+            f,
+        );
         sync_plane();
         // -- dS (written where asked), dR into the plane's tile --
         #[unroll]
@@ -896,9 +782,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
 /// # Safety
 /// The operands' shapes and strides describe their buffers; `vector` divides the rows and
 /// strides of `q` (given: `X`), `k`, `v` and `d_out` and `STEP / lanes`; the device offers a
-/// fragment for `dtype` ([`fragment`]) on which `c` fits ([`fits`]); the grids are the kernels'
-/// (key blocks, times `Dv`'s column tiles of `c.value_dim` for given scores; row blocks of
-/// `c.block_q`).
+/// fragment for `dtype` ([`fragment`]) on which `c` fits ([`fits`]); the grids are the kernels'.
 pub unsafe fn launch<R: Runtime>(
     l: &BackwardLaunch<'_, R>,
     scalars: Scalars,
@@ -910,7 +794,6 @@ pub unsafe fn launch<R: Runtime>(
     let f = fragment(client, dtype)
         .expect("a plan picks the cooperative matrices only where they exist");
     let dim = cubecl::CubeDim::new_2d(f.plane, PLANES);
-    let wide = c.given() && t.v.shape[3] > c.value_dim as usize;
     // SAFETY: the caller's (above).
     unsafe {
         if let Some(cubes) = l.dkv_cubes {
@@ -943,7 +826,6 @@ pub unsafe fn launch<R: Runtime>(
                 c,
                 f,
                 write_ds,
-                wide,
                 dtype,
             );
         }
