@@ -10,6 +10,8 @@
 //! - [`tensor`]: what every launch takes ([`tensor::TensorRef`]) and checks first (the dtype);
 //! - [`cache`]: the compilation cache burn-flash turns on (where it lives, how to clear it);
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
+//! - `hopper` (feature `cuda`): hand-written CUDA for sm_90 launched through cubecl's client
+//!   (issue 35; so far the door: a TMA bulk copy completed on an `mbarrier`);
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
 //!   helpers, `cp.async` double buffering); [`tiling`]: the register-tiled product of the
 //!   plain-unit kernels.
@@ -29,6 +31,8 @@ pub mod dropout;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod fragment;
+#[cfg(feature = "cuda")]
+pub mod hopper;
 pub mod mutation;
 // `#[cube]` expands every function into undocumented helper items.
 pub mod softmax;

@@ -49,6 +49,9 @@ pub enum Mutation {
     KeepFragments,
     /// `zero-dk`: the cooperative-matrix backward writes `dK = 0`.
     ZeroDk,
+    /// `wgmma-strides`: the hand-written `wgmma` kernel (`hopper::door`) swaps its descriptors'
+    /// leading and stride byte offsets.
+    WgmmaStrides,
 }
 
 impl Mutation {
@@ -68,6 +71,7 @@ impl Mutation {
             Self::DxNarrowBlocks => "dx-narrow-blocks",
             Self::KeepFragments => "keep-fragments",
             Self::ZeroDk => "zero-dk",
+            Self::WgmmaStrides => "wgmma-strides",
         }
     }
 }
@@ -99,10 +103,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DxNarrowBlocks,
             Mutation::KeepFragments,
             Mutation::ZeroDk,
+            Mutation::WgmmaStrides,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -186,4 +191,9 @@ pub fn keep_fragments() -> bool {
 /// [`Mutation::ZeroDk`] is active.
 pub fn zero_dk() -> bool {
     active(Mutation::ZeroDk)
+}
+
+/// [`Mutation::WgmmaStrides`] is active.
+pub fn wgmma_strides() -> bool {
+    active(Mutation::WgmmaStrides)
 }

@@ -1,0 +1,54 @@
+//! Hand-written CUDA for Hopper (sm_90), launched through cubecl's own client (issue 35): the
+//! instructions a `#[cube]` kernel cannot issue — `wgmma`, TMA bulk copies, `mbarrier`,
+//! `setmaxnreg`, `elect.sync` — written as CUDA C++ with inline PTX and compiled by the same
+//! NVRTC, cache, streams and memory pools as every other Burn op.
+//!
+//! How (cubecl 0.10, read from `cubecl-cuda/src/compute/context.rs` and
+//! `cubecl-runtime/src/kernel.rs`):
+//! - a [`task::HandWritten`] is a `CubeTask<CudaCompiler>`: its `compile` returns a
+//!   `CompiledKernel` whose `source` is ours and whose `entrypoint_name` names our
+//!   `extern "C" __global__` function. NVRTC compiles it for `sm_{major}{minor}a` (so `sm_90a`
+//!   on H100/H200, where `wgmma` and `setmaxnreg` exist);
+//! - the context reads one thing from the kernel's `repr`: its dynamic shared memory, which
+//!   [`task::HandWritten`] takes from a `#[cube]` shell kernel that allocates exactly that many
+//!   bytes (the shell is compiled, never launched);
+//! - the launch passes the buffers in the order pushed, then one by-value struct holding the
+//!   scalars (`MetadataBindingInfo` with no dynamic part): the hand-written signature is
+//!   `(T* buffer_0, …, const __grid_constant__ Params p)`;
+//! - the `KernelId` carries the source's hash, the entry point, the block and the shared
+//!   memory, so that cubecl's in-memory and on-disk caches never mix two sources.
+//!
+//! Clusters come only from `__cluster_dims__` in the source (the launch is a plain
+//! `cuLaunchKernel`). Every Hopper-only instruction sits under `__CUDA_ARCH_FEAT_SM90_ALL`,
+//! since NVRTC gets `sm_100a` on Blackwell, which has no `wgmma`; the host checks the device
+//! first ([`sm90`]).
+//!
+//! [`door`]: the first kernel through this path — a TMA bulk copy into shared memory completed
+//! on an `mbarrier`, `elect.sync`, and a flag that says the sm_90a features were compiled in.
+
+pub mod door;
+pub mod task;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::ir::features::Tma;
+use cubecl::prelude::ComputeClient;
+
+/// Whether the device of `client` is a Hopper GPU (compute capability 9.x): it registers TMA
+/// (sm_90 and later) but not the wide im2col mode of sm_100.
+pub fn sm90(client: &ComputeClient<CudaRuntime>) -> bool {
+    let tma = client.properties().features.tma;
+    tma.contains(Tma::Base) && !tma.contains(Tma::Im2colWide)
+}
+
+/// FNV-1a of `text`, at compile time: a hand-written source's identity in its `KernelId`.
+pub const fn source_hash(text: &str) -> u64 {
+    let bytes = text.as_bytes();
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < bytes.len() {
+        hash ^= bytes[i] as u64;
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    hash
+}

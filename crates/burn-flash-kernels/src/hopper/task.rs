@@ -1,0 +1,132 @@
+//! [`HandWritten`]: a CUDA C++ source of ours as a cubecl kernel (the module docs of
+//! [`crate::hopper`] give the contract).
+
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::prelude::*;
+use cubecl::server::{KernelArguments, MetadataBindingInfo};
+use cubecl::{CompilationError, Compiler, CubeTask};
+
+/// The `#[cube]` shell whose compiled form gives a hand-written kernel its `repr`: it allocates
+/// `words` 32-bit words of shared memory (touched, so that the optimiser keeps them), which is
+/// what cubecl-cuda reads from the `repr` (the dynamic shared memory of the launch). Compiled,
+/// never launched.
+#[cube(launch_unchecked)]
+fn shared_memory_shell(out: &mut Array<u32>, #[comptime] words: usize) {
+    let mut smem = SharedMemory::<u32>::new(words);
+    smem[UNIT_POS as usize] = UNIT_POS;
+    sync_cube();
+    out[UNIT_POS as usize] = smem[(UNIT_POS as usize + 1) % words];
+}
+
+/// A hand-written kernel: `source` (CUDA C++, inline PTX allowed) with the entry point `entry`
+/// (`extern "C" __global__`), launched with `cube_dim` threads per block and `shared_bytes` of
+/// dynamic shared memory (a multiple of 4).
+pub struct HandWritten {
+    /// The CUDA C++ source.
+    pub source: &'static str,
+    /// Its `extern "C" __global__` function.
+    pub entry: &'static str,
+    /// Threads per block.
+    pub cube_dim: CubeDim,
+    /// Dynamic shared memory, bytes.
+    pub shared_bytes: usize,
+    /// Whatever else selects the compiled code (template constants written into `source` are
+    /// covered by its hash); part of the `KernelId`.
+    pub variant: u64,
+    client: ComputeClient<CudaRuntime>,
+}
+
+impl HandWritten {
+    /// The kernel `entry` of `source` for `client`'s device.
+    pub fn new(
+        client: &ComputeClient<CudaRuntime>,
+        source: &'static str,
+        entry: &'static str,
+        cube_dim: CubeDim,
+        shared_bytes: usize,
+        variant: u64,
+    ) -> Self {
+        Self {
+            source,
+            entry,
+            cube_dim,
+            shared_bytes,
+            variant,
+            client: client.clone(),
+        }
+    }
+
+    /// Launches the kernel on `count` blocks with `buffers` (in the order of the kernel's
+    /// pointer parameters) and `params` (the bytes of its by-value parameter struct, as
+    /// little-endian `u64` words).
+    ///
+    /// # Safety
+    /// The kernel reads and writes only inside `buffers` for these `params` and `count`.
+    pub unsafe fn launch(
+        self,
+        count: CubeCount,
+        buffers: Vec<cubecl::server::Binding>,
+        params: Vec<u64>,
+    ) {
+        let client = self.client.clone();
+        let words = params.len();
+        let args = KernelArguments::new()
+            .with_buffers(buffers)
+            .with_info(MetadataBindingInfo::new(params, words));
+        // SAFETY: the caller's.
+        unsafe { client.launch_unchecked(Box::new(self), count, args) }
+    }
+}
+
+impl KernelMetadata for HandWritten {
+    fn name(&self) -> &'static str {
+        self.entry
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>()
+            .cube_dim(self.cube_dim)
+            .address_type(AddressType::U32)
+            .info((
+                self.entry,
+                super::source_hash(self.source),
+                self.shared_bytes,
+                self.variant,
+            ))
+    }
+
+    fn address_type(&self) -> StorageType {
+        AddressType::U32.unsigned_type()
+    }
+}
+
+impl CubeTask<CudaCompiler> for HandWritten {
+    fn compile(
+        &self,
+        compiler: &mut CudaCompiler,
+        options: &<CudaCompiler as Compiler>::CompilationOptions,
+        mode: ExecutionMode,
+        address_type: StorageType,
+    ) -> Result<CompiledKernel<CudaCompiler>, CompilationError> {
+        let settings = KernelSettings::default()
+            .cube_dim(self.cube_dim)
+            .address_type(AddressType::U32);
+        let shell = shared_memory_shell::SharedMemoryShell::<CudaRuntime>::new(
+            settings,
+            self.client.clone(),
+            ArrayCompilationArg { inplace: None },
+            self.shared_bytes.div_ceil(4).max(1),
+        );
+        let mut kernel = KernelTask::<CudaCompiler, _>::new(shell).compile(
+            compiler,
+            options,
+            mode,
+            address_type,
+        )?;
+        kernel.source = self.source.to_string();
+        kernel.entrypoint_name = self.entry.to_string();
+        kernel.debug_name = Some(self.entry);
+        kernel.cube_dim = self.cube_dim;
+        Ok(kernel)
+    }
+}
