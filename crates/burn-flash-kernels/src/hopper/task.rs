@@ -33,6 +33,8 @@ pub struct HandWritten {
     /// Whatever else selects the compiled code (template constants written into `source` are
     /// covered by its hash); part of the `KernelId`.
     pub variant: u64,
+    /// [`super::source_hash`] of `source`, computed once here rather than in every `id()`.
+    source_hash: u64,
     client: ComputeClient<CudaRuntime>,
 }
 
@@ -52,6 +54,7 @@ impl HandWritten {
             cube_dim,
             shared_bytes,
             variant,
+            source_hash: super::source_hash(source),
             client: client.clone(),
         }
     }
@@ -89,7 +92,7 @@ impl KernelMetadata for HandWritten {
             .address_type(AddressType::U32)
             .info((
                 self.entry,
-                super::source_hash(self.source),
+                self.source_hash,
                 self.shared_bytes,
                 self.variant,
             ))
