@@ -52,6 +52,9 @@ pub enum Mutation {
     /// `wgmma-strides`: the hand-written `wgmma` kernel (`hopper::door`) swaps its descriptors'
     /// leading and stride byte offsets.
     WgmmaStrides,
+    /// `hopper-no-wait`: the Hopper forward's producer refills a `K`/`V` slot without waiting
+    /// for the consumers to release it (the pipeline's empty-barrier waits dropped).
+    HopperNoWait,
 }
 
 impl Mutation {
@@ -72,6 +75,7 @@ impl Mutation {
             Self::KeepFragments => "keep-fragments",
             Self::ZeroDk => "zero-dk",
             Self::WgmmaStrides => "wgmma-strides",
+            Self::HopperNoWait => "hopper-no-wait",
         }
     }
 }
@@ -104,10 +108,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::KeepFragments,
             Mutation::ZeroDk,
             Mutation::WgmmaStrides,
+            Mutation::HopperNoWait,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -196,4 +201,9 @@ pub fn zero_dk() -> bool {
 /// [`Mutation::WgmmaStrides`] is active.
 pub fn wgmma_strides() -> bool {
     active(Mutation::WgmmaStrides)
+}
+
+/// [`Mutation::HopperNoWait`] is active.
+pub fn hopper_no_wait() -> bool {
+    active(Mutation::HopperNoWait)
 }

@@ -30,7 +30,7 @@ use core::fmt;
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use crate::dropout::DropoutParams;
-use crate::flash::forward::{cmma, launch_forward, mma, tiled, units};
+use crate::flash::forward::{cmma, hopper, launch_forward, mma, tiled, units};
 use crate::flash::{
     FlashConfig, FlashKernel, FlashTensors, Scalars, ScoreRules, ScoreSource, Tile,
 };
@@ -60,17 +60,49 @@ pub enum AttentionKernel {
     /// where the device offers them ([`cmma::fragment`]) — Vulkan through SPIR-V, Metal, and
     /// CUDA's `wmma` when forced.
     CooperativeMatrix,
+    /// [`hopper`]: f16/bf16 on Hopper GPUs (sm_90) with TMA, `wgmma` and warp specialisation
+    /// (FlashAttention-3's schedule), hand-written CUDA (CUDA builds only; what it takes:
+    /// [`hopper::unavailable`]).
+    Hopper,
 }
 
-impl From<AttentionKernel> for FlashKernel {
-    fn from(kernel: AttentionKernel) -> Self {
-        match kernel {
-            AttentionKernel::Units => Self::Units,
-            AttentionKernel::Tiled => Self::Tiled,
-            AttentionKernel::MatrixUnits => Self::MatrixUnits,
-            AttentionKernel::CooperativeMatrix => Self::CooperativeMatrix,
+impl AttentionKernel {
+    /// The `#[cube]` forward loop of this kernel (`None`: the hand-written Hopper kernel).
+    fn flash_kernel(self) -> Option<FlashKernel> {
+        match self {
+            Self::Units => Some(FlashKernel::Units),
+            Self::Tiled => Some(FlashKernel::Tiled),
+            Self::MatrixUnits => Some(FlashKernel::MatrixUnits),
+            Self::CooperativeMatrix => Some(FlashKernel::CooperativeMatrix),
+            Self::Hopper => None,
         }
     }
+}
+
+/// Why the Hopper forward cannot run this call on `client`'s device (`None`: it can).
+fn hopper_unavailable<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    let sm90 = cuda_client(client).is_some_and(crate::hopper::sm90);
+    #[cfg(not(feature = "cuda"))]
+    let sm90 = {
+        let _ = client;
+        false
+    };
+    hopper::unavailable(sm90, dims, dtype, features, options)
+}
+
+/// `client` as a CUDA client, where its runtime is CUDA.
+#[cfg(feature = "cuda")]
+fn cuda_client<R: Runtime>(
+    client: &ComputeClient<R>,
+) -> Option<&ComputeClient<cubecl::cuda::CudaRuntime>> {
+    (client as &dyn core::any::Any).downcast_ref()
 }
 
 /// What the scores are made of, and overrides of the host heuristic.
@@ -288,6 +320,13 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
     })
 }
 
+/// Whether each buffer starts on 16 bytes, as 16-byte row loads (and TMA) need.
+pub fn starts_aligned(tensors: &[&TensorRef<'_>]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.handle.offset_start.unwrap_or(0).is_multiple_of(16))
+}
+
 /// Checks what every attention plan needs, forward and backward: a float type the device
 /// runs, `Hkv` dividing `Hq`, head dims in `1..=`[`MAX_HEAD_DIM`], finite options.
 pub fn validate<R: Runtime>(
@@ -351,7 +390,14 @@ pub fn plan_attention<R: Runtime>(
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
+    let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
     let kernel = match (options.kernel, matrix_units) {
+        (Some(AttentionKernel::Hopper), _) if hopper_reason.is_some() => {
+            return Err(unavailable(
+                AttentionKernel::Hopper,
+                hopper_reason.unwrap_or_default(),
+            ));
+        }
         (Some(AttentionKernel::Tiled), _) if options.dropout.is_some() => {
             return Err(unavailable(
                 AttentionKernel::Tiled,
@@ -370,6 +416,7 @@ pub fn plan_attention<R: Runtime>(
             ));
         }
         (Some(kernel), _) => kernel,
+        (None, None) if hopper_reason.is_none() => AttentionKernel::Hopper,
         (None, None) => AttentionKernel::MatrixUnits,
         (None, Some(MatrixUnitsUnavailable::NoMma { .. })) if coop.is_some() => {
             AttentionKernel::CooperativeMatrix
@@ -391,6 +438,10 @@ pub fn plan_attention<R: Runtime>(
             rules,
             mma_tile(head_dim, value_dim, options.block_k)?,
         ),
+        AttentionKernel::Hopper => {
+            fixed_block_k(options.block_k, hopper::BLOCK_K as u32, "the Hopper kernel")?;
+            FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims))
+        }
         AttentionKernel::CooperativeMatrix => {
             let f = coop.expect("checked above");
             let config = FlashConfig::new(
@@ -459,6 +510,7 @@ pub fn plan_attention<R: Runtime>(
             tiled::shared_bytes(config, tiled::planes(client)),
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
+        AttentionKernel::Hopper => (hopper::UNITS, hopper::shared_bytes(config)),
     };
     let hw = &client.properties().hardware;
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
@@ -477,9 +529,17 @@ pub fn plan_attention<R: Runtime>(
             .max(1),
         (dims.batch * dims.heads_kv).max(1),
     );
-    let cubes =
+    let cubes = if kernel == AttentionKernel::Hopper {
+        // One block per 128 query rows of each (query head, batch).
+        (
+            dims.seq_q.div_ceil(hopper::BLOCK_Q).max(1),
+            dims.heads_q,
+            dims.batch,
+        )
+    } else {
         crate::flash::block::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
-            .ok_or(AttentionError::TooLarge { cubes: unfolded })?;
+            .ok_or(AttentionError::TooLarge { cubes: unfolded })?
+    };
     Ok(AttentionPlan {
         kernel,
         config,
@@ -695,7 +755,7 @@ pub fn launch_attention<R: Runtime>(
             (k.shape, k.strides),
             (v.shape, v.strides),
             (out.shape, out.strides),
-        ]),
+        ]) && starts_aligned(&[&q, &k, &v, &out]),
         mask: mask.is_some(),
         bias: bias.is_some(),
     };
@@ -703,6 +763,17 @@ pub fn launch_attention<R: Runtime>(
     if dims.out_shape().contains(&0) {
         return Ok(plan);
     }
+    let Some(flash_kernel) = plan.kernel.flash_kernel() else {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = cuda_client(client) {
+            // SAFETY: the shapes were checked above and describe the buffers; the plan took
+            // the Hopper kernel, so `hopper::unavailable` found nothing against this call, and
+            // `aligned` includes the buffers' 16-byte starts.
+            unsafe { hopper::launch(cuda, &q, &k, &v, &out, &lse, dims, dtype, options) };
+            return Ok(plan);
+        }
+        unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+    };
     let count = CubeCount::Static(
         plan.cubes.0 as u32,
         plan.cubes.1 as u32,
@@ -747,7 +818,7 @@ pub fn launch_attention<R: Runtime>(
     unsafe {
         launch_forward(
             client,
-            plan.kernel.into(),
+            flash_kernel,
             count,
             dim,
             vector,

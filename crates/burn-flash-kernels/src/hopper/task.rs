@@ -20,10 +20,13 @@ fn shared_memory_shell(out: &mut Array<u32>, #[comptime] words: usize) {
 
 /// A hand-written kernel: `source` (CUDA C++, inline PTX allowed) with the entry point `entry`
 /// (`extern "C" __global__`), launched with `cube_dim` threads per block and `shared_bytes` of
-/// dynamic shared memory (a multiple of 4).
+/// dynamic shared memory (a multiple of 4). A variant's `#define`s go in `defines`, compiled
+/// in front of `source`.
 pub struct HandWritten {
     /// The CUDA C++ source.
     pub source: &'static str,
+    /// Text compiled in front of `source` (a variant's `#define`s); part of the `KernelId`.
+    pub defines: String,
     /// Its `extern "C" __global__` function.
     pub entry: &'static str,
     /// Threads per block.
@@ -50,6 +53,7 @@ impl HandWritten {
     ) -> Self {
         Self {
             source,
+            defines: String::new(),
             entry,
             cube_dim,
             shared_bytes,
@@ -57,6 +61,13 @@ impl HandWritten {
             source_hash: super::source_hash(source),
             client: client.clone(),
         }
+    }
+
+    /// The same kernel compiled with `defines` in front of its source.
+    pub fn with_defines(mut self, defines: String) -> Self {
+        self.source_hash ^= super::source_hash(&defines).rotate_left(1);
+        self.defines = defines;
+        self
     }
 
     /// Launches the kernel on `count` blocks with `buffers` (in the order of the kernel's
@@ -71,9 +82,29 @@ impl HandWritten {
         buffers: Vec<cubecl::server::Binding>,
         params: Vec<u64>,
     ) {
+        // SAFETY: the caller's.
+        unsafe { self.launch_with_maps(count, Vec::new(), buffers, params) }
+    }
+
+    /// [`Self::launch`] with TMA tensor maps: the kernel takes the maps first (each a
+    /// `const __grid_constant__` 128-byte `CUtensorMap`, encoded by cubecl-cuda at launch from
+    /// the map's shape, strides, box and swizzle), then a pointer to each map's buffer, then
+    /// `buffers`, then the parameter struct.
+    ///
+    /// # Safety
+    /// The kernel reads and writes only inside the maps' boxes and `buffers` for these `params`
+    /// and `count`.
+    pub unsafe fn launch_with_maps(
+        self,
+        count: CubeCount,
+        maps: Vec<cubecl::server::TensorMapBinding>,
+        buffers: Vec<cubecl::server::Binding>,
+        params: Vec<u64>,
+    ) {
         let client = self.client.clone();
         let words = params.len();
         let args = KernelArguments::new()
+            .with_tensor_maps(maps)
             .with_buffers(buffers)
             .with_info(MetadataBindingInfo::new(params, words));
         // SAFETY: the caller's.
@@ -126,7 +157,7 @@ impl CubeTask<CudaCompiler> for HandWritten {
             mode,
             address_type,
         )?;
-        kernel.source = self.source.to_string();
+        kernel.source = format!("{}{}", self.defines, self.source);
         kernel.entrypoint_name = self.entry.to_string();
         kernel.debug_name = Some(self.entry);
         kernel.cube_dim = self.cube_dim;

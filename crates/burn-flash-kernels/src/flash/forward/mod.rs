@@ -10,7 +10,9 @@
 //! - [`units`]: plain units, every runtime and float type, f32 arithmetic, up to 64 × 64
 //!   outputs per cube;
 //! - [`tiled`]: the same on plain units with a register-tiled `P·V` (128 × 128 outputs per
-//!   cube, 8 × 8 per unit), for outputs of at least 65 × 65.
+//!   cube, 8 × 8 per unit), for outputs of at least 65 × 65;
+//! - [`hopper`]: attention only, hand-written CUDA for sm_90 (TMA, `wgmma`, warp
+//!   specialisation), launched through cubecl's client on CUDA builds.
 //!
 //! [`ScoreSource`]: crate::flash::ScoreSource
 //! [`ScoreSource::Given`]: crate::flash::ScoreSource::Given
@@ -19,6 +21,7 @@
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod cmma;
+pub mod hopper;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod mma;

@@ -1,0 +1,395 @@
+// Attention forward on Hopper (sm_90a): FlashAttention-3's schedule, written as CUDA C++ with
+// inline PTX (../../hopper/sm90.cuh) and launched through cubecl's client (hopper.rs).
+//
+// One block of 384 threads computes 128 query rows of one (batch, query head):
+// - warpgroup 0 is the producer: it gives its registers back (setmaxnreg) and one thread issues
+//   TMA loads: Q once, then K and V blocks of 128 keys into a ring of STAGES slots, each slot
+//   guarded by a "full" barrier (TMA transactions) and an "empty" barrier (the consumers);
+// - warpgroups 1 and 2 are the consumers, 64 rows each: S = Q·Kᵀ on `wgmma` with both operands
+//   in shared memory, the online softmax in registers, then O += P·V on `wgmma` with P taken
+//   from the registers that held S (the accumulator layout of a 64 × 16 slice is the A-operand
+//   layout of the next product) and V read N-major from shared memory;
+// - overlap, as FlashAttention-3: each consumer issues S for block j before O += P·V of block
+//   j − 1 and computes block j's softmax while that product runs (intra-warpgroup), and the two
+//   consumers take turns issuing their products (PINGPONG, named barriers 1 and 2), so that one
+//   warpgroup's softmax runs while the other's products hold the tensor cores.
+// Tiles are stored as the TMA writes them with 128-byte swizzling: 64-column atoms of 128 rows ×
+// 128 bytes, so D = 128 is two atoms, and D ≤ 64 one.
+//
+// The host prepends: WG_ELEM ("f16" | "bf16"), HEAD_DIM and VALUE_DIM (64 | 128, the head dims
+// rounded up; the columns past the real ones are read as zeros and never written), CAUSAL,
+// SOFTCAP (0 | 1).
+
+#define PINGPONG 1
+#define BLOCK_M 128
+#define BLOCK_N 128
+#define STAGES 2
+#define D_ATOMS (HEAD_DIM / 64)
+#define V_ATOMS (VALUE_DIM / 64)
+#define ATOM_BYTES (128 * 128)
+#define Q_BYTES (D_ATOMS * ATOM_BYTES)
+#define K_BYTES (D_ATOMS * ATOM_BYTES)
+#define V_BYTES (V_ATOMS * ATOM_BYTES)
+#define S_REGS (BLOCK_N / 2)
+#define O_REGS (VALUE_DIM / 2)
+
+#if VALUE_DIM == 128
+#define WGMMA_PV wgmma_rs_n128_tb
+#else
+#define WGMMA_PV wgmma_rs_n64_tb
+#endif
+
+// The scalars, in the order of the host's words (hopper.rs, `params`).
+struct FwdParams {
+    u64 out_stride_b, out_stride_h, out_stride_s;
+    u64 lse_stride_b, lse_stride_h, lse_stride_s;
+    u32 seq_q, seq_k;
+    u32 group, value_dim;
+    float scale_log2;    // scale · log2(e)
+    float cap_inv_scale; // scale / c (softcap)
+    float cap_log2;      // c · log2(e) (softcap)
+    u32 unused;
+};
+
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ void named_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
+__device__ __forceinline__ void turn_begin(u32 c) {
+#if PINGPONG
+    named_sync(1 + c, 256);
+#endif
+}
+
+__device__ __forceinline__ void turn_end(u32 c) {
+#if PINGPONG
+    named_arrive(2 - c, 256);
+#endif
+}
+
+// One arrival per consumer warp on an "empty" barrier, once the warp's products have read the
+// slot.
+__device__ __forceinline__ void release(u32 bar, u32 lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+}
+
+// S = Q·Kᵀ for consumer `c`'s 64 rows and the slot's 128 keys: HEAD_DIM / 16 steps of k16, each
+// 32 bytes further into a 128-byte swizzled row (a new atom every 64 columns).
+__device__ __forceinline__ void issue_qk(float (&sc)[S_REGS], u32 sq, u32 sk, u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 atom = kk / 4, within = (kk % 4) * 32;
+        const u64 da = desc_sw128(sq + atom * ATOM_BYTES + c * 64u * 128u + within, 16, 1024);
+        const u64 db = desc_sw128(sk + atom * ATOM_BYTES + within, 16, 1024);
+        wgmma_ss_n128(sc, da, db, kk > 0 ? 1u : 0u);
+    }
+}
+
+// O += P·V: BLOCK_N / 16 steps of 16 keys (2048 bytes of the slot each), V read N-major with
+// 64-column atoms ATOM_BYTES apart.
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[BLOCK_N / 16][4],
+                                         u32 sv) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const u64 db = desc_sw128(sv + kk * 16u * 128u, ATOM_BYTES, 1024);
+        WGMMA_PV(o, pa[kk], db, 1u);
+    }
+}
+
+// What the score rules of a thread's two rows need.
+struct ScoreRows {
+    int first_row, row0, diag, seq_k;
+    u32 lane;
+    float scale_log2, cap_inv_scale, cap_log2;
+};
+
+// Block j's scores into weights: the log2-domain scores (scale, softcap, keys past the end and
+// the causal mask at -inf), the new row maxima (4 lanes share a row), the factor `corr` that
+// rescales what came before (applied here to the row sums, by the caller to O), the weights.
+__device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)[2],
+                                               float (&l_r)[2], float (&corr)[2],
+                                               const ScoreRows& rows, int j) {
+    const int key0 = j * BLOCK_N;
+    bool edge = key0 + BLOCK_N > rows.seq_k;
+#if CAUSAL
+    edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag;
+#endif
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+#if SOFTCAP
+        float x = rows.cap_log2 * tanhf(sc[i] * rows.cap_inv_scale);
+#else
+        float x = sc[i] * rows.scale_log2;
+#endif
+        if (edge) {
+            const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
+            bool hidden = key >= rows.seq_k;
+#if CAUSAL
+            const int row = rows.row0 + 8 * ((i / 2) % 2);
+            hidden = hidden || key > row + rows.diag;
+#endif
+            if (hidden) x = NEG_INF;
+        }
+        sc[i] = x;
+    }
+    float mx[2] = {m_r[0], m_r[1]};
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], sc[i]);
+    float shift[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        // A row without a visible key so far keeps m = -inf and weights 0.
+        shift[r] = mx[r] == NEG_INF ? 0.0f : mx[r];
+        corr[r] = ex2(m_r[r] - shift[r]);
+        m_r[r] = mx[r];
+        l_r[r] *= corr[r];
+    }
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        const float w = ex2(sc[i] - shift[(i / 2) % 2]);
+        l_r[(i / 2) % 2] += w;
+        sc[i] = w;
+    }
+}
+
+__device__ __forceinline__ void rescale(float (&o)[O_REGS], const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < O_REGS / 4; ++i) {
+        o[4 * i] *= corr[0];
+        o[4 * i + 1] *= corr[0];
+        o[4 * i + 2] *= corr[1];
+        o[4 * i + 3] *= corr[1];
+    }
+}
+
+// The weights as the A operand of P·V: the accumulator registers of 16 keys, in pairs.
+__device__ __forceinline__ void pack_weights(u32 (&pa)[BLOCK_N / 16][4], const float (&sc)[S_REGS]) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        pa[kk][0] = pack2(sc[8 * kk + 0], sc[8 * kk + 1]);
+        pa[kk][1] = pack2(sc[8 * kk + 2], sc[8 * kk + 3]);
+        pa[kk][2] = pack2(sc[8 * kk + 4], sc[8 * kk + 5]);
+        pa[kk][3] = pack2(sc[8 * kk + 6], sc[8 * kk + 7]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+                          const __grid_constant__ TmaMap tv, const unsigned short* q_buffer,
+                          const unsigned short* k_buffer, const unsigned short* v_buffer,
+                          unsigned short* __restrict__ out, float* __restrict__ lse,
+                          const __grid_constant__ FwdParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    // Swizzle atoms are 1024-byte aligned (the swizzle pattern follows address bits 4..9).
+    const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const u32 sq = base;
+    const u32 sk = sq + Q_BYTES;
+    const u32 sv = sk + STAGES * K_BYTES;
+    const u32 bars = sv + STAGES * V_BYTES;
+    const u32 q_full = bars;
+#define K_FULL(s) (bars + 8u + 8u * (s))
+#define V_FULL(s) (bars + 8u + 8u * STAGES + 8u * (s))
+#define K_EMPTY(s) (bars + 8u + 16u * STAGES + 8u * (s))
+#define V_EMPTY(s) (bars + 8u + 24u * STAGES + 8u * (s))
+
+    const u32 tid = threadIdx.x;
+    // Causal blocks run the longest rows first.
+    const u32 m_block = CAUSAL ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
+    const u32 head = blockIdx.y, batch = blockIdx.z;
+    const u32 head_kv = head / p.group;
+    const int m0 = (int)(m_block * BLOCK_M);
+    // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
+    const int diag = (int)p.seq_k - (int)p.seq_q;
+    int n_blocks = ((int)p.seq_k + BLOCK_N - 1) / BLOCK_N;
+#if CAUSAL
+    {
+        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
+        const int last_key = last_row + diag;
+        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BLOCK_N + 1);
+    }
+#endif
+
+    if (tid == 0) {
+        mbar_init(q_full, 1);
+#pragma unroll
+        for (u32 s = 0; s < STAGES; ++s) {
+            mbar_init(K_FULL(s), 1);
+            mbar_init(V_FULL(s), 1);
+            // One arrival per consumer warp.
+            mbar_init(K_EMPTY(s), 8);
+            mbar_init(V_EMPTY(s), 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const u32 wg = tid / 128u;
+    if (wg == 0) {
+        // ---- producer ----
+        regs_release<24>();
+        if (tid == 0 && n_blocks > 0) {
+            tma_prefetch_map(&tq);
+            tma_prefetch_map(&tk);
+            tma_prefetch_map(&tv);
+            mbar_arrive_expect_tx(q_full, Q_BYTES);
+#pragma unroll
+            for (int a = 0; a < D_ATOMS; ++a) {
+                tma_load_4d(sq + a * ATOM_BYTES, &tq, q_full, 64 * a, m0, head, batch);
+            }
+            for (int j = 0; j < n_blocks; ++j) {
+                const u32 s = j % STAGES;
+                const u32 use = j / STAGES;
+                if (j >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
+                mbar_arrive_expect_tx(K_FULL(s), K_BYTES);
+#pragma unroll
+                for (int a = 0; a < D_ATOMS; ++a) {
+                    tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s), 64 * a,
+                                j * BLOCK_N, head_kv, batch);
+                }
+                if (j >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
+                mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
+#pragma unroll
+                for (int a = 0; a < V_ATOMS; ++a) {
+                    tma_load_4d(sv + s * V_BYTES + a * ATOM_BYTES, &tv, V_FULL(s), 64 * a,
+                                j * BLOCK_N, head_kv, batch);
+                }
+            }
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_claim<240>();
+    const u32 c = wg - 1u;
+    const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
+    // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`).
+    const int first_row = m0 + 64 * (int)c;
+    const int row0 = first_row + 16 * (int)warp + (int)(lane / 4u);
+    ScoreRows rows;
+    rows.first_row = first_row;
+    rows.row0 = row0;
+    rows.lane = lane;
+    rows.diag = diag;
+    rows.seq_k = (int)p.seq_k;
+    rows.scale_log2 = p.scale_log2;
+    rows.cap_inv_scale = p.cap_inv_scale;
+    rows.cap_log2 = p.cap_log2;
+
+    float o[O_REGS];
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] = 0.0f;
+    float sc[S_REGS];
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) sc[i] = 0.0f;
+    u32 pa[BLOCK_N / 16][4];
+    float m_r[2] = {NEG_INF, NEG_INF};
+    float l_r[2] = {0.0f, 0.0f};
+    float corr[2];
+
+#if PINGPONG
+    // The consumers take turns issuing their products (named barriers 1 and 2), so that one
+    // warpgroup's softmax runs while the other's products occupy the tensor cores.
+    if (c == 1) named_arrive(1, 256);
+#endif
+    if (n_blocks > 0) {
+        mbar_wait(q_full, 0);
+        // Block 0: S = Q·K₀ᵀ, then its weights.
+        mbar_wait(K_FULL(0), 0);
+        turn_begin(c);
+        wgmma_fence();
+        issue_qk(sc, sq, sk, c);
+        wgmma_commit();
+        turn_end(c);
+        wgmma_wait<0>();
+        wgmma_hold(sc);
+        release(K_EMPTY(0), lane);
+        online_softmax(sc, m_r, l_r, corr, rows, 0);
+        pack_weights(pa, sc);
+        // Block j: S = Q·Kⱼᵀ is issued before O += P·V of block j − 1, and the softmax of
+        // block j runs while that product is in flight (FlashAttention-3's intra-warpgroup
+        // overlap); O is rescaled once the product has landed.
+        for (int j = 1; j < n_blocks; ++j) {
+            const u32 s = j % STAGES, phase = (j / STAGES) & 1;
+            const u32 sp = (j - 1) % STAGES, phase_p = ((j - 1) / STAGES) & 1;
+            mbar_wait(K_FULL(s), phase);
+            turn_begin(c);
+            wgmma_fence();
+            issue_qk(sc, sq, sk + s * K_BYTES, c);
+            wgmma_commit();
+            mbar_wait(V_FULL(sp), phase_p);
+            issue_pv(o, pa, sv + sp * V_BYTES);
+            wgmma_commit();
+            turn_end(c);
+            wgmma_wait<1>();
+            wgmma_hold(sc);
+            release(K_EMPTY(s), lane);
+            online_softmax(sc, m_r, l_r, corr, rows, j);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(V_EMPTY(sp), lane);
+            rescale(o, corr);
+            pack_weights(pa, sc);
+        }
+        // The last block's O += P·V.
+        const u32 sl = (n_blocks - 1) % STAGES, phase_l = ((n_blocks - 1) / STAGES) & 1;
+        mbar_wait(V_FULL(sl), phase_l);
+        turn_begin(c);
+        wgmma_fence();
+        issue_pv(o, pa, sv + sl * V_BYTES);
+        wgmma_commit();
+        turn_end(c);
+        wgmma_wait<0>();
+        wgmma_hold(o);
+        release(V_EMPTY(sl), lane);
+    }
+#if PINGPONG
+    // Consumes the other warpgroup's last arrival.
+    if (c == 0) named_sync(1, 256);
+#endif
+
+    // The row sums (4 lanes per row), the output and the log-sum-exp.
+    const u64 out_base = (u64)batch * p.out_stride_b + (u64)head * p.out_stride_h;
+    const u64 lse_base = (u64)batch * p.lse_stride_b + (u64)head * p.lse_stride_h;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_r[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const int row = row0 + 8 * r;
+        if (row < (int)p.seq_q) {
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            unsigned short* dst = out + out_base + (u64)row * p.out_stride_s;
+#pragma unroll
+            for (int i = 0; i < O_REGS / 4; ++i) {
+                const u32 col = 8u * i + 2u * (lane % 4u);
+                if (col < p.value_dim) {
+                    *reinterpret_cast<u32*>(dst + col) =
+                        pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+                }
+            }
+            if (lane % 4u == 0u) {
+                lse[lse_base + (u64)row * p.lse_stride_s] =
+                    l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
+            }
+        }
+    }
+#endif
+}

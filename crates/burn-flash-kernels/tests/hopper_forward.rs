@@ -1,0 +1,526 @@
+//! The Hopper attention forward (issue 35) on the GPU, through `launch_attention` with no Burn:
+//! the plan picks it on sm_90 for f16/bf16, and every case is checked against an f64 reference
+//! and against the `mma.sync` kernel forced on the same inputs (the Hopper kernel's error may
+//! be at most twice the `mma` kernel's, plus a floor of a quarter of an output ulp). Needs a
+//! Hopper GPU: built with `cuda`, run in the GPU suite.
+
+#![cfg(feature = "cuda")]
+
+use burn_flash_kernels::attention::{
+    AttentionKernel, AttentionOptions, AttentionPlan, launch_attention,
+};
+use burn_flash_kernels::hopper;
+use burn_flash_kernels::tensor::TensorRef;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::ir::{ElemType, FloatKind};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+type Client = ComputeClient<CudaRuntime>;
+
+fn seed() -> u64 {
+    let seed = std::env::var("BURN_FLASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
+    println!("inputs from seed {seed} (replay: BURN_FLASH_SEED={seed})");
+    seed
+}
+
+/// SplitMix64 values `k / 64` for integers `|k| ≤ 127`: exact in f16 and bf16, so the kernels
+/// and the f64 reference see the same inputs.
+fn draw(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z % 255) as i32 - 127) as f32 / 64.0
+        })
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Half {
+    F16,
+    Bf16,
+}
+
+impl Half {
+    fn dtype(self) -> StorageType {
+        StorageType::Scalar(ElemType::Float(match self {
+            Self::F16 => FloatKind::F16,
+            Self::Bf16 => FloatKind::BF16,
+        }))
+    }
+
+    /// The bits of `x`, which must be exact in this type (inputs from [`draw`]).
+    fn bits(self, x: f32) -> u16 {
+        let bits = x.to_bits();
+        match self {
+            Self::Bf16 => {
+                assert_eq!(bits & 0xffff, 0, "{x} is not exact in bf16");
+                (bits >> 16) as u16
+            }
+            Self::F16 => {
+                if x == 0.0 {
+                    return 0;
+                }
+                let sign = ((bits >> 16) & 0x8000) as u16;
+                let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+                assert!(
+                    (1..31).contains(&exp) && bits & 0x1fff == 0,
+                    "{x} is not exact in f16"
+                );
+                sign | ((exp as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
+            }
+        }
+    }
+
+    fn value(self, bits: u16) -> f64 {
+        match self {
+            Self::Bf16 => f64::from(f32::from_bits(u32::from(bits) << 16)),
+            Self::F16 => {
+                let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
+                let exp = i32::from((bits >> 10) & 0x1f);
+                let frac = f64::from(bits & 0x3ff);
+                match exp {
+                    0 => sign * frac * 2f64.powi(-24),
+                    31 if frac == 0.0 => sign * f64::INFINITY,
+                    31 => f64::NAN,
+                    e => sign * (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+                }
+            }
+        }
+    }
+
+    /// Half an ulp at 1.
+    fn half_ulp(self) -> f64 {
+        match self {
+            Self::F16 => 2f64.powi(-11),
+            Self::Bf16 => 2f64.powi(-8),
+        }
+    }
+}
+
+/// One call: sizes, options and the memory layout of `q` and `out` (`bshd`: stored
+/// `[B, S, H, D]` and passed as a permuted view).
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    dv: usize,
+    causal: bool,
+    softcap: Option<f32>,
+    bshd: bool,
+}
+
+impl Case {
+    fn new(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, dv: usize) -> Self {
+        Self {
+            b,
+            hq,
+            hkv,
+            sq,
+            sk,
+            d,
+            dv,
+            causal: false,
+            softcap: None,
+            bshd: false,
+        }
+    }
+
+    fn options(&self, kernel: Option<AttentionKernel>) -> AttentionOptions {
+        AttentionOptions {
+            scale: 1.0 / (self.d as f32).sqrt(),
+            softcap: self.softcap,
+            causal: self.causal,
+            kernel,
+            block_k: None,
+            dropout: None,
+            masked_score: None,
+            quiet: false,
+        }
+    }
+}
+
+fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len() - 1).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// Strides of a `[B, H, S, D]` view of memory stored `[B, S, H, D]`.
+fn bshd_strides(shape: [usize; 4]) -> Vec<usize> {
+    let [_, h, s, d] = shape;
+    vec![s * h * d, d, h * d, 1]
+}
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+struct Outputs {
+    out: Vec<f64>,
+    lse: Vec<f32>,
+    plan: AttentionPlan,
+    millis: f64,
+}
+
+fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
+    TensorRef {
+        handle,
+        shape,
+        strides,
+    }
+}
+
+/// Element `[b, h, s, d]` of a tensor with `strides`.
+fn at(strides: &[usize], b: usize, h: usize, s: usize, d: usize) -> usize {
+    b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]
+}
+
+/// Runs the case (`repeats` timed launches after one warm-up when `repeats > 0`); returns the
+/// outputs in `[B, Hq, Sq, Dv]` order.
+fn run(
+    client: &Client,
+    c: &Case,
+    half: Half,
+    inputs: &Inputs,
+    kernel: Option<AttentionKernel>,
+    repeats: usize,
+) -> Outputs {
+    let q_shape = [c.b, c.hq, c.sq, c.d];
+    let k_shape = [c.b, c.hkv, c.sk, c.d];
+    let v_shape = [c.b, c.hkv, c.sk, c.dv];
+    let out_shape = [c.b, c.hq, c.sq, c.dv];
+    let lse_shape = [c.b, c.hq, c.sq];
+    let q_strides = if c.bshd {
+        bshd_strides(q_shape)
+    } else {
+        contiguous(&q_shape)
+    };
+    let out_strides = if c.bshd {
+        bshd_strides(out_shape)
+    } else {
+        contiguous(&out_shape)
+    };
+    let (k_strides, v_strides, lse_strides) = (
+        contiguous(&k_shape),
+        contiguous(&v_shape),
+        contiguous(&lse_shape),
+    );
+    // `inputs` are in `[B, H, S, D]` order; lay `q` out through its strides.
+    let mut q_mem = vec![0u16; inputs.q.len()];
+    for b in 0..c.b {
+        for h in 0..c.hq {
+            for s in 0..c.sq {
+                for d in 0..c.d {
+                    let src = ((b * c.hq + h) * c.sq + s) * c.d + d;
+                    q_mem[at(&q_strides, b, h, s, d)] = half.bits(inputs.q[src]);
+                }
+            }
+        }
+    }
+    let bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
+    let encode =
+        |v: &[f32]| -> Vec<u8> { bytes(&v.iter().map(|&x| half.bits(x)).collect::<Vec<_>>()) };
+    let q_h = client.create_from_slice(&bytes(&q_mem));
+    let k_h = client.create_from_slice(&encode(&inputs.k));
+    let v_h = client.create_from_slice(&encode(&inputs.v));
+    let n_out: usize = out_shape.iter().product();
+    let n_lse: usize = lse_shape.iter().product();
+    // Poisoned with 0x7fc0, a NaN in f16 and in bf16.
+    let out_h = client.create_from_slice(&bytes(&vec![0x7fc0u16; n_out]));
+    let lse_h = client.create_from_slice(
+        &vec![f32::NAN; n_lse]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<_>>(),
+    );
+    let options = c.options(kernel);
+    let launch = || {
+        launch_attention(
+            client,
+            t(&q_h, &q_shape, &q_strides),
+            t(&k_h, &k_shape, &k_strides),
+            t(&v_h, &v_shape, &v_strides),
+            None,
+            None,
+            t(&out_h, &out_shape, &out_strides),
+            t(&lse_h, &lse_shape, &lse_strides),
+            half.dtype(),
+            &options,
+        )
+        .unwrap_or_else(|e| panic!("{c:?} {kernel:?}: {e}"))
+    };
+    let plan = launch();
+    let mut millis = 0.0;
+    if repeats > 0 {
+        cubecl::future::block_on(client.sync()).expect("syncs");
+        let start = std::time::Instant::now();
+        for _ in 0..repeats {
+            launch();
+        }
+        cubecl::future::block_on(client.sync()).expect("syncs");
+        millis = start.elapsed().as_secs_f64() * 1e3 / repeats as f64;
+    }
+    let out_bytes = client.read_one(out_h).expect("reads `out`");
+    let out_mem: Vec<u16> = out_bytes
+        .chunks_exact(2)
+        .map(|p| u16::from_le_bytes([p[0], p[1]]))
+        .collect();
+    let mut out = vec![0.0; n_out];
+    for b in 0..c.b {
+        for h in 0..c.hq {
+            for s in 0..c.sq {
+                for d in 0..c.dv {
+                    out[((b * c.hq + h) * c.sq + s) * c.dv + d] =
+                        half.value(out_mem[at(&out_strides, b, h, s, d)]);
+                }
+            }
+        }
+    }
+    let lse = client
+        .read_one(lse_h)
+        .expect("reads `lse`")
+        .chunks_exact(4)
+        .map(|p| f32::from_le_bytes([p[0], p[1], p[2], p[3]]))
+        .collect();
+    Outputs {
+        out,
+        lse,
+        plan,
+        millis,
+    }
+}
+
+/// The f64 reference: `out` `[B, Hq, Sq, Dv]` and `lse` (`-inf` for rows without a key).
+fn reference(c: &Case, inputs: &Inputs) -> (Vec<f64>, Vec<f64>) {
+    let scale = 1.0 / (c.d as f64).sqrt();
+    let group = c.hq / c.hkv;
+    let mut out = vec![0.0; c.b * c.hq * c.sq * c.dv];
+    let mut lse = vec![f64::NEG_INFINITY; c.b * c.hq * c.sq];
+    let mut scores = vec![0.0; c.sk];
+    for b in 0..c.b {
+        for h in 0..c.hq {
+            let hk = h / group;
+            for i in 0..c.sq {
+                let qrow = &inputs.q[((b * c.hq + h) * c.sq + i) * c.d..][..c.d];
+                let mut max = f64::NEG_INFINITY;
+                for (j, score) in scores.iter_mut().enumerate() {
+                    let visible = !c.causal || j as i64 <= i as i64 + c.sk as i64 - c.sq as i64;
+                    *score = if visible {
+                        let krow = &inputs.k[((b * c.hkv + hk) * c.sk + j) * c.d..][..c.d];
+                        let dot: f64 = qrow
+                            .iter()
+                            .zip(krow)
+                            .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                            .sum();
+                        let s = dot * scale;
+                        match c.softcap {
+                            Some(cap) => f64::from(cap) * (s / f64::from(cap)).tanh(),
+                            None => s,
+                        }
+                    } else {
+                        f64::NEG_INFINITY
+                    };
+                    max = max.max(*score);
+                }
+                if max == f64::NEG_INFINITY {
+                    continue;
+                }
+                let sum: f64 = scores.iter().map(|&s| (s - max).exp()).sum();
+                lse[(b * c.hq + h) * c.sq + i] = max + sum.ln();
+                let orow = &mut out[((b * c.hq + h) * c.sq + i) * c.dv..][..c.dv];
+                for (j, &s) in scores.iter().enumerate() {
+                    let p = (s - max).exp() / sum;
+                    if p == 0.0 {
+                        continue;
+                    }
+                    let vrow = &inputs.v[((b * c.hkv + hk) * c.sk + j) * c.dv..][..c.dv];
+                    for (o, &x) in orow.iter_mut().zip(vrow) {
+                        *o += p * f64::from(x);
+                    }
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+fn max_error(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_nan() {
+                f64::INFINITY
+            } else {
+                (g - w).abs()
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+fn client() -> Client {
+    let client = CudaRuntime::client(&CudaDevice::default());
+    assert!(
+        hopper::sm90(&client),
+        "the Hopper forward tests need a Hopper GPU (sm_90): this is the GPU suite"
+    );
+    client
+}
+
+/// Checks one case in both types: the plan picked the Hopper kernel, the output and lse
+/// against f64, the error against the `mma` kernel's.
+fn check(client: &Client, c: Case, seed: u64) {
+    let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
+    let inputs = Inputs {
+        q: draw(n(c.hq, c.sq, c.d), seed ^ 1),
+        k: draw(n(c.hkv, c.sk, c.d), seed ^ 2),
+        v: draw(n(c.hkv, c.sk, c.dv), seed ^ 3),
+    };
+    let (want, want_lse) = reference(&c, &inputs);
+    for half in [Half::F16, Half::Bf16] {
+        let hopper = run(client, &c, half, &inputs, None, 0);
+        assert_eq!(
+            hopper.plan.kernel,
+            AttentionKernel::Hopper,
+            "{c:?} {half:?}"
+        );
+        let mma = run(
+            client,
+            &c,
+            half,
+            &inputs,
+            Some(AttentionKernel::MatrixUnits),
+            0,
+        );
+        let (err, err_mma) = (max_error(&hopper.out, &want), max_error(&mma.out, &want));
+        let allowed = 2.0 * err_mma + 0.25 * half.half_ulp();
+        println!("{c:?} {half:?}: max error {err:.3e} (mma {err_mma:.3e})");
+        assert!(
+            err <= allowed,
+            "{c:?} {half:?}: max error {err:e} > {allowed:e} (mma kernel {err_mma:e})"
+        );
+        for (i, (&got, &w)) in hopper.lse.iter().zip(&want_lse).enumerate() {
+            let ok = if w == f64::NEG_INFINITY {
+                got == f32::NEG_INFINITY
+            } else {
+                (f64::from(got) - w).abs() <= 1e-3 * w.abs().max(1.0)
+            };
+            assert!(ok, "{c:?} {half:?}: lse[{i}] = {got}, want {w}");
+        }
+    }
+}
+
+/// Non-causal calls: both head dims and their rounding (D 64, 128, 96, 72 with Dv ≠ D),
+/// lengths that leave partial row and key blocks, grouped-query heads, softcap, `q` and `out`
+/// read and written through `[B, S, H, D]` strides.
+#[test]
+fn hopper_forward_matches_f64() {
+    let client = client();
+    let seed = seed();
+    let cases = [
+        Case::new(1, 2, 2, 128, 128, 64, 64),
+        Case::new(2, 4, 2, 200, 333, 128, 128),
+        Case::new(1, 3, 1, 77, 515, 96, 64),
+        Case::new(1, 2, 1, 300, 129, 72, 128),
+        Case {
+            softcap: Some(5.0),
+            ..Case::new(1, 2, 2, 256, 384, 128, 128)
+        },
+        Case {
+            bshd: true,
+            ..Case::new(2, 4, 4, 190, 260, 64, 64)
+        },
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(i as u64));
+    }
+}
+
+/// Causal calls, bottom-right aligned: `Sq = Sk`, `Sq < Sk`, and `Sq > Sk`, whose first
+/// `Sq − Sk` rows see no key (zeros, `lse = −inf`).
+#[test]
+fn hopper_causal_forward_matches_f64() {
+    let client = client();
+    let seed = seed();
+    let causal = |c: Case| Case { causal: true, ..c };
+    let cases = [
+        causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
+        causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
+        causal(Case::new(1, 2, 1, 333, 200, 128, 64)),
+        Case {
+            softcap: Some(3.0),
+            ..causal(Case::new(1, 2, 2, 257, 257, 64, 128))
+        },
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(100 + i as u64));
+    }
+}
+
+/// The measured shape (B 4, H 16, S 4096, D 128): the Hopper output equals the `mma` kernel's
+/// to a few output ulps, and both times are printed (wall time per call over 20 calls).
+#[test]
+fn hopper_forward_at_size() {
+    let client = client();
+    let seed = seed();
+    for causal in [false, true] {
+        let c = Case {
+            causal,
+            ..Case::new(4, 16, 16, 4096, 4096, 128, 128)
+        };
+        let n = c.b * c.hq * c.sq * c.d;
+        let inputs = Inputs {
+            q: draw(n, seed ^ 1),
+            k: draw(n, seed ^ 2),
+            v: draw(n, seed ^ 3),
+        };
+        for half in [Half::F16, Half::Bf16] {
+            let hopper = run(&client, &c, half, &inputs, None, 20);
+            let mma = run(
+                &client,
+                &c,
+                half,
+                &inputs,
+                Some(AttentionKernel::MatrixUnits),
+                20,
+            );
+            assert_eq!(hopper.plan.kernel, AttentionKernel::Hopper);
+            let diff = max_error(&hopper.out, &mma.out);
+            let flops =
+                4.0 * (c.b * c.hq * c.sq * c.sk * c.d) as f64 * if causal { 0.5 } else { 1.0 };
+            let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
+            println!(
+                "causal {causal} {half:?}: hopper {:.3} ms ({:.1} TFLOP/s), mma {:.3} ms ({:.1} TFLOP/s), max |hopper − mma| {diff:.3e}",
+                hopper.millis,
+                tflops(hopper.millis),
+                mma.millis,
+                tflops(mma.millis)
+            );
+            assert!(
+                diff <= 8.0 * half.half_ulp(),
+                "causal {causal} {half:?}: |hopper − mma| = {diff:e}"
+            );
+        }
+    }
+}
