@@ -143,6 +143,7 @@ fn forced_kernel() -> Option<burn_flash::AttentionKernel> {
         KernelName::Tiled => burn_flash::AttentionKernel::Tiled,
         KernelName::Mma => burn_flash::AttentionKernel::MatrixUnits,
         KernelName::Cooperative => burn_flash::AttentionKernel::CooperativeMatrix,
+        KernelName::Hopper => burn_flash::AttentionKernel::Hopper,
     })
 }
 
@@ -157,6 +158,8 @@ enum KernelName {
     Mma,
     /// Cooperative matrices (cubecl's `cmma`: Vulkan, Metal, CUDA's `wmma`).
     Cooperative,
+    /// Hand-written CUDA for sm_90 (TMA, `wgmma`; the plan's choice on H100/H200).
+    Hopper,
 }
 
 /// `--dropout`, set once from the command line.

@@ -77,8 +77,9 @@ fn attention<B: FlashBackend>(device: &B::Device) {
         }))
     );
 
-    // The same call in f16: the matrix units where the device has them (CUDA's `mma`, or
-    // cooperative matrices through Vulkan's SPIR-V or Metal), and why not where it has not.
+    // The same call in f16: the matrix units where the device has them (CUDA's `mma`, the
+    // Hopper kernel on H100/H200, or cooperative matrices through Vulkan's SPIR-V or Metal),
+    // and why not where it has not.
     let half = burn_flash::attention_plan::<B>(device, dims, DType::F16, causal.into());
     println!(
         "             in f16 the forward would run: {}",
@@ -87,6 +88,10 @@ fn attention<B: FlashBackend>(device: &B::Device) {
                 _ if p.kernel == AttentionKernel::CooperativeMatrix => {
                     format!("{:?} (cubecl's cmma)", p.kernel)
                 }
+                _ if p.kernel == AttentionKernel::Hopper => format!(
+                    "{:?} (hand-written CUDA for sm_90: TMA, wgmma, warp specialisation)",
+                    p.kernel
+                ),
                 Some(MatrixUnitsUnavailable::NoMma { .. }) => format!(
                     "{:?} (no matrix units for f16 here: neither CUDA's mma nor cooperative \
                      matrices; WGSL has none, `--features vulkan` compiles SPIR-V)",

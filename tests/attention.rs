@@ -954,7 +954,24 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     if dtype == FloatDType::F32 {
         assert!(!cooperative, "f32 never runs on the matrix units");
     }
-    let expected = if matrix_units {
+    // The Hopper forward: planned on sm_90 GPUs for 16-bit calls it takes, refused elsewhere.
+    let hopper = match plan(64, Some(AttentionKernel::Hopper)).unwrap() {
+        Ok(_) => true,
+        Err(err) => {
+            let reason = err.to_string();
+            assert!(
+                reason.contains("not a Hopper GPU")
+                    || reason.contains("takes f16 and bf16")
+                    || reason.contains("BURN_FLASH_HOPPER=off"),
+                "{dtype:?}: {reason}"
+            );
+            false
+        }
+    };
+    assert!(!hopper || matrix_units, "Hopper only for 16-bit CUDA calls");
+    let expected = if hopper {
+        AttentionKernel::Hopper
+    } else if matrix_units {
         AttentionKernel::MatrixUnits
     } else if cooperative {
         AttentionKernel::CooperativeMatrix
@@ -975,6 +992,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         AttentionKernel::Units,
         AttentionKernel::MatrixUnits,
         AttentionKernel::CooperativeMatrix,
+        AttentionKernel::Hopper,
     ] {
         let q = rand4::<B>([2, 4, 70, 64], 1.0, dtype, device);
         let k = rand4::<B>([2, 2, 90, 64], 1.0, dtype, device);
@@ -1005,7 +1023,8 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             Err(err) => {
                 assert!(
                     (kernel == AttentionKernel::MatrixUnits && !matrix_units)
-                        || (kernel == AttentionKernel::CooperativeMatrix && !cooperative),
+                        || (kernel == AttentionKernel::CooperativeMatrix && !cooperative)
+                        || (kernel == AttentionKernel::Hopper && !hopper),
                     "{kernel:?} refused on {device:?} {dtype:?}: {err}"
                 );
                 let msg = panic_message(|| {
@@ -1020,7 +1039,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
     assert_eq!(
         outputs.len(),
-        1 + matrix_units as usize + cooperative as usize
+        1 + matrix_units as usize + cooperative as usize + hopper as usize
     );
     for (_, inputs) in outputs.iter().skip(1) {
         // The same inputs through plain units and a matrix-unit kernel: their roundings
@@ -1041,6 +1060,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         for kernel in [
             AttentionKernel::MatrixUnits,
             AttentionKernel::CooperativeMatrix,
+            AttentionKernel::Hopper,
         ] {
             if plan(64, Some(kernel)).unwrap().is_ok() {
                 assert!(

@@ -478,16 +478,22 @@ fn hopper_causal_forward_matches_f64() {
     }
 }
 
-/// The measured shape (B 4, H 16, S 4096, D 128): the Hopper output equals the `mma` kernel's
-/// to a few output ulps, and both times are printed (wall time per call over 20 calls).
+/// The measured shapes (B 4, H 16; S 4096 with D 128, causal or not, and D 64; S 1024 with
+/// D 128): the Hopper output equals the `mma` kernel's to a few output ulps, and both times are
+/// printed (wall time per call over 20 calls).
 #[test]
 fn hopper_forward_at_size() {
     let client = client();
     let seed = seed();
-    for causal in [false, true] {
+    for (s, d, causal) in [
+        (4096, 128, false),
+        (4096, 128, true),
+        (4096, 64, false),
+        (1024, 128, false),
+    ] {
         let c = Case {
             causal,
-            ..Case::new(4, 16, 16, 4096, 4096, 128, 128)
+            ..Case::new(4, 16, 16, s, s, d, d)
         };
         let n = c.b * c.hq * c.sq * c.d;
         let inputs = Inputs {
@@ -511,7 +517,7 @@ fn hopper_forward_at_size() {
                 4.0 * (c.b * c.hq * c.sq * c.sk * c.d) as f64 * if causal { 0.5 } else { 1.0 };
             let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
             println!(
-                "causal {causal} {half:?}: hopper {:.3} ms ({:.1} TFLOP/s), mma {:.3} ms ({:.1} TFLOP/s), max |hopper − mma| {diff:.3e}",
+                "S {s} D {d} causal {causal} {half:?}: hopper {:.3} ms ({:.1} TFLOP/s), mma {:.3} ms ({:.1} TFLOP/s), max |hopper − mma| {diff:.3e}",
                 hopper.millis,
                 tflops(hopper.millis),
                 mma.millis,

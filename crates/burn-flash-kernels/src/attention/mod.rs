@@ -87,6 +87,9 @@ fn hopper_unavailable<R: Runtime>(
     features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Option<String> {
+    if !hopper::enabled() {
+        return Some("the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into());
+    }
     #[cfg(feature = "cuda")]
     let sm90 = cuda_client(client).is_some_and(crate::hopper::sm90);
     #[cfg(not(feature = "cuda"))]

@@ -128,6 +128,45 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if CAUSAL
     edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag;
 #endif
+#if !SOFTCAP
+    if (rows.scale_log2 > 0.0f) {
+        // A positive scale keeps the order of the scores: the maximum is taken on the raw
+        // products and the scale folded into the exponent's FMA.
+        if (edge) {
+#pragma unroll
+            for (int i = 0; i < S_REGS; ++i) {
+                const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
+                bool hidden = key >= rows.seq_k;
+#if CAUSAL
+                const int row = rows.row0 + 8 * ((i / 2) % 2);
+                hidden = hidden || key > row + rows.diag;
+#endif
+                if (hidden) sc[i] = NEG_INF;
+            }
+        }
+        float raw[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) raw[(i / 2) % 2] = fmaxf(raw[(i / 2) % 2], sc[i]);
+        float shift[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            raw[r] = fmaxf(raw[r], __shfl_xor_sync(0xffffffffu, raw[r], 1));
+            raw[r] = fmaxf(raw[r], __shfl_xor_sync(0xffffffffu, raw[r], 2));
+            const float mx = fmaxf(m_r[r], raw[r] * rows.scale_log2);
+            shift[r] = mx == NEG_INF ? 0.0f : mx;
+            corr[r] = ex2(m_r[r] - shift[r]);
+            m_r[r] = mx;
+            l_r[r] *= corr[r];
+        }
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const float w = ex2(fmaf(sc[i], rows.scale_log2, -shift[(i / 2) % 2]));
+            l_r[(i / 2) % 2] += w;
+            sc[i] = w;
+        }
+        return;
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
 #if SOFTCAP

@@ -31,6 +31,8 @@ use crate::tensor::TensorRef;
 pub const BLOCK_Q: usize = 128;
 /// Keys per step.
 pub const BLOCK_K: usize = 128;
+/// `K`/`V` slots of the pipeline (a third measured no faster on an H200, RESULTS §14).
+pub const STAGES: usize = 2;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
 
@@ -112,15 +114,28 @@ fn rounded(dim: usize) -> u32 {
     if dim <= 64 { 64 } else { 128 }
 }
 
-/// Dynamic shared memory for `config`'s head dims: `Q`, two slots of `K` and `V` (128 rows ×
-/// 128 bytes per 64 columns), the barriers, and 1 KiB to align the swizzle atoms.
+/// Dynamic shared memory for `config`'s head dims: `Q`, [`STAGES`] slots of `K` and `V` (128
+/// rows × 128 bytes per 64 columns), the barriers, and 1 KiB to align the swizzle atoms.
 pub fn shared_bytes(config: FlashConfig) -> usize {
     let atom = BLOCK_K * 128;
     let (d, dv) = (
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
     );
-    1024 + atom * (3 * d + 2 * dv) + 128
+    1024 + atom * (d + STAGES * (d + dv)) + 128
+}
+
+/// Whether the Hopper kernels may run: unless the environment variable `BURN_FLASH_HOPPER` is
+/// `off` (or `0`), read once per process. Switched off, the plan takes the `mma.sync` kernels
+/// on Hopper GPUs too (the escape hatch, and how the test suite runs with the path off).
+pub fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| {
+        !matches!(
+            std::env::var("BURN_FLASH_HOPPER").as_deref(),
+            Ok("off") | Ok("0")
+        )
+    })
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
