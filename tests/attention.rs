@@ -1095,6 +1095,7 @@ fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType
             AttentionKernel::Tiled,
             AttentionKernel::MatrixUnits,
             AttentionKernel::CooperativeMatrix,
+            AttentionKernel::Hopper,
         ];
         let options = |kernel| FlashAttentionOptions {
             kernel: Some(kernel),

@@ -530,3 +530,88 @@ fn hopper_forward_at_size() {
         }
     }
 }
+
+/// Shapes below one TMA box (`Sq` 17 under causal, head dims 8 and 32, whose boxes reach past
+/// the rows), against f64 and the `mma` kernel.
+#[test]
+fn hopper_forward_small_shapes() {
+    let client = client();
+    let seed = seed();
+    let cases = [
+        Case {
+            causal: true,
+            ..Case::new(1, 2, 2, 17, 17, 32, 32)
+        },
+        Case::new(1, 2, 2, 37, 70, 8, 8),
+        Case::new(2, 2, 1, 5, 3, 16, 24),
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(200 + i as u64));
+    }
+}
+
+/// Inputs written on one thread and the forward launched from another (Burn's streams follow
+/// threads): the same result as one thread.
+#[test]
+fn hopper_forward_across_threads() {
+    let seed = seed();
+    let c = Case::new(1, 2, 2, 200, 300, 64, 64);
+    let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
+    let inputs = Inputs {
+        q: draw(n(c.hq, c.sq, c.d), seed ^ 1),
+        k: draw(n(c.hkv, c.sk, c.d), seed ^ 2),
+        v: draw(n(c.hkv, c.sk, c.dv), seed ^ 3),
+    };
+    let (want, _) = reference(&c, &inputs);
+    let client = client();
+    let encode = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|&x| Half::F16.bits(x).to_le_bytes())
+            .collect()
+    };
+    let (q_h, k_h, v_h) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let client = CudaRuntime::client(&CudaDevice::default());
+            (
+                client.create_from_slice(&encode(&inputs.q)),
+                client.create_from_slice(&encode(&inputs.k)),
+                client.create_from_slice(&encode(&inputs.v)),
+            )
+        })
+        .join()
+        .expect("the writer thread")
+    });
+    let q_shape = [c.b, c.hq, c.sq, c.d];
+    let k_shape = [c.b, c.hkv, c.sk, c.d];
+    let out_shape = [c.b, c.hq, c.sq, c.dv];
+    let lse_shape = [c.b, c.hq, c.sq];
+    let n_out: usize = out_shape.iter().product();
+    let out_h = client.create_from_slice(&[0xc0u8, 0x7f].repeat(n_out));
+    let lse_h = client.create_from_slice(&vec![0u8; 4 * lse_shape.iter().product::<usize>()]);
+    let strides: Vec<Vec<usize>> = [&q_shape[..], &k_shape, &out_shape, &lse_shape]
+        .iter()
+        .map(|s| contiguous(s))
+        .collect();
+    let plan = launch_attention(
+        &client,
+        t(&q_h, &q_shape, &strides[0]),
+        t(&k_h, &k_shape, &strides[1]),
+        t(&v_h, &k_shape, &strides[1]),
+        None,
+        None,
+        t(&out_h, &out_shape, &strides[2]),
+        t(&lse_h, &lse_shape, &strides[3]),
+        Half::F16.dtype(),
+        &c.options(None),
+    )
+    .expect("launches");
+    assert_eq!(plan.kernel, AttentionKernel::Hopper);
+    let got: Vec<f64> = client
+        .read_one(out_h)
+        .expect("reads `out`")
+        .chunks_exact(2)
+        .map(|p| Half::F16.value(u16::from_le_bytes([p[0], p[1]])))
+        .collect();
+    let err = max_error(&got, &want);
+    assert!(err <= 4.0 * Half::F16.half_ulp(), "max error {err:e}");
+}

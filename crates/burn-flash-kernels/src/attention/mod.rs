@@ -85,9 +85,8 @@ fn hopper_unavailable<R: Runtime>(
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
-    options: &AttentionOptions,
 ) -> Option<String> {
-    if !hopper::enabled() {
+    if hopper::usage() == hopper::Use::Off {
         return Some("the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into());
     }
     #[cfg(feature = "cuda")]
@@ -97,7 +96,7 @@ fn hopper_unavailable<R: Runtime>(
         let _ = client;
         false
     };
-    hopper::unavailable(sm90, dims, dtype, features, options)
+    hopper::unavailable(sm90, dims, dtype, features)
 }
 
 /// `client` as a CUDA client, where its runtime is CUDA.
@@ -123,7 +122,8 @@ pub struct AttentionOptions {
     /// or [`tiled::BLOCK_K`] on plain units; an impossible choice is an error.
     pub block_k: Option<usize>,
     /// Dropout on the attention weights ([`crate::dropout`]): `None` or a probability of 0 is
-    /// none. Runs on the plain-unit kernel ([`AttentionKernel::Units`]) forward.
+    /// none. Every forward kernel but the register-tiled one ([`AttentionKernel::Tiled`])
+    /// takes it.
     pub dropout: Option<DropoutParams>,
     /// The score a key masked by the bool mask takes, instead of leaving the softmax
     /// (burn-nn's `mask_fill(mask, min_float)`): finite, so a fully masked row is uniform.
@@ -393,7 +393,7 @@ pub fn plan_attention<R: Runtime>(
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
-    let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
+    let hopper_reason = hopper_unavailable(client, dims, dtype, features);
     let kernel = match (options.kernel, matrix_units) {
         (Some(AttentionKernel::Hopper), _) if hopper_reason.is_some() => {
             return Err(unavailable(
@@ -419,7 +419,9 @@ pub fn plan_attention<R: Runtime>(
             ));
         }
         (Some(kernel), _) => kernel,
-        (None, None) if hopper_reason.is_none() => AttentionKernel::Hopper,
+        (None, None) if hopper_reason.is_none() && hopper::preferred(features) => {
+            AttentionKernel::Hopper
+        }
         (None, None) => AttentionKernel::MatrixUnits,
         (None, Some(MatrixUnitsUnavailable::NoMma { .. })) if coop.is_some() => {
             AttentionKernel::CooperativeMatrix
@@ -772,7 +774,13 @@ pub fn launch_attention<R: Runtime>(
             // SAFETY: the shapes were checked above and describe the buffers; the plan took
             // the Hopper kernel, so `hopper::unavailable` found nothing against this call, and
             // `aligned` includes the buffers' 16-byte starts.
-            unsafe { hopper::launch(cuda, &q, &k, &v, &out, &lse, dims, dtype, options) };
+            let mask = mask.as_ref().zip(mask_strides.as_deref());
+            let bias = bias.as_ref().zip(bias_strides.as_deref());
+            unsafe {
+                hopper::launch(
+                    cuda, &q, &k, &v, mask, bias, &out, &lse, dims, dtype, options,
+                )
+            };
             return Ok(plan);
         }
         unreachable!("the plan takes the Hopper kernel on CUDA clients only");

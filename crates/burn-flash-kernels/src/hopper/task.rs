@@ -63,6 +63,29 @@ impl HandWritten {
         }
     }
 
+    /// [`Self::new`] for a source whose [`super::source_hash`] is known (a `const` computed at
+    /// compile time), so that a launch does not hash the source again.
+    pub fn new_hashed(
+        client: &ComputeClient<CudaRuntime>,
+        source: &'static str,
+        source_hash: u64,
+        entry: &'static str,
+        cube_dim: CubeDim,
+        shared_bytes: usize,
+        variant: u64,
+    ) -> Self {
+        Self {
+            source,
+            defines: String::new(),
+            entry,
+            cube_dim,
+            shared_bytes,
+            variant,
+            source_hash,
+            client: client.clone(),
+        }
+    }
+
     /// The same kernel compiled with `defines` in front of its source.
     pub fn with_defines(mut self, defines: String) -> Self {
         self.source_hash ^= super::source_hash(&defines).rotate_left(1);

@@ -16,9 +16,14 @@
 // Tiles are stored as the TMA writes them with 128-byte swizzling: 64-column atoms of 128 rows ×
 // 128 bytes, so D = 128 is two atoms, and D ≤ 64 one.
 //
-// The host prepends: WG_ELEM ("f16" | "bf16"), HEAD_DIM and VALUE_DIM (64 | 128, the head dims
-// rounded up; the columns past the real ones are read as zeros and never written), CAUSAL,
-// SOFTCAP (0 | 1).
+// The host prepends: WG_ELEM ("f16" | "bf16") and ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128,
+// the head dims rounded up; the columns past the real ones are read as zeros and never
+// written), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
+// BIAS, QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale, softcap,
+// bias, then a masked key hidden or given the fill score, then causal and keys past the end
+// hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
+// the keep decisions of dropout.rs (Threefry-2×32-20 keyed by the seed and (batch, head),
+// counter (key, query position)).
 
 #define PINGPONG 1
 #define BLOCK_M 128
@@ -48,10 +53,44 @@ struct FwdParams {
     float scale_log2;    // scale · log2(e)
     float cap_inv_scale; // scale / c (softcap)
     float cap_log2;      // c · log2(e) (softcap)
-    u32 unused;
+    float fill_log2;     // masked_score · log2(e) (FILL)
+    u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
+    u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
+    u32 seed_lo, seed_hi, threshold; // dropout
+    float inv_keep;                  // dropout: 1 / (1 − p)
 };
 
 #define NEG_INF __int_as_float(0xff800000)
+#define LOG2E 1.4426950408889634f
+
+// Threefry-2×32-20 of counter (c0, c1) under key (k0, k1), the first word (dropout.rs).
+__device__ __forceinline__ u32 threefry(u32 c0, u32 c1, u32 k0, u32 k1) {
+    const u32 rot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
+    const u32 ks[3] = {k0, k1, 0x1BD11BDAu ^ k0 ^ k1};
+    u32 x0 = c0 + k0, x1 = c1 + k1;
+#pragma unroll
+    for (u32 round = 0; round < 20; ++round) {
+        x0 += x1;
+        x1 = __funnelshift_l(x1, x1, rot[round % 8]) ^ x0;
+        if (round % 4 == 3) {
+            const u32 s = round / 4 + 1;
+            x0 += ks[s % 3];
+            x1 += ks[(s + 1) % 3] + s;
+        }
+    }
+    return x0;
+}
+
+// An element of the input type as f32.
+__device__ __forceinline__ float elem_to_f32(unsigned short bits) {
+#if ELEM_BF16
+    return __int_as_float(((u32)bits) << 16);
+#else
+    float f;
+    asm("{\n.reg .b16 t;\nmov.b16 t, %1;\ncvt.f32.f16 %0, t;\n}" : "=f"(f) : "h"(bits));
+    return f;
+#endif
+}
 
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -110,12 +149,30 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[BLO
     }
 }
 
-// What the score rules of a thread's two rows need.
+// What the score rules of a thread's two rows need: positions, scalars, and the mask and bias
+// of its (batch, head), whose dimensions of size 1 have stride 0.
 struct ScoreRows {
-    int first_row, row0, diag, seq_k;
+    int first_row, row0, diag, seq_q, seq_k;
     u32 lane;
-    float scale_log2, cap_inv_scale, cap_log2;
+    float scale_log2, cap_inv_scale, cap_log2, fill_log2;
+    u32 seed_lo, seed_key1, threshold;
+    float inv_keep;
+    const unsigned short* mask;
+    const unsigned short* bias;
+    u64 mask_stride_s, mask_stride_k, bias_stride_s, bias_stride_k;
 };
+
+// Weight `w` of register i of block key0 after dropout: 0, or w / (1 − p) where kept.
+__device__ __forceinline__ float dropped(float w, const ScoreRows& rows, int key0, int i) {
+#if DROPOUT
+    const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
+    const int row = rows.row0 + 8 * ((i / 2) % 2);
+    const u32 word = threefry((u32)key, (u32)row, rows.seed_lo, rows.seed_key1);
+    return word >= rows.threshold ? w * rows.inv_keep : 0.0f;
+#else
+    return w;
+#endif
+}
 
 // Block j's scores into weights: the log2-domain scores (scale, softcap, keys past the end and
 // the causal mask at -inf), the new row maxima (4 lanes share a row), the factor `corr` that
@@ -128,7 +185,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if CAUSAL
     edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag;
 #endif
-#if !SOFTCAP
+#if !SOFTCAP && !MASK && !BIAS
     if (rows.scale_log2 > 0.0f) {
         // A positive scale keeps the order of the scores: the maximum is taken on the raw
         // products and the scale folded into the exponent's FMA.
@@ -162,7 +219,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         for (int i = 0; i < S_REGS; ++i) {
             const float w = ex2(fmaf(sc[i], rows.scale_log2, -shift[(i / 2) % 2]));
             l_r[(i / 2) % 2] += w;
-            sc[i] = w;
+            sc[i] = dropped(w, rows, key0, i);
         }
         return;
     }
@@ -173,6 +230,23 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         float x = rows.cap_log2 * tanhf(sc[i] * rows.cap_inv_scale);
 #else
         float x = sc[i] * rows.scale_log2;
+#endif
+#if MASK || BIAS
+        {
+            const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
+            const int row = rows.row0 + 8 * ((i / 2) % 2);
+            if (row < rows.seq_q && key < rows.seq_k) {
+#if BIAS
+                x += LOG2E * elem_to_f32(rows.bias[(u64)row * rows.bias_stride_s
+                                                   + (u64)key * rows.bias_stride_k]);
+#endif
+#if MASK
+                const unsigned short m =
+                    rows.mask[(u64)row * rows.mask_stride_s + (u64)key * rows.mask_stride_k];
+                if (m & 0x7fffu) x = FILL ? rows.fill_log2 : NEG_INF;
+#endif
+            }
+        }
 #endif
         if (edge) {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
@@ -203,7 +277,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
     for (int i = 0; i < S_REGS; ++i) {
         const float w = ex2(sc[i] - shift[(i / 2) % 2]);
         l_r[(i / 2) % 2] += w;
-        sc[i] = w;
+        sc[i] = dropped(w, rows, key0, i);
     }
 }
 
@@ -233,6 +307,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                           const __grid_constant__ TmaMap tv, const unsigned short* q_buffer,
                           const unsigned short* k_buffer, const unsigned short* v_buffer,
                           unsigned short* __restrict__ out, float* __restrict__ lse,
+                          const unsigned short* __restrict__ mask,
+                          const unsigned short* __restrict__ bias,
                           const __grid_constant__ FwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -331,6 +407,19 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.scale_log2 = p.scale_log2;
     rows.cap_inv_scale = p.cap_inv_scale;
     rows.cap_log2 = p.cap_log2;
+    rows.fill_log2 = p.fill_log2;
+    rows.seq_q = (int)p.seq_q;
+    rows.mask = mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
+    rows.bias = bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
+    rows.mask_stride_s = p.mask_stride_s;
+    rows.mask_stride_k = p.mask_stride_k;
+    rows.bias_stride_s = p.bias_stride_s;
+    rows.bias_stride_k = p.bias_stride_k;
+    rows.seed_lo = p.seed_lo;
+    // The second key word: the seed's high word mixed with the (batch, head) pair.
+    rows.seed_key1 = p.seed_hi ^ ((batch * gridDim.y + head) * 0x9E3779B9u);
+    rows.threshold = p.threshold;
+    rows.inv_keep = p.inv_keep;
 
     float o[O_REGS];
 #pragma unroll
@@ -414,7 +503,13 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int row = row0 + 8 * r;
         if (row < (int)p.seq_q) {
-            const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#if QUIET
+            // Quiet softmax divides by 1 + Σ e^s: the 1 is e^(−m) against the row's reference.
+            const float total = l + ex2(-m_r[r]);
+#else
+            const float total = l;
+#endif
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             unsigned short* dst = out + out_base + (u64)row * p.out_stride_s;
 #pragma unroll
             for (int i = 0; i < O_REGS / 4; ++i) {
@@ -425,8 +520,12 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 }
             }
             if (lane % 4u == 0u) {
-                lse[lse_base + (u64)row * p.lse_stride_s] =
-                    l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
+                float row_lse = l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
+#if QUIET
+                // ln(1 + Σ e^s) = softplus(lse), without overflow.
+                row_lse = fmaxf(row_lse, 0.0f) + log1pf(expf(-fabsf(row_lse)));
+#endif
+                lse[lse_base + (u64)row * p.lse_stride_s] = row_lse;
             }
         }
     }

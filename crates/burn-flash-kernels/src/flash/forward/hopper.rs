@@ -3,12 +3,12 @@
 //! reallocation, `wgmma` for `Q·Kᵀ` (both operands in shared memory) and `P·V` (`P` in
 //! registers). The source is `hopper.cu` next to this file, on the shared instruction wrappers
 //! of `crate::hopper` (`sm90.cuh`); it is compiled by cubecl-cuda's NVRTC and launched through
-//! the caller's client ([`crate::hopper::task::HandWritten`]).
+//! the caller's client (`crate::hopper::task::HandWritten`, CUDA builds).
 //!
-//! Variants: element type (f16, bf16) × `D` (64, 128: the head dims rounded up) × `Dv` (64,
-//! 128) × causal × softcap, each compiled on first use. What it does not take (masks, bias,
-//! dropout, `masked_score`, quiet softmax, head dims over 128, rows not 16-byte aligned) is
-//! named by [`unavailable`]; the plan then runs the `mma.sync` kernel.
+//! Variants ([`Variant`]): element type (f16, bf16) × `D` (64, 128: the head dims rounded up)
+//! × `Dv` (64, 128) × the score rules (causal, softcap, mask, fill score, bias, quiet,
+//! dropout), each compiled on first use. What it does not take (head dims over 128, rows not
+//! 16-byte aligned) is named by [`unavailable`]; the plan then runs the `mma.sync` kernel.
 
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime;
@@ -21,6 +21,8 @@ use cubecl::zspace::metadata::Metadata;
 use cubecl::zspace::{Shape, Strides};
 
 use crate::attention::{AttentionDims, AttentionFeatures, AttentionOptions};
+#[cfg(feature = "cuda")]
+use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::HandWritten;
@@ -46,6 +48,10 @@ pub const SOURCE: &str = concat!(
     include_str!("hopper.cu")
 );
 
+/// [`crate::hopper::source_hash`] of [`SOURCE`], computed at compile time.
+#[cfg(feature = "cuda")]
+const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
+
 /// One compiled variant of the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Variant {
@@ -59,31 +65,63 @@ pub struct Variant {
     pub causal: bool,
     /// Softcap.
     pub softcap: bool,
+    /// A bool mask (in the element type) is read.
+    pub mask: bool,
+    /// Masked keys take the fill score (`masked_score`) instead of leaving.
+    pub fill: bool,
+    /// A bias is read.
+    pub bias: bool,
+    /// Quiet softmax.
+    pub quiet: bool,
+    /// Dropout on the weights.
+    pub dropout: bool,
 }
 
 impl Variant {
     /// The variant for a call.
-    pub fn new(dims: AttentionDims, bf16: bool, options: &AttentionOptions) -> Self {
+    pub fn new(
+        dims: AttentionDims,
+        bf16: bool,
+        features: AttentionFeatures,
+        options: &AttentionOptions,
+    ) -> Self {
         Self {
             bf16,
             head_dim: rounded(dims.head_dim),
             value_dim: rounded(dims.value_dim),
             causal: options.causal,
             softcap: options.softcap.is_some(),
+            mask: features.mask,
+            fill: features.mask && options.masked_score.is_some(),
+            bias: features.bias,
+            quiet: options.quiet,
+            dropout: options.dropout.is_some(),
         }
     }
 
     /// The `#define`s the source is compiled with.
     #[cfg(feature = "cuda")]
     fn defines(self) -> String {
-        format!(
-            "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define CAUSAL {}\n#define SOFTCAP {}\n",
+        let flags = [
+            ("ELEM_BF16", self.bf16),
+            ("CAUSAL", self.causal),
+            ("SOFTCAP", self.softcap),
+            ("MASK", self.mask),
+            ("FILL", self.fill),
+            ("BIAS", self.bias),
+            ("QUIET", self.quiet),
+            ("DROPOUT", self.dropout),
+        ];
+        let mut text = format!(
+            "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
             if self.bf16 { "bf16" } else { "f16" },
             self.head_dim,
             self.value_dim,
-            u32::from(self.causal),
-            u32::from(self.softcap),
-        )
+        );
+        for (name, on) in flags {
+            text += &format!("#define {name} {}\n", u32::from(on));
+        }
+        text
     }
 
     /// The variant as one word of the kernel's id.
@@ -94,6 +132,11 @@ impl Variant {
             | u64::from(self.value_dim) << 16
             | u64::from(self.causal) << 24
             | u64::from(self.softcap) << 25
+            | u64::from(self.mask) << 26
+            | u64::from(self.fill) << 27
+            | u64::from(self.bias) << 28
+            | u64::from(self.quiet) << 29
+            | u64::from(self.dropout) << 30
     }
 }
 
@@ -125,27 +168,47 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
     1024 + atom * (d + STAGES * (d + dv)) + 128
 }
 
-/// Whether the Hopper kernels may run: unless the environment variable `BURN_FLASH_HOPPER` is
-/// `off` (or `0`), read once per process. Switched off, the plan takes the `mma.sync` kernels
-/// on Hopper GPUs too (the escape hatch, and how the test suite runs with the path off).
-pub fn enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| {
-        !matches!(
-            std::env::var("BURN_FLASH_HOPPER").as_deref(),
-            Ok("off") | Ok("0")
-        )
+/// How the plan uses the Hopper forward, from the environment variable `BURN_FLASH_HOPPER`
+/// (read once per process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Unset (or `on`): for the calls where it measured faster than the `mma.sync` kernel —
+    /// every call it takes without a mask or a bias (its mask and bias reads are per element;
+    /// RESULTS.md §14).
+    Faster,
+    /// `always`: for every call it takes (how the test suite forces it).
+    Always,
+    /// `off` (or `0`): never unless forced; the escape hatch, and how the suite runs with the
+    /// path off.
+    Off,
+}
+
+/// The process's [`Use`] (an unknown value of `BURN_FLASH_HOPPER` is [`Use::Faster`]).
+pub fn usage() -> Use {
+    static USE: std::sync::OnceLock<Use> = std::sync::OnceLock::new();
+    *USE.get_or_init(|| match std::env::var("BURN_FLASH_HOPPER").as_deref() {
+        Ok("off") | Ok("0") => Use::Off,
+        Ok("always") => Use::Always,
+        _ => Use::Faster,
     })
 }
 
+/// Whether the plan picks the Hopper forward for a call it can run with `features`.
+pub fn preferred(features: AttentionFeatures) -> bool {
+    match usage() {
+        Use::Always => true,
+        Use::Faster => !features.mask && !features.bias,
+        Use::Off => false,
+    }
+}
+
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
-/// is an sm_90 GPU ([`crate::hopper::sm90`]).
+/// is an sm_90 GPU (`crate::hopper::sm90` on CUDA builds).
 pub fn unavailable(
     hopper: bool,
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
-    options: &AttentionOptions,
 ) -> Option<String> {
     use cubecl::ir::{ElemType, FloatKind};
     let reason = if !hopper {
@@ -159,12 +222,6 @@ pub fn unavailable(
         "the Hopper forward takes head dims up to 128"
     } else if !features.aligned {
         "the Hopper forward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements"
-    } else if features.mask || features.bias {
-        "the Hopper forward takes no mask or bias yet"
-    } else if options.dropout.is_some() {
-        "the Hopper forward takes no dropout yet"
-    } else if options.masked_score.is_some() || options.quiet {
-        "the Hopper forward takes no masked_score or quiet softmax yet"
     } else if dims.heads_q > 65_535 || dims.batch > 65_535 {
         "the Hopper forward launches one block row per head and batch: at most 65535 each"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
@@ -199,9 +256,14 @@ fn tensor_map(t: &TensorRef<'_>, dtype: StorageType) -> TensorMapBinding {
     )
 }
 
-/// Launches the forward of `dims` on `client`: `out` and `lse` of attention over `q`, `k`, `v`
-/// (shapes checked by the caller, [`unavailable`] `None` for this call, buffers starting on
-/// 16 bytes ([`crate::attention::starts_aligned`])).
+/// A mask or bias as the Hopper forward reads it: the buffer, and its strides over
+/// `[B, Hq, Sq, Sk]` with 0 along broadcast dimensions.
+#[cfg(feature = "cuda")]
+pub type ScoreTerm<'a> = (&'a TensorRef<'a>, &'a [usize]);
+
+/// Launches the forward of `dims` on `client`: `out` and `lse` of attention over `q`, `k`, `v`,
+/// with an optional `mask` and `bias` (shapes checked by the caller, [`unavailable`] `None`
+/// for this call, buffers starting on 16 bytes ([`crate::attention::starts_aligned`])).
 ///
 /// # Safety
 /// The shapes and strides describe the buffers.
@@ -211,6 +273,8 @@ pub unsafe fn launch(
     q: &TensorRef<'_>,
     k: &TensorRef<'_>,
     v: &TensorRef<'_>,
+    mask: Option<ScoreTerm<'_>>,
+    bias: Option<ScoreTerm<'_>>,
     out: &TensorRef<'_>,
     lse: &TensorRef<'_>,
     dims: AttentionDims,
@@ -219,13 +283,19 @@ pub unsafe fn launch(
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(dims, bf16, options);
+    let features = AttentionFeatures {
+        aligned: true,
+        mask: mask.is_some(),
+        bias: bias.is_some(),
+    };
+    let variant = Variant::new(dims, bf16, features, options);
     let shared = shared_bytes(FlashConfig::new(
         crate::flash::ScoreSource::QueryKey,
         options.rules(AttentionFeatures::default()),
         tile(dims),
     ));
     let mut source = SOURCE;
+    let mut hash = SOURCE_HASH;
     for (active, from, to) in [
         (
             crate::mutation::no_rescale(),
@@ -238,6 +308,11 @@ pub unsafe fn launch(
             "const int diag = 0;",
         ),
         (
+            crate::mutation::quiet_off(),
+            "const float total = l + ex2(-m_r[r]);",
+            "const float total = l;",
+        ),
+        (
             crate::mutation::hopper_no_wait(),
             "if (j >= STAGES) mbar_wait(",
             "if (false) mbar_wait(",
@@ -245,11 +320,13 @@ pub unsafe fn launch(
     ] {
         if active {
             source = Box::leak(source.replace(from, to).into_boxed_str());
+            hash = crate::hopper::source_hash(source);
         }
     }
-    let kernel = HandWritten::new(
+    let kernel = HandWritten::new_hashed(
         client,
         source,
+        hash,
         ENTRY,
         CubeDim::new_1d(UNITS),
         shared,
@@ -259,7 +336,7 @@ pub unsafe fn launch(
     let log2e = core::f32::consts::LOG2_E;
     let cap = options.softcap.unwrap_or(1.0);
     let words = |lo: u32, hi: u32| u64::from(lo) | u64::from(hi) << 32;
-    let params = vec![
+    let mut params = vec![
         out.strides[0] as u64,
         out.strides[1] as u64,
         out.strides[2] as u64,
@@ -272,8 +349,22 @@ pub unsafe fn launch(
             (options.scale * log2e).to_bits(),
             (options.scale / cap).to_bits(),
         ),
-        words((cap * log2e).to_bits(), 0),
+        words(
+            (cap * log2e).to_bits(),
+            (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
+        ),
     ];
+    // An absent mask or bias is never read: `out` stands in, with zero strides.
+    let term = |t: Option<ScoreTerm<'_>>| match t {
+        Some((t, strides)) => (t.handle.clone(), strides.to_vec()),
+        None => (out.handle.clone(), vec![0; 4]),
+    };
+    let (mask_handle, mask_strides) = term(mask);
+    let (bias_handle, bias_strides) = term(bias);
+    params.extend(mask_strides.iter().chain(&bias_strides).map(|&s| s as u64));
+    let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
+    params.push(words(dropout.seed_lo, dropout.seed_hi));
+    params.push(words(dropout.threshold, dropout.inv_keep_bits));
     let m_blocks = dims.seq_q.div_ceil(BLOCK_Q) as u32;
     let count = CubeCount::Static(m_blocks, dims.heads_q as u32, dims.batch as u32);
     let maps = vec![
@@ -281,14 +372,20 @@ pub unsafe fn launch(
         tensor_map(k, dtype),
         tensor_map(v, dtype),
     ];
-    // SAFETY: the loads stay inside `q`, `k`, `v` (TMA clips every box to the shapes given);
-    // block (m, h, b) writes rows 128m .. 128m + 127 below `Sq` of `out[b, h]` and `lse[b, h]`,
+    // SAFETY: the loads stay inside `q`, `k`, `v` (TMA clips every box to the shapes given),
+    // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
+    // strides checked by the caller); block (m, h, b) writes rows 128m .. 128m + 127 below `Sq` of `out[b, h]` and `lse[b, h]`,
     // columns below `Dv`, through the strides given.
     unsafe {
         kernel.launch_with_maps(
             count,
             maps,
-            vec![out.handle.clone().binding(), lse.handle.clone().binding()],
+            vec![
+                out.handle.clone().binding(),
+                lse.handle.clone().binding(),
+                mask_handle.binding(),
+                bias_handle.binding(),
+            ],
             params,
         );
     }
