@@ -51,16 +51,8 @@ impl HandWritten {
         shared_bytes: usize,
         variant: u64,
     ) -> Self {
-        Self {
-            source,
-            defines: String::new(),
-            entry,
-            cube_dim,
-            shared_bytes,
-            variant,
-            source_hash: super::source_hash(source),
-            client: client.clone(),
-        }
+        let hash = super::source_hash(source);
+        Self::new_hashed(client, source, hash, entry, cube_dim, shared_bytes, variant)
     }
 
     /// [`Self::new`] for a source whose [`super::source_hash`] is known (a `const` computed at
