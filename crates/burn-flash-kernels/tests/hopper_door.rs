@@ -4,37 +4,17 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use burn_flash_kernels::hopper::{self, door};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 
 /// SplitMix64 from `seed`: the inputs of one run (the seed is printed to replay it).
 fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0
-        })
+    common::splitmix(n, seed)
+        .map(|z| ((z >> 40) as f32 / (1u64 << 24) as f32) * 8.0 - 4.0)
         .collect()
-}
-
-fn seed() -> u64 {
-    let seed = std::env::var("BURN_FLASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    println!("inputs from seed {seed} (replay: BURN_FLASH_SEED={seed})");
-    seed
 }
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -59,7 +39,7 @@ fn hand_written_kernel_runs_through_the_client() {
         hopper::sm90(&client),
         "the door test needs a Hopper GPU (sm_90): this is the GPU suite"
     );
-    let seed = seed();
+    let seed = common::seed();
     for (case, n) in [4usize, 256, 1028, 256 * 37 + 100].into_iter().enumerate() {
         let a = random_f32(n, seed.wrapping_add(case as u64));
         let s = a[0] * 0.37 + 1.25;
@@ -144,7 +124,7 @@ fn f16_bits(x: f32) -> u16 {
 fn wgmma_through_the_door() {
     let client = CudaRuntime::client(&CudaDevice::default());
     assert!(hopper::sm90(&client), "needs a Hopper GPU (sm_90)");
-    let seed = seed();
+    let seed = common::seed();
     let draw = |salt: u64| -> Vec<f32> {
         random_f32(64 * 16, seed ^ salt)
             .into_iter()

@@ -6,6 +6,8 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use burn_flash_kernels::attention::{
     AttentionKernel, AttentionOptions, AttentionPlan, launch_attention,
 };
@@ -18,33 +20,11 @@ use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
 
-fn seed() -> u64 {
-    let seed = std::env::var("BURN_FLASH_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        });
-    println!("inputs from seed {seed} (replay: BURN_FLASH_SEED={seed})");
-    seed
-}
-
 /// SplitMix64 values `k / 64` for integers `|k| ≤ 127`: exact in f16 and bf16, so the kernels
 /// and the f64 reference see the same inputs.
 fn draw(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z % 255) as i32 - 127) as f32 / 64.0
-        })
+    common::splitmix(n, seed)
+        .map(|z| ((z % 255) as i32 - 127) as f32 / 64.0)
         .collect()
 }
 
@@ -437,7 +417,7 @@ fn check(client: &Client, c: Case, seed: u64) {
 #[test]
 fn hopper_forward_matches_f64() {
     let client = client();
-    let seed = seed();
+    let seed = common::seed();
     let cases = [
         Case::new(1, 2, 2, 128, 128, 64, 64),
         Case::new(2, 4, 2, 200, 333, 128, 128),
@@ -462,7 +442,7 @@ fn hopper_forward_matches_f64() {
 #[test]
 fn hopper_causal_forward_matches_f64() {
     let client = client();
-    let seed = seed();
+    let seed = common::seed();
     let causal = |c: Case| Case { causal: true, ..c };
     let cases = [
         causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
@@ -484,7 +464,7 @@ fn hopper_causal_forward_matches_f64() {
 #[test]
 fn hopper_forward_at_size() {
     let client = client();
-    let seed = seed();
+    let seed = common::seed();
     for (s, d, causal) in [
         (4096, 128, false),
         (4096, 128, true),
@@ -536,7 +516,7 @@ fn hopper_forward_at_size() {
 #[test]
 fn hopper_forward_small_shapes() {
     let client = client();
-    let seed = seed();
+    let seed = common::seed();
     let cases = [
         Case {
             causal: true,
@@ -554,7 +534,7 @@ fn hopper_forward_small_shapes() {
 /// threads): the same result as one thread.
 #[test]
 fn hopper_forward_across_threads() {
-    let seed = seed();
+    let seed = common::seed();
     let c = Case::new(1, 2, 2, 200, 300, 64, 64);
     let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
     let inputs = Inputs {
