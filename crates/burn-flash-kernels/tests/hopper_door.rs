@@ -100,22 +100,6 @@ fn bad_input_is_refused() {
     );
 }
 
-/// f16 bits of `x`, a normal number whose significand fits f16's 11 bits (the inputs below are
-/// multiples of 1/8 up to 8 in magnitude, exact in f16).
-fn f16_bits(x: f32) -> u16 {
-    if x == 0.0 {
-        return 0;
-    }
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-    assert!(
-        (1..31).contains(&exp) && bits & 0x1fff == 0,
-        "{x} is not exact in f16"
-    );
-    sign | ((exp as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
-}
-
 /// One `wgmma.mma_async` (m64n64k16, f16 → f32, both operands from shared memory through
 /// no-swizzle descriptors) against the f64 product: the inputs are multiples of 1/8, so every
 /// product and sum is exact in f32 and the result must match to the bit. A wrong descriptor
@@ -132,8 +116,11 @@ fn wgmma_through_the_door() {
             .collect()
     };
     let (a, bt) = (draw(0x5a), draw(0xa5));
-    let bytes =
-        |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| f16_bits(x).to_le_bytes()).collect() };
+    let bytes = |v: &[f32]| -> Vec<u8> {
+        v.iter()
+            .flat_map(|&x| common::f16_bits(x).to_le_bytes())
+            .collect()
+    };
     let a_h = client.create_from_slice(&bytes(&a));
     let bt_h = client.create_from_slice(&bytes(&bt));
     let out_h = client.create_from_slice(&f32_bytes(&vec![f32::NAN; 64 * 64]));

@@ -50,18 +50,7 @@ impl Half {
                 assert_eq!(bits & 0xffff, 0, "{x} is not exact in bf16");
                 (bits >> 16) as u16
             }
-            Self::F16 => {
-                if x == 0.0 {
-                    return 0;
-                }
-                let sign = ((bits >> 16) & 0x8000) as u16;
-                let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
-                assert!(
-                    (1..31).contains(&exp) && bits & 0x1fff == 0,
-                    "{x} is not exact in f16"
-                );
-                sign | ((exp as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
-            }
+            Self::F16 => common::f16_bits(x),
         }
     }
 
@@ -155,6 +144,18 @@ struct Inputs {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+}
+
+impl Inputs {
+    /// `q`, `k`, `v` of case `c` from `seed` ([`draw`]), in `[B, H, S, D]` order.
+    fn new(c: &Case, seed: u64) -> Self {
+        let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
+        Self {
+            q: draw(n(c.hq, c.sq, c.d), seed ^ 1),
+            k: draw(n(c.hkv, c.sk, c.d), seed ^ 2),
+            v: draw(n(c.hkv, c.sk, c.dv), seed ^ 3),
+        }
+    }
 }
 
 struct Outputs {
@@ -371,12 +372,7 @@ fn client() -> Client {
 /// Checks one case in both types: the plan picked the Hopper kernel, the output and lse
 /// against f64, the error against the `mma` kernel's.
 fn check(client: &Client, c: Case, seed: u64) {
-    let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
-    let inputs = Inputs {
-        q: draw(n(c.hq, c.sq, c.d), seed ^ 1),
-        k: draw(n(c.hkv, c.sk, c.d), seed ^ 2),
-        v: draw(n(c.hkv, c.sk, c.dv), seed ^ 3),
-    };
+    let inputs = Inputs::new(&c, seed);
     let (want, want_lse) = reference(&c, &inputs);
     for half in [Half::F16, Half::Bf16] {
         let hopper = run(client, &c, half, &inputs, None, 0);
@@ -475,12 +471,7 @@ fn hopper_forward_at_size() {
             causal,
             ..Case::new(4, 16, 16, s, s, d, d)
         };
-        let n = c.b * c.hq * c.sq * c.d;
-        let inputs = Inputs {
-            q: draw(n, seed ^ 1),
-            k: draw(n, seed ^ 2),
-            v: draw(n, seed ^ 3),
-        };
+        let inputs = Inputs::new(&c, seed);
         for half in [Half::F16, Half::Bf16] {
             let hopper = run(&client, &c, half, &inputs, None, 20);
             let mma = run(
@@ -536,12 +527,7 @@ fn hopper_forward_small_shapes() {
 fn hopper_forward_across_threads() {
     let seed = common::seed();
     let c = Case::new(1, 2, 2, 200, 300, 64, 64);
-    let n = |h: usize, s: usize, d: usize| c.b * h * s * d;
-    let inputs = Inputs {
-        q: draw(n(c.hq, c.sq, c.d), seed ^ 1),
-        k: draw(n(c.hkv, c.sk, c.d), seed ^ 2),
-        v: draw(n(c.hkv, c.sk, c.dv), seed ^ 3),
-    };
+    let inputs = Inputs::new(&c, seed);
     let (want, _) = reference(&c, &inputs);
     let client = client();
     let encode = |v: &[f32]| -> Vec<u8> {

@@ -778,7 +778,7 @@ pub fn launch_attention<R: Runtime>(
             let bias = bias.as_ref().zip(bias_strides.as_deref());
             unsafe {
                 hopper::launch(
-                    cuda, &q, &k, &v, mask, bias, &out, &lse, dims, dtype, options,
+                    cuda, &q, &k, &v, mask, bias, &out, &lse, dims, dtype, options, &plan,
                 )
             };
             return Ok(plan);

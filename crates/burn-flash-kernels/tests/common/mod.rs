@@ -1,4 +1,5 @@
-//! What the kernels crate's GPU tests share: the seed of a run's inputs and SplitMix64 words.
+//! What the kernels crate's GPU tests share: the seed of a run's inputs, SplitMix64 words, f16
+//! bits of exact inputs.
 
 /// The seed of this run's inputs: `BURN_FLASH_SEED`, else the clock; printed, so that a failed
 /// test can be replayed.
@@ -26,4 +27,20 @@ pub fn splitmix(n: usize, seed: u64) -> impl Iterator<Item = u64> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     })
+}
+
+/// f16 bits of `x`, a normal number (or 0) whose significand fits f16's 11 bits: the tests
+/// draw inputs that are exact in f16, so the kernels and the f64 reference see the same values.
+pub fn f16_bits(x: f32) -> u16 {
+    if x == 0.0 {
+        return 0;
+    }
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let exp = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    assert!(
+        (1..31).contains(&exp) && bits & 0x1fff == 0,
+        "{x} is not exact in f16"
+    );
+    sign | ((exp as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
 }

@@ -20,7 +20,9 @@ use cubecl::zspace::metadata::Metadata;
 #[cfg(feature = "cuda")]
 use cubecl::zspace::{Shape, Strides};
 
-use crate::attention::{AttentionDims, AttentionFeatures, AttentionOptions};
+use crate::attention::{AttentionDims, AttentionFeatures};
+#[cfg(feature = "cuda")]
+use crate::attention::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, Tile};
@@ -78,24 +80,20 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// The variant for a call.
-    pub fn new(
-        dims: AttentionDims,
-        bf16: bool,
-        features: AttentionFeatures,
-        options: &AttentionOptions,
-    ) -> Self {
+    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16.
+    pub fn new(config: FlashConfig, bf16: bool) -> Self {
+        let rules = config.rules;
         Self {
             bf16,
-            head_dim: rounded(dims.head_dim),
-            value_dim: rounded(dims.value_dim),
-            causal: options.causal,
-            softcap: options.softcap.is_some(),
-            mask: features.mask,
-            fill: features.mask && options.masked_score.is_some(),
-            bias: features.bias,
-            quiet: options.quiet,
-            dropout: options.dropout.is_some(),
+            head_dim: config.head_dim,
+            value_dim: config.value_dim,
+            causal: rules.causal,
+            softcap: rules.softcap,
+            mask: rules.mask,
+            fill: rules.mask && rules.masked_score.is_some(),
+            bias: rules.bias,
+            quiet: rules.quiet,
+            dropout: rules.dropout,
         }
     }
 
@@ -263,7 +261,9 @@ pub type ScoreTerm<'a> = (&'a TensorRef<'a>, &'a [usize]);
 
 /// Launches the forward of `dims` on `client`: `out` and `lse` of attention over `q`, `k`, `v`,
 /// with an optional `mask` and `bias` (shapes checked by the caller, [`unavailable`] `None`
-/// for this call, buffers starting on 16 bytes ([`crate::attention::starts_aligned`])).
+/// for this call, buffers starting on 16 bytes ([`crate::attention::starts_aligned`])), as
+/// `plan` says: its config's tile and score rules pick the [`Variant`], its units, shared
+/// memory and cubes make the launch.
 ///
 /// # Safety
 /// The shapes and strides describe the buffers.
@@ -280,20 +280,11 @@ pub unsafe fn launch(
     dims: AttentionDims,
     dtype: StorageType,
     options: &AttentionOptions,
+    plan: &AttentionPlan,
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let features = AttentionFeatures {
-        aligned: true,
-        mask: mask.is_some(),
-        bias: bias.is_some(),
-    };
-    let variant = Variant::new(dims, bf16, features, options);
-    let shared = shared_bytes(FlashConfig::new(
-        crate::flash::ScoreSource::QueryKey,
-        options.rules(AttentionFeatures::default()),
-        tile(dims),
-    ));
+    let variant = Variant::new(plan.config, bf16);
     let mut source = SOURCE;
     let mut hash = SOURCE_HASH;
     for (active, from, to) in [
@@ -328,8 +319,8 @@ pub unsafe fn launch(
         source,
         hash,
         ENTRY,
-        CubeDim::new_1d(UNITS),
-        shared,
+        CubeDim::new_1d(plan.units),
+        plan.shared_bytes,
         variant.key(),
     )
     .with_defines(variant.defines());
@@ -365,8 +356,8 @@ pub unsafe fn launch(
     let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
     params.push(words(dropout.seed_lo, dropout.seed_hi));
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
-    let m_blocks = dims.seq_q.div_ceil(BLOCK_Q) as u32;
-    let count = CubeCount::Static(m_blocks, dims.heads_q as u32, dims.batch as u32);
+    let (x, y, z) = plan.cubes;
+    let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
         tensor_map(q, dtype),
         tensor_map(k, dtype),
