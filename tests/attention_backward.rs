@@ -514,9 +514,24 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // The matrix units: `mma` on CUDA (cooperative matrices where the run forces them), the
     // cooperative matrices where the device has them and no `mma` (Vulkan through SPIR-V).
     let matrix = plain.kernel != AttentionBackwardKernel::Units;
+    // The Hopper backward: where the forward's Hopper kernel is available (sm_90, 16-bit,
+    // not switched off) and no other forward kernel is forced, for calls without a mask or bias.
+    let hopper = options.kernel.is_none()
+        && burn_flash::attention_plan::<B>(
+            device,
+            dims,
+            dtype.into(),
+            FlashAttentionOptions {
+                kernel: Some(AttentionKernel::Hopper),
+                ..options
+            },
+        )
+        .is_some_and(|p| p.is_ok());
     if cuda && sixteen {
         let want = if cooperative_forced() {
             AttentionBackwardKernel::CooperativeMatrix
+        } else if hopper {
+            AttentionBackwardKernel::Hopper
         } else {
             AttentionBackwardKernel::MatrixUnits
         };
@@ -526,7 +541,18 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         assert!(sixteen, "{plain:?}");
         assert_eq!(plain.kernel, AttentionBackwardKernel::CooperativeMatrix);
     }
-    if matrix {
+    if hopper {
+        // Hopper: D 72 and Dv 40 rounded up to 128 and 64; blocks of 128 keys (1), 64 query
+        // rows per step; one block row per (key/value head, batch); the per-row kernels over
+        // 3 · 8 heads of 128 padded rows, 8 rows per block.
+        let c = plain.config;
+        assert_eq!(
+            (c.head_dim, c.value_dim, c.block_q, c.block_k),
+            (128, 64, 64, 128)
+        );
+        assert_eq!(plain.dkv_cubes, (1, 2, 3));
+        assert_eq!(plain.dq_cubes, (3 * 8 * 128 / 8, 1, 1));
+    } else if matrix {
         // f16/bf16 on the matrix units (either kind): D and Dv rounded up to 16; 64 query rows
         // per dQ cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2
         // cubes), 32 per step; B·Hkv = 6.
@@ -547,7 +573,20 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let launch = |p: &burn_flash::kernels::attention::AttentionBackwardPlan| {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
-    if matrix {
+    if hopper {
+        // A mask goes to the `mma.sync` backward; dropout stays on Hopper.
+        assert_eq!(masked.kernel, AttentionBackwardKernel::MatrixUnits);
+        let dropout = FlashAttentionOptions {
+            dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
+            ..options
+        };
+        let dropped =
+            attention_backward_plan::<A<B>>(device, dims, dtype.into(), dropout, false, false)
+                .expect("plan")
+                .expect("plan");
+        assert!(dropped.config.rules.dropout);
+        assert_eq!(launch(&dropped), launch(&plain));
+    } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
         // So does dropout.
         let dropout = FlashAttentionOptions {

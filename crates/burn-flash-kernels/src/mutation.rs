@@ -47,13 +47,14 @@ pub enum Mutation {
     /// `keep-fragments`: the cooperative-matrix forward never rescales its output fragments
     /// when a row's reference maximum moves (its row sums still are).
     KeepFragments,
-    /// `zero-dk`: the cooperative-matrix backward writes `dK = 0`.
+    /// `zero-dk`: the cooperative-matrix and Hopper backwards write `dK = 0`.
     ZeroDk,
     /// `wgmma-strides`: the hand-written `wgmma` kernel (`hopper::door`) swaps its descriptors'
     /// leading and stride byte offsets.
     WgmmaStrides,
-    /// `hopper-no-wait`: the Hopper forward's producer refills a `K`/`V` slot without waiting
-    /// for the consumers to release it (the pipeline's empty-barrier waits dropped).
+    /// `hopper-no-wait`: the Hopper kernels' producers refill a slot (`K`/`V` in the forward,
+    /// `Q`/`dO` in the backward) without waiting for the consumers to release it (the
+    /// pipeline's empty-barrier waits dropped).
     HopperNoWait,
 }
 

@@ -8,77 +8,18 @@
 
 mod common;
 
+use common::{Half, draw};
+
 use burn_flash_kernels::attention::{
     AttentionKernel, AttentionOptions, AttentionPlan, launch_attention,
 };
 use burn_flash_kernels::hopper;
 use burn_flash_kernels::tensor::TensorRef;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
-use cubecl::ir::{ElemType, FloatKind};
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
-
-/// SplitMix64 values `k / 64` for integers `|k| ≤ 127`: exact in f16 and bf16, so the kernels
-/// and the f64 reference see the same inputs.
-fn draw(n: usize, seed: u64) -> Vec<f32> {
-    common::splitmix(n, seed)
-        .map(|z| ((z % 255) as i32 - 127) as f32 / 64.0)
-        .collect()
-}
-
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Half {
-    F16,
-    Bf16,
-}
-
-impl Half {
-    fn dtype(self) -> StorageType {
-        StorageType::Scalar(ElemType::Float(match self {
-            Self::F16 => FloatKind::F16,
-            Self::Bf16 => FloatKind::BF16,
-        }))
-    }
-
-    /// The bits of `x`, which must be exact in this type (inputs from [`draw`]).
-    fn bits(self, x: f32) -> u16 {
-        let bits = x.to_bits();
-        match self {
-            Self::Bf16 => {
-                assert_eq!(bits & 0xffff, 0, "{x} is not exact in bf16");
-                (bits >> 16) as u16
-            }
-            Self::F16 => common::f16_bits(x),
-        }
-    }
-
-    fn value(self, bits: u16) -> f64 {
-        match self {
-            Self::Bf16 => f64::from(f32::from_bits(u32::from(bits) << 16)),
-            Self::F16 => {
-                let sign = if bits & 0x8000 != 0 { -1.0 } else { 1.0 };
-                let exp = i32::from((bits >> 10) & 0x1f);
-                let frac = f64::from(bits & 0x3ff);
-                match exp {
-                    0 => sign * frac * 2f64.powi(-24),
-                    31 if frac == 0.0 => sign * f64::INFINITY,
-                    31 => f64::NAN,
-                    e => sign * (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
-                }
-            }
-        }
-    }
-
-    /// Half an ulp at 1.
-    fn half_ulp(self) -> f64 {
-        match self {
-            Self::F16 => 2f64.powi(-11),
-            Self::Bf16 => 2f64.powi(-8),
-        }
-    }
-}
 
 /// One call: sizes, options and the memory layout of `q` and `out` (`bshd`: stored
 /// `[B, S, H, D]` and passed as a permuted view).

@@ -9,7 +9,7 @@ use super::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, attention_dims,
     broadcast_strides, expect_shape, validate,
 };
-use crate::flash::backward::{Schedule, cmma, launch_backward, mma, units};
+use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, mma, units};
 use crate::flash::block::fold_pairs;
 use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
@@ -37,6 +37,12 @@ pub enum AttentionBackwardKernel {
     /// [`cmma::flash_backward_dkv_cmma()`] and [`cmma::flash_backward_dq_cmma()`], every score
     /// rule, `D`, `Dv` up to [`cmma::MAX_DIM`].
     CooperativeMatrix,
+    /// Hopper's `wgmma` and TMA (f16/bf16 on sm_90, no mask or bias,
+    /// [`hopper::unavailable`]): a per-row prepass (`δ`, the log-sum-exp in base 2, the `dQ`
+    /// accumulator zeroed), one kernel per block of 128 keys writing `dK`, `dV` and adding `dQ`
+    /// into the f32 accumulator, then `dQ` in the element type. Planned on sm_90 unless
+    /// `BURN_FLASH_HOPPER=off` or another forward kernel is forced.
+    Hopper,
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -85,9 +91,10 @@ pub struct AttentionBackwardPlan {
     /// Keys per cube of the `dK`/`dV` kernel.
     pub block_keys: usize,
     /// Cubes of the `dK`/`dV` kernel: (key blocks — times column tiles on plain units — and
-    /// `B·Hkv` folded over y and z).
+    /// `B·Hkv` folded over y and z; on Hopper `Hkv` and `B`).
     pub dkv_cubes: (usize, usize, usize),
-    /// Cubes of the `dQ` kernel: (row blocks of `G·Sq`, and `B·Hkv` folded over y and z).
+    /// Cubes of the `dQ` kernel: (row blocks of `G·Sq`, and `B·Hkv` folded over y and z; on
+    /// Hopper the blocks of 8 rows of the per-row kernels over `B·Hq` padded heads).
     pub dq_cubes: (usize, usize, usize),
     /// Why the matrix units do not run this call (`None`: they do).
     pub matrix_units: Option<MatrixUnitsUnavailable>,
@@ -150,6 +157,38 @@ pub fn plan_attention_backward<R: Runtime>(
     features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
+    plan_backward(client, dims, dtype, features, options, true)
+}
+
+/// Why the Hopper backward does not run a call (`None`: it does): switched off, another
+/// forward kernel forced, or [`hopper::unavailable`].
+fn hopper_reason<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+) -> Option<String> {
+    if let Some(kernel) = options
+        .kernel
+        .filter(|&k| k != super::AttentionKernel::Hopper)
+    {
+        return Some(format!("the forward is forced onto {kernel:?}"));
+    }
+    super::hopper_switched_off()
+        .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
+}
+
+/// [`plan_attention_backward`]; `hopper_ok` false keeps the Hopper backward out (a call that
+/// writes `dS`).
+fn plan_backward<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+    hopper_ok: bool,
+) -> Result<AttentionBackwardPlan, AttentionError> {
     validate(client, dims, dtype, options)?;
     let hw = &client.properties().hardware;
     if hw.max_units_per_cube < units::UNITS || hw.max_shared_memory_size < units::SHARED_BYTES {
@@ -187,6 +226,22 @@ pub fn plan_attention_backward<R: Runtime>(
             || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
+    if hopper_ok && hopper_reason(client, dims, dtype, features, options).is_none() {
+        let config = FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims));
+        let rows = dims.batch * dims.heads_q * dims.seq_q.next_multiple_of(hopper::BLOCK_Q);
+        return Ok(AttentionBackwardPlan {
+            kernel: AttentionBackwardKernel::Hopper,
+            config,
+            block_keys: hopper::BLOCK_K,
+            dkv_cubes: (
+                dims.seq_k.div_ceil(hopper::BLOCK_K),
+                dims.heads_kv,
+                dims.batch,
+            ),
+            dq_cubes: (rows.div_ceil(8), 1, 1),
+            matrix_units,
+        });
+    }
     let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {
         (Some((f, c)), _) => (
             AttentionBackwardKernel::CooperativeMatrix,
@@ -297,15 +352,44 @@ pub fn launch_attention_backward<R: Runtime>(
             (t.k.shape, t.k.strides),
             (t.v.shape, t.v.strides),
             (t.d_out.shape, t.d_out.strides),
-        ]),
+        ]) && super::starts_aligned(&[&t.q, &t.k, &t.v, &t.d_out]),
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
     };
-    let plan = plan_attention_backward(client, dims, dtype, features, options)?;
+    let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_none())?;
     let pairs = dims.batch * dims.heads_kv;
     let rows = pairs * dims.group() * dims.seq_q;
     if pairs == 0 {
         return Ok(plan);
+    }
+    if plan.kernel == AttentionBackwardKernel::Hopper {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = super::cuda_client(client) {
+            // SAFETY: the shapes were checked above and describe the buffers; the plan took
+            // the Hopper backward, so `hopper::unavailable` found nothing against this call
+            // (rows and starts aligned, no mask, bias or `ds`, non-empty sequences).
+            unsafe {
+                hopper::launch(
+                    cuda,
+                    &t,
+                    dims,
+                    dtype,
+                    options,
+                    plan.config,
+                    hopper::UNITS,
+                    hopper::shared_bytes(plan.config),
+                    plan.dkv_cubes,
+                )
+            };
+            record_launch(BackwardLaunch {
+                dims,
+                kernel: plan.kernel,
+                mask: false,
+                ds: false,
+            });
+            return Ok(plan);
+        }
+        unreachable!("the plan takes the Hopper backward on CUDA clients only");
     }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| Operand {
         handle: t.handle.clone(),
@@ -358,6 +442,7 @@ pub fn launch_attention_backward<R: Runtime>(
             }),
         },
         AttentionBackwardKernel::Units => Schedule::Units { write_ds },
+        AttentionBackwardKernel::Hopper => unreachable!("launched above"),
     };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); on the matrix units the rows of `q`, `k`, `v` and `dO`

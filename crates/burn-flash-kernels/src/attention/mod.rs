@@ -86,17 +86,24 @@ fn hopper_unavailable<R: Runtime>(
     dtype: StorageType,
     features: AttentionFeatures,
 ) -> Option<String> {
-    if hopper::usage() == hopper::Use::Off {
-        return Some("the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into());
-    }
+    hopper_switched_off().or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
+}
+
+/// Why no Hopper kernel runs in this process (`None`: they may): `BURN_FLASH_HOPPER=off`.
+fn hopper_switched_off() -> Option<String> {
+    (hopper::usage() == hopper::Use::Off)
+        .then(|| "the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into())
+}
+
+/// Whether `client` is a CUDA client of a Hopper GPU (sm_90).
+fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
     #[cfg(feature = "cuda")]
-    let sm90 = cuda_client(client).is_some_and(crate::hopper::sm90);
+    return cuda_client(client).is_some_and(crate::hopper::sm90);
     #[cfg(not(feature = "cuda"))]
-    let sm90 = {
+    {
         let _ = client;
         false
-    };
-    hopper::unavailable(sm90, dims, dtype, features)
+    }
 }
 
 /// `client` as a CUDA client, where its runtime is CUDA.

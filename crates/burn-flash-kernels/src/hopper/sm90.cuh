@@ -47,6 +47,23 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
+// ---- named barriers ----------------------------------------------------------------------
+
+__device__ __forceinline__ void named_sync(u32 id, u32 threads) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+__device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+// One arrival per warp on an "empty" barrier, once the warp's products have read the
+// slot.
+__device__ __forceinline__ void release(u32 bar, u32 lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+}
+
 // ---- TMA -------------------------------------------------------------------------------------
 
 // Loads the box of `map` at coordinates (c0 innermost … c3) into shared memory at `dst`,
@@ -58,6 +75,28 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, u32 bar,
         " [%0], [%1, {%3, %4, %5, %6}], [%2];"
         :: "r"(dst), "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
+}
+
+// Copies `bytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to shared
+// `dst`, completing `bytes` transactions on `bar`.
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(src)), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Makes this thread's shared-memory stores visible to the async proxy (`wgmma` operands
+// read from shared memory, TMA), before a barrier.
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- global reductions -----------------------------------------------------------------------
+
+// `dst[0] += a`, `dst[1] += b` (relaxed, GPU scope; `dst` 8-byte aligned).
+__device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
+    asm volatile("red.relaxed.gpu.global.add.v2.f32 [%0], {%1, %2};"
+                 :: "l"(dst), "f"(a), "f"(b) : "memory");
 }
 
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
@@ -119,6 +158,20 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], u64 da, u64 db, u32
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_ELEM "." WG_ELEM " "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+}
+
+// D (+)= A·B for a 64 × 64 × 16 step: A and B in shared memory, both MN-major (`imm-trans-a`
+// and `imm-trans-b` 1: A stored K rows of M, B stored K rows of N).
+__device__ __forceinline__ void wgmma_ss_n64_tt(float (&d)[32], u64 da, u64 db, u32 accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32." WG_ELEM "." WG_ELEM " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),

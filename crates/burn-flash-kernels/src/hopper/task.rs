@@ -3,8 +3,12 @@
 
 use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::prelude::*;
-use cubecl::server::{KernelArguments, MetadataBindingInfo};
+use cubecl::server::{KernelArguments, MetadataBindingInfo, TensorMapBinding, TensorMapMeta};
+use cubecl::zspace::metadata::Metadata;
+use cubecl::zspace::{Shape, Strides};
 use cubecl::{CompilationError, Compiler, CubeTask};
+
+use crate::tensor::TensorRef;
 
 /// The `#[cube]` shell whose compiled form gives a hand-written kernel its `repr`: it allocates
 /// `words` 32-bit words of shared memory (touched, so that the optimiser keeps them), which is
@@ -178,4 +182,25 @@ impl CubeTask<CudaCompiler> for HandWritten {
         kernel.cube_dim = self.cube_dim;
         Ok(kernel)
     }
+}
+
+/// The TMA map of a `[B, H, S, D]` tensor of `dtype`: boxes of `rows` rows × 64 columns,
+/// 128-byte swizzled (the layout `desc_sw128` of `sm90.cuh` describes), zeros past the ends.
+pub fn tensor_map(t: &TensorRef<'_>, dtype: StorageType, rows: usize) -> TensorMapBinding {
+    TensorMapBinding::new(
+        t.handle.clone().binding(),
+        TensorMapMeta {
+            format: TensorMapFormat::Tiled(TiledArgs::new(Shape::from(vec![1usize, 1, rows, 64]))),
+            metadata: Metadata::new(
+                Shape::from(t.shape.to_vec()),
+                Strides::from(t.strides.to_vec()),
+            ),
+            elem_stride: Strides::from(vec![1usize; 4]),
+            interleave: TensorMapInterleave::None,
+            swizzle: TensorMapSwizzle::B128,
+            prefetch: TensorMapPrefetch::None,
+            oob_fill: OobFill::Zero,
+            storage_ty: dtype,
+        },
+    )
 }

@@ -16,19 +16,22 @@
 //! ```
 //!
 //! Given scores (`softmax(X)·V`): `dX` is the core's `dS` and `dV` its `dV`; no `dQ`, `dK`.
-//! Two kernels per schedule, each owning its output, so that nothing is accumulated across
-//! cubes (`dQ` by atomics from the dK/dV kernel, FlashAttention-2's one-kernel schedule,
-//! measured slower: RESULTS.md): a dK/dV kernel (one cube per block of keys, looping over the query rows of the
+//! Two kernels per `#[cube]` schedule, each owning its output, so that nothing is accumulated
+//! across cubes (`dQ` by atomics from the dK/dV kernel, FlashAttention-2's one-kernel schedule,
+//! measured slower there: RESULTS.md): a dK/dV kernel (one cube per block of keys, looping over the query rows of the
 //! group) and a dQ kernel (one cube per block of query rows, looping over the keys they see).
 //! - [`units`]: plain units, every runtime and float type, f32 arithmetic;
 //! - [`units_given`]: plain units, the given-score products register-tiled;
 //! - [`mma`] ([`mma_dq`], [`mma_dkv`]): the matrix units (f16/bf16, CUDA sm_80+);
 //! - [`cmma`]: cooperative matrices (f16/bf16 wherever cubecl's `cmma` runs: Vulkan, Metal,
-//!   CUDA's `wmma`).
+//!   CUDA's `wmma`);
+//! - [`hopper`]: Hopper's `wgmma` and TMA (f16/bf16, sm_90), hand-written CUDA launched
+//!   through cubecl's client; one kernel per key block with `dQ` accumulated by reductions.
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod cmma;
+pub mod hopper;
 pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;

@@ -60,52 +60,6 @@ struct FwdParams {
     float inv_keep;                  // dropout: 1 / (1 − p)
 };
 
-#define NEG_INF __int_as_float(0xff800000)
-#define LOG2E 1.4426950408889634f
-
-// Threefry-2×32-20 of counter (c0, c1) under key (k0, k1), the first word (dropout.rs).
-__device__ __forceinline__ u32 threefry(u32 c0, u32 c1, u32 k0, u32 k1) {
-    const u32 rot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
-    const u32 ks[3] = {k0, k1, 0x1BD11BDAu ^ k0 ^ k1};
-    u32 x0 = c0 + k0, x1 = c1 + k1;
-#pragma unroll
-    for (u32 round = 0; round < 20; ++round) {
-        x0 += x1;
-        x1 = __funnelshift_l(x1, x1, rot[round % 8]) ^ x0;
-        if (round % 4 == 3) {
-            const u32 s = round / 4 + 1;
-            x0 += ks[s % 3];
-            x1 += ks[(s + 1) % 3] + s;
-        }
-    }
-    return x0;
-}
-
-// An element of the input type as f32.
-__device__ __forceinline__ float elem_to_f32(unsigned short bits) {
-#if ELEM_BF16
-    return __int_as_float(((u32)bits) << 16);
-#else
-    float f;
-    asm("{\n.reg .b16 t;\nmov.b16 t, %1;\ncvt.f32.f16 %0, t;\n}" : "=f"(f) : "h"(bits));
-    return f;
-#endif
-}
-
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ void named_sync(u32 id, u32 threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
-}
-
-__device__ __forceinline__ void named_arrive(u32 id, u32 threads) {
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
-}
-
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
 __device__ __forceinline__ void turn_begin(u32 c) {
 #if PINGPONG
@@ -117,13 +71,6 @@ __device__ __forceinline__ void turn_end(u32 c) {
 #if PINGPONG
     named_arrive(2 - c, 256);
 #endif
-}
-
-// One arrival per consumer warp on an "empty" barrier, once the warp's products have read the
-// slot.
-__device__ __forceinline__ void release(u32 bar, u32 lane) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
 }
 
 // S = Q·Kᵀ for consumer `c`'s 64 rows and the slot's 128 keys: HEAD_DIM / 16 steps of k16, each

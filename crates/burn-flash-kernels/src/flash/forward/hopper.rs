@@ -13,12 +13,6 @@
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-#[cfg(feature = "cuda")]
-use cubecl::server::{TensorMapBinding, TensorMapMeta};
-#[cfg(feature = "cuda")]
-use cubecl::zspace::metadata::Metadata;
-#[cfg(feature = "cuda")]
-use cubecl::zspace::{Shape, Strides};
 
 use crate::attention::{AttentionDims, AttentionFeatures};
 #[cfg(feature = "cuda")]
@@ -27,7 +21,7 @@ use crate::attention::{AttentionOptions, AttentionPlan};
 use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, Tile};
 #[cfg(feature = "cuda")]
-use crate::hopper::task::HandWritten;
+use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
 use crate::tensor::TensorRef;
 
@@ -47,6 +41,7 @@ const ENTRY: &str = "burn_flash_hopper_forward";
 #[cfg(feature = "cuda")]
 pub const SOURCE: &str = concat!(
     include_str!("../../hopper/sm90.cuh"),
+    include_str!("../scores.cuh"),
     include_str!("hopper.cu")
 );
 
@@ -230,30 +225,6 @@ pub fn unavailable(
     Some(reason.into())
 }
 
-#[cfg(feature = "cuda")]
-/// The TMA map of a `[B, H, S, D]` tensor: boxes of 128 rows × 64 columns, 128-byte swizzled,
-/// zeros past the ends.
-fn tensor_map(t: &TensorRef<'_>, dtype: StorageType) -> TensorMapBinding {
-    TensorMapBinding::new(
-        t.handle.clone().binding(),
-        TensorMapMeta {
-            format: TensorMapFormat::Tiled(TiledArgs::new(Shape::from(vec![
-                1usize, 1, BLOCK_K, 64,
-            ]))),
-            metadata: Metadata::new(
-                Shape::from(t.shape.to_vec()),
-                Strides::from(t.strides.to_vec()),
-            ),
-            elem_stride: Strides::from(vec![1usize; 4]),
-            interleave: TensorMapInterleave::None,
-            swizzle: TensorMapSwizzle::B128,
-            prefetch: TensorMapPrefetch::None,
-            oob_fill: OobFill::Zero,
-            storage_ty: dtype,
-        },
-    )
-}
-
 /// A mask or bias as the Hopper forward reads it: the buffer, and its strides over
 /// `[B, Hq, Sq, Sk]` with 0 along broadcast dimensions.
 #[cfg(feature = "cuda")]
@@ -359,9 +330,9 @@ pub unsafe fn launch(
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
-        tensor_map(q, dtype),
-        tensor_map(k, dtype),
-        tensor_map(v, dtype),
+        tensor_map(q, dtype, BLOCK_Q),
+        tensor_map(k, dtype, BLOCK_K),
+        tensor_map(v, dtype, BLOCK_K),
     ];
     // SAFETY: the loads stay inside `q`, `k`, `v` (TMA clips every box to the shapes given),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the

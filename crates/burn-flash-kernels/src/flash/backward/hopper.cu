@@ -1,0 +1,378 @@
+// Attention backward on Hopper (sm_90a): FlashAttention-3's backward, written as CUDA C++ with
+// inline PTX (../../hopper/sm90.cuh) and launched through cubecl's client (hopper.rs). Three
+// kernels run in order on the same stream:
+//
+// 1. `burn_flash_hopper_backward_rows` (hopper_rows.cu): per query row, δ = rowsum(dO ⊙ O), the
+//    log-sum-exp in base 2 (+inf for rows without a visible key, so that their weights are 0)
+//    and a zeroed f32 row of the dQ accumulator; rows padded to BLOCK_M with δ 0 and +inf.
+// 2. `burn_flash_hopper_backward` (this file): one block of 384 threads per 128 keys of one
+//    (batch, key/value head). It keeps K and V of its keys in shared memory and dK, dV in
+//    registers, and walks the query rows that see those keys — every query head of the group,
+//    64 rows per step:
+//    - warpgroup 0 is the producer: it gives its registers back and one thread issues TMA loads
+//      (K and V once; then Q, dO, and the rows' base-2 log-sum-exp and δ per step into a ring of
+//      STAGES slots with full/empty mbarriers);
+//    - warpgroups 1 and 2 are the consumers, 64 keys each. Per step, with the products
+//      transposed so that the keys are the M dimension of `wgmma`:
+//        Sᵀ  = K·Qᵀ, dPᵀ = V·dOᵀ               (both operands in shared memory)
+//        Pᵀ  = 2^(Sᵀ·scale·log2 e − lse₂)      (registers; softcap, causal, dropout applied)
+//        dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ Z − δ)              (⊙ (1 − tanh²) through a softcap)
+//        dV += (Pᵀ ⊙ Z)·dO, dK += dSᵀ·Q         (A from registers, B = dO, Q N-major)
+//        dQ  = dS·K                              (dSᵀ through shared memory; A and B MN-major)
+//      and dQ is added to the f32 accumulator with vector reductions (`red.add.v2.f32`).
+//      With D = 128 each consumer computes 64 of dQ's columns from all 128 keys; with D = 64
+//      each computes all columns from its own 64 keys (both add into the accumulator).
+// 3. `burn_flash_hopper_backward_dq` (hopper_rows.cu): dQ = scale · accumulator, in the element
+//    type, through dQ's strides.
+//
+// Tiles are stored as the TMA writes them with 128-byte swizzling: 64-column atoms of 128 key
+// rows (K, V) or 64 query rows (Q, dO) × 128 bytes. dSᵀ is stored by the consumers in the same
+// swizzle: 128 key rows × 64 query columns (one atom column), double-buffered by step parity.
+//
+// The host prepends WG_ELEM ("f16" | "bf16"), ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128, the
+// head dims rounded up; the columns past the real ones are read as zeros and never written),
+// and CAUSAL, SOFTCAP, DROPOUT (0 | 1). Masks and biases are not taken here (the plan runs the
+// `mma.sync` backward for them).
+
+#define BLOCK_M 64
+#define BLOCK_N 128
+#define STAGES 2
+#define D_ATOMS (HEAD_DIM / 64)
+#define V_ATOMS (VALUE_DIM / 64)
+#define KV_ATOM (BLOCK_N * 128)
+#define ROW_ATOM (BLOCK_M * 128)
+#define K_BYTES (D_ATOMS * KV_ATOM)
+#define V_BYTES (V_ATOMS * KV_ATOM)
+#define Q_BYTES (D_ATOMS * ROW_ATOM)
+#define DO_BYTES (V_ATOMS * ROW_ATOM)
+#define ROWS_BYTES (BLOCK_M * 4)
+#define DS_BYTES (BLOCK_N * BLOCK_M * 2)
+#define DK_REGS (HEAD_DIM / 2)
+#define DV_REGS (VALUE_DIM / 2)
+
+#if HEAD_DIM == 128
+#define WGMMA_DK wgmma_rs_n128_tb
+#else
+#define WGMMA_DK wgmma_rs_n64_tb
+#endif
+#if VALUE_DIM == 128
+#define WGMMA_DV wgmma_rs_n128_tb
+#else
+#define WGMMA_DV wgmma_rs_n64_tb
+#endif
+
+// The scalars, in the order of the host's words (hopper.rs, `params`).
+struct BwdParams {
+    u64 dk_stride_b, dk_stride_h, dk_stride_s, dk_stride_d;
+    u64 dv_stride_b, dv_stride_h, dv_stride_s, dv_stride_d;
+    u32 seq_q, seq_k;
+    u32 rows_pad, heads_q; // rows_pad: Sq rounded up to BLOCK_M, the row count of lse₂, δ, dQ
+    u32 group, head_dim;
+    u32 value_dim, unused;
+    float scale_log2;    // scale · log2(e)
+    float cap_inv_scale; // scale / c (softcap)
+    float cap_log2;      // c · log2(e) (softcap)
+    float scale;         // dK = scale · dSᵀ·Q
+    u32 seed_lo, seed_hi, threshold; // dropout
+    float inv_keep;                  // dropout: 1 / (1 − p)
+};
+
+// Sᵀ (or dPᵀ) = A·Bᵀ for consumer `c`'s 64 keys (A: K or V, 128 key rows) and the step's 64
+// query rows (B: Q or dO), DIM / 16 steps of k16, 32 bytes further into a swizzled row each.
+template <int DIM>
+__device__ __forceinline__ void issue_keys_rows(float (&d)[32], u32 keys, u32 rows, u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < DIM / 16; ++kk) {
+        const u32 atom = kk / 4, within = (kk % 4) * 32;
+        const u64 da = desc_sw128(keys + atom * KV_ATOM + c * 64u * 128u + within, 16, 1024);
+        const u64 db = desc_sw128(rows + atom * ROW_ATOM + within, 16, 1024);
+        wgmma_ss_n64(d, da, db, kk > 0 ? 1u : 0u);
+    }
+}
+
+// The 64 × 16 slices of a 64 × 64 accumulator as A operands (pairs of 16-bit values).
+__device__ __forceinline__ void pack_slices(u32 (&a)[4][4], const float (&x)[32]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[kk][j] = pack2(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
+    }
+}
+
+// Stores a `[keys][BLOCK_N…]` accumulator slice of 16-bit pairs into a buffer of `BLOCK_N`
+// key rows × 64 query columns with the 128-byte swizzle (16-byte chunk index XOR key row % 8).
+__device__ __forceinline__ void store_ds(u32 buf, const u32 (&a)[4][4], u32 c, u32 warp,
+                                         u32 lane) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const u32 key = 64u * c + 16u * warp + lane / 4u + 8u * (j % 2);
+            const u32 col = 8u * (2 * kk + j / 2) + 2u * (lane % 4u);
+            const u32 off = key * 128u + col * 2u;
+            const u32 addr = buf + (off ^ ((key % 8u) << 4));
+            asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(a[kk][j]) : "memory");
+        }
+    }
+}
+
+// Writes a 64-key accumulator (`regs` per thread, scaled by `factor`) to rows `key0`, `key0 + 8`
+// of a `[B, H, S, D]` tensor through its strides: columns below `cols`, keys below `seq_k`.
+template <int REGS>
+__device__ __forceinline__ void write_keys(unsigned short* dst, const float (&acc)[REGS],
+                                           float factor, int key0, int seq_k, u32 cols,
+                                           u64 stride_s, u64 stride_d, u32 lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int key = key0 + 8 * r;
+        if (key >= seq_k) continue;
+        unsigned short* row = dst + (u64)key * stride_s;
+#pragma unroll
+        for (int i = 0; i < REGS / 4; ++i) {
+            const u32 col = 8u * i + 2u * (lane % 4u);
+            if (col < cols) row[(u64)col * stride_d] = f32_to_elem(acc[4 * i + 2 * r] * factor);
+            if (col + 1 < cols) {
+                row[(u64)(col + 1) * stride_d] = f32_to_elem(acc[4 * i + 2 * r + 1] * factor);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
+                           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
+                           const unsigned short* q_buffer, const unsigned short* k_buffer,
+                           const unsigned short* v_buffer, const unsigned short* do_buffer,
+                           const float* __restrict__ lse2, const float* __restrict__ delta,
+                           float* __restrict__ dq_acc, unsigned short* __restrict__ dk,
+                           unsigned short* __restrict__ dv, const __grid_constant__ BwdParams p)
+{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char smem_raw[];
+    const u32 raw = smem_u32(smem_raw);
+    // Swizzle atoms are 1024-byte aligned (the swizzle pattern follows address bits 4..9).
+    const u32 base = (raw + 1023u) & ~1023u;
+    const u32 sk = base;
+    const u32 sv = sk + K_BYTES;
+    const u32 sds = sv + V_BYTES;
+    const u32 tiles = sds + 2 * DS_BYTES;
+    const u32 rows_area = tiles + STAGES * (Q_BYTES + DO_BYTES);
+    const u32 bars = rows_area + STAGES * 2 * ROWS_BYTES;
+    const u32 kv_full = bars;
+#define SQ(s) (tiles + (s) * (Q_BYTES + DO_BYTES))
+#define SDO(s) (SQ(s) + Q_BYTES)
+#define SLSE(s) (rows_area + (s) * 2 * ROWS_BYTES)
+#define SDELTA(s) (SLSE(s) + ROWS_BYTES)
+#define FULL(s) (bars + 8u + 8u * (s))
+#define EMPTY(s) (bars + 8u + 8u * STAGES + 8u * (s))
+
+    const u32 tid = threadIdx.x;
+    const u32 head_kv = blockIdx.y, batch = blockIdx.z;
+    const int n0 = (int)blockIdx.x * BLOCK_N;
+    // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
+    const int diag = (int)p.seq_k - (int)p.seq_q;
+    const int m_blocks = ((int)p.seq_q + BLOCK_M - 1) / BLOCK_M;
+    int m_first = 0;
+#if CAUSAL
+    // The first row block with a row that sees key n0.
+    m_first = max(0, n0 - diag) / BLOCK_M;
+#endif
+    const int per_head = max(0, m_blocks - m_first);
+    const int steps = per_head * (int)p.group;
+
+    if (tid == 0) {
+        mbar_init(kv_full, 1);
+#pragma unroll
+        for (u32 s = 0; s < STAGES; ++s) {
+            mbar_init(FULL(s), 1);
+            // One arrival per consumer warp.
+            mbar_init(EMPTY(s), 8);
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const u32 wg = tid / 128u;
+    if (wg == 0) {
+        // ---- producer ----
+        regs_release<24>();
+        if (tid == 0 && steps > 0) {
+            tma_prefetch_map(&tq);
+            tma_prefetch_map(&tk);
+            tma_prefetch_map(&tv);
+            tma_prefetch_map(&tdo);
+            mbar_arrive_expect_tx(kv_full, K_BYTES + V_BYTES);
+#pragma unroll
+            for (int a = 0; a < D_ATOMS; ++a) {
+                tma_load_4d(sk + a * KV_ATOM, &tk, kv_full, 64 * a, n0, head_kv, batch);
+            }
+#pragma unroll
+            for (int a = 0; a < V_ATOMS; ++a) {
+                tma_load_4d(sv + a * KV_ATOM, &tv, kv_full, 64 * a, n0, head_kv, batch);
+            }
+            for (int it = 0; it < steps; ++it) {
+                const int m = m_first + it % per_head;
+                const u32 head = head_kv * p.group + (u32)(it / per_head);
+                const u32 s = it % STAGES, use = it / STAGES;
+                if (it >= STAGES) mbar_wait(EMPTY(s), (use - 1u) & 1u);
+                mbar_arrive_expect_tx(FULL(s), Q_BYTES + DO_BYTES + 2 * ROWS_BYTES);
+#pragma unroll
+                for (int a = 0; a < D_ATOMS; ++a) {
+                    tma_load_4d(SQ(s) + a * ROW_ATOM, &tq, FULL(s), 64 * a, m * BLOCK_M, head,
+                                batch);
+                }
+#pragma unroll
+                for (int a = 0; a < V_ATOMS; ++a) {
+                    tma_load_4d(SDO(s) + a * ROW_ATOM, &tdo, FULL(s), 64 * a, m * BLOCK_M, head,
+                                batch);
+                }
+                const u64 row = ((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m * BLOCK_M;
+                bulk_load(SLSE(s), lse2 + row, ROWS_BYTES, FULL(s));
+                bulk_load(SDELTA(s), delta + row, ROWS_BYTES, FULL(s));
+            }
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_claim<240>();
+    const u32 c = wg - 1u;
+    const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
+    // This thread's keys (rows of the transposed products): key0 and key0 + 8.
+    const int keys_c = n0 + 64 * (int)c;
+    const int key0 = keys_c + 16 * (int)warp + (int)(lane / 4u);
+    // The dropout key's second word: the seed's high word mixed with (batch, query head).
+    const u32 seed_base = batch * p.heads_q;
+
+    float dk_acc[DK_REGS], dv_acc[DV_REGS];
+#pragma unroll
+    for (int i = 0; i < DK_REGS; ++i) dk_acc[i] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < DV_REGS; ++i) dv_acc[i] = 0.0f;
+    float st[32], dpt[32], dq[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        st[i] = 0.0f;
+        dpt[i] = 0.0f;
+        dq[i] = 0.0f;
+    }
+    u32 pp[4][4], pds[4][4];
+
+    if (steps > 0) mbar_wait(kv_full, 0);
+    for (int it = 0; it < steps; ++it) {
+        const int m0 = (m_first + it % per_head) * BLOCK_M;
+        const u32 head = head_kv * p.group + (u32)(it / per_head);
+        const u32 s = it % STAGES, phase = (it / STAGES) & 1;
+        mbar_wait(FULL(s), phase);
+        wgmma_fence();
+        issue_keys_rows<HEAD_DIM>(st, sk, SQ(s), c);
+        wgmma_commit();
+        issue_keys_rows<VALUE_DIM>(dpt, sv, SDO(s), c);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(st);
+        wgmma_hold(dpt);
+
+        const float* lse_s = reinterpret_cast<const float*>(smem_raw + (SLSE(s) - raw));
+        const float* delta_s = reinterpret_cast<const float*>(smem_raw + (SDELTA(s) - raw));
+        bool edge = keys_c + 63 >= (int)p.seq_k;
+#if CAUSAL
+        edge = edge || keys_c + 63 > m0 + diag;
+#endif
+#if DROPOUT
+        const u32 seed_key1 = p.seed_hi ^ ((seed_base + head) * 0x9E3779B9u);
+#endif
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            // Register i: key key0 + 8·((i / 2) % 2), query row m0 + col.
+            const int col = 8 * (i / 4) + 2 * (int)(lane % 4u) + (i % 2);
+            const int key = key0 + 8 * ((i / 2) % 2);
+#if SOFTCAP
+            const float th = tanhf(st[i] * p.cap_inv_scale);
+            float pv = ex2(fmaf(p.cap_log2, th, -lse_s[col]));
+#else
+            float pv = ex2(fmaf(st[i], p.scale_log2, -lse_s[col]));
+#endif
+            if (edge) {
+                bool hidden = key >= (int)p.seq_k;
+#if CAUSAL
+                hidden = hidden || key > m0 + col + diag;
+#endif
+                if (hidden) pv = 0.0f;
+            }
+#if DROPOUT
+            const u32 word = threefry((u32)key, (u32)(m0 + col), p.seed_lo, seed_key1);
+            const float z = word >= p.threshold ? p.inv_keep : 0.0f;
+            float ds = pv * (dpt[i] * z - delta_s[col]);
+            st[i] = pv * z;
+#else
+            float ds = pv * (dpt[i] - delta_s[col]);
+            st[i] = pv;
+#endif
+#if SOFTCAP
+            ds *= 1.0f - th * th;
+#endif
+            dpt[i] = ds;
+        }
+        pack_slices(pp, st);
+        pack_slices(pds, dpt);
+        const u32 buf = sds + (u32)(it % 2) * DS_BYTES;
+        store_ds(buf, pds, c, warp, lane);
+        fence_proxy_async();
+
+        // dV += (Pᵀ ⊙ Z)·dO and dK += dSᵀ·Q: 16 query rows per step, B read N-major.
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            WGMMA_DV(dv_acc, pp[kk], desc_sw128(SDO(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
+        }
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            WGMMA_DK(dk_acc, pds[kk], desc_sw128(SQ(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
+        }
+        wgmma_commit();
+        // Both consumers' dSᵀ are in shared memory (the buffer of this step's parity: the one
+        // of the step before last was read before either consumer arrived here last step).
+        named_sync(1, 256);
+#if HEAD_DIM == 128
+        // dQ[:, 64c .. 64c + 63] = dS·K[:, 64c ..]: all 128 keys, 16 per step.
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+            const u64 da = desc_sw128(buf + kk * 2048u, DS_BYTES, 1024);
+            const u64 db = desc_sw128(sk + c * KV_ATOM + kk * 2048u, KV_ATOM, 1024);
+            wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
+        }
+#else
+        // dQ (+)= dS[:, keys of c]·K[keys of c, :]: this consumer's 64 keys.
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const u64 da = desc_sw128(buf + c * 8192u + kk * 2048u, DS_BYTES, 1024);
+            const u64 db = desc_sw128(sk + c * 8192u + kk * 2048u, KV_ATOM, 1024);
+            wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
+        }
+#endif
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(dv_acc);
+        wgmma_hold(dk_acc);
+        wgmma_hold(dq);
+        release(EMPTY(s), lane);
+
+        // dQ into the accumulator: rows below Sq.
+        float* acc = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
+        const u32 col0 = HEAD_DIM == 128 ? 64u * c : 0u;
+#pragma unroll
+        for (int i = 0; i < 32; i += 2) {
+            const int row = 16 * (int)warp + (int)(lane / 4u) + 8 * ((i / 2) % 2);
+            const u32 col = col0 + 8u * (i / 4) + 2u * (lane % 4u);
+            if (m0 + row < (int)p.seq_q) red_add_v2(acc + (u64)row * HEAD_DIM + col, dq[i], dq[i + 1]);
+        }
+    }
+
+    // dK (scaled: the scores are scale·q·k) and dV of this thread's keys.
+    write_keys(dk + (u64)batch * p.dk_stride_b + (u64)head_kv * p.dk_stride_h, dk_acc, p.scale,
+               key0, (int)p.seq_k, p.head_dim, p.dk_stride_s, p.dk_stride_d, lane);
+    write_keys(dv + (u64)batch * p.dv_stride_b + (u64)head_kv * p.dv_stride_h, dv_acc, 1.0f,
+               key0, (int)p.seq_k, p.value_dim, p.dv_stride_s, p.dv_stride_d, lane);
+#endif
+}

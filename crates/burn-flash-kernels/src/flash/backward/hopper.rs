@@ -1,0 +1,380 @@
+//! The attention backward on Hopper (sm_90a), FlashAttention-3's schedule: one block per 128
+//! keys keeps `K`, `V` in shared memory and `dK`, `dV` in registers while a producer warpgroup
+//! streams `Q`, `dO` and the rows' statistics through TMA; two consumer warpgroups compute the
+//! five products on `wgmma` and add `dQ` into an f32 accumulator with vector reductions. A
+//! prepass (`δ`, the base-2 log-sum-exp, the accumulator zeroed) runs before and a conversion
+//! (`dQ` in the element type) after. The sources are `hopper.cu` and `hopper_rows.cu` next to
+//! this file, on the wrappers of `crate::hopper` (`sm90.cuh`) and the score helpers of
+//! `flash/scores.cuh`.
+//!
+//! Variants ([`Variant`]): element type × `D` (64, 128: the head dims rounded up) × `Dv` × causal,
+//! softcap, dropout. Masks, biases and a written `dS` are not taken ([`unavailable`] names
+//! every refusal); the plan then runs the `mma.sync` backward.
+
+#[cfg(feature = "cuda")]
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+
+use crate::attention::{AttentionDims, AttentionFeatures};
+#[cfg(feature = "cuda")]
+use crate::attention::{AttentionOptions, BackwardTensors};
+#[cfg(feature = "cuda")]
+use crate::dropout::DropoutParams;
+use crate::flash::{FlashConfig, Tile};
+#[cfg(feature = "cuda")]
+use crate::hopper::task::{HandWritten, tensor_map};
+
+/// Query rows per step.
+pub const BLOCK_Q: usize = 64;
+/// Keys per block (64 per consumer warpgroup).
+pub const BLOCK_K: usize = 128;
+/// `Q`/`dO` slots of the pipeline.
+pub const STAGES: usize = 2;
+/// Threads per block: one producer and two consumer warpgroups.
+pub const UNITS: u32 = 384;
+/// Rows per block of the per-row kernels (one warp each).
+#[cfg(feature = "cuda")]
+const ROWS_PER_BLOCK: usize = 8;
+
+#[cfg(feature = "cuda")]
+const ENTRY: &str = "burn_flash_hopper_backward";
+#[cfg(feature = "cuda")]
+const ROWS_ENTRY: &str = "burn_flash_hopper_backward_rows";
+#[cfg(feature = "cuda")]
+const DQ_ENTRY: &str = "burn_flash_hopper_backward_dq";
+
+/// The CUDA source of the main kernel: the instruction wrappers, the score helpers, the kernel.
+#[cfg(feature = "cuda")]
+pub const SOURCE: &str = concat!(
+    include_str!("../../hopper/sm90.cuh"),
+    include_str!("../scores.cuh"),
+    include_str!("hopper.cu")
+);
+
+/// The CUDA source of the per-row kernels (prepass and `dQ` conversion).
+#[cfg(feature = "cuda")]
+pub const ROWS_SOURCE: &str = concat!(
+    include_str!("../scores.cuh"),
+    include_str!("hopper_rows.cu")
+);
+
+#[cfg(feature = "cuda")]
+const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
+#[cfg(feature = "cuda")]
+const ROWS_SOURCE_HASH: u64 = crate::hopper::source_hash(ROWS_SOURCE);
+
+/// One compiled variant of the main kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Variant {
+    /// bf16 (else f16).
+    pub bf16: bool,
+    /// `D` rounded up to 64 or 128.
+    pub head_dim: u32,
+    /// `Dv` rounded up to 64 or 128.
+    pub value_dim: u32,
+    /// Bottom-right causal mask.
+    pub causal: bool,
+    /// Softcap.
+    pub softcap: bool,
+    /// Dropout on the weights.
+    pub dropout: bool,
+}
+
+impl Variant {
+    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16.
+    pub fn new(config: FlashConfig, bf16: bool) -> Self {
+        Self {
+            bf16,
+            head_dim: config.head_dim,
+            value_dim: config.value_dim,
+            causal: config.rules.causal,
+            softcap: config.rules.softcap,
+            dropout: config.rules.dropout,
+        }
+    }
+
+    /// The `#define`s the source is compiled with.
+    #[cfg(feature = "cuda")]
+    fn defines(self) -> String {
+        let mut text = format!(
+            "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
+            if self.bf16 { "bf16" } else { "f16" },
+            self.head_dim,
+            self.value_dim,
+        );
+        for (name, on) in [
+            ("ELEM_BF16", self.bf16),
+            ("CAUSAL", self.causal),
+            ("SOFTCAP", self.softcap),
+            ("DROPOUT", self.dropout),
+        ] {
+            text += &format!("#define {name} {}\n", u32::from(on));
+        }
+        text
+    }
+
+    /// The variant as one word of the kernel's id.
+    #[cfg(feature = "cuda")]
+    fn key(self) -> u64 {
+        u64::from(self.bf16)
+            | u64::from(self.head_dim) << 8
+            | u64::from(self.value_dim) << 16
+            | u64::from(self.causal) << 24
+            | u64::from(self.softcap) << 25
+            | u64::from(self.dropout) << 26
+    }
+}
+
+/// The tile of a call: [`BLOCK_Q`] rows per step, [`BLOCK_K`] keys per block, the head dims
+/// rounded up to 64 or 128.
+pub fn tile(dims: AttentionDims) -> Tile {
+    let rounded = |dim: usize| if dim <= 64 { 64 } else { 128 };
+    Tile {
+        block_q: BLOCK_Q as u32,
+        row_tiles: 1,
+        block_k: BLOCK_K as u32,
+        head_dim: rounded(dims.head_dim),
+        value_dim: rounded(dims.value_dim),
+    }
+}
+
+/// Dynamic shared memory for `config`'s head dims: `K` and `V` of the block (128 rows × 128
+/// bytes per 64 columns), two `dSᵀ` buffers (128 × 64 × 2 bytes), [`STAGES`] slots of `Q` and
+/// `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), the barriers, and 1 KiB to align
+/// the swizzle atoms.
+pub fn shared_bytes(config: FlashConfig) -> usize {
+    let (d, dv) = (
+        config.head_dim as usize / 64,
+        config.value_dim as usize / 64,
+    );
+    let (kv_atom, row_atom) = (BLOCK_K * 128, BLOCK_Q * 128);
+    1024 + kv_atom * (d + dv)
+        + 2 * BLOCK_K * BLOCK_Q * 2
+        + STAGES * (row_atom * (d + dv) + 512)
+        + 64
+}
+
+/// Why the Hopper backward cannot run a call (`None`: it can). `hopper` says whether the device
+/// is an sm_90 GPU; `features.aligned` covers `q`, `k`, `v` and `dO` (rows and starts).
+pub fn unavailable(
+    hopper: bool,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+) -> Option<String> {
+    use cubecl::ir::{ElemType, FloatKind};
+    let reason = if !hopper {
+        "the device is not a Hopper GPU (sm_90)"
+    } else if !matches!(
+        dtype,
+        StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
+    ) {
+        "the Hopper backward takes f16 and bf16"
+    } else if dims.head_dim > 128 || dims.value_dim > 128 {
+        "the Hopper backward takes head dims up to 128"
+    } else if features.mask || features.bias {
+        "the Hopper backward takes no mask or bias (the mma.sync backward does)"
+    } else if !features.aligned {
+        "the Hopper backward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements, buffers starting on 16 bytes"
+    } else if dims.seq_q == 0 || dims.seq_k == 0 {
+        "the Hopper backward takes non-empty sequences"
+    } else if dims.heads_kv > 65_535 || dims.batch > 65_535 {
+        "the Hopper backward launches one block row per key/value head and batch: at most 65535 each"
+    } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
+        "the Hopper backward indexes positions with 32-bit integers"
+    } else {
+        return None;
+    };
+    Some(reason.into())
+}
+
+/// `source` with every active mutation of `edits` applied, and its hash.
+#[cfg(feature = "cuda")]
+fn mutated(source: &'static str, hash: u64, edits: &[(bool, &str, &str)]) -> (&'static str, u64) {
+    let mut out = (source, hash);
+    for &(active, from, to) in edits {
+        if active {
+            debug_assert!(out.0.contains(from), "mutation site `{from}` is missing");
+            out.0 = Box::leak(out.0.replace(from, to).into_boxed_str());
+            out.1 = crate::hopper::source_hash(out.0);
+        }
+    }
+    out
+}
+
+/// Little-endian pairs of 32-bit words as one parameter word.
+#[cfg(feature = "cuda")]
+fn words(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | u64::from(hi) << 32
+}
+
+/// Launches the backward of `dims` on `client`: `δ` and the statistics, the main kernel on the
+/// plan's grid (`config`'s variant, `units`, shared memory), then `dQ`. `t` was checked by the
+/// caller (shapes, [`unavailable`] `None`, no `ds`).
+///
+/// # Safety
+/// The shapes and strides of `t` describe the buffers.
+#[cfg(feature = "cuda")]
+pub unsafe fn launch(
+    client: &ComputeClient<CudaRuntime>,
+    t: &BackwardTensors<'_>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    options: &AttentionOptions,
+    config: FlashConfig,
+    units: u32,
+    shared: usize,
+    cubes: (usize, usize, usize),
+) {
+    use crate::mutation;
+    use cubecl::ir::{ElemType, FloatKind};
+    let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let variant = Variant::new(config, bf16);
+    let acc_dim = config.head_dim as usize;
+    let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
+    let rows = dims.batch * dims.heads_q * rows_pad;
+    let lse2 = client.empty(rows * 4);
+    let delta = client.empty(rows * 4);
+    let dq_acc = client.empty(rows * acc_dim * 4);
+
+    let (rows_source, rows_hash) = mutated(
+        ROWS_SOURCE,
+        ROWS_SOURCE_HASH,
+        &[
+            (
+                mutation::drop_delta(),
+                "delta[r] = sum;",
+                "delta[r] = 0.0f;",
+            ),
+            (
+                mutation::zero_dq(),
+                "f32_to_elem(acc[col] * p.scale)",
+                "f32_to_elem(0.0f)",
+            ),
+        ],
+    );
+    let rows_defines = format!(
+        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n",
+        u32::from(bf16)
+    );
+    let strides = |s: &[usize]| s.iter().map(|&x| x as u64).collect::<Vec<_>>();
+    let mut rows_params = strides(t.out.strides);
+    rows_params.extend(strides(t.d_out.strides));
+    rows_params.extend(strides(t.lse.strides));
+    rows_params.extend(strides(t.dq.strides));
+    rows_params.push(rows as u64);
+    rows_params.push(words(dims.heads_q as u32, dims.seq_q as u32));
+    rows_params.push(words(rows_pad as u32, dims.head_dim as u32));
+    rows_params.push(words(dims.value_dim as u32, options.scale.to_bits()));
+    let row_blocks = CubeCount::Static(rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1);
+    let row_kernel = |entry: &'static str| {
+        HandWritten::new_hashed(
+            client,
+            rows_source,
+            rows_hash,
+            entry,
+            CubeDim::new_1d(32 * ROWS_PER_BLOCK as u32),
+            0,
+            acc_dim as u64,
+        )
+        .with_defines(rows_defines.clone())
+    };
+
+    let (source, hash) = mutated(
+        SOURCE,
+        SOURCE_HASH,
+        &[
+            (mutation::zero_dk(), "dk_acc, p.scale,", "dk_acc, 0.0f,"),
+            (
+                mutation::causal_top_left(),
+                "const int diag = (int)p.seq_k - (int)p.seq_q;",
+                "const int diag = 0;",
+            ),
+            (
+                mutation::gqa_modulo(),
+                "head_kv * p.group + (u32)(it / per_head)",
+                "head_kv + gridDim.y * (u32)(it / per_head)",
+            ),
+            (
+                mutation::dropout_fresh_mask(),
+                "threefry((u32)key, (u32)(m0 + col),",
+                "threefry((u32)(m0 + col), (u32)key,",
+            ),
+            (
+                mutation::hopper_no_wait(),
+                "if (it >= STAGES) mbar_wait(",
+                "if (false) mbar_wait(",
+            ),
+        ],
+    );
+    let kernel = HandWritten::new_hashed(
+        client,
+        source,
+        hash,
+        ENTRY,
+        CubeDim::new_1d(units),
+        shared,
+        variant.key(),
+    )
+    .with_defines(variant.defines());
+    let log2e = core::f32::consts::LOG2_E;
+    let cap = options.softcap.unwrap_or(1.0);
+    let mut params = strides(t.dk.strides);
+    params.extend(strides(t.dv.strides));
+    params.push(words(dims.seq_q as u32, dims.seq_k as u32));
+    params.push(words(rows_pad as u32, dims.heads_q as u32));
+    params.push(words(dims.group() as u32, dims.head_dim as u32));
+    params.push(words(dims.value_dim as u32, 0));
+    params.push(words(
+        (options.scale * log2e).to_bits(),
+        (options.scale / cap).to_bits(),
+    ));
+    params.push(words((cap * log2e).to_bits(), options.scale.to_bits()));
+    let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
+    params.push(words(dropout.seed_lo, dropout.seed_hi));
+    params.push(words(dropout.threshold, dropout.inv_keep_bits));
+    let maps = vec![
+        tensor_map(&t.q, dtype, BLOCK_Q),
+        tensor_map(&t.k, dtype, BLOCK_K),
+        tensor_map(&t.v, dtype, BLOCK_K),
+        tensor_map(&t.d_out, dtype, BLOCK_Q),
+    ];
+    let (x, y, z) = cubes;
+    // SAFETY: the per-row kernels touch rows below `rows` of the scratch buffers (allocated
+    // here for exactly those) and, through the strides given, positions below `Sq` and columns
+    // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
+    // `q`, `k`, `v`, `dO` (TMA clips every box to the shapes) and the scratch rows of its
+    // (batch, head) pairs; block (n, h, b) writes keys 128n .. 128n + 127 below `Sk` of
+    // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`.
+    unsafe {
+        row_kernel(ROWS_ENTRY).launch(
+            row_blocks.clone(),
+            vec![
+                t.out.handle.clone().binding(),
+                t.d_out.handle.clone().binding(),
+                t.lse.handle.clone().binding(),
+                lse2.clone().binding(),
+                delta.clone().binding(),
+                dq_acc.clone().binding(),
+            ],
+            rows_params.clone(),
+        );
+        kernel.launch_with_maps(
+            CubeCount::Static(x as u32, y as u32, z as u32),
+            maps,
+            vec![
+                lse2.binding(),
+                delta.binding(),
+                dq_acc.clone().binding(),
+                t.dk.handle.clone().binding(),
+                t.dv.handle.clone().binding(),
+            ],
+            params,
+        );
+        row_kernel(DQ_ENTRY).launch(
+            row_blocks,
+            vec![dq_acc.binding(), t.dq.handle.clone().binding()],
+            rows_params,
+        );
+    }
+}

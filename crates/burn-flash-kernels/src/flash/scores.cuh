@@ -1,0 +1,56 @@
+// Score helpers shared by the hand-written attention kernels (forward and backward): the
+// element type, the base-2 exponential, and the dropout generator of dropout.rs.
+//
+// The including source defines ELEM_BF16 (0 | 1) before this text.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NEG_INF __int_as_float(0xff800000)
+#define LOG2E 1.4426950408889634f
+
+// Threefry-2×32-20 of counter (c0, c1) under key (k0, k1), the first word (dropout.rs).
+__device__ __forceinline__ u32 threefry(u32 c0, u32 c1, u32 k0, u32 k1) {
+    const u32 rot[8] = {13, 15, 26, 6, 17, 29, 16, 24};
+    const u32 ks[3] = {k0, k1, 0x1BD11BDAu ^ k0 ^ k1};
+    u32 x0 = c0 + k0, x1 = c1 + k1;
+#pragma unroll
+    for (u32 round = 0; round < 20; ++round) {
+        x0 += x1;
+        x1 = __funnelshift_l(x1, x1, rot[round % 8]) ^ x0;
+        if (round % 4 == 3) {
+            const u32 s = round / 4 + 1;
+            x0 += ks[s % 3];
+            x1 += ks[(s + 1) % 3] + s;
+        }
+    }
+    return x0;
+}
+
+// An element of the input type as f32.
+__device__ __forceinline__ float elem_to_f32(unsigned short bits) {
+#if ELEM_BF16
+    return __int_as_float(((u32)bits) << 16);
+#else
+    float f;
+    asm("{\n.reg .b16 t;\nmov.b16 t, %1;\ncvt.f32.f16 %0, t;\n}" : "=f"(f) : "h"(bits));
+    return f;
+#endif
+}
+
+// f32 as an element of the input type, rounded to nearest.
+__device__ __forceinline__ unsigned short f32_to_elem(float x) {
+    unsigned short bits;
+#if ELEM_BF16
+    asm("{\n.reg .b16 t;\ncvt.rn.bf16.f32 t, %1;\nmov.b16 %0, t;\n}" : "=h"(bits) : "f"(x));
+#else
+    asm("{\n.reg .b16 t;\ncvt.rn.f16.f32 t, %1;\nmov.b16 %0, t;\n}" : "=h"(bits) : "f"(x));
+#endif
+    return bits;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}

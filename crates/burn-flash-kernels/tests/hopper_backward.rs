@@ -1,0 +1,529 @@
+//! The Hopper attention backward (issue 35) on the GPU, through `launch_attention_backward`
+//! with no Burn: the plan picks it on sm_90 for f16/bf16 calls without a mask or bias, and
+//! every case's `dQ`, `dK`, `dV` are checked against an f64 reference and against the
+//! `mma.sync` backward run on the same forward outputs (the Hopper error may be at most twice
+//! the `mma` error, plus a floor of a quarter of an output ulp of the largest gradient). Needs a
+//! Hopper GPU: built with `cuda`, run in the GPU suite.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use burn_flash_kernels::attention::{
+    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardTensors, launch_attention,
+    launch_attention_backward,
+};
+use burn_flash_kernels::hopper;
+use burn_flash_kernels::tensor::TensorRef;
+use common::{Half, draw};
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+type Client = ComputeClient<CudaRuntime>;
+
+/// One call: sizes and options; `bshd`: `q`, `out`, `dO` and `dQ` stored `[B, S, H, D]` and
+/// passed as permuted views.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    dv: usize,
+    causal: bool,
+    softcap: Option<f32>,
+    bshd: bool,
+}
+
+impl Case {
+    fn new(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, dv: usize) -> Self {
+        Self {
+            b,
+            hq,
+            hkv,
+            sq,
+            sk,
+            d,
+            dv,
+            causal: false,
+            softcap: None,
+            bshd: false,
+        }
+    }
+
+    fn scale(&self) -> f64 {
+        1.0 / (self.d as f64).sqrt()
+    }
+
+    fn options(&self, kernel: Option<AttentionKernel>) -> AttentionOptions {
+        AttentionOptions {
+            scale: self.scale() as f32,
+            softcap: self.softcap,
+            causal: self.causal,
+            kernel,
+            block_k: None,
+            dropout: None,
+            masked_score: None,
+            quiet: false,
+        }
+    }
+
+    fn q_shape(&self) -> [usize; 4] {
+        [self.b, self.hq, self.sq, self.d]
+    }
+
+    fn out_shape(&self) -> [usize; 4] {
+        [self.b, self.hq, self.sq, self.dv]
+    }
+
+    fn k_shape(&self) -> [usize; 4] {
+        [self.b, self.hkv, self.sk, self.d]
+    }
+
+    fn v_shape(&self) -> [usize; 4] {
+        [self.b, self.hkv, self.sk, self.dv]
+    }
+
+    /// Strides of a query-side tensor of `shape` (permuted where `bshd`).
+    fn query_strides(&self, shape: [usize; 4]) -> Vec<usize> {
+        let [_, h, s, d] = shape;
+        if self.bshd {
+            vec![s * h * d, d, h * d, 1]
+        } else {
+            contiguous(&shape)
+        }
+    }
+}
+
+fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len() - 1).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// `q`, `k`, `v`, `dO` in `[B, H, S, D]` order.
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    d_out: Vec<f32>,
+}
+
+impl Inputs {
+    fn new(c: &Case, seed: u64) -> Self {
+        let n = |s: [usize; 4]| s.iter().product();
+        Self {
+            q: draw(n(c.q_shape()), seed ^ 1),
+            k: draw(n(c.k_shape()), seed ^ 2),
+            v: draw(n(c.v_shape()), seed ^ 3),
+            d_out: draw(n(c.out_shape()), seed ^ 4),
+        }
+    }
+}
+
+/// `dQ`, `dK`, `dV` in `[B, H, S, D]` order.
+struct Grads {
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
+fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
+    TensorRef {
+        handle,
+        shape,
+        strides,
+    }
+}
+
+/// Offsets of the elements of `shape` in `[B, H, S, D]` order, through `strides`.
+fn offsets(shape: [usize; 4], strides: &[usize]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(shape.iter().product());
+    for b in 0..shape[0] {
+        for h in 0..shape[1] {
+            for s in 0..shape[2] {
+                for d in 0..shape[3] {
+                    out.push(b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A buffer holding `values` (in `[B, H, S, D]` order) laid out through `strides`.
+fn upload(
+    client: &Client,
+    half: Half,
+    values: &[f32],
+    shape: [usize; 4],
+    strides: &[usize],
+) -> Handle {
+    let places = offsets(shape, strides);
+    let len = places.iter().max().map_or(0, |&m| m + 1);
+    let mut mem = vec![0u16; len.max(1)];
+    for (&x, &at) in values.iter().zip(&places) {
+        mem[at] = half.bits(x);
+    }
+    client.create_from_slice(&mem.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
+}
+
+/// A buffer for `shape` through `strides`, poisoned with 0x7fc0 (NaN in f16 and bf16).
+fn poisoned(client: &Client, shape: [usize; 4], strides: &[usize]) -> Handle {
+    let len = offsets(shape, strides)
+        .into_iter()
+        .max()
+        .map_or(0, |m| m + 1);
+    client.create_from_slice(
+        &vec![0x7fc0u16; len.max(1)]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect::<Vec<_>>(),
+    )
+}
+
+fn download(
+    client: &Client,
+    half: Half,
+    handle: Handle,
+    shape: [usize; 4],
+    strides: &[usize],
+) -> Vec<f64> {
+    let bytes = client.read_one(handle).expect("reads a gradient");
+    let mem: Vec<u16> = bytes
+        .chunks_exact(2)
+        .map(|p| u16::from_le_bytes([p[0], p[1]]))
+        .collect();
+    offsets(shape, strides)
+        .into_iter()
+        .map(|at| half.value(mem[at]))
+        .collect()
+}
+
+/// The forward (the plan's kernel) and then the backward with `kernel` forced for the plan
+/// (`None`: the plan's choice); `repeats > 0` times that many backward calls after one. Returns
+/// the gradients, the backward kernel and the wall milliseconds per backward call.
+fn run(
+    client: &Client,
+    c: &Case,
+    half: Half,
+    inputs: &Inputs,
+    kernel: Option<AttentionKernel>,
+    repeats: usize,
+) -> (Grads, AttentionBackwardKernel, f64) {
+    let dtype = half.dtype();
+    let (qs, ks, vs, os) = (c.q_shape(), c.k_shape(), c.v_shape(), c.out_shape());
+    let (q_st, o_st) = (c.query_strides(qs), c.query_strides(os));
+    let (k_st, v_st) = (contiguous(&ks), contiguous(&vs));
+    let lse_shape = [c.b, c.hq, c.sq];
+    let lse_st = contiguous(&lse_shape);
+    let q_h = upload(client, half, &inputs.q, qs, &q_st);
+    let k_h = upload(client, half, &inputs.k, ks, &k_st);
+    let v_h = upload(client, half, &inputs.v, vs, &v_st);
+    let do_h = upload(client, half, &inputs.d_out, os, &o_st);
+    let out_h = poisoned(client, os, &o_st);
+    let lse_h = client.empty(lse_shape.iter().product::<usize>() * 4);
+    launch_attention(
+        client,
+        t(&q_h, &qs, &q_st),
+        t(&k_h, &ks, &k_st),
+        t(&v_h, &vs, &v_st),
+        None,
+        None,
+        t(&out_h, &os, &o_st),
+        t(&lse_h, &lse_shape, &lse_st),
+        dtype,
+        &c.options(None),
+    )
+    .unwrap_or_else(|e| panic!("{c:?} forward: {e}"));
+    let (dq_h, dk_h, dv_h) = (
+        poisoned(client, qs, &q_st),
+        poisoned(client, ks, &k_st),
+        poisoned(client, vs, &v_st),
+    );
+    let options = c.options(kernel);
+    let backward = || {
+        launch_attention_backward(
+            client,
+            BackwardTensors {
+                q: t(&q_h, &qs, &q_st),
+                k: t(&k_h, &ks, &k_st),
+                v: t(&v_h, &vs, &v_st),
+                mask: None,
+                bias: None,
+                out: t(&out_h, &os, &o_st),
+                lse: t(&lse_h, &lse_shape, &lse_st),
+                d_out: t(&do_h, &os, &o_st),
+                dq: t(&dq_h, &qs, &q_st),
+                dk: t(&dk_h, &ks, &k_st),
+                dv: t(&dv_h, &vs, &v_st),
+                ds: None,
+            },
+            dtype,
+            &options,
+        )
+        .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
+    };
+    let plan = backward();
+    let mut millis = 0.0;
+    if repeats > 0 {
+        cubecl::future::block_on(client.sync()).expect("syncs");
+        let start = std::time::Instant::now();
+        for _ in 0..repeats {
+            backward();
+        }
+        cubecl::future::block_on(client.sync()).expect("syncs");
+        millis = start.elapsed().as_secs_f64() * 1e3 / repeats as f64;
+    }
+    let grads = Grads {
+        dq: download(client, half, dq_h, qs, &q_st),
+        dk: download(client, half, dk_h, ks, &k_st),
+        dv: download(client, half, dv_h, vs, &v_st),
+    };
+    (grads, plan.kernel, millis)
+}
+
+/// The f64 reference gradients of `sum(out ⊙ dO)`.
+fn reference(c: &Case, x: &Inputs) -> Grads {
+    let scale = c.scale();
+    let group = c.hq / c.hkv;
+    let mut g = Grads {
+        dq: vec![0.0; x.q.len()],
+        dk: vec![0.0; x.k.len()],
+        dv: vec![0.0; x.v.len()],
+    };
+    let row = |v: &[f32], i: usize, n: usize| -> Vec<f64> {
+        v[i * n..][..n].iter().map(|&a| f64::from(a)).collect()
+    };
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    for b in 0..c.b {
+        for h in 0..c.hq {
+            let hk = h / group;
+            let k_rows: Vec<Vec<f64>> = (0..c.sk)
+                .map(|j| row(&x.k, (b * c.hkv + hk) * c.sk + j, c.d))
+                .collect();
+            let v_rows: Vec<Vec<f64>> = (0..c.sk)
+                .map(|j| row(&x.v, (b * c.hkv + hk) * c.sk + j, c.dv))
+                .collect();
+            for i in 0..c.sq {
+                let qi = (b * c.hq + h) * c.sq + i;
+                let q = row(&x.q, qi, c.d);
+                let d_o = row(&x.d_out, qi, c.dv);
+                // Capped scores and the softcap's derivative factor.
+                let mut s = vec![f64::NEG_INFINITY; c.sk];
+                let mut cap_grad = vec![1.0; c.sk];
+                for j in 0..c.sk {
+                    if c.causal && j as i64 > i as i64 + c.sk as i64 - c.sq as i64 {
+                        continue;
+                    }
+                    let raw = scale * dot(&q, &k_rows[j]);
+                    s[j] = match c.softcap {
+                        Some(cap) => {
+                            let th = (raw / f64::from(cap)).tanh();
+                            cap_grad[j] = 1.0 - th * th;
+                            f64::from(cap) * th
+                        }
+                        None => raw,
+                    };
+                }
+                let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if max == f64::NEG_INFINITY {
+                    continue;
+                }
+                let sum: f64 = s.iter().map(|&v| (v - max).exp()).sum();
+                let p: Vec<f64> = s.iter().map(|&v| (v - max).exp() / sum).collect();
+                let dp: Vec<f64> = v_rows.iter().map(|v| dot(&d_o, v)).collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..c.sk {
+                    if p[j] == 0.0 {
+                        continue;
+                    }
+                    let ds = p[j] * (dp[j] - delta) * cap_grad[j] * scale;
+                    let kj = (b * c.hkv + hk) * c.sk + j;
+                    let dq = &mut g.dq[qi * c.d..][..c.d];
+                    for (acc, &k) in dq.iter_mut().zip(&k_rows[j]) {
+                        *acc += ds * k;
+                    }
+                    let dk = &mut g.dk[kj * c.d..][..c.d];
+                    for (acc, &q) in dk.iter_mut().zip(&q) {
+                        *acc += ds * q;
+                    }
+                    let dv = &mut g.dv[kj * c.dv..][..c.dv];
+                    for (acc, &o) in dv.iter_mut().zip(&d_o) {
+                        *acc += p[j] * o;
+                    }
+                }
+            }
+        }
+    }
+    g
+}
+
+fn max_abs(v: &[f64]) -> f64 {
+    v.iter().fold(0.0, |m, x| m.max(x.abs()))
+}
+
+fn max_error(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_nan() {
+                f64::INFINITY
+            } else {
+                (g - w).abs()
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+fn client() -> Client {
+    let client = CudaRuntime::client(&CudaDevice::default());
+    assert!(
+        hopper::sm90(&client),
+        "the Hopper backward tests need a Hopper GPU (sm_90): this is the GPU suite"
+    );
+    client
+}
+
+/// Checks one case in both types: the plan ran the Hopper backward, and each gradient's error
+/// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value.
+fn check(client: &Client, c: Case, seed: u64) {
+    let inputs = Inputs::new(&c, seed);
+    let want = reference(&c, &inputs);
+    for half in [Half::F16, Half::Bf16] {
+        let (hopper, kernel, _) = run(client, &c, half, &inputs, None, 0);
+        assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{c:?} {half:?}");
+        let (mma, kernel, _) = run(
+            client,
+            &c,
+            half,
+            &inputs,
+            Some(AttentionKernel::MatrixUnits),
+            0,
+        );
+        assert_eq!(kernel, AttentionBackwardKernel::MatrixUnits);
+        for (name, got, base, want) in [
+            ("dQ", &hopper.dq, &mma.dq, &want.dq),
+            ("dK", &hopper.dk, &mma.dk, &want.dk),
+            ("dV", &hopper.dv, &mma.dv, &want.dv),
+        ] {
+            let (err, err_mma) = (max_error(got, want), max_error(base, want));
+            let allowed = 2.0 * err_mma + 0.25 * half.half_ulp() * max_abs(want);
+            println!("{c:?} {half:?} {name}: max error {err:.3e} (mma {err_mma:.3e})");
+            assert!(
+                err <= allowed,
+                "{c:?} {half:?} {name}: max error {err:e} > {allowed:e} (mma {err_mma:e})"
+            );
+        }
+    }
+}
+
+/// Non-causal calls: head dims 64 and 128 and their rounding (96, 72; Dv ≠ D), lengths that
+/// leave partial row and key blocks, grouped-query heads, softcap, `[B, S, H, D]` strides.
+#[test]
+fn hopper_backward_matches_f64() {
+    let client = client();
+    let seed = common::seed();
+    let cases = [
+        Case::new(1, 2, 2, 128, 128, 64, 64),
+        Case::new(2, 4, 2, 200, 333, 128, 128),
+        Case::new(1, 3, 1, 77, 515, 96, 64),
+        Case::new(1, 2, 1, 300, 129, 72, 128),
+        Case {
+            softcap: Some(5.0),
+            ..Case::new(1, 2, 2, 256, 384, 128, 128)
+        },
+        Case {
+            bshd: true,
+            ..Case::new(2, 4, 4, 190, 260, 64, 64)
+        },
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(i as u64));
+    }
+}
+
+/// Causal calls, bottom-right aligned: `Sq = Sk`, `Sq < Sk`, and `Sq > Sk` (rows without a key
+/// give nothing), small shapes below one block.
+#[test]
+fn hopper_causal_backward_matches_f64() {
+    let client = client();
+    let seed = common::seed();
+    let causal = |c: Case| Case { causal: true, ..c };
+    let cases = [
+        causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
+        causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
+        causal(Case::new(1, 2, 1, 333, 200, 128, 64)),
+        Case {
+            softcap: Some(3.0),
+            ..causal(Case::new(1, 2, 2, 257, 257, 64, 128))
+        },
+        causal(Case::new(1, 2, 2, 17, 17, 32, 32)),
+        Case::new(2, 2, 1, 5, 3, 16, 24),
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(100 + i as u64));
+    }
+}
+
+/// The measured shapes (B 4, H 16, D 128; S 4096 causal or not, S 1024; D 64 S 4096): the
+/// Hopper gradients equal the `mma` backward's to a few ulps of the largest, and both times
+/// are printed (wall time per backward call over 10 calls, TFLOP/s counting 2.5 × the forward).
+#[test]
+fn hopper_backward_at_size() {
+    let client = client();
+    let seed = common::seed();
+    for (s, d, causal) in [
+        (4096, 128, false),
+        (4096, 128, true),
+        (4096, 64, false),
+        (1024, 128, false),
+    ] {
+        let c = Case {
+            causal,
+            ..Case::new(4, 16, 16, s, s, d, d)
+        };
+        let inputs = Inputs::new(&c, seed);
+        for half in [Half::F16, Half::Bf16] {
+            let (hopper, kernel, ms) = run(&client, &c, half, &inputs, None, 10);
+            assert_eq!(kernel, AttentionBackwardKernel::Hopper);
+            let (mma, _, ms_mma) = run(
+                &client,
+                &c,
+                half,
+                &inputs,
+                Some(AttentionKernel::MatrixUnits),
+                10,
+            );
+            let flops = 2.5
+                * 4.0
+                * (c.b * c.hq * c.sq * c.sk * c.d) as f64
+                * if causal { 0.5 } else { 1.0 };
+            let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
+            print!(
+                "S {s} D {d} causal {causal} {half:?}: hopper {ms:.3} ms ({:.1} TFLOP/s), mma {ms_mma:.3} ms ({:.1} TFLOP/s)",
+                tflops(ms),
+                tflops(ms_mma)
+            );
+            for (name, got, base) in [
+                ("dQ", &hopper.dq, &mma.dq),
+                ("dK", &hopper.dk, &mma.dk),
+                ("dV", &hopper.dv, &mma.dv),
+            ] {
+                let diff = max_error(got, base);
+                let scale = max_abs(base);
+                print!(", {name} |hopper − mma| {diff:.2e} of {scale:.2e}");
+                assert!(
+                    diff <= 8.0 * half.half_ulp() * scale.max(1.0),
+                    "causal {causal} {half:?} {name}: |hopper − mma| = {diff:e} (largest {scale:e})"
+                );
+            }
+            println!();
+        }
+    }
+}
