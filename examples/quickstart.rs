@@ -21,8 +21,8 @@ use burn::tensor::{
 };
 use burn_flash::kernels::fragment::MatrixUnitsUnavailable;
 use burn_flash::{
-    AttentionDropout, AttentionKernel, FlashAttentionOptions, FlashBackend,
-    attention::AttentionDims,
+    AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
+    FlashBackend, attention::AttentionDims,
 };
 
 /// Largest |a − b|.
@@ -99,6 +99,27 @@ fn attention<B: FlashBackend>(device: &B::Device) {
                 ),
                 Some(why) => format!("{:?} ({why})", p.kernel),
                 None => format!("{:?}", p.kernel),
+            })
+            .map_err(|e| e.to_string())
+        }))
+    );
+    let half_backward = burn_flash::attention_backward_plan::<B>(
+        device,
+        dims,
+        DType::F16,
+        causal.into(),
+        false,
+        false,
+    );
+    println!(
+        "             and the backward: {}",
+        kernel(half_backward.map(|p| {
+            p.map(|p| match p.kernel {
+                AttentionBackwardKernel::Hopper => format!(
+                    "{:?} (hand-written CUDA for sm_90: dQ by f32 reductions)",
+                    p.kernel
+                ),
+                _ => format!("{:?}", p.kernel),
             })
             .map_err(|e| e.to_string())
         }))

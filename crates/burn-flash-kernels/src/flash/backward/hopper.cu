@@ -138,6 +138,19 @@ __device__ __forceinline__ void write_keys(unsigned short* dst, const float (&ac
     }
 }
 
+// Adds consumer `c`'s part of a step's dQ to the accumulator rows at `acc` (the step's first
+// row; `rows` of them below Sq): with D = 128 its 64 columns, with D = 64 all of them.
+__device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int rows, u32 c,
+                                       u32 warp, u32 lane) {
+    const u32 col0 = HEAD_DIM == 128 ? 64u * c : 0u;
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+        const int row = 16 * (int)warp + (int)(lane / 4u) + 8 * ((i / 2) % 2);
+        const u32 col = col0 + 8u * (i / 4) + 2u * (lane % 4u);
+        if (row < rows) red_add_v2(acc + (u64)row * HEAD_DIM + col, dq[i], dq[i + 1]);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                            const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
@@ -269,10 +282,12 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_commit();
         issue_keys_rows<VALUE_DIM>(dpt, sv, SDO(s), c);
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_hold(st);
-        wgmma_hold(dpt);
 
+        // Sᵀ has landed (dPᵀ may still run): the weights Pᵀ, packed (after dropout) as the A
+        // operand of dV += (Pᵀ ⊙ Z)·dO, which is issued at once; `st` keeps what dSᵀ needs of
+        // them: P ⊙ (1 − tanh²) under a softcap, with the sign bit set where dropout dropped.
+        wgmma_wait<1>();
+        wgmma_hold(st);
         const float* lse_s = reinterpret_cast<const float*>(smem_raw + (SLSE(s) - raw));
         const float* delta_s = reinterpret_cast<const float*>(smem_raw + (SDELTA(s) - raw));
         bool edge = keys_c + 63 >= (int)p.seq_k;
@@ -300,32 +315,49 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #endif
                 if (hidden) pv = 0.0f;
             }
+#if SOFTCAP
+            float keep_factor = pv * (1.0f - th * th);
+#else
+            float keep_factor = pv;
+#endif
 #if DROPOUT
             const u32 word = threefry((u32)key, (u32)(m0 + col), p.seed_lo, seed_key1);
-            const float z = word >= p.threshold ? p.inv_keep : 0.0f;
-            float ds = pv * (dpt[i] * z - delta_s[col]);
-            st[i] = pv * z;
+            const bool kept = word >= p.threshold;
+            dq[i] = kept ? pv * p.inv_keep : 0.0f;
+            if (!kept) keep_factor = -keep_factor;
 #else
-            float ds = pv * (dpt[i] - delta_s[col]);
-            st[i] = pv;
+            dq[i] = pv;
 #endif
-#if SOFTCAP
-            ds *= 1.0f - th * th;
-#endif
-            dpt[i] = ds;
+            st[i] = keep_factor;
         }
-        pack_slices(pp, st);
-        pack_slices(pds, dpt);
-        const u32 buf = sds + (u32)(it % 2) * DS_BYTES;
-        store_ds(buf, pds, c, warp, lane);
-        fence_proxy_async();
-
-        // dV += (Pᵀ ⊙ Z)·dO and dK += dSᵀ·Q: 16 query rows per step, B read N-major.
+        // (dq holds the dropped weights until they are packed: its registers are free here.)
+        pack_slices(pp, dq);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             WGMMA_DV(dv_acc, pp[kk], desc_sw128(SDO(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
         }
+        wgmma_commit();
+
+        // dPᵀ has landed (dV may still run): dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), packed, stored for dQ,
+        // and dK += dSᵀ·Q issued.
+        wgmma_wait<1>();
+        wgmma_hold(dpt);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            const int col = 8 * (i / 4) + 2 * (int)(lane % 4u) + (i % 2);
+#if DROPOUT
+            const bool kept = !(__float_as_uint(st[i]) >> 31);
+            dpt[i] = fabsf(st[i]) * (kept ? dpt[i] * p.inv_keep - delta_s[col] : -delta_s[col]);
+#else
+            dpt[i] = st[i] * (dpt[i] - delta_s[col]);
+#endif
+        }
+        pack_slices(pds, dpt);
+        const u32 buf = sds + (u32)(it % 2) * DS_BYTES;
+        store_ds(buf, pds, c, warp, lane);
+        fence_proxy_async();
+        wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             WGMMA_DK(dk_acc, pds[kk], desc_sw128(SQ(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
@@ -357,16 +389,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
-
-        // dQ into the accumulator: rows below Sq.
-        float* acc = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
-        const u32 col0 = HEAD_DIM == 128 ? 64u * c : 0u;
-#pragma unroll
-        for (int i = 0; i < 32; i += 2) {
-            const int row = 16 * (int)warp + (int)(lane / 4u) + 8 * ((i / 2) % 2);
-            const u32 col = col0 + 8u * (i / 4) + 2u * (lane % 4u);
-            if (m0 + row < (int)p.seq_q) red_add_v2(acc + (u64)row * HEAD_DIM + col, dq[i], dq[i + 1]);
-        }
+        add_dq(dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM, dq,
+               (int)p.seq_q - m0, c, warp, lane);
     }
 
     // dK (scaled: the scores are scale·q·k) and dV of this thread's keys.
