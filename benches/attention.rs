@@ -5,7 +5,7 @@
 //! [--dtypes bf16,f16,f32] [--seqs 512,1024] [--dims 64,128] [--causal false,true]
 //! [--sweeps main,gqa,bias,mask] [--impls burn-flash,burn-attention,burn-fallback]
 //! [--burn-max-s 4096] [--bias-full-max-s 4096] [--passes N] [--no-memory] [--dropout P]
-//! [--block-k N] [--kernel units|tiled|mma|cooperative]
+//! [--block-k N] [--kernel units|tiled|mma|cooperative|hopper]
 //! [--plot CSV]`
 //! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process when
 //! both are built; wgpu's files then end in `-wgpu`). `--plot CSV` redraws the PNG of an earlier
@@ -93,7 +93,8 @@
 //! convention: the backward is 2.5 × the forward). `bwd`: derived, the `fwd+bwd` row's medians
 //! minus the `fwd` row's (wall and device), FLOP = 2.5 × the forward's; its note says so.
 //! burn-flash's training step runs its fused backward (`kernel` names the backward plan's
-//! kernels); Burn's rows run Burn's autodiff of its own op (`burn-attention`: the autodiff of
+//! kernels: on Hopper GPUs the Hopper backward after the plan's forward or `--kernel hopper`,
+//! the `mma.sync` backward after `--kernel mma`); Burn's rows run Burn's autodiff of its own op (`burn-attention`: the autodiff of
 //! `module::attention`, `burn-fallback`: of `attention_fallback`). Peak memory of a `fwd+bwd`
 //! row is the whole step's (the forward's saved state, the gradients and the backward's
 //! scratch).

@@ -10,101 +10,15 @@
 mod common;
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardTensors, launch_attention,
+    AttentionBackwardKernel, AttentionKernel, BackwardTensors, launch_attention,
     launch_attention_backward,
 };
-use burn_flash_kernels::hopper;
-use burn_flash_kernels::tensor::TensorRef;
-use common::{Half, draw};
-use cubecl::cuda::{CudaDevice, CudaRuntime};
+use common::{Case, Half, contiguous, draw, max_error, t};
+use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
-
-/// One call: sizes and options; `bshd`: `q`, `out`, `dO` and `dQ` stored `[B, S, H, D]` and
-/// passed as permuted views.
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    hq: usize,
-    hkv: usize,
-    sq: usize,
-    sk: usize,
-    d: usize,
-    dv: usize,
-    causal: bool,
-    softcap: Option<f32>,
-    bshd: bool,
-}
-
-impl Case {
-    fn new(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, dv: usize) -> Self {
-        Self {
-            b,
-            hq,
-            hkv,
-            sq,
-            sk,
-            d,
-            dv,
-            causal: false,
-            softcap: None,
-            bshd: false,
-        }
-    }
-
-    fn scale(&self) -> f64 {
-        1.0 / (self.d as f64).sqrt()
-    }
-
-    fn options(&self, kernel: Option<AttentionKernel>) -> AttentionOptions {
-        AttentionOptions {
-            scale: self.scale() as f32,
-            softcap: self.softcap,
-            causal: self.causal,
-            kernel,
-            block_k: None,
-            dropout: None,
-            masked_score: None,
-            quiet: false,
-        }
-    }
-
-    fn q_shape(&self) -> [usize; 4] {
-        [self.b, self.hq, self.sq, self.d]
-    }
-
-    fn out_shape(&self) -> [usize; 4] {
-        [self.b, self.hq, self.sq, self.dv]
-    }
-
-    fn k_shape(&self) -> [usize; 4] {
-        [self.b, self.hkv, self.sk, self.d]
-    }
-
-    fn v_shape(&self) -> [usize; 4] {
-        [self.b, self.hkv, self.sk, self.dv]
-    }
-
-    /// Strides of a query-side tensor of `shape` (permuted where `bshd`).
-    fn query_strides(&self, shape: [usize; 4]) -> Vec<usize> {
-        let [_, h, s, d] = shape;
-        if self.bshd {
-            vec![s * h * d, d, h * d, 1]
-        } else {
-            contiguous(&shape)
-        }
-    }
-}
-
-fn contiguous(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
-    for i in (0..shape.len() - 1).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
-    }
-    strides
-}
 
 /// `q`, `k`, `v`, `dO` in `[B, H, S, D]` order.
 struct Inputs {
@@ -131,14 +45,6 @@ struct Grads {
     dq: Vec<f64>,
     dk: Vec<f64>,
     dv: Vec<f64>,
-}
-
-fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
-    TensorRef {
-        handle,
-        shape,
-        strides,
-    }
 }
 
 /// Offsets of the elements of `shape` in `[B, H, S, D]` order, through `strides`.
@@ -368,28 +274,6 @@ fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
 
-fn max_error(got: &[f64], want: &[f64]) -> f64 {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_nan() {
-                f64::INFINITY
-            } else {
-                (g - w).abs()
-            }
-        })
-        .fold(0.0, f64::max)
-}
-
-fn client() -> Client {
-    let client = CudaRuntime::client(&CudaDevice::default());
-    assert!(
-        hopper::sm90(&client),
-        "the Hopper backward tests need a Hopper GPU (sm_90): this is the GPU suite"
-    );
-    client
-}
-
 /// Checks one case in both types: the plan ran the Hopper backward, and each gradient's error
 /// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value.
 fn check(client: &Client, c: Case, seed: u64) {
@@ -427,22 +311,9 @@ fn check(client: &Client, c: Case, seed: u64) {
 /// leave partial row and key blocks, grouped-query heads, softcap, `[B, S, H, D]` strides.
 #[test]
 fn hopper_backward_matches_f64() {
-    let client = client();
+    let client = common::hopper_client("the Hopper backward tests");
     let seed = common::seed();
-    let cases = [
-        Case::new(1, 2, 2, 128, 128, 64, 64),
-        Case::new(2, 4, 2, 200, 333, 128, 128),
-        Case::new(1, 3, 1, 77, 515, 96, 64),
-        Case::new(1, 2, 1, 300, 129, 72, 128),
-        Case {
-            softcap: Some(5.0),
-            ..Case::new(1, 2, 2, 256, 384, 128, 128)
-        },
-        Case {
-            bshd: true,
-            ..Case::new(2, 4, 4, 190, 260, 64, 64)
-        },
-    ];
+    let cases = common::grid();
     for (i, c) in cases.into_iter().enumerate() {
         check(&client, c, seed.wrapping_add(i as u64));
     }
@@ -452,20 +323,16 @@ fn hopper_backward_matches_f64() {
 /// give nothing), small shapes below one block.
 #[test]
 fn hopper_causal_backward_matches_f64() {
-    let client = client();
+    let client = common::hopper_client("the Hopper backward tests");
     let seed = common::seed();
-    let causal = |c: Case| Case { causal: true, ..c };
-    let cases = [
-        causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
-        causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
-        causal(Case::new(1, 2, 1, 333, 200, 128, 64)),
+    let small = [
         Case {
-            softcap: Some(3.0),
-            ..causal(Case::new(1, 2, 2, 257, 257, 64, 128))
+            causal: true,
+            ..Case::new(1, 2, 2, 17, 17, 32, 32)
         },
-        causal(Case::new(1, 2, 2, 17, 17, 32, 32)),
         Case::new(2, 2, 1, 5, 3, 16, 24),
     ];
+    let cases = common::causal_grid().into_iter().chain(small);
     for (i, c) in cases.into_iter().enumerate() {
         check(&client, c, seed.wrapping_add(100 + i as u64));
     }
@@ -476,7 +343,7 @@ fn hopper_causal_backward_matches_f64() {
 /// are printed (wall time per backward call over 10 calls, TFLOP/s counting 2.5 × the forward).
 #[test]
 fn hopper_backward_at_size() {
-    let client = client();
+    let client = common::hopper_client("the Hopper backward tests");
     let seed = common::seed();
     for (s, d, causal) in [
         (4096, 128, false),

@@ -8,72 +8,13 @@
 
 mod common;
 
-use common::{Half, draw};
+use common::{Case, Half, contiguous, draw, max_error, t};
 
-use burn_flash_kernels::attention::{
-    AttentionKernel, AttentionOptions, AttentionPlan, launch_attention,
-};
-use burn_flash_kernels::hopper;
-use burn_flash_kernels::tensor::TensorRef;
+use burn_flash_kernels::attention::{AttentionKernel, AttentionPlan, launch_attention};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
-
-/// One call: sizes, options and the memory layout of `q` and `out` (`bshd`: stored
-/// `[B, S, H, D]` and passed as a permuted view).
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    b: usize,
-    hq: usize,
-    hkv: usize,
-    sq: usize,
-    sk: usize,
-    d: usize,
-    dv: usize,
-    causal: bool,
-    softcap: Option<f32>,
-    bshd: bool,
-}
-
-impl Case {
-    fn new(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, dv: usize) -> Self {
-        Self {
-            b,
-            hq,
-            hkv,
-            sq,
-            sk,
-            d,
-            dv,
-            causal: false,
-            softcap: None,
-            bshd: false,
-        }
-    }
-
-    fn options(&self, kernel: Option<AttentionKernel>) -> AttentionOptions {
-        AttentionOptions {
-            scale: 1.0 / (self.d as f32).sqrt(),
-            softcap: self.softcap,
-            causal: self.causal,
-            kernel,
-            block_k: None,
-            dropout: None,
-            masked_score: None,
-            quiet: false,
-        }
-    }
-}
-
-fn contiguous(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![1; shape.len()];
-    for i in (0..shape.len() - 1).rev() {
-        strides[i] = strides[i + 1] * shape[i + 1];
-    }
-    strides
-}
 
 /// Strides of a `[B, H, S, D]` view of memory stored `[B, S, H, D]`.
 fn bshd_strides(shape: [usize; 4]) -> Vec<usize> {
@@ -104,14 +45,6 @@ struct Outputs {
     lse: Vec<f32>,
     plan: AttentionPlan,
     millis: f64,
-}
-
-fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
-    TensorRef {
-        handle,
-        shape,
-        strides,
-    }
 }
 
 /// Element `[b, h, s, d]` of a tensor with `strides`.
@@ -288,28 +221,6 @@ fn reference(c: &Case, inputs: &Inputs) -> (Vec<f64>, Vec<f64>) {
     (out, lse)
 }
 
-fn max_error(got: &[f64], want: &[f64]) -> f64 {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_nan() {
-                f64::INFINITY
-            } else {
-                (g - w).abs()
-            }
-        })
-        .fold(0.0, f64::max)
-}
-
-fn client() -> Client {
-    let client = CudaRuntime::client(&CudaDevice::default());
-    assert!(
-        hopper::sm90(&client),
-        "the Hopper forward tests need a Hopper GPU (sm_90): this is the GPU suite"
-    );
-    client
-}
-
 /// Checks one case in both types: the plan picked the Hopper kernel, the output and lse
 /// against f64, the error against the `mma` kernel's.
 fn check(client: &Client, c: Case, seed: u64) {
@@ -353,22 +264,9 @@ fn check(client: &Client, c: Case, seed: u64) {
 /// read and written through `[B, S, H, D]` strides.
 #[test]
 fn hopper_forward_matches_f64() {
-    let client = client();
+    let client = common::hopper_client("the Hopper forward tests");
     let seed = common::seed();
-    let cases = [
-        Case::new(1, 2, 2, 128, 128, 64, 64),
-        Case::new(2, 4, 2, 200, 333, 128, 128),
-        Case::new(1, 3, 1, 77, 515, 96, 64),
-        Case::new(1, 2, 1, 300, 129, 72, 128),
-        Case {
-            softcap: Some(5.0),
-            ..Case::new(1, 2, 2, 256, 384, 128, 128)
-        },
-        Case {
-            bshd: true,
-            ..Case::new(2, 4, 4, 190, 260, 64, 64)
-        },
-    ];
+    let cases = common::grid();
     for (i, c) in cases.into_iter().enumerate() {
         check(&client, c, seed.wrapping_add(i as u64));
     }
@@ -378,18 +276,9 @@ fn hopper_forward_matches_f64() {
 /// `Sq − Sk` rows see no key (zeros, `lse = −inf`).
 #[test]
 fn hopper_causal_forward_matches_f64() {
-    let client = client();
+    let client = common::hopper_client("the Hopper forward tests");
     let seed = common::seed();
-    let causal = |c: Case| Case { causal: true, ..c };
-    let cases = [
-        causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
-        causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
-        causal(Case::new(1, 2, 1, 333, 200, 128, 64)),
-        Case {
-            softcap: Some(3.0),
-            ..causal(Case::new(1, 2, 2, 257, 257, 64, 128))
-        },
-    ];
+    let cases = common::causal_grid();
     for (i, c) in cases.into_iter().enumerate() {
         check(&client, c, seed.wrapping_add(100 + i as u64));
     }
@@ -400,7 +289,7 @@ fn hopper_causal_forward_matches_f64() {
 /// printed (wall time per call over 20 calls).
 #[test]
 fn hopper_forward_at_size() {
-    let client = client();
+    let client = common::hopper_client("the Hopper forward tests");
     let seed = common::seed();
     for (s, d, causal) in [
         (4096, 128, false),
@@ -447,7 +336,7 @@ fn hopper_forward_at_size() {
 /// the rows), against f64 and the `mma` kernel.
 #[test]
 fn hopper_forward_small_shapes() {
-    let client = client();
+    let client = common::hopper_client("the Hopper forward tests");
     let seed = common::seed();
     let cases = [
         Case {
@@ -470,7 +359,7 @@ fn hopper_forward_across_threads() {
     let c = Case::new(1, 2, 2, 200, 300, 64, 64);
     let inputs = Inputs::new(&c, seed);
     let (want, _) = reference(&c, &inputs);
-    let client = client();
+    let client = common::hopper_client("the Hopper forward tests");
     let encode = |v: &[f32]| -> Vec<u8> {
         v.iter()
             .flat_map(|&x| Half::F16.bits(x).to_le_bytes())

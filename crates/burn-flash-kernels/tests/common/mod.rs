@@ -3,7 +3,12 @@
 
 #![allow(dead_code)]
 
+use burn_flash_kernels::attention::{AttentionKernel, AttentionOptions};
+use burn_flash_kernels::tensor::TensorRef;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
+use cubecl::prelude::{ComputeClient, Runtime};
+use cubecl::server::Handle;
 
 /// The seed of this run's inputs: `BURN_FLASH_SEED`, else the clock; printed, so that a failed
 /// test can be replayed.
@@ -107,4 +112,158 @@ impl Half {
             Self::Bf16 => 2f64.powi(-8),
         }
     }
+}
+
+/// The CUDA client of the default device, which must be a Hopper GPU (sm_90): `what` needs one.
+pub fn hopper_client(what: &str) -> ComputeClient<CudaRuntime> {
+    let client = CudaRuntime::client(&CudaDevice::default());
+    assert!(
+        burn_flash_kernels::hopper::sm90(&client),
+        "{what} need a Hopper GPU (sm_90): this is the GPU suite"
+    );
+    client
+}
+
+/// Contiguous strides of `shape`.
+pub fn contiguous(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len() - 1).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    strides
+}
+
+/// A tensor view of `handle`.
+pub fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
+    TensorRef {
+        handle,
+        shape,
+        strides,
+    }
+}
+
+/// The largest `|got − want|` (a NaN counts as infinite).
+pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_nan() {
+                f64::INFINITY
+            } else {
+                (g - w).abs()
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// One attention call of the Hopper tests: sizes and options; `bshd`: the query-side tensors
+/// (`q`, `out`, and in the backward `dO`, `dQ`) stored `[B, S, H, D]` and passed as permuted
+/// views.
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub sq: usize,
+    pub sk: usize,
+    pub d: usize,
+    pub dv: usize,
+    pub causal: bool,
+    pub softcap: Option<f32>,
+    pub bshd: bool,
+}
+
+impl Case {
+    pub fn new(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, dv: usize) -> Self {
+        Self {
+            b,
+            hq,
+            hkv,
+            sq,
+            sk,
+            d,
+            dv,
+            causal: false,
+            softcap: None,
+            bshd: false,
+        }
+    }
+
+    pub fn scale(&self) -> f64 {
+        1.0 / (self.d as f64).sqrt()
+    }
+
+    pub fn options(&self, kernel: Option<AttentionKernel>) -> AttentionOptions {
+        AttentionOptions {
+            scale: self.scale() as f32,
+            softcap: self.softcap,
+            causal: self.causal,
+            kernel,
+            block_k: None,
+            dropout: None,
+            masked_score: None,
+            quiet: false,
+        }
+    }
+
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.b, self.hq, self.sq, self.d]
+    }
+
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.b, self.hq, self.sq, self.dv]
+    }
+
+    pub fn k_shape(&self) -> [usize; 4] {
+        [self.b, self.hkv, self.sk, self.d]
+    }
+
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.b, self.hkv, self.sk, self.dv]
+    }
+
+    /// Strides of a query-side tensor of `shape` (permuted where `bshd`).
+    pub fn query_strides(&self, shape: [usize; 4]) -> Vec<usize> {
+        let [_, h, s, d] = shape;
+        if self.bshd {
+            vec![s * h * d, d, h * d, 1]
+        } else {
+            contiguous(&shape)
+        }
+    }
+}
+
+/// The non-causal calls both Hopper directions are checked on: head dims 64 and 128 and their
+/// rounding (96, 72; Dv ≠ D), lengths that leave partial row and key blocks, grouped-query
+/// heads, softcap, `[B, S, H, D]` strides.
+pub fn grid() -> [Case; 6] {
+    [
+        Case::new(1, 2, 2, 128, 128, 64, 64),
+        Case::new(2, 4, 2, 200, 333, 128, 128),
+        Case::new(1, 3, 1, 77, 515, 96, 64),
+        Case::new(1, 2, 1, 300, 129, 72, 128),
+        Case {
+            softcap: Some(5.0),
+            ..Case::new(1, 2, 2, 256, 384, 128, 128)
+        },
+        Case {
+            bshd: true,
+            ..Case::new(2, 4, 4, 190, 260, 64, 64)
+        },
+    ]
+}
+
+/// The causal calls (bottom-right aligned) both Hopper directions are checked on: `Sq = Sk`,
+/// `Sq < Sk`, `Sq > Sk` (rows without a key), softcap with `Dv ≠ D`.
+pub fn causal_grid() -> [Case; 4] {
+    let causal = |c: Case| Case { causal: true, ..c };
+    [
+        causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
+        causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
+        causal(Case::new(1, 2, 1, 333, 200, 128, 64)),
+        Case {
+            softcap: Some(3.0),
+            ..causal(Case::new(1, 2, 2, 257, 257, 64, 128))
+        },
+    ]
 }
