@@ -52,3 +52,28 @@ pub const fn source_hash(text: &str) -> u64 {
     }
     hash
 }
+
+/// `source` with every active mutation of `edits` (`(active, from, to)`: `from` replaced by
+/// `to`) applied, and its [`source_hash`]; unchanged (with `hash`) when none is active. Only
+/// `--features mutants` builds ever activate one; the mutated text is leaked once per launch
+/// that asks, which only those builds do.
+pub fn mutated(
+    source: &'static str,
+    hash: u64,
+    edits: &[(bool, &str, &str)],
+) -> (&'static str, u64) {
+    let mut out = (source, hash);
+    for &(active, from, to) in edits {
+        if active {
+            debug_assert!(out.0.contains(from), "mutation site `{from}` is missing");
+            out.0 = Box::leak(out.0.replace(from, to).into_boxed_str());
+            out.1 = source_hash(out.0);
+        }
+    }
+    out
+}
+
+/// Two 32-bit words as one little-endian parameter word of a hand-written kernel.
+pub fn words(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | u64::from(hi) << 32
+}

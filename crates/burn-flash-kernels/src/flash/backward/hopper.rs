@@ -23,6 +23,8 @@ use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
+#[cfg(feature = "cuda")]
+use crate::hopper::words;
 
 /// Query rows per step.
 pub const BLOCK_Q: usize = 64;
@@ -188,26 +190,6 @@ pub fn unavailable(
     Some(reason.into())
 }
 
-/// `source` with every active mutation of `edits` applied, and its hash.
-#[cfg(feature = "cuda")]
-fn mutated(source: &'static str, hash: u64, edits: &[(bool, &str, &str)]) -> (&'static str, u64) {
-    let mut out = (source, hash);
-    for &(active, from, to) in edits {
-        if active {
-            debug_assert!(out.0.contains(from), "mutation site `{from}` is missing");
-            out.0 = Box::leak(out.0.replace(from, to).into_boxed_str());
-            out.1 = crate::hopper::source_hash(out.0);
-        }
-    }
-    out
-}
-
-/// Little-endian pairs of 32-bit words as one parameter word.
-#[cfg(feature = "cuda")]
-fn words(lo: u32, hi: u32) -> u64 {
-    u64::from(lo) | u64::from(hi) << 32
-}
-
 /// Launches the backward of `dims` on `client`: `δ` and the statistics, the main kernel on the
 /// plan's grid (`config`'s variant, `units`, shared memory), then `dQ`. `t` was checked by the
 /// caller (shapes, [`unavailable`] `None`, no `ds`).
@@ -237,7 +219,7 @@ pub unsafe fn launch(
     let delta = client.empty(rows * 4);
     let dq_acc = client.empty(rows * acc_dim * 4);
 
-    let (rows_source, rows_hash) = mutated(
+    let (rows_source, rows_hash) = crate::hopper::mutated(
         ROWS_SOURCE,
         ROWS_SOURCE_HASH,
         &[
@@ -280,7 +262,7 @@ pub unsafe fn launch(
         .with_defines(rows_defines.clone())
     };
 
-    let (source, hash) = mutated(
+    let (source, hash) = crate::hopper::mutated(
         SOURCE,
         SOURCE_HASH,
         &[

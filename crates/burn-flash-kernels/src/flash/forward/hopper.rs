@@ -23,6 +23,8 @@ use crate::flash::{FlashConfig, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
+use crate::hopper::words;
+#[cfg(feature = "cuda")]
 use crate::tensor::TensorRef;
 
 /// Query rows per block (two consumer warpgroups of 64).
@@ -256,35 +258,32 @@ pub unsafe fn launch(
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let variant = Variant::new(plan.config, bf16);
-    let mut source = SOURCE;
-    let mut hash = SOURCE_HASH;
-    for (active, from, to) in [
-        (
-            crate::mutation::no_rescale(),
-            "corr[r] = ex2(m_r[r] - shift[r]);",
-            "corr[r] = 1.0f;",
-        ),
-        (
-            crate::mutation::causal_top_left(),
-            "const int diag = (int)p.seq_k - (int)p.seq_q;",
-            "const int diag = 0;",
-        ),
-        (
-            crate::mutation::quiet_off(),
-            "const float total = l + ex2(-m_r[r]);",
-            "const float total = l;",
-        ),
-        (
-            crate::mutation::hopper_no_wait(),
-            "if (j >= STAGES) mbar_wait(",
-            "if (false) mbar_wait(",
-        ),
-    ] {
-        if active {
-            source = Box::leak(source.replace(from, to).into_boxed_str());
-            hash = crate::hopper::source_hash(source);
-        }
-    }
+    let (source, hash) = crate::hopper::mutated(
+        SOURCE,
+        SOURCE_HASH,
+        &[
+            (
+                crate::mutation::no_rescale(),
+                "corr[r] = ex2(m_r[r] - shift[r]);",
+                "corr[r] = 1.0f;",
+            ),
+            (
+                crate::mutation::causal_top_left(),
+                "const int diag = (int)p.seq_k - (int)p.seq_q;",
+                "const int diag = 0;",
+            ),
+            (
+                crate::mutation::quiet_off(),
+                "const float total = l + ex2(-m_r[r]);",
+                "const float total = l;",
+            ),
+            (
+                crate::mutation::hopper_no_wait(),
+                "if (j >= STAGES) mbar_wait(",
+                "if (false) mbar_wait(",
+            ),
+        ],
+    );
     let kernel = HandWritten::new_hashed(
         client,
         source,
@@ -297,7 +296,6 @@ pub unsafe fn launch(
     .with_defines(variant.defines());
     let log2e = core::f32::consts::LOG2_E;
     let cap = options.softcap.unwrap_or(1.0);
-    let words = |lo: u32, hi: u32| u64::from(lo) | u64::from(hi) << 32;
     let mut params = vec![
         out.strides[0] as u64,
         out.strides[1] as u64,
