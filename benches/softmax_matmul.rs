@@ -190,6 +190,7 @@ impl Impl {
     fn name(&self) -> &'static str {
         match self {
             Impl::Composed => "burn_composed",
+            Impl::Flash(o) if o.hopper == Some(false) => "burn_flash_no_hopper",
             Impl::Flash(o) if o.blocks.is_none() => "burn_flash_heuristic",
             Impl::Flash(_) => "burn_flash",
         }
@@ -250,8 +251,10 @@ fn f32_impls() -> Vec<Impl> {
         .collect()
 }
 
-/// The f16/bf16 sweep: the heuristic, the `--lowp-blocks` pairs, Burn's composed op.
-fn lowp_impls(cli: &Cli) -> Vec<Impl> {
+/// The f16/bf16 sweep: the heuristic, the `--lowp-blocks` pairs, on CUDA the heuristic with the
+/// Hopper kernel off (the `mma.sync` kernel it replaces on sm_90; the heuristic's own choice
+/// elsewhere), Burn's composed op.
+fn lowp_impls(cli: &Cli, runtime: RuntimeName) -> Vec<Impl> {
     let forced = cli.lowp_blocks.iter().map(|&blocks| {
         Impl::Flash(SoftmaxMatmulOptions {
             blocks: Some(blocks),
@@ -261,9 +264,17 @@ fn lowp_impls(cli: &Cli) -> Vec<Impl> {
     [Impl::Flash(Default::default())]
         .into_iter()
         .chain(forced)
+        .chain((runtime == RuntimeName::Cuda).then_some(NO_HOPPER))
         .chain([Impl::Composed])
         .collect()
 }
+
+/// The heuristic with the Hopper kernel off.
+const NO_HOPPER: Impl = Impl::Flash(SoftmaxMatmulOptions {
+    blocks: None,
+    path: None,
+    hopper: Some(false),
+});
 
 fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
     2.0 * (batch * d1 * d2 * d3) as f64
@@ -482,7 +493,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 println!("{label}: not supported by this device, skipped");
             }
             for &d2 in &self.d2s {
-                for imp in lowp_impls(self.cli) {
+                for imp in lowp_impls(self.cli, self.runtime) {
                     let name = imp.label();
                     if !supported {
                         lowp.push(&self.unsupported(label, d2, &name));
@@ -539,7 +550,13 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 println!("{label} backward: not supported by this device, skipped");
             }
             for &d2 in self.d2s.iter().filter(|&&d2| d2 <= 4096) {
-                for imp in [Impl::Flash(Default::default()), Impl::Composed] {
+                let no_hopper = (self.runtime == RuntimeName::Cuda && dtype != FloatDType::F32)
+                    .then_some(NO_HOPPER);
+                let impls = [Impl::Flash(Default::default())]
+                    .into_iter()
+                    .chain(no_hopper)
+                    .chain([Impl::Composed]);
+                for imp in impls {
                     if !supported {
                         bwd.push(&self.unsupported(label, d2, imp.name()));
                         continue;

@@ -7,7 +7,8 @@
 //! - the drop-in modules: burn-nn's `MultiHeadAttention` swapped for `burn_flash::nn`'s with
 //!   the same weights (masks, a fully masked row, a training step), and decoding with the KV
 //!   cache (`examples/gpt.rs` trains a whole model with them);
-//! - the fused softmax family, forward and backward.
+//! - the fused softmax family, forward and backward, and `softmax(X)·V` with the kernel an f16
+//!   call takes (the hand-written Hopper kernel on H100/H200).
 //!
 //! `cargo run --release --example quickstart` (or `cargo xtask demo`, which also installs a
 //! Vulkan driver if none is there); `-- --wgpu` takes wgpu even where CUDA runs. With
@@ -206,6 +207,30 @@ fn demo<B: FlashBackend>(device: &B::Device) {
     let log_ref = activation::log_softmax(x.clone(), 1);
     let diff = (log - log_ref).abs().max().into_scalar().elem::<f32>();
     println!("log_softmax  over dim 1:     max |burn-flash − burn| = {diff:.2e}");
+
+    // softmax(X)·V without the softmax matrix, against Burn's composition, and the kernel an
+    // f16 call of the same shape takes.
+    let (x, v) = (
+        Tensor::<B, 3>::random([4, 256, 512], Distribution::Normal(0.0, 3.0), device),
+        Tensor::<B, 3>::random([4, 512, 64], Distribution::Normal(0.0, 1.0), device),
+    );
+    let diff = max_diff(
+        burn_flash::softmax_matmul(x.clone(), v.clone()),
+        activation::softmax(x, 2).matmul(v),
+    );
+    let dims = burn_flash::kernels::softmax_matmul::SmmDims {
+        batch: 4,
+        d1: 256,
+        d2: 512,
+        d3: 64,
+    };
+    let half = burn_flash::softmax_matmul_plan::<B>(device, dims, DType::F16, Default::default());
+    println!(
+        "softmax(X)·V [4, 256, 512]·[4, 512, 64]: max |burn-flash − burn| = {diff:.2e}; in f16: {}",
+        half.map_or("composed fallback".into(), |p| p
+            .map(|p| format!("{:?}", p.kernel))
+            .unwrap_or_else(|e| e.to_string()))
+    );
 
     // A fully masked row gives zeros, not NaN.
     let masked = Tensor::<B, 2>::full([2, 4], f32::NEG_INFINITY, device);

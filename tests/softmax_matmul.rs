@@ -302,6 +302,13 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let x = rand3::<B>([2, 40, 264], 50.0, dtype, device);
     let v = rand3::<B>([1, 264, 40], 1.0, dtype, device);
     check_forward(x, v, opts, dtype, "aligned, ±50, shared v");
+    // Increasing ramp + noise over four 128-column steps: every step raises the row maximum.
+    let d2 = 392;
+    let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
+    let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
+    let x = rand3::<B>([1, 20, d2], 2.0, dtype, device) + ramp;
+    let v = rand3::<B>([1, d2, 16], 1.0, dtype, device);
+    check_forward(x, v, opts, dtype, "aligned, maximum in the last step");
     for b1 in BLOCK_SIZES {
         for b2 in BLOCK_SIZES {
             let opts = SoftmaxMatmulOptions {
@@ -493,6 +500,62 @@ fn every_path<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let x = rand3::<B>([2, 70, 300], 8.0, dtype, device);
         let v = rand3::<B>([2, 300, 72], 1.0, dtype, device);
         check_forward(x, v, opts, dtype, &format!("{path:?}"));
+    }
+}
+
+/// `hopper: Some(true)` runs the Hopper kernel where the device can (an sm_90 GPU through CUDA,
+/// f16/bf16, 16-byte rows: values against the reference, with two row blocks, three column
+/// tiles and three steps, all partial) and is refused with the reason elsewhere; `Some(false)`
+/// never runs it; forcing it with forced blocks or plain units is refused.
+fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = SmmDims {
+        batch: 2,
+        d1: 130,
+        d2: 264,
+        d3: 136,
+    };
+    let with = |hopper, blocks, path| SoftmaxMatmulOptions {
+        hopper,
+        blocks,
+        path,
+    };
+    let on = with(Some(true), None, None);
+    let Some(plan) = softmax_matmul_plan::<B>(device, dims, dtype.into(), on) else {
+        // No fused kernels (NdArray, Autodiff): nothing to plan.
+        return;
+    };
+    match plan {
+        Ok(plan) => {
+            assert_eq!(plan.kernel, SmmForwardKernel::Hopper);
+            assert_ne!(dtype, FloatDType::F32, "the Hopper kernel takes 16-bit types");
+            let x = rand3::<B>([2, 130, 264], 8.0, dtype, device);
+            let v = rand3::<B>([2, 264, 136], 1.0, dtype, device);
+            check_forward(x, v, on, dtype, "Hopper forced");
+        }
+        Err(err) => {
+            let reason = err.to_string();
+            assert!(
+                reason.contains("not a Hopper GPU")
+                    || reason.contains("takes f16 and bf16")
+                    || reason.contains("BURN_FLASH_HOPPER=off"),
+                "{dtype:?}: {reason}"
+            );
+        }
+    }
+    let off = with(Some(false), None, None);
+    let plan = softmax_matmul_plan::<B>(device, dims, dtype.into(), off).expect("fused");
+    assert_ne!(plan.expect("plans").kernel, SmmForwardKernel::Hopper);
+    for (options, why) in [
+        (with(Some(true), Some((64, 32)), None), "no forced blocks"),
+        (
+            with(Some(true), None, Some(SmmPath::Units)),
+            "not plain units",
+        ),
+    ] {
+        let err = softmax_matmul_plan::<B>(device, dims, dtype.into(), options)
+            .expect("fused")
+            .expect_err("refused");
+        assert!(err.to_string().contains(why), "{options:?}: {err}");
     }
 }
 
@@ -706,13 +769,21 @@ fn naive_gradients<B: FlashBackend>(
 /// every 16-bit case but a forced plain-unit path. The launch matches on this plan's kernel and
 /// nothing else.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
-fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
+fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(
+    device: &R::Device,
+    matrix_units: bool,
+    hopper: bool,
+) {
     use burn_flash::kernels::softmax_matmul::{
         SmmForwardKernel as K, check_dtype, contiguous_row_vector, plan_softmax_matmul, row_vector,
     };
     let client = R::client(device);
-    // f16/bf16: the kernel with matrix units, and without.
-    let sixteen = |mma: K, plain: K| if matrix_units { mma } else { plain };
+    // f16/bf16: the kernel with matrix units (the Hopper kernel on sm_90), and without.
+    let sixteen = |mma: K, plain: K| match (hopper, matrix_units) {
+        (true, _) => K::Hopper,
+        (false, true) => mma,
+        (false, false) => plain,
+    };
     let forced = SoftmaxMatmulOptions {
         blocks: Some((64, 16)),
         ..Default::default()
@@ -947,6 +1018,7 @@ macro_rules! fused_suite {
                 aligned_rows,
                 tiled_units,
                 every_path,
+                hopper_option,
                 impossible_blocks_are_refused
             ]
         );
@@ -985,7 +1057,7 @@ mod wgpu {
 
     #[test]
     fn forward_kernels_on_plain_units() {
-        forward_kernels::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false);
+        forward_kernels::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false, false);
     }
 
     mod unfused {
@@ -1014,9 +1086,43 @@ mod cuda {
         backward_paths::<burn_cubecl::cubecl::cuda::CudaRuntime>(&Default::default(), true);
     }
 
+    /// The plan's forward kernels on CUDA: on an sm_90 GPU (unless `BURN_FLASH_HOPPER=off`)
+    /// the Hopper kernel for 16-byte aligned f16/bf16 rows, and the `mma.sync` kernel where a
+    /// buffer does not start on 16 bytes (no TMA map); the `mma.sync` kernel elsewhere.
     #[test]
     fn forward_kernels_take_the_matrix_units() {
-        forward_kernels::<burn_cubecl::cubecl::cuda::CudaRuntime>(&Default::default(), true);
+        use burn_cubecl::cubecl::{Runtime, cuda::CudaRuntime};
+        use burn_flash::kernels::flash::forward::hopper::{Use, usage};
+        use burn_flash::kernels::softmax_matmul::{
+            contiguous_row_vector, plan_softmax_matmul_for,
+        };
+        let device = Default::default();
+        let client = CudaRuntime::client(&device);
+        let hopper = burn_flash::kernels::hopper::sm90(&client) && usage() != Use::Off;
+        println!("sm_90 with the Hopper kernels on: {hopper}");
+        forward_kernels::<CudaRuntime>(&device, true, hopper);
+        let dims = SmmDims {
+            batch: 2,
+            d1: 130,
+            d2: 1024,
+            d3: 200,
+        };
+        for dtype in [FloatDType::F16, FloatDType::BF16] {
+            let dtype = DType::from(dtype).into();
+            let vector = contiguous_row_vector(dims, dtype);
+            let plan = |tma| {
+                plan_softmax_matmul_for(&client, dims, dtype, vector, tma, Default::default())
+                    .expect("plans")
+                    .kernel
+            };
+            let want = if hopper {
+                SmmForwardKernel::Hopper
+            } else {
+                SmmForwardKernel::MatrixUnits
+            };
+            assert_eq!(plan(true), want);
+            assert_eq!(plan(false), SmmForwardKernel::MatrixUnits);
+        }
     }
 
     /// The `dX` kernel with 128 rows per cube: the plan takes it where its row blocks give

@@ -90,13 +90,13 @@ fn hopper_unavailable<R: Runtime>(
 }
 
 /// Why no Hopper kernel runs in this process (`None`: they may): `BURN_FLASH_HOPPER=off`.
-fn hopper_switched_off() -> Option<String> {
+pub(crate) fn hopper_switched_off() -> Option<String> {
     (hopper::usage() == hopper::Use::Off)
         .then(|| "the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into())
 }
 
 /// Whether `client` is a CUDA client of a Hopper GPU (sm_90).
-fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
+pub(crate) fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
     #[cfg(feature = "cuda")]
     return cuda_client(client).is_some_and(crate::hopper::sm90);
     #[cfg(not(feature = "cuda"))]
@@ -108,7 +108,7 @@ fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
 
 /// `client` as a CUDA client, where its runtime is CUDA.
 #[cfg(feature = "cuda")]
-fn cuda_client<R: Runtime>(
+pub(crate) fn cuda_client<R: Runtime>(
     client: &ComputeClient<R>,
 ) -> Option<&ComputeClient<cubecl::cuda::CudaRuntime>> {
     (client as &dyn core::any::Any).downcast_ref()

@@ -103,6 +103,16 @@ __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");
 }
 
+// ---- shared-memory fragments ------------------------------------------------------------------
+
+// Four 8 × 8 matrices of 16-bit elements from shared memory: lanes 8q … 8q + 7 give the row
+// addresses (16 bytes each) of matrix q; register q of a lane holds elements 2(lane % 4) and
+// 2(lane % 4) + 1 of row lane / 4 of matrix q.
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
 // ---- register reallocation -------------------------------------------------------------------
 
 template <u32 N> __device__ __forceinline__ void regs_release() {

@@ -6,7 +6,8 @@ use cubecl::{CubeCount, CubeDim, prelude::*};
 use super::options::{
     SmmBackwardPath, SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use super::plan::{check_dtype, plan_softmax_matmul, plan_softmax_matmul_backward, row_vector};
+use super::options::SmmForwardKernel;
+use super::plan::{check_dtype, plan_softmax_matmul_backward, plan_softmax_matmul_for, row_vector};
 use crate::flash::backward::{Schedule, launch_backward};
 use crate::flash::forward::launch_forward;
 use crate::flash::{BackwardOperands, FlashTensors, Operand, Scalars};
@@ -106,10 +107,43 @@ pub fn launch_softmax_matmul<R: Runtime>(
         ],
         dtype,
     );
-    let plan = plan_softmax_matmul(client, dims, dtype, vector, options)?;
+    // What the Hopper kernel's TMA maps need beyond the vector: 16-byte starts, and rows read
+    // at a nonzero stride (a batch read at stride 0 is read as one batch).
+    let strided_rows = |t: &TensorRef<'_>| t.shape[1] <= 1 || t.strides[1] != 0;
+    let tma = crate::attention::starts_aligned(&[&x, &v, &out])
+        && strided_rows(&x)
+        && strided_rows(&v);
+    let plan = plan_softmax_matmul_for(client, dims, dtype, vector, tma, options)?;
     if dims.batch * dims.d1 * dims.d3 == 0 {
         return Ok(plan);
     }
+    if plan.kernel == SmmForwardKernel::Hopper {
+        #[cfg(feature = "cuda")]
+        if let Some(cuda) = crate::attention::cuda_client(client) {
+            // SAFETY: `dims_of` checked the shapes, which describe the buffers; the plan took
+            // the Hopper kernel, so `hopper_unavailable` found nothing against this call (TMA
+            // layout, non-empty tensors, grid limits).
+            unsafe {
+                crate::flash::forward::hopper::launch_given(
+                    cuda,
+                    &x,
+                    &v,
+                    &out,
+                    &lse,
+                    dtype,
+                    plan.config,
+                    plan.units,
+                    plan.cubes,
+                );
+            }
+            return Ok(plan);
+        }
+        unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+    }
+    let flash_kernel = plan
+        .kernel
+        .flash()
+        .expect("every kernel but Hopper's is a flash loop");
     let shared_v = v.shape[0] == 1 && dims.batch > 1;
     let units = CubeDim::new_1d(plan.units);
     // The flash kernels see 4-D tensors with one head: X `[batch, 1, d1, d2]` as the given
@@ -142,7 +176,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
     unsafe {
         launch_forward(
             client,
-            plan.kernel.flash(),
+            flash_kernel,
             count,
             units,
             plan.vector,

@@ -9,8 +9,10 @@
 //! matches on it once. The forward is the flash loop of [`crate::flash`] with **given scores**
 //! ([`crate::flash::ScoreSource::Given`]) — the loop attention runs with scores computed as `Q·Kᵀ` — on two
 //! inner-product paths ([`SmmPath`]):
-//! - matrix units (`mma` m16n8k16, f32 accumulators), f16/bf16 on CUDA with 16-byte aligned
-//!   rows: [`crate::flash::forward::mma`];
+//! - matrix units (f32 accumulators), f16/bf16 on CUDA with 16-byte aligned rows: on Hopper
+//!   GPUs (sm_90) the hand-written attention forward of [`crate::flash::forward::hopper`] with
+//!   given scores (TMA, `wgmma`; starts on 16 bytes too), elsewhere `mma` m16n8k16
+//!   ([`crate::flash::forward::mma`]);
 //! - plain units, every runtime and float type, f32 arithmetic: [`crate::flash::forward::tiled`]
 //!   (register-tiled, 128 × 128 outputs per cube) where 256 units and its shared memory fit
 //!   and the output is at least 65 × 65, else [`crate::flash::forward::units`].
@@ -35,6 +37,7 @@ pub use options::{
     SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
 pub use plan::{
-    P_BUFFER_MAX_D2, check_dtype, contiguous_row_vector, mma_dx_rows, mma_p_buffer,
-    plan_softmax_matmul, plan_softmax_matmul_backward, row_vector,
+    P_BUFFER_MAX_D2, check_dtype, contiguous_row_vector, hopper_unavailable, mma_dx_rows,
+    mma_p_buffer, plan_softmax_matmul, plan_softmax_matmul_backward, plan_softmax_matmul_for,
+    row_vector,
 };

@@ -41,6 +41,11 @@ pub enum SmmForwardKernel {
     /// (cubecl's `cmma`), the matrix-unit path where the device offers them and has no manual
     /// `mma` (Vulkan through SPIR-V, Metal); at most 64 rows per cube.
     CooperativeMatrix,
+    /// [`crate::flash::forward::hopper`] with given scores: f16/bf16 on Hopper GPUs (sm_90,
+    /// CUDA builds) with TMA and `wgmma`, 128 rows × 128 columns of `X` per step, 64 or 128
+    /// output columns per block (16-byte aligned rows and starts; what else it needs:
+    /// [`super::plan::hopper_unavailable`]).
+    Hopper,
 }
 
 impl SmmForwardKernel {
@@ -48,17 +53,18 @@ impl SmmForwardKernel {
     pub fn path(self) -> SmmPath {
         match self {
             Self::Units | Self::Tiled => SmmPath::Units,
-            Self::MatrixUnits | Self::CooperativeMatrix => SmmPath::MatrixUnits,
+            Self::MatrixUnits | Self::CooperativeMatrix | Self::Hopper => SmmPath::MatrixUnits,
         }
     }
 
-    /// The flash kernel that runs this one.
-    pub fn flash(self) -> crate::flash::FlashKernel {
+    /// The `#[cube]` flash kernel that runs this one (`None`: the hand-written Hopper kernel).
+    pub fn flash(self) -> Option<crate::flash::FlashKernel> {
         match self {
-            Self::Units => crate::flash::FlashKernel::Units,
-            Self::Tiled => crate::flash::FlashKernel::Tiled,
-            Self::MatrixUnits => crate::flash::FlashKernel::MatrixUnits,
-            Self::CooperativeMatrix => crate::flash::FlashKernel::CooperativeMatrix,
+            Self::Units => Some(crate::flash::FlashKernel::Units),
+            Self::Tiled => Some(crate::flash::FlashKernel::Tiled),
+            Self::MatrixUnits => Some(crate::flash::FlashKernel::MatrixUnits),
+            Self::CooperativeMatrix => Some(crate::flash::FlashKernel::CooperativeMatrix),
+            Self::Hopper => None,
         }
     }
 }
@@ -71,6 +77,9 @@ pub struct SoftmaxMatmulOptions {
     pub blocks: Option<(usize, usize)>,
     /// Force an inner-product path (the default picks matrix units where they exist).
     pub path: Option<SmmPath>,
+    /// Force the Hopper kernel ([`SmmForwardKernel::Hopper`]) on (an error where it cannot run
+    /// this call) or off; the default takes it wherever it can run.
+    pub hopper: Option<bool>,
 }
 
 /// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.

@@ -9,7 +9,7 @@ use super::options::{
 };
 use crate::flash::backward::{cmma as backward_cmma, mma, units, units_given};
 use crate::flash::block::{fold_grid, fold_pairs};
-use crate::flash::forward::{self, tiled};
+use crate::flash::forward::{self, hopper, tiled};
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
 
@@ -124,10 +124,62 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
     tiled::fits(client, given(tiled::tile(0))) && dims.d1 > 64 && dims.d3 > 64
 }
 
+/// Why the Hopper forward ([`SmmForwardKernel::Hopper`]) cannot run a call of `dims` on
+/// `client`'s device (`None`: it can). `row_vector` is [`row_vector`] of `x`, `v` and the
+/// output; `tma` says that every buffer starts on 16 bytes and no dimension of `x`, `v` or the
+/// output but the batch is read at stride 0 (the TMA maps' needs).
+pub fn hopper_unavailable<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    row_vector: usize,
+    tma: bool,
+) -> Option<String> {
+    use cubecl::ir::{ElemType, FloatKind};
+    if let Some(off) = crate::attention::hopper_switched_off() {
+        return Some(off);
+    }
+    let reason = if !crate::attention::sm90(client) {
+        "the device is not a Hopper GPU (sm_90)"
+    } else if !matches!(
+        dtype,
+        StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
+    ) {
+        "the Hopper forward takes f16 and bf16"
+    } else if row_vector * dtype.size() != 16 || !tma {
+        "the Hopper forward reads rows through TMA: unit stride along the rows, row lengths and strides multiples of 16 bytes, buffers starting on 16 bytes"
+    } else if dims.batch * dims.d1 * dims.d2 * dims.d3 == 0 {
+        "the Hopper forward takes non-empty tensors"
+    } else if dims.batch > 65_535 || dims.d1.div_ceil(hopper::BLOCK_Q) > 65_535 {
+        "the Hopper forward launches one block row per 128 rows and batch: at most 65535 each"
+    } else if dims.d1 > i32::MAX as usize / 2 || dims.d2 > i32::MAX as usize / 2 {
+        "the Hopper forward indexes positions with 32-bit integers"
+    } else {
+        return None;
+    };
+    Some(reason.into())
+}
+
 /// The forward launch for `dims`, without launching. `row_vector` is [`row_vector`] of `x`, `v`
-/// and the output ([`contiguous_row_vector`] for contiguous tensors).
+/// and the output ([`contiguous_row_vector`] for contiguous tensors); the tensors are taken to
+/// be TMA-ready (see [`plan_softmax_matmul_for`]), as Burn's new tensors are.
+pub fn plan_softmax_matmul<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    row_vector: usize,
+    options: SoftmaxMatmulOptions,
+) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
+    plan_softmax_matmul_for(client, dims, dtype, row_vector, true, options)
+}
+
+/// The forward launch for `dims`, without launching. `row_vector` is [`row_vector`] of `x`, `v`
+/// and the output; `tma` is what [`hopper_unavailable`] takes.
 ///
 /// Heuristic, one kernel per call:
+/// - f16/bf16 on a Hopper GPU where [`hopper_unavailable`] finds nothing against the call, with
+///   neither blocks nor plain units forced and `options.hopper` not `Some(false)`:
+///   [`SmmForwardKernel::Hopper`] (`Some(true)` makes it an error not to);
 /// - f16/bf16 where the matrix units run the dtype on 16-byte aligned rows
 ///   ([`fragment::unavailable`]): [`SmmForwardKernel::MatrixUnits`];
 /// - f16/bf16 where the device has no manual `mma` but offers cooperative matrices
@@ -138,15 +190,57 @@ fn tiled_fits<R: Runtime>(client: &ComputeClient<R>, dims: SmmDims) -> bool {
 ///
 /// Blocks outside the tiled kernel: [`default_blocks`]; the output tile as wide as shared
 /// memory and `d3` allow (up to 128 columns), since each column tile re-reads `X`.
-pub fn plan_softmax_matmul<R: Runtime>(
+pub fn plan_softmax_matmul_for<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
     dtype: StorageType,
     row_vector: usize,
+    tma: bool,
     options: SoftmaxMatmulOptions,
 ) -> Result<SoftmaxMatmulPlan, SoftmaxMatmulError> {
     check_dtype(client, dtype)?;
     let hw = &client.properties().hardware;
+    let hopper_reason = hopper_unavailable(client, dims, dtype, row_vector, tma);
+    let hopper = match options.hopper {
+        Some(true) => {
+            let reason = if options.blocks.is_some() {
+                Some("the Hopper kernel takes no forced blocks".to_string())
+            } else if options.path == Some(SmmPath::Units) {
+                Some("the Hopper kernel runs on the matrix units, not plain units".to_string())
+            } else {
+                hopper_reason
+            };
+            if let Some(reason) = reason {
+                return Err(SoftmaxMatmulError::PathUnavailable {
+                    path: SmmPath::MatrixUnits,
+                    reason,
+                });
+            }
+            true
+        }
+        Some(false) => false,
+        None => {
+            options.blocks.is_none()
+                && options.path != Some(SmmPath::Units)
+                && hopper_reason.is_none()
+        }
+    };
+    if hopper {
+        let config = given(hopper::given_tile(dims.d3));
+        let cubes = (
+            dims.d3.div_ceil(config.value_dim as usize),
+            dims.d1.div_ceil(hopper::BLOCK_Q),
+            dims.batch,
+        );
+        return Ok(SoftmaxMatmulPlan {
+            kernel: SmmForwardKernel::Hopper,
+            config,
+            vector: row_vector,
+            units: hopper::UNITS,
+            cubes: check_cubes(client, cubes)?,
+            matrix_units: None,
+        });
+    }
     let max_shared = hw.max_shared_memory_size;
     // The flash loop on the matrix units reads 16-byte vectors of `X` and copies `V`
     // asynchronously; forced steps must be whole chunks of its loads.

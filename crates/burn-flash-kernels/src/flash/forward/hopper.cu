@@ -24,6 +24,14 @@
 // hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
 // the keep decisions of dropout.rs (Threefry-2×32-20 keyed by the seed and (batch, head),
 // counter (key, query position)).
+//
+// GIVEN (1) is softmax(X)·V, the given-score case: X `[batch, d1, d2]` takes the place of the
+// scores, so there is no Q and no Q·Kᵀ. The slots that hold K hold a 128-row × 128-column tile
+// of X instead (HEAD_DIM is 128: two atoms), which each consumer reads into the accumulator
+// layout of S with `ldmatrix` (load_scores) while its previous P·V runs; V `[batch or 1, d2,
+// d3]` is read VALUE_DIM columns at a time: block (t, m, b) computes rows 128m … 128m + 127 and
+// columns VALUE_DIM·t … of the output of batch b, and only t = 0 writes the log-sum-exp. The
+// score rules are all off and the scale is 1.
 
 #define PINGPONG 1
 #define BLOCK_M 128
@@ -32,7 +40,11 @@
 #define D_ATOMS (HEAD_DIM / 64)
 #define V_ATOMS (VALUE_DIM / 64)
 #define ATOM_BYTES (128 * 128)
+#if GIVEN
+#define Q_BYTES 0
+#else
 #define Q_BYTES (D_ATOMS * ATOM_BYTES)
+#endif
 #define K_BYTES (D_ATOMS * ATOM_BYTES)
 #define V_BYTES (V_ATOMS * ATOM_BYTES)
 #define S_REGS (BLOCK_N / 2)
@@ -58,6 +70,7 @@ struct FwdParams {
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
     u32 seed_lo, seed_hi, threshold; // dropout
     float inv_keep;                  // dropout: 1 / (1 − p)
+    u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
 };
 
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
@@ -95,6 +108,31 @@ __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[BLO
         WGMMA_PV(o, pa[kk], db, 1u);
     }
 }
+
+#if GIVEN
+// The given scores of consumer `c`'s 64 rows of the X tile at `sx` (128 rows × 128 columns as
+// the TMA wrote them: two atoms, 128-byte swizzled) in the accumulator layout of S: per 16
+// columns one `ldmatrix` of four 8 × 8 matrices (rows 0–7 and 8–15 of the warp's 16, columns
+// 0–7 and 8–15), which are registers 8kk … 8kk + 7 of S in that order. The 8 rows a phase
+// reads lie in 8 different 16-byte columns of the swizzle: no bank conflicts.
+__device__ __forceinline__ void load_scores(float (&sc)[S_REGS], u32 sx, u32 c, u32 warp,
+                                            u32 lane) {
+    const u32 quad = lane / 8u;
+    const u32 row = c * 64u + warp * 16u + (quad % 2u) * 8u + lane % 8u;
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const u32 col = 16u * kk + (quad / 2u) * 8u;
+        const u32 chunk = (col % 64u) / 8u;
+        u32 r[4];
+        ldmatrix_x4(r, sx + (col / 64u) * ATOM_BYTES + row * 128u + ((chunk ^ (row % 8u)) << 4));
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            sc[8 * kk + 2 * m] = elem_to_f32((unsigned short)(r[m] & 0xffffu));
+            sc[8 * kk + 2 * m + 1] = elem_to_f32((unsigned short)(r[m] >> 16));
+        }
+    }
+}
+#endif
 
 // What the score rules of a thread's two rows need: positions, scalars, and the mask and bias
 // of its (batch, head), whose dimensions of size 1 have stride 0.
@@ -273,9 +311,16 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #define V_EMPTY(s) (bars + 8u + 24u * STAGES + 8u * (s))
 
     const u32 tid = threadIdx.x;
+#if GIVEN
+    // Column tiles of one row block are adjacent blocks: they read the same X through L2.
+    const u32 m_block = blockIdx.y, head = 0u, batch = blockIdx.z;
+    const u32 col0 = blockIdx.x * VALUE_DIM;
+#else
     // Causal blocks run the longest rows first.
     const u32 m_block = CAUSAL ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
     const u32 head = blockIdx.y, batch = blockIdx.z;
+    const u32 col0 = 0u;
+#endif
     const u32 head_kv = head / p.group;
     const int m0 = (int)(m_block * BLOCK_M);
     // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
@@ -308,14 +353,19 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         // ---- producer ----
         regs_release<24>();
         if (tid == 0 && n_blocks > 0) {
-            tma_prefetch_map(&tq);
             tma_prefetch_map(&tk);
             tma_prefetch_map(&tv);
+#if GIVEN
+            const u32 k_batch = batch * p.x_batch, v_batch = batch * p.v_batch;
+#else
+            const u32 k_batch = batch, v_batch = batch;
+            tma_prefetch_map(&tq);
             mbar_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
             for (int a = 0; a < D_ATOMS; ++a) {
                 tma_load_4d(sq + a * ATOM_BYTES, &tq, q_full, 64 * a, m0, head, batch);
             }
+#endif
             for (int j = 0; j < n_blocks; ++j) {
                 const u32 s = j % STAGES;
                 const u32 use = j / STAGES;
@@ -323,15 +373,21 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 mbar_arrive_expect_tx(K_FULL(s), K_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
+#if GIVEN
+                    // X rows m0 …, columns of block j.
+                    tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s),
+                                j * BLOCK_N + 64 * a, m0, 0, k_batch);
+#else
                     tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s), 64 * a,
-                                j * BLOCK_N, head_kv, batch);
+                                j * BLOCK_N, head_kv, k_batch);
+#endif
                 }
                 if (j >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
                 mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
 #pragma unroll
                 for (int a = 0; a < V_ATOMS; ++a) {
-                    tma_load_4d(sv + s * V_BYTES + a * ATOM_BYTES, &tv, V_FULL(s), 64 * a,
-                                j * BLOCK_N, head_kv, batch);
+                    tma_load_4d(sv + s * V_BYTES + a * ATOM_BYTES, &tv, V_FULL(s),
+                                (int)col0 + 64 * a, j * BLOCK_N, head_kv, v_batch);
                 }
             }
         }
@@ -385,6 +441,34 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     if (c == 1) named_arrive(1, 256);
 #endif
     if (n_blocks > 0) {
+#if GIVEN
+        // Block 0's scores and weights; then per block j, O += P·V of block j − 1 is issued
+        // and block j's scores are read and turned into weights while it runs.
+        mbar_wait(K_FULL(0), 0);
+        load_scores(sc, sk, c, warp, lane);
+        release(K_EMPTY(0), lane);
+        online_softmax(sc, m_r, l_r, corr, rows, 0);
+        pack_weights(pa, sc);
+        for (int j = 1; j < n_blocks; ++j) {
+            const u32 s = j % STAGES, phase = (j / STAGES) & 1;
+            const u32 sp = (j - 1) % STAGES, phase_p = ((j - 1) / STAGES) & 1;
+            mbar_wait(V_FULL(sp), phase_p);
+            turn_begin(c);
+            wgmma_fence();
+            issue_pv(o, pa, sv + sp * V_BYTES);
+            wgmma_commit();
+            turn_end(c);
+            mbar_wait(K_FULL(s), phase);
+            load_scores(sc, sk + s * K_BYTES, c, warp, lane);
+            release(K_EMPTY(s), lane);
+            online_softmax(sc, m_r, l_r, corr, rows, j);
+            wgmma_wait<0>();
+            wgmma_hold(o);
+            release(V_EMPTY(sp), lane);
+            rescale(o, corr);
+            pack_weights(pa, sc);
+        }
+#else
         mbar_wait(q_full, 0);
         // Block 0: S = Q·K₀ᵀ, then its weights.
         mbar_wait(K_FULL(0), 0);
@@ -423,6 +507,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             rescale(o, corr);
             pack_weights(pa, sc);
         }
+#endif
         // The last block's O += P·V.
         const u32 sl = (n_blocks - 1) % STAGES, phase_l = ((n_blocks - 1) / STAGES) & 1;
         mbar_wait(V_FULL(sl), phase_l);
@@ -457,16 +542,16 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             const float total = l;
 #endif
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            unsigned short* dst = out + out_base + (u64)row * p.out_stride_s;
+            unsigned short* dst = out + out_base + (u64)row * p.out_stride_s + col0;
 #pragma unroll
             for (int i = 0; i < O_REGS / 4; ++i) {
                 const u32 col = 8u * i + 2u * (lane % 4u);
-                if (col < p.value_dim) {
+                if (col0 + col < p.value_dim) {
                     *reinterpret_cast<u32*>(dst + col) =
                         pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
                 }
             }
-            if (lane % 4u == 0u) {
+            if (lane % 4u == 0u && col0 == 0u) {
                 float row_lse = l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
 #if QUIET
                 // ln(1 + Σ e^s) = softplus(lse), without overflow.

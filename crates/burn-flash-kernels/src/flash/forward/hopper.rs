@@ -9,6 +9,10 @@
 //! × `Dv` (64, 128) × the score rules (causal, softcap, mask, fill score, bias, quiet,
 //! dropout), each compiled on first use. What it does not take (head dims over 128, rows not
 //! 16-byte aligned) is named by [`unavailable`]; the plan then runs the `mma.sync` kernel.
+//!
+//! The same source with given scores (`GIVEN`) is `softmax(X)·V`'s forward on Hopper
+//! ([`launch_given`]): tiles of `X` take the place of `K` in the slots and are read into the
+//! registers of `S` with `ldmatrix`, `V` is read [`given_tile`]`.value_dim` columns per block.
 
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime;
@@ -19,7 +23,7 @@ use crate::attention::{AttentionDims, AttentionFeatures};
 use crate::attention::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
-use crate::flash::{FlashConfig, Tile};
+use crate::flash::{FlashConfig, ScoreSource, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
@@ -74,6 +78,8 @@ pub struct Variant {
     pub quiet: bool,
     /// Dropout on the weights.
     pub dropout: bool,
+    /// Given scores (`softmax(X)·V`): no `Q`, tiles of `X` in the `K` slots.
+    pub given: bool,
 }
 
 impl Variant {
@@ -91,6 +97,7 @@ impl Variant {
             bias: rules.bias,
             quiet: rules.quiet,
             dropout: rules.dropout,
+            given: config.source == ScoreSource::Given,
         }
     }
 
@@ -106,6 +113,7 @@ impl Variant {
             ("BIAS", self.bias),
             ("QUIET", self.quiet),
             ("DROPOUT", self.dropout),
+            ("GIVEN", self.given),
         ];
         let mut text = format!(
             "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
@@ -132,6 +140,7 @@ impl Variant {
             | u64::from(self.bias) << 28
             | u64::from(self.quiet) << 29
             | u64::from(self.dropout) << 30
+            | u64::from(self.given) << 31
     }
 }
 
@@ -147,20 +156,40 @@ pub fn tile(dims: AttentionDims) -> Tile {
     }
 }
 
+/// The tile of `softmax(X)·V` with `d3` output columns: [`BLOCK_Q`] rows of `X`, [`BLOCK_K`]
+/// columns of `X` per step (two swizzle atoms: `head_dim` 128, the bytes of a `K` slot), and 64
+/// output columns per block where `d3` ≤ 64, else 128 (column tiles of one row block run as
+/// adjacent blocks and share their `X` through L2).
+pub fn given_tile(d3: usize) -> Tile {
+    Tile {
+        block_q: BLOCK_Q as u32,
+        row_tiles: 2,
+        block_k: BLOCK_K as u32,
+        head_dim: BLOCK_K as u32,
+        value_dim: rounded(d3),
+    }
+}
+
 /// A head dim rounded up to the 64-column swizzle atoms: 64 or 128.
 fn rounded(dim: usize) -> u32 {
     if dim <= 64 { 64 } else { 128 }
 }
 
-/// Dynamic shared memory for `config`'s head dims: `Q`, [`STAGES`] slots of `K` and `V` (128
-/// rows × 128 bytes per 64 columns), the barriers, and 1 KiB to align the swizzle atoms.
+/// Dynamic shared memory for `config`'s head dims: `Q` (none with given scores), [`STAGES`]
+/// slots of `K` (or `X`) and `V` (128 rows × 128 bytes per 64 columns), the barriers, and 1 KiB
+/// to align the swizzle atoms.
 pub fn shared_bytes(config: FlashConfig) -> usize {
     let atom = BLOCK_K * 128;
     let (d, dv) = (
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
     );
-    1024 + atom * (d + STAGES * (d + dv)) + 128
+    let q = if config.source == ScoreSource::Given {
+        0
+    } else {
+        d
+    };
+    1024 + atom * (q + STAGES * (d + dv)) + 128
 }
 
 /// How the plan uses the Hopper forward, from the environment variable `BURN_FLASH_HOPPER`
@@ -227,6 +256,53 @@ pub fn unavailable(
     Some(reason.into())
 }
 
+/// The kernel of `variant` with `units` threads and `shared_bytes` of shared memory, with the
+/// active mutations (`--features mutants`) applied to its source.
+#[cfg(feature = "cuda")]
+fn hand_written(
+    client: &ComputeClient<CudaRuntime>,
+    variant: Variant,
+    units: u32,
+    shared_bytes: usize,
+) -> HandWritten {
+    let (source, hash) = crate::hopper::mutated(
+        SOURCE,
+        SOURCE_HASH,
+        &[
+            (
+                crate::mutation::no_rescale(),
+                "corr[r] = ex2(m_r[r] - shift[r]);",
+                "corr[r] = 1.0f;",
+            ),
+            (
+                crate::mutation::causal_top_left(),
+                "const int diag = (int)p.seq_k - (int)p.seq_q;",
+                "const int diag = 0;",
+            ),
+            (
+                crate::mutation::quiet_off(),
+                "const float total = l + ex2(-m_r[r]);",
+                "const float total = l;",
+            ),
+            (
+                crate::mutation::hopper_no_wait(),
+                "if (j >= STAGES) mbar_wait(",
+                "if (false) mbar_wait(",
+            ),
+        ],
+    );
+    HandWritten::new_hashed(
+        client,
+        source,
+        hash,
+        ENTRY,
+        CubeDim::new_1d(units),
+        shared_bytes,
+        variant.key(),
+    )
+    .with_defines(variant.defines())
+}
+
 /// A mask or bias as the Hopper forward reads it: the buffer, and its strides over
 /// `[B, Hq, Sq, Sk]` with 0 along broadcast dimensions.
 #[cfg(feature = "cuda")]
@@ -258,42 +334,7 @@ pub unsafe fn launch(
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let variant = Variant::new(plan.config, bf16);
-    let (source, hash) = crate::hopper::mutated(
-        SOURCE,
-        SOURCE_HASH,
-        &[
-            (
-                crate::mutation::no_rescale(),
-                "corr[r] = ex2(m_r[r] - shift[r]);",
-                "corr[r] = 1.0f;",
-            ),
-            (
-                crate::mutation::causal_top_left(),
-                "const int diag = (int)p.seq_k - (int)p.seq_q;",
-                "const int diag = 0;",
-            ),
-            (
-                crate::mutation::quiet_off(),
-                "const float total = l + ex2(-m_r[r]);",
-                "const float total = l;",
-            ),
-            (
-                crate::mutation::hopper_no_wait(),
-                "if (j >= STAGES) mbar_wait(",
-                "if (false) mbar_wait(",
-            ),
-        ],
-    );
-    let kernel = HandWritten::new_hashed(
-        client,
-        source,
-        hash,
-        ENTRY,
-        CubeDim::new_1d(plan.units),
-        plan.shared_bytes,
-        variant.key(),
-    )
-    .with_defines(variant.defines());
+    let kernel = hand_written(client, variant, plan.units, plan.shared_bytes);
     let log2e = core::f32::consts::LOG2_E;
     let cap = options.softcap.unwrap_or(1.0);
     let mut params = vec![
@@ -325,6 +366,8 @@ pub unsafe fn launch(
     let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
     params.push(words(dropout.seed_lo, dropout.seed_hi));
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
+    // The batch words of given scores, not read.
+    params.push(0);
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
@@ -345,6 +388,107 @@ pub unsafe fn launch(
                 lse.handle.clone().binding(),
                 mask_handle.binding(),
                 bias_handle.binding(),
+            ],
+            params,
+        );
+    }
+}
+
+/// A 3-D tensor `[batch, rows, cols]` as the 4-D `[batch, 1, rows, cols]` its TMA map reads,
+/// and whether its batch is read (`false`: one batch for all, a batch of 1 or stride 0, read at
+/// batch coordinate 0). Dimensions of size 1 get the stride of a contiguous layout, which the
+/// map encoder accepts whatever the caller's stride was.
+#[cfg(feature = "cuda")]
+fn tma_view(t: &TensorRef<'_>) -> ([usize; 4], [usize; 4], bool) {
+    let (rows, cols) = (t.shape[1], t.shape[2]);
+    let row_stride = if rows > 1 { t.strides[1] } else { cols };
+    let plane = rows * row_stride;
+    let batched = t.shape[0] > 1 && t.strides[0] != 0;
+    let batch_stride = if batched { t.strides[0] } else { plane };
+    (
+        [if batched { t.shape[0] } else { 1 }, 1, rows, cols],
+        [batch_stride, plane, row_stride, 1],
+        batched,
+    )
+}
+
+/// Launches `softmax(X)·V` on `client`: `out` (`[batch, d1, d3]`) and `lse` (`[batch, d1]`,
+/// f32) of `x` (`[batch or 1, d1, d2]`) and `v` (`[batch or 1, d2, d3]`), as the plan says:
+/// `config` (from [`given_tile`]) picks the [`Variant`], `units` and `cubes` (output column
+/// tiles, row blocks, batch) make the launch. The caller checked the shapes, that `d1`, `d2`,
+/// `d3` are not 0, and what `crate::softmax_matmul::hopper_unavailable` checks: rows and row
+/// strides of 16 bytes, starts on 16 bytes, nonzero row strides.
+///
+/// # Safety
+/// The shapes and strides describe the buffers.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_given(
+    client: &ComputeClient<CudaRuntime>,
+    x: &TensorRef<'_>,
+    v: &TensorRef<'_>,
+    out: &TensorRef<'_>,
+    lse: &TensorRef<'_>,
+    dtype: StorageType,
+    config: FlashConfig,
+    units: u32,
+    cubes: (usize, usize, usize),
+) {
+    use cubecl::ir::{ElemType, FloatKind};
+    let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let variant = Variant::new(config, bf16);
+    let kernel = hand_written(client, variant, units, shared_bytes(config));
+    let (d1, d2, d3) = (x.shape[1], x.shape[2], v.shape[2]);
+    let log2e = core::f32::consts::LOG2_E;
+    let (x_shape, x_strides, x_batched) = tma_view(x);
+    let (v_shape, v_strides, v_batched) = tma_view(v);
+    let x4 = TensorRef {
+        handle: x.handle,
+        shape: &x_shape,
+        strides: &x_strides,
+    };
+    let v4 = TensorRef {
+        handle: v.handle,
+        shape: &v_shape,
+        strides: &v_strides,
+    };
+    let mut params = vec![
+        out.strides[0] as u64,
+        0,
+        out.strides[1] as u64,
+        lse.strides[0] as u64,
+        0,
+        lse.strides[1] as u64,
+        words(d1 as u32, d2 as u32),
+        words(1, d3 as u32),
+        // Scale 1; the softcap and fill words are not read.
+        words(log2e.to_bits(), 1f32.to_bits()),
+        words(log2e.to_bits(), 0),
+    ];
+    // No mask, bias or dropout: zero strides and words.
+    params.extend([0; 8 + 2]);
+    params.push(words(u32::from(x_batched), u32::from(v_batched)));
+    let (cx, cy, cz) = cubes;
+    let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
+    // The `Q` map is not read with given scores: `X`'s stands in.
+    let maps = vec![
+        tensor_map(&x4, dtype, BLOCK_Q),
+        tensor_map(&x4, dtype, BLOCK_Q),
+        tensor_map(&v4, dtype, BLOCK_K),
+    ];
+    // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
+    // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
+    // below `d1` of `out[b]` and `lse[b]` (`lse` only for t = 0), columns `VALUE_DIM`·t .. below
+    // `d3`, through the strides given. The mask and bias stand-ins (`out`) are never read.
+    unsafe {
+        kernel.launch_with_maps(
+            count,
+            maps,
+            vec![
+                out.handle.clone().binding(),
+                lse.handle.clone().binding(),
+                out.handle.clone().binding(),
+                out.handle.clone().binding(),
             ],
             params,
         );
