@@ -302,12 +302,13 @@ fn aligned_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let x = rand3::<B>([2, 40, 264], 50.0, dtype, device);
     let v = rand3::<B>([1, 264, 40], 1.0, dtype, device);
     check_forward(x, v, opts, dtype, "aligned, ±50, shared v");
-    // Increasing ramp + noise over four 128-column steps: every step raises the row maximum.
+    // Increasing ramp + noise over four 128-column steps: every step raises the row maximum
+    // (`d3` 96: the Hopper kernel's 128-column tile, where the others take 64 or 256).
     let d2 = 392;
     let ramp: Vec<f32> = (0..d2).map(|j| 0.3 * j as f32).collect();
     let ramp = tensor::<B, 3>(ramp, [1, 1, d2], dtype, device);
     let x = rand3::<B>([1, 20, d2], 2.0, dtype, device) + ramp;
-    let v = rand3::<B>([1, d2, 16], 1.0, dtype, device);
+    let v = rand3::<B>([1, d2, 96], 1.0, dtype, device);
     check_forward(x, v, opts, dtype, "aligned, maximum in the last step");
     for b1 in BLOCK_SIZES {
         for b2 in BLOCK_SIZES {
@@ -527,7 +528,11 @@ fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     match plan {
         Ok(plan) => {
             assert_eq!(plan.kernel, SmmForwardKernel::Hopper);
-            assert_ne!(dtype, FloatDType::F32, "the Hopper kernel takes 16-bit types");
+            assert_ne!(
+                dtype,
+                FloatDType::F32,
+                "the Hopper kernel takes 16-bit types"
+            );
             let x = rand3::<B>([2, 130, 264], 8.0, dtype, device);
             let v = rand3::<B>([2, 264, 136], 1.0, dtype, device);
             check_forward(x, v, on, dtype, "Hopper forced");
@@ -1093,9 +1098,7 @@ mod cuda {
     fn forward_kernels_take_the_matrix_units() {
         use burn_cubecl::cubecl::{Runtime, cuda::CudaRuntime};
         use burn_flash::kernels::flash::forward::hopper::{Use, usage};
-        use burn_flash::kernels::softmax_matmul::{
-            contiguous_row_vector, plan_softmax_matmul_for,
-        };
+        use burn_flash::kernels::softmax_matmul::{contiguous_row_vector, plan_softmax_matmul_for};
         let device = Default::default();
         let client = CudaRuntime::client(&device);
         let hopper = burn_flash::kernels::hopper::sm90(&client) && usage() != Use::Off;

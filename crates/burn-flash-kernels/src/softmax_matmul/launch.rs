@@ -3,10 +3,10 @@
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
+use super::options::SmmForwardKernel;
 use super::options::{
     SmmBackwardPath, SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use super::options::SmmForwardKernel;
 use super::plan::{check_dtype, plan_softmax_matmul_backward, plan_softmax_matmul_for, row_vector};
 use crate::flash::backward::{Schedule, launch_backward};
 use crate::flash::forward::launch_forward;
@@ -110,9 +110,8 @@ pub fn launch_softmax_matmul<R: Runtime>(
     // What the Hopper kernel's TMA maps need beyond the vector: 16-byte starts, and rows read
     // at a nonzero stride (a batch read at stride 0 is read as one batch).
     let strided_rows = |t: &TensorRef<'_>| t.shape[1] <= 1 || t.strides[1] != 0;
-    let tma = crate::attention::starts_aligned(&[&x, &v, &out])
-        && strided_rows(&x)
-        && strided_rows(&v);
+    let tma =
+        crate::attention::starts_aligned(&[&x, &v, &out]) && strided_rows(&x) && strided_rows(&v);
     let plan = plan_softmax_matmul_for(client, dims, dtype, vector, tma, options)?;
     if dims.batch * dims.d1 * dims.d3 == 0 {
         return Ok(plan);

@@ -16,9 +16,10 @@
 // Tiles are stored as the TMA writes them with 128-byte swizzling: 64-column atoms of 128 rows ×
 // 128 bytes, so D = 128 is two atoms, and D ≤ 64 one.
 //
-// The host prepends: WG_ELEM ("f16" | "bf16") and ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128,
-// the head dims rounded up; the columns past the real ones are read as zeros and never
-// written), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
+// The host prepends: WG_ELEM ("f16" | "bf16") and ELEM_BF16, BLOCK_N (keys per step: 128, or 64
+// with given scores and VALUE_DIM 256), HEAD_DIM and VALUE_DIM (64 | 128, the head dims rounded
+// up; the columns past the real ones are read as zeros and never written; with given scores
+// HEAD_DIM is BLOCK_N, the columns of X per step, and VALUE_DIM may be 256), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
 // BIAS, QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale, softcap,
 // bias, then a masked key hidden or given the fill score, then causal and keys past the end
 // hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
@@ -26,35 +27,33 @@
 // counter (key, query position)).
 //
 // GIVEN (1) is softmax(X)·V, the given-score case: X `[batch, d1, d2]` takes the place of the
-// scores, so there is no Q and no Q·Kᵀ. The slots that hold K hold a 128-row × 128-column tile
-// of X instead (HEAD_DIM is 128: two atoms), which each consumer reads into the accumulator
-// layout of S with `ldmatrix` (load_scores) while its previous P·V runs; V `[batch or 1, d2,
-// d3]` is read VALUE_DIM columns at a time: block (t, m, b) computes rows 128m … 128m + 127 and
-// columns VALUE_DIM·t … of the output of batch b, and only t = 0 writes the log-sum-exp. The
-// score rules are all off and the scale is 1.
+// scores, so there is no Q and no Q·Kᵀ. The slots that hold K hold a 128-row × BLOCK_N-column
+// tile of X instead (HEAD_DIM = BLOCK_N), which each consumer reads into the accumulator layout
+// of S with `ldmatrix` (load_scores) while its previous P·V runs; V `[batch or 1, d2, d3]` is
+// read VALUE_DIM columns at a time: block (t, m, b) computes rows 128m … 128m + 127 and columns
+// VALUE_DIM·t … of the output of batch b, and only t = 0 writes the log-sum-exp. Each column
+// tile computes the weights again, one `exp` per score for 2·VALUE_DIM products: VALUE_DIM 256
+// (64 keys per step, so that O's 128 registers fit) halves that work against 128. The score
+// rules are all off and the scale is 1.
 
 #define PINGPONG 1
 #define BLOCK_M 128
-#define BLOCK_N 128
 #define STAGES 2
 #define D_ATOMS (HEAD_DIM / 64)
 #define V_ATOMS (VALUE_DIM / 64)
-#define ATOM_BYTES (128 * 128)
+#define ATOM_BYTES (BLOCK_M * 128)
+#define KV_ATOM (BLOCK_N * 128)
 #if GIVEN
 #define Q_BYTES 0
+#define K_BYTES (D_ATOMS * ATOM_BYTES)
 #else
 #define Q_BYTES (D_ATOMS * ATOM_BYTES)
+#define K_BYTES (D_ATOMS * KV_ATOM)
 #endif
-#define K_BYTES (D_ATOMS * ATOM_BYTES)
-#define V_BYTES (V_ATOMS * ATOM_BYTES)
+#define V_BYTES (V_ATOMS * KV_ATOM)
 #define S_REGS (BLOCK_N / 2)
 #define O_REGS (VALUE_DIM / 2)
 
-#if VALUE_DIM == 128
-#define WGMMA_PV wgmma_rs_n128_tb
-#else
-#define WGMMA_PV wgmma_rs_n64_tb
-#endif
 
 // The scalars, in the order of the host's words (hopper.rs, `params`).
 struct FwdParams {
@@ -86,6 +85,7 @@ __device__ __forceinline__ void turn_end(u32 c) {
 #endif
 }
 
+#if !GIVEN
 // S = Q·Kᵀ for consumer `c`'s 64 rows and the slot's 128 keys: HEAD_DIM / 16 steps of k16, each
 // 32 bytes further into a 128-byte swizzled row (a new atom every 64 columns).
 __device__ __forceinline__ void issue_qk(float (&sc)[S_REGS], u32 sq, u32 sk, u32 c) {
@@ -93,19 +93,32 @@ __device__ __forceinline__ void issue_qk(float (&sc)[S_REGS], u32 sq, u32 sk, u3
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 atom = kk / 4, within = (kk % 4) * 32;
         const u64 da = desc_sw128(sq + atom * ATOM_BYTES + c * 64u * 128u + within, 16, 1024);
-        const u64 db = desc_sw128(sk + atom * ATOM_BYTES + within, 16, 1024);
+        const u64 db = desc_sw128(sk + atom * KV_ATOM + within, 16, 1024);
         wgmma_ss_n128(sc, da, db, kk > 0 ? 1u : 0u);
     }
 }
+#endif
 
 // O += P·V: BLOCK_N / 16 steps of 16 keys (2048 bytes of the slot each), V read N-major with
-// 64-column atoms ATOM_BYTES apart.
+// 64-column atoms KV_ATOM apart. VALUE_DIM 256 is two products of 128 columns per step (atoms
+// 0–1 into O's registers 0–63, atoms 2–3 into 64–127: the accumulator layout of 256 columns)
+// sharing the A fragment.
 __device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[BLOCK_N / 16][4],
                                          u32 sv) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const u64 db = desc_sw128(sv + kk * 16u * 128u, ATOM_BYTES, 1024);
-        WGMMA_PV(o, pa[kk], db, 1u);
+        const u64 db = desc_sw128(sv + kk * 16u * 128u, KV_ATOM, 1024);
+#if VALUE_DIM == 256
+        float(&lo)[64] = *reinterpret_cast<float(*)[64]>(&o[0]);
+        float(&hi)[64] = *reinterpret_cast<float(*)[64]>(&o[64]);
+        wgmma_rs_n128_tb(lo, pa[kk], db, 1u);
+        wgmma_rs_n128_tb(hi, pa[kk], desc_sw128(sv + 2u * KV_ATOM + kk * 16u * 128u, KV_ATOM, 1024),
+                         1u);
+#elif VALUE_DIM == 128
+        wgmma_rs_n128_tb(o, pa[kk], db, 1u);
+#else
+        wgmma_rs_n64_tb(o, pa[kk], db, 1u);
+#endif
     }
 }
 
@@ -378,7 +391,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                     tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s),
                                 j * BLOCK_N + 64 * a, m0, 0, k_batch);
 #else
-                    tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s), 64 * a,
+                    tma_load_4d(sk + s * K_BYTES + a * KV_ATOM, &tk, K_FULL(s), 64 * a,
                                 j * BLOCK_N, head_kv, k_batch);
 #endif
                 }
@@ -386,7 +399,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
 #pragma unroll
                 for (int a = 0; a < V_ATOMS; ++a) {
-                    tma_load_4d(sv + s * V_BYTES + a * ATOM_BYTES, &tv, V_FULL(s),
+                    tma_load_4d(sv + s * V_BYTES + a * KV_ATOM, &tv, V_FULL(s),
                                 (int)col0 + 64 * a, j * BLOCK_N, head_kv, v_batch);
                 }
             }

@@ -60,9 +60,13 @@ const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 pub struct Variant {
     /// bf16 (else f16).
     pub bf16: bool,
-    /// `D` rounded up to 64 or 128.
+    /// Keys per step: [`BLOCK_K`], or 64 with given scores and `value_dim` 256.
+    pub block_k: u32,
+    /// `D` rounded up to 64 or 128 (with given scores: `block_k`, the columns of `X` per
+    /// step).
     pub head_dim: u32,
-    /// `Dv` rounded up to 64 or 128.
+    /// `Dv` rounded up to 64 or 128 (with given scores: the output columns per block, 64, 128
+    /// or 256).
     pub value_dim: u32,
     /// Bottom-right causal mask.
     pub causal: bool,
@@ -88,6 +92,7 @@ impl Variant {
         let rules = config.rules;
         Self {
             bf16,
+            block_k: config.block_k,
             head_dim: config.head_dim,
             value_dim: config.value_dim,
             causal: rules.causal,
@@ -116,8 +121,9 @@ impl Variant {
             ("GIVEN", self.given),
         ];
         let mut text = format!(
-            "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
+            "#define WG_ELEM \"{}\"\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
             if self.bf16 { "bf16" } else { "f16" },
+            self.block_k,
             self.head_dim,
             self.value_dim,
         );
@@ -141,6 +147,7 @@ impl Variant {
             | u64::from(self.quiet) << 29
             | u64::from(self.dropout) << 30
             | u64::from(self.given) << 31
+            | u64::from(self.block_k) << 32
     }
 }
 
@@ -156,17 +163,24 @@ pub fn tile(dims: AttentionDims) -> Tile {
     }
 }
 
-/// The tile of `softmax(X)·V` with `d3` output columns: [`BLOCK_Q`] rows of `X`, [`BLOCK_K`]
-/// columns of `X` per step (two swizzle atoms: `head_dim` 128, the bytes of a `K` slot), and 64
-/// output columns per block where `d3` ≤ 64, else 128 (column tiles of one row block run as
-/// adjacent blocks and share their `X` through L2).
+/// The tile of `softmax(X)·V` with `d3` output columns: [`BLOCK_Q`] rows of `X`; 64, 128 or
+/// 256 output columns per block for `d3` up to 64, 128 and above; [`BLOCK_K`] columns of `X`
+/// per step, 64 with 256 output columns (whose 128 accumulator registers per thread leave room
+/// for 64 columns of scores only). `head_dim` is the columns of `X` per step. Column tiles of
+/// one row block run as adjacent blocks and share their `X` through L2, but each computes the
+/// weights again: the widest tile does that least.
 pub fn given_tile(d3: usize) -> Tile {
+    let (block_k, value_dim) = if d3 > 128 {
+        (64, 256)
+    } else {
+        (BLOCK_K as u32, rounded(d3))
+    };
     Tile {
         block_q: BLOCK_Q as u32,
         row_tiles: 2,
-        block_k: BLOCK_K as u32,
-        head_dim: BLOCK_K as u32,
-        value_dim: rounded(d3),
+        block_k,
+        head_dim: block_k,
+        value_dim,
     }
 }
 
@@ -175,21 +189,22 @@ fn rounded(dim: usize) -> u32 {
     if dim <= 64 { 64 } else { 128 }
 }
 
-/// Dynamic shared memory for `config`'s head dims: `Q` (none with given scores), [`STAGES`]
-/// slots of `K` (or `X`) and `V` (128 rows × 128 bytes per 64 columns), the barriers, and 1 KiB
-/// to align the swizzle atoms.
+/// Dynamic shared memory for `config`'s tile: `Q` (none with given scores), [`STAGES`] slots of
+/// `K` (or `X`) and `V` (128 bytes per row per 64 columns: `Q` and `X` have [`BLOCK_Q`] rows,
+/// `K` and `V` `block_k`), the barriers, and 1 KiB to align the swizzle atoms.
 pub fn shared_bytes(config: FlashConfig) -> usize {
-    let atom = BLOCK_K * 128;
     let (d, dv) = (
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
     );
-    let q = if config.source == ScoreSource::Given {
-        0
+    let rows_atom = BLOCK_Q * 128;
+    let keys_atom = config.block_k as usize * 128;
+    let (q, k) = if config.source == ScoreSource::Given {
+        (0, d * rows_atom)
     } else {
-        d
+        (d * rows_atom, d * keys_atom)
     };
-    1024 + atom * (q + STAGES * (d + dv)) + 128
+    1024 + q + STAGES * (k + dv * keys_atom) + 128
 }
 
 /// How the plan uses the Hopper forward, from the environment variable `BURN_FLASH_HOPPER`
@@ -474,7 +489,7 @@ pub unsafe fn launch_given(
     let maps = vec![
         tensor_map(&x4, dtype, BLOCK_Q),
         tensor_map(&x4, dtype, BLOCK_Q),
-        tensor_map(&v4, dtype, BLOCK_K),
+        tensor_map(&v4, dtype, config.block_k as usize),
     ];
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
