@@ -918,17 +918,20 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(
 /// plain units: the register-tiled given-score products for gradients of at least 65 × 65,
 /// the core's flash schedule below.
 #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
-fn backward_paths<R: burn_cubecl::cubecl::Runtime>(device: &R::Device, matrix_units: bool) {
+fn backward_paths<R: burn_cubecl::cubecl::Runtime>(
+    device: &R::Device,
+    matrix_units: bool,
+    hopper: bool,
+) {
     use burn_flash::kernels::softmax_matmul::{
         SmmBackwardPath as P, check_dtype, plan_softmax_matmul_backward,
     };
     let client = R::client(device);
-    let mma = |fallback: P| {
-        if matrix_units {
-            P::MatrixUnits
-        } else {
-            fallback
-        }
+    // The matrix units (dX by the Hopper kernel on sm_90), else `fallback`.
+    let mma = |fallback: P| match (hopper, matrix_units) {
+        (true, _) => P::Hopper,
+        (false, true) => P::MatrixUnits,
+        (false, false) => fallback,
     };
     let cases = [
         (FloatDType::F16, [2, 200, 136], 264, false, mma(P::Tiled)),
@@ -1057,7 +1060,7 @@ mod wgpu {
 
     #[test]
     fn backward_paths_on_plain_units() {
-        backward_paths::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false);
+        backward_paths::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false, false);
     }
 
     #[test]
@@ -1086,9 +1089,49 @@ mod cuda {
     suite!(large_f16, C, FloatDType::F16, [large_problems]);
     suite!(large_bf16, C, FloatDType::BF16, [large_problems]);
 
+    /// The backward paths on CUDA: on an sm_90 GPU (unless `BURN_FLASH_HOPPER=off`) dX by the
+    /// Hopper kernel for 16-byte aligned f16/bf16 rows, and the `mma.sync` kernels where a
+    /// buffer does not start on 16 bytes (no TMA map); the `mma.sync` kernels elsewhere.
     #[test]
     fn backward_paths_take_the_matrix_units() {
-        backward_paths::<burn_cubecl::cubecl::cuda::CudaRuntime>(&Default::default(), true);
+        use burn_cubecl::cubecl::{Runtime, cuda::CudaRuntime};
+        use burn_flash::kernels::flash::forward::hopper::{Use, usage};
+        use burn_flash::kernels::softmax_matmul::{
+            SmmBackwardPath, plan_softmax_matmul_backward_for,
+        };
+        let device = Default::default();
+        let client = CudaRuntime::client(&device);
+        let hopper = burn_flash::kernels::hopper::sm90(&client) && usage() != Use::Off;
+        println!("sm_90 with the Hopper kernels on: {hopper}");
+        backward_paths::<CudaRuntime>(&device, true, hopper);
+        let (batch, d1, d2, d3) = (2, 200, 136, 264);
+        let dims = SmmDims { batch, d1, d2, d3 };
+        let x = [batch, d1, d2];
+        let v = [batch, d2, d3];
+        let o = [batch, d1, d3];
+        let (xs, vs, os) = ([d1 * d2, d2, 1], [d2 * d3, d3, 1], [d1 * d3, d3, 1]);
+        for dtype in [FloatDType::F16, FloatDType::BF16] {
+            let dtype = DType::from(dtype).into();
+            let plan = |tma| {
+                let layouts = [
+                    (&x[..], &xs[..]),
+                    (&v[..], &vs[..]),
+                    (&o[..], &os[..]),
+                    (&x[..], &xs[..]),
+                    (&v[..], &vs[..]),
+                ];
+                plan_softmax_matmul_backward_for(&client, dims, dtype, layouts, tma)
+                    .expect("plans")
+                    .path
+            };
+            let want = if hopper {
+                SmmBackwardPath::Hopper
+            } else {
+                SmmBackwardPath::MatrixUnits
+            };
+            assert_eq!(plan(true), want);
+            assert_eq!(plan(false), SmmBackwardPath::MatrixUnits);
+        }
     }
 
     /// The plan's forward kernels on CUDA: on an sm_90 GPU (unless `BURN_FLASH_HOPPER=off`)

@@ -7,8 +7,10 @@ use super::options::SmmForwardKernel;
 use super::options::{
     SmmBackwardPath, SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use super::plan::{check_dtype, plan_softmax_matmul_backward, plan_softmax_matmul_for, row_vector};
-use crate::flash::backward::{Schedule, launch_backward};
+use super::plan::{
+    check_dtype, plan_softmax_matmul_backward_for, plan_softmax_matmul_for, row_vector,
+};
+use crate::flash::backward::{Schedule, launch_backward_with_delta, launch_delta};
 use crate::flash::forward::launch_forward;
 use crate::flash::{BackwardOperands, FlashTensors, Operand, Scalars};
 use crate::tensor::TensorRef;
@@ -223,7 +225,12 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     if shared_v {
         v_strides[0] = 0;
     }
-    let plan = plan_softmax_matmul_backward(
+    // What the Hopper dX kernel's TMA maps and pair stores need beyond the vector.
+    let tma = crate::attention::starts_aligned(&[&x, &v, &d_out, &dx])
+        && [&x, &v, &d_out, &dx]
+            .iter()
+            .all(|t| t.shape[1] <= 1 || t.strides[1] != 0);
+    let plan = plan_softmax_matmul_backward_for(
         client,
         dims,
         dtype,
@@ -234,6 +241,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             (dx.shape, dx.strides),
             (dv.shape, dv.strides),
         ],
+        tma,
     )?;
     let rows = batch * d1;
     // The flash kernels' 4-D view of a 3-D tensor `[batch or 1, n1, n2]`: one head per batch,
@@ -285,6 +293,11 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         p
     });
     let schedule = match plan.path {
+        // dV on the matrix units; dX by the Hopper kernel below.
+        SmmBackwardPath::Hopper => Schedule::MatrixUnits {
+            write_ds: true,
+            p_buffer: None,
+        },
         SmmBackwardPath::MatrixUnits => Schedule::MatrixUnits {
             write_ds: true,
             p_buffer: p_buffer.as_ref(),
@@ -302,6 +315,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // The tiled products write dX for every row block; the flash schedules skip empty steps.
     let (dv_cubes, dx_cubes) = match plan.path {
         SmmBackwardPath::Tiled => (dv_nonempty.then_some(plan.dv_cubes), Some(plan.dx_cubes)),
+        SmmBackwardPath::Hopper => ((dv_nonempty && d2 > 0).then_some(plan.dv_cubes), None),
         _ => (
             (dv_nonempty && d2 > 0).then_some(plan.dv_cubes),
             (rows > 0 && d2 > 0).then_some(plan.dx_cubes),
@@ -312,11 +326,32 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // of `x`, `v` and `d_out` for the matrix units and the vector of the tiled products; the
     // grids are the plan's.
     unsafe {
-        launch_backward(
+        let delta = launch_delta(client, &operands.out, &operands.d_out, rows, dtype);
+        if plan.path == SmmBackwardPath::Hopper {
+            #[cfg(feature = "cuda")]
+            if let Some(cuda) = crate::attention::cuda_client(client) {
+                // The plan took the Hopper kernel: `hopper_unavailable` found nothing against
+                // `x`, `v`, `d_out`, `dx` (16-byte rows and starts, no size 0), and `delta`
+                // holds `batch · d1` rows.
+                crate::flash::backward::hopper_dx::launch(
+                    cuda,
+                    &x,
+                    &v,
+                    &d_out,
+                    &lse,
+                    &delta.handle,
+                    &dx,
+                    dtype,
+                );
+            }
+            #[cfg(not(feature = "cuda"))]
+            unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+        }
+        launch_backward_with_delta(
             client,
             schedule,
             &operands,
-            rows,
+            &delta,
             dv_cubes,
             dx_cubes,
             Scalars::GIVEN,

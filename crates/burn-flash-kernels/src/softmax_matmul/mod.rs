@@ -38,6 +38,6 @@ pub use options::{
 };
 pub use plan::{
     P_BUFFER_MAX_D2, check_dtype, contiguous_row_vector, hopper_unavailable, mma_dx_rows,
-    mma_p_buffer, plan_softmax_matmul, plan_softmax_matmul_backward, plan_softmax_matmul_for,
-    row_vector,
+    mma_p_buffer, plan_softmax_matmul, plan_softmax_matmul_backward,
+    plan_softmax_matmul_backward_for, plan_softmax_matmul_for, row_vector,
 };

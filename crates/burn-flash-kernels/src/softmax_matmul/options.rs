@@ -213,6 +213,11 @@ pub enum SmmBackwardPath {
     /// Plain units, the flash schedule ([`crate::flash::backward::units`]; every runtime and
     /// float type, f32 arithmetic).
     Units,
+    /// Hopper GPUs (sm_90): `dX` by the hand-written `wgmma` kernel of
+    /// [`crate::flash::backward::hopper_dx`], `dV` by the matrix units' dK/dV kernel (what it
+    /// needs beyond theirs: 16-byte rows and starts of `dX` too, see
+    /// [`super::plan::plan_softmax_matmul_backward_for`]).
+    Hopper,
 }
 
 /// The backward launch [`super::plan_softmax_matmul_backward`] chose.

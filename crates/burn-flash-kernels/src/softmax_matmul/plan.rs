@@ -7,7 +7,7 @@ use super::options::{
     BLOCK_SIZES, SmmBackwardPath, SmmBackwardPlan, SmmDims, SmmForwardKernel, SmmPath,
     SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use crate::flash::backward::{cmma as backward_cmma, mma, units, units_given};
+use crate::flash::backward::{cmma as backward_cmma, hopper_dx, mma, units, units_given};
 use crate::flash::block::{fold_grid, fold_pairs};
 use crate::flash::forward::{self, hopper, tiled};
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
@@ -384,15 +384,29 @@ pub fn plan_softmax_matmul_for<R: Runtime>(
 /// it is shared), `d_out`, `dx`, `dv`.
 pub type BackwardLayouts<'a> = [(&'a [usize], &'a [usize]); 5];
 
-/// The backward launch for tensors of these shapes and strides, without launching: the matrix
-/// units where [`mma_backward_unavailable`] says they can run, else plain units,
-/// register-tiled ([`units_given`]) for gradients of at least 65 × 65 where the device has its
-/// units and shared memory, else the flash schedule ([`units`]).
+/// The backward launch for tensors of these shapes and strides, without launching, with the
+/// tensors taken to be TMA-ready (see [`plan_softmax_matmul_backward_for`]).
 pub fn plan_softmax_matmul_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
     dtype: StorageType,
     layouts: BackwardLayouts<'_>,
+) -> Result<SmmBackwardPlan, SoftmaxMatmulError> {
+    plan_softmax_matmul_backward_for(client, dims, dtype, layouts, true)
+}
+
+/// The backward launch for tensors of these shapes and strides, without launching: the matrix
+/// units where [`mma_backward_unavailable`] says they can run — on a Hopper GPU with `dX` by the
+/// `wgmma` kernel ([`SmmBackwardPath::Hopper`]) where [`hopper_unavailable`] finds nothing
+/// against `x`, `v`, `d_out` and `dx` (`tma`: every buffer starts on 16 bytes and no row stride
+/// is 0) — else plain units, register-tiled ([`units_given`]) for gradients of at least 65 × 65
+/// where the device has its units and shared memory, else the flash schedule ([`units`]).
+pub fn plan_softmax_matmul_backward_for<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    layouts: BackwardLayouts<'_>,
+    tma: bool,
 ) -> Result<SmmBackwardPlan, SoftmaxMatmulError> {
     check_dtype(client, dtype)?;
     let SmmDims { batch, d1, d2, d3 } = dims;
@@ -427,7 +441,29 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
         head_dim: 0,
         value_dim: d3.next_multiple_of(units::CHUNK as usize) as u32,
     });
+    // dX on Hopper's `wgmma` kernel where it can run; dV stays on the matrix units.
+    let path = match path {
+        SmmBackwardPath::MatrixUnits
+            if hopper_unavailable(
+                client,
+                dims,
+                dtype,
+                row_vector(&[x, v, d_out, dx], dtype),
+                tma,
+            )
+            .is_none()
+                && dims.d2.div_ceil(hopper_dx::BLOCK_KEYS) <= i32::MAX as usize =>
+        {
+            SmmBackwardPath::Hopper
+        }
+        other => other,
+    };
     let (config, dv_cubes, dx_cubes) = match path {
+        SmmBackwardPath::Hopper => {
+            let c = mma_backward_config(d3, mma::DQ_ROWS);
+            // The dX grid is the Hopper kernel's own (below).
+            (c, mma::dkv_blocks(d2, d3, true), 0)
+        }
         SmmBackwardPath::MatrixUnits => {
             let c = mma_backward_config(d3, mma_dx_rows(client, dims, shared_v));
             let dx = (group * d1).div_ceil(c.block_q as usize);
@@ -463,7 +499,11 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
             _ => row_vector(&[x, v, d_out, dx, dv], dtype).min(4),
         },
         dv_cubes: check_cubes(client, (dv_cubes, y, z))?,
-        dx_cubes: check_cubes(client, (dx_cubes, y, z))?,
+        dx_cubes: if path == SmmBackwardPath::Hopper {
+            check_cubes(client, hopper_dx::cubes(batch, d1, d2))?
+        } else {
+            check_cubes(client, (dx_cubes, y, z))?
+        },
         matrix_units,
     })
 }

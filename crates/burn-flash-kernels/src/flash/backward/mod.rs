@@ -32,6 +32,7 @@
 #[allow(missing_docs)]
 pub mod cmma;
 pub mod hopper;
+pub mod hopper_dx;
 pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;
@@ -188,13 +189,37 @@ pub unsafe fn launch_backward<R: Runtime>(
     c: FlashConfig,
     dtype: StorageType,
 ) {
-    // SAFETY (every launch): the caller's.
+    // SAFETY: the caller's.
     unsafe {
         let delta = launch_delta(client, &t.out, &t.d_out, rows, dtype);
+        launch_backward_with_delta(
+            client, schedule, t, &delta, dkv_cubes, dq_cubes, scalars, c, dtype,
+        );
+    }
+}
+
+/// [`launch_backward`] with `δ` computed by the caller ([`launch_delta`]).
+///
+/// # Safety
+/// As [`launch_backward`]; `delta` is [`launch_delta`] of `t`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn launch_backward_with_delta<R: Runtime>(
+    client: &ComputeClient<R>,
+    schedule: Schedule<'_>,
+    t: &BackwardOperands,
+    delta: &Operand,
+    dkv_cubes: Option<(usize, usize, usize)>,
+    dq_cubes: Option<(usize, usize, usize)>,
+    scalars: Scalars,
+    c: FlashConfig,
+    dtype: StorageType,
+) {
+    // SAFETY (every launch): the caller's.
+    unsafe {
         let l = BackwardLaunch {
             client,
             t,
-            delta: &delta,
+            delta,
             dkv_cubes,
             dq_cubes,
             dtype,

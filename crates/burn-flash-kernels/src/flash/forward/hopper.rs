@@ -414,7 +414,7 @@ pub unsafe fn launch(
 /// batch coordinate 0). Dimensions of size 1 get the stride of a contiguous layout, which the
 /// map encoder accepts whatever the caller's stride was.
 #[cfg(feature = "cuda")]
-fn tma_view(t: &TensorRef<'_>) -> ([usize; 4], [usize; 4], bool) {
+pub(crate) fn tma_view(t: &TensorRef<'_>) -> ([usize; 4], [usize; 4], bool) {
     let (rows, cols) = (t.shape[1], t.shape[2]);
     let row_stride = if rows > 1 { t.strides[1] } else { cols };
     let plane = rows * row_stride;
