@@ -113,6 +113,13 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
 
+// The same four matrices transposed: register q of a lane holds elements (2(lane % 4), lane / 4)
+// and (2(lane % 4) + 1, lane / 4) of matrix q.
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+
 // ---- register reallocation -------------------------------------------------------------------
 
 template <u32 N> __device__ __forceinline__ void regs_release() {

@@ -225,11 +225,13 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     if shared_v {
         v_strides[0] = 0;
     }
-    // What the Hopper dX kernel's TMA maps and pair stores need beyond the vector.
-    let tma = crate::attention::starts_aligned(&[&x, &v, &d_out, &dx])
-        && [&x, &v, &d_out, &dx]
+    // What the Hopper kernels' TMA maps and pair stores need beyond the vector.
+    let tma = crate::attention::starts_aligned(&[&x, &v, &d_out, &dx, &dv])
+        && [&x, &v, &d_out, &dx, &dv]
             .iter()
-            .all(|t| t.shape[1] <= 1 || t.strides[1] != 0);
+            .all(|t| t.shape[1] <= 1 || t.strides[1] != 0)
+        // The Hopper kernels read dO at its own batch coordinate.
+        && (d_out.shape[0] <= 1 || d_out.strides[0] != 0);
     let plan = plan_softmax_matmul_backward_for(
         client,
         dims,
@@ -293,7 +295,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         p
     });
     let schedule = match plan.path {
-        // dV on the matrix units; dX by the Hopper kernel below.
+        // Both gradients by the Hopper kernels below; never launched.
         SmmBackwardPath::Hopper => Schedule::MatrixUnits {
             write_ds: true,
             p_buffer: None,
@@ -315,7 +317,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // The tiled products write dX for every row block; the flash schedules skip empty steps.
     let (dv_cubes, dx_cubes) = match plan.path {
         SmmBackwardPath::Tiled => (dv_nonempty.then_some(plan.dv_cubes), Some(plan.dx_cubes)),
-        SmmBackwardPath::Hopper => ((dv_nonempty && d2 > 0).then_some(plan.dv_cubes), None),
+        SmmBackwardPath::Hopper => (None, None),
         _ => (
             (dv_nonempty && d2 > 0).then_some(plan.dv_cubes),
             (rows > 0 && d2 > 0).then_some(plan.dx_cubes),
@@ -330,10 +332,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         if plan.path == SmmBackwardPath::Hopper {
             #[cfg(feature = "cuda")]
             if let Some(cuda) = crate::attention::cuda_client(client) {
-                // The plan took the Hopper kernel: `hopper_unavailable` found nothing against
-                // `x`, `v`, `d_out`, `dx` (16-byte rows and starts, no size 0), and `delta`
-                // holds `batch · d1` rows.
-                crate::flash::backward::hopper_dx::launch(
+                // The plan took the Hopper kernels: `hopper_unavailable` found nothing against
+                // `x`, `v`, `d_out`, `dx`, `dv` (16-byte rows and starts, no size 0), and
+                // `delta` holds `batch · d1` rows.
+                crate::flash::backward::hopper_given::launch(
                     cuda,
                     &x,
                     &v,
@@ -343,9 +345,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     &dx,
                     dtype,
                 );
+                crate::flash::backward::hopper_given::launch_dv(cuda, &x, &d_out, &lse, &dv, dtype);
+                return Ok(());
             }
-            #[cfg(not(feature = "cuda"))]
-            unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+            unreachable!("the plan takes the Hopper kernels on CUDA clients only");
         }
         launch_backward_with_delta(
             client,

@@ -213,9 +213,9 @@ pub enum SmmBackwardPath {
     /// Plain units, the flash schedule ([`crate::flash::backward::units`]; every runtime and
     /// float type, f32 arithmetic).
     Units,
-    /// Hopper GPUs (sm_90): `dX` by the hand-written `wgmma` kernel of
-    /// [`crate::flash::backward::hopper_dx`], `dV` by the matrix units' dK/dV kernel (what it
-    /// needs beyond theirs: 16-byte rows and starts of `dX` too, see
+    /// Hopper GPUs (sm_90): `dX` and `dV` by the hand-written `wgmma` kernels of
+    /// [`crate::flash::backward::hopper_given`] (what they need beyond the matrix units: 16-byte
+    /// rows and starts of `dX` and `dV` too, see
     /// [`super::plan::plan_softmax_matmul_backward_for`]).
     Hopper,
 }

@@ -7,7 +7,7 @@ use super::options::{
     BLOCK_SIZES, SmmBackwardPath, SmmBackwardPlan, SmmDims, SmmForwardKernel, SmmPath,
     SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use crate::flash::backward::{cmma as backward_cmma, hopper_dx, mma, units, units_given};
+use crate::flash::backward::{cmma as backward_cmma, hopper_given, mma, units, units_given};
 use crate::flash::block::{fold_grid, fold_pairs};
 use crate::flash::forward::{self, hopper, tiled};
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
@@ -441,18 +441,18 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
         head_dim: 0,
         value_dim: d3.next_multiple_of(units::CHUNK as usize) as u32,
     });
-    // dX on Hopper's `wgmma` kernel where it can run; dV stays on the matrix units.
+    // dX and dV on Hopper's `wgmma` kernels where they can run.
     let path = match path {
         SmmBackwardPath::MatrixUnits
             if hopper_unavailable(
                 client,
                 dims,
                 dtype,
-                row_vector(&[x, v, d_out, dx], dtype),
+                row_vector(&[x, v, d_out, dx, dv], dtype),
                 tma,
             )
             .is_none()
-                && dims.d2.div_ceil(hopper_dx::BLOCK_KEYS) <= i32::MAX as usize =>
+                && dims.d2.div_ceil(hopper_given::BLOCK_KEYS) <= i32::MAX as usize =>
         {
             SmmBackwardPath::Hopper
         }
@@ -461,8 +461,8 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     let (config, dv_cubes, dx_cubes) = match path {
         SmmBackwardPath::Hopper => {
             let c = mma_backward_config(d3, mma::DQ_ROWS);
-            // The dX grid is the Hopper kernel's own (below).
-            (c, mma::dkv_blocks(d2, d3, true), 0)
+            // The grids are the Hopper kernels' own (below).
+            (c, 0, 0)
         }
         SmmBackwardPath::MatrixUnits => {
             let c = mma_backward_config(d3, mma_dx_rows(client, dims, shared_v));
@@ -498,9 +498,13 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
             }
             _ => row_vector(&[x, v, d_out, dx, dv], dtype).min(4),
         },
-        dv_cubes: check_cubes(client, (dv_cubes, y, z))?,
+        dv_cubes: if path == SmmBackwardPath::Hopper {
+            check_cubes(client, hopper_given::dv_cubes(v.0[0], d2, d3))?
+        } else {
+            check_cubes(client, (dv_cubes, y, z))?
+        },
         dx_cubes: if path == SmmBackwardPath::Hopper {
-            check_cubes(client, hopper_dx::cubes(batch, d1, d2))?
+            check_cubes(client, hopper_given::cubes(batch, d1, d2))?
         } else {
             check_cubes(client, (dx_cubes, y, z))?
         },

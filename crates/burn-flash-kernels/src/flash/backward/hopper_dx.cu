@@ -151,6 +151,22 @@ burn_flash_hopper_smm_dx(const __grid_constant__ TmaMap tx, const __grid_constan
     regs_claim<240>();
     const u32 c = wg - 1u;
     const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
+    // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`); their lse and
+    // δ are read before the products, so that the epilogue does not wait on them.
+    const int row0 = m0 + 64 * (int)c + 16 * (int)warp + (int)(lane / 4u);
+    const int row[2] = {row0, row0 + 8};
+    float lse2[2], dlt[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        lse2[r] = __int_as_float(0x7f800000);
+        dlt[r] = 0.0f;
+        if (row[r] < (int)p.d1) {
+            const float l = lse[(u64)batch * p.lse_stride_b + (u64)row[r] * p.lse_stride_s];
+            // A row without a finite score has P = 0: +inf makes every e^(x − lse) 0.
+            if (l != NEG_INF) lse2[r] = l * LOG2E;
+            dlt[r] = delta[(u64)batch * p.d1 + (u64)row[r]];
+        }
+    }
     float dp0[64], dp1[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -184,21 +200,6 @@ burn_flash_hopper_smm_dx(const __grid_constant__ TmaMap tx, const __grid_constan
     wgmma_hold(dp1);
     if (chunks > 0) release(EMPTY((chunks - 1) % STAGES), lane);
 
-    // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`).
-    const int row0 = m0 + 64 * (int)c + 16 * (int)warp + (int)(lane / 4u);
-    const int row[2] = {row0, row0 + 8};
-    float lse2[2], dlt[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        lse2[r] = __int_as_float(0x7f800000);
-        dlt[r] = 0.0f;
-        if (row[r] < (int)p.d1) {
-            const float l = lse[(u64)batch * p.lse_stride_b + (u64)row[r] * p.lse_stride_s];
-            // A row without a finite score has P = 0: +inf makes every e^(x − lse) 0.
-            if (l != NEG_INF) lse2[r] = l * LOG2E;
-            dlt[r] = delta[(u64)batch * p.d1 + (u64)row[r]];
-        }
-    }
     unsigned short* dx_rows = dx + (u64)batch * p.dx_stride_b;
     mbar_wait(x_full, 0);
     float xs[64];

@@ -32,7 +32,7 @@
 #[allow(missing_docs)]
 pub mod cmma;
 pub mod hopper;
-pub mod hopper_dx;
+pub mod hopper_given;
 pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;
