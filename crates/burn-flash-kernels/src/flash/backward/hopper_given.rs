@@ -1,9 +1,9 @@
 //! The backward of `softmax(X)·V` on Hopper (sm_90a), two `wgmma` GEMMs fed by TMA (sources next
 //! to this file, on the wrappers of `crate::hopper` and the helpers of `flash/scores.cuh`):
 //! - `dX = P ⊙ (dO·Vᵀ − δ)` over `d3`, with the softmax's gradient as its epilogue
-//!   (`hopper_dx.cu`, [`launch`]; `δ` from [`super::launch_delta`]);
+//!   (`hopper_dx.cu`, `launch`; `δ` from [`super::launch_delta`]);
 //! - `dV = Pᵀ·dO` over the rows, with `Pᵀ = e^(Xᵀ − lse)` built in registers as its A operand
-//!   (`hopper_dv.cu`, [`launch_dv`]; a shared `V` sums every batch in the block).
+//!   (`hopper_dv.cu`, `launch_dv`; a shared `V` sums every batch in the block).
 //!
 //! Variants: the element type (f16, bf16). What they need (16-byte rows and starts, sm_90) is
 //! checked by `crate::softmax_matmul::plan_softmax_matmul_backward_for`.
@@ -25,7 +25,7 @@ pub const BLOCK_ROWS: usize = 128;
 /// Columns of `X` (keys) per block.
 pub const BLOCK_KEYS: usize = 256;
 /// Slots of the `dO`/`V` chunk ring.
-const STAGES: usize = 3;
+pub const STAGES: usize = 3;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
 
@@ -178,7 +178,7 @@ pub const DV_BLOCK_KEYS: usize = 128;
 /// Columns of `dV` per block of the `dV` kernel.
 pub const DV_BLOCK_COLS: usize = 256;
 /// Rows per step of the `dV` kernel.
-const DV_BLOCK_ROWS: usize = 64;
+pub const DV_BLOCK_ROWS: usize = 64;
 
 #[cfg(feature = "cuda")]
 const DV_ENTRY: &str = "burn_flash_hopper_smm_dv";

@@ -11,7 +11,7 @@
 //! 16-byte aligned) is named by [`unavailable`]; the plan then runs the `mma.sync` kernel.
 //!
 //! The same source with given scores (`GIVEN`) is `softmax(X)·V`'s forward on Hopper
-//! ([`launch_given`]): tiles of `X` take the place of `K` in the slots and are read into the
+//! (`launch_given`): tiles of `X` take the place of `K` in the slots and are read into the
 //! registers of `S` with `ldmatrix`, `V` is read [`given_tile`]`.value_dim` columns per block.
 
 #[cfg(feature = "cuda")]
