@@ -53,16 +53,6 @@ fn defines(bf16: bool) -> String {
     )
 }
 
-/// `t`'s buffer seen with `shape` and `strides` (a TMA view).
-#[cfg(feature = "cuda")]
-fn view<'a>(t: &TensorRef<'a>, shape: &'a [usize], strides: &'a [usize]) -> TensorRef<'a> {
-    TensorRef {
-        handle: t.handle,
-        shape,
-        strides,
-    }
-}
-
 /// Dynamic shared memory of the `dX` kernel: the `X` tile, [`STAGES`] slots of a 64-column chunk of `dO`
 /// ([`BLOCK_ROWS`] rows) and of `V` ([`BLOCK_KEYS`] rows), the barriers, and 1 KiB to align the
 /// swizzle atoms.
@@ -98,7 +88,7 @@ pub unsafe fn launch(
     dx: &TensorRef<'_>,
     dtype: StorageType,
 ) {
-    use crate::flash::forward::hopper::tma_view;
+    use crate::flash::forward::hopper::{tma_view, view};
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let (source, hash) = crate::hopper::mutated(
@@ -229,7 +219,7 @@ pub unsafe fn launch_dv(
     dv: &TensorRef<'_>,
     dtype: StorageType,
 ) {
-    use crate::flash::forward::hopper::tma_view;
+    use crate::flash::forward::hopper::{tma_view, view};
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let (source, hash) = crate::hopper::mutated(

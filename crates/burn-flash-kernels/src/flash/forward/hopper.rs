@@ -427,6 +427,20 @@ pub(crate) fn tma_view(t: &TensorRef<'_>) -> ([usize; 4], [usize; 4], bool) {
     )
 }
 
+/// `t`'s buffer seen with `shape` and `strides` (a [`tma_view`]).
+#[cfg(feature = "cuda")]
+pub(crate) fn view<'a>(
+    t: &TensorRef<'a>,
+    shape: &'a [usize],
+    strides: &'a [usize],
+) -> TensorRef<'a> {
+    TensorRef {
+        handle: t.handle,
+        shape,
+        strides,
+    }
+}
+
 /// Launches `softmax(X)·V` on `client`: `out` (`[batch, d1, d3]`) and `lse` (`[batch, d1]`,
 /// f32) of `x` (`[batch or 1, d1, d2]`) and `v` (`[batch or 1, d2, d3]`), as the plan says:
 /// `config` (from [`given_tile`]) picks the [`Variant`], `units` and `cubes` (output column
@@ -457,16 +471,8 @@ pub unsafe fn launch_given(
     let log2e = core::f32::consts::LOG2_E;
     let (x_shape, x_strides, x_batched) = tma_view(x);
     let (v_shape, v_strides, v_batched) = tma_view(v);
-    let x4 = TensorRef {
-        handle: x.handle,
-        shape: &x_shape,
-        strides: &x_strides,
-    };
-    let v4 = TensorRef {
-        handle: v.handle,
-        shape: &v_shape,
-        strides: &v_strides,
-    };
+    let x4 = view(x, &x_shape, &x_strides);
+    let v4 = view(v, &v_shape, &v_strides);
     let mut params = vec![
         out.strides[0] as u64,
         0,
