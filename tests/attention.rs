@@ -987,6 +987,21 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         AttentionKernel::Units
     };
     assert_eq!(plan(36, None).unwrap().unwrap().kernel, unaligned);
+    if hopper {
+        // D 64 on Hopper: three consumer warpgroups of 64 rows and the producer.
+        assert_eq!((default.config.block_q, default.units), (192, 512));
+        // Head dims over 128 on Hopper: rounded up to 256, 64 keys per step.
+        for d in [192, 256] {
+            let wide = plan(d, None).unwrap().unwrap();
+            let c = wide.config;
+            assert_eq!(wide.kernel, AttentionKernel::Hopper, "D {d}");
+            assert_eq!(
+                (c.head_dim, c.value_dim, c.block_k),
+                (256, 256, 64),
+                "D {d}"
+            );
+        }
+    }
     let mut outputs = Vec::new();
     for kernel in [
         AttentionKernel::Units,

@@ -187,8 +187,11 @@ struct Setup {
     seq_k: usize,
     dv: usize,
     mask: Option<([usize; 4], MaskFn)>,
-    /// The bias's shape, tracked.
+    /// The bias's shape.
     bias: Option<[usize; 4]>,
+    /// The bias is tracked (its gradient is checked, and the backward writes `dS` for it);
+    /// untracked, the Hopper backward takes it on sm_90.
+    bias_tracked: bool,
     options: AttentionModuleOptions,
     strided: bool,
     dropout: Option<AttentionDropout>,
@@ -209,6 +212,7 @@ impl Setup {
             dv,
             mask: None,
             bias: None,
+            bias_tracked: true,
             options: AttentionModuleOptions::default(),
             strided: false,
             dropout: None,
@@ -251,9 +255,14 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     let mask = setup
         .mask
         .map(|(dims, f)| bool_mask::<A<B>, 4>(dims, &device, f));
-    let bias = setup
-        .bias
-        .map(|dims| random::<A<B>, 4>(dims, -1.0, 1.0, dtype, &device).require_grad());
+    let bias = setup.bias.map(|dims| {
+        let bias = random::<A<B>, 4>(dims, -1.0, 1.0, dtype, &device);
+        if setup.bias_tracked {
+            bias.require_grad()
+        } else {
+            bias
+        }
+    });
     let case = Case {
         q: read(q.clone()),
         k: read(k.clone()),
@@ -298,13 +307,25 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         .iter()
         .map(|t| read(t.grad(&grads).expect("gradient")))
         .collect();
-    got.push(
-        bias.as_ref()
-            .map_or(vec![], |b| read(b.grad(&grads).expect("bias gradient"))),
-    );
+    got.push(match &bias {
+        Some(b) if setup.bias_tracked => read(b.grad(&grads).expect("bias gradient")),
+        Some(b) => {
+            assert!(
+                b.grad(&grads).is_none(),
+                "an untracked bias has no gradient"
+            );
+            vec![]
+        }
+        None => vec![],
+    });
     sync::<B>(&device);
-    let want = case.grads(EXACT);
-    let naive = case.grads(naive(dtype));
+    let mut want = case.grads(EXACT);
+    let mut naive = case.grads(naive(dtype));
+    if !setup.bias_tracked {
+        // No bias gradient to check.
+        want[3].clear();
+        naive[3].clear();
+    }
     let ctx = format!("{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?}", setup.q);
     // f32: a few roundings of the largest gradient per `√n` of the longest sum — over the rows
     // of a group, the keys, or the head dims (`dS` takes `dO·Vᵀ − δ`, two sums over `Dv` that
@@ -384,6 +405,9 @@ fn masks_and_biases<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     check::<B>(&setup, dtype, "bias [1, H, Sq, Sk]");
     setup.bias = Some([nb, hq, sq, sk]);
     check::<B>(&setup, dtype, "bias [B, H, Sq, Sk]");
+    setup.bias_tracked = false;
+    check::<B>(&setup, dtype, "untracked bias [B, H, Sq, Sk]");
+    setup.bias_tracked = true;
     setup.bias = Some([nb, 1, 1, sk]);
     setup.mask = Some(([nb, 1, 1, sk], |[b, _, _, j]| j + 5 * b + 3 >= 37));
     setup.options = AttentionModuleOptions {
@@ -399,6 +423,12 @@ fn masks_and_biases<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     setup.bias = Some([1, 4, 70, 150]);
     setup.options.is_causal = true;
     check::<B>(&setup, dtype, "mask and bias, Sq 70 Sk 150, causal");
+    setup.bias_tracked = false;
+    check::<B>(
+        &setup,
+        dtype,
+        "mask and untracked bias, Sq 70 Sk 150, causal",
+    );
 }
 
 /// burn-nn's mask semantics (a masked key takes a fill score and stays in the softmax, with no
@@ -421,6 +451,12 @@ fn masked_score_and_quiet<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
         is_causal: true,
     };
     check::<B>(&setup, dtype, "fill 0.5, padding, bias, softcap, causal");
+    setup.bias_tracked = false;
+    check::<B>(
+        &setup,
+        dtype,
+        "fill 0.5, padding, untracked bias, softcap, causal",
+    );
     let mut setup = Setup::new([nb, hq, sq, 32], 2, sk, 16);
     setup.quiet = true;
     setup.options.is_causal = true;
@@ -439,10 +475,15 @@ fn masked_score_and_quiet<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
 
 /// Head dims from 8 to 256, `Dv ≠ D`, and `[B, S, H, D]` inputs read through their strides.
 fn head_dims_and_strides<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
-    for (d, dv) in [(8, 8), (80, 96), (96, 64), (256, 256)] {
+    for (d, dv) in [(8, 8), (80, 96), (96, 64), (256, 256), (192, 136)] {
         let setup = Setup::new([1, 2, 21, d], 1, 34, dv);
         check::<B>(&setup, dtype, &format!("D {d} Dv {dv}"));
     }
+    // A head dim over 128 over several key blocks and query steps, grouped and causal with
+    // Sq ≠ Sk, Dv ≠ D (on Hopper: the wide backward, 64 keys per block, Dv in halves of 64).
+    let mut setup = Setup::new([1, 4, 70, 256], 2, 150, 64);
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "D 256 Dv 64, Sq 70 Sk 150, causal, grouped");
     // D 128 over several key blocks and query steps, grouped and causal with Sq ≠ Sk (on
     // CUDA f16/bf16: the fused dQ's 2 × 2 split of a step over the planes, atomics from
     // three key blocks).
@@ -520,7 +561,8 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     // cooperative matrices where the device has them and no `mma` (Vulkan through SPIR-V).
     let matrix = plain.kernel != AttentionBackwardKernel::Units;
     // The Hopper backward: where the forward's Hopper kernel is available (sm_90, 16-bit,
-    // not switched off) and no other forward kernel is forced, for calls without a mask or bias.
+    // not switched off) and no other forward kernel is forced, for calls that write no `dS`
+    // (no tracked bias).
     let hopper = options.kernel.is_none()
         && burn_flash::attention_plan::<B>(
             device,
@@ -557,6 +599,27 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
         assert_eq!(plain.dkv_cubes, (1, 2, 3));
         assert_eq!(plain.dq_cubes, (3 * 8 * 128 / 8, 1, 1));
+        // A head dim over 128: 64 keys per block (2), both head dims rounded up to 128 or 256.
+        let wide = attention_backward_plan::<A<B>>(
+            device,
+            AttentionDims {
+                head_dim: 192,
+                ..dims
+            },
+            dtype.into(),
+            options,
+            false,
+            false,
+        )
+        .expect("plan")
+        .expect("plan");
+        let c = wide.config;
+        assert_eq!(wide.kernel, AttentionBackwardKernel::Hopper);
+        assert_eq!(
+            (c.head_dim, c.value_dim, c.block_k, wide.block_keys),
+            (256, 128, 64, 64)
+        );
+        assert_eq!(wide.dkv_cubes, (2, 2, 3));
     } else if matrix {
         // f16/bf16 on the matrix units (either kind): D and Dv rounded up to 16; 64 query rows
         // per dQ cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2
@@ -579,8 +642,15 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
     if hopper {
-        // A mask goes to the `mma.sync` backward.
-        assert_eq!(masked.kernel, AttentionBackwardKernel::MatrixUnits);
+        // A mask takes the Hopper backward too; a tracked bias (`dS` written for its gradient)
+        // the `mma.sync` one.
+        assert_eq!(launch(&masked), launch(&plain));
+        let biased =
+            attention_backward_plan::<A<B>>(device, dims, dtype.into(), options, false, true)
+                .expect("plan")
+                .expect("plan");
+        assert!(biased.config.rules.bias);
+        assert_eq!(biased.kernel, AttentionBackwardKernel::MatrixUnits);
     } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
     }
@@ -700,6 +770,12 @@ fn dropout_gradients<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
         seed: fresh_seed(),
     });
     check::<B>(&setup, dtype, "dropout 0.1, everything combined");
+    setup.bias_tracked = false;
+    check::<B>(
+        &setup,
+        dtype,
+        "dropout 0.1, everything combined, untracked bias",
+    );
 }
 
 /// The weights `P̃` of one call, read as the output of `V = I` (`Dv = Sk`).

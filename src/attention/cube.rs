@@ -7,7 +7,7 @@ use burn_cubecl::{
 use burn_flash_kernels::attention::{
     AttentionBackwardPlan, AttentionDims, AttentionError, AttentionFeatures, AttentionOptions,
     AttentionPlan, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
-    plan_attention_backward,
+    plan_attention_backward_writing,
 };
 use cubecl::prelude::ComputeClient;
 
@@ -111,12 +111,14 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
     mask: bool,
     bias: bool,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    plan_attention_backward(
+    // A bias here is tracked: its gradient sums the `dS` the backward writes.
+    plan_attention_backward_writing(
         client,
         dims,
         dtype.into(),
         features(dims, mask, bias),
         &kernel_options(options, dims.head_dim),
+        bias,
     )
 }
 

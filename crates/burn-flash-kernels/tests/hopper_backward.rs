@@ -275,7 +275,8 @@ fn max_abs(v: &[f64]) -> f64 {
 }
 
 /// Checks one case in both types: the plan ran the Hopper backward, and each gradient's error
-/// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value.
+/// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value
+/// (head dims over 128: twice the plain-unit backward's plus a whole half-ulp).
 fn check(client: &Client, c: Case, seed: u64) {
     let inputs = Inputs::new(&c, seed);
     let want = reference(&c, &inputs);
@@ -290,14 +291,29 @@ fn check(client: &Client, c: Case, seed: u64) {
             Some(AttentionKernel::MatrixUnits),
             0,
         );
-        assert_eq!(kernel, AttentionBackwardKernel::MatrixUnits);
+        // The `mma.sync` backward takes head dims up to 128; above, the forced `mma` forward's
+        // backward is the plain-unit one (f32 accumulators: the stricter baseline).
+        let baseline = if c.d.max(c.dv) > 128 {
+            AttentionBackwardKernel::Units
+        } else {
+            AttentionBackwardKernel::MatrixUnits
+        };
+        assert_eq!(kernel, baseline, "{c:?} {half:?}");
         for (name, got, base, want) in [
             ("dQ", &hopper.dq, &mma.dq, &want.dq),
             ("dK", &hopper.dk, &mma.dk, &want.dk),
             ("dV", &hopper.dv, &mma.dv, &want.dv),
         ] {
             let (err, err_mma) = (max_error(got, want), max_error(base, want));
-            let allowed = 2.0 * err_mma + 0.25 * half.half_ulp() * max_abs(want);
+            // Against the plain units, which keep `P` and `dS` in f32 where the matrix-unit
+            // kernels round them to the element type, the floor is a whole half-ulp (the
+            // root suite holds these head dims to the 2×-naive rule).
+            let floor = if baseline == AttentionBackwardKernel::Units {
+                1.0
+            } else {
+                0.25
+            };
+            let allowed = 2.0 * err_mma + floor * half.half_ulp() * max_abs(want);
             println!("{c:?} {half:?} {name}: max error {err:.3e} (mma {err_mma:.3e})");
             assert!(
                 err <= allowed,
@@ -338,7 +354,7 @@ fn hopper_causal_backward_matches_f64() {
     }
 }
 
-/// The measured shapes (B 4, H 16, D 128; S 4096 causal or not, S 1024; D 64 S 4096): the
+/// The measured shapes (B 4, H 16, D 128; S 4096 causal or not, S 1024; D 64 and 256 at S 4096): the
 /// Hopper gradients equal the `mma` backward's to a few ulps of the largest, and both times
 /// are printed (wall time per backward call over 10 calls, TFLOP/s counting 2.5 × the forward).
 #[test]
@@ -350,6 +366,7 @@ fn hopper_backward_at_size() {
         (4096, 128, true),
         (4096, 64, false),
         (1024, 128, false),
+        (4096, 256, false),
     ] {
         let c = Case {
             causal,

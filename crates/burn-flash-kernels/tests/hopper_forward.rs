@@ -284,8 +284,8 @@ fn hopper_causal_forward_matches_f64() {
     }
 }
 
-/// The measured shapes (B 4, H 16; S 4096 with D 128, causal or not, and D 64; S 1024 with
-/// D 128): the Hopper output equals the `mma` kernel's to a few output ulps, and both times are
+/// The measured shapes (B 4, H 16; S 4096 with D 128, causal or not, D 64 and D 256; S 1024
+/// with D 128): the Hopper output equals the `mma` kernel's to a few output ulps, and both times are
 /// printed (wall time per call over 20 calls).
 #[test]
 fn hopper_forward_at_size() {
@@ -296,6 +296,7 @@ fn hopper_forward_at_size() {
         (4096, 128, true),
         (4096, 64, false),
         (1024, 128, false),
+        (4096, 256, false),
     ] {
         let c = Case {
             causal,

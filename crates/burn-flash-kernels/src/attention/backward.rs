@@ -37,11 +37,12 @@ pub enum AttentionBackwardKernel {
     /// [`cmma::flash_backward_dkv_cmma()`] and [`cmma::flash_backward_dq_cmma()`], every score
     /// rule, `D`, `Dv` up to [`cmma::MAX_DIM`].
     CooperativeMatrix,
-    /// Hopper's `wgmma` and TMA (f16/bf16 on sm_90, no mask or bias,
+    /// Hopper's `wgmma` and TMA (f16/bf16 on sm_90, no written `dS`,
     /// [`hopper::unavailable`]): a per-row prepass (`δ`, the log-sum-exp in base 2, the `dQ`
-    /// accumulator zeroed), one kernel per block of 128 keys writing `dK`, `dV` and adding `dQ`
-    /// into the f32 accumulator, then `dQ` in the element type. Planned on sm_90 unless
-    /// `BURN_FLASH_HOPPER=off` or another forward kernel is forced.
+    /// accumulator zeroed), one kernel per block of 128 keys (64 at head dims over 128) writing
+    /// `dK`, `dV` and adding `dQ` into the f32 accumulator, then `dQ` in the element type.
+    /// Planned on sm_90 unless `BURN_FLASH_HOPPER=off`, another forward kernel is forced, or
+    /// the call has a bias ([`hopper::preferred`]: slower there, unless `=always`).
     Hopper,
 }
 
@@ -148,8 +149,9 @@ fn mma_unavailable<R: Runtime>(
     )
 }
 
-/// The backward launch for `dims`, without launching: the matrix units where they take the
-/// call, else plain units.
+/// The backward launch for `dims` that writes no `dS`, without launching: the Hopper kernels
+/// on sm_90 where they take the call, else the matrix units where they take it, else plain
+/// units.
 pub fn plan_attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
@@ -158,6 +160,19 @@ pub fn plan_attention_backward<R: Runtime>(
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
     plan_backward(client, dims, dtype, features, options, true)
+}
+
+/// [`plan_attention_backward`] for a call that writes `dS` where `write_ds` (a tracked bias,
+/// whose gradient sums it): the Hopper backward does not write it, the other kernels do.
+pub fn plan_attention_backward_writing<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+    write_ds: bool,
+) -> Result<AttentionBackwardPlan, AttentionError> {
+    plan_backward(client, dims, dtype, features, options, !write_ds)
 }
 
 /// Why the Hopper backward does not run a call (`None`: it does): switched off, another
@@ -226,18 +241,20 @@ fn plan_backward<R: Runtime>(
             || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
-    if hopper_ok && hopper_reason(client, dims, dtype, features, options).is_none() {
+    // The Hopper backward where it runs the call and is the faster one, or the forward was
+    // forced onto Hopper.
+    let hopper_wanted =
+        options.kernel == Some(super::AttentionKernel::Hopper) || hopper::preferred(features);
+    if hopper_ok && hopper_wanted && hopper_reason(client, dims, dtype, features, options).is_none()
+    {
         let config = FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims));
         let rows = dims.batch * dims.heads_q * dims.seq_q.next_multiple_of(hopper::BLOCK_Q);
+        let block_keys = config.block_k as usize;
         return Ok(AttentionBackwardPlan {
             kernel: AttentionBackwardKernel::Hopper,
             config,
-            block_keys: hopper::BLOCK_K,
-            dkv_cubes: (
-                dims.seq_k.div_ceil(hopper::BLOCK_K),
-                dims.heads_kv,
-                dims.batch,
-            ),
+            block_keys,
+            dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
             dq_cubes: (rows.div_ceil(8), 1, 1),
             matrix_units,
         });
@@ -367,7 +384,8 @@ pub fn launch_attention_backward<R: Runtime>(
         if let Some(cuda) = super::cuda_client(client) {
             // SAFETY: the shapes were checked above and describe the buffers; the plan took
             // the Hopper backward, so `hopper::unavailable` found nothing against this call
-            // (rows and starts aligned, no mask, bias or `ds`, non-empty sequences).
+            // (rows and starts aligned, no `ds`, non-empty sequences); the mask and bias
+            // strides were checked against `[B, Hq, Sq, Sk]`.
             unsafe {
                 hopper::launch(
                     cuda,
@@ -376,6 +394,7 @@ pub fn launch_attention_backward<R: Runtime>(
                     dtype,
                     options,
                     plan.config,
+                    (mask_strides.as_deref(), bias_strides.as_deref()),
                     hopper::UNITS,
                     hopper::shared_bytes(plan.config),
                     plan.dkv_cubes,
@@ -384,7 +403,7 @@ pub fn launch_attention_backward<R: Runtime>(
             record_launch(BackwardLaunch {
                 dims,
                 kernel: plan.kernel,
-                mask: false,
+                mask: t.mask.is_some(),
                 ds: false,
             });
             return Ok(plan);

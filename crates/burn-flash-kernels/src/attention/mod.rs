@@ -39,7 +39,8 @@ use crate::tensor::{TensorRef, UnsupportedDType};
 
 pub use backward::{
     AttentionBackwardKernel, AttentionBackwardPlan, BackwardLaunch, BackwardTensors,
-    launch_attention_backward, plan_attention_backward, recent_backward_launches,
+    launch_attention_backward, plan_attention_backward, plan_attention_backward_writing,
+    recent_backward_launches,
 };
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.
@@ -451,8 +452,9 @@ pub fn plan_attention<R: Runtime>(
             mma_tile(head_dim, value_dim, options.block_k)?,
         ),
         AttentionKernel::Hopper => {
-            fixed_block_k(options.block_k, hopper::BLOCK_K as u32, "the Hopper kernel")?;
-            FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims))
+            let tile = hopper::tile(dims);
+            fixed_block_k(options.block_k, tile.block_k, "the Hopper kernel")?;
+            FlashConfig::new(ScoreSource::QueryKey, rules, tile)
         }
         AttentionKernel::CooperativeMatrix => {
             let f = coop.expect("checked above");
@@ -522,7 +524,7 @@ pub fn plan_attention<R: Runtime>(
             tiled::shared_bytes(config, tiled::planes(client)),
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
-        AttentionKernel::Hopper => (hopper::UNITS, hopper::shared_bytes(config)),
+        AttentionKernel::Hopper => (hopper::units(config), hopper::shared_bytes(config)),
     };
     let hw = &client.properties().hardware;
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
@@ -542,9 +544,9 @@ pub fn plan_attention<R: Runtime>(
         (dims.batch * dims.heads_kv).max(1),
     );
     let cubes = if kernel == AttentionKernel::Hopper {
-        // One block per 128 query rows of each (query head, batch).
+        // One block per `block_q` query rows of each (query head, batch).
         (
-            dims.seq_q.div_ceil(hopper::BLOCK_Q).max(1),
+            dims.seq_q.div_ceil(config.block_q as usize).max(1),
             dims.heads_q,
             dims.batch,
         )

@@ -233,12 +233,17 @@ impl Case {
     }
 }
 
-/// The non-causal calls both Hopper directions are checked on: head dims 64 and 128 and their
-/// rounding (96, 72; Dv ≠ D), lengths that leave partial row and key blocks, grouped-query
+/// The non-causal calls both Hopper directions are checked on: head dims 64, 128 and 256 and
+/// their rounding (96, 72, 192; Dv ≠ D), lengths that leave partial row and key blocks, grouped-query
 /// heads, softcap, `[B, S, H, D]` strides.
-pub fn grid() -> [Case; 6] {
+pub fn grid() -> [Case; 8] {
     [
         Case::new(1, 2, 2, 128, 128, 64, 64),
+        Case::new(1, 4, 2, 200, 333, 256, 256),
+        Case {
+            bshd: true,
+            ..Case::new(1, 2, 1, 130, 200, 192, 64)
+        },
         Case::new(2, 4, 2, 200, 333, 128, 128),
         Case::new(1, 3, 1, 77, 515, 96, 64),
         Case::new(1, 2, 1, 300, 129, 72, 128),
@@ -254,10 +259,11 @@ pub fn grid() -> [Case; 6] {
 }
 
 /// The causal calls (bottom-right aligned) both Hopper directions are checked on: `Sq = Sk`,
-/// `Sq < Sk`, `Sq > Sk` (rows without a key), softcap with `Dv ≠ D`.
-pub fn causal_grid() -> [Case; 4] {
+/// `Sq < Sk`, `Sq > Sk` (rows without a key), softcap with `Dv ≠ D`, D 256 with Dv 128.
+pub fn causal_grid() -> [Case; 5] {
     let causal = |c: Case| Case { causal: true, ..c };
     [
+        causal(Case::new(1, 2, 1, 150, 300, 256, 128)),
         causal(Case::new(1, 2, 2, 384, 384, 128, 128)),
         causal(Case::new(2, 4, 2, 100, 700, 64, 64)),
         causal(Case::new(1, 2, 1, 333, 200, 128, 64)),

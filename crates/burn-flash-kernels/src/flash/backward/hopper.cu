@@ -22,6 +22,10 @@
 //      and dQ is added to the f32 accumulator with vector reductions (`red.add.v2.f32`).
 //      With D = 128 each consumer computes 64 of dQ's columns from all 128 keys; with D = 64
 //      each computes all columns from its own 64 keys (both add into the accumulator).
+//    - WIDE (a head dim of 256): a block holds 64 keys, and both consumers compute Sᵀ and dPᵀ
+//      of all of them (the same values; wgmma's M is 64), then each takes half of the columns:
+//      dV[:, half c], dK[:, half c] and dQ[:, half c] — the registers of the 128-column case.
+//      The duplicated Sᵀ and dPᵀ are 2 of the step's 7 products.
 // 3. `burn_flash_hopper_backward_dq` (hopper_rows.cu): dQ = scale · accumulator, in the element
 //    type, through dQ's strides.
 //
@@ -30,12 +34,22 @@
 // swizzle: 128 key rows × 64 query columns (one atom column), double-buffered by step parity.
 //
 // The host prepends WG_ELEM ("f16" | "bf16"), ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128, the
-// head dims rounded up; the columns past the real ones are read as zeros and never written),
-// and CAUSAL, SOFTCAP, DROPOUT (0 | 1). Masks and biases are not taken here (the plan runs the
-// `mma.sync` backward for them).
+// head dims rounded up; or 128 | 256 with one of them 256, WIDE; the columns past the real ones
+// are read as zeros and never written),
+// and CAUSAL, SOFTCAP, MASK, FILL, BIAS, DROPOUT (0 | 1), the score rules of the forward
+// (forward/hopper.cu) in its order: scale, softcap, bias, then a masked key hidden or given
+// the fill score. A key that took the fill score has a constant score: its weight reaches dV,
+// its dS reaches neither dQ nor dK. The bias is the forward's, not tracked (a call that wants
+// its gradient writes dS, which the plan gives the `mma.sync` backward).
 
 #define BLOCK_M 64
+#if HEAD_DIM > 128 || VALUE_DIM > 128
+#define WIDE 1
+#define BLOCK_N 64
+#else
+#define WIDE 0
 #define BLOCK_N 128
+#endif
 #define STAGES 2
 #define D_ATOMS (HEAD_DIM / 64)
 #define V_ATOMS (VALUE_DIM / 64)
@@ -47,15 +61,30 @@
 #define DO_BYTES (V_ATOMS * ROW_ATOM)
 #define ROWS_BYTES (BLOCK_M * 4)
 #define DS_BYTES (BLOCK_N * BLOCK_M * 2)
-#define DK_REGS (HEAD_DIM / 2)
-#define DV_REGS (VALUE_DIM / 2)
+// The columns of dK and dV a consumer accumulates (WIDE: half of each), and the first
+// 64-column atom of consumer c's; the first of the keys it computes with.
+#if WIDE
+#define DK_COLS (HEAD_DIM / 2)
+#define DV_COLS (VALUE_DIM / 2)
+#define DK_ATOM0(c) ((c) * (D_ATOMS / 2))
+#define DV_ATOM0(c) ((c) * (V_ATOMS / 2))
+#define KEY_OFF(c) 0u
+#else
+#define DK_COLS HEAD_DIM
+#define DV_COLS VALUE_DIM
+#define DK_ATOM0(c) 0u
+#define DV_ATOM0(c) 0u
+#define KEY_OFF(c) (64u * (c))
+#endif
+#define DK_REGS (DK_COLS / 2)
+#define DV_REGS (DV_COLS / 2)
 
-#if HEAD_DIM == 128
+#if DK_COLS == 128
 #define WGMMA_DK wgmma_rs_n128_tb
 #else
 #define WGMMA_DK wgmma_rs_n64_tb
 #endif
-#if VALUE_DIM == 128
+#if DV_COLS == 128
 #define WGMMA_DV wgmma_rs_n128_tb
 #else
 #define WGMMA_DV wgmma_rs_n64_tb
@@ -75,16 +104,20 @@ struct BwdParams {
     float scale;         // dK = scale · dSᵀ·Q
     u32 seed_lo, seed_hi, threshold; // dropout
     float inv_keep;                  // dropout: 1 / (1 − p)
+    float fill_log2;                 // masked_score · log2(e) (FILL)
+    u32 unused2;
+    u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
+    u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
 };
 
-// Sᵀ (or dPᵀ) = A·Bᵀ for consumer `c`'s 64 keys (A: K or V, 128 key rows) and the step's 64
-// query rows (B: Q or dO), DIM / 16 steps of k16, 32 bytes further into a swizzled row each.
+// Sᵀ (or dPᵀ) = A·Bᵀ for consumer `c`'s 64 keys (A: K or V, BLOCK_N key rows) and the step's
+// 64 query rows (B: Q or dO), DIM / 16 steps of k16, 32 bytes further into a swizzled row each.
 template <int DIM>
 __device__ __forceinline__ void issue_keys_rows(float (&d)[32], u32 keys, u32 rows, u32 c) {
 #pragma unroll
     for (int kk = 0; kk < DIM / 16; ++kk) {
         const u32 atom = kk / 4, within = (kk % 4) * 32;
-        const u64 da = desc_sw128(keys + atom * KV_ATOM + c * 64u * 128u + within, 16, 1024);
+        const u64 da = desc_sw128(keys + atom * KV_ATOM + KEY_OFF(c) * 128u + within, 16, 1024);
         const u64 db = desc_sw128(rows + atom * ROW_ATOM + within, 16, 1024);
         wgmma_ss_n64(d, da, db, kk > 0 ? 1u : 0u);
     }
@@ -99,15 +132,19 @@ __device__ __forceinline__ void pack_slices(u32 (&a)[4][4], const float (&x)[32]
     }
 }
 
-// Stores a `[keys][BLOCK_N…]` accumulator slice of 16-bit pairs into a buffer of `BLOCK_N`
+// Stores consumer `c`'s 64 keys × 64 query columns of 16-bit pairs into a buffer of `BLOCK_N`
 // key rows × 64 query columns with the 128-byte swizzle (16-byte chunk index XOR key row % 8).
+// WIDE: both consumers hold the same values, and each stores half of the columns.
 __device__ __forceinline__ void store_ds(u32 buf, const u32 (&a)[4][4], u32 c, u32 warp,
                                          u32 lane) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
+#if WIDE
+        if ((u32)kk / 2u != c) continue;
+#endif
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const u32 key = 64u * c + 16u * warp + lane / 4u + 8u * (j % 2);
+            const u32 key = KEY_OFF(c) + 16u * warp + lane / 4u + 8u * (j % 2);
             const u32 col = 8u * (2 * kk + j / 2) + 2u * (lane % 4u);
             const u32 off = key * 128u + col * 2u;
             const u32 addr = buf + (off ^ ((key % 8u) << 4));
@@ -138,11 +175,10 @@ __device__ __forceinline__ void write_keys(unsigned short* dst, const float (&ac
     }
 }
 
-// Adds consumer `c`'s part of a step's dQ to the accumulator rows at `acc` (the step's first
-// row; `rows` of them below Sq): with D = 128 its 64 columns, with D = 64 all of them.
-__device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int rows, u32 c,
+// Adds 64 columns of a step's dQ, from `col0`, to the accumulator rows at `acc` (the step's
+// first row; `rows` of them below Sq).
+__device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int rows, u32 col0,
                                        u32 warp, u32 lane) {
-    const u32 col0 = HEAD_DIM == 128 ? 64u * c : 0u;
 #pragma unroll
     for (int i = 0; i < 32; i += 2) {
         const int row = 16 * (int)warp + (int)(lane / 4u) + 8 * ((i / 2) % 2);
@@ -158,7 +194,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                            const unsigned short* v_buffer, const unsigned short* do_buffer,
                            const float* __restrict__ lse2, const float* __restrict__ delta,
                            float* __restrict__ dq_acc, unsigned short* __restrict__ dk,
-                           unsigned short* __restrict__ dv, const __grid_constant__ BwdParams p)
+                           unsigned short* __restrict__ dv,
+                           const unsigned short* __restrict__ mask,
+                           const unsigned short* __restrict__ bias,
+                           const __grid_constant__ BwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char smem_raw[];
@@ -252,7 +291,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
     const u32 c = wg - 1u;
     const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
     // This thread's keys (rows of the transposed products): key0 and key0 + 8.
-    const int keys_c = n0 + 64 * (int)c;
+    const int keys_c = n0 + (int)KEY_OFF(c);
     const int key0 = keys_c + 16 * (int)warp + (int)(lane / 4u);
     // The dropout key's second word: the seed's high word mixed with (batch, query head).
     const u32 seed_base = batch * p.heads_q;
@@ -297,6 +336,14 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if DROPOUT
         const u32 seed_key1 = p.seed_hi ^ ((seed_base + head) * 0x9E3779B9u);
 #endif
+#if MASK
+        const unsigned short* mask_h =
+            mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
+#endif
+#if BIAS
+        const unsigned short* bias_h =
+            bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
+#endif
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             // Register i: key key0 + 8·((i / 2) % 2), query row m0 + col.
@@ -304,6 +351,33 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             const int key = key0 + 8 * ((i / 2) % 2);
 #if SOFTCAP
             const float th = tanhf(st[i] * p.cap_inv_scale);
+#endif
+            // Whether the score depends on q·k (not a masked key's fill score).
+            bool live = true;
+#if MASK || BIAS
+#if SOFTCAP
+            float x = p.cap_log2 * th;
+#else
+            float x = st[i] * p.scale_log2;
+#endif
+            {
+                const int row = m0 + col;
+                if (row < (int)p.seq_q && key < (int)p.seq_k) {
+#if BIAS
+                    x += LOG2E * elem_to_f32(bias_h[(u64)row * p.bias_stride_s
+                                                    + (u64)key * p.bias_stride_k]);
+#endif
+#if MASK
+                    if (mask_h[(u64)row * p.mask_stride_s + (u64)key * p.mask_stride_k]
+                        & 0x7fffu) {
+                        live = false;
+                        x = FILL ? p.fill_log2 : NEG_INF;
+                    }
+#endif
+                }
+            }
+            float pv = ex2(x - lse_s[col]);
+#elif SOFTCAP
             float pv = ex2(fmaf(p.cap_log2, th, -lse_s[col]));
 #else
             float pv = ex2(fmaf(st[i], p.scale_log2, -lse_s[col]));
@@ -316,9 +390,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 if (hidden) pv = 0.0f;
             }
 #if SOFTCAP
-            float keep_factor = pv * (1.0f - th * th);
+            float keep_factor = live ? pv * (1.0f - th * th) : 0.0f;
 #else
-            float keep_factor = pv;
+            float keep_factor = live ? pv : 0.0f;
 #endif
 #if DROPOUT
             const u32 word = threefry((u32)key, (u32)(m0 + col), p.seed_lo, seed_key1);
@@ -335,7 +409,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            WGMMA_DV(dv_acc, pp[kk], desc_sw128(SDO(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
+            WGMMA_DV(dv_acc, pp[kk],
+                     desc_sw128(SDO(s) + DV_ATOM0(c) * ROW_ATOM + kk * 2048u, ROW_ATOM, 1024),
+                     1u);
         }
         wgmma_commit();
 
@@ -360,13 +436,36 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            WGMMA_DK(dk_acc, pds[kk], desc_sw128(SQ(s) + kk * 2048u, ROW_ATOM, 1024), 1u);
+            WGMMA_DK(dk_acc, pds[kk],
+                     desc_sw128(SQ(s) + DK_ATOM0(c) * ROW_ATOM + kk * 2048u, ROW_ATOM, 1024),
+                     1u);
         }
         wgmma_commit();
         // Both consumers' dSᵀ are in shared memory (the buffer of this step's parity: the one
         // of the step before last was read before either consumer arrived here last step).
         named_sync(1, 256);
-#if HEAD_DIM == 128
+        float* dq_rows = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
+#if WIDE
+        // dQ[:, atom a] = dS·K[:, atom a] for consumer c's atoms, one at a time: all 64 keys.
+#pragma unroll
+        for (u32 h = 0; h < D_ATOMS / 2; ++h) {
+            const u32 a = DK_ATOM0(c) + h;
+            if (h > 0) wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+                const u64 da = desc_sw128(buf + kk * 2048u, DS_BYTES, 1024);
+                const u64 db = desc_sw128(sk + a * KV_ATOM + kk * 2048u, KV_ATOM, 1024);
+                wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_hold(dv_acc);
+            wgmma_hold(dk_acc);
+            wgmma_hold(dq);
+            if (h == D_ATOMS / 2 - 1) release(EMPTY(s), lane);
+            add_dq(dq_rows, dq, (int)p.seq_q - m0, 64u * a, warp, lane);
+        }
+#elif HEAD_DIM == 128
         // dQ[:, 64c .. 64c + 63] = dS·K[:, 64c ..]: all 128 keys, 16 per step.
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
@@ -383,20 +482,28 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
         }
 #endif
+#if !WIDE
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_hold(dv_acc);
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
-        add_dq(dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM, dq,
-               (int)p.seq_q - m0, c, warp, lane);
+        add_dq(dq_rows, dq, (int)p.seq_q - m0, HEAD_DIM == 128 ? 64u * c : 0u, warp, lane);
+#endif
     }
 
-    // dK (scaled: the scores are scale·q·k) and dV of this thread's keys.
-    write_keys(dk + (u64)batch * p.dk_stride_b + (u64)head_kv * p.dk_stride_h, dk_acc, p.scale,
-               key0, (int)p.seq_k, p.head_dim, p.dk_stride_s, p.dk_stride_d, lane);
-    write_keys(dv + (u64)batch * p.dv_stride_b + (u64)head_kv * p.dv_stride_h, dv_acc, 1.0f,
-               key0, (int)p.seq_k, p.value_dim, p.dv_stride_s, p.dv_stride_d, lane);
+    // dK (scaled: the scores are scale·q·k) and dV of this thread's keys, from the consumer's
+    // first column.
+    const u32 dk_col0 = 64u * DK_ATOM0(c), dv_col0 = 64u * DV_ATOM0(c);
+    write_keys(dk + (u64)batch * p.dk_stride_b + (u64)head_kv * p.dk_stride_h
+                   + (u64)dk_col0 * p.dk_stride_d,
+               dk_acc, p.scale, key0, (int)p.seq_k, p.head_dim > dk_col0 ? p.head_dim - dk_col0 : 0u,
+               p.dk_stride_s, p.dk_stride_d, lane);
+    write_keys(dv + (u64)batch * p.dv_stride_b + (u64)head_kv * p.dv_stride_h
+                   + (u64)dv_col0 * p.dv_stride_d,
+               dv_acc, 1.0f, key0, (int)p.seq_k,
+               p.value_dim > dv_col0 ? p.value_dim - dv_col0 : 0u, p.dv_stride_s, p.dv_stride_d,
+               lane);
 #endif
 }

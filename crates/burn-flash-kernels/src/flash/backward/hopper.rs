@@ -7,9 +7,10 @@
 //! this file, on the wrappers of `crate::hopper` (`sm90.cuh`) and the score helpers of
 //! `flash/scores.cuh`.
 //!
-//! Variants ([`Variant`]): element type × `D` (64, 128: the head dims rounded up) × `Dv` × causal,
-//! softcap, dropout. Masks, biases and a written `dS` are not taken ([`unavailable`] names
-//! every refusal); the plan then runs the `mma.sync` backward.
+//! Variants ([`Variant`]): element type × `D` (64, 128, 256: the head dims rounded up; with
+//! one of them 256 the other at least 128, 64 keys per block) × `Dv` × causal,
+//! softcap, mask (hiding or filling), bias, dropout. A written `dS` (a tracked bias) is not
+//! taken, nor what [`unavailable`] names; the plan then runs the `mma.sync` backward.
 
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime;
@@ -28,7 +29,7 @@ use crate::hopper::words;
 
 /// Query rows per step.
 pub const BLOCK_Q: usize = 64;
-/// Keys per block (64 per consumer warpgroup).
+/// Keys per block (64 per consumer warpgroup); 64 where a head dim is 256 ([`tile`]).
 pub const BLOCK_K: usize = 128;
 /// `Q`/`dO` slots of the pipeline.
 pub const STAGES: usize = 2;
@@ -70,14 +71,20 @@ const ROWS_SOURCE_HASH: u64 = crate::hopper::source_hash(ROWS_SOURCE);
 pub struct Variant {
     /// bf16 (else f16).
     pub bf16: bool,
-    /// `D` rounded up to 64 or 128.
+    /// `D` rounded up ([`tile`]).
     pub head_dim: u32,
-    /// `Dv` rounded up to 64 or 128.
+    /// `Dv` rounded up ([`tile`]).
     pub value_dim: u32,
     /// Bottom-right causal mask.
     pub causal: bool,
     /// Softcap.
     pub softcap: bool,
+    /// A bool mask (in the element type) is read.
+    pub mask: bool,
+    /// Masked keys took the fill score (`masked_score`) instead of leaving.
+    pub fill: bool,
+    /// A bias is read.
+    pub bias: bool,
     /// Dropout on the weights.
     pub dropout: bool,
 }
@@ -91,6 +98,9 @@ impl Variant {
             value_dim: config.value_dim,
             causal: config.rules.causal,
             softcap: config.rules.softcap,
+            mask: config.rules.mask,
+            fill: config.rules.mask && config.rules.masked_score.is_some(),
+            bias: config.rules.bias,
             dropout: config.rules.dropout,
         }
     }
@@ -108,6 +118,9 @@ impl Variant {
             ("ELEM_BF16", self.bf16),
             ("CAUSAL", self.causal),
             ("SOFTCAP", self.softcap),
+            ("MASK", self.mask),
+            ("FILL", self.fill),
+            ("BIAS", self.bias),
             ("DROPOUT", self.dropout),
         ] {
             text += &format!("#define {name} {}\n", u32::from(on));
@@ -124,36 +137,62 @@ impl Variant {
             | u64::from(self.causal) << 24
             | u64::from(self.softcap) << 25
             | u64::from(self.dropout) << 26
+            | u64::from(self.mask) << 27
+            | u64::from(self.fill) << 28
+            | u64::from(self.bias) << 29
     }
 }
 
 /// The tile of a call: [`BLOCK_Q`] rows per step, [`BLOCK_K`] keys per block, the head dims
-/// rounded up to 64 or 128.
+/// rounded up to 64 or 128. Where one is over 128 (wide): 64 keys per block, both consumers
+/// on the same keys and each on half of the columns of `dK`, `dV`, `dQ`, so the head dims are
+/// rounded up to 128 or 256 (two halves of 64 or 128 columns).
 pub fn tile(dims: AttentionDims) -> Tile {
     let rounded = |dim: usize| if dim <= 64 { 64 } else { 128 };
+    let wide = dims.head_dim.max(dims.value_dim) > 128;
+    let wide_rounded = |dim: usize| if dim <= 128 { 128 } else { 256 };
     Tile {
         block_q: BLOCK_Q as u32,
         row_tiles: 1,
-        block_k: BLOCK_K as u32,
-        head_dim: rounded(dims.head_dim),
-        value_dim: rounded(dims.value_dim),
+        block_k: if wide { 64 } else { BLOCK_K as u32 },
+        head_dim: if wide {
+            wide_rounded(dims.head_dim)
+        } else {
+            rounded(dims.head_dim)
+        },
+        value_dim: if wide {
+            wide_rounded(dims.value_dim)
+        } else {
+            rounded(dims.value_dim)
+        },
     }
 }
 
-/// Dynamic shared memory for `config`'s head dims: `K` and `V` of the block (128 rows × 128
-/// bytes per 64 columns), two `dSᵀ` buffers (128 × 64 × 2 bytes), [`STAGES`] slots of `Q` and
-/// `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), the barriers, and 1 KiB to align
-/// the swizzle atoms.
+/// Dynamic shared memory for `config`'s tile: `K` and `V` of the block (`block_k` rows × 128
+/// bytes per 64 columns), two `dSᵀ` buffers (`block_k` × 64 × 2 bytes), [`STAGES`] slots of
+/// `Q` and `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), the barriers, and 1 KiB
+/// to align the swizzle atoms: 210 KiB at head dims of 256.
 pub fn shared_bytes(config: FlashConfig) -> usize {
     let (d, dv) = (
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
     );
-    let (kv_atom, row_atom) = (BLOCK_K * 128, BLOCK_Q * 128);
-    1024 + kv_atom * (d + dv)
-        + 2 * BLOCK_K * BLOCK_Q * 2
-        + STAGES * (row_atom * (d + dv) + 512)
-        + 64
+    let keys = config.block_k as usize;
+    let (kv_atom, row_atom) = (keys * 128, BLOCK_Q * 128);
+    1024 + kv_atom * (d + dv) + 2 * keys * BLOCK_Q * 2 + STAGES * (row_atom * (d + dv) + 512) + 64
+}
+
+/// Whether the plan picks the Hopper backward for a call it can run with `features`: under
+/// `BURN_FLASH_HOPPER` unset (or `on`), every call but one with a bias — it reads the bias per
+/// element, and measured slower than the `mma.sync` backward with a full `[1, H, S, S]` bias
+/// (RESULTS.md §14.8) while faster with a mask; `always`, every call; `off`, none.
+pub fn preferred(features: AttentionFeatures) -> bool {
+    use crate::flash::forward::hopper::{Use, usage};
+    match usage() {
+        Use::Always => true,
+        Use::Faster => !features.bias,
+        Use::Off => false,
+    }
 }
 
 /// Why the Hopper backward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -172,10 +211,8 @@ pub fn unavailable(
         StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
     ) {
         "the Hopper backward takes f16 and bf16"
-    } else if dims.head_dim > 128 || dims.value_dim > 128 {
-        "the Hopper backward takes head dims up to 128"
-    } else if features.mask || features.bias {
-        "the Hopper backward takes no mask or bias (the mma.sync backward does)"
+    } else if dims.head_dim > 256 || dims.value_dim > 256 {
+        "the Hopper backward takes head dims up to 256"
     } else if !features.aligned {
         "the Hopper backward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements, buffers starting on 16 bytes"
     } else if dims.seq_q == 0 || dims.seq_k == 0 {
@@ -192,7 +229,8 @@ pub fn unavailable(
 
 /// Launches the backward of `dims` on `client`: `δ` and the statistics, the main kernel on the
 /// plan's grid (`config`'s variant, `units`, shared memory), then `dQ`. `t` was checked by the
-/// caller (shapes, [`unavailable`] `None`, no `ds`).
+/// caller (shapes, [`unavailable`] `None`, no `ds`); `mask_strides` and `bias_strides` are
+/// those of `t.mask` and `t.bias` over `[B, Hq, Sq, Sk]`, 0 along broadcast dimensions.
 ///
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
@@ -204,6 +242,7 @@ pub unsafe fn launch(
     dtype: StorageType,
     options: &AttentionOptions,
     config: FlashConfig,
+    (mask_strides, bias_strides): (Option<&[usize]>, Option<&[usize]>),
     units: u32,
     shared: usize,
     cubes: (usize, usize, usize),
@@ -287,6 +326,7 @@ pub unsafe fn launch(
                 "if (it >= STAGES) mbar_wait(",
                 "if (false) mbar_wait(",
             ),
+            (mutation::fill_grad(), "live = false;", "live = true;"),
         ],
     );
     let kernel = HandWritten::new_hashed(
@@ -315,10 +355,24 @@ pub unsafe fn launch(
     let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
     params.push(words(dropout.seed_lo, dropout.seed_hi));
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
+    params.push(words(
+        (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
+        0,
+    ));
+    // An absent mask or bias is never read: `q` stands in, with zero strides.
+    let term = |given: &Option<crate::tensor::TensorRef<'_>>, strides: Option<&[usize]>| match (
+        given, strides,
+    ) {
+        (Some(given), Some(s)) => (given.handle.clone(), s.to_vec()),
+        _ => (t.q.handle.clone(), vec![0; 4]),
+    };
+    let (mask_handle, mask_strides) = term(&t.mask, mask_strides);
+    let (bias_handle, bias_strides) = term(&t.bias, bias_strides);
+    params.extend(mask_strides.iter().chain(&bias_strides).map(|&s| s as u64));
     let maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
-        tensor_map(&t.k, dtype, BLOCK_K),
-        tensor_map(&t.v, dtype, BLOCK_K),
+        tensor_map(&t.k, dtype, config.block_k as usize),
+        tensor_map(&t.v, dtype, config.block_k as usize),
         tensor_map(&t.d_out, dtype, BLOCK_Q),
     ];
     let (x, y, z) = cubes;
@@ -326,8 +380,10 @@ pub unsafe fn launch(
     // here for exactly those) and, through the strides given, positions below `Sq` and columns
     // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
     // `q`, `k`, `v`, `dO` (TMA clips every box to the shapes) and the scratch rows of its
-    // (batch, head) pairs; block (n, h, b) writes keys 128n .. 128n + 127 below `Sk` of
-    // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`.
+    // (batch, head) pairs; block (n, h, b) writes its `block_k` keys below `Sk` of
+    // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`. The mask and bias reads stay in
+    // theirs: rows below `Sq`, keys below `Sk`, through the broadcast strides checked by the
+    // caller.
     unsafe {
         row_kernel(ROWS_ENTRY).launch(
             row_blocks.clone(),
@@ -350,6 +406,8 @@ pub unsafe fn launch(
                 dq_acc.clone().binding(),
                 t.dk.handle.clone().binding(),
                 t.dv.handle.clone().binding(),
+                mask_handle.binding(),
+                bias_handle.binding(),
             ],
             params,
         );

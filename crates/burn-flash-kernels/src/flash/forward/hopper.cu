@@ -1,24 +1,30 @@
 // Attention forward on Hopper (sm_90a): FlashAttention-3's schedule, written as CUDA C++ with
 // inline PTX (../../hopper/sm90.cuh) and launched through cubecl's client (hopper.rs).
 //
-// One block of 384 threads computes 128 query rows of one (batch, query head):
+// One block computes BLOCK_M query rows of one (batch, query head), 64 per consumer warpgroup
+// (128: two consumers, 384 threads; 192 at head dims of 64: three, 512 threads):
 // - warpgroup 0 is the producer: it gives its registers back (setmaxnreg) and one thread issues
 //   TMA loads: Q once, then K and V blocks of 128 keys into a ring of STAGES slots, each slot
 //   guarded by a "full" barrier (TMA transactions) and an "empty" barrier (the consumers);
-// - warpgroups 1 and 2 are the consumers, 64 rows each: S = Q·Kᵀ on `wgmma` with both operands
+// - warpgroups 1 … CONSUMERS are the consumers, 64 rows each: S = Q·Kᵀ on `wgmma` with both operands
 //   in shared memory, the online softmax in registers, then O += P·V on `wgmma` with P taken
 //   from the registers that held S (the accumulator layout of a 64 × 16 slice is the A-operand
 //   layout of the next product) and V read N-major from shared memory;
 // - overlap, as FlashAttention-3: each consumer issues S for block j before O += P·V of block
-//   j − 1 and computes block j's softmax while that product runs (intra-warpgroup), and the two
-//   consumers take turns issuing their products (PINGPONG, named barriers 1 and 2), so that one
-//   warpgroup's softmax runs while the other's products hold the tensor cores.
+//   j − 1 and computes block j's softmax while that product runs (intra-warpgroup), and the
+//   consumers take turns issuing their products (PINGPONG, named barrier 1 + c is consumer c's
+//   turn), so that one warpgroup's softmax runs while another's products hold the tensor cores.
+//   At D 64 the products are short against the softmax: a third consumer keeps the tensor
+//   cores fed (FlashAttention-3's 192-row tile); its registers (160 per thread) hold S, P and
+//   O of 64 columns.
 // Tiles are stored as the TMA writes them with 128-byte swizzling: 64-column atoms of 128 rows ×
-// 128 bytes, so D = 128 is two atoms, and D ≤ 64 one.
+// 128 bytes, so D = 128 is two atoms, D = 256 four, and D ≤ 64 one.
 //
-// The host prepends: WG_ELEM ("f16" | "bf16") and ELEM_BF16, BLOCK_N (keys per step: 128, or 64
-// with given scores and VALUE_DIM 256), HEAD_DIM and VALUE_DIM (64 | 128, the head dims rounded
-// up; the columns past the real ones are read as zeros and never written; with given scores
+// The host prepends: WG_ELEM ("f16" | "bf16") and ELEM_BF16, BLOCK_M (128 | 192, query rows per
+// block; 128 with given scores), BLOCK_N (keys per step: 128, or 64
+// where a head dim is 256: O's 128 accumulator registers per thread leave room for 64 columns
+// of scores, and 2 slots of K and V fit beside Q), HEAD_DIM and VALUE_DIM (64 | 128 | 256, the
+// head dims rounded up; the columns past the real ones are read as zeros and never written; with given scores
 // HEAD_DIM is BLOCK_N, the columns of X per step, and VALUE_DIM may be 256), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
 // BIAS, QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale, softcap,
 // bias, then a masked key hidden or given the fill score, then causal and keys past the end
@@ -37,7 +43,7 @@
 // rules are all off and the scale is 1.
 
 #define PINGPONG 1
-#define BLOCK_M 128
+#define CONSUMERS (BLOCK_M / 64)
 #define STAGES 2
 #define D_ATOMS (HEAD_DIM / 64)
 #define V_ATOMS (VALUE_DIM / 64)
@@ -81,20 +87,24 @@ __device__ __forceinline__ void turn_begin(u32 c) {
 
 __device__ __forceinline__ void turn_end(u32 c) {
 #if PINGPONG
-    named_arrive(2 - c, 256);
+    named_arrive(1 + (c + 1) % CONSUMERS, 256);
 #endif
 }
 
 #if !GIVEN
-// S = Q·Kᵀ for consumer `c`'s 64 rows and the slot's 128 keys: HEAD_DIM / 16 steps of k16, each
-// 32 bytes further into a 128-byte swizzled row (a new atom every 64 columns).
+// S = Q·Kᵀ for consumer `c`'s 64 rows and the slot's BLOCK_N keys: HEAD_DIM / 16 steps of k16,
+// each 32 bytes further into a 128-byte swizzled row (a new atom every 64 columns).
 __device__ __forceinline__ void issue_qk(float (&sc)[S_REGS], u32 sq, u32 sk, u32 c) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 atom = kk / 4, within = (kk % 4) * 32;
         const u64 da = desc_sw128(sq + atom * ATOM_BYTES + c * 64u * 128u + within, 16, 1024);
         const u64 db = desc_sw128(sk + atom * KV_ATOM + within, 16, 1024);
+#if BLOCK_N == 128
         wgmma_ss_n128(sc, da, db, kk > 0 ? 1u : 0u);
+#else
+        wgmma_ss_n64(sc, da, db, kk > 0 ? 1u : 0u);
+#endif
     }
 }
 #endif
@@ -300,7 +310,7 @@ __device__ __forceinline__ void pack_weights(u32 (&pa)[BLOCK_N / 16][4], const f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(384, 1)
+extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                           const __grid_constant__ TmaMap tv, const unsigned short* q_buffer,
                           const unsigned short* k_buffer, const unsigned short* v_buffer,
@@ -354,8 +364,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             mbar_init(K_FULL(s), 1);
             mbar_init(V_FULL(s), 1);
             // One arrival per consumer warp.
-            mbar_init(K_EMPTY(s), 8);
-            mbar_init(V_EMPTY(s), 8);
+            mbar_init(K_EMPTY(s), 4 * CONSUMERS);
+            mbar_init(V_EMPTY(s), 4 * CONSUMERS);
         }
         mbar_init_fence();
     }
@@ -408,7 +418,11 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     }
 
     // ---- consumers ----
+#if CONSUMERS == 3
+    regs_claim<160>();
+#else
     regs_claim<240>();
+#endif
     const u32 c = wg - 1u;
     const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
     // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`).
@@ -449,9 +463,10 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     float corr[2];
 
 #if PINGPONG
-    // The consumers take turns issuing their products (named barriers 1 and 2), so that one
-    // warpgroup's softmax runs while the other's products occupy the tensor cores.
-    if (c == 1) named_arrive(1, 256);
+    // The consumers take turns issuing their products (consumer c waits on named barrier
+    // 1 + c, which its predecessor arrives at), so that one warpgroup's softmax runs while
+    // another's products occupy the tensor cores. The last consumer opens the first turn.
+    if (c == CONSUMERS - 1) named_arrive(1, 256);
 #endif
     if (n_blocks > 0) {
 #if GIVEN
@@ -534,7 +549,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         release(V_EMPTY(sl), lane);
     }
 #if PINGPONG
-    // Consumes the other warpgroup's last arrival.
+    // Consumes the last consumer's last arrival.
     if (c == 0) named_sync(1, 256);
 #endif
 

@@ -5,10 +5,11 @@
 //! of `crate::hopper` (`sm90.cuh`); it is compiled by cubecl-cuda's NVRTC and launched through
 //! the caller's client (`crate::hopper::task::HandWritten`, CUDA builds).
 //!
-//! Variants ([`Variant`]): element type (f16, bf16) × `D` (64, 128: the head dims rounded up)
-//! × `Dv` (64, 128) × the score rules (causal, softcap, mask, fill score, bias, quiet,
-//! dropout), each compiled on first use. What it does not take (head dims over 128, rows not
-//! 16-byte aligned) is named by [`unavailable`]; the plan then runs the `mma.sync` kernel.
+//! Variants ([`Variant`]): element type (f16, bf16) × `D` (64, 128, 256: the head dims rounded
+//! up) × `Dv` (64, 128, 256) × the score rules (causal, softcap, mask, fill score, bias, quiet,
+//! dropout), each compiled on first use; a head dim of 256 takes 64 keys per step. What it
+//! does not take (rows not 16-byte aligned, …) is named by [`unavailable`]; the plan then runs
+//! the `mma.sync` kernel.
 //!
 //! The same source with given scores (`GIVEN`) is `softmax(X)·V`'s forward on Hopper
 //! (`launch_given`): tiles of `X` take the place of `K` in the slots and are read into the
@@ -31,14 +32,21 @@ use crate::hopper::words;
 #[cfg(feature = "cuda")]
 use crate::tensor::TensorRef;
 
-/// Query rows per block (two consumer warpgroups of 64).
+/// Query rows per block (two consumer warpgroups of 64); 192 (three) at head dims of 64
+/// ([`tile`]), 128 with given scores.
 pub const BLOCK_Q: usize = 128;
-/// Keys per step.
+/// Keys per step (64 where a head dim is over 128: [`tile`]).
 pub const BLOCK_K: usize = 128;
 /// `K`/`V` slots of the pipeline (a third measured no faster on an H200, RESULTS §14).
 pub const STAGES: usize = 2;
-/// Threads per block: one producer and two consumer warpgroups.
+/// Threads per block of [`BLOCK_Q`] rows: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
+
+/// Threads per block of `config`: one producer warpgroup and one consumer warpgroup per 64
+/// query rows.
+pub fn units(config: FlashConfig) -> u32 {
+    128 * (1 + config.block_q / 64)
+}
 
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_forward";
@@ -60,13 +68,14 @@ const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 pub struct Variant {
     /// bf16 (else f16).
     pub bf16: bool,
-    /// Keys per step: [`BLOCK_K`], or 64 with given scores and `value_dim` 256.
+    /// Query rows per block: 128, or 192 ([`tile`]).
+    pub block_q: u32,
+    /// Keys per step: [`BLOCK_K`], or 64 where `head_dim` or `value_dim` is 256.
     pub block_k: u32,
-    /// `D` rounded up to 64 or 128 (with given scores: `block_k`, the columns of `X` per
+    /// `D` rounded up to 64, 128 or 256 (with given scores: `block_k`, the columns of `X` per
     /// step).
     pub head_dim: u32,
-    /// `Dv` rounded up to 64 or 128 (with given scores: the output columns per block, 64, 128
-    /// or 256).
+    /// `Dv` rounded up to 64, 128 or 256 (with given scores: the output columns per block).
     pub value_dim: u32,
     /// Bottom-right causal mask.
     pub causal: bool,
@@ -92,6 +101,7 @@ impl Variant {
         let rules = config.rules;
         Self {
             bf16,
+            block_q: config.block_q,
             block_k: config.block_k,
             head_dim: config.head_dim,
             value_dim: config.value_dim,
@@ -121,8 +131,9 @@ impl Variant {
             ("GIVEN", self.given),
         ];
         let mut text = format!(
-            "#define WG_ELEM \"{}\"\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
+            "#define WG_ELEM \"{}\"\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
             if self.bf16 { "bf16" } else { "f16" },
+            self.block_q,
             self.block_k,
             self.head_dim,
             self.value_dim,
@@ -148,18 +159,30 @@ impl Variant {
             | u64::from(self.dropout) << 30
             | u64::from(self.given) << 31
             | u64::from(self.block_k) << 32
+            | u64::from(self.block_q) << 40
     }
 }
 
-/// The tile of a call: [`BLOCK_Q`] rows, [`BLOCK_K`] keys per step, the head dims rounded up
-/// to 64 or 128.
+/// The tile of a call: [`BLOCK_Q`] rows (192 where both head dims are at most 64: three
+/// consumer warpgroups), the head dims rounded up to 64, 128 or 256, and
+/// [`BLOCK_K`] keys per step, 64 where a head dim is 256: `O`'s 128 accumulator registers per
+/// thread at `Dv` 256 leave room for 64 columns of scores, and at `D` 256 two slots of 64-key
+/// `K` and `V` fit beside the 64 KiB of `Q` (192 KiB in all).
 pub fn tile(dims: AttentionDims) -> Tile {
+    let (head_dim, value_dim) = (rounded(dims.head_dim), rounded(dims.value_dim));
+    // At head dims of 64 each step's products are short against its softmax: a third
+    // consumer warpgroup (192 rows) keeps the tensor cores busy.
+    let consumers = if head_dim.max(value_dim) == 64 { 3 } else { 2 };
     Tile {
-        block_q: BLOCK_Q as u32,
-        row_tiles: 2,
-        block_k: BLOCK_K as u32,
-        head_dim: rounded(dims.head_dim),
-        value_dim: rounded(dims.value_dim),
+        block_q: 64 * consumers,
+        row_tiles: consumers,
+        block_k: if head_dim.max(value_dim) > 128 {
+            64
+        } else {
+            BLOCK_K as u32
+        },
+        head_dim,
+        value_dim,
     }
 }
 
@@ -184,9 +207,13 @@ pub fn given_tile(d3: usize) -> Tile {
     }
 }
 
-/// A head dim rounded up to the 64-column swizzle atoms: 64 or 128.
+/// A head dim rounded up to a whole `wgmma` width of 64-column swizzle atoms: 64, 128 or 256.
 fn rounded(dim: usize) -> u32 {
-    if dim <= 64 { 64 } else { 128 }
+    match dim {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    }
 }
 
 /// Dynamic shared memory for `config`'s tile: `Q` (none with given scores), [`STAGES`] slots of
@@ -197,7 +224,7 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
     );
-    let rows_atom = BLOCK_Q * 128;
+    let rows_atom = config.block_q as usize * 128;
     let keys_atom = config.block_k as usize * 128;
     let (q, k) = if config.source == ScoreSource::Given {
         (0, d * rows_atom)
@@ -257,8 +284,8 @@ pub fn unavailable(
         StorageType::Scalar(ElemType::Float(FloatKind::F16 | FloatKind::BF16))
     ) {
         "the Hopper forward takes f16 and bf16"
-    } else if dims.head_dim > 128 || dims.value_dim > 128 {
-        "the Hopper forward takes head dims up to 128"
+    } else if dims.head_dim > 256 || dims.value_dim > 256 {
+        "the Hopper forward takes head dims up to 256"
     } else if !features.aligned {
         "the Hopper forward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements"
     } else if dims.heads_q > 65_535 || dims.batch > 65_535 {
@@ -386,9 +413,9 @@ pub unsafe fn launch(
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
-        tensor_map(q, dtype, BLOCK_Q),
-        tensor_map(k, dtype, BLOCK_K),
-        tensor_map(v, dtype, BLOCK_K),
+        tensor_map(q, dtype, plan.config.block_q as usize),
+        tensor_map(k, dtype, plan.config.block_k as usize),
+        tensor_map(v, dtype, plan.config.block_k as usize),
     ];
     // SAFETY: the loads stay inside `q`, `k`, `v` (TMA clips every box to the shapes given),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
