@@ -833,8 +833,20 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             if let Some(d) = bench_dropout() {
                 notes.push(format!("dropout {}", d.prob));
             }
-            match burn_flash::attention_plan::<Fu<R, BT>>(&self.device, cfg.dims(), dtype, options)
-            {
+            // The plan of this row's call: its mask and bias (untracked: the bench tracks only
+            // q, k, v) change the kernels the plan picks.
+            let terms = burn_flash::ScoreTerms {
+                mask: cfg.masked.is_some(),
+                bias: cfg.bias.is_some(),
+                bias_tracked: false,
+            };
+            match burn_flash::attention_plan_with::<Fu<R, BT>>(
+                &self.device,
+                cfg.dims(),
+                dtype,
+                options,
+                terms,
+            ) {
                 Some(Ok(plan)) => {
                     row.kernel = format!("{:?}", plan.kernel);
                     notes.push(format!(
@@ -842,13 +854,12 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                         plan.config.block_q, plan.config.block_k, plan.units
                     ));
                     if mode == Mode::Train {
-                        let backward = burn_flash::attention_backward_plan::<Fu<R, BT>>(
+                        let backward = burn_flash::attention_backward_plan_with::<Fu<R, BT>>(
                             &self.device,
                             cfg.dims(),
                             dtype,
                             options,
-                            cfg.masked.is_some(),
-                            false,
+                            terms,
                         );
                         if let Some(Ok(b)) = backward {
                             row.kernel = format!("{} + bwd {:?}", row.kernel, b.kernel);

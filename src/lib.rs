@@ -31,7 +31,8 @@ pub mod softmax_matmul;
 pub use attention::backend::AttentionBackend;
 pub use attention::{
     AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionKernel,
-    FlashAttentionOptions, attention, attention_backward_plan, attention_plan, attention_with_lse,
+    FlashAttentionOptions, ScoreTerms, attention, attention_backward_plan,
+    attention_backward_plan_with, attention_plan, attention_plan_with, attention_with_lse,
 };
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;

@@ -7,8 +7,8 @@ mod common;
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use burn_flash::{
-    AttentionKernel, FlashAttentionOptions, FlashBackend, attention, attention::AttentionDims,
-    attention_plan, attention_with_lse,
+    AttentionKernel, FlashAttentionOptions, FlashBackend, ScoreTerms, attention,
+    attention::AttentionDims, attention_plan, attention_plan_with, attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
@@ -987,7 +987,27 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         AttentionKernel::Units
     };
     assert_eq!(plan(36, None).unwrap().unwrap().kernel, unaligned);
+    // A plan without score terms is `attention_plan`'s; with a mask or a bias the plan keeps
+    // the `mma` kernel on Hopper (it reads them per element), unless the run forces Hopper.
+    let with = |terms| {
+        attention_plan_with::<B>(device, dims(64), dtype.into(), Default::default(), terms)
+            .unwrap()
+            .unwrap()
+    };
+    assert_eq!(with(ScoreTerms::default()).kernel, default.kernel);
+    let masked = with(ScoreTerms {
+        mask: true,
+        ..Default::default()
+    });
+    assert!(masked.config.rules.mask);
     if hopper {
+        let always = std::env::var("BURN_FLASH_HOPPER").as_deref() == Ok("always");
+        let want = if always {
+            AttentionKernel::Hopper
+        } else {
+            AttentionKernel::MatrixUnits
+        };
+        assert_eq!(masked.kernel, want);
         // D 64 on Hopper: three consumer warpgroups of 64 rows and the producer.
         assert_eq!((default.config.block_q, default.units), (192, 512));
         // Head dims over 128 on Hopper: rounded up to 256, 64 keys per step.

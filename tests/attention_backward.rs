@@ -12,9 +12,9 @@ use burn::backend::Autodiff;
 use burn::tensor::{FloatDType, Tensor, ops::AttentionModuleOptions};
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend,
+    FlashBackend, ScoreTerms,
     attention::{AttentionDims, recent_backward_launches},
-    attention_backward_plan, attention_with_lse,
+    attention_backward_plan, attention_backward_plan_with, attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
@@ -651,6 +651,29 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 .expect("plan");
         assert!(biased.config.rules.bias);
         assert_eq!(biased.kernel, AttentionBackwardKernel::MatrixUnits);
+        // An untracked bias: the Hopper backward could take it, but the plan keeps the
+        // `mma.sync` one (per-element bias reads measured slower), unless the run forces Hopper.
+        let untracked = attention_backward_plan_with::<A<B>>(
+            device,
+            dims,
+            dtype.into(),
+            options,
+            ScoreTerms {
+                bias: true,
+                ..Default::default()
+            },
+        )
+        .expect("plan")
+        .expect("plan");
+        let always = std::env::var("BURN_FLASH_HOPPER").as_deref() == Ok("always");
+        assert_eq!(
+            untracked.kernel,
+            if always {
+                AttentionBackwardKernel::Hopper
+            } else {
+                AttentionBackwardKernel::MatrixUnits
+            }
+        );
     } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
     }

@@ -13,7 +13,7 @@ use burn_flash_kernels::attention::{
 };
 use burn_fusion::{Fusion, FusionBackend};
 
-use super::{AttentionGrads, FlashAttentionOptions};
+use super::{AttentionGrads, FlashAttentionOptions, ScoreTerms};
 use crate::{FlashBackend, SoftmaxMatmulBackend};
 
 /// Fused attention ([`crate::attention()`]); provided bodies as
@@ -56,28 +56,28 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
     }
 
     /// The launch the fused attention backward would make for contiguous tensors, with or
-    /// without a `mask` and a `bias` (`None`: composed fallback).
+    /// without a `mask` and a `bias`, tracked or not (`None`: composed fallback).
     fn flash_attention_backward_plan(
         device: &Self::Device,
         dims: AttentionDims,
         dtype: DType,
         options: FlashAttentionOptions,
-        mask: bool,
-        bias: bool,
+        terms: ScoreTerms,
     ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-        let _ = (device, dims, dtype, options, mask, bias);
+        let _ = (device, dims, dtype, options, terms);
         None
     }
 
-    /// The launch the fused attention would make for contiguous tensors (`None`: this backend
-    /// uses the composed fallback).
+    /// The launch the fused attention would make for contiguous tensors, with or without a
+    /// mask and a bias (`None`: this backend uses the composed fallback).
     fn flash_attention_plan(
         device: &Self::Device,
         dims: AttentionDims,
         dtype: DType,
         options: FlashAttentionOptions,
+        terms: ScoreTerms,
     ) -> Option<Result<AttentionPlan, AttentionError>> {
-        let _ = (device, dims, dtype, options);
+        let _ = (device, dims, dtype, options, terms);
         None
     }
 }
@@ -128,8 +128,9 @@ macro_rules! delegate {
             dims: AttentionDims,
             dtype: DType,
             options: FlashAttentionOptions,
+            terms: ScoreTerms,
         ) -> Option<Result<AttentionPlan, AttentionError>> {
-            <$inner>::flash_attention_plan(device, dims, dtype, options)
+            <$inner>::flash_attention_plan(device, dims, dtype, options, terms)
         }
 
         fn flash_attention_backward_plan(
@@ -137,10 +138,9 @@ macro_rules! delegate {
             dims: AttentionDims,
             dtype: DType,
             options: FlashAttentionOptions,
-            mask: bool,
-            bias: bool,
+            terms: ScoreTerms,
         ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-            <$inner>::flash_attention_backward_plan(device, dims, dtype, options, mask, bias)
+            <$inner>::flash_attention_backward_plan(device, dims, dtype, options, terms)
         }
     };
 }
@@ -155,12 +155,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
         dims: AttentionDims,
         dtype: DType,
         options: FlashAttentionOptions,
-        mask: bool,
-        bias: bool,
+        terms: ScoreTerms,
     ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
         let client = R::client(device);
         Some(super::cube::backward_plan(
-            &client, dims, dtype, options, mask, bias,
+            &client, dims, dtype, options, terms,
         ))
     }
 
@@ -169,9 +168,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
         dims: AttentionDims,
         dtype: DType,
         options: FlashAttentionOptions,
+        terms: ScoreTerms,
     ) -> Option<Result<AttentionPlan, AttentionError>> {
         let client = R::client(device);
-        Some(super::cube::plan(&client, dims, dtype, options))
+        Some(super::cube::plan(&client, dims, dtype, options, terms))
     }
 }
 

@@ -11,7 +11,7 @@ use burn_flash_kernels::attention::{
 };
 use cubecl::prelude::ComputeClient;
 
-use super::{AttentionGrads, FlashAttentionOptions, Inputs, OP, scale_of};
+use super::{AttentionGrads, FlashAttentionOptions, Inputs, OP, ScoreTerms, scale_of};
 use crate::cube::{empty, tensor_ref};
 
 /// The kernels crate's options for a call with head dim `head_dim`.
@@ -38,18 +38,19 @@ fn features(dims: AttentionDims, mask: bool, bias: bool) -> AttentionFeatures {
     }
 }
 
-/// The plan for contiguous tensors of `dims`, without a mask or bias.
+/// The plan for contiguous tensors of `dims` with the score terms `terms`.
 pub(crate) fn plan<R: CubeRuntime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
+    terms: ScoreTerms,
 ) -> Result<AttentionPlan, AttentionError> {
     plan_attention(
         client,
         dims,
         dtype.into(),
-        features(dims, false, false),
+        features(dims, terms.mask, terms.bias),
         &kernel_options(options, dims.head_dim),
     )
 }
@@ -108,17 +109,16 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
-    mask: bool,
-    bias: bool,
+    terms: ScoreTerms,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    // A bias here is tracked: its gradient sums the `dS` the backward writes.
+    // A tracked bias's gradient sums the `dS` the backward writes.
     plan_attention_backward_writing(
         client,
         dims,
         dtype.into(),
-        features(dims, mask, bias),
+        features(dims, terms.mask, terms.bias),
         &kernel_options(options, dims.head_dim),
-        bias,
+        terms.bias && terms.bias_tracked,
     )
 }
 

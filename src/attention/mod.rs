@@ -201,7 +201,14 @@ pub fn attention_with_lse<B: FlashBackend>(
     {
         panic!("{OP}: `masked_score` must be finite, got {fill}");
     }
-    if let Some(Err(err)) = B::flash_attention_plan(&query.device(), dims, query.dtype(), options) {
+    let terms = ScoreTerms {
+        mask: mask.is_some(),
+        bias: attn_bias.is_some(),
+        bias_tracked: false,
+    };
+    if let Some(Err(err)) =
+        B::flash_attention_plan(&query.device(), dims, query.dtype(), options, terms)
+    {
         panic!("{OP}: {err}");
     }
     let (out, lse) = B::flash_attention(
@@ -218,16 +225,41 @@ pub fn attention_with_lse<B: FlashBackend>(
     )
 }
 
-/// The launch the fused attention would make on `device` for contiguous tensors of `dims`:
-/// the kernel ([`AttentionKernel`]), its tiles and grid (`None`: the backend uses the composed
-/// fallback, e.g. NdArray; under `Autodiff<B>`, `B`'s plan).
+/// The score terms a call passes, which the plans depend on: a mask, a bias, and whether the
+/// bias is tracked (its gradient then sums a written `dS`, which only some backward kernels
+/// write).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ScoreTerms {
+    /// A bool mask is given.
+    pub mask: bool,
+    /// A bias is given.
+    pub bias: bool,
+    /// The bias is tracked (meaningless without one).
+    pub bias_tracked: bool,
+}
+
+/// The launch the fused attention would make on `device` for contiguous tensors of `dims`
+/// without a mask or bias: the kernel ([`AttentionKernel`]), its tiles and grid (`None`: the
+/// backend uses the composed fallback, e.g. NdArray; under `Autodiff<B>`, `B`'s plan).
 pub fn attention_plan<B: FlashBackend>(
     device: &B::Device,
     dims: AttentionDims,
     dtype: DType,
     options: FlashAttentionOptions,
 ) -> Option<Result<AttentionPlan, AttentionError>> {
-    B::flash_attention_plan(device, dims, dtype, options)
+    attention_plan_with::<B>(device, dims, dtype, options, ScoreTerms::default())
+}
+
+/// [`attention_plan`] for a call with the score terms `terms` (the plan may pick another
+/// kernel for a mask or a bias).
+pub fn attention_plan_with<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    dtype: DType,
+    options: FlashAttentionOptions,
+    terms: ScoreTerms,
+) -> Option<Result<AttentionPlan, AttentionError>> {
+    B::flash_attention_plan(device, dims, dtype, options, terms)
 }
 
 /// The launch the fused attention backward would make on `device` for contiguous tensors of
@@ -242,7 +274,24 @@ pub fn attention_backward_plan<B: FlashBackend>(
     mask: bool,
     bias: bool,
 ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-    B::flash_attention_backward_plan(device, dims, dtype, options, mask, bias)
+    let terms = ScoreTerms {
+        mask,
+        bias,
+        bias_tracked: bias,
+    };
+    attention_backward_plan_with::<B>(device, dims, dtype, options, terms)
+}
+
+/// [`attention_backward_plan`] for a call with the score terms `terms`, the bias tracked or
+/// not.
+pub fn attention_backward_plan_with<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    dtype: DType,
+    options: FlashAttentionOptions,
+    terms: ScoreTerms,
+) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
+    B::flash_attention_backward_plan(device, dims, dtype, options, terms)
 }
 
 /// The scale of the scores: the option, or `1/√D`.
