@@ -148,23 +148,15 @@ impl Variant {
 /// on the same keys and each on half of the columns of `dK`, `dV`, `dQ`, so the head dims are
 /// rounded up to 128 or 256 (two halves of 64 or 128 columns).
 pub fn tile(dims: AttentionDims) -> Tile {
-    let rounded = |dim: usize| if dim <= 64 { 64 } else { 128 };
     let wide = dims.head_dim.max(dims.value_dim) > 128;
-    let wide_rounded = |dim: usize| if dim <= 128 { 128 } else { 256 };
+    // Whole 64-column atoms per consumer: 64 or 128, or wide 128 or 256 (head dims ≤ 256).
+    let rounded = |dim: usize| dim.max(if wide { 128 } else { 64 }).next_power_of_two() as u32;
     Tile {
         block_q: BLOCK_Q as u32,
         row_tiles: 1,
         block_k: if wide { 64 } else { BLOCK_K as u32 },
-        head_dim: if wide {
-            wide_rounded(dims.head_dim)
-        } else {
-            rounded(dims.head_dim)
-        },
-        value_dim: if wide {
-            wide_rounded(dims.value_dim)
-        } else {
-            rounded(dims.value_dim)
-        },
+        head_dim: rounded(dims.head_dim),
+        value_dim: rounded(dims.value_dim),
     }
 }
 
@@ -187,12 +179,7 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
 /// element, and measured slower than the `mma.sync` backward with a full `[1, H, S, S]` bias
 /// (RESULTS.md §14.8) while faster with a mask; `always`, every call; `off`, none.
 pub fn preferred(features: AttentionFeatures) -> bool {
-    use crate::flash::forward::hopper::{Use, usage};
-    match usage() {
-        Use::Always => true,
-        Use::Faster => !features.bias,
-        Use::Off => false,
-    }
+    crate::flash::forward::hopper::wanted(!features.bias)
 }
 
 /// Why the Hopper backward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -359,16 +346,12 @@ pub unsafe fn launch(
         (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
         0,
     ));
-    // An absent mask or bias is never read: `q` stands in, with zero strides.
-    let term = |given: &Option<crate::tensor::TensorRef<'_>>, strides: Option<&[usize]>| match (
-        given, strides,
-    ) {
-        (Some(given), Some(s)) => (given.handle.clone(), s.to_vec()),
-        _ => (t.q.handle.clone(), vec![0; 4]),
-    };
-    let (mask_handle, mask_strides) = term(&t.mask, mask_strides);
-    let (bias_handle, bias_strides) = term(&t.bias, bias_strides);
-    params.extend(mask_strides.iter().chain(&bias_strides).map(|&s| s as u64));
+    let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
+        t.mask.as_ref().zip(mask_strides),
+        t.bias.as_ref().zip(bias_strides),
+        &t.q,
+        &mut params,
+    );
     let maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
         tensor_map(&t.k, dtype, config.block_k as usize),

@@ -259,13 +259,19 @@ pub fn usage() -> Use {
     })
 }
 
-/// Whether the plan picks the Hopper forward for a call it can run with `features`.
-pub fn preferred(features: AttentionFeatures) -> bool {
+/// Whether the plan picks a Hopper kernel for a call it can run, under [`usage`]: `faster`
+/// says whether that kernel measured faster than the `mma.sync` one for such calls.
+pub fn wanted(faster: bool) -> bool {
     match usage() {
         Use::Always => true,
-        Use::Faster => !features.mask && !features.bias,
+        Use::Faster => faster,
         Use::Off => false,
     }
+}
+
+/// Whether the plan picks the Hopper forward for a call it can run with `features`.
+pub fn preferred(features: AttentionFeatures) -> bool {
+    wanted(!features.mask && !features.bias)
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -350,6 +356,28 @@ fn hand_written(
 #[cfg(feature = "cuda")]
 pub type ScoreTerm<'a> = (&'a TensorRef<'a>, &'a [usize]);
 
+/// The buffers of a mask and a bias as the Hopper kernels bind them, their strides (4 words
+/// each) appended to `params`. An absent one is never read: `stand_in` takes its place, with
+/// zero strides.
+#[cfg(feature = "cuda")]
+pub(crate) fn bind_terms(
+    mask: Option<ScoreTerm<'_>>,
+    bias: Option<ScoreTerm<'_>>,
+    stand_in: &TensorRef<'_>,
+    params: &mut Vec<u64>,
+) -> [cubecl::server::Handle; 2] {
+    [mask, bias].map(|term| match term {
+        Some((t, strides)) => {
+            params.extend(strides.iter().map(|&s| s as u64));
+            t.handle.clone()
+        }
+        None => {
+            params.extend([0; 4]);
+            stand_in.handle.clone()
+        }
+    })
+}
+
 /// Launches the forward of `dims` on `client`: `out` and `lse` of attention over `q`, `k`, `v`,
 /// with an optional `mask` and `bias` (shapes checked by the caller, [`unavailable`] `None`
 /// for this call, buffers starting on 16 bytes ([`crate::attention::starts_aligned`])), as
@@ -397,14 +425,7 @@ pub unsafe fn launch(
             (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
         ),
     ];
-    // An absent mask or bias is never read: `out` stands in, with zero strides.
-    let term = |t: Option<ScoreTerm<'_>>| match t {
-        Some((t, strides)) => (t.handle.clone(), strides.to_vec()),
-        None => (out.handle.clone(), vec![0; 4]),
-    };
-    let (mask_handle, mask_strides) = term(mask);
-    let (bias_handle, bias_strides) = term(bias);
-    params.extend(mask_strides.iter().chain(&bias_strides).map(|&s| s as u64));
+    let [mask_handle, bias_handle] = bind_terms(mask, bias, out, &mut params);
     let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
     params.push(words(dropout.seed_lo, dropout.seed_hi));
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
