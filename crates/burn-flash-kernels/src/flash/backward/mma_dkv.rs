@@ -11,7 +11,7 @@ use cubecl::{
 use crate::dropout::keep_weight;
 use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
-use crate::flash::block::{pair_block, pair_group};
+use crate::flash::block::{PairBlock, pair_block, pair_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{NV8, step_scores};
 use crate::flash::scores::capped;
@@ -44,12 +44,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
-    let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (d_out, lse, delta) = (&grads.d_out, &grads.lse, &grads.delta);
     let units = comptime!(PLANES * PLANE);
     let given = comptime!(c.given());
-    let drop = args.dropout;
-    let (scale, softcap) = (args.scale, args.softcap);
     let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let x_ldv = comptime!((step_width(c) + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
@@ -289,75 +286,12 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                     #[unroll]
                     for n in 0..2usize {
                         let col = comptime!((j * MMA_N) as usize) + quad * 2 + n;
-                        let row = r0 + col;
-                        let sc = capped(raw[n], scale, softcap, c);
-                        let mut x = sc;
-                        let mut fac = scale;
-                        if comptime!(c.rules.softcap) {
-                            let t = sc / softcap;
-                            fac = scale * (1.0f32 - t * t);
-                        }
-                        let mut ok = key[h] <= key_last;
-                        // 0 where a masked key took the fill score (a constant: no dS).
-                        let mut gate = 1.0f32;
-                        if comptime!(c.rules.mask || c.rules.bias) {
-                            // The row's head and position, staged with its lse and δ.
-                            let head = row_s[sb + col] as usize;
-                            let pos = row_s[sb + bq + col] as usize;
-                            let kk = usize::min(key[h], seq_k - 1);
-                            if comptime!(c.rules.causal) {
-                                ok = ok && key[h] + seq_q <= pos + seq_k;
-                            }
-                            if comptime!(c.rules.mask) {
-                                let at = batch * mask.stride(0)
-                                    + head * mask.stride(1)
-                                    + pos * mask.stride(2)
-                                    + kk * mask.stride(3);
-                                let hit = f32::cast_from(mask[at]) != 0.0f32;
-                                if comptime!(c.fills()) {
-                                    gate = select(hit, 0.0f32, 1.0f32);
-                                } else {
-                                    ok = ok && !hit;
-                                }
-                            }
-                            if comptime!(c.rules.bias) {
-                                let at = batch * bias.stride(0)
-                                    + head * bias.stride(1)
-                                    + pos * bias.stride(2)
-                                    + kk * bias.stride(3);
-                                x += f32::cast_from(bias[at]);
-                            }
-                            if comptime!(c.fills()) {
-                                x = select(gate == 0.0f32, f32::new(comptime!(c.fill_score())), x);
-                            }
-                        }
-                        if comptime!(c.rules.causal && !(c.rules.mask || c.rules.bias)) {
-                            let pos = usize::min(row, rows - 1) % seq_q;
-                            ok = ok && key[h] + seq_q <= pos + seq_k;
-                        }
-                        let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
-                        let mut z = 1.0f32;
-                        if comptime!(c.rules.dropout) {
-                            // The forward's mask of this weight: its row's (head, position).
-                            let head = row_s[sb + col] as usize;
-                            let pos = row_s[sb + bq + col] as usize;
-                            z = keep_weight(
-                                drop.seed_lo,
-                                drop.seed_hi,
-                                drop.threshold,
-                                drop.inv_keep,
-                                batch * q.shape(1) + head,
-                                pos,
-                                key[h],
-                                true,
-                            );
-                        }
-                        pp[n] = F::cast_from(p * z);
-                        if comptime!(c.fills() && !crate::mutation::fill_grad()) {
-                            fac *= gate;
-                        }
-                        let ds = F::cast_from(p * (dpv[n] * z - stat_s[sb + bq + col]) * fac);
-                        dd[n] = ds;
+                        let w = key_weight::<F, NV>(
+                            inputs, &blk, &args, raw[n], key[h], key_last, r0, col, sb, &stat_s,
+                            &row_s, c,
+                        );
+                        pp[n] = F::cast_from(w.p * w.z);
+                        dd[n] = F::cast_from(w.p * (dpv[n] * w.z - stat_s[sb + bq + col]) * w.fac);
                     }
                     pfrag[i as usize] = pp;
                     dfrag[i as usize] = dd;
@@ -423,4 +357,107 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         comptime!(c.value_dim / MMA_N),
         false,
     );
+}
+
+/// One transposed weight of the dK/dV kernels: `p` the forward's `P` (0 for an invisible key
+/// or a row past the end), `z` its dropout factor (1 without dropout), `fac` the factor of
+/// `dS` to `dR` (the scale, the softcap's derivative, and 0 where a masked key took the fill
+/// score, a constant without gradient): `dV += p·z·dO` and `dR = p·(dP·z − δ)·fac`.
+#[derive(CubeType)]
+pub(crate) struct KeyWeight {
+    pub p: f32,
+    pub z: f32,
+    pub fac: f32,
+}
+
+/// The [`KeyWeight`] of key `key` and the staged row `col` of buffer `sb` (block rows `r0..`)
+/// from its raw score `raw` (`Q·Kᵀ`): the forward's score rules with the row's head and position
+/// staged in `row_s`, its lse in `stat_s`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn key_weight<F: Float, NV: Size>(
+    inputs: &ScoreInputs<Vector<F, NV>, F>,
+    blk: &PairBlock,
+    args: &ScoreArgs,
+    raw: f32,
+    key: usize,
+    key_last: usize,
+    r0: usize,
+    col: usize,
+    sb: usize,
+    stat_s: &SharedMemory<f32>,
+    row_s: &SharedMemory<u32>,
+    #[comptime] c: FlashConfig,
+) -> KeyWeight {
+    let (mask, bias) = (&inputs.mask, &inputs.bias);
+    let (seq_q, seq_k, batch) = (blk.seq_q, blk.seq_k, blk.batch);
+    let (scale, softcap) = (args.scale, args.softcap);
+    let bq = comptime!(c.block_k as usize);
+    let sc = capped(raw, scale, softcap, c);
+    let mut x = sc;
+    let mut fac = scale;
+    if comptime!(c.rules.softcap) {
+        let t = sc / softcap;
+        fac = scale * (1.0f32 - t * t);
+    }
+    let mut ok = key <= key_last;
+    // 0 where a masked key took the fill score (a constant: no dS).
+    let mut gate = 1.0f32;
+    if comptime!(c.rules.mask || c.rules.bias) {
+        // The row's head and position, staged with its lse and δ.
+        let head = row_s[sb + col] as usize;
+        let pos = row_s[sb + bq + col] as usize;
+        let kk = usize::min(key, seq_k - 1);
+        if comptime!(c.rules.causal) {
+            ok = ok && key + seq_q <= pos + seq_k;
+        }
+        if comptime!(c.rules.mask) {
+            let at = batch * mask.stride(0)
+                + head * mask.stride(1)
+                + pos * mask.stride(2)
+                + kk * mask.stride(3);
+            let hit = f32::cast_from(mask[at]) != 0.0f32;
+            if comptime!(c.fills()) {
+                gate = select(hit, 0.0f32, 1.0f32);
+            } else {
+                ok = ok && !hit;
+            }
+        }
+        if comptime!(c.rules.bias) {
+            let at = batch * bias.stride(0)
+                + head * bias.stride(1)
+                + pos * bias.stride(2)
+                + kk * bias.stride(3);
+            x += f32::cast_from(bias[at]);
+        }
+        if comptime!(c.fills()) {
+            x = select(gate == 0.0f32, f32::new(comptime!(c.fill_score())), x);
+        }
+    }
+    if comptime!(c.rules.causal && !(c.rules.mask || c.rules.bias)) {
+        let pos = usize::min(r0 + col, blk.rows - 1) % seq_q;
+        ok = ok && key + seq_q <= pos + seq_k;
+    }
+    let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
+    let mut z = 1.0f32;
+    if comptime!(c.rules.dropout) {
+        // The forward's mask of this weight: its row's (head, position).
+        let drop = args.dropout;
+        let head = row_s[sb + col] as usize;
+        let pos = row_s[sb + bq + col] as usize;
+        z = keep_weight(
+            drop.seed_lo,
+            drop.seed_hi,
+            drop.threshold,
+            drop.inv_keep,
+            batch * inputs.q.shape(1) + head,
+            pos,
+            key,
+            true,
+        );
+    }
+    if comptime!(c.fills() && !crate::mutation::fill_grad()) {
+        fac *= gate;
+    }
+    KeyWeight { p, z, fac }
 }
