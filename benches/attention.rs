@@ -864,11 +864,8 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                         if let Some(Ok(b)) = backward {
                             row.kernel = format!("{} + bwd {:?}", row.kernel, b.kernel);
                             notes.push(format!(
-                                "backward blocks {} rows / {} keys{}, {} per step",
-                                b.config.block_q,
-                                b.block_keys,
-                                if b.dkv_split { " (split)" } else { "" },
-                                b.config.block_k
+                                "backward blocks {} rows / {} keys, {} per step",
+                                b.config.block_q, b.block_keys, b.config.block_k
                             ));
                         }
                     }

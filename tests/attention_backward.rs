@@ -622,23 +622,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         assert_eq!(wide.dkv_cubes, (2, 2, 3));
     } else if matrix {
         // f16/bf16 on the matrix units (either kind): D and Dv rounded up to 16; 64 query rows
-        // per dQ cube (400 rows of a key/value head: 7 cubes), 32 keys per step; B·Hkv = 6.
-        // dK/dV on `mma`: the split kernel (64 keys per cube, 2 cubes; 128 and 1 with
-        // `BURN_FLASH_MMA_DKV=split128`) where the device gives a cube its shared memory (this
-        // call takes at most 87 KiB: every sm_80+ GPU), the joint kernel (64, 2) with
-        // `BURN_FLASH_MMA_DKV=joint`.
+        // per dQ cube (400 rows of a key/value head: 7 cubes), 64 keys per dK/dV cube (2
+        // cubes), 32 per step; B·Hkv = 6.
         let c = plain.config;
         assert_eq!((c.head_dim, c.value_dim, c.block_k), (80, 48, 32));
-        let choice = std::env::var("BURN_FLASH_MMA_DKV");
-        let mma = plain.kernel == AttentionBackwardKernel::MatrixUnits;
-        assert_eq!(plain.dkv_split, mma && choice.as_deref() != Ok("joint"));
-        let keys = if plain.dkv_split && choice.as_deref() == Ok("split128") {
-            128
-        } else {
-            64
-        };
-        assert_eq!(plain.block_keys, keys);
-        assert_eq!(plain.dkv_cubes, (if keys == 128 { 1 } else { 2 }, 6, 1));
+        assert_eq!(plain.dkv_cubes, (2, 6, 1));
         assert_eq!(plain.dq_cubes, (7, 6, 1));
     } else {
         assert_eq!(plain.kernel, AttentionBackwardKernel::Units);

@@ -9,7 +9,7 @@ use super::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, attention_dims,
     broadcast_strides, expect_shape, validate,
 };
-use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, mma, mma_dkv_split, units};
+use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, mma, units};
 use crate::flash::block::fold_pairs;
 use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
@@ -91,9 +91,6 @@ pub struct AttentionBackwardPlan {
     pub config: FlashConfig,
     /// Keys per cube of the `dK`/`dV` kernel.
     pub block_keys: usize,
-    /// Whether the matrix units' `dK`/`dV` kernel splits each key tile between two planes
-    /// ([`mma_dkv_split::flash_backward_dkv_split()`]).
-    pub dkv_split: bool,
     /// Cubes of the `dK`/`dV` kernel: (key blocks — times column tiles on plain units — and
     /// `B·Hkv` folded over y and z; on Hopper `Hkv` and `B`).
     pub dkv_cubes: (usize, usize, usize),
@@ -150,24 +147,6 @@ fn mma_unavailable<R: Runtime>(
             None
         },
     )
-}
-
-/// The keys per cube of [`mma_dkv_split::flash_backward_dkv_split()`] for the matrix-unit
-/// backward of config `c`, or `None` for
-/// [`crate::flash::backward::mma_dkv::flash_backward_dkv_mma()`]: 64 where the device gives a
-/// cube its units and shared memory. `BURN_FLASH_MMA_DKV` = `joint`, `split64` or `split128`
-/// picks one (where it fits).
-fn split_dkv(hw: &cubecl::ir::HardwareProperties, c: FlashConfig) -> Option<u32> {
-    static CHOICE: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    let keys = *CHOICE.get_or_init(|| match std::env::var("BURN_FLASH_MMA_DKV").as_deref() {
-        Ok("joint") => None,
-        Ok("split128") => Some(128),
-        _ => Some(64),
-    });
-    keys.filter(|&keys| {
-        hw.max_units_per_cube >= mma_dkv_split::split_planes(keys) * fragment::PLANE
-            && hw.max_shared_memory_size >= mma_dkv_split::split_shared_bytes(c, keys)
-    })
 }
 
 /// The backward launch for `dims` that writes no `dS`, without launching: the Hopper kernels
@@ -275,13 +254,11 @@ fn plan_backward<R: Runtime>(
             kernel: AttentionBackwardKernel::Hopper,
             config,
             block_keys,
-            dkv_split: false,
             dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
             dq_cubes: (rows.div_ceil(8), 1, 1),
             matrix_units,
         });
     }
-    let mut dkv_split = false;
     let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {
         (Some((f, c)), _) => (
             AttentionBackwardKernel::CooperativeMatrix,
@@ -289,17 +266,12 @@ fn plan_backward<R: Runtime>(
             cmma::block_keys(f),
             (dims.seq_k.div_ceil(cmma::block_keys(f) as usize), y, z),
         ),
-        (None, None) => {
-            let split = split_dkv(hw, mma_config);
-            dkv_split = split.is_some();
-            let keys = split.unwrap_or(mma::DKV_KEYS);
-            (
-                AttentionBackwardKernel::MatrixUnits,
-                mma_config,
-                keys,
-                (dims.seq_k.div_ceil(keys as usize), y, z),
-            )
-        }
+        (None, None) => (
+            AttentionBackwardKernel::MatrixUnits,
+            mma_config,
+            mma::DKV_KEYS,
+            (dims.seq_k.div_ceil(mma::DKV_KEYS as usize), y, z),
+        ),
         (None, Some(_)) => (
             AttentionBackwardKernel::Units,
             FlashConfig::new(
@@ -325,7 +297,6 @@ fn plan_backward<R: Runtime>(
         kernel,
         config,
         block_keys: block_keys as usize,
-        dkv_split,
         dkv_cubes,
         dq_cubes,
         matrix_units,
@@ -473,7 +444,6 @@ pub fn launch_attention_backward<R: Runtime>(
         AttentionBackwardKernel::MatrixUnits => Schedule::MatrixUnits {
             write_ds,
             p_buffer: None,
-            split_dkv: plan.dkv_split.then_some(plan.block_keys as u32),
         },
         AttentionBackwardKernel::CooperativeMatrix => Schedule::CooperativeMatrix {
             write_ds,

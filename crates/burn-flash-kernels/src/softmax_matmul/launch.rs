@@ -299,12 +299,10 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         SmmBackwardPath::Hopper => Schedule::MatrixUnits {
             write_ds: true,
             p_buffer: None,
-            split_dkv: None,
         },
         SmmBackwardPath::MatrixUnits => Schedule::MatrixUnits {
             write_ds: true,
             p_buffer: p_buffer.as_ref(),
-            split_dkv: None,
         },
         SmmBackwardPath::Tiled => Schedule::UnitsGiven {
             vector: plan.vector,

@@ -359,15 +359,15 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     );
 }
 
-/// One transposed weight of the dK/dV kernels: `p` the forward's `P` (0 for an invisible key
+/// One transposed weight of the dK/dV kernel: `p` the forward's `P` (0 for an invisible key
 /// or a row past the end), `z` its dropout factor (1 without dropout), `fac` the factor of
 /// `dS` to `dR` (the scale, the softcap's derivative, and 0 where a masked key took the fill
 /// score, a constant without gradient): `dV += p·z·dO` and `dR = p·(dP·z − δ)·fac`.
 #[derive(CubeType)]
-pub(crate) struct KeyWeight {
-    pub p: f32,
-    pub z: f32,
-    pub fac: f32,
+struct KeyWeight {
+    p: f32,
+    z: f32,
+    fac: f32,
 }
 
 /// The [`KeyWeight`] of key `key` and the staged row `col` of buffer `sb` (block rows `r0..`)
@@ -375,7 +375,7 @@ pub(crate) struct KeyWeight {
 /// staged in `row_s`, its lse in `stat_s`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn key_weight<F: Float, NV: Size>(
+fn key_weight<F: Float, NV: Size>(
     inputs: &ScoreInputs<Vector<F, NV>, F>,
     blk: &PairBlock,
     args: &ScoreArgs,

@@ -22,8 +22,7 @@
 //! group) and a dQ kernel (one cube per block of query rows, looping over the keys they see).
 //! - [`units`]: plain units, every runtime and float type, f32 arithmetic;
 //! - [`units_given`]: plain units, the given-score products register-tiled;
-//! - [`mma`] ([`mma_dq`], [`mma_dkv`], [`mma_dkv_split`]): the matrix units (f16/bf16, CUDA
-//!   sm_80+);
+//! - [`mma`] ([`mma_dq`], [`mma_dkv`]): the matrix units (f16/bf16, CUDA sm_80+);
 //! - [`cmma`]: cooperative matrices (f16/bf16 wherever cubecl's `cmma` runs: Vulkan, Metal,
 //!   CUDA's `wmma`);
 //! - [`hopper`]: Hopper's `wgmma` and TMA (f16/bf16, sm_90), hand-written CUDA launched
@@ -36,7 +35,6 @@ pub mod hopper;
 pub mod hopper_given;
 pub mod mma;
 pub mod mma_dkv;
-pub mod mma_dkv_split;
 pub mod mma_dq;
 pub mod units;
 pub mod units_given;
@@ -156,9 +154,6 @@ pub enum Schedule<'a> {
         write_ds: bool,
         /// Where the dX kernel stores `P` for the dK/dV kernel (given scores, small `d2`).
         p_buffer: Option<&'a Operand>,
-        /// `dK`/`dV` by [`mma_dkv_split::flash_backward_dkv_split()`] with this many keys per
-        /// cube (computed scores, one of [`mma_dkv_split::SPLIT_KEYS`]; the grid's blocks).
-        split_dkv: Option<u32>,
     },
 }
 
@@ -235,11 +230,9 @@ pub unsafe fn launch_backward_with_delta<R: Runtime>(
             Schedule::CooperativeMatrix { write_ds, vector } => {
                 cmma::launch(&l, scalars, c, write_ds, vector)
             }
-            Schedule::MatrixUnits {
-                write_ds,
-                p_buffer,
-                split_dkv,
-            } => launch_mma(&l, scalars, c, write_ds, p_buffer, split_dkv),
+            Schedule::MatrixUnits { write_ds, p_buffer } => {
+                launch_mma(&l, scalars, c, write_ds, p_buffer)
+            }
         }
     }
 }
@@ -250,10 +243,8 @@ pub unsafe fn launch_backward_with_delta<R: Runtime>(
 /// kernel's is [`mma::dkv_config()`].
 /// Given scores (`softmax_matmul`): `t.q` is `X`, `t.ds` its gradient, `write_ds` true. With
 /// `p_buffer`, the dX kernel stores `P` there (laid out as `dX`) and the dK/dV kernel stages it
-/// instead of rebuilding it from `X`. With `split_dkv` (computed scores), `dK`/`dV` by
-/// [`flash_backward_dkv_split()`] with that many keys per cube.
+/// instead of rebuilding it from `X`.
 ///
-/// [`flash_backward_dkv_split()`]: mma_dkv_split::flash_backward_dkv_split
 /// [`flash_backward_dkv_mma()`]: mma_dkv::flash_backward_dkv_mma
 /// [`flash_backward_dq_mma()`]: mma_dq::flash_backward_dq_mma
 ///
@@ -268,7 +259,6 @@ unsafe fn launch_mma<R: Runtime>(
     c: FlashConfig,
     write_ds: bool,
     p_buffer: Option<&Operand>,
-    split_dkv: Option<u32>,
 ) {
     let (client, t, delta, dtype) = (l.client, l.t, l.delta, l.dtype);
     use crate::flash::forward::mma::NV8;
@@ -284,27 +274,6 @@ unsafe fn launch_mma<R: Runtime>(
     };
     let launch_dkv = || {
         let Some(cubes) = l.dkv_cubes else { return };
-        if let Some(keys) = split_dkv {
-            use mma_dkv_split::{flash_backward_dkv_split, split_planes};
-            // SAFETY: the caller's.
-            unsafe {
-                flash_backward_dkv_split::launch_unchecked::<R>(
-                    client,
-                    cube_count(cubes),
-                    cubecl::CubeDim::new_1d(split_planes(keys) * PLANE),
-                    NV8,
-                    t.score_inputs(&t.q),
-                    t.grad_inputs(delta),
-                    t.dk.arg(),
-                    t.dv.arg(),
-                    scalars.arg(),
-                    c,
-                    keys,
-                    dtype,
-                );
-            }
-            return;
-        }
         // SAFETY: the caller's.
         unsafe {
             flash_backward_dkv_mma::launch_unchecked::<R>(

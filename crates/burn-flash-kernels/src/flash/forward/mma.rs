@@ -386,20 +386,8 @@ pub(crate) fn step_scores<F: Float, NV: Size>(
     s: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     #[comptime] c: FlashConfig,
 ) {
-    step_scores_of::<F, NV>(q_s, k_s, k_buf, s, UNIT_POS / PLANE, c);
-}
-
-/// [`step_scores()`] for the rows of plane `plane`'s tiles, whichever plane runs it.
-#[cube]
-pub(crate) fn step_scores_of<F: Float, NV: Size>(
-    q_s: &SharedMemory<Vector<F, NV>>,
-    k_s: &SharedMemory<Vector<F, NV>>,
-    k_buf: usize,
-    s: &mut Sequence<Array<Vector<f32, Const<2>>>>,
-    plane: u32,
-    #[comptime] c: FlashConfig,
-) {
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let mat = lane / 8;
     let mat_row = lane % 8;
