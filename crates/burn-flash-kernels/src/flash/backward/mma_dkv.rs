@@ -205,8 +205,8 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
                 c,
                 units,
             );
+            commit_next(&bar0, &bar1, i);
         }
-        commit_next(&bar0, &bar1, i);
         wait_step(&bar0, &bar1, i);
         let r0 = qb * bq;
         let last = usize::min(r0 + bq, rows) - 1;

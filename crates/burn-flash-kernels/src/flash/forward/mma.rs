@@ -251,8 +251,8 @@ pub(crate) fn advance_kv<F: Float, NV: Size>(
             c,
             units,
         );
+        commit_next(bar0, bar1, st);
     }
-    commit_next(bar0, bar1, st);
     if comptime!(c.given()) {
         // The next step's scores (the last step's again at the end: never used).
         let j_next = usize::min(next, steps - 1) * bk;
