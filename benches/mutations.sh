@@ -59,8 +59,8 @@ logs=/tmp/mutations
 rm -rf "$logs" && mkdir -p "$logs"
 # A test that fails under its mutation has caught it (CAUGHT); one that passes has not (PASS).
 echo "$cases" | xargs -P "$jobs" -L 1 bash -c '
-  m=$0; b=$1; t=$2; e=${3:-MUTATION_CASE=1}; log="'"$logs"'/$m-${b%.test}-${t//::/-}-${3:-plan}.log"
-  if env "$e" BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
+  m=$0; b=$1; t=$2; log="'"$logs"'/$m-${b%.test}-${t//::/-}-${3:-plan}.log"
+  if env ${3:+"$3"} BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
   then echo "PASS $m $b $t ${3:-}"; else echo "CAUGHT $m $b $t ${3:-}"; fi
 ' | sort | tee "$summary"
 survivors=0

@@ -29,8 +29,7 @@ pub(crate) fn copy_vec<F: Float, NV: Size>(
 
 /// Commits the copies this unit issued for the step after `step` (into the other of two
 /// buffers, tracked by barrier `1 − step % 2`) and arrives on that barrier. Called only where
-/// that step exists: every arrival is waited on before the cube exits (compute-sanitizer's
-/// synccheck reports an arrival left unwaited).
+/// that step exists, so that every arrival is waited on before the cube exits.
 #[cube]
 pub(crate) fn commit_next(bar0: &Barrier, bar1: &Barrier, step: usize) {
     let parity = step % 2;
