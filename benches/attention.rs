@@ -4,7 +4,8 @@
 //! `cargo bench --bench attention -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
 //! [--dtypes bf16,f16,f32] [--seqs 512,1024] [--dims 64,128] [--causal false,true]
 //! [--sweeps main,gqa,bias,mask] [--impls burn-flash,burn-attention,burn-fallback]
-//! [--burn-max-s 4096] [--bias-full-max-s 4096] [--passes N] [--no-memory] [--dropout P]
+//! [--burn-max-s 4096] [--bias-full-max-s 4096] [--bias-tracked] [--passes N] [--no-memory]
+//! [--dropout P]
 //! [--block-k N] [--kernel units|tiled|mma|cooperative|hopper]
 //! [--plot CSV]`
 //! (`--help` lists them): wgpu by default, CUDA with `--features cuda` (both in one process when
@@ -87,7 +88,8 @@
 //!
 //! # Training rows (`pass` column, `--modes`)
 //! `fwd`: the forward alone (everything above). `fwd+bwd`: one training step of the attention,
-//! under `Autodiff`: `q`, `k`, `v` tracked (the bias and mask not), the forward, then
+//! under `Autodiff`: `q`, `k`, `v` tracked (the mask not; the bias with `--bias-tracked`, whose
+//! gradient then sums the `dS` the backward writes, and the note says so), the forward, then
 //! `(out ⊙ g).sum().backward()` with a random `g` (Normal(0, 1)), the call returning `dQ` (the
 //! gradients stay alive until the pass's sync). FLOP = 3.5 × the forward's (FlashAttention's
 //! convention: the backward is 2.5 × the forward). `bwd`: derived, the `fwd+bwd` row's medians
@@ -231,6 +233,9 @@ struct Cli {
     /// The bias sweep's bias is [1, H, S, S] up to this S, [1, H, 1, S] above it.
     #[arg(long, default_value_t = 4096, value_name = "S")]
     bias_full_max_s: usize,
+    /// Track the bias sweep's bias in training rows (its gradient: `dS` written).
+    #[arg(long)]
+    bias_tracked: bool,
     /// Force burn-flash's keys per step (a tuning experiment; the plan's choice by default).
     #[arg(long, value_name = "N")]
     block_k: Option<usize>,
@@ -439,6 +444,8 @@ struct Config {
     causal: bool,
     /// The bias's shape, if any.
     bias: Option<[usize; 4]>,
+    /// The bias is tracked in training rows (`--bias-tracked`).
+    bias_tracked: bool,
     /// Masked keys (the last ones) of the padding mask `[B, 1, 1, S]`, if any.
     masked: Option<usize>,
 }
@@ -487,7 +494,8 @@ impl Config {
     /// What the note says about the mask or bias.
     fn describe(&self) -> Option<String> {
         if let Some(shape) = self.bias {
-            return Some(format!("ALiBi bias {shape:?}"));
+            let tracked = if self.bias_tracked { ", tracked" } else { "" };
+            return Some(format!("ALiBi bias {shape:?}{tracked}"));
         }
         self.masked.map(|n| {
             format!(
@@ -520,6 +528,9 @@ impl<B: Backend> Inputs<B> {
             inputs.q = inputs.q.require_grad();
             inputs.k = inputs.k.require_grad();
             inputs.v = inputs.v.require_grad();
+            if cfg.bias_tracked {
+                inputs.bias = inputs.bias.map(|b| b.require_grad());
+            }
         }
         if imp.is_burn() {
             inputs.for_burn()
@@ -729,6 +740,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                                 head_dim,
                                 causal,
                                 bias,
+                                bias_tracked: cli.bias_tracked && bias.is_some(),
                                 masked,
                             });
                         }
@@ -833,12 +845,12 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             if let Some(d) = bench_dropout() {
                 notes.push(format!("dropout {}", d.prob));
             }
-            // The plan of this row's call: its mask and bias (untracked: the bench tracks only
-            // q, k, v) change the kernels the plan picks.
+            // The plan of this row's call: its mask and bias (tracked only with
+            // `--bias-tracked`) change the kernels the plan picks.
             let terms = burn_flash::ScoreTerms {
                 mask: cfg.masked.is_some(),
                 bias: cfg.bias.is_some(),
-                bias_tracked: false,
+                bias_tracked: cfg.bias_tracked,
             };
             match burn_flash::attention_plan_with::<Fu<R, BT>>(
                 &self.device,

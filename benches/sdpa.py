@@ -5,7 +5,7 @@ on the same shapes, written with the same CSV columns.
     python3 benches/sdpa.py [--out DIR] [--quick] [--dtypes bf16,f16,f32] [--seqs 512,1024]
         [--dims 64,128] [--causal false,true] [--sweeps main,gqa,bias,mask]
         [--backends flash,cudnn,efficient,math] [--math-max-s 4096] [--bias-full-max-s 4096]
-        [--passes N] [--modes fwd,train]
+        [--bias-tracked] [--passes N] [--modes fwd,train]
 
 Writes DIR/sdpa.csv (DIR defaults to $CARGO_TARGET_DIR/bench, else target/bench), one row per
 (configuration, backend), flushed after each row. `cargo bench --bench attention -- --plot
@@ -339,14 +339,19 @@ def run_row(c, backend, args, device, mode="fwd"):
                 tensors["q"], tensors["k"], tensors["v"], attn_mask=tensors["mask"],
                 is_causal=is_causal, **kwargs)
 
+        tracked = ["q", "k", "v"]
+        if mode == "train" and args.bias_tracked and c["bias"] is not None:
+            # The float attn_mask (the bias, causal folded in) is a leaf with a gradient.
+            tracked.append("mask")
+            notes.append("bias tracked")
         if mode == "train":
-            for name in ("q", "k", "v"):
+            for name in tracked:
                 tensors[name].requires_grad_(True)
             tensors["g"] = torch.randn(c["batch"], c["heads_q"], c["seq"], c["head_dim"],
                                        device=device, dtype=DTYPES[c["dtype"]])
 
             def call():
-                for name in ("q", "k", "v"):
+                for name in tracked:
                     tensors[name].grad = None
                 forward().backward(tensors["g"])
                 return tensors["q"].grad
@@ -420,6 +425,8 @@ def main():
                         help="math-backend rows above this S are skipped")
     parser.add_argument("--bias-full-max-s", type=int, default=4096,
                         help="the bias is [1, H, S, S] up to this S, [1, H, 1, S] above")
+    parser.add_argument("--bias-tracked", action="store_true",
+                        help="training rows of the bias sweep also take the bias's gradient")
     parser.add_argument("--passes", type=int, default=None)
     parser.add_argument("--modes", type=csv_list(str), default=["fwd", "train"],
                         help="fwd (the forward), train (forward + backward)")

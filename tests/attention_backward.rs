@@ -189,8 +189,7 @@ struct Setup {
     mask: Option<([usize; 4], MaskFn)>,
     /// The bias's shape.
     bias: Option<[usize; 4]>,
-    /// The bias is tracked (its gradient is checked, and the backward writes `dS` for it);
-    /// untracked, the Hopper backward takes it on sm_90.
+    /// The bias is tracked (its gradient is checked, and the backward writes `dS` for it).
     bias_tracked: bool,
     options: AttentionModuleOptions,
     strided: bool,
@@ -642,38 +641,37 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
     if hopper {
-        // A mask takes the Hopper backward too; a tracked bias (`dS` written for its gradient)
-        // the `mma.sync` one.
+        // A mask takes the Hopper backward too.
         assert_eq!(launch(&masked), launch(&plain));
-        let biased =
-            attention_backward_plan::<A<B>>(device, dims, dtype.into(), options, false, true)
-                .expect("plan")
-                .expect("plan");
-        assert!(biased.config.rules.bias);
-        assert_eq!(biased.kernel, AttentionBackwardKernel::MatrixUnits);
-        // An untracked bias: the Hopper backward could take it, but the plan keeps the
-        // `mma.sync` one (per-element bias reads measured slower), unless the run forces Hopper.
-        let untracked = attention_backward_plan_with::<A<B>>(
-            device,
-            dims,
-            dtype.into(),
-            options,
-            ScoreTerms {
-                bias: true,
-                ..Default::default()
-            },
-        )
-        .expect("plan")
-        .expect("plan");
+        // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward could
+        // take it, but the plan keeps the `mma.sync` one (per-element bias reads measured
+        // slower), unless the run forces Hopper (`hopper_tracked_bias` forces the kernel).
         let always = std::env::var("BURN_FLASH_HOPPER").as_deref() == Ok("always");
-        assert_eq!(
-            untracked.kernel,
-            if always {
-                AttentionBackwardKernel::Hopper
-            } else {
-                AttentionBackwardKernel::MatrixUnits
-            }
-        );
+        for tracked in [true, false] {
+            let biased = attention_backward_plan_with::<A<B>>(
+                device,
+                dims,
+                dtype.into(),
+                options,
+                ScoreTerms {
+                    bias: true,
+                    bias_tracked: tracked,
+                    ..Default::default()
+                },
+            )
+            .expect("plan")
+            .expect("plan");
+            assert!(biased.config.rules.bias);
+            assert_eq!(
+                biased.kernel,
+                if always {
+                    AttentionBackwardKernel::Hopper
+                } else {
+                    AttentionBackwardKernel::MatrixUnits
+                },
+                "bias tracked: {tracked}"
+            );
+        }
     } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
     }
@@ -1043,6 +1041,101 @@ fn cooperative_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
     check::<B>(&setup, dtype, "cooperative: D 128, several blocks");
 }
 
+/// The Hopper backward writing `dS` for a tracked bias, with the forward's kernel forced onto
+/// Hopper (the plan keeps bias calls on the `mma.sync` backward): several key blocks and query
+/// steps; causal with `Sq > Sk`, whose second key block skips the first two query blocks (their
+/// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score; a head dim
+/// of 256 (the wide kernel, 64 keys per block). Each call's launch is checked: the Hopper
+/// backward writing `dS`, and the `mma.sync` one under a softcap. Where the device has no
+/// Hopper kernels, the forced kernel must be refused with an error before any launch.
+/// (CUDA's suites only.)
+#[cfg(feature = "cuda")]
+fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let probe = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 200,
+        seq_k: 150,
+        head_dim: 64,
+        value_dim: 64,
+    };
+    let forced = FlashAttentionOptions {
+        kernel: Some(AttentionKernel::Hopper),
+        ..Default::default()
+    };
+    let available = burn_flash::attention_plan::<B>(device, probe, dtype.into(), forced)
+        .expect("a CUDA backend plans attention");
+    if let Err(err) = available {
+        let text = err.to_string();
+        assert!(text.contains("Hopper") || text.contains("sm_90"), "{text}");
+        eprintln!("no Hopper kernels on this device: {text}");
+        return;
+    }
+    let run = |setup: &mut Setup, context: &str, want: AttentionBackwardKernel| {
+        setup.kernel = Some(AttentionKernel::Hopper);
+        let dims = AttentionDims {
+            batch: setup.q[0],
+            heads_q: setup.q[1],
+            heads_kv: setup.kv_heads,
+            seq_q: setup.q[2],
+            seq_k: setup.seq_k,
+            head_dim: setup.q[3],
+            value_dim: setup.dv,
+        };
+        check::<B>(setup, dtype, context);
+        let ran: Vec<_> = recent_backward_launches()
+            .into_iter()
+            .filter(|l| l.dims == dims && l.ds)
+            .map(|l| l.kernel)
+            .collect();
+        assert!(
+            !ran.is_empty() && ran.iter().all(|&k| k == want),
+            "{context}: want {want:?}, launched {ran:?}"
+        );
+    };
+    let hopper = AttentionBackwardKernel::Hopper;
+    let mut setup = Setup::new([2, 4, 200, 64], 2, 150, 64);
+    setup.bias = Some([1, 4, 200, 150]);
+    setup.options.is_causal = true;
+    run(
+        &mut setup,
+        "Hopper dS: causal Sq 200 Sk 150, bias [1, H, Sq, Sk]",
+        hopper,
+    );
+    let mut setup = Setup::new([2, 4, 70, 128], 2, 300, 96);
+    setup.mask = Some(([2, 1, 1, 300], |[b, _, _, j]| j + 40 * b >= 290));
+    setup.bias = Some([2, 4, 70, 300]);
+    run(
+        &mut setup,
+        "Hopper dS: GQA, padding mask, D 128 Dv 96",
+        hopper,
+    );
+    setup.mask = Some(([2, 4, 70, 300], |[b, h, i, j]| {
+        i == 3 || (b + h + i + j) % 3 == 0
+    }));
+    setup.fill = Some(0.5);
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.2,
+        seed: 11,
+    });
+    run(&mut setup, "Hopper dS: fill 0.5, dropout", hopper);
+    let mut setup = Setup::new([1, 2, 90, 192], 2, 140, 128);
+    setup.bias = Some([1, 2, 90, 140]);
+    setup.options.is_causal = true;
+    run(&mut setup, "Hopper dS: wide, D 192, causal", hopper);
+    // Sizes of its own (the launches are told apart by their dims), D ≤ 128 for `mma.sync`.
+    let mut setup = Setup::new([1, 2, 90, 64], 2, 140, 64);
+    setup.bias = Some([1, 2, 90, 140]);
+    setup.options.is_causal = true;
+    setup.options.softcap = Some(5.0);
+    run(
+        &mut setup,
+        "Hopper forced, dS under a softcap: mma.sync",
+        AttentionBackwardKernel::MatrixUnits,
+    );
+}
+
 /// The backward suite; `[extra]` replaces the default extra test, the 70 400-head case.
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
@@ -1105,8 +1198,8 @@ mod cuda {
     use super::*;
     type C = burn::backend::Cuda;
     backward_suite!(f32, C, FloatDType::F32);
-    backward_suite!(f16, C, FloatDType::F16);
-    backward_suite!(bf16, C, FloatDType::BF16);
+    backward_suite!(f16, C, FloatDType::F16, [many_heads, hopper_tracked_bias]);
+    backward_suite!(bf16, C, FloatDType::BF16, [many_heads, hopper_tracked_bias]);
 }
 
 #[cfg(feature = "ndarray")]

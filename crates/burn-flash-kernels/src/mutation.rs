@@ -56,6 +56,9 @@ pub enum Mutation {
     /// `Q`/`dO` in the backward) without waiting for the consumers to release it (the
     /// pipeline's empty-barrier waits dropped).
     HopperNoWait,
+    /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
+    /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
+    DsSkippedRows,
 }
 
 impl Mutation {
@@ -77,6 +80,7 @@ impl Mutation {
             Self::ZeroDk => "zero-dk",
             Self::WgmmaStrides => "wgmma-strides",
             Self::HopperNoWait => "hopper-no-wait",
+            Self::DsSkippedRows => "ds-skipped-rows",
         }
     }
 }
@@ -110,10 +114,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::ZeroDk,
             Mutation::WgmmaStrides,
             Mutation::HopperNoWait,
+            Mutation::DsSkippedRows,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -207,4 +212,9 @@ pub fn wgmma_strides() -> bool {
 /// [`Mutation::HopperNoWait`] is active.
 pub fn hopper_no_wait() -> bool {
     active(Mutation::HopperNoWait)
+}
+
+/// [`Mutation::DsSkippedRows`] is active.
+pub fn ds_skipped_rows() -> bool {
+    active(Mutation::DsSkippedRows)
 }

@@ -37,10 +37,11 @@ pub enum AttentionBackwardKernel {
     /// [`cmma::flash_backward_dkv_cmma()`] and [`cmma::flash_backward_dq_cmma()`], every score
     /// rule, `D`, `Dv` up to [`cmma::MAX_DIM`].
     CooperativeMatrix,
-    /// Hopper's `wgmma` and TMA (f16/bf16 on sm_90, no written `dS`,
-    /// [`hopper::unavailable`]): a per-row prepass (`δ`, the log-sum-exp in base 2, the `dQ`
-    /// accumulator zeroed), one kernel per block of 128 keys (64 at head dims over 128) writing
-    /// `dK`, `dV` and adding `dQ` into the f32 accumulator, then `dQ` in the element type.
+    /// Hopper's `wgmma` and TMA (f16/bf16 on sm_90, [`hopper::unavailable`]; a written `dS`
+    /// only without a softcap, [`hopper::takes_ds`]): a per-row prepass (`δ`, the log-sum-exp
+    /// in base 2, the `dQ` accumulator zeroed), one kernel per block of 128 keys (64 at head
+    /// dims over 128) writing `dK`, `dV` (and `dS`) and adding `dQ` into the f32 accumulator,
+    /// then `dQ` in the element type.
     /// Planned on sm_90 unless `BURN_FLASH_HOPPER=off`, another forward kernel is forced, or
     /// the call has a bias ([`hopper::preferred`]: slower there, unless `=always`).
     Hopper,
@@ -159,11 +160,12 @@ pub fn plan_attention_backward<R: Runtime>(
     features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    plan_backward(client, dims, dtype, features, options, true)
+    plan_backward(client, dims, dtype, features, options, false)
 }
 
 /// [`plan_attention_backward`] for a call that writes `dS` where `write_ds` (a tracked bias,
-/// whose gradient sums it): the Hopper backward does not write it, the other kernels do.
+/// whose gradient sums it): every kernel writes it, the Hopper backward only without a softcap
+/// ([`hopper::takes_ds`]).
 pub fn plan_attention_backward_writing<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
@@ -172,7 +174,7 @@ pub fn plan_attention_backward_writing<R: Runtime>(
     options: &AttentionOptions,
     write_ds: bool,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    plan_backward(client, dims, dtype, features, options, !write_ds)
+    plan_backward(client, dims, dtype, features, options, write_ds)
 }
 
 /// Why the Hopper backward does not run a call (`None`: it does): switched off, another
@@ -194,16 +196,16 @@ fn hopper_reason<R: Runtime>(
         .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
 }
 
-/// [`plan_attention_backward`]; `hopper_ok` false keeps the Hopper backward out (a call that
-/// writes `dS`).
+/// [`plan_attention_backward`] for a call that writes `dS` where `write_ds`.
 fn plan_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
     options: &AttentionOptions,
-    hopper_ok: bool,
+    write_ds: bool,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
+    let hopper_ok = !write_ds || hopper::takes_ds(options.softcap.is_some());
     validate(client, dims, dtype, options)?;
     let hw = &client.properties().hardware;
     if hw.max_units_per_cube < units::UNITS || hw.max_shared_memory_size < units::SHARED_BYTES {
@@ -373,7 +375,7 @@ pub fn launch_attention_backward<R: Runtime>(
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
     };
-    let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_none())?;
+    let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;
     let rows = pairs * dims.group() * dims.seq_q;
     if pairs == 0 {
@@ -384,8 +386,9 @@ pub fn launch_attention_backward<R: Runtime>(
         if let Some(cuda) = super::cuda_client(client) {
             // SAFETY: the shapes were checked above and describe the buffers; the plan took
             // the Hopper backward, so `hopper::unavailable` found nothing against this call
-            // (rows and starts aligned, no `ds`, non-empty sequences); the mask and bias
-            // strides were checked against `[B, Hq, Sq, Sk]`.
+            // (rows and starts aligned, non-empty sequences) and a `ds` comes without a
+            // softcap (`hopper::takes_ds`); the mask and bias strides were checked against
+            // `[B, Hq, Sq, Sk]`, `ds`'s shape is `[B, Hq, Sq, Sk]`.
             unsafe {
                 hopper::launch(
                     cuda,
@@ -404,7 +407,7 @@ pub fn launch_attention_backward<R: Runtime>(
                 dims,
                 kernel: plan.kernel,
                 mask: t.mask.is_some(),
-                ds: false,
+                ds: t.ds.is_some(),
             });
             return Ok(plan);
         }

@@ -39,8 +39,16 @@
 // and CAUSAL, SOFTCAP, MASK, FILL, BIAS, DROPOUT (0 | 1), the score rules of the forward
 // (forward/hopper.cu) in its order: scale, softcap, bias, then a masked key hidden or given
 // the fill score. A key that took the fill score has a constant score: its weight reaches dV,
-// its dS reaches neither dQ nor dK. The bias is the forward's, not tracked (a call that wants
-// its gradient writes dS, which the plan gives the `mma.sync` backward).
+// its dS reaches neither dQ nor dK.
+//
+// WRITE_DS (0 | 1; never with SOFTCAP): dS = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), a tracked bias's gradient, is
+// also written to `ds` [B, Hq, Sq, Sk] through its strides. Without a softcap the dSᵀ tile the
+// consumers store for dQ is exactly that (in the element type, 0 for a hidden key and for a
+// key that took the fill score), so after the step's named barrier both consumers copy it out,
+// key-contiguous, while dQ's products run; the rows of the query blocks a causal block skips
+// see none of its keys and get zeros before the loop. (Under a softcap the tile holds dS times
+// the softcap's derivative, which the consumers do not keep: the plan sends that call to the
+// `mma.sync` backward.)
 
 #define BLOCK_M 64
 #if HEAD_DIM > 128 || VALUE_DIM > 128
@@ -108,6 +116,7 @@ struct BwdParams {
     u32 unused2;
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
+    u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
 };
 
 // Sᵀ (or dPᵀ) = A·Bᵀ for consumer `c`'s 64 keys (A: K or V, BLOCK_N key rows) and the step's
@@ -187,6 +196,25 @@ __device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int ro
     }
 }
 
+#if WRITE_DS
+// Copies a step's dSᵀ tile (BLOCK_N keys × BLOCK_M query rows in `buf`, as store_ds wrote it)
+// to `dst` (dS at the step's first row and the block's first key): rows below `rows`, keys
+// below `keys`. Thread `t` of the consumers' 256: consecutive threads on consecutive keys.
+__device__ __forceinline__ void copy_ds(unsigned short* dst, u32 buf, int rows, int keys,
+                                        u64 stride_s, u64 stride_k, u32 t) {
+#pragma unroll 4
+    for (u32 e = t; e < BLOCK_N * BLOCK_M; e += 256u) {
+        const u32 key = e % BLOCK_N, row = e / BLOCK_N;
+        if ((int)row < rows && (int)key < keys) {
+            const u32 off = key * 128u + row * 2u;
+            unsigned short x;
+            asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(buf + (off ^ ((key % 8u) << 4))));
+            dst[(u64)row * stride_s + (u64)key * stride_k] = x;
+        }
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(384, 1)
 burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                            const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
@@ -197,6 +225,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                            unsigned short* __restrict__ dv,
                            const unsigned short* __restrict__ mask,
                            const unsigned short* __restrict__ bias,
+                           unsigned short* __restrict__ ds,
                            const __grid_constant__ BwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -309,6 +338,27 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         dq[i] = 0.0f;
     }
     u32 pp[4][4], pds[4][4];
+#if WRITE_DS
+    const u32 ds_t = tid - 128u;
+    const int ds_keys = (int)p.seq_k - n0;
+#if CAUSAL
+    // The rows before the first visited block see none of this block's keys: dS = 0.
+    {
+        const int skipped = min(m_first * BLOCK_M, (int)p.seq_q);
+        const u32 key = ds_t % BLOCK_N;
+        if ((int)key < ds_keys) {
+            for (u32 h = 0; h < p.group; ++h) {
+                unsigned short* dst = ds + (u64)batch * p.ds_stride_b
+                                      + (u64)(head_kv * p.group + h) * p.ds_stride_h
+                                      + (u64)(n0 + (int)key) * p.ds_stride_k;
+                for (int r = (int)(ds_t / BLOCK_N); r < skipped; r += 256 / BLOCK_N) {
+                    dst[(u64)r * p.ds_stride_s] = 0;
+                }
+            }
+        }
+    }
+#endif
+#endif
 
     if (steps > 0) mbar_wait(kv_full, 0);
     for (int it = 0; it < steps; ++it) {
@@ -445,7 +495,14 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // of the step before last was read before either consumer arrived here last step).
         named_sync(1, 256);
         float* dq_rows = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
+#if WRITE_DS
+        unsigned short* ds_rows = ds + (u64)batch * p.ds_stride_b + (u64)head * p.ds_stride_h
+                                  + (u64)m0 * p.ds_stride_s + (u64)n0 * p.ds_stride_k;
+#endif
 #if WIDE
+#if WRITE_DS
+        copy_ds(ds_rows, buf, (int)p.seq_q - m0, ds_keys, p.ds_stride_s, p.ds_stride_k, ds_t);
+#endif
         // dQ[:, atom a] = dS·K[:, atom a] for consumer c's atoms, one at a time: all 64 keys.
 #pragma unroll
         for (u32 h = 0; h < D_ATOMS / 2; ++h) {
@@ -484,6 +541,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #endif
 #if !WIDE
         wgmma_commit();
+#if WRITE_DS
+        // (While dQ's products run: they read the same tile.)
+        copy_ds(ds_rows, buf, (int)p.seq_q - m0, ds_keys, p.ds_stride_s, p.ds_stride_k, ds_t);
+#endif
         wgmma_wait<0>();
         wgmma_hold(dv_acc);
         wgmma_hold(dk_acc);

@@ -9,8 +9,9 @@
 //!
 //! Variants ([`Variant`]): element type × `D` (64, 128, 256: the head dims rounded up; with
 //! one of them 256 the other at least 128, 64 keys per block) × `Dv` × causal,
-//! softcap, mask (hiding or filling), bias, dropout. A written `dS` (a tracked bias) is not
-//! taken, nor what [`unavailable`] names; the plan then runs the `mma.sync` backward.
+//! softcap, mask (hiding or filling), bias, dropout, written `dS` (a tracked bias's gradient,
+//! [`Variant::write_ds`]). Not taken: `dS` under a softcap ([`takes_ds`]) and what
+//! [`unavailable`] names; the plan then runs the `mma.sync` backward.
 
 #[cfg(feature = "cuda")]
 use cubecl::cuda::CudaRuntime;
@@ -87,11 +88,14 @@ pub struct Variant {
     pub bias: bool,
     /// Dropout on the weights.
     pub dropout: bool,
+    /// `dS` is written (a tracked bias's gradient; never with `softcap`, [`takes_ds`]).
+    pub write_ds: bool,
 }
 
 impl Variant {
-    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16.
-    pub fn new(config: FlashConfig, bf16: bool) -> Self {
+    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16,
+    /// writing `dS` where `write_ds`.
+    pub fn new(config: FlashConfig, bf16: bool, write_ds: bool) -> Self {
         Self {
             bf16,
             head_dim: config.head_dim,
@@ -102,6 +106,7 @@ impl Variant {
             fill: config.rules.mask && config.rules.masked_score.is_some(),
             bias: config.rules.bias,
             dropout: config.rules.dropout,
+            write_ds,
         }
     }
 
@@ -122,6 +127,7 @@ impl Variant {
             ("FILL", self.fill),
             ("BIAS", self.bias),
             ("DROPOUT", self.dropout),
+            ("WRITE_DS", self.write_ds),
         ] {
             text += &format!("#define {name} {}\n", u32::from(on));
         }
@@ -140,6 +146,7 @@ impl Variant {
             | u64::from(self.mask) << 27
             | u64::from(self.fill) << 28
             | u64::from(self.bias) << 29
+            | u64::from(self.write_ds) << 30
     }
 }
 
@@ -182,6 +189,13 @@ pub fn preferred(features: AttentionFeatures) -> bool {
     crate::flash::forward::hopper::wanted(!features.bias)
 }
 
+/// Whether the Hopper backward takes a call that writes `dS` (a tracked bias's gradient) with
+/// `softcap`: not under a softcap, where the `dSᵀ` tile its consumers hold for `dQ` is `dS`
+/// times the softcap's derivative and `dS` itself is not kept.
+pub fn takes_ds(softcap: bool) -> bool {
+    !softcap
+}
+
 /// Why the Hopper backward cannot run a call (`None`: it can). `hopper` says whether the device
 /// is an sm_90 GPU; `features.aligned` covers `q`, `k`, `v` and `dO` (rows and starts).
 pub fn unavailable(
@@ -216,8 +230,9 @@ pub fn unavailable(
 
 /// Launches the backward of `dims` on `client`: `δ` and the statistics, the main kernel on the
 /// plan's grid (`config`'s variant, `units`, shared memory), then `dQ`. `t` was checked by the
-/// caller (shapes, [`unavailable`] `None`, no `ds`); `mask_strides` and `bias_strides` are
-/// those of `t.mask` and `t.bias` over `[B, Hq, Sq, Sk]`, 0 along broadcast dimensions.
+/// caller (shapes, [`unavailable`] `None`; a `ds` only where [`takes_ds`]); `mask_strides` and
+/// `bias_strides` are those of `t.mask` and `t.bias` over `[B, Hq, Sq, Sk]`, 0 along broadcast
+/// dimensions.
 ///
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
@@ -237,7 +252,7 @@ pub unsafe fn launch(
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(config, bf16);
+    let variant = Variant::new(config, bf16, t.ds.is_some());
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = dims.batch * dims.heads_q * rows_pad;
@@ -314,6 +329,11 @@ pub unsafe fn launch(
                 "if (false) mbar_wait(",
             ),
             (mutation::fill_grad(), "live = false;", "live = true;"),
+            (
+                mutation::ds_skipped_rows(),
+                "dst[(u64)r * p.ds_stride_s] = 0;",
+                "dst[(u64)r * p.ds_stride_s] = 0x4000;",
+            ),
         ],
     );
     let kernel = HandWritten::new_hashed(
@@ -352,6 +372,17 @@ pub unsafe fn launch(
         &t.q,
         &mut params,
     );
+    // dS [B, Hq, Sq, Sk] where written; otherwise never touched, `dQ` stands in.
+    let ds_handle = match &t.ds {
+        Some(ds) => {
+            params.extend(strides(ds.strides));
+            ds.handle.clone()
+        }
+        None => {
+            params.extend([0; 4]);
+            t.dq.handle.clone()
+        }
+    };
     let maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
         tensor_map(&t.k, dtype, config.block_k as usize),
@@ -364,7 +395,8 @@ pub unsafe fn launch(
     // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
     // `q`, `k`, `v`, `dO` (TMA clips every box to the shapes) and the scratch rows of its
     // (batch, head) pairs; block (n, h, b) writes its `block_k` keys below `Sk` of
-    // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`. The mask and bias reads stay in
+    // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`, and (with `ds`) those keys of
+    // `dS[b, h·group ..][rows below Sq]` through `ds`'s strides. The mask and bias reads stay in
     // theirs: rows below `Sq`, keys below `Sk`, through the broadcast strides checked by the
     // caller.
     unsafe {
@@ -391,6 +423,7 @@ pub unsafe fn launch(
                 t.dv.handle.clone().binding(),
                 mask_handle.binding(),
                 bias_handle.binding(),
+                ds_handle.binding(),
             ],
             params,
         );
