@@ -6,7 +6,8 @@
 mod common;
 
 use burn::tensor::{DType, Distribution, FloatDType, Tensor, module};
-use burn_flash::{FlashBackend, attention};
+use burn_flash::attention::AttentionDims;
+use burn_flash::{FlashBackend, attention, attention_backward_plan};
 use common::memory_check::{check_backend, check_peak};
 use common::peak_memory::use_exact_pool;
 
@@ -88,8 +89,9 @@ fn cuda_forward_within_inputs_plus_output() {
 
 /// Checks a training step's peak memory (forward, then `out.backward()` under `Autodiff`):
 /// inputs + output + log-sum-exp + the output's gradient (Burn's seed, ones) + the three
-/// gradients + `δ` (one f32 per query row) + [`SLACK`]: nothing `Sq × Sk`; where the plan
-/// fuses `dQ` into the dK/dV kernel, also its f32 accumulator (`dQ`'s size in f32).
+/// gradients + the backward plan's scratch (`δ`, one f32 per query row; the Hopper backward's
+/// f32 `dQ` accumulator: `AttentionBackwardPlan::scratch_bytes`) + [`SLACK`]: nothing
+/// `Sq × Sk`.
 /// `composed = true` runs Burn's autodiff of `attention_fallback`, which must fail the same
 /// check.
 fn training_peak<B: FlashBackend, R: cubecl::Runtime>(
@@ -114,8 +116,33 @@ fn training_peak<B: FlashBackend, R: cubecl::Runtime>(
     let elem = DType::from(dtype).size() as u64;
     let n = (b * h * s * d) as u64 * elem;
     let rows = (b * h * s) as u64 * 4;
-    // q, k, v; out, lse; the output's gradient; dq, dk, dv; δ.
-    let allowed = 3 * n + (n + rows) + n + 3 * n + rows + SLACK;
+    // The fused backward's scratch, as its plan states it (Burn's fallback: δ's size, the bound
+    // it must fail anyway).
+    let dims = AttentionDims {
+        batch: b,
+        heads_q: h,
+        heads_kv: h,
+        seq_q: s,
+        seq_k: s,
+        head_dim: d,
+        value_dim: d,
+    };
+    let scratch = match composed {
+        true => rows,
+        false => attention_backward_plan::<A<B>>(
+            device,
+            dims,
+            dtype.into(),
+            options.into(),
+            false,
+            false,
+        )
+        .expect("a fused backward")
+        .expect("its plan")
+        .scratch_bytes(dims) as u64,
+    };
+    // q, k, v; out, lse; the output's gradient; dq, dk, dv; the backward's scratch.
+    let allowed = 3 * n + (n + rows) + n + 3 * n + scratch + SLACK;
     let name = if composed { "Burn's fallback" } else { "fused" };
     let what = format!("train {name} {dtype:?} B{b} H{h} S{s} D{d}");
     let (grads, _) = check_peak::<B, R, _>(device, &what, composed, allowed, || {

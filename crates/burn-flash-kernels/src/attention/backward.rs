@@ -102,6 +102,23 @@ pub struct AttentionBackwardPlan {
     pub matrix_units: Option<MatrixUnitsUnavailable>,
 }
 
+impl AttentionBackwardPlan {
+    /// Device scratch the launch allocates beyond the caller's tensors for `dims`, in bytes:
+    /// `δ`, one f32 per query row; the Hopper backward, per query row padded to
+    /// [`hopper::BLOCK_Q`], `δ`, the base-2 log-sum-exp and the f32 `dQ` accumulator
+    /// (`config.head_dim` columns): `O(Sq·D)`, never `Sq × Sk`.
+    pub fn scratch_bytes(&self, dims: AttentionDims) -> usize {
+        let heads = dims.batch * dims.heads_q;
+        match self.kernel {
+            AttentionBackwardKernel::Hopper => {
+                let rows = heads * dims.seq_q.next_multiple_of(hopper::BLOCK_Q);
+                rows * (2 + self.config.head_dim as usize) * 4
+            }
+            _ => (heads * dims.seq_q).max(1) * 4,
+        }
+    }
+}
+
 /// The matrix-unit backward's tile (the `dQ` kernel's: [`mma::DQ_ROWS`] rows per cube,
 /// [`mma::step_len`] keys per step) for `D`, `Dv` rounded up to 16.
 pub fn mma_tile(d16: u32, dv16: u32) -> Tile {
@@ -336,7 +353,8 @@ pub struct BackwardTensors<'a> {
 
 /// Writes the gradients of [`super::launch_attention`] (same `options`) into `t.dq`, `t.dk`,
 /// `t.dv` (and `t.ds`). Returns the plan that ran; nothing is launched when an error is
-/// returned. Needs one f32 per query row of scratch (`δ`).
+/// returned. Needs [`AttentionBackwardPlan::scratch_bytes`] of scratch (`δ`; on Hopper also
+/// the f32 `dQ` accumulator).
 pub fn launch_attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
     t: BackwardTensors<'_>,
