@@ -1044,8 +1044,8 @@ fn cooperative_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
 /// The Hopper backward writing `dS` for a tracked bias, with the forward's kernel forced onto
 /// Hopper (the plan keeps bias calls on the `mma.sync` backward): several key blocks and query
 /// steps; causal with `Sq > Sk`, whose second key block skips the first two query blocks (their
-/// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score; a head dim
-/// of 256 (the wide kernel, 64 keys per block). Each call's launch is checked: the Hopper
+/// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score with dropout;
+/// D 192 (rounded up to 256: the wide kernel, 64 keys per block). Each call's launch is checked: the Hopper
 /// backward writing `dS`, and the `mma.sync` one under a softcap. Where the device has no
 /// Hopper kernels, the forced kernel must be refused with an error before any launch.
 /// (CUDA's suites only.)

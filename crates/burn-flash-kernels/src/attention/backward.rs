@@ -108,13 +108,11 @@ impl AttentionBackwardPlan {
     /// [`hopper::BLOCK_Q`], `δ`, the base-2 log-sum-exp and the f32 `dQ` accumulator
     /// (`config.head_dim` columns): `O(Sq·D)`, never `Sq × Sk`.
     pub fn scratch_bytes(&self, dims: AttentionDims) -> usize {
-        let heads = dims.batch * dims.heads_q;
         match self.kernel {
             AttentionBackwardKernel::Hopper => {
-                let rows = heads * dims.seq_q.next_multiple_of(hopper::BLOCK_Q);
-                rows * (2 + self.config.head_dim as usize) * 4
+                hopper::padded_rows(dims) * (2 + self.config.head_dim as usize) * 4
             }
-            _ => (heads * dims.seq_q).max(1) * 4,
+            _ => (dims.batch * dims.heads_q * dims.seq_q).max(1) * 4,
         }
     }
 }
@@ -267,7 +265,7 @@ fn plan_backward<R: Runtime>(
     if hopper_ok && hopper_wanted && hopper_reason(client, dims, dtype, features, options).is_none()
     {
         let config = FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims));
-        let rows = dims.batch * dims.heads_q * dims.seq_q.next_multiple_of(hopper::BLOCK_Q);
+        let rows = hopper::padded_rows(dims);
         let block_keys = config.block_k as usize;
         return Ok(AttentionBackwardPlan {
             kernel: AttentionBackwardKernel::Hopper,

@@ -36,6 +36,12 @@ pub const BLOCK_K: usize = 128;
 pub const STAGES: usize = 2;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
+/// Rows of the backward's per-row scratch (`δ`, the base-2 lse, the f32 `dQ` accumulator):
+/// every (batch, query head)'s `Sq` padded to [`BLOCK_Q`].
+pub fn padded_rows(dims: AttentionDims) -> usize {
+    dims.batch * dims.heads_q * dims.seq_q.next_multiple_of(BLOCK_Q)
+}
+
 /// Rows per block of the per-row kernels (one warp each).
 #[cfg(feature = "cuda")]
 const ROWS_PER_BLOCK: usize = 8;
@@ -255,7 +261,7 @@ pub unsafe fn launch(
     let variant = Variant::new(config, bf16, t.ds.is_some());
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
-    let rows = dims.batch * dims.heads_q * rows_pad;
+    let rows = padded_rows(dims);
     let lse2 = client.empty(rows * 4);
     let delta = client.empty(rows * 4);
     let dq_acc = client.empty(rows * acc_dim * 4);
