@@ -851,6 +851,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 mask: cfg.masked.is_some(),
                 bias: cfg.bias.is_some(),
                 bias_tracked: cfg.bias_tracked,
+                alibi: false,
             };
             match burn_flash::attention_plan_with::<Fu<R, BT>>(
                 &self.device,

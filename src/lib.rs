@@ -32,7 +32,8 @@ pub use attention::backend::AttentionBackend;
 pub use attention::{
     AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionKernel,
     FlashAttentionOptions, ScoreTerms, attention, attention_backward_plan,
-    attention_backward_plan_with, attention_plan, attention_plan_with, attention_with_lse,
+    attention_backward_plan_with, attention_plan, attention_plan_with, attention_with_alibi,
+    attention_with_lse,
 };
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;

@@ -8,7 +8,8 @@ mod common;
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use burn_flash::{
     AttentionKernel, FlashAttentionOptions, FlashBackend, ScoreTerms, attention,
-    attention::AttentionDims, attention_plan, attention_plan_with, attention_with_lse,
+    attention::AttentionDims, attention_plan, attention_plan_with, attention_with_alibi,
+    attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
@@ -28,11 +29,15 @@ struct Case {
     fill: Option<f64>,
     /// Quiet softmax.
     quiet: bool,
+    /// Sliding window `(left, right)` around each row's bottom-right diagonal.
+    window: Option<(usize, usize)>,
+    /// ALiBi slopes, one per query head.
+    slopes: Option<Vec<f64>>,
 }
 
 impl Case {
-    /// f64 reference: scale → softcap → + bias → mask (−inf, or the fill score) → causal →
-    /// softmax (zeros for a row without a finite score; quiet: `e^s / (1 + Σ e^s)`) → ·V;
+    /// f64 reference: scale → softcap → + bias → ALiBi (`−slope·|i + Sk − Sq − j|`) → mask
+    /// (−inf, or the fill score) → causal and window (an explicit band: −inf) → softmax (zeros for a row without a finite score; quiet: `e^s / (1 + Σ e^s)`) → ·V;
     /// query head `h` reads key/value head `h / (Hq / Hkv)`. Returns the output and the row
     /// log-sum-exp of the scores (−inf for a row without one; quiet: `ln(1 + Σ e^s)`, 0).
     fn reference(&self) -> (Vec<f64>, Vec<f64>) {
@@ -67,12 +72,21 @@ impl Case {
                             if let Some((bias, bd)) = &self.bias {
                                 x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
                             }
+                            // Key `j`'s offset from the row's diagonal.
+                            let off = j as i64 - (i as i64 + sk as i64 - sq as i64);
+                            if let Some(slopes) = &self.slopes {
+                                x = (r.store)(x - slopes[h] * off.abs() as f64);
+                            }
                             if let Some((m, md)) = &self.mask
                                 && m[at(*md, [b, h, i, j])]
                             {
                                 x = self.fill.unwrap_or(f64::NEG_INFINITY);
                             }
-                            if self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64
+                            if self.options.is_causal && off > 0 {
+                                x = f64::NEG_INFINITY;
+                            }
+                            if let Some((left, right)) = self.window
+                                && (off < -(left as i64) || off > right as i64)
                             {
                                 x = f64::NEG_INFINITY;
                             }
@@ -187,6 +201,22 @@ fn check_with<B: FlashBackend>(
     dtype: FloatDType,
     context: &str,
 ) -> Vec<f64> {
+    check_alibi(q, k, v, mask, bias, None, flash_options, dtype, context)
+}
+
+/// [`check_with`] with ALiBi slopes (`[Hq]`, f32).
+#[allow(clippy::too_many_arguments)]
+fn check_alibi<B: FlashBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    slopes: Option<Tensor<B, 1>>,
+    flash_options: FlashAttentionOptions,
+    dtype: FloatDType,
+    context: &str,
+) -> Vec<f64> {
     let options = flash_options.module;
     let device = q.device();
     eprintln!("case: {context}");
@@ -206,17 +236,20 @@ fn check_with<B: FlashBackend>(
         options,
         fill: flash_options.masked_score,
         quiet: flash_options.quiet,
+        window: flash_options.window,
+        slopes: slopes.clone().map(read),
     };
     let [nb, hq, sq, _] = case.q_dims;
     let sk = case.k_dims[2];
     let out_dims = [nb, hq, sq, case.dv];
     poison::<B, 4>(out_dims, dtype, &device);
-    let (out, lse) = attention_with_lse(
+    let (out, lse) = attention_with_alibi(
         q.clone(),
         k.clone(),
         v.clone(),
         mask.clone(),
         bias.clone(),
+        slopes,
         forward_kernel(flash_options, dtype),
     );
     assert_eq!(out.dims(), out_dims, "{context}: output shape");
@@ -226,8 +259,11 @@ fn check_with<B: FlashBackend>(
     let got_lse = read(lse);
     let (want, want_lse) = case.reference();
     let ctx = format!(
-        "{context}: q {:?} k {:?} {dtype:?} {options:?}",
-        case.q_dims, case.k_dims
+        "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {}",
+        case.q_dims,
+        case.k_dims,
+        case.window,
+        case.slopes.is_some()
     );
 
     // The naive implementation in the dtype, as a CPU model (`naive`): Burn's fallback on the
@@ -1108,14 +1144,67 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
-/// burn-nn's mask semantics (`masked_score`: a masked key takes a fill score and stays in the
-/// softmax, so a fully masked row is uniform) and quiet softmax, through every kernel the
-/// device can run (the composed fallback on NdArray). A fill score of 0.5 lies among the real
-/// scores, so partly masked rows see it too; burn-nn's −1e4 matters in fully masked rows.
-fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let (nb, hq, hkv, sq, sk, d) = (2, 4, 2, 37, 70, 32);
+/// Every forward kernel the device runs for `dims` under `options` (each forced), or `[None]`
+/// where the backend has no kernels (the composed fallback).
+fn runnable_kernels<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    dtype: FloatDType,
+    options: FlashAttentionOptions,
+) -> Vec<Option<AttentionKernel>> {
+    let all = [
+        AttentionKernel::Units,
+        AttentionKernel::Tiled,
+        AttentionKernel::MatrixUnits,
+        AttentionKernel::CooperativeMatrix,
+        AttentionKernel::Hopper,
+    ];
+    let forced = |kernel| FlashAttentionOptions {
+        kernel: Some(kernel),
+        ..options
+    };
+    match attention_plan::<B>(device, dims, dtype.into(), forced(AttentionKernel::Units)) {
+        None => vec![None],
+        Some(_) => all
+            .into_iter()
+            .filter(|&k| {
+                attention_plan::<B>(device, dims, dtype.into(), forced(k))
+                    .is_some_and(|p| p.is_ok())
+            })
+            .map(Some)
+            .collect(),
+    }
+}
+
+/// Sliding windows (against an explicit band in the reference) and ALiBi from slopes (against
+/// the materialised term), through every kernel the device runs: windows on both sides, causal
+/// windows with `Sq < Sk` and `Sq > Sk` (rows that see nothing give zeros), a window wider than
+/// the sequence, long enough rows that whole key blocks are skipped on both sides, with GQA, a
+/// padding mask and a bias.
+fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
-    let kernels: Vec<Option<AttentionKernel>> = {
+    let (nb, hq, hkv, d) = (2, 4, 2, 32);
+    // (Sq, Sk, causal, window, ALiBi, mask and bias)
+    let cases = [
+        (70, 70, false, Some((3, 5)), false, false),
+        (70, 70, false, Some((0, 0)), false, false),
+        (300, 300, true, Some((40, 0)), false, false),
+        (260, 300, false, Some((20, 70)), true, false),
+        (97, 130, true, Some((16, 7)), false, true),
+        (130, 70, true, Some((9, 0)), true, false),
+        (40, 33, false, Some((1000, 1000)), false, false),
+        (150, 150, true, None, true, true),
+        (37, 80, false, None, true, false),
+    ];
+    for (sq, sk, causal, window, alibi, terms) in cases {
+        let options = FlashAttentionOptions {
+            window,
+            ..AttentionModuleOptions {
+                is_causal: causal,
+                ..Default::default()
+            }
+            .into()
+        };
         let dims = AttentionDims {
             batch: nb,
             heads_q: hq,
@@ -1125,29 +1214,53 @@ fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType
             head_dim: d,
             value_dim: d,
         };
-        let all = [
-            AttentionKernel::Units,
-            AttentionKernel::Tiled,
-            AttentionKernel::MatrixUnits,
-            AttentionKernel::CooperativeMatrix,
-            AttentionKernel::Hopper,
-        ];
-        let options = |kernel| FlashAttentionOptions {
-            kernel: Some(kernel),
-            ..Default::default()
-        };
-        match attention_plan::<B>(device, dims, dtype.into(), options(AttentionKernel::Units)) {
-            None => vec![None],
-            Some(_) => all
-                .into_iter()
-                .filter(|&k| {
-                    attention_plan::<B>(device, dims, dtype.into(), options(k))
-                        .is_some_and(|p| p.is_ok())
-                })
-                .map(Some)
-                .collect(),
+        let kernels = runnable_kernels::<B>(device, dims, dtype, options);
+        if cuda && dtype != FloatDType::F32 {
+            assert!(kernels.contains(&Some(AttentionKernel::MatrixUnits)));
+            assert!(kernels.contains(&Some(AttentionKernel::CooperativeMatrix)));
         }
+        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
+        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let slopes = alibi.then(|| random::<B, 1>([hq], 0.02, 0.5, FloatDType::F32, device));
+        let mask = terms
+            .then(|| bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 7 * b + 3 >= sk));
+        let bias = terms.then(|| rand4::<B>([1, hq, sq, sk], 1.0, dtype, device));
+        for kernel in kernels {
+            check_alibi(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask.clone(),
+                bias.clone(),
+                slopes.clone(),
+                FlashAttentionOptions { kernel, ..options },
+                dtype,
+                &format!(
+                    "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms} {kernel:?}"
+                ),
+            );
+        }
+    }
+}
+
+/// burn-nn's mask semantics (`masked_score`: a masked key takes a fill score and stays in the
+/// softmax, so a fully masked row is uniform) and quiet softmax, through every kernel the
+/// device can run (the composed fallback on NdArray). A fill score of 0.5 lies among the real
+/// scores, so partly masked rows see it too; burn-nn's −1e4 matters in fully masked rows.
+fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, hq, hkv, sq, sk, d) = (2, 4, 2, 37, 70, 32);
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let dims = AttentionDims {
+        batch: nb,
+        heads_q: hq,
+        heads_kv: hkv,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        value_dim: d,
     };
+    let kernels = runnable_kernels::<B>(device, dims, dtype, Default::default());
     if cuda && dtype != FloatDType::F32 {
         assert!(kernels.contains(&Some(AttentionKernel::MatrixUnits)));
     }
@@ -1360,6 +1473,7 @@ macro_rules! attention_suite {
                 tiled_kernel,
                 cooperative_matrix_kernel,
                 masked_score_and_quiet,
+                windows_and_alibi,
                 many_seeds,
             ]
         );

@@ -38,11 +38,13 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let d_out = grads.consume::<B>(&ops.node);
-        let ((q, k, v, mask, bias), out, lse, options) = ops.state;
+        let ((q, k, v, mask, bias, slopes), out, lse, options) = ops.state;
         let bias_node = ops.parents.get(3).cloned().flatten();
         let bias_dims = bias.as_ref().map(|b| b.shape().dims::<4>());
         let want_ds = bias_node.is_some();
-        let g = B::flash_attention_backward(q, k, v, mask, bias, out, lse, d_out, options, want_ds);
+        let g = B::flash_attention_backward(
+            q, k, v, mask, bias, slopes, out, lse, d_out, options, want_ds,
+        );
         for (parent, grad) in ops.parents.iter().zip([g.dq, g.dk, g.dv]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);
@@ -67,10 +69,13 @@ fn reduce_to<B: FlashBackend>(ds: FloatTensor<B>, dims: [usize; 4]) -> FloatTens
 }
 
 pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
-    (query, key, value, mask, bias): Inputs<Autodiff<B, C>>,
+    (query, key, value, mask, bias, slopes): Inputs<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> Pair<B, C> {
-    let run = |q, k, v, bias| B::flash_attention(q, k, v, mask.clone(), bias, options);
+    // The slopes are not tracked (no gradient flows to them).
+    let slopes = slopes.map(|s| s.primitive);
+    let run =
+        |q, k, v, bias| B::flash_attention(q, k, v, mask.clone(), bias, slopes.clone(), options);
     let nodes = [query.node.clone(), key.node.clone(), value.node.clone()];
     let (q, k, v) = (query.primitive, key.primitive, value.primitive);
     // One state type for both arities; the bias is a parent only when there is one.
@@ -84,7 +89,7 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
                 OpsKind::Tracked(prep) => {
                     let bias: Option<FloatTensor<B>> = $bias;
                     let (out, lse) = run(q.clone(), k.clone(), v.clone(), bias.clone());
-                    let inputs = (q, k, v, mask.clone(), bias);
+                    let inputs = (q, k, v, mask.clone(), bias, slopes.clone());
                     let state = (inputs, out.clone(), lse.clone(), options);
                     (
                         prep.finish(state, out),

@@ -21,17 +21,19 @@ use crate::{FlashBackend, SoftmaxMatmulBackend};
 pub trait AttentionBackend: SoftmaxMatmulBackend {
     /// `(out, lse)` of attention (see [`crate::attention()`]) over `query` `[B, Hq, Sq, D]`,
     /// `key` `[B, Hkv, Sk, D]`, `value` `[B, Hkv, Sk, Dv]`, with `mask`/`bias` broadcasting
-    /// to `[B, Hq, Sq, Sk]`; `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the scores.
-    /// Arguments are checked by the caller.
+    /// to `[B, Hq, Sq, Sk]` and ALiBi `slopes` `[Hq]` (f32; [`crate::attention_with_alibi`]);
+    /// `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the scores. Arguments are checked
+    /// by the caller.
     fn flash_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
         value: FloatTensor<Self>,
         mask: Option<BoolTensor<Self>>,
         bias: Option<FloatTensor<Self>>,
+        slopes: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::composed::forward::<Self>(query, key, value, mask, bias, options)
+        super::composed::forward::<Self>((query, key, value, mask, bias, slopes), options)
     }
 
     /// Gradients of [`AttentionBackend::flash_attention`] (same arguments and options) from
@@ -44,15 +46,15 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         value: FloatTensor<Self>,
         mask: Option<BoolTensor<Self>>,
         bias: Option<FloatTensor<Self>>,
+        slopes: Option<FloatTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
         want_ds: bool,
     ) -> AttentionGrads<Self> {
-        super::composed::backward::<Self>(
-            query, key, value, mask, bias, out, lse, d_out, options, want_ds,
-        )
+        let inputs = (query, key, value, mask, bias, slopes);
+        super::composed::backward::<Self>(inputs, out, lse, d_out, options, want_ds)
     }
 
     /// The launch the fused attention backward would make for contiguous tensors, with or
@@ -100,9 +102,11 @@ macro_rules! delegate {
             value: FloatTensor<Self>,
             mask: Option<BoolTensor<Self>>,
             bias: Option<FloatTensor<Self>>,
+            slopes: Option<FloatTensor<Self>>,
             options: FlashAttentionOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            super::$module::forward::<$($g),+>((query, key, value, mask, bias), options)
+            let inputs = (query, key, value, mask, bias, slopes);
+            super::$module::forward::<$($g),+>(inputs, options)
         }
     };
     (backward: $module:ident::<$($g:ident),+>) => {
@@ -112,13 +116,14 @@ macro_rules! delegate {
             value: FloatTensor<Self>,
             mask: Option<BoolTensor<Self>>,
             bias: Option<FloatTensor<Self>>,
+            slopes: Option<FloatTensor<Self>>,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             d_out: FloatTensor<Self>,
             options: FlashAttentionOptions,
             want_ds: bool,
         ) -> AttentionGrads<Self> {
-            let inputs = (query, key, value, mask, bias);
+            let inputs = (query, key, value, mask, bias, slopes);
             super::$module::backward::<$($g),+>(inputs, out, lse, d_out, options, want_ds)
         }
     };

@@ -11,21 +11,18 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
 };
 
-use super::{FlashAttentionOptions, scale_of};
+use super::{FlashAttentionOptions, Inputs, scale_of};
 use crate::SoftmaxMatmulBackend;
 use burn_flash_kernels::dropout::{DropoutParams, keep};
 
 /// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
 /// the caller.
-pub fn forward<B: SoftmaxMatmulBackend>(
-    query: FloatTensor<B>,
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
-    mask: Option<BoolTensor<B>>,
-    bias: Option<FloatTensor<B>>,
+pub(crate) fn forward<B: SoftmaxMatmulBackend>(
+    (query, key, value, mask, bias, slopes): Inputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let options = flash_options.module;
+    let bias = with_alibi::<B>(&query, &key, bias, slopes);
     let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
     let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
     let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
@@ -78,9 +75,8 @@ pub fn forward<B: SoftmaxMatmulBackend>(
         let fill = flash_options.masked_score.unwrap_or(f64::NEG_INFINITY);
         scores = scores.mask_fill(mask.expand(full), fill);
     }
-    if options.is_causal {
-        let causal = causal_mask::<B>(full, &scores.device());
-        scores = scores.mask_fill(causal, f32::NEG_INFINITY);
+    if let Some(hidden) = range_mask::<B>(full, &flash_options, &scores.device()) {
+        scores = scores.mask_fill(hidden, f32::NEG_INFINITY);
     }
     let scores = scores.reshape([batch * heads_kv, group * seq_q, seq_k]);
     let value = value.reshape([batch * heads_kv, seq_k, value_dim]);
@@ -123,6 +119,15 @@ fn quiet_outputs<B: Backend>(
 /// `true` where key `j` is after query `i` in the bottom-right aligned causal order
 /// (`j > i + Sk − Sq`), expanded to `full` = `[B, Hq, Sq, Sk]`.
 pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
+    diagonal_offsets::<B>(full, device)
+        .greater_elem(0)
+        .reshape([1, 1, full[2], full[3]])
+        .expand(full)
+}
+
+/// `j − (i + Sk − Sq)` for query `i` and key `j`: each key's offset from the row's
+/// bottom-right aligned diagonal, `[Sq, Sk]`.
+fn diagonal_offsets<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 2, Int> {
     let (seq_q, seq_k) = (full[2], full[3]);
     let offset = seq_k as i64 - seq_q as i64;
     let rows = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
@@ -132,9 +137,69 @@ pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B
     let cols = Tensor::<B, 1, Int>::arange(0..seq_k as i64, device)
         .reshape([1, seq_k])
         .expand([seq_q, seq_k]);
-    cols.greater(rows)
-        .reshape([1, 1, seq_q, seq_k])
-        .expand(full)
+    cols - rows
+}
+
+/// `true` where the causal mask or the sliding window of `options` hides key `j` from query
+/// `i` (`None`: neither is asked for), expanded to `full` = `[B, Hq, Sq, Sk]`.
+pub fn range_mask<B: Backend>(
+    full: [usize; 4],
+    options: &FlashAttentionOptions,
+    device: &B::Device,
+) -> Option<Tensor<B, 4, Bool>> {
+    let causal = options.module.is_causal;
+    if !causal && options.window.is_none() {
+        return None;
+    }
+    let d = diagonal_offsets::<B>(full, device);
+    let limit = |w: usize| w.min(full[2] + full[3]) as i64;
+    let mut right = i64::MAX;
+    let mut hidden = d.clone().lower_elem(i64::MIN + 1);
+    if let Some((l, r)) = options.window {
+        right = limit(r);
+        hidden = d.clone().lower_elem(-limit(l));
+    }
+    if causal {
+        right = 0;
+    }
+    if right < i64::MAX {
+        hidden = hidden.bool_or(d.greater_elem(right));
+    }
+    Some(hidden.reshape([1, 1, full[2], full[3]]).expand(full))
+}
+
+/// The bias with the ALiBi term of `slopes` (`[Hq]`) added, `−slopes[h]·|j − (i + Sk − Sq)|`,
+/// in the queries' dtype (`bias` itself without slopes; the term alone without a bias). Of
+/// shape `[B or 1, Hq, Sq, Sk]`.
+fn with_alibi<B: Backend>(
+    query: &FloatTensor<B>,
+    key: &FloatTensor<B>,
+    bias: Option<FloatTensor<B>>,
+    slopes: Option<FloatTensor<B>>,
+) -> Option<FloatTensor<B>> {
+    let Some(slopes) = slopes else {
+        return bias;
+    };
+    let q = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query.clone()));
+    let [batch, heads_q, seq_q, _] = q.dims();
+    let seq_k = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key.clone())).dims()[2];
+    let device = q.device();
+    let full = [batch, heads_q, seq_q, seq_k];
+    let distance = diagonal_offsets::<B>(full, &device)
+        .abs()
+        .float()
+        .cast(burn::tensor::DType::F32)
+        .reshape([1, 1, seq_q, seq_k]);
+    let slopes = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(slopes))
+        .cast(burn::tensor::DType::F32)
+        .reshape([1, heads_q, 1, 1]);
+    let mut term = (distance * slopes).neg().cast(q.dtype());
+    if let Some(bias) = bias {
+        let bias = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(bias));
+        let shape = [bias.dims()[0], heads_q, seq_q, seq_k];
+        term = term.expand(shape) + bias.expand(shape);
+    }
+    Some(term.into_primitive().tensor())
 }
 
 /// The gradients of [`forward`] (and of the fused attention, which computes the same
@@ -143,12 +208,8 @@ pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B
 /// [`crate::AttentionBackend::flash_attention_backward`]. It materialises the scores, `P` and
 /// `dS` (`B·Hq·Sq·Sk` each), as any composed attention backward does.
 #[allow(clippy::too_many_arguments)]
-pub fn backward<B: Backend>(
-    query: FloatTensor<B>,
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
-    mask: Option<BoolTensor<B>>,
-    bias: Option<FloatTensor<B>>,
+pub(crate) fn backward<B: Backend>(
+    (query, key, value, mask, bias, slopes): Inputs<B>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     d_out: FloatTensor<B>,
@@ -156,6 +217,7 @@ pub fn backward<B: Backend>(
     want_ds: bool,
 ) -> super::AttentionGrads<B> {
     let options = flash_options.module;
+    let bias = with_alibi::<B>(&query, &key, bias, slopes);
     let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
     let (query, key, value, out, d_out) = (
         float(query),
@@ -291,11 +353,10 @@ fn scores<B: Backend>(
         }
         None => (mask, None),
     };
-    if options.is_causal {
-        let causal = causal_mask::<B>(full, &device);
+    if let Some(range) = range_mask::<B>(full, &flash_options, &device) {
         hidden = Some(match hidden {
-            Some(h) => h.bool_or(causal),
-            None => causal,
+            Some(h) => h.bool_or(range),
+            None => range,
         });
     }
     Scores {

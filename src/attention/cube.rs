@@ -26,15 +26,17 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         dropout: options.dropout.and_then(|d| d.params()),
         masked_score: options.masked_score.map(|f| f as f32),
         quiet: options.quiet,
+        window: options.window,
     }
 }
 
-/// Contiguous tensors of `dims`, with or without a mask and a bias.
-fn features(dims: AttentionDims, mask: bool, bias: bool) -> AttentionFeatures {
+/// Contiguous tensors of `dims` with the score terms `terms`.
+fn features(dims: AttentionDims, terms: ScoreTerms) -> AttentionFeatures {
     AttentionFeatures {
         aligned: dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8),
-        mask,
-        bias,
+        mask: terms.mask,
+        bias: terms.bias,
+        alibi: terms.alibi,
     }
 }
 
@@ -50,7 +52,7 @@ pub(crate) fn plan<R: CubeRuntime>(
         client,
         dims,
         dtype.into(),
-        features(dims, terms.mask, terms.bias),
+        features(dims, terms),
         &kernel_options(options, dims.head_dim),
     )
 }
@@ -67,7 +69,7 @@ where
 }
 
 pub(crate) fn forward<R, F, I, BT>(
-    (query, key, value, mask, bias): Inputs<CubeBackend<R, F, I, BT>>,
+    (query, key, value, mask, bias, slopes): Inputs<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -94,6 +96,7 @@ where
         tensor_ref(&value),
         mask.as_ref().map(tensor_ref),
         bias.as_ref().map(tensor_ref),
+        slopes.as_ref().map(tensor_ref),
         tensor_ref(&out),
         tensor_ref(&lse),
         dtype.into(),
@@ -116,14 +119,14 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
         client,
         dims,
         dtype.into(),
-        features(dims, terms.mask, terms.bias),
+        features(dims, terms),
         &kernel_options(options, dims.head_dim),
         terms.bias && terms.bias_tracked,
     )
 }
 
 pub(crate) fn backward<R, F, I, BT>(
-    (query, key, value, mask, bias): Inputs<CubeBackend<R, F, I, BT>>,
+    (query, key, value, mask, bias, slopes): Inputs<CubeBackend<R, F, I, BT>>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
@@ -153,6 +156,7 @@ where
             v: tensor_ref(&value),
             mask: mask.as_ref().map(tensor_ref),
             bias: bias.as_ref().map(tensor_ref),
+            slopes: slopes.as_ref().map(tensor_ref),
             out: tensor_ref(&out),
             lse: tensor_ref(&lse),
             d_out: tensor_ref(&d_out),

@@ -14,11 +14,12 @@ use crate::fusion::{Handles, out_and_lse, uninit};
 /// Attention or its backward.
 #[derive(Debug)]
 struct AttentionOp<B> {
-    /// [`Inputs`] (the mask and the bias where given), then, for the backward, `out`, `lse`,
-    /// `d_out`.
+    /// [`Inputs`] (the mask, the bias and the slopes where given), then, for the backward,
+    /// `out`, `lse`, `d_out`.
     inputs: Vec<TensorIr>,
     has_mask: bool,
     has_bias: bool,
+    has_slopes: bool,
     /// `out`, `lse`; for the backward `dq`, `dk`, `dv`, then `ds` where asked for.
     outputs: Vec<TensorId>,
     backward: bool,
@@ -33,6 +34,9 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
         let [q, k, v] = [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
         let mask = self.has_mask.then(|| handles.get_bool_tensor::<B>(next()));
         let bias = self.has_bias.then(|| handles.get_float_tensor::<B>(next()));
+        let slopes = self
+            .has_slopes
+            .then(|| handles.get_float_tensor::<B>(next()));
         let outputs = if self.backward {
             let [out, lse, d_out] =
                 [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
@@ -43,6 +47,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
                 v,
                 mask,
                 bias,
+                slopes,
                 out,
                 lse,
                 d_out,
@@ -51,7 +56,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
             );
             [g.dq, g.dk, g.dv].into_iter().chain(g.ds).collect()
         } else {
-            let (out, lse) = B::flash_attention(q, k, v, mask, bias, self.options);
+            let (out, lse) = B::flash_attention(q, k, v, mask, bias, slopes, self.options);
             vec![out, lse]
         };
         for (id, t) in self.outputs.iter().zip(outputs) {
@@ -64,21 +69,23 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
 /// `rest`), writing `outputs`.
 fn record<B: FusionBackend + FlashBackend>(
     name: &'static str,
-    (query, key, value, mask, bias): Inputs<Fusion<B>>,
+    (query, key, value, mask, bias, slopes): Inputs<Fusion<B>>,
     rest: Vec<FloatTensor<Fusion<B>>>,
     outputs: Vec<TensorIr>,
     backward: bool,
     options: FlashAttentionOptions,
 ) -> Vec<FloatTensor<Fusion<B>>> {
-    let (has_mask, has_bias) = (mask.is_some(), bias.is_some());
+    let (has_mask, has_bias, has_slopes) = (mask.is_some(), bias.is_some(), slopes.is_some());
     let mut tensors = vec![query, key, value];
     tensors.extend(mask);
     tensors.extend(bias);
+    tensors.extend(slopes);
     tensors.extend(rest);
     let op = |inputs, outputs| AttentionOp::<B> {
         inputs,
         has_mask,
         has_bias,
+        has_slopes,
         outputs,
         backward,
         options,

@@ -64,12 +64,14 @@ use crate::FlashBackend;
 
 const OP: &str = "burn_flash::attention";
 
-/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask and the bias.
+/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask, the bias and
+/// the ALiBi slopes.
 pub(crate) type Inputs<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     Option<BoolTensor<B>>,
+    Option<FloatTensor<B>>,
     Option<FloatTensor<B>>,
 );
 
@@ -98,6 +100,12 @@ pub struct FlashAttentionOptions {
     /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`, burn-nn's `quiet_softmax`
     /// option): a row may attend to nothing. The log-sum-exp returned is then `ln(1 + Σ e^s)`.
     pub quiet: bool,
+    /// Sliding-window (local) attention `(left, right)`: query `i` sees keys `i + Sk − Sq −
+    /// left ..= i + Sk − Sq + right` (bottom-right aligned like the causal mask; with
+    /// `is_causal` the right side is 0, so `(w − 1, 0)` is Mistral's window of `w` keys). The
+    /// kernels skip key blocks outside every row's window (forward and backward) rather than
+    /// mask them. A side wider than the sequence sees every key on that side.
+    pub window: Option<(usize, usize)>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,
@@ -129,6 +137,7 @@ impl From<AttentionModuleOptions> for FlashAttentionOptions {
             dropout: None,
             masked_score: None,
             quiet: false,
+            window: None,
         }
     }
 }
@@ -180,6 +189,26 @@ pub fn attention_with_lse<B: FlashBackend>(
     attn_bias: Option<Tensor<B, 4>>,
     options: FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    attention_with_alibi(query, key, value, mask, attn_bias, None, options)
+}
+
+/// [`attention_with_lse`] with ALiBi computed in the kernel from per-head slopes
+/// `alibi_slopes` (`[Hq]`, any float dtype, read as f32): the score of query `i` and key `j` of
+/// head `h` gains `−slopes[h]·|i + Sk − Sq − j|` after the bias (FlashAttention's and BLOOM's
+/// ALiBi; under a causal mask, `slope·(j − i)` for the keys a row sees). No `[B, H, Sq, Sk]`
+/// tensor is made and no gradient flows to the slopes.
+///
+/// # Panics
+/// As [`attention`], and when `alibi_slopes` is not `[Hq]` or on another device.
+pub fn attention_with_alibi<B: FlashBackend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    attn_bias: Option<Tensor<B, 4>>,
+    alibi_slopes: Option<Tensor<B, 1>>,
+    options: FlashAttentionOptions,
+) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let dims = check_attention(
         &query,
         &key,
@@ -188,6 +217,9 @@ pub fn attention_with_lse<B: FlashBackend>(
         attn_bias.as_ref(),
         options.module,
     );
+    if let Some(slopes) = &alibi_slopes {
+        check_slopes(slopes, dims.heads_q, &query.device());
+    }
     if let Some(dropout) = options.dropout
         && !(0.0..1.0).contains(&dropout.prob)
     {
@@ -205,6 +237,7 @@ pub fn attention_with_lse<B: FlashBackend>(
         mask: mask.is_some(),
         bias: attn_bias.is_some(),
         bias_tracked: false,
+        alibi: alibi_slopes.is_some(),
     };
     if let Some(Err(err)) =
         B::flash_attention_plan(&query.device(), dims, query.dtype(), options, terms)
@@ -217,12 +250,34 @@ pub fn attention_with_lse<B: FlashBackend>(
         value.into_primitive().tensor(),
         mask.map(|m| m.into_primitive()),
         attn_bias.map(|b| b.into_primitive().tensor()),
+        alibi_slopes.map(|s| s.cast(DType::F32).into_primitive().tensor()),
         options,
     );
     (
         Tensor::from_primitive(TensorPrimitive::Float(out)),
         Tensor::from_primitive(TensorPrimitive::Float(lse)),
     )
+}
+
+/// Checks ALiBi slopes against `Hq` heads on `device`; panics with a message naming them.
+pub(crate) fn check_slopes<B: Backend>(slopes: &Tensor<B, 1>, heads_q: usize, device: &B::Device) {
+    let [n] = slopes.dims();
+    if n != heads_q {
+        panic!("{OP}: `alibi_slopes` has shape [{n}], expected [{heads_q}] (one per query head)");
+    }
+    if !matches!(
+        slopes.dtype(),
+        DType::F32 | DType::F16 | DType::BF16 | DType::F64
+    ) {
+        panic!(
+            "{OP}: `alibi_slopes` has dtype {:?}; a float type is expected",
+            slopes.dtype()
+        );
+    }
+    let other = slopes.device();
+    if &other != device {
+        panic!("{OP}: `alibi_slopes` is on {other:?}, `query` on {device:?}");
+    }
 }
 
 /// The score terms a call passes, which the plans depend on: a mask, a bias, and whether the
@@ -236,6 +291,8 @@ pub struct ScoreTerms {
     pub bias: bool,
     /// The bias is tracked (meaningless without one).
     pub bias_tracked: bool,
+    /// ALiBi slopes are given.
+    pub alibi: bool,
 }
 
 /// The launch the fused attention would make on `device` for contiguous tensors of `dims`
@@ -278,6 +335,7 @@ pub fn attention_backward_plan<B: FlashBackend>(
         mask,
         bias,
         bias_tracked: bias,
+        alibi: false,
     };
     attention_backward_plan_with::<B>(device, dims, dtype, options, terms)
 }

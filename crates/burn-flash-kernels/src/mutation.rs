@@ -59,6 +59,9 @@ pub enum Mutation {
     /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
     /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
+    /// `window-right`: a sliding window's right edge is one key too far (`j ≤ i + Sk − Sq +
+    /// right + 1`), in every kernel's visibility test and key range alike.
+    WindowRight,
 }
 
 impl Mutation {
@@ -81,6 +84,7 @@ impl Mutation {
             Self::WgmmaStrides => "wgmma-strides",
             Self::HopperNoWait => "hopper-no-wait",
             Self::DsSkippedRows => "ds-skipped-rows",
+            Self::WindowRight => "window-right",
         }
     }
 }
@@ -115,10 +119,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::WgmmaStrides,
             Mutation::HopperNoWait,
             Mutation::DsSkippedRows,
+            Mutation::WindowRight,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -217,4 +222,9 @@ pub fn hopper_no_wait() -> bool {
 /// [`Mutation::DsSkippedRows`] is active.
 pub fn ds_skipped_rows() -> bool {
     active(Mutation::DsSkippedRows)
+}
+
+/// [`Mutation::WindowRight`] is active.
+pub fn window_right() -> bool {
+    active(Mutation::WindowRight)
 }

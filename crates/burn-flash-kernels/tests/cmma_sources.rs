@@ -35,6 +35,7 @@ fn inputs<E: CubePrimitive, F: CubePrimitive>() -> ScoreInputsCompilationArg<E, 
         v: tensor(),
         mask: tensor(),
         bias: tensor(),
+        slopes: tensor(),
     }
 }
 
@@ -48,6 +49,8 @@ fn scalars() -> ScoreArgsCompilationArg {
             threshold: (),
             inv_keep: (),
         },
+        window_left: (),
+        window_right: (),
     }
 }
 

@@ -518,6 +518,7 @@ fn attention_refused(
         t(&v, &s.v, &strides[2]),
         mask.as_ref().map(|h| t(h, &mask_dims, &mask_strides)),
         None,
+        None,
         t(&out, &s.out, &strides[3]),
         t(&lse, &s.lse, &strides[4]),
         f32_type(),
@@ -539,6 +540,7 @@ fn attention_launch_refuses_bad_input() {
         dropout: None,
         masked_score: None,
         quiet: false,
+        window: None,
     };
     let good = || AttnShapes::new(2, 4, 2, 8, 32, 16);
     // Each case changes one thing of a good call: its shapes or its options.

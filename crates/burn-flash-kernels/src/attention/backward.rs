@@ -208,6 +208,7 @@ fn hopper_reason<R: Runtime>(
         return Some(format!("the forward is forced onto {kernel:?}"));
     }
     super::hopper_switched_off()
+        .or_else(|| super::hopper_rules_unavailable(features, options))
         .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
 }
 
@@ -332,6 +333,8 @@ pub struct BackwardTensors<'a> {
     pub mask: Option<TensorRef<'a>>,
     /// The forward's bias, broadcasting.
     pub bias: Option<TensorRef<'a>>,
+    /// The forward's ALiBi slopes `[Hq]`, f32.
+    pub slopes: Option<TensorRef<'a>>,
     /// The forward's output `[B, Hq, Sq, Dv]`.
     pub out: TensorRef<'a>,
     /// The forward's row log-sum-exp `[B, Hq, Sq]`, f32.
@@ -371,6 +374,9 @@ pub fn launch_attention_backward<R: Runtime>(
     if let Some(ds) = &t.ds {
         expect_shape("ds", ds, &full)?;
     }
+    if let Some(s) = &t.slopes {
+        expect_shape("slopes", s, &[dims.heads_q])?;
+    }
     let mask_strides = t
         .mask
         .as_ref()
@@ -390,6 +396,7 @@ pub fn launch_attention_backward<R: Runtime>(
         ]) && super::starts_aligned(&[&t.q, &t.k, &t.v, &t.d_out]),
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
+        alibi: t.slopes.is_some(),
     };
     let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;
@@ -450,6 +457,8 @@ pub fn launch_attention_backward<R: Runtime>(
             (Some(b), Some(s)) => operand(b, Some(s)),
             _ => operand(&t.q, None),
         },
+        // Absent slopes are never read: `lse` (f32) stands in.
+        slopes: operand(t.slopes.as_ref().unwrap_or(&t.lse), None),
         out: operand(&t.out, None),
         d_out: operand(&t.d_out, None),
         lse: operand(&t.lse, None),

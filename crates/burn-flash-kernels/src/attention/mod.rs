@@ -86,8 +86,23 @@ fn hopper_unavailable<R: Runtime>(
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
+    options: &AttentionOptions,
 ) -> Option<String> {
-    hopper_switched_off().or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
+    hopper_switched_off()
+        .or_else(|| hopper_rules_unavailable(features, options))
+        .or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
+}
+
+/// Why the Hopper kernels (forward and backward) cannot take a call's score rules (`None`:
+/// they can).
+pub(crate) fn hopper_rules_unavailable(
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+) -> Option<String> {
+    (options.window.is_some() || features.alibi).then(|| {
+        "the Hopper kernels do not take a sliding window or ALiBi slopes (the #[cube] kernels do)"
+            .into()
+    })
 }
 
 /// Why no Hopper kernel runs in this process (`None`: they may): `BURN_FLASH_HOPPER=off`.
@@ -141,6 +156,11 @@ pub struct AttentionOptions {
     /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`): the stored log-sum-exp
     /// is `ln(1 + Σ e^s)`.
     pub quiet: bool,
+    /// Sliding window `(left, right)`: query `i` sees keys `i + Sk − Sq − left ..= i + Sk − Sq
+    /// + right` (bottom-right aligned, as the causal mask; with `causal` the right side is 0).
+    /// Key blocks outside every row's window are skipped. A side wider than the sequence sees
+    /// every key on that side.
+    pub window: Option<(usize, usize)>,
 }
 
 impl AttentionOptions {
@@ -154,6 +174,8 @@ impl AttentionOptions {
             dropout: self.dropout.is_some(),
             masked_score: self.masked_score.map(f32::to_bits),
             quiet: self.quiet,
+            window: self.window.is_some(),
+            alibi: features.alibi,
         }
     }
 
@@ -163,6 +185,7 @@ impl AttentionOptions {
             scale: self.scale,
             softcap: self.softcap,
             dropout: self.dropout,
+            window: self.window,
         }
     }
 }
@@ -177,6 +200,8 @@ pub struct AttentionFeatures {
     pub mask: bool,
     /// A bias is given (backward: or `dS` is asked for).
     pub bias: bool,
+    /// ALiBi slopes are given.
+    pub alibi: bool,
 }
 
 /// Sizes of one call.
@@ -401,7 +426,7 @@ pub fn plan_attention<R: Runtime>(
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
-    let hopper_reason = hopper_unavailable(client, dims, dtype, features);
+    let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
     let kernel = match (options.kernel, matrix_units) {
         (Some(AttentionKernel::Hopper), _) if hopper_reason.is_some() => {
             return Err(unavailable(
@@ -745,6 +770,7 @@ pub fn launch_attention<R: Runtime>(
     v: TensorRef<'_>,
     mask: Option<TensorRef<'_>>,
     bias: Option<TensorRef<'_>>,
+    slopes: Option<TensorRef<'_>>,
     out: TensorRef<'_>,
     lse: TensorRef<'_>,
     dtype: StorageType,
@@ -754,6 +780,9 @@ pub fn launch_attention<R: Runtime>(
     let dims = attention_dims(&q, &k, &v)?;
     expect_shape("out", &out, &dims.out_shape())?;
     expect_shape("lse", &lse, &dims.lse_shape())?;
+    if let Some(s) = &slopes {
+        expect_shape("slopes", s, &[dims.heads_q])?;
+    }
     let full = dims.scores_shape();
     let mask_strides = mask
         .as_ref()
@@ -772,6 +801,7 @@ pub fn launch_attention<R: Runtime>(
         ]) && starts_aligned(&[&q, &k, &v, &out]),
         mask: mask.is_some(),
         bias: bias.is_some(),
+        alibi: slopes.is_some(),
     };
     let plan = plan_attention(client, dims, dtype, features, options)?;
     if dims.out_shape().contains(&0) {
@@ -810,12 +840,18 @@ pub fn launch_attention<R: Runtime>(
         (Some(b), Some(s)) => arg::<R>(b, &full, s),
         _ => arg::<R>(&q, unused.0, unused.1),
     };
+    // Absent slopes are never read: `lse` (f32) stands in.
+    let slopes_arg = match &slopes {
+        Some(s) => arg::<R>(s, s.shape, s.strides),
+        None => arg::<R>(&lse, lse.shape, lse.strides),
+    };
     let tensors = FlashTensors {
         q: arg::<R>(&q, q.shape, q.strides),
         k: arg::<R>(&k, k.shape, k.strides),
         v: arg::<R>(&v, v.shape, v.strides),
         mask: mask_arg,
         bias: bias_arg,
+        slopes: slopes_arg,
         out: arg::<R>(&out, out.shape, out.strides),
         lse: arg::<R>(&lse, lse.shape, lse.strides),
     };

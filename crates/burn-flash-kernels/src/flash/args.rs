@@ -35,6 +35,11 @@ pub struct ScoreArgs {
     pub softcap: f32,
     /// The dropout.
     pub dropout: Dropout,
+    /// Keys a row sees before its diagonal under a sliding window (read only with
+    /// [`crate::flash::ScoreRules::window`]; at most `Sq + Sk`).
+    pub window_left: u32,
+    /// Keys a row sees after its diagonal under a sliding window (as `window_left`).
+    pub window_right: u32,
 }
 
 /// The score operands of a flash kernel, forward and backward (given scores: `x` as `q` and
@@ -51,6 +56,8 @@ pub struct ScoreInputs<E: CubePrimitive, F: CubePrimitive> {
     pub mask: Tensor<F>,
     /// The additive bias, broadcast to `[B, Hq, Sq, Sk]`.
     pub bias: Tensor<F>,
+    /// ALiBi slopes `[Hq]` (f32).
+    pub slopes: Tensor<f32>,
 }
 
 /// What a forward kernel writes.
@@ -73,6 +80,9 @@ pub struct GradInputs<E: CubePrimitive> {
     pub delta: Tensor<f32>,
 }
 
+/// The widest side of a sliding window the kernels read (2³⁰; sequences are shorter).
+pub const WINDOW_MAX: usize = 1 << 30;
+
 /// The host side of [`ScoreArgs`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Scalars {
@@ -82,6 +92,8 @@ pub struct Scalars {
     pub softcap: Option<f32>,
     /// Dropout (`None`: none).
     pub dropout: Option<DropoutParams>,
+    /// Sliding window `(left, right)` (`None`: none; [`Scalars::window_args`]).
+    pub window: Option<(usize, usize)>,
 }
 
 impl Scalars {
@@ -90,16 +102,28 @@ impl Scalars {
         scale: 1.0,
         softcap: None,
         dropout: None,
+        window: None,
     };
 
     /// The launch argument.
     pub fn arg<R: Runtime>(&self) -> ScoreArgsLaunch<R> {
         let d = self.dropout.unwrap_or(DropoutParams::new(0.0, 0));
+        let (left, right) = self.window_args();
         ScoreArgsLaunch::new(
             self.scale,
             self.softcap.unwrap_or(1.0),
             DropoutLaunch::new(d.seed_lo, d.seed_hi, d.threshold, d.inv_keep()),
+            left,
+            right,
         )
+    }
+
+    /// The window's `(left, right)` as the kernels read them: each clamped to
+    /// [`WINDOW_MAX`] (wider sees every key of any sequence a kernel takes, and the kernels'
+    /// `pos + Sk + right + 1` stays within 32 bits); `(0, 0)` without a window (never read).
+    pub fn window_args(&self) -> (u32, u32) {
+        let (left, right) = self.window.unwrap_or((0, 0));
+        (left.min(WINDOW_MAX) as u32, right.min(WINDOW_MAX) as u32)
     }
 }
 
@@ -117,6 +141,8 @@ pub struct FlashTensors<R: Runtime> {
     pub mask: TensorArg<R>,
     /// The additive bias.
     pub bias: TensorArg<R>,
+    /// The ALiBi slopes (f32).
+    pub slopes: TensorArg<R>,
     /// The output.
     pub out: TensorArg<R>,
     /// The row log-sum-exp (f32).
@@ -173,6 +199,7 @@ impl BackwardOperands {
             self.v.arg(),
             self.mask.arg(),
             self.bias.arg(),
+            self.slopes.arg(),
         )
     }
 
@@ -217,6 +244,8 @@ pub struct BackwardOperands {
     pub mask: Operand,
     /// The additive bias.
     pub bias: Operand,
+    /// The ALiBi slopes `[Hq]` (f32).
+    pub slopes: Operand,
     /// The forward's output.
     pub out: Operand,
     /// The output's gradient.

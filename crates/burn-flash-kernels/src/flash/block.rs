@@ -7,8 +7,9 @@
 
 use cubecl::prelude::*;
 
+use crate::flash::args::ScoreArgs;
 use crate::flash::config::FlashConfig;
-use crate::flash::scores::causal_end;
+use crate::flash::scores::{KeyRange, key_range};
 
 /// The grid of a forward launch: `x` cubes along the output's column tiles, and `row_blocks`
 /// row blocks for each of `pairs` (batch, key/value head) pairs, the pairs folded over y and z
@@ -55,18 +56,89 @@ pub struct CubeBlock {
     pub col0: usize,
     /// Whether this is the first column tile (the one that writes the log-sum-exp).
     pub first_tile: bool,
-    /// The keys any of the rows sees: `0 .. kv_end` (all of them but under a causal mask).
+    /// The keys any of the rows sees: `kv_start .. kv_end` (all of them but under a causal mask
+    /// or a window), `kv_start` a multiple of `c.block_k` and `kv_end ≥ kv_start`.
+    pub kv_start: usize,
+    /// See `kv_start`.
     pub kv_end: usize,
-    /// The keys every row sees: `0 .. full_end`.
+    /// The keys every row sees: `full_start .. full_end` (possibly empty).
+    pub full_start: usize,
+    /// See `full_start`.
     pub full_end: usize,
 }
 
+#[cube]
+impl CubeBlock {
+    /// Key steps of `c.block_k` keys from `kv_start` to `kv_end`.
+    pub fn steps(&self, #[comptime] c: FlashConfig) -> usize {
+        (self.kv_end - self.kv_start).div_ceil(comptime!(c.block_k as usize))
+    }
+
+    /// The first key of step `st`.
+    pub fn step_key(&self, st: usize, #[comptime] c: FlashConfig) -> usize {
+        self.kv_start + st * comptime!(c.block_k as usize)
+    }
+
+    /// Whether every row sees every key of step `st` (no bound, causal or window test).
+    pub fn full_step(&self, st: usize, #[comptime] c: FlashConfig) -> bool {
+        let j0 = self.step_key(st, c);
+        j0 >= self.full_start && j0 + comptime!(c.block_k as usize) <= self.full_end
+    }
+}
+
+/// The keys some of the query positions `pos_lo ..= pos_hi` see (`any`) and the keys all of
+/// them see (`all`), under the causal mask and the window ([`key_range()`]: both ends grow with
+/// the position).
+#[derive(CubeType)]
+pub struct SpanKeys {
+    /// Keys some position sees.
+    pub any: KeyRange,
+    /// Keys every position sees.
+    pub all: KeyRange,
+}
+
+/// [`SpanKeys`] of the positions `pos_lo ..= pos_hi`.
+#[cube]
+pub fn span_keys(
+    pos_lo: usize,
+    pos_hi: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> SpanKeys {
+    let lo = key_range(pos_lo, seq_q, seq_k, args, c);
+    let hi = key_range(pos_hi, seq_q, seq_k, args, c);
+    SpanKeys {
+        any: KeyRange {
+            start: lo.start,
+            end: usize::max(hi.end, lo.start),
+        },
+        all: KeyRange {
+            start: hi.start,
+            end: lo.end,
+        },
+    }
+}
+
+/// The smallest and largest query position among rows `r0 ..= last` of a group of `Sq`
+/// positions per head (all of them when the rows span heads).
+#[cube]
+pub fn span_positions(r0: usize, last: usize, seq_q: usize) -> KeyRange {
+    let one_head = r0 / seq_q == last / seq_q;
+    KeyRange {
+        start: select(one_head, r0 % seq_q, 0),
+        end: select(one_head, last % seq_q, seq_q - 1),
+    }
+}
+
 /// The [`CubeBlock`] of this cube for queries `q` (the scores `X` when they are given) and
-/// keys `k`.
+/// keys `k`, under the call's window `args`.
 #[cube]
 pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     q: &Tensor<Q>,
     k: &Tensor<K>,
+    args: &ScoreArgs,
     #[comptime] c: FlashConfig,
 ) -> CubeBlock {
     let seq_q = q.shape(2);
@@ -87,17 +159,21 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     }
     let hkv = pair % heads_kv;
     let row0 = (CUBE_POS_Y as usize % row_blocks) * comptime!(c.block_q as usize);
-    // With a causal mask: up to the last row's diagonal, and all keys up to the first row's.
+    // With a causal mask or a window: from the first row's window start to the last row's
+    // diagonal (or window end), and all keys between the last row's start and the first's end.
     let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
-    let one_head = row0 / seq_q == last / seq_q;
+    let mut kv_start = 0usize;
     let mut kv_end = seq_k;
+    let mut full_start = 0usize;
     let mut full_end = seq_k;
-    if comptime!(c.rules.causal) {
-        // Largest / smallest position among the rows (all of them when they span heads).
-        let pos_hi = select(one_head, last % seq_q, seq_q - 1);
-        let pos_lo = select(one_head, row0 % seq_q, 0);
-        kv_end = causal_end(pos_hi, seq_q, seq_k);
-        full_end = causal_end(pos_lo, seq_q, seq_k);
+    if comptime!(c.rules.causal || c.rules.window) {
+        let pos = span_positions(row0, last, seq_q);
+        let keys = span_keys(pos.start, pos.end, seq_q, seq_k, args, c);
+        let bk = comptime!(c.block_k as usize);
+        kv_start = (keys.any.start / bk) * bk;
+        kv_end = keys.any.end;
+        full_start = keys.all.start;
+        full_end = keys.all.end;
     }
     CubeBlock {
         seq_q,
@@ -109,7 +185,9 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
         row0,
         col0: (CUBE_POS_X * c.value_dim) as usize,
         first_tile: CUBE_POS_X == 0,
+        kv_start,
         kv_end,
+        full_start,
         full_end,
     }
 }
@@ -231,21 +309,27 @@ pub fn pair_block<Q: CubePrimitive, K: CubePrimitive, V: CubePrimitive>(
     }
 }
 
-/// The keys the rows `r0 .. r0 + n` of a [`PairBlock`] see: `0 .. kv_end`, all of them but under
-/// a causal mask (up to the last row's diagonal; every row's when the rows span heads).
+/// The keys some of the rows `r0 .. r0 + n` of a [`PairBlock`] see: all of them but under a
+/// causal mask or a window ([`span_keys()`]), the start rounded down to a multiple of `step`.
 #[cube]
-pub fn rows_kv_end(blk: &PairBlock, r0: usize, n: usize, #[comptime] c: FlashConfig) -> usize {
-    let mut kv_end = blk.seq_k;
-    if comptime!(c.rules.causal) {
+pub fn rows_keys(
+    blk: &PairBlock,
+    r0: usize,
+    n: usize,
+    args: &ScoreArgs,
+    #[comptime] step: usize,
+    #[comptime] c: FlashConfig,
+) -> KeyRange {
+    let mut start = 0usize;
+    let mut end = blk.seq_k;
+    if comptime!(c.rules.causal || c.rules.window) {
         let last = usize::min(r0 + n, blk.rows) - 1;
-        let pos_hi = select(
-            r0 / blk.seq_q == last / blk.seq_q,
-            last % blk.seq_q,
-            blk.seq_q - 1,
-        );
-        kv_end = causal_end(pos_hi, blk.seq_q, blk.seq_k);
+        let pos = span_positions(r0, last, blk.seq_q);
+        let keys = span_keys(pos.start, pos.end, blk.seq_q, blk.seq_k, args, c);
+        start = (keys.any.start / step) * step;
+        end = keys.any.end;
     }
-    kv_end
+    KeyRange { start, end }
 }
 
 /// The (batch, key/value head) pair of this backward cube, from the grid's `(y, z)` axes.

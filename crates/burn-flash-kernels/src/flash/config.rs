@@ -34,6 +34,13 @@ pub struct ScoreRules {
     /// Quiet softmax, `e^s / (1 + Σ e^s)` ([`crate::flash::online::output_sum()`],
     /// [`crate::flash::online::row_lse()`]).
     pub quiet: bool,
+    /// A sliding window (local attention): query `i` sees keys `i + Sk − Sq − left ..= i + Sk −
+    /// Sq + right` (bottom-right aligned like the causal mask; `left`, `right` are runtime
+    /// scalars, [`crate::flash::args::ScoreArgs`]). Keys outside are skipped, not masked.
+    pub window: bool,
+    /// ALiBi from per-head slopes (`[Hq]`, f32): `s −= slope[h]·|i + Sk − Sq − j|`, computed in
+    /// the kernel beside the bias.
+    pub alibi: bool,
 }
 
 impl ScoreRules {
@@ -46,6 +53,8 @@ impl ScoreRules {
         dropout: false,
         masked_score: None,
         quiet: false,
+        window: false,
+        alibi: false,
     };
 }
 
@@ -127,6 +136,13 @@ impl FlashConfig {
     /// is set).
     pub fn fills(&self) -> bool {
         self.rules.mask && self.rules.masked_score.is_some()
+    }
+
+    /// Whether a kernel that visits rows for a key (the dK/dV kernels) needs each row's head
+    /// and position: a mask, a bias, dropout, ALiBi or a window.
+    pub fn reads_row_terms(&self) -> bool {
+        let r = self.rules;
+        r.mask || r.bias || r.dropout || r.alibi || r.window
     }
 
     /// The score of a masked key ([`ScoreRules::masked_score`]; 0 when unset, never read).

@@ -1,27 +1,179 @@
 //! What turns a raw score `q·k` into the score the softmax sees, shared by every attention
 //! kernel, in the order of Burn's `attention_fallback`: scale, softcap `c·tanh(s/c)`, the bool
 //! mask, the causal mask (bottom-right aligned: query position `i` sees key `j` when
-//! `j + Sq ≤ i + Sk`), then the additive bias. Masked keys are not scores set to `−inf`: they
-//! are *invisible*, and [`crate::flash::online::probability()`] gives them `P = 0`. With
-//! [`crate::flash::ScoreRules::masked_score`] a key the bool mask masks stays visible and takes that score
-//! instead of the finished one (burn-nn's `mask_fill(mask, min_float)`).
+//! `j + Sq ≤ i + Sk`), then the additive bias and the ALiBi term. Masked keys are not scores
+//! set to `−inf`: they are *invisible*, and [`crate::flash::online::probability()`] gives them
+//! `P = 0`. With [`crate::flash::ScoreRules::masked_score`] a key the bool mask masks stays
+//! visible and takes that score instead of the finished one (burn-nn's `mask_fill(mask,
+//! min_float)`).
+//!
+//! The causal mask and a sliding window are one rule: each row sees a contiguous range of keys
+//! ([`key_range()`]), which the kernels also use to skip whole key blocks ([`crate::flash::block`]);
+//! the bool mask is the only per-key test.
 
 use cubecl::{ir::FastMath, prelude::*};
 
+use crate::flash::args::ScoreArgs;
 use crate::flash::block::QueryGroup;
 use crate::flash::config::FlashConfig;
 
+/// A half-open range of keys (or of query positions) `start .. end`; empty when `end ≤ start`.
+#[derive(CubeType, Clone, Copy)]
+pub struct KeyRange {
+    /// The first one.
+    pub start: usize,
+    /// One past the last one.
+    pub end: usize,
+}
+
+/// The keys query position `pos` sees under the causal mask and the sliding window (bottom-right
+/// aligned: the row's diagonal key is `a = pos + Sk − Sq`): `max(a − left, 0) ..
+/// min(a + 1 [causal] or a + right + 1 [window], Sk)`; `0 .. Sk` without either rule.
+#[cube]
+pub fn key_range(
+    pos: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> KeyRange {
+    let mut start = 0usize;
+    let mut end = seq_k;
+    if comptime!(c.rules.causal) {
+        end = causal_end(pos, seq_q, seq_k);
+    }
+    if comptime!(c.rules.window) {
+        // Unsigned throughout: `pos + Sk` against `Sq + left` (`left ≤ Sq + Sk`, host-clamped).
+        let a = pos + seq_k;
+        let back = seq_q + args.window_left as usize;
+        start = usize::min(select(a > back, a - back, 0usize), seq_k);
+        let mut ahead = a + args.window_right as usize + 1;
+        if comptime!(crate::mutation::window_right()) {
+            ahead += 1;
+        }
+        end = usize::min(
+            end,
+            usize::min(select(ahead > seq_q, ahead - seq_q, 0usize), seq_k),
+        );
+    }
+    KeyRange { start, end }
+}
+
+/// Whether query position `pos` sees key `key` under the causal mask and the window: `key` in
+/// [`key_range()`]`(pos)`, tested directly (for kernels that hold a key and visit rows); does
+/// not test `key < Sk`.
+#[cube]
+pub fn sees(
+    pos: usize,
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> bool {
+    let mut ok = true;
+    if comptime!(c.rules.causal) {
+        if comptime!(crate::mutation::causal_top_left()) {
+            ok = key <= pos;
+        } else {
+            ok = key + seq_q <= pos + seq_k;
+        }
+    }
+    if comptime!(c.rules.window) {
+        let mut right = args.window_right as usize;
+        if comptime!(crate::mutation::window_right()) {
+            right += 1;
+        }
+        ok = ok
+            && key + seq_q + args.window_left as usize >= pos + seq_k
+            && key + seq_q <= pos + seq_k + right;
+    }
+    ok
+}
+
+/// The ALiBi term of query position `pos` of head `head` and key `key`: `−slope[head]·|pos +
+/// Sk − Sq − key|` (0 without ALiBi).
+#[cube]
+pub fn alibi_term(
+    slopes: &Tensor<f32>,
+    head: usize,
+    pos: usize,
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> f32 {
+    let mut t = 0.0f32;
+    if comptime!(c.rules.alibi) {
+        let d = f32::cast_from(pos + seq_k) - f32::cast_from(seq_q) - f32::cast_from(key);
+        t = -slopes[head * slopes.stride(0)] * f32::abs(d);
+    }
+    t
+}
+
+/// The query positions that see at least one of the keys `key_lo ..= key_hi` under the causal
+/// mask and the sliding window ([`key_range()`] inverted; every position without either rule),
+/// clamped to `0 .. Sq`.
+#[cube]
+pub fn row_range(
+    key_lo: usize,
+    key_hi: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> KeyRange {
+    // Position `i` sees key `j` when `j ≤ i + Sk − Sq + right'` (`right' = 0` causal, `right`
+    // window) and `j ≥ i + Sk − Sq − left`: `i ≥ key_lo + Sq − Sk − right'`,
+    // `i ≤ key_hi + Sq − Sk + left`.
+    let mut start = 0usize;
+    let mut end = seq_q;
+    if comptime!(c.rules.causal || c.rules.window) {
+        let mut right = 0usize;
+        if comptime!(c.rules.window) {
+            right = args.window_right as usize;
+            if comptime!(crate::mutation::window_right()) {
+                right += 1;
+            }
+        }
+        if comptime!(c.rules.causal) {
+            right = 0usize;
+            if comptime!(crate::mutation::causal_top_left()) {
+                // Top-left rows see `Sq − Sk` more keys when `Sq > Sk` (fewer otherwise).
+                right = seq_q - usize::min(seq_q, seq_k);
+            }
+        }
+        let a = key_lo + seq_q;
+        let back = seq_k + right;
+        start = usize::min(select(a > back, a - back, 0usize), seq_q);
+    }
+    if comptime!(c.rules.window) {
+        let b = key_hi + seq_q + args.window_left as usize + 1;
+        end = usize::min(select(b > seq_k, b - seq_k, 0usize), seq_q);
+    }
+    KeyRange { start, end }
+}
+
 /// Where a unit's query rows read the mask and the bias, one slot per row: the row's query
-/// position `i` (for the causal test) and the element offsets of `mask[b, h, i, 0]` and
-/// `bias[b, h, i, 0]` (broadcast dimensions have stride 0).
+/// position `i` (for dropout), the keys it sees ([`key_range()`]), the element offsets of
+/// `mask[b, h, i, 0]` and `bias[b, h, i, 0]` (broadcast dimensions have stride 0), and its ALiBi
+/// slope and diagonal.
 #[derive(CubeType)]
 pub struct RowRefs {
     /// Query position of each row.
     pub pos: Array<usize>,
+    /// First key each row sees.
+    pub lo: Array<usize>,
+    /// One past the last key each row sees.
+    pub hi: Array<usize>,
     /// Offset of each row's mask.
     pub mask: Array<usize>,
     /// Offset of each row's bias.
     pub bias: Array<usize>,
+    /// Each row's ALiBi slope.
+    pub slope: Array<f32>,
+    /// Each row's diagonal key `i + Sk − Sq`, as f32 (exact below 2²⁴).
+    pub diag: Array<f32>,
 }
 
 /// Empty references for `slots` rows.
@@ -29,35 +181,53 @@ pub struct RowRefs {
 pub fn new_refs(#[comptime] slots: usize) -> RowRefs {
     RowRefs {
         pos: Array::new(slots),
+        lo: Array::new(slots),
+        hi: Array::new(slots),
         mask: Array::new(slots),
         bias: Array::new(slots),
+        slope: Array::new(slots),
+        diag: Array::new(slots),
     }
 }
 
-/// Fills `slot` for row `row` of the cube's [`QueryGroup`] (clamped to the last row).
+/// Fills `slot` for row `row` of the cube's [`QueryGroup`] (clamped to the last row), of a call
+/// with `Sk = seq_k` keys.
 #[cube]
 pub fn set_row<F: Float>(
     refs: &mut RowRefs,
     slot: usize,
     mask: &Tensor<F>,
     bias: &Tensor<F>,
+    slopes: &Tensor<f32>,
     group: &QueryGroup,
     row: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
     #[comptime] c: FlashConfig,
 ) {
-    refs.pos[slot] = group.pos(row);
+    let pos = group.pos(row);
+    refs.pos[slot] = pos;
+    let keys = key_range(pos, group.seq_q, seq_k, args, c);
+    refs.lo[slot] = keys.start;
+    refs.hi[slot] = keys.end;
     refs.mask[slot] = 0usize;
     refs.bias[slot] = 0usize;
+    refs.slope[slot] = 0.0f32;
+    refs.diag[slot] = 0.0f32;
     if comptime!(c.rules.mask) {
         refs.mask[slot] = group.offset(mask, row);
     }
     if comptime!(c.rules.bias) {
         refs.bias[slot] = group.offset(bias, row);
     }
+    if comptime!(c.rules.alibi) {
+        refs.slope[slot] = slopes[group.head(row) * slopes.stride(0)];
+        refs.diag[slot] = f32::cast_from(pos + seq_k) - f32::cast_from(group.seq_q);
+    }
 }
 
-/// Whether key `key` is visible from the row: inside the sequence (tested only when `bounds`),
-/// not masked, and (causal) not after the row's diagonal.
+/// Whether key `key` is visible from the row: inside the row's key range (causal, window and
+/// `Sk`; tested only when `bounds`) and not masked.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn visible<F: Float>(
@@ -65,20 +235,16 @@ pub fn visible<F: Float>(
     refs: &RowRefs,
     slot: usize,
     key: usize,
-    seq_q: usize,
+    _seq_q: usize,
     seq_k: usize,
     #[comptime] c: FlashConfig,
     #[comptime] bounds: bool,
 ) -> bool {
     let mut ok = true;
     if comptime!(bounds) {
-        ok = key < seq_k;
-        if comptime!(c.rules.causal) {
-            if comptime!(crate::mutation::causal_top_left()) {
-                ok = ok && key <= refs.pos[slot];
-            } else {
-                ok = ok && key + seq_q <= refs.pos[slot] + seq_k;
-            }
+        ok = key < refs.hi[slot];
+        if comptime!(c.rules.window) {
+            ok = ok && key >= refs.lo[slot];
         }
     }
     if comptime!(c.rules.mask && !c.fills()) {
@@ -174,7 +340,8 @@ pub fn capped(raw: f32, scale: f32, softcap: f32, #[comptime] c: FlashConfig) ->
     s
 }
 
-/// The second half of [`score()`]: `s` plus the row's bias at `key` (`s` itself without one).
+/// The second half of [`score()`]: `s` plus the row's bias at `key` and its ALiBi term
+/// `−slope·|i + Sk − Sq − key|` (`s` itself without either).
 #[cube]
 pub fn add_bias<F: Float>(
     bias: &Tensor<F>,
@@ -189,6 +356,9 @@ pub fn add_bias<F: Float>(
     if comptime!(c.rules.bias) {
         let k = usize::min(key, seq_k - 1);
         s += f32::cast_from(bias[refs.bias[slot] + k * bias.stride(3)]);
+    }
+    if comptime!(c.rules.alibi) {
+        s -= refs.slope[slot] * f32::abs(f32::cast_from(key) - refs.diag[slot]);
     }
     s
 }

@@ -168,12 +168,14 @@ pub fn launch_softmax_matmul<R: Runtime>(
         v: heads(&v, v_batch_stride),
         mask: heads(&x, x.strides[0]),
         bias: heads(&x, x.strides[0]),
+        slopes: heads(&lse, lse.strides[0]),
         out: heads(&out, out.strides[0]),
         lse: heads(&lse, lse.strides[0]),
     };
     // SAFETY: as above; the matrix-unit kernel runs only on 16-byte aligned rows (the plan's
     // vector of 8), the tiled kernel's vector (the plan's) divides every row and stride, and
-    // `k`, `mask` and `bias` (stand-ins: `x`) are never read with given scores.
+    // `k`, `mask` and `bias` (stand-ins: `x`) and `slopes` (`lse`) are never read with given
+    // scores.
     unsafe {
         launch_forward(
             client,
@@ -273,6 +275,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         v: view(&v),
         mask: view(&x),
         bias: view(&x),
+        slopes: view(&lse),
         out: view(&out),
         d_out: view(&d_out),
         lse: view(&lse),

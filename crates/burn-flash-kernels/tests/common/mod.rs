@@ -203,6 +203,7 @@ impl Case {
             dropout: None,
             masked_score: None,
             quiet: false,
+            window: None,
         }
     }
 

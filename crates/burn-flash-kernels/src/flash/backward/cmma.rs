@@ -27,14 +27,14 @@ use cubecl::{
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{BackwardLaunch, GradInputs, Scalars, ScoreArgs, ScoreInputs};
-use crate::flash::block::{cube_count, pair_block, pair_group, rows_kv_end};
+use crate::flash::block::{cube_count, pair_block, pair_group, rows_keys, span_positions};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::cmma::{
     Fragment, PAD, S_PAD, fragment, load_rows, product_abt, product_wb, stage_group_rows,
     store_accumulators, store_rows,
 };
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+    RowRefs, add_bias, capped, filled, live_score, new_refs, row_range, set_row, visible,
 };
 
 /// Planes per cube of either kernel.
@@ -348,17 +348,16 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     let acc_dv = accumulators(comptime!(c.value_dim / f.n), f);
 
     let blocks = rows.div_ceil(STEP as usize);
+    // The positions that see one of the block's keys (causal, window).
+    let key_last = usize::min(j0 + keys_n as usize, seq_k) - 1;
+    let seen_by = row_range(j0, key_last, seq_q, seq_k, &args, c);
     for qb in 0..blocks {
         let r0 = qb * STEP as usize;
         let last = usize::min(r0 + STEP as usize, rows) - 1;
-        // Causal: the block's largest position must see the block's first key.
         let mut live_block = true;
-        if comptime!(c.rules.causal) {
-            let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
-            live_block = j0 + seq_q <= pos_hi + seq_k;
-            if comptime!(crate::mutation::causal_top_left()) {
-                live_block = j0 <= pos_hi;
-            }
+        if comptime!(c.rules.causal || c.rules.window) {
+            let span = span_positions(r0, last, seq_q);
+            live_block = span.start < seen_by.end && span.end >= seen_by.start;
         }
         if live_block {
             // -- the step's rows: `Q` (given: the `X` block) and `dO` --
@@ -403,7 +402,18 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             #[unroll]
             for i in 0..cols_l {
                 let row = r0 + i * lanes as usize + cl;
-                set_row::<F>(&mut refs, i, mask, bias, &group, row, c);
+                set_row::<F>(
+                    &mut refs,
+                    i,
+                    mask,
+                    bias,
+                    &inputs.slopes,
+                    &group,
+                    row,
+                    seq_k,
+                    &args,
+                    c,
+                );
                 let (head, pos) = (group.head(row), group.pos(row));
                 row_ok[i] = row < rows;
                 row_lse[i] =
@@ -564,12 +574,25 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let cl = lane % lanes as usize;
     let r0 = CUBE_POS_X as usize * c.block_q as usize;
     let row = r0 + plane * f.m as usize + r;
-    let kv_end = rows_kv_end(&blk, r0, c.block_q as usize, c);
+    let key_span = rows_keys(&blk, r0, c.block_q as usize, &args, STEP as usize, c);
+    let key0 = usize::min(key_span.start, key_span.end);
+    let kv_end = key_span.end;
     let s_at = plane * f.m as usize * sl as usize;
     let pw_at = w_at + plane * f.m as usize * wl as usize;
 
     let mut refs = new_refs(1usize);
-    set_row::<F>(&mut refs, 0, mask, bias, &group, row, c);
+    set_row::<F>(
+        &mut refs,
+        0,
+        mask,
+        bias,
+        &inputs.slopes,
+        &group,
+        row,
+        seq_k,
+        &args,
+        c,
+    );
     let row_ok = row < rows;
     let (head, pos) = (group.head(row), group.pos(row));
     let row_lse = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
@@ -628,14 +651,14 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let mut pre_v = Array::<Vector<F, NV>>::new(v_regs as usize);
     if comptime!(!given) {
         load_rows::<F, NV>(
-            k, &mut pre_k, k_base, 0, kv_end, head_dim, STEP, c.head_dim, units,
+            k, &mut pre_k, k_base, key0, kv_end, head_dim, STEP, c.head_dim, units,
         );
     }
     load_rows::<F, NV>(
         v,
         &mut pre_v,
         v_base,
-        0,
+        key0,
         kv_end,
         value_dim,
         STEP,
@@ -643,9 +666,9 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
         units,
     );
 
-    let steps = kv_end.div_ceil(bk);
+    let steps = (kv_end - key0).div_ceil(bk);
     for st in 0..steps {
-        let j0 = st * bk;
+        let j0 = key0 + st * bk;
         if comptime!(!given) {
             store_rows::<F, NV>(&pre_k, &mut sh, 0u32, dl, STEP, c.head_dim, units);
         }
@@ -754,12 +777,16 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
         // Every plane is done with the step's tiles before the next step stages over them.
         sync_cube();
     }
-    // Keys past every row's causal diagonal: dS = 0 there.
+    // Keys outside every row's range (before the window, past the causal diagonal or the
+    // window): dS = 0 there.
     if comptime!(write_ds) {
         if row_ok {
-            let mut key = steps * bk + cl;
+            let done = key0 + steps * bk;
+            let mut key = cl;
             while key < seq_k {
-                ds[ds_row + key * ds.stride(3)] = F::cast_from(0.0f32);
+                if key < key0 || key >= done {
+                    ds[ds_row + key * ds.stride(3)] = F::cast_from(0.0f32);
+                }
                 key += lanes as usize;
             }
         }

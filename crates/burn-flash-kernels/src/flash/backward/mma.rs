@@ -302,7 +302,7 @@ pub(crate) fn stage_query_block<F: Float, NV: Size>(
             f32::max_value(),
         );
         stat_s[at + bq] = delta[(group.batch * q.shape(1) + head) * seq_q + pos];
-        if comptime!(c.rules.mask || c.rules.bias || c.rules.dropout) {
+        if comptime!(c.reads_row_terms()) {
             row_s[at] = head as u32;
             row_s[at + bq] = pos as u32;
         }

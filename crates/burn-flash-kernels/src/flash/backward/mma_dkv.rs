@@ -11,10 +11,10 @@ use cubecl::{
 use crate::dropout::keep_weight;
 use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
-use crate::flash::block::{PairBlock, pair_block, pair_group};
+use crate::flash::block::{PairBlock, pair_block, pair_group, span_positions};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{NV8, step_scores};
-use crate::flash::scores::capped;
+use crate::flash::scores::{alibi_term, capped, row_range, sees};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
 
@@ -51,11 +51,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let x_ldv = comptime!((step_width(c) + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
     let bq = comptime!(c.block_k as usize);
-    let row_len = comptime!(if c.rules.mask || c.rules.bias || c.rules.dropout {
-        4 * bq
-    } else {
-        1usize
-    });
+    let row_len = comptime!(if c.reads_row_terms() { 4 * bq } else { 1usize });
     let mut row_s = SharedMemory::<u32>::new(row_len);
     let q_tiles = comptime!(c.block_k / MMA_N);
     let cv = comptime!(FlashConfig {
@@ -131,23 +127,24 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let mat_row = (lane % 8) as usize;
     let x_lane =
         ((mat / 2) * 8 + mat_row) * x_ldv + (plane as usize * MMA_M as usize + 8 * (mat % 2)) / NV8;
-    // The query blocks to visit. Causal with whole blocks per head (`Sq` a multiple of the
-    // step): only the blocks whose last position sees the cube's first key, `first..` of each
-    // head's; otherwise every block (a causal one past every diagonal computes nothing).
+    // The query blocks to visit. Causal or windowed with whole blocks per head (`Sq` a
+    // multiple of the step): only the blocks holding a position that sees one of the cube's
+    // keys ([`row_range()`]), `first .. first + live_per_head` of each head's; otherwise every
+    // block (one outside every row's range computes nothing).
+    let seen_by = row_range(key0, key_last, seq_q, seq_k, &args, c);
     let blocks = rows.div_ceil(bq);
     let mut per_head = blocks;
     let mut first = 0usize;
     let mut live_per_head = blocks;
-    if comptime!(c.rules.causal) {
+    if comptime!(c.rules.causal || c.rules.window) {
         if seq_q % bq == 0 {
             per_head = seq_q / bq;
-            let sees = key0 + seq_q;
-            if sees > seq_k {
-                first = usize::min((sees - seq_k) / bq, per_head);
-            }
-            live_per_head = per_head - first;
+            first = usize::min(seen_by.start / bq, per_head);
+            live_per_head = usize::max(seen_by.end.div_ceil(bq), first) - first;
         }
     }
+    // After a head's last live block, the next head's first live one.
+    let skip = per_head - live_per_head;
     let n_live = (blocks / per_head) * live_per_head;
     if n_live > 0 {
         let r0 = first * bq;
@@ -178,13 +175,13 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     // The K and V tiles and the first block's (lse, δ) (plain stores) are visible to all.
     sync_cube();
     // Step `i`'s block `qb` and its rank among its head's live blocks, advanced without a
-    // division: after a head's last live block come the next head's `first` dead ones.
+    // division: after a head's last live block come `skip` dead ones.
     let mut qb = first;
     let mut rank = 0usize;
     for i in 0..n_live {
         let parity = i % 2;
         let wraps = rank + 1 == live_per_head;
-        let nb = qb + 1 + select(wraps, first, 0);
+        let nb = qb + 1 + select(wraps, skip, 0);
         if i + 1 < n_live {
             stage_query_block::<F, NV>(
                 q,
@@ -212,9 +209,9 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         let last = usize::min(r0 + bq, rows) - 1;
         // Causal: the block's largest position must see the cube's first key.
         let mut live = true;
-        if comptime!(c.rules.causal) {
-            let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
-            live = key0 + seq_q <= pos_hi + seq_k;
+        if comptime!(c.rules.causal || c.rules.window) {
+            let span = span_positions(r0, last, seq_q);
+            live = span.start < seen_by.end && span.end >= seen_by.start;
         }
         let (q_buf, o_buf, sb) = (parity * q_len, parity * o_len, parity * 2 * bq);
         if comptime!(given) {
@@ -403,14 +400,13 @@ fn key_weight<F: Float, NV: Size>(
     let mut ok = key <= key_last;
     // 0 where a masked key took the fill score (a constant: no dS).
     let mut gate = 1.0f32;
-    if comptime!(c.rules.mask || c.rules.bias) {
+    if comptime!(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window) {
         // The row's head and position, staged with its lse and δ.
         let head = row_s[sb + col] as usize;
         let pos = row_s[sb + bq + col] as usize;
         let kk = usize::min(key, seq_k - 1);
-        if comptime!(c.rules.causal) {
-            ok = ok && key + seq_q <= pos + seq_k;
-        }
+        ok = ok && sees(pos, key, seq_q, seq_k, args, c);
+        x += alibi_term(&inputs.slopes, head, pos, key, seq_q, seq_k, c);
         if comptime!(c.rules.mask) {
             let at = batch * mask.stride(0)
                 + head * mask.stride(1)
@@ -434,9 +430,11 @@ fn key_weight<F: Float, NV: Size>(
             x = select(gate == 0.0f32, f32::new(comptime!(c.fill_score())), x);
         }
     }
-    if comptime!(c.rules.causal && !(c.rules.mask || c.rules.bias)) {
+    if comptime!(
+        c.rules.causal && !(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window)
+    ) {
         let pos = usize::min(r0 + col, blk.rows - 1) % seq_q;
-        ok = ok && key + seq_q <= pos + seq_k;
+        ok = ok && sees(pos, key, seq_q, seq_k, args, c);
     }
     let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
     let mut z = 1.0f32;

@@ -6,7 +6,7 @@ use cubecl::{ir::FastMath, prelude::barrier::Barrier, prelude::*};
 use crate::dropout::keep_weight;
 use crate::flash::args::{GradInputs, ScoreArgs, ScoreInputs};
 use crate::flash::backward::mma::*;
-use crate::flash::block::{pair_block, pair_group, rows_kv_end};
+use crate::flash::block::{pair_block, pair_group, rows_keys};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{
     CHUNK, KvRows, NV8, advance_kv, end_step, key_of, start_kv, step_scores,
@@ -67,7 +67,15 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         rows_per_cube
     });
     let r0 = (CUBE_POS_X * block_step) as usize;
-    let kv_end = rows_kv_end(&blk, r0, rows_per_cube as usize, c);
+    let keys = rows_keys(
+        &blk,
+        r0,
+        rows_per_cube as usize,
+        &args,
+        comptime!(c.block_k as usize),
+        c,
+    );
+    let kv_end = keys.end;
     let plane = UNIT_POS / PLANE;
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
@@ -132,7 +140,18 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         let pos = group.pos(row);
         x_rows[h] = group.offset(q, row);
         row_pair[h] = batch * q.shape(1) + head;
-        set_row::<F>(&mut refs, h, mask, bias, &group, row, c);
+        set_row::<F>(
+            &mut refs,
+            h,
+            mask,
+            bias,
+            &inputs.slopes,
+            &group,
+            row,
+            seq_k,
+            &args,
+            c,
+        );
         row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         // A row without a visible key (lse = −inf) has P = 0.
         row_ok[h] = row < rows && row_lse[h] > f32::min_value();
@@ -153,12 +172,13 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         v_base: batch * v.stride(0) + hkv * v.stride(1),
         ks: k.stride(2),
         vs: v.stride(2),
+        kv_start: keys.start,
         kv_end,
         head_dim,
         v_cols: value_dim,
     };
     let bk = comptime!(c.block_k as usize);
-    let steps = kv_end.div_ceil(bk);
+    let steps = (kv_end - usize::min(keys.start, kv_end)).div_ceil(bk);
     // K and V blocks stream through two buffers: step j + 1's copies run while step j computes.
     let bar0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let bar1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -170,7 +190,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     // The Q and dO tiles (plain stores) are visible to every plane.
     sync_cube();
     for st in 0..steps {
-        let j0 = st * bk;
+        let j0 = keys.start + st * bk;
         let parity = st % 2;
         advance_kv::<F, NV>(
             inputs, &mut k_s, &mut v_s, &mut xn, &x_rows, &bar0, &bar1, st, steps, &kv, seq_k, c,
@@ -315,15 +335,19 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         wait_step(&bar0, &bar1, 0);
     }
     if comptime!(write_ds && !ds_vectors) {
-        // Keys past the last step (after every row's causal diagonal): dS = 0, each row's by
-        // its 4 lanes. (Never with vectors: given scores have no causal end.)
+        // Keys outside the steps (before every row's window, after every row's causal
+        // diagonal or window): dS = 0, each row's by its 4 lanes. (Never with vectors: given
+        // scores have no key range.)
+        let done = keys.start + steps * bk;
         #[unroll]
         for h in 0..2usize {
             let row = r0 + plane as usize * MMA_M as usize + g + 8 * h;
             if row < rows {
-                let mut key = steps * bk + quad;
+                let mut key = quad;
                 while key < seq_k {
-                    ds[ds_at[h] + key * ds.stride(3)] = Vector::new(F::cast_from(0.0f32));
+                    if key < keys.start || key >= done {
+                        ds[ds_at[h] + key * ds.stride(3)] = Vector::new(F::cast_from(0.0f32));
+                    }
                     key += 4;
                 }
             }

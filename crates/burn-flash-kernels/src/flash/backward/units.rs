@@ -30,10 +30,12 @@ use cubecl::prelude::*;
 
 use crate::dropout::keep_weight;
 use crate::flash::args::{BackwardLaunch, GradInputs, Scalars, ScoreArgs, ScoreInputs};
-use crate::flash::block::{PairBlock, cube_count, pair_block, pair_group, rows_kv_end};
+use crate::flash::block::{
+    PairBlock, cube_count, pair_block, pair_group, rows_keys, span_positions,
+};
 use crate::flash::config::FlashConfig;
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+    RowRefs, add_bias, capped, filled, live_score, new_refs, row_range, set_row, visible,
 };
 
 /// An f32 4-vector, the unit of the shared tiles.
@@ -437,6 +439,7 @@ fn load_rows<F: Float>(
     blk: &PairBlock,
     r0: usize,
     ty: u32,
+    args: &ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] ri: u32,
     #[comptime] ds_rows: bool,
@@ -464,8 +467,11 @@ fn load_rows<F: Float>(
             slot,
             &inputs.mask,
             &inputs.bias,
+            &inputs.slopes,
             &q_group,
             row,
+            blk.seq_k,
+            args,
             c,
         );
         let rr = usize::min(row, rows - 1);
@@ -546,20 +552,18 @@ pub fn flash_backward_dkv<F: Float>(
     let mut w = new_weights();
 
     let blocks = rows.div_ceil(STEP_ROWS as usize);
+    // The positions that see one of the block's keys (causal, window).
+    let seen_by = row_range(j0, j0 + keys - 1, seq_q, seq_k, &args, c);
     for qb in 0..blocks {
         let r0 = qb * STEP_ROWS as usize;
         let last = usize::min(r0 + STEP_ROWS as usize, rows) - 1;
-        // Causal: the block's largest position must see the first key.
         let mut live = true;
-        if comptime!(c.rules.causal) {
-            let pos_hi = select(r0 / seq_q == last / seq_q, last % seq_q, seq_q - 1);
-            live = j0 + seq_q <= pos_hi + seq_k;
-            if comptime!(crate::mutation::causal_top_left()) {
-                live = j0 <= pos_hi;
-            }
+        if comptime!(c.rules.causal || c.rules.window) {
+            let span = span_positions(r0, last, seq_q);
+            live = span.start < seen_by.end && span.end >= seen_by.start;
         }
         if live {
-            let rw = load_rows::<F>(inputs, grads, dk, &blk, r0, ty, c, 2u32, false);
+            let rw = load_rows::<F>(inputs, grads, dk, &blk, r0, ty, &args, c, 2u32, false);
             raw_scores::<F>(
                 inputs, &mut sh, &mut w, &blk, r0, j0, k_base, keys, a_at, b_at, ty, tx, c,
                 STEP_ROWS, BLOCK_KEYS, 2u32, 4u32,
@@ -695,7 +699,7 @@ pub fn flash_backward_dq<F: Float>(
     let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
     let (batch, hkv) = (blk.batch, blk.hkv);
     let r0 = (CUBE_POS_X * BLOCK_ROWS) as usize;
-    let kv_end = rows_kv_end(&blk, r0, BLOCK_ROWS as usize, c);
+    let key_span = rows_keys(&blk, r0, BLOCK_ROWS as usize, &args, STEP_KEYS as usize, c);
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
 
@@ -706,13 +710,14 @@ pub fn flash_backward_dq<F: Float>(
     for n in 0..acc_n {
         acc[n] = V4::new(0.0f32);
     }
-    let rw = load_rows::<F>(inputs, grads, ds, &blk, r0, ty, c, 4u32, write_ds);
+    let rw = load_rows::<F>(inputs, grads, ds, &blk, r0, ty, &args, c, 4u32, write_ds);
     let mut w = new_weights();
     let v_chunks = value_dim.div_ceil(CHUNK as usize);
 
-    let steps = kv_end.div_ceil(STEP_KEYS as usize);
+    let key0 = usize::min(key_span.start, key_span.end);
+    let steps = (key_span.end - key0).div_ceil(STEP_KEYS as usize);
     for st in 0..steps {
-        let j0 = st * STEP_KEYS as usize;
+        let j0 = key0 + st * STEP_KEYS as usize;
         let keys = usize::min(seq_k - j0, STEP_KEYS as usize);
         let k_base = row_at(k, batch, hkv, j0);
         let v_base = row_at(v, batch, hkv, j0);
@@ -787,16 +792,19 @@ pub fn flash_backward_dq<F: Float>(
             sync_cube();
         }
     }
-    // Keys past the causal diagonal of every row: dS = 0 there.
+    // Keys outside every row's range (before the window, past the causal diagonal or the
+    // window): dS = 0 there.
     if comptime!(write_ds) {
-        let from = steps * STEP_KEYS as usize;
+        let done = key0 + steps * STEP_KEYS as usize;
         #[unroll]
         for i in 0..4usize {
             if rw.ok[i] {
-                let mut key = from + tx as usize;
+                let mut key = tx as usize;
                 while key < seq_k {
-                    let at = rw.ds[i] + key * ds.stride(3);
-                    ds[at] = F::cast_from(0.0f32);
+                    if key < key0 || key >= done {
+                        let at = rw.ds[i] + key * ds.stride(3);
+                        ds[at] = F::cast_from(0.0f32);
+                    }
                     key += GRID as usize;
                 }
             }

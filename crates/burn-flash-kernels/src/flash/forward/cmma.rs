@@ -523,7 +523,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let q_frags = comptime!(c.head_dim / f.k) as usize;
     let o_frags = comptime!(c.value_dim / f.n) as usize;
 
-    let blk = cube_block(q, k, c);
+    let blk = cube_block(q, k, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv) = (blk.batch, blk.hkv);
@@ -539,15 +539,25 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let row = blk.row0 + prow + r;
     let k_base = batch * k.stride(0) + hkv * k.stride(1);
     let v_base = batch * v.stride(0) + hkv * v.stride(1) + col0 * v.stride(3);
-    let steps = blk.kv_end.div_ceil(bk);
-    let full_steps = blk.full_end / bk;
+    let steps = blk.steps(c);
     // This plane's tiles.
     let s_at = prow * sl as usize;
     let s_end = s_at + tm * sl as usize;
     let pp_at = p_at as usize + prow * pl as usize;
 
     let mut refs = new_refs(1usize);
-    set_row::<F>(&mut refs, 0, mask, bias, &group, row, c);
+    set_row::<F>(
+        &mut refs,
+        0,
+        mask,
+        bias,
+        &inputs.slopes,
+        &group,
+        row,
+        seq_k,
+        &args,
+        c,
+    );
     let pair = batch * q.shape(1) + group.head(row);
     let x_row = group.offset(q, row);
 
@@ -613,14 +623,22 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let mut pre_v = Array::<Vector<F, NV>>::new(v_regs as usize);
     if comptime!(!given) {
         load_rows::<F, NV>(
-            k, &mut pre_k, k_base, 0, blk.kv_end, head_dim, c.block_k, c.head_dim, units,
+            k,
+            &mut pre_k,
+            k_base,
+            blk.kv_start,
+            blk.kv_end,
+            head_dim,
+            c.block_k,
+            c.head_dim,
+            units,
         );
     }
     load_rows::<F, NV>(
         v,
         &mut pre_v,
         v_base,
-        0,
+        blk.kv_start,
         blk.kv_end,
         v_cols,
         c.block_k,
@@ -629,7 +647,8 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     );
 
     for st in 0..steps {
-        let j0 = st * bk;
+        let j0 = blk.step_key(st, c);
+        let full = blk.full_step(st, c);
         // -- 1. the step's K and V blocks into shared memory, the next step's into registers --
         if comptime!(!given) {
             store_rows::<F, NV>(&pre_k, &mut sh, k_at, dl, c.block_k, c.head_dim, units);
@@ -716,8 +735,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
             for e in 0..nv {
                 let key = j0 + first + e;
                 let ok = visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, false)
-                    && (st < full_steps
-                        || visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, true));
+                    && (full || visible::<F>(mask, &refs, 0, key, seq_q, seq_k, c, true));
                 vis[g * nv + e] = ok;
                 pmax = select(ok, f32::max(pmax, sv[g * nv + e]), pmax);
             }

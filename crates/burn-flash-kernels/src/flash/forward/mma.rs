@@ -125,7 +125,8 @@ fn staged_row(p: usize) -> usize {
 }
 
 /// Where a cube's keys and values come from: `K` and `V` rows of one (batch, key/value head)
-/// (`k_base`, `v_base`, with row strides `ks`, `vs`), the keys it reads (`kv_end`), and the
+/// (`k_base`, `v_base`, with row strides `ks`, `vs`), the keys it reads (`kv_start ..
+/// kv_end`, in steps of `c.block_k` from `kv_start`), and the
 /// columns of `K` and of `V` that exist (`head_dim`, `v_cols`; past them the tiles are zero).
 #[derive(CubeType)]
 pub(crate) struct KvRows {
@@ -133,6 +134,7 @@ pub(crate) struct KvRows {
     pub v_base: usize,
     pub ks: usize,
     pub vs: usize,
+    pub kv_start: usize,
     pub kv_end: usize,
     pub head_dim: usize,
     pub v_cols: usize,
@@ -207,12 +209,12 @@ pub(crate) fn start_kv<F: Float, NV: Size>(
     #[comptime] c: FlashConfig,
     #[comptime] units: u32,
 ) {
-    stage_kv::<F, NV>(&inputs.k, &inputs.v, k_s, v_s, 0, 0, at, c, units);
+    stage_kv::<F, NV>(&inputs.k, &inputs.v, k_s, v_s, 0, at.kv_start, at, c, units);
     bar0.commit_copy_async();
     let _token = bar0.arrive();
     if comptime!(c.given()) {
         if steps > 0 {
-            load_scores::<F, NV>(&inputs.q, xr, x_rows, 0, seq_k, c);
+            load_scores::<F, NV>(&inputs.q, xr, x_rows, at.kv_start, seq_k, c);
         }
     }
 }
@@ -246,7 +248,7 @@ pub(crate) fn advance_kv<F: Float, NV: Size>(
             k_s,
             v_s,
             1 - st % 2,
-            next * bk,
+            at.kv_start + next * bk,
             at,
             c,
             units,
@@ -255,7 +257,7 @@ pub(crate) fn advance_kv<F: Float, NV: Size>(
     }
     if comptime!(c.given()) {
         // The next step's scores (the last step's again at the end: never used).
-        let j_next = usize::min(next, steps - 1) * bk;
+        let j_next = at.kv_start + usize::min(next, steps - 1) * bk;
         load_scores::<F, NV>(&inputs.q, xn, x_rows, j_next, seq_k, c);
     }
     wait_step(bar0, bar1, st);
@@ -723,18 +725,17 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
     let drop = args.dropout;
     let (scale, softcap) = (args.scale, args.softcap);
-    let bk = comptime!(c.block_k) as usize;
     let given = comptime!(c.given());
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
     let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
     let chunks = comptime!(c.block_k / CHUNK);
     let slots = comptime!(2 * c.row_tiles as usize);
 
-    let blk = cube_block(q, k, c);
+    let blk = cube_block(q, k, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, block_row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
-    let (kv_end, full_end) = (blk.kv_end, blk.full_end);
+    let kv_end = blk.kv_end;
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
     let col0 = blk.col0;
@@ -744,15 +745,15 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let rts = comptime!(c.row_tiles);
     let my_row = block_row0 + (plane * MMA_M * rts + lane / 4) as usize;
 
-    // -- the keys this cube needs: with a causal mask, up to its last row's diagonal --
-    let steps = kv_end.div_ceil(bk);
-    let full_steps = full_end / bk;
+    // -- the keys this cube needs: with a causal mask or a window, its rows' key span --
+    let steps = blk.steps(c);
 
     let kv = KvRows {
         k_base: batch * k.stride(0) + hkv * k.stride(1),
         v_base: batch * v.stride(0) + hkv * v.stride(1) + col0,
         ks: k.stride(2),
         vs: v.stride(2),
+        kv_start: blk.kv_start,
         kv_end,
         head_dim,
         v_cols: value_dim - col0,
@@ -790,7 +791,18 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     for slot in 0..slots {
         // Slot 2·rt + h: row r + 16·rt + 8·h.
         let row = my_row + slot * 8;
-        set_row::<F>(&mut refs, slot, mask, bias, &group, row, c);
+        set_row::<F>(
+            &mut refs,
+            slot,
+            mask,
+            bias,
+            &inputs.slopes,
+            &group,
+            row,
+            seq_k,
+            &args,
+            c,
+        );
         pairs[slot] = batch * q.shape(1) + group.head(row);
         x_rows[slot] = group.offset(q, row);
         m[slot] = f32::min_value();
@@ -814,7 +826,8 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
             units,
         );
         let bufs = (parity * k_len, parity * v_len);
-        if st < full_steps {
+        let j0 = blk.step_key(st, c);
+        if blk.full_step(st, c) {
             step::<F, NV>(
                 &q_s,
                 &k_s,
@@ -828,7 +841,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
                 &mut m,
                 &mut l,
                 &mut l_mma,
-                st * bk,
+                j0,
                 (seq_q, seq_k),
                 (scale, softcap),
                 &drop,
@@ -850,7 +863,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
                 &mut m,
                 &mut l,
                 &mut l_mma,
-                st * bk,
+                j0,
                 (seq_q, seq_k),
                 (scale, softcap),
                 &drop,

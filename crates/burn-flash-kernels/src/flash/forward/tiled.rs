@@ -399,13 +399,12 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let nv = NV::value();
     let per4 = comptime!(4 / nv);
     let bufs = comptime!(buffers(c, planes) as usize);
-    let bk = BLOCK_K as usize;
 
-    let blk = cube_block(q, k, c);
+    let blk = cube_block(q, k, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
-    let (kv_end, full_end) = (blk.kv_end, blk.full_end);
+    let kv_end = blk.kv_end;
     let value_dim = out.shape(3);
     let col0 = blk.col0;
     // Score unit: rows 4·rg .., keys ku·kg ... Product unit: (ty, tx) of crate::tiling.
@@ -416,8 +415,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let ty = (plane / 2) * 4 + (UNIT_POS % 32) / 8;
     let tx = (plane % 2) * 8 + UNIT_POS % 8;
 
-    let steps = kv_end.div_ceil(bk);
-    let full_steps = full_end / bk;
+    let steps = blk.steps(c);
     let k_base = batch * k.stride(0) + hkv * k.stride(1);
     let v_base = batch * v.stride(0) + hkv * v.stride(1);
 
@@ -448,7 +446,18 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     #[unroll]
     for i in 0..4usize {
         let row = row0 + 4 * rg as usize + i;
-        set_row::<F>(&mut refs, i, mask, bias, &group, row, c);
+        set_row::<F>(
+            &mut refs,
+            i,
+            mask,
+            bias,
+            &inputs.slopes,
+            &group,
+            row,
+            seq_k,
+            &args,
+            c,
+        );
         x_rows[i] = group.offset(q, row);
         q_rows[i] = group.offset(q, row0 + 4 * (UNIT_POS / 4) as usize + i);
         m[i] = f32::min_value();
@@ -464,12 +473,23 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let mut pre_v = Array::<Vector<F, NV>>::new(comptime!(v_vecs * per4));
     if steps > 0 {
         load_step::<F, NV>(
-            q, v, &mut pre_x, &mut pre_v, &x_rows, 0, col0, v_base, seq_k, ro, given,
+            q,
+            v,
+            &mut pre_x,
+            &mut pre_v,
+            &x_rows,
+            blk.kv_start,
+            col0,
+            v_base,
+            seq_k,
+            ro,
+            given,
         );
     }
 
     for st in 0..steps {
-        let j0 = st * bk;
+        let j0 = blk.step_key(st, c);
+        let full = blk.full_step(st, c);
         let mut parity = 0usize;
         if comptime!(bufs == 2) {
             parity = st % 2;
@@ -509,8 +529,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                         x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
                     }
                     let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
-                        && (st < full_steps
-                            || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
+                        && (full || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
                     x = select(ok, x, f32::min_value());
                     s[i * ku + n] = x;
                     step_max[i] = f32::max(step_max[i], x);
@@ -574,7 +593,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                 }
                 // Keys past the visible end: zeros (their P is 0; the clamped row may hold
                 // anything).
-                if st >= full_steps && j0 + idx / VECS as usize >= kv_end {
+                if !full && j0 + idx / VECS as usize >= kv_end {
                     vec = Vector::new(0.0f32);
                 }
                 sh.v_s[pbuf + idx] = vec;
@@ -582,7 +601,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         }
 
         // -- 3. the next step's loads in flight, then O += P·V --
-        let next = usize::min(st + 1, steps - 1) * bk;
+        let next = blk.step_key(usize::min(st + 1, steps - 1), c);
         load_step::<F, NV>(
             q, v, &mut pre_x, &mut pre_v, &x_rows, next, col0, v_base, seq_k, ro, given,
         );

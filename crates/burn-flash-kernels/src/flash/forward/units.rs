@@ -153,20 +153,18 @@ pub fn flash_forward_units<F: Float>(
     // The row partials live in the scratch area.
     let red_at = 0u32;
     let p_ld = comptime!(c.block_k + 1);
-    let bk = comptime!(c.block_k) as usize;
 
-    let blk = cube_block(q, k, c);
+    let blk = cube_block(q, k, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
-    let (kv_end, full_end) = (blk.kv_end, blk.full_end);
+    let kv_end = blk.kv_end;
     let head_dim = q.shape(3);
     let value_dim = out.shape(3);
     let col0 = blk.col0;
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
-    let steps = kv_end.div_ceil(bk);
-    let full_steps = full_end / bk;
+    let steps = blk.steps(c);
     let k_base = batch * k.stride(0) + hkv * k.stride(1);
     let v_base = batch * v.stride(0) + hkv * v.stride(1);
 
@@ -181,7 +179,18 @@ pub fn flash_forward_units<F: Float>(
     #[unroll]
     for i in 0..rows_u as usize {
         let row = row0 + ty as usize * rows_u as usize + i;
-        set_row::<F>(&mut refs, i, mask, bias, &group, row, c);
+        set_row::<F>(
+            &mut refs,
+            i,
+            mask,
+            bias,
+            &inputs.slopes,
+            &group,
+            row,
+            seq_k,
+            &args,
+            c,
+        );
         pairs[i] = batch * q.shape(1) + group.head(row);
         x_rows[i] = group.offset(q, row);
         m[i] = f32::min_value();
@@ -194,7 +203,8 @@ pub fn flash_forward_units<F: Float>(
     }
 
     for st in 0..steps {
-        let j0 = st * bk;
+        let j0 = blk.step_key(st, c);
+        let full = blk.full_step(st, c);
         // -- 1. the scores: unit (ty, tx) holds row i, key tx + 16·cc at sacc[i·K + cc] --
         let mut sacc = Array::<f32>::new(sc);
         #[unroll]
@@ -269,8 +279,7 @@ pub fn flash_forward_units<F: Float>(
                     x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
                 }
                 let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
-                    && (st < full_steps
-                        || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
+                    && (full || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));
                 sacc[at] = x;
                 vis[at] = ok;
                 pmax = select(ok, f32::max(pmax, x), pmax);
