@@ -14,7 +14,7 @@ use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
     FlashBackend, ScoreTerms,
     attention::{AttentionDims, recent_backward_launches},
-    attention_backward_plan, attention_backward_plan_with, attention_with_lse,
+    attention_backward_plan, attention_backward_plan_with, attention_with_alibi, attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
@@ -41,6 +41,10 @@ struct Case {
     fill: Option<f64>,
     /// Quiet softmax.
     quiet: bool,
+    /// Sliding window `(left, right)` around each row's bottom-right diagonal.
+    window: Option<(usize, usize)>,
+    /// ALiBi slopes, one per query head.
+    slopes: Option<Vec<f64>>,
 }
 
 /// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape).
@@ -93,12 +97,20 @@ impl Case {
                             .mask
                             .as_ref()
                             .is_some_and(|(m, md)| m[at(*md, [b, h, i, j])]);
-                        let causal =
-                            self.options.is_causal && j as i64 > i as i64 + sk as i64 - sq as i64;
+                        // Key `j`'s offset from the row's diagonal; the causal mask and the
+                        // window as an explicit band.
+                        let off = j as i64 - (i as i64 + sk as i64 - sq as i64);
+                        let causal = self.options.is_causal && off > 0;
+                        let outside = self
+                            .window
+                            .is_some_and(|(l, r)| off < -(l as i64) || off > r as i64);
                         let hidden = masked && self.fill.is_none();
-                        vis[j] = !hidden && !causal;
+                        vis[j] = !hidden && !causal && !outside;
                         if let Some((bias, bd)) = &self.bias {
                             x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
+                        }
+                        if let Some(slopes) = &self.slopes {
+                            x = (r.store)(x - slopes[h] * off.abs() as f64);
                         }
                         if masked && let Some(fill) = self.fill {
                             // A constant: no gradient reaches the inputs or the bias.
@@ -200,6 +212,10 @@ struct Setup {
     quiet: bool,
     /// [`FlashAttentionOptions::kernel`] (the plan's where `None`).
     kernel: Option<AttentionKernel>,
+    /// [`FlashAttentionOptions::window`].
+    window: Option<(usize, usize)>,
+    /// Random ALiBi slopes (`[Hq]`, f32) through [`attention_with_alibi`].
+    alibi: bool,
 }
 
 impl Setup {
@@ -218,6 +234,8 @@ impl Setup {
             fill: None,
             quiet: false,
             kernel: None,
+            window: None,
+            alibi: false,
         }
     }
 }
@@ -262,6 +280,9 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             bias
         }
     });
+    let slopes = setup
+        .alibi
+        .then(|| random::<A<B>, 1>([hq], 0.02, 0.5, FloatDType::F32, &device));
     let case = Case {
         q: read(q.clone()),
         k: read(k.clone()),
@@ -280,22 +301,26 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         dropout: setup.dropout.and_then(|d| d.params()),
         fill: setup.fill,
         quiet: setup.quiet,
+        window: setup.window,
+        slopes: slopes.clone().map(read),
     };
     for dims in [setup.q, k_dims, v_dims] {
         poison::<B, 4>(dims, dtype, &device);
     }
-    let (out, _) = attention_with_lse(
+    let (out, _) = attention_with_alibi(
         q.clone(),
         k.clone(),
         v.clone(),
         mask,
         bias.clone(),
+        slopes,
         forward_kernel(
             FlashAttentionOptions {
                 dropout: setup.dropout,
                 masked_score: setup.fill,
                 quiet: setup.quiet,
                 kernel: setup.kernel,
+                window: setup.window,
                 ..setup.options.into()
             },
             dtype,
@@ -325,7 +350,10 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         want[3].clear();
         naive[3].clear();
     }
-    let ctx = format!("{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?}", setup.q);
+    let ctx = format!(
+        "{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?} window {:?} alibi {}",
+        setup.q, setup.window, setup.alibi
+    );
     // f32: a few roundings of the largest gradient per `√n` of the longest sum — over the rows
     // of a group, the keys, or the head dims (`dS` takes `dO·Vᵀ − δ`, two sums over `Dv` that
     // cancel, so its error follows their terms; s29's CI: dK at Sq 1, Sk 17, D 32 was 11.4
@@ -1137,6 +1165,50 @@ fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 }
 
 /// The backward suite; `[extra]` replaces the default extra test, the 70 400-head case.
+/// Sliding windows (an explicit band in the reference) and ALiBi from slopes (the term
+/// materialised in the reference; no gradient to the slopes), through the plan's backward and,
+/// where the device has them, the cooperative-matrix one: windows on both sides, causal windows
+/// with `Sq ≠ Sk` (rows that see nothing), rows long enough that the dK/dV kernels skip whole
+/// query blocks on both sides of a key block, with GQA, a padding mask and a tracked bias
+/// (whose `dS` is zero outside every row's window).
+fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    // (Sq, Sk, causal, window, ALiBi, mask and tracked bias)
+    let cases = [
+        (70, 70, false, Some((3, 5)), false, false),
+        (160, 160, true, Some((24, 0)), true, false),
+        (120, 150, false, Some((10, 40)), false, true),
+        (97, 130, true, Some((16, 7)), true, true),
+        (130, 70, true, Some((9, 0)), false, false),
+        (64, 64, true, None, true, false),
+    ];
+    let mut kernels = vec![None];
+    if cuda && dtype != FloatDType::F32 {
+        kernels.push(Some(AttentionKernel::CooperativeMatrix));
+    }
+    for (sq, sk, causal, window, alibi, terms) in cases {
+        for &kernel in &kernels {
+            let mut setup = Setup::new([2, 4, sq, 32], 2, sk, 32);
+            setup.options.is_causal = causal;
+            setup.window = window;
+            setup.alibi = alibi;
+            setup.kernel = kernel;
+            if terms {
+                setup.mask = Some(([2, 1, 1, sk], |[b, _, _, j]| j + 7 * b + 3 >= 130));
+                setup.bias = Some([1, 4, sq, sk]);
+            }
+            check::<B>(
+                &setup,
+                dtype,
+                &format!(
+                    "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms} {kernel:?}"
+                ),
+            );
+        }
+    }
+    let _ = device;
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         backward_suite!($module, $backend, $dtype, [many_heads]);
@@ -1158,6 +1230,7 @@ macro_rules! backward_suite {
                 dropout_gradients,
                 dropout_mask,
                 cooperative_backward,
+                windows_and_alibi,
                 many_seeds
                 $(, $extra)*
             ]
