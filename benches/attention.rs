@@ -3,7 +3,8 @@
 //!
 //! `cargo bench --bench attention -- [--quick] [--out DIR] [--runtimes cuda,wgpu]
 //! [--dtypes bf16,f16,f32] [--seqs 512,1024] [--dims 64,128] [--causal false,true]
-//! [--sweeps main,gqa,bias,mask] [--impls burn-flash,burn-attention,burn-fallback]
+//! [--sweeps main,gqa,bias,mask,alibi,window] [--window W]
+//! [--impls burn-flash,burn-attention,burn-fallback]
 //! [--burn-max-s 4096] [--bias-full-max-s 4096] [--bias-tracked] [--passes N] [--no-memory]
 //! [--dropout P]
 //! [--block-k N] [--kernel units|tiled|mma|cooperative|hopper]
@@ -28,6 +29,12 @@
 //!   above it the broadcast key-position form `−slope_h·(S − 1 − j)` of shape `[1, H, 1, S]`
 //!   (softmax-equivalent to causal ALiBi). Each row's note gives the shape.
 //! - `mask`: a padding mask `[B, 1, 1, S]`, the last ⌈S/10⌉ keys of every batch masked out.
+//! - `alibi`: the `bias` sweep's ALiBi (`[1, H, S, S]` form) computed in the kernel from the
+//!   slopes ([`burn_flash::attention_with_alibi`]); Burn's rows get the materialised bias of the
+//!   `bias` sweep (they have no other way to run it).
+//! - `window`: sliding-window attention, causal with a window of `--window` keys (`(W − 1, 0)`,
+//!   Mistral's), causal rows only; Burn's rows get the band as a bool mask `[1, 1, S, S]`. FLOP
+//!   count only the `(query, key)` pairs inside the window (`Σ_i min(i + 1, W)` per head).
 //!
 //! `gqa`, `bias` and `mask` run at the largest head dim of `--dims` (128 by default), all dtypes
 //! and causal settings of the run. `--quick`: B 1, H 2 (GQA: Hq 4, Hkv 1), S ∈ {128, 256}, D 64,
@@ -236,6 +243,9 @@ struct Cli {
     /// Track the bias sweep's bias in training rows (its gradient: `dS` written).
     #[arg(long)]
     bias_tracked: bool,
+    /// Keys of the window sweep's causal window.
+    #[arg(long, default_value_t = 1024, value_name = "W")]
+    window: usize,
     /// Force burn-flash's keys per step (a tuning experiment; the plan's choice by default).
     #[arg(long, value_name = "N")]
     block_k: Option<usize>,
@@ -313,6 +323,10 @@ enum Variant {
     Bias,
     /// A padding mask [B, 1, 1, S].
     Mask,
+    /// ALiBi from slopes, computed in the kernel.
+    Alibi,
+    /// A causal sliding window of `--window` keys.
+    Window,
 }
 
 impl Variant {
@@ -322,6 +336,8 @@ impl Variant {
             Variant::Gqa => "gqa",
             Variant::Bias => "bias",
             Variant::Mask => "mask",
+            Variant::Alibi => "alibi",
+            Variant::Window => "window",
         }
     }
 }
@@ -371,9 +387,10 @@ impl Impl {
                     block_k: forced_block_k(),
                     kernel: forced_kernel(),
                     dropout: bench_dropout(),
+                    window: x.window,
                     ..options.into()
                 };
-                burn_flash::attention_with_lse(q, k, v, mask, bias, options).0
+                burn_flash::attention_with_alibi(q, k, v, mask, bias, x.slopes.clone(), options).0
             }
             Impl::Attention => module::attention(q, k, v, mask, bias, options),
             Impl::Fallback => module::attention_fallback(q, k, v, mask, bias, options),
@@ -448,14 +465,24 @@ struct Config {
     bias_tracked: bool,
     /// Masked keys (the last ones) of the padding mask `[B, 1, 1, S]`, if any.
     masked: Option<usize>,
+    /// ALiBi from slopes (burn-flash; Burn's rows: the bias of shape `bias`).
+    alibi: bool,
+    /// A sliding window `(left, right)`.
+    window: Option<(usize, usize)>,
 }
 
 impl Config {
-    /// `4·B·Hq·S·S·D`, halved when causal (module docs).
+    /// `4·B·Hq·S·S·D`, halved when causal; with a causal window of `W` keys the pairs inside
+    /// it, `Σ_i min(i + 1, W)` for `S·S / 2` (module docs).
     fn flop(&self) -> f64 {
-        let dense = 4.0 * (self.batch * self.heads_q) as f64 * (self.seq * self.seq) as f64;
-        let flop = dense * self.head_dim as f64;
-        if self.causal { flop / 2.0 } else { flop }
+        let per_pair = 4.0 * (self.batch * self.heads_q * self.head_dim) as f64;
+        if let Some((left, _)) = self.window {
+            let w = (left + 1).min(self.seq) as f64;
+            let pairs = w * (w + 1.0) / 2.0 + (self.seq as f64 - w) * w;
+            return per_pair * pairs;
+        }
+        let dense = per_pair * (self.seq * self.seq) as f64;
+        if self.causal { dense / 2.0 } else { dense }
     }
 
     fn options(&self) -> AttentionModuleOptions {
@@ -478,21 +505,36 @@ impl Config {
         }
     }
 
-    /// Bytes of the inputs an implementation gets: K/V with `kv_heads` heads, the mask and bias
-    /// at their own shapes (Burn's expanded views hold no memory of their own).
-    fn input_bytes(&self, kv_heads: usize, bool_bytes: usize) -> u64 {
+    /// Bytes of the inputs implementation `imp` gets: K/V with `kv_heads` heads, the mask and
+    /// bias at their own shapes (Burn's expanded views hold no memory of their own; burn-flash's
+    /// ALiBi: the slopes; Burn's window: the band mask).
+    fn input_bytes(&self, imp: Impl, kv_heads: usize, bool_bytes: usize) -> u64 {
         let elem = DType::from(self.dtype.dtype()).size();
         let (b, s, d) = (self.batch, self.seq, self.head_dim);
         let qkv = (self.heads_q + 2 * kv_heads) * b * s * d * elem;
-        let mask = self.masked.map_or(0, |_| b * s * bool_bytes);
-        let bias = self
-            .bias
-            .map_or(0, |shape| shape.iter().product::<usize>() * elem);
+        let mut mask = self.masked.map_or(0, |_| b * s * bool_bytes);
+        if self.window.is_some() && imp.is_burn() {
+            mask = s * s * bool_bytes;
+        }
+        let bias = match (self.bias, self.alibi && !imp.is_burn()) {
+            (Some(_), true) => self.heads_q * 4,
+            (Some(shape), false) => shape.iter().product::<usize>() * elem,
+            (None, _) => 0,
+        };
         (qkv + mask + bias) as u64
     }
 
     /// What the note says about the mask or bias.
     fn describe(&self) -> Option<String> {
+        if let Some((left, right)) = self.window {
+            return Some(format!("window ({left}, {right})"));
+        }
+        if let (true, Some(shape)) = (self.alibi, self.bias) {
+            return Some(format!(
+                "ALiBi from slopes [{}] (Burn's rows: the bias {shape:?})",
+                shape[1]
+            ));
+        }
         if let Some(shape) = self.bias {
             let tracked = if self.bias_tracked { ", tracked" } else { "" };
             return Some(format!("ALiBi bias {shape:?}{tracked}"));
@@ -513,6 +555,10 @@ struct Inputs<B: Backend> {
     v: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
     bias: Option<Tensor<B, 4>>,
+    /// ALiBi slopes `[H]` (f32; burn-flash only).
+    slopes: Option<Tensor<B, 1>>,
+    /// A sliding window (burn-flash only; Burn's ops get it as a mask).
+    window: Option<(usize, usize)>,
 }
 
 impl<B: Backend> Inputs<B> {
@@ -554,7 +600,15 @@ impl<B: Backend> Inputs<B> {
             mask: cfg.masked.map(|n| padding_mask::<B>(b, s, n, device)),
             bias: cfg
                 .bias
+                .filter(|_| !cfg.alibi)
                 .map(|shape| alibi_bias::<B>(shape, device).cast(dtype)),
+            slopes: cfg.alibi.then(|| {
+                Tensor::<B, 1>::from_data(
+                    TensorData::new(alibi_slopes(cfg.heads_q), [cfg.heads_q]),
+                    device,
+                )
+            }),
+            window: cfg.window,
         }
     }
 
@@ -575,12 +629,25 @@ impl<B: Backend> Inputs<B> {
                 .reshape([b, hq, s, d])
         };
         let full = [b, hq, s, s];
+        let device = self.q.device();
+        let dtype = self.q.dtype();
+        // ALiBi and the window as Burn's ops take them: the bias, a band mask.
+        let bias = match self.slopes {
+            Some(_) => Some(alibi_bias::<B>([1, hq, s, s], &device).cast(dtype)),
+            None => self.bias,
+        };
+        let mask = match self.window {
+            Some(w) => Some(band_mask::<B>(s, w, &device)),
+            None => self.mask,
+        };
         Self {
             q: self.q,
             k: repeat(self.k),
             v: repeat(self.v),
-            mask: self.mask.map(|m| m.expand(full)),
-            bias: self.bias.map(|x| x.expand(full)),
+            mask: mask.map(|m| m.expand(full)),
+            bias: bias.map(|x| x.expand(full)),
+            slopes: None,
+            window: None,
         }
     }
 }
@@ -596,13 +663,33 @@ fn padding_mask<B: Backend>(
     Tensor::from_data(TensorData::new(values, [b, 1, 1, s]), device)
 }
 
+/// The ALiBi slopes of `h` heads, `2^(−8(i+1)/h)`.
+fn alibi_slopes(h: usize) -> Vec<f32> {
+    (0..h)
+        .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / h as f32))
+        .collect()
+}
+
+/// `[1, 1, s, s]`, true (masked out) outside the window `(left, right)` around the diagonal.
+fn band_mask<B: Backend>(
+    s: usize,
+    (left, right): (usize, usize),
+    device: &B::Device,
+) -> Tensor<B, 4, Bool> {
+    let values: Vec<bool> = (0..s * s)
+        .map(|n| {
+            let (i, j) = ((n / s) as i64, (n % s) as i64);
+            j < i - left as i64 || j > i + right as i64
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, [1, 1, s, s]), device)
+}
+
 /// ALiBi (module docs), in f32: `[1, H, S, S]` = `−slope_h·|i − j|`, or `[1, H, 1, S]` =
 /// `−slope_h·(S − 1 − j)`.
 fn alibi_bias<B: Backend>(shape: [usize; 4], device: &B::Device) -> Tensor<B, 4> {
     let [_, h, rows, s] = shape;
-    let slopes: Vec<f32> = (0..h)
-        .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / h as f32))
-        .collect();
+    let slopes = alibi_slopes(h);
     let slopes = Tensor::<B, 1>::from_data(TensorData::new(slopes, [h]), device)
         .reshape([1, h, 1, 1])
         .expand(shape);
@@ -706,7 +793,14 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
         } else {
             cli.causal.clone()
         };
-        let sweeps = [Variant::Main, Variant::Gqa, Variant::Bias, Variant::Mask];
+        let sweeps = [
+            Variant::Main,
+            Variant::Gqa,
+            Variant::Bias,
+            Variant::Mask,
+            Variant::Alibi,
+            Variant::Window,
+        ];
         let mut configs = Vec::new();
         for variant in sweeps
             .into_iter()
@@ -723,11 +817,17 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             for &dtype in &cli.dtypes {
                 for &head_dim in &head_dims {
                     for &causal in &causals {
+                        if variant == Variant::Window && !causal {
+                            continue;
+                        }
                         for &seq in &seqs {
-                            let bias = (variant == Variant::Bias).then(|| {
-                                let rows = if seq <= cli.bias_full_max_s { seq } else { 1 };
-                                [1, heads_q, rows, seq]
+                            let alibi = variant == Variant::Alibi;
+                            let bias = (variant == Variant::Bias || alibi).then(|| {
+                                let full = seq <= cli.bias_full_max_s || alibi;
+                                [1, heads_q, if full { seq } else { 1 }, seq]
                             });
+                            let window =
+                                (variant == Variant::Window).then(|| (cli.window.max(1) - 1, 0));
                             let masked = (variant == Variant::Mask)
                                 .then(|| ((seq as f64 * MASKED_FRACTION).ceil() as usize).max(1));
                             configs.push(Config {
@@ -740,8 +840,10 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                                 head_dim,
                                 causal,
                                 bias,
-                                bias_tracked: cli.bias_tracked && bias.is_some(),
+                                bias_tracked: cli.bias_tracked && bias.is_some() && !alibi,
                                 masked,
+                                alibi,
+                                window,
                             });
                         }
                     }
@@ -840,6 +942,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 block_k: forced_block_k(),
                 kernel: forced_kernel(),
                 dropout: bench_dropout(),
+                window: cfg.window,
                 ..cfg.options().into()
             };
             if let Some(d) = bench_dropout() {
@@ -849,9 +952,9 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             // `--bias-tracked`) change the kernels the plan picks.
             let terms = burn_flash::ScoreTerms {
                 mask: cfg.masked.is_some(),
-                bias: cfg.bias.is_some(),
+                bias: cfg.bias.is_some() && !cfg.alibi,
                 bias_tracked: cfg.bias_tracked,
-                alibi: false,
+                alibi: cfg.alibi,
             };
             match burn_flash::attention_plan_with::<Fu<R, BT>>(
                 &self.device,
@@ -979,7 +1082,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
             } else {
                 cfg.heads_kv
             };
-            let bytes = cfg.input_bytes(kv_heads, std::mem::size_of::<BT>());
+            let bytes = cfg.input_bytes(imp, kv_heads, std::mem::size_of::<BT>());
             let peak = peak_memory_mib(&self.client, bytes, &call, &sync);
             return Measured {
                 first_call: None,

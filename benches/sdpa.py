@@ -3,7 +3,8 @@
 on the same shapes, written with the same CSV columns.
 
     python3 benches/sdpa.py [--out DIR] [--quick] [--dtypes bf16,f16,f32] [--seqs 512,1024]
-        [--dims 64,128] [--causal false,true] [--sweeps main,gqa,bias,mask]
+        [--dims 64,128] [--causal false,true] [--sweeps main,gqa,bias,mask,alibi,window]
+        [--window W]
         [--backends flash,cudnn,efficient,math] [--math-max-s 4096] [--bias-full-max-s 4096]
         [--bias-tracked] [--passes N] [--modes fwd,train]
 
@@ -19,6 +20,10 @@ Configurations (those of benches/attention.rs; its module docs give the details)
   broadcast `-slope_h*(S - 1 - j)`, [1, H, 1, S]; passed as a float `attn_mask`;
 - mask: padding mask [B, 1, 1, S], last ceil(S/10) keys masked; passed as a bool `attn_mask`
   (True = attend, torch's convention).
+- alibi: the bias sweep's [1, H, S, S] ALiBi at every S (SDPA has no in-kernel ALiBi: the
+  materialised bias is its only way);
+- window: causal sliding window of --window keys (1024), causal rows only, as a bool band
+  `attn_mask` [1, 1, S, S] (SDPA has no window); FLOP count the pairs inside the window.
 gqa, bias and mask run at the largest of --dims. SDPA refuses `attn_mask` together with
 `is_causal=True`, so causal bias/mask rows fold the causal mask into `attn_mask` (a full
 [1, H, S, S] float bias, or a [B, 1, S, S] bool mask), made before the timed calls; the note says
@@ -88,7 +93,7 @@ BACKENDS = {
     "efficient": ("EFFICIENT_ATTENTION", dict(enable_flash=False, enable_mem_efficient=True, enable_math=False)),
     "math": ("MATH", dict(enable_flash=False, enable_mem_efficient=False, enable_math=True)),
 }
-SWEEPS = ["main", "gqa", "bias", "mask"]
+SWEEPS = ["main", "gqa", "bias", "mask", "alibi", "window"]
 
 
 def sig(x, digits=4):
@@ -161,20 +166,33 @@ def configs(args):
         for dtype in args.dtypes:
             for head_dim in head_dims:
                 for causal in causals:
+                    if variant == "window" and not causal:
+                        continue
                     for seq in seqs:
                         bias = None
                         if variant == "bias":
                             rows = seq if seq <= args.bias_full_max_s else 1
                             bias = [1, heads_q, rows, seq]
+                        if variant == "alibi":
+                            bias = [1, heads_q, seq, seq]
+                        window = args.window if variant == "window" else None
                         masked = None
                         if variant == "mask":
                             masked = max(1, math.ceil(seq * MASKED_FRACTION))
                         yield dict(variant=variant, dtype=dtype, batch=batch, heads_q=heads_q,
                                    heads_kv=heads_kv, seq=seq, head_dim=head_dim, causal=causal,
-                                   bias=bias, masked=masked)
+                                   bias=bias, masked=masked, window=window)
+
+
+def window_pairs(s, w):
+    """(query, key) pairs inside a causal window of w keys: sum_i min(i + 1, w)."""
+    w = min(w, s)
+    return w * (w + 1) / 2 + (s - w) * w
 
 
 def flop(c):
+    if c.get("window"):
+        return 4.0 * c["batch"] * c["heads_q"] * c["head_dim"] * window_pairs(c["seq"], c["window"])
     f = 4.0 * c["batch"] * c["heads_q"] * c["seq"] * c["seq"] * c["head_dim"]
     return f / 2 if c["causal"] else f
 
@@ -210,6 +228,13 @@ def make_inputs(c, device):
             mask = mask.contiguous()
             is_causal = False
             notes.append(f"causal folded into attn_mask {list(mask.shape)}")
+    if c.get("window"):
+        w = c["window"]
+        notes.append(f"window ({w - 1}, 0) as a bool attn_mask [1, 1, {s}, {s}]")
+        i = torch.arange(s, device=device).view(s, 1)
+        j = torch.arange(s, device=device).view(1, s)
+        mask = ((j <= i) & (j > i - w)).view(1, 1, s, s)
+        is_causal = False
     if c["masked"] is not None:
         n = c["masked"]
         notes.append(f"padding mask [{b}, 1, 1, {s}], last {n} keys masked")
@@ -289,26 +314,22 @@ MODE_NAMES = {"fwd": "fwd", "train": "fwd+bwd"}
 MODE_FLOP = {"fwd": 1.0, "train": 3.5}
 
 
-def backward_row(fwd, train):
-    """The derived backward-only row: fwd+bwd medians minus fwd ones (None unless both ran)."""
+def backward_row(fwd, train, c):
+    """The derived backward-only row of configuration c: fwd+bwd medians minus fwd ones (None
+    unless both ran)."""
     try:
         wall = float(train["wall_ms_median"]) - float(fwd["wall_ms_median"])
         dev = float(train["device_ms_median"]) - float(fwd["device_ms_median"])
     except (KeyError, TypeError, ValueError):
         return None
     row = {k: v for k, v in train.items() if k not in ("first_call_ms", "peak_MiB", "note")}
-    f = flop_of(train) * 2.5
+    f = flop(c) * 2.5
     row.update(pass_="bwd", wall_ms_median=sig(wall), device_ms_median=sig(dev),
                TFLOP_per_s=sig(f / wall / 1e9) if wall > 0 else "",
                device_TFLOP_per_s=sig(f / dev / 1e9) if dev > 0 else "",
                note="derived: fwd+bwd minus fwd medians")
     row["pass"] = row.pop("pass_")
     return row
-
-
-def flop_of(row):
-    f = 4.0 * row["batch"] * row["heads_q"] * row["seq"] * row["seq"] * row["head_dim"]
-    return f / 2 if row["causal"] == "true" else f
 
 
 def run_row(c, backend, args, device, mode="fwd"):
@@ -425,6 +446,8 @@ def main():
                         help="math-backend rows above this S are skipped")
     parser.add_argument("--bias-full-max-s", type=int, default=4096,
                         help="the bias is [1, H, S, S] up to this S, [1, H, 1, S] above")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="keys of the window sweep's causal window")
     parser.add_argument("--bias-tracked", action="store_true",
                         help="training rows of the bias sweep also take the bias's gradient")
     parser.add_argument("--passes", type=int, default=None)
@@ -456,7 +479,7 @@ def main():
             for backend in args.backends:
                 rows = [run_row(c, backend, args, device, mode) for mode in args.modes]
                 if len(rows) == 2:
-                    derived = backward_row(*rows)
+                    derived = backward_row(*rows, c)
                     if derived is not None:
                         rows.append(derived)
                 for row in rows:

@@ -14,7 +14,8 @@ use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
     FlashBackend, ScoreTerms,
     attention::{AttentionDims, recent_backward_launches},
-    attention_backward_plan, attention_backward_plan_with, attention_with_alibi, attention_with_lse,
+    attention_backward_plan, attention_backward_plan_with, attention_with_alibi,
+    attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
