@@ -208,7 +208,6 @@ fn hopper_reason<R: Runtime>(
         return Some(format!("the forward is forced onto {kernel:?}"));
     }
     super::hopper_switched_off()
-        .or_else(|| super::hopper_rules_unavailable(features, options))
         .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
 }
 

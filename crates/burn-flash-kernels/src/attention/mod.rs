@@ -86,23 +86,8 @@ fn hopper_unavailable<R: Runtime>(
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
-    options: &AttentionOptions,
 ) -> Option<String> {
-    hopper_switched_off()
-        .or_else(|| hopper_rules_unavailable(features, options))
-        .or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
-}
-
-/// Why the Hopper kernels (forward and backward) cannot take a call's score rules (`None`:
-/// they can).
-pub(crate) fn hopper_rules_unavailable(
-    features: AttentionFeatures,
-    options: &AttentionOptions,
-) -> Option<String> {
-    (options.window.is_some() || features.alibi).then(|| {
-        "the Hopper kernels do not take a sliding window or ALiBi slopes (the #[cube] kernels do)"
-            .into()
-    })
+    hopper_switched_off().or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
 }
 
 /// Why no Hopper kernel runs in this process (`None`: they may): `BURN_FLASH_HOPPER=off`.
@@ -426,7 +411,7 @@ pub fn plan_attention<R: Runtime>(
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
-    let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
+    let hopper_reason = hopper_unavailable(client, dims, dtype, features);
     let kernel = match (options.kernel, matrix_units) {
         (Some(AttentionKernel::Hopper), _) if hopper_reason.is_some() => {
             return Err(unavailable(
@@ -817,7 +802,19 @@ pub fn launch_attention<R: Runtime>(
             let bias = bias.as_ref().zip(bias_strides.as_deref());
             unsafe {
                 hopper::launch(
-                    cuda, &q, &k, &v, mask, bias, &out, &lse, dims, dtype, options, &plan,
+                    cuda,
+                    &q,
+                    &k,
+                    &v,
+                    mask,
+                    bias,
+                    slopes.as_ref(),
+                    &out,
+                    &lse,
+                    dims,
+                    dtype,
+                    options,
+                    &plan,
                 )
             };
             return Ok(plan);

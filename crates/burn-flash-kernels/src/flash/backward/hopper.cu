@@ -36,9 +36,9 @@
 // The host prepends WG_ELEM ("f16" | "bf16"), ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128, the
 // head dims rounded up; or 128 | 256 with one of them 256, WIDE; the columns past the real ones
 // are read as zeros and never written),
-// and CAUSAL, SOFTCAP, MASK, FILL, BIAS, DROPOUT (0 | 1), the score rules of the forward
-// (forward/hopper.cu) in its order: scale, softcap, bias, then a masked key hidden or given
-// the fill score. A key that took the fill score has a constant score: its weight reaches dV,
+// and CAUSAL, SOFTCAP, MASK, FILL, BIAS, ALIBI, WINDOW, DROPOUT (0 | 1), the score rules of the
+// forward (forward/hopper.cu) in its order: scale, softcap, bias and ALiBi, then a masked key
+// hidden or given the fill score; a window also narrows the row blocks a key block visits. A key that took the fill score has a constant score: its weight reaches dV,
 // its dS reaches neither dQ nor dK.
 //
 // WRITE_DS (0 | 1; never with SOFTCAP): dS = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), a tracked bias's gradient, is
@@ -105,7 +105,7 @@ struct BwdParams {
     u32 seq_q, seq_k;
     u32 rows_pad, heads_q; // rows_pad: Sq rounded up to BLOCK_M, the row count of lse₂, δ, dQ
     u32 group, head_dim;
-    u32 value_dim, unused;
+    u32 value_dim, window_left; // window_left: WINDOW
     float scale_log2;    // scale · log2(e)
     float cap_inv_scale; // scale / c (softcap)
     float cap_log2;      // c · log2(e) (softcap)
@@ -113,7 +113,7 @@ struct BwdParams {
     u32 seed_lo, seed_hi, threshold; // dropout
     float inv_keep;                  // dropout: 1 / (1 − p)
     float fill_log2;                 // masked_score · log2(e) (FILL)
-    u32 unused2;
+    u32 window_right;                // WINDOW
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
     u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
@@ -226,6 +226,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                            const unsigned short* __restrict__ mask,
                            const unsigned short* __restrict__ bias,
                            unsigned short* __restrict__ ds,
+                           const float* __restrict__ slopes,
                            const __grid_constant__ BwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -253,12 +254,21 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
     // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
     const int diag = (int)p.seq_k - (int)p.seq_q;
     const int m_blocks = ((int)p.seq_q + BLOCK_M - 1) / BLOCK_M;
-    int m_first = 0;
+    int m_first = 0, m_end = m_blocks;
 #if CAUSAL
     // The first row block with a row that sees key n0.
     m_first = max(0, n0 - diag) / BLOCK_M;
 #endif
-    const int per_head = max(0, m_blocks - m_first);
+#if WINDOW
+    // Rows i see keys i + diag − left ..= i + diag + right: from the first row whose window
+    // reaches key n0 to the last whose window starts at or before the block's last key.
+    m_first = max(m_first, max(0, n0 - diag - (int)p.window_right) / BLOCK_M);
+    {
+        const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.window_left;
+        m_end = last_row < 0 ? 0 : min(m_blocks, last_row / BLOCK_M + 1);
+    }
+#endif
+    const int per_head = max(0, m_end - m_first);
     const int steps = per_head * (int)p.group;
 
     if (tid == 0) {
@@ -341,18 +351,19 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if WRITE_DS
     const u32 ds_t = tid - 128u;
     const int ds_keys = (int)p.seq_k - n0;
-#if CAUSAL
-    // The rows before the first visited block see none of this block's keys: dS = 0.
+#if CAUSAL || WINDOW
+    // The rows outside the visited blocks see none of this block's keys: dS = 0.
     {
-        const int skipped = min(m_first * BLOCK_M, (int)p.seq_q);
+        const int skipped = per_head > 0 ? min(m_first * BLOCK_M, (int)p.seq_q) : (int)p.seq_q;
+        const int resumed = per_head > 0 ? min(m_end * BLOCK_M, (int)p.seq_q) : (int)p.seq_q;
         const u32 key = ds_t % BLOCK_N;
         if ((int)key < ds_keys) {
             for (u32 h = 0; h < p.group; ++h) {
                 unsigned short* dst = ds + (u64)batch * p.ds_stride_b
                                       + (u64)(head_kv * p.group + h) * p.ds_stride_h
                                       + (u64)(n0 + (int)key) * p.ds_stride_k;
-                for (int r = (int)(ds_t / BLOCK_N); r < skipped; r += 256 / BLOCK_N) {
-                    dst[(u64)r * p.ds_stride_s] = 0;
+                for (int r = (int)(ds_t / BLOCK_N); r < (int)p.seq_q; r += 256 / BLOCK_N) {
+                    if (r < skipped || r >= resumed) dst[(u64)r * p.ds_stride_s] = 0;
                 }
             }
         }
@@ -383,6 +394,13 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if CAUSAL
         edge = edge || keys_c + 63 > m0 + diag;
 #endif
+#if WINDOW
+        edge = edge || keys_c + 63 > m0 + diag + (int)p.window_right
+               || keys_c < m0 + BLOCK_M - 1 + diag - (int)p.window_left;
+#endif
+#if ALIBI
+        const float slope_log2 = -LOG2E * slopes[head];
+#endif
 #if DROPOUT
         const u32 seed_key1 = p.seed_hi ^ ((seed_base + head) * 0x9E3779B9u);
 #endif
@@ -404,7 +422,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #endif
             // Whether the score depends on q·k (not a masked key's fill score).
             bool live = true;
-#if MASK || BIAS
+#if MASK || BIAS || ALIBI
 #if SOFTCAP
             float x = p.cap_log2 * th;
 #else
@@ -416,6 +434,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if BIAS
                     x += LOG2E * elem_to_f32(bias_h[(u64)row * p.bias_stride_s
                                                     + (u64)key * p.bias_stride_k]);
+#endif
+#if ALIBI
+                    x += slope_log2 * fabsf((float)(row + diag - key));
 #endif
 #if MASK
                     if (mask_h[(u64)row * p.mask_stride_s + (u64)key * p.mask_stride_k]
@@ -436,6 +457,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 bool hidden = key >= (int)p.seq_k;
 #if CAUSAL
                 hidden = hidden || key > m0 + col + diag;
+#endif
+#if WINDOW
+                hidden = hidden || key > m0 + col + diag + (int)p.window_right
+                         || key < m0 + col + diag - (int)p.window_left;
 #endif
                 if (hidden) pv = 0.0f;
             }

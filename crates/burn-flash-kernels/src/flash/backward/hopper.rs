@@ -96,6 +96,10 @@ pub struct Variant {
     pub dropout: bool,
     /// `dS` is written (a tracked bias's gradient; never with `softcap`, [`takes_ds`]).
     pub write_ds: bool,
+    /// A sliding window (runtime `left`, `right`).
+    pub window: bool,
+    /// ALiBi from per-head slopes.
+    pub alibi: bool,
 }
 
 impl Variant {
@@ -113,6 +117,8 @@ impl Variant {
             bias: config.rules.bias,
             dropout: config.rules.dropout,
             write_ds,
+            window: config.rules.window,
+            alibi: config.rules.alibi,
         }
     }
 
@@ -134,6 +140,8 @@ impl Variant {
             ("BIAS", self.bias),
             ("DROPOUT", self.dropout),
             ("WRITE_DS", self.write_ds),
+            ("WINDOW", self.window),
+            ("ALIBI", self.alibi),
         ] {
             text += &format!("#define {name} {}\n", u32::from(on));
         }
@@ -153,6 +161,8 @@ impl Variant {
             | u64::from(self.fill) << 28
             | u64::from(self.bias) << 29
             | u64::from(self.write_ds) << 30
+            | u64::from(self.window) << 31
+            | u64::from(self.alibi) << 32
     }
 }
 
@@ -336,6 +346,11 @@ pub unsafe fn launch(
             ),
             (mutation::fill_grad(), "live = false;", "live = true;"),
             (
+                mutation::window_right(),
+                "hidden = hidden || key > m0 + col + diag + (int)p.window_right",
+                "hidden = hidden || key > m0 + col + diag + (int)p.window_right + 1",
+            ),
+            (
                 mutation::ds_skipped_rows(),
                 "dst[(u64)r * p.ds_stride_s] = 0;",
                 "dst[(u64)r * p.ds_stride_s] = 0x4000;",
@@ -359,7 +374,8 @@ pub unsafe fn launch(
     params.push(words(dims.seq_q as u32, dims.seq_k as u32));
     params.push(words(rows_pad as u32, dims.heads_q as u32));
     params.push(words(dims.group() as u32, dims.head_dim as u32));
-    params.push(words(dims.value_dim as u32, 0));
+    let (left, right) = options.scalars().window_args();
+    params.push(words(dims.value_dim as u32, left));
     params.push(words(
         (options.scale * log2e).to_bits(),
         (options.scale / cap).to_bits(),
@@ -370,7 +386,7 @@ pub unsafe fn launch(
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
     params.push(words(
         (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
-        0,
+        right,
     ));
     let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
         t.mask.as_ref().zip(mask_strides),
@@ -430,6 +446,8 @@ pub unsafe fn launch(
                 mask_handle.binding(),
                 bias_handle.binding(),
                 ds_handle.binding(),
+                // Absent slopes are never read: `lse` (f32) stands in.
+                t.slopes.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
             ],
             params,
         );

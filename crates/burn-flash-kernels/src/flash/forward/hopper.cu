@@ -26,9 +26,11 @@
 // of scores, and 2 slots of K and V fit beside Q), HEAD_DIM and VALUE_DIM (64 | 128 | 256, the
 // head dims rounded up; the columns past the real ones are read as zeros and never written; with given scores
 // HEAD_DIM is BLOCK_N, the columns of X per step, and VALUE_DIM may be 256), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
-// BIAS, QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale, softcap,
-// bias, then a masked key hidden or given the fill score, then causal and keys past the end
-// hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
+// BIAS, ALIBI (−slope·|i + Sk − Sq − j| from the head's slope), WINDOW (keys outside
+// i + Sk − Sq − left ..= i + Sk − Sq + right hidden, key blocks outside every row's window
+// skipped), QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale,
+// softcap, bias and ALiBi, then a masked key hidden or given the fill score, then causal, the
+// window and keys past the end hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
 // the keep decisions of dropout.rs (Threefry-2×32-20 keyed by the seed and (batch, head),
 // counter (key, query position)).
 //
@@ -76,6 +78,7 @@ struct FwdParams {
     u32 seed_lo, seed_hi, threshold; // dropout
     float inv_keep;                  // dropout: 1 / (1 − p)
     u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
+    u32 window_left, window_right;   // WINDOW
 };
 
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
@@ -161,6 +164,8 @@ __device__ __forceinline__ void load_scores(float (&sc)[S_REGS], u32 sx, u32 c, 
 // of its (batch, head), whose dimensions of size 1 have stride 0.
 struct ScoreRows {
     int first_row, row0, diag, seq_q, seq_k;
+    int left, right;   // WINDOW
+    float slope_log2;  // ALIBI: −slope · log2(e)
     u32 lane;
     float scale_log2, cap_inv_scale, cap_log2, fill_log2;
     u32 seed_lo, seed_key1, threshold;
@@ -193,7 +198,12 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if CAUSAL
     edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag;
 #endif
-#if !SOFTCAP && !MASK && !BIAS
+#if WINDOW
+    // Some row's window ends before the block's last key or starts after its first.
+    edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag + rows.right
+           || key0 < rows.first_row + 63 + rows.diag - rows.left;
+#endif
+#if !SOFTCAP && !MASK && !BIAS && !ALIBI
     if (rows.scale_log2 > 0.0f) {
         // A positive scale keeps the order of the scores: the maximum is taken on the raw
         // products and the scale folded into the exponent's FMA.
@@ -202,9 +212,13 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
             for (int i = 0; i < S_REGS; ++i) {
                 const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
                 bool hidden = key >= rows.seq_k;
-#if CAUSAL
                 const int row = rows.row0 + 8 * ((i / 2) % 2);
+#if CAUSAL
                 hidden = hidden || key > row + rows.diag;
+#endif
+#if WINDOW
+                hidden = hidden || key > row + rows.diag + rows.right
+                         || key < row + rows.diag - rows.left;
 #endif
                 if (hidden) sc[i] = NEG_INF;
             }
@@ -239,7 +253,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #else
         float x = sc[i] * rows.scale_log2;
 #endif
-#if MASK || BIAS
+#if MASK || BIAS || ALIBI
         {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
             const int row = rows.row0 + 8 * ((i / 2) % 2);
@@ -247,6 +261,9 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if BIAS
                 x += LOG2E * elem_to_f32(rows.bias[(u64)row * rows.bias_stride_s
                                                    + (u64)key * rows.bias_stride_k]);
+#endif
+#if ALIBI
+                x += rows.slope_log2 * fabsf((float)(row + rows.diag - key));
 #endif
 #if MASK
                 const unsigned short m =
@@ -259,9 +276,13 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         if (edge) {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
             bool hidden = key >= rows.seq_k;
-#if CAUSAL
             const int row = rows.row0 + 8 * ((i / 2) % 2);
+#if CAUSAL
             hidden = hidden || key > row + rows.diag;
+#endif
+#if WINDOW
+            hidden = hidden || key > row + rows.diag + rows.right
+                     || key < row + rows.diag - rows.left;
 #endif
             if (hidden) x = NEG_INF;
         }
@@ -317,6 +338,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                           unsigned short* __restrict__ out, float* __restrict__ lse,
                           const unsigned short* __restrict__ mask,
                           const unsigned short* __restrict__ bias,
+                          const float* __restrict__ slopes,
                           const __grid_constant__ FwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -348,14 +370,27 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     const int m0 = (int)(m_block * BLOCK_M);
     // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
     const int diag = (int)p.seq_k - (int)p.seq_q;
+    // Key blocks j0 … n_blocks − 1: all of them, but up to the last row's diagonal (causal)
+    // or window end, and from the first row's window start.
     int n_blocks = ((int)p.seq_k + BLOCK_N - 1) / BLOCK_N;
-#if CAUSAL
+    int j0 = 0;
+#if CAUSAL || WINDOW
     {
         const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
-        const int last_key = last_row + diag;
+        int last_key = (int)p.seq_k - 1;
+#if CAUSAL
+        last_key = min(last_key, last_row + diag);
+#endif
+#if WINDOW
+        last_key = min(last_key, last_row + diag + (int)p.window_right);
+        j0 = max(m0 + diag - (int)p.window_left, 0) / BLOCK_N;
+#endif
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BLOCK_N + 1);
+        n_blocks = max(n_blocks, j0);
     }
 #endif
+    // Steps of the pipeline: block j0 + i at step i.
+    const int steps = n_blocks - j0;
 
     if (tid == 0) {
         mbar_init(q_full, 1);
@@ -375,7 +410,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     if (wg == 0) {
         // ---- producer ----
         regs_release<24>();
-        if (tid == 0 && n_blocks > 0) {
+        if (tid == 0 && steps > 0) {
             tma_prefetch_map(&tk);
             tma_prefetch_map(&tv);
 #if GIVEN
@@ -389,10 +424,11 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 tma_load_4d(sq + a * ATOM_BYTES, &tq, q_full, 64 * a, m0, head, batch);
             }
 #endif
-            for (int j = 0; j < n_blocks; ++j) {
-                const u32 s = j % STAGES;
-                const u32 use = j / STAGES;
-                if (j >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
+            for (int i = 0; i < steps; ++i) {
+                const int j = j0 + i;
+                const u32 s = i % STAGES;
+                const u32 use = i / STAGES;
+                if (i >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
                 mbar_arrive_expect_tx(K_FULL(s), K_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
@@ -405,7 +441,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                                 j * BLOCK_N, head_kv, k_batch);
 #endif
                 }
-                if (j >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
+                if (i >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
                 mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
 #pragma unroll
                 for (int a = 0; a < V_ATOMS; ++a) {
@@ -445,6 +481,9 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.mask_stride_k = p.mask_stride_k;
     rows.bias_stride_s = p.bias_stride_s;
     rows.bias_stride_k = p.bias_stride_k;
+    rows.left = (int)p.window_left;
+    rows.right = (int)p.window_right;
+    rows.slope_log2 = ALIBI ? -LOG2E * slopes[head] : 0.0f;
     rows.seed_lo = p.seed_lo;
     // The second key word: the seed's high word mixed with the (batch, head) pair.
     rows.seed_key1 = p.seed_hi ^ ((batch * gridDim.y + head) * 0x9E3779B9u);
@@ -468,18 +507,18 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     // another's products occupy the tensor cores. The last consumer opens the first turn.
     if (c == CONSUMERS - 1) named_arrive(1, 256);
 #endif
-    if (n_blocks > 0) {
+    if (steps > 0) {
 #if GIVEN
         // Block 0's scores and weights; then per block j, O += P·V of block j − 1 is issued
         // and block j's scores are read and turned into weights while it runs.
         mbar_wait(K_FULL(0), 0);
         load_scores(sc, sk, c, warp, lane);
         release(K_EMPTY(0), lane);
-        online_softmax(sc, m_r, l_r, corr, rows, 0);
+        online_softmax(sc, m_r, l_r, corr, rows, j0);
         pack_weights(pa, sc);
-        for (int j = 1; j < n_blocks; ++j) {
-            const u32 s = j % STAGES, phase = (j / STAGES) & 1;
-            const u32 sp = (j - 1) % STAGES, phase_p = ((j - 1) / STAGES) & 1;
+        for (int i = 1; i < steps; ++i) {
+            const u32 s = i % STAGES, phase = (i / STAGES) & 1;
+            const u32 sp = (i - 1) % STAGES, phase_p = ((i - 1) / STAGES) & 1;
             mbar_wait(V_FULL(sp), phase_p);
             turn_begin(c);
             wgmma_fence();
@@ -489,7 +528,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             mbar_wait(K_FULL(s), phase);
             load_scores(sc, sk + s * K_BYTES, c, warp, lane);
             release(K_EMPTY(s), lane);
-            online_softmax(sc, m_r, l_r, corr, rows, j);
+            online_softmax(sc, m_r, l_r, corr, rows, j0 + i);
             wgmma_wait<0>();
             wgmma_hold(o);
             release(V_EMPTY(sp), lane);
@@ -508,14 +547,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         wgmma_wait<0>();
         wgmma_hold(sc);
         release(K_EMPTY(0), lane);
-        online_softmax(sc, m_r, l_r, corr, rows, 0);
+        online_softmax(sc, m_r, l_r, corr, rows, j0);
         pack_weights(pa, sc);
-        // Block j: S = Q·Kⱼᵀ is issued before O += P·V of block j − 1, and the softmax of
-        // block j runs while that product is in flight (FlashAttention-3's intra-warpgroup
-        // overlap); O is rescaled once the product has landed.
-        for (int j = 1; j < n_blocks; ++j) {
-            const u32 s = j % STAGES, phase = (j / STAGES) & 1;
-            const u32 sp = (j - 1) % STAGES, phase_p = ((j - 1) / STAGES) & 1;
+        // Step i: S = Q·Kᵀ of its block is issued before O += P·V of step i − 1's, and the
+        // softmax of step i runs while that product is in flight (FlashAttention-3's
+        // intra-warpgroup overlap); O is rescaled once the product has landed.
+        for (int i = 1; i < steps; ++i) {
+            const u32 s = i % STAGES, phase = (i / STAGES) & 1;
+            const u32 sp = (i - 1) % STAGES, phase_p = ((i - 1) / STAGES) & 1;
             mbar_wait(K_FULL(s), phase);
             turn_begin(c);
             wgmma_fence();
@@ -528,7 +567,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             wgmma_wait<1>();
             wgmma_hold(sc);
             release(K_EMPTY(s), lane);
-            online_softmax(sc, m_r, l_r, corr, rows, j);
+            online_softmax(sc, m_r, l_r, corr, rows, j0 + i);
             wgmma_wait<0>();
             wgmma_hold(o);
             release(V_EMPTY(sp), lane);
@@ -537,7 +576,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         }
 #endif
         // The last block's O += P·V.
-        const u32 sl = (n_blocks - 1) % STAGES, phase_l = ((n_blocks - 1) / STAGES) & 1;
+        const u32 sl = (steps - 1) % STAGES, phase_l = ((steps - 1) / STAGES) & 1;
         mbar_wait(V_FULL(sl), phase_l);
         turn_begin(c);
         wgmma_fence();

@@ -93,6 +93,10 @@ pub struct Variant {
     pub dropout: bool,
     /// Given scores (`softmax(X)·V`): no `Q`, tiles of `X` in the `K` slots.
     pub given: bool,
+    /// A sliding window (runtime `left`, `right`).
+    pub window: bool,
+    /// ALiBi from per-head slopes.
+    pub alibi: bool,
 }
 
 impl Variant {
@@ -113,6 +117,8 @@ impl Variant {
             quiet: rules.quiet,
             dropout: rules.dropout,
             given: config.source == ScoreSource::Given,
+            window: rules.window,
+            alibi: rules.alibi,
         }
     }
 
@@ -129,6 +135,8 @@ impl Variant {
             ("QUIET", self.quiet),
             ("DROPOUT", self.dropout),
             ("GIVEN", self.given),
+            ("WINDOW", self.window),
+            ("ALIBI", self.alibi),
         ];
         let mut text = format!(
             "#define WG_ELEM \"{}\"\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
@@ -160,6 +168,8 @@ impl Variant {
             | u64::from(self.given) << 31
             | u64::from(self.block_k) << 32
             | u64::from(self.block_q) << 40
+            | u64::from(self.window) << 48
+            | u64::from(self.alibi) << 49
     }
 }
 
@@ -334,8 +344,18 @@ fn hand_written(
             ),
             (
                 crate::mutation::hopper_no_wait(),
-                "if (j >= STAGES) mbar_wait(",
+                "if (i >= STAGES) mbar_wait(",
                 "if (false) mbar_wait(",
+            ),
+            (
+                crate::mutation::window_right(),
+                "rows.right = (int)p.window_right;",
+                "rows.right = (int)p.window_right + 1;",
+            ),
+            (
+                crate::mutation::window_right(),
+                "last_row + diag + (int)p.window_right);",
+                "last_row + diag + (int)p.window_right + 1);",
             ),
         ],
     );
@@ -394,6 +414,7 @@ pub unsafe fn launch(
     v: &TensorRef<'_>,
     mask: Option<ScoreTerm<'_>>,
     bias: Option<ScoreTerm<'_>>,
+    slopes: Option<&TensorRef<'_>>,
     out: &TensorRef<'_>,
     lse: &TensorRef<'_>,
     dims: AttentionDims,
@@ -431,6 +452,8 @@ pub unsafe fn launch(
     params.push(words(dropout.threshold, dropout.inv_keep_bits));
     // The batch words of given scores, not read.
     params.push(0);
+    let (left, right) = options.scalars().window_args();
+    params.push(words(left, right));
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
@@ -451,6 +474,8 @@ pub unsafe fn launch(
                 lse.handle.clone().binding(),
                 mask_handle.binding(),
                 bias_handle.binding(),
+                // Absent slopes are never read: `lse` (f32) stands in.
+                slopes.unwrap_or(lse).handle.clone().binding(),
             ],
             params,
         );
@@ -537,6 +562,8 @@ pub unsafe fn launch_given(
     // No mask, bias or dropout: zero strides and words.
     params.extend([0; 8 + 2]);
     params.push(words(u32::from(x_batched), u32::from(v_batched)));
+    // No window: its words are not read.
+    params.push(0);
     let (cx, cy, cz) = cubes;
     let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
     // The `Q` map is not read with given scores: `X`'s stands in.
@@ -548,7 +575,8 @@ pub unsafe fn launch_given(
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
     // below `d1` of `out[b]` and `lse[b]` (`lse` only for t = 0), columns `VALUE_DIM`·t .. below
-    // `d3`, through the strides given. The mask and bias stand-ins (`out`) are never read.
+    // `d3`, through the strides given. The mask, bias and slopes stand-ins (`out`, `lse`) are
+    // never read.
     unsafe {
         kernel.launch_with_maps(
             count,
@@ -558,6 +586,7 @@ pub unsafe fn launch_given(
                 lse.handle.clone().binding(),
                 out.handle.clone().binding(),
                 out.handle.clone().binding(),
+                lse.handle.clone().binding(),
             ],
             params,
         );
