@@ -955,6 +955,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 bias: cfg.bias.is_some() && !cfg.alibi,
                 bias_tracked: cfg.bias_tracked,
                 alibi: cfg.alibi,
+                sinks: false,
             };
             match burn_flash::attention_plan_with::<Fu<R, BT>>(
                 &self.device,

@@ -7,9 +7,9 @@ mod common;
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use burn_flash::{
-    AttentionKernel, FlashAttentionOptions, FlashBackend, ScoreTerms, attention,
+    AttentionKernel, FlashAttentionOptions, FlashBackend, HeadTerms, ScoreTerms, attention,
     attention::AttentionDims, attention_plan, attention_plan_with, attention_with_alibi,
-    attention_with_lse,
+    attention_with_heads, attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
@@ -33,6 +33,8 @@ struct Case {
     window: Option<(usize, usize)>,
     /// ALiBi slopes, one per query head.
     slopes: Option<Vec<f64>>,
+    /// Attention-sink logits, one per query head.
+    sinks: Option<Vec<f64>>,
 }
 
 impl Case {
@@ -94,10 +96,17 @@ impl Case {
                         })
                         .collect();
                     let m = s.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x));
+                    let sink = self.sinks.as_ref().map(|sinks| sinks[h]);
                     if m == f64::NEG_INFINITY {
+                        // No visible key: zeros, and the log of what the denominator holds.
+                        let mut empty = f64::NEG_INFINITY;
                         if self.quiet {
-                            lse[(b * hq + h) * sq + i] = 0.0;
+                            empty = 0.0;
                         }
+                        if let Some(sink) = sink {
+                            empty = log_add_exp(empty, sink);
+                        }
+                        lse[(b * hq + h) * sq + i] = empty;
                         continue;
                     }
                     s.iter_mut().for_each(|x| *x = (*x - m).exp());
@@ -109,6 +118,12 @@ impl Case {
                         let big_l = m + l.ln();
                         lse[(b * hq + h) * sq + i] = big_l.max(0.0) + (-big_l.abs()).exp().ln_1p();
                         l = (r.acc)(l + (-m).exp());
+                    }
+                    if let Some(sink) = sink {
+                        // The sink's `e^sink` against the maximum, in the denominator only.
+                        let at = (b * hq + h) * sq + i;
+                        lse[at] = log_add_exp(lse[at], sink);
+                        l = (r.acc)(l + (sink - m).exp());
                     }
                     let v_dims = [nb, hkv, sk, dv];
                     // P = softmax, stored; then P·V with f32 sums, stored.
@@ -125,6 +140,12 @@ impl Case {
         }
         (out, lse)
     }
+}
+
+/// `ln(e^a + e^b)`, `b` for `a = −inf`.
+fn log_add_exp(a: f64, b: f64) -> f64 {
+    let (hi, lo) = (a.max(b), a.min(b));
+    hi + (lo - hi).exp().ln_1p()
 }
 
 /// Burn's `attention_fallback` on the same inputs: it has no grouped heads and no broadcasting,
@@ -201,18 +222,28 @@ fn check_with<B: FlashBackend>(
     dtype: FloatDType,
     context: &str,
 ) -> Vec<f64> {
-    check_alibi(q, k, v, mask, bias, None, flash_options, dtype, context)
+    check_heads(
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        HeadTerms::default(),
+        flash_options,
+        dtype,
+        context,
+    )
 }
 
-/// [`check_with`] with ALiBi slopes (`[Hq]`, f32).
+/// [`check_with`] with per-head terms (ALiBi slopes, sinks: `[Hq]`, f32).
 #[allow(clippy::too_many_arguments)]
-fn check_alibi<B: FlashBackend>(
+fn check_heads<B: FlashBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
     bias: Option<Tensor<B, 4>>,
-    slopes: Option<Tensor<B, 1>>,
+    heads: HeadTerms<B>,
     flash_options: FlashAttentionOptions,
     dtype: FloatDType,
     context: &str,
@@ -237,19 +268,20 @@ fn check_alibi<B: FlashBackend>(
         fill: flash_options.masked_score,
         quiet: flash_options.quiet,
         window: flash_options.window,
-        slopes: slopes.clone().map(read),
+        slopes: heads.alibi_slopes.clone().map(read),
+        sinks: heads.sinks.clone().map(read),
     };
     let [nb, hq, sq, _] = case.q_dims;
     let sk = case.k_dims[2];
     let out_dims = [nb, hq, sq, case.dv];
     poison::<B, 4>(out_dims, dtype, &device);
-    let (out, lse) = attention_with_alibi(
+    let (out, lse) = attention_with_heads(
         q.clone(),
         k.clone(),
         v.clone(),
         mask.clone(),
         bias.clone(),
-        slopes,
+        heads,
         forward_kernel(flash_options, dtype),
     );
     assert_eq!(out.dims(), out_dims, "{context}: output shape");
@@ -259,11 +291,12 @@ fn check_alibi<B: FlashBackend>(
     let got_lse = read(lse);
     let (want, want_lse) = case.reference();
     let ctx = format!(
-        "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {}",
+        "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {}",
         case.q_dims,
         case.k_dims,
         case.window,
-        case.slopes.is_some()
+        case.slopes.is_some(),
+        case.sinks.is_some()
     );
 
     // The naive implementation in the dtype, as a CPU model (`naive`): Burn's fallback on the
@@ -1227,17 +1260,86 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .then(|| bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 7 * b + 3 >= sk));
         let bias = terms.then(|| rand4::<B>([1, hq, sq, sk], 1.0, dtype, device));
         for kernel in kernels {
-            check_alibi(
+            let heads = HeadTerms {
+                alibi_slopes: slopes.clone(),
+                sinks: None,
+            };
+            check_heads(
                 q.clone(),
                 k.clone(),
                 v.clone(),
                 mask.clone(),
                 bias.clone(),
-                slopes.clone(),
+                heads,
                 FlashAttentionOptions { kernel, ..options },
                 dtype,
                 &format!(
                     "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms} {kernel:?}"
+                ),
+            );
+        }
+    }
+}
+
+/// Attention sinks (gpt-oss's per-head logit in every row's denominator) against the composed
+/// reference, through every kernel the device runs: with a causal window (gpt-oss's local
+/// layers), with quiet softmax, with a padding mask that hides whole rows (zeros, lse = the
+/// sink), and sinks far above and below the scores.
+fn attention_sinks<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, hq, hkv, d) = (2, 4, 2, 32);
+    // (Sq, Sk, causal, window, quiet, mask, sink range)
+    let cases = [
+        (45, 70, false, None, false, false, (-1.0, 1.0)),
+        (130, 130, true, Some((31, 0)), false, false, (-2.0, 2.0)),
+        (37, 60, false, None, true, true, (-1.0, 1.0)),
+        (20, 20, true, None, false, false, (4.0, 8.0)),
+        (20, 33, false, None, false, false, (-30.0, -20.0)),
+    ];
+    for (sq, sk, causal, window, quiet, masked, (lo, hi)) in cases {
+        let options = FlashAttentionOptions {
+            window,
+            quiet,
+            ..AttentionModuleOptions {
+                is_causal: causal,
+                ..Default::default()
+            }
+            .into()
+        };
+        let dims = AttentionDims {
+            batch: nb,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: sq,
+            seq_k: sk,
+            head_dim: d,
+            value_dim: d,
+        };
+        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
+        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let sinks = random::<B, 1>([hq], lo, hi, FloatDType::F32, device);
+        // Batch 1 masks every key of rows 3 and 5.
+        let mask = masked.then(|| {
+            bool_mask::<B, 4>([nb, 1, sq, sk], device, |[b, _, i, j]| {
+                (b == 1 && (i == 3 || i == 5)) || j + 4 >= sk
+            })
+        });
+        for kernel in runnable_kernels::<B>(device, dims, dtype, options) {
+            let heads = HeadTerms {
+                alibi_slopes: None,
+                sinks: Some(sinks.clone()),
+            };
+            check_heads(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask.clone(),
+                None,
+                heads,
+                FlashAttentionOptions { kernel, ..options },
+                dtype,
+                &format!(
+                    "sinks in [{lo}, {hi}] Sq {sq} Sk {sk} causal {causal} window {window:?} quiet {quiet} mask {masked} {kernel:?}"
                 ),
             );
         }
@@ -1449,6 +1551,23 @@ fn bad_input_is_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
         msg.contains("`alibi_slopes` has shape [3], expected [4]"),
         "{msg}"
     );
+    let sinks = random::<B, 1>([5], 0.1, 0.5, FloatDType::F32, device);
+    let msg = panic_message(|| {
+        let heads = HeadTerms {
+            alibi_slopes: None,
+            sinks: Some(sinks),
+        };
+        attention_with_heads(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            None,
+            None,
+            heads,
+            Default::default(),
+        );
+    });
+    assert!(msg.contains("`sinks` has shape [5], expected [4]"), "{msg}");
     sync::<B>(device);
 }
 
@@ -1490,6 +1609,7 @@ macro_rules! attention_suite {
                 cooperative_matrix_kernel,
                 masked_score_and_quiet,
                 windows_and_alibi,
+                attention_sinks,
                 many_seeds,
             ]
         );

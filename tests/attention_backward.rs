@@ -12,9 +12,9 @@ use burn::backend::Autodiff;
 use burn::tensor::{FloatDType, Tensor, ops::AttentionModuleOptions};
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend, ScoreTerms,
+    FlashBackend, HeadTerms, ScoreTerms,
     attention::{AttentionDims, recent_backward_launches},
-    attention_backward_plan, attention_backward_plan_with, attention_with_alibi,
+    attention_backward_plan, attention_backward_plan_with, attention_with_heads,
     attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
@@ -46,10 +46,12 @@ struct Case {
     window: Option<(usize, usize)>,
     /// ALiBi slopes, one per query head.
     slopes: Option<Vec<f64>>,
+    /// Attention-sink logits, one per query head.
+    sinks: Option<Vec<f64>>,
 }
 
-/// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape).
-type Grads = [Vec<f64>; 4];
+/// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape), `dsinks`.
+type Grads = [Vec<f64>; 5];
 
 impl Case {
     /// Forward and backward of attention under rounding `r`: scale, softcap, mask, causal, plus
@@ -75,6 +77,7 @@ impl Case {
         let mut dvv = vec![0.0; self.v.len()];
         let bias_len = self.bias.as_ref().map_or(0, |(b, _)| b.len());
         let mut dbias = vec![0.0; bias_len];
+        let mut dsinks = vec![0.0; self.sinks.as_ref().map_or(0, |s| s.len())];
         for b in 0..nb {
             for h in 0..hq {
                 let kh = h / group;
@@ -136,6 +139,10 @@ impl Case {
                         // The `1` of `1 + Σ e^s` against the maximum.
                         l = (r.acc)(l + (-m).exp());
                     }
+                    let sink = self.sinks.as_ref().map(|sinks| sinks[h]);
+                    if let Some(sink) = sink {
+                        l = (r.acc)(l + (sink - m).exp());
+                    }
                     let p: Vec<f64> = (0..sk)
                         .map(|j| match vis[j] {
                             true => (r.store)((s[j] - (r.lse)(m + l.ln())).exp()),
@@ -156,6 +163,11 @@ impl Case {
                         .map(|c| dot(&pj, &|j| self.v[at(v_dims, [b, kh, j, c])], sk))
                         .collect();
                     let delta = dot(&gi, &|c| out[c], dv);
+                    if let Some(sink) = sink {
+                        // The sink's weight, without a value: dSink = −p_sink·δ.
+                        let p_sink = (sink - (r.lse)(m + l.ln())).exp();
+                        dsinks[h] = (r.acc)(dsinks[h] - p_sink * delta);
+                    }
                     for j in 0..sk {
                         if p[j] == 0.0 {
                             continue;
@@ -185,7 +197,7 @@ impl Case {
                 }
             }
         }
-        [dq, dk, dvv, dbias].map(|g| g.into_iter().map(r.store).collect())
+        [dq, dk, dvv, dbias, dsinks].map(|g| g.into_iter().map(r.store).collect())
     }
 }
 
@@ -215,8 +227,10 @@ struct Setup {
     kernel: Option<AttentionKernel>,
     /// [`FlashAttentionOptions::window`].
     window: Option<(usize, usize)>,
-    /// Random ALiBi slopes (`[Hq]`, f32) through [`attention_with_alibi`].
+    /// Random ALiBi slopes (`[Hq]`, f32) through [`attention_with_heads`].
     alibi: bool,
+    /// Random attention sinks (`[Hq]`, f32, tracked: their gradient is checked).
+    sinks: bool,
 }
 
 impl Setup {
@@ -237,6 +251,7 @@ impl Setup {
             kernel: None,
             window: None,
             alibi: false,
+            sinks: false,
         }
     }
 }
@@ -284,6 +299,9 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     let slopes = setup
         .alibi
         .then(|| random::<A<B>, 1>([hq], 0.02, 0.5, FloatDType::F32, &device));
+    let sinks = setup
+        .sinks
+        .then(|| random::<A<B>, 1>([hq], -1.0, 1.0, FloatDType::F32, &device).require_grad());
     let case = Case {
         q: read(q.clone()),
         k: read(k.clone()),
@@ -304,17 +322,22 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         quiet: setup.quiet,
         window: setup.window,
         slopes: slopes.clone().map(read),
+        sinks: sinks.clone().map(read),
     };
     for dims in [setup.q, k_dims, v_dims] {
         poison::<B, 4>(dims, dtype, &device);
     }
-    let (out, _) = attention_with_alibi(
+    let heads = HeadTerms {
+        alibi_slopes: slopes,
+        sinks: sinks.clone(),
+    };
+    let (out, _) = attention_with_heads(
         q.clone(),
         k.clone(),
         v.clone(),
         mask,
         bias.clone(),
-        slopes,
+        heads,
         forward_kernel(
             FlashAttentionOptions {
                 dropout: setup.dropout,
@@ -343,6 +366,10 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         }
         None => vec![],
     });
+    got.push(match &sinks {
+        Some(s) => read(s.grad(&grads).expect("sinks gradient")),
+        None => vec![],
+    });
     sync::<B>(&device);
     let mut want = case.grads(EXACT);
     let mut naive = case.grads(naive(dtype));
@@ -352,8 +379,8 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         naive[3].clear();
     }
     let ctx = format!(
-        "{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?} window {:?} alibi {}",
-        setup.q, setup.window, setup.alibi
+        "{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?} window {:?} alibi {} sinks {}",
+        setup.q, setup.window, setup.alibi, setup.sinks
     );
     // f32: a few roundings of the largest gradient per `√n` of the longest sum — over the rows
     // of a group, the keys, or the head dims (`dS` takes `dO·Vᵀ − δ`, two sums over `Dv` that
@@ -365,7 +392,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             .max(4.0),
         _ => 1.0,
     };
-    for (n, name) in ["dq", "dk", "dv", "dbias"].iter().enumerate() {
+    for (n, name) in ["dq", "dk", "dv", "dbias", "dsinks"].iter().enumerate() {
         assert_within_naive(
             &got[n],
             &naive[n],
@@ -380,6 +407,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         got[1].clone(),
         got[2].clone(),
         got[3].clone(),
+        got[4].clone(),
     ]
 }
 
@@ -1210,6 +1238,34 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let _ = device;
 }
 
+/// Attention sinks' gradients (the sinks tracked: `dSinks` checked, with `dQ`, `dK`, `dV`)
+/// through the plan's backward: plain, causal with a window (gpt-oss's local layers), quiet
+/// with a padding mask and a tracked bias.
+fn attention_sinks<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
+    for (sq, sk, causal, window, quiet, terms) in [
+        (45, 70, false, None, false, false),
+        (96, 96, true, Some((31, 0)), false, false),
+        (37, 60, false, None, true, true),
+    ] {
+        let mut setup = Setup::new([2, 4, sq, 32], 2, sk, 32);
+        setup.options.is_causal = causal;
+        setup.window = window;
+        setup.quiet = quiet;
+        setup.sinks = true;
+        if terms {
+            setup.mask = Some(([2, 1, 1, sk], |[b, _, _, j]| j + 5 * b + 3 >= 60));
+            setup.bias = Some([1, 4, sq, sk]);
+        }
+        check::<B>(
+            &setup,
+            dtype,
+            &format!(
+                "sinks Sq {sq} Sk {sk} causal {causal} window {window:?} quiet {quiet} mask+bias {terms}"
+            ),
+        );
+    }
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         backward_suite!($module, $backend, $dtype, [many_heads]);
@@ -1232,6 +1288,7 @@ macro_rules! backward_suite {
                 dropout_mask,
                 cooperative_backward,
                 windows_and_alibi,
+                attention_sinks,
                 many_seeds
                 $(, $extra)*
             ]

@@ -683,6 +683,84 @@ fn dropout_statistics<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
+/// Sliding-window attention in the module: `causal().window(w − 1, 0)` equals burn-nn with the
+/// band as its attention mask; decoding token by token (and a step of several) with
+/// `MhaCache::sliding_window` equals the full windowed forward while the cache forgets old keys
+/// and stays bounded; a window cache without a window on the input is refused.
+fn sliding_window_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (nb, s, d_model, heads, w) = (2, 150, 32, 4, 16);
+    let theirs = fixed(
+        BurnMhaConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<B>(device),
+    );
+    let ours = transfer(
+        theirs.clone(),
+        MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<B>(device),
+        device,
+    );
+    let x = rand3::<B>([nb, s, d_model], 1.0, dtype, device);
+    let input = || MhaInput::self_attn(x.clone()).causal().window(w - 1, 0);
+    let got = ours.forward(input()).context;
+    let cpu = Default::default();
+    let reference = transfer(
+        theirs.clone(),
+        BurnMhaConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .init::<R>(&cpu),
+        &cpu,
+    );
+    let band = bool_mask::<B, 3>([nb, s, s], device, |[_, i, j]| j > i || j + w <= i);
+    let naive = theirs
+        .forward(BurnMhaInput::self_attn(x.clone()).mask_attn(band.clone()))
+        .context;
+    let want = reference
+        .forward(BurnMhaInput::self_attn(to_ref(&x)).mask_attn(bool_ref(&band)))
+        .context;
+    compare(
+        got.clone(),
+        naive,
+        want,
+        dtype,
+        "window (15, 0) against burn-nn's band mask",
+    );
+    let full = read(got);
+    let tol = 16.0 * eps(dtype) * max_abs(&full);
+    let mut cache = MhaCache::sliding_window(w - 1);
+    let mut len = 0;
+    let mut steps = vec![20, 1, 1, 5];
+    steps.extend(std::iter::repeat_n(1, s - 27));
+    for step in steps {
+        len += step;
+        let prefix = x.clone().slice([0..nb, 0..len, 0..d_model]);
+        let got = ours.forward_cache(
+            MhaInput::self_attn(prefix).causal().window(w - 1, 0),
+            &mut cache,
+        );
+        if len % 16 == 0 || len == s {
+            let want: Vec<f64> = (0..nb)
+                .flat_map(|b| full[b * s * d_model..(b * s + len) * d_model].to_vec())
+                .collect();
+            let err = max_err(&read(got.context), &want);
+            assert!(err <= tol, "window cache at {len}: error {err:e} > {tol:e}");
+        }
+        let held = cache.keys_held();
+        assert!(held <= 64 + step, "window cache holds {held} keys at {len}");
+    }
+    assert!(cache.keys_held() < s, "the window cache forgot nothing");
+    let msg = panic_message(|| {
+        let mut cache = MhaCache::<B>::sliding_window(w - 1);
+        ours.forward_cache(MhaInput::self_attn(x.clone()).causal(), &mut cache);
+    });
+    assert!(
+        msg.contains("a sliding-window cache keeps the last 15 keys"),
+        "{msg}"
+    );
+    sync::<B>(device);
+}
+
 macro_rules! nn_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -695,6 +773,7 @@ macro_rules! nn_suite {
                 cross_attention_equals_burn_nn,
                 transformer_equals_burn_nn,
                 kv_cache_decoding,
+                sliding_window_decoding,
                 dropout_statistics,
             ]
         );

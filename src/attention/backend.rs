@@ -31,9 +31,11 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         mask: Option<BoolTensor<Self>>,
         bias: Option<FloatTensor<Self>>,
         slopes: Option<FloatTensor<Self>>,
+        sinks: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        super::composed::forward::<Self>((query, key, value, mask, bias, slopes), options)
+        let inputs = (query, key, value, mask, bias, slopes, sinks);
+        super::composed::forward::<Self>(inputs, options)
     }
 
     /// Gradients of [`AttentionBackend::flash_attention`] (same arguments and options) from
@@ -47,13 +49,14 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         mask: Option<BoolTensor<Self>>,
         bias: Option<FloatTensor<Self>>,
         slopes: Option<FloatTensor<Self>>,
+        sinks: Option<FloatTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
         want_ds: bool,
     ) -> AttentionGrads<Self> {
-        let inputs = (query, key, value, mask, bias, slopes);
+        let inputs = (query, key, value, mask, bias, slopes, sinks);
         super::composed::backward::<Self>(inputs, out, lse, d_out, options, want_ds)
     }
 
@@ -103,9 +106,10 @@ macro_rules! delegate {
             mask: Option<BoolTensor<Self>>,
             bias: Option<FloatTensor<Self>>,
             slopes: Option<FloatTensor<Self>>,
+            sinks: Option<FloatTensor<Self>>,
             options: FlashAttentionOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            let inputs = (query, key, value, mask, bias, slopes);
+            let inputs = (query, key, value, mask, bias, slopes, sinks);
             super::$module::forward::<$($g),+>(inputs, options)
         }
     };
@@ -117,13 +121,14 @@ macro_rules! delegate {
             mask: Option<BoolTensor<Self>>,
             bias: Option<FloatTensor<Self>>,
             slopes: Option<FloatTensor<Self>>,
+            sinks: Option<FloatTensor<Self>>,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             d_out: FloatTensor<Self>,
             options: FlashAttentionOptions,
             want_ds: bool,
         ) -> AttentionGrads<Self> {
-            let inputs = (query, key, value, mask, bias, slopes);
+            let inputs = (query, key, value, mask, bias, slopes, sinks);
             super::$module::backward::<$($g),+>(inputs, out, lse, d_out, options, want_ds)
         }
     };

@@ -18,7 +18,27 @@ use burn_flash_kernels::dropout::{DropoutParams, keep};
 /// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
 /// the caller.
 pub(crate) fn forward<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes): Inputs<B>,
+    (query, key, value, mask, bias, slopes, sinks): Inputs<B>,
+    flash_options: FlashAttentionOptions,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (out, lse) =
+        forward_without_sinks::<B>((query, key, value, mask, bias, slopes), flash_options);
+    match sinks {
+        Some(sinks) => sink_outputs::<B>(out, lse, sinks),
+        None => (out, lse),
+    }
+}
+
+/// [`forward`] without attention sinks.
+fn forward_without_sinks<B: SoftmaxMatmulBackend>(
+    (query, key, value, mask, bias, slopes): (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Option<BoolTensor<B>>,
+        Option<FloatTensor<B>>,
+        Option<FloatTensor<B>>,
+    ),
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let options = flash_options.module;
@@ -116,6 +136,30 @@ fn quiet_outputs<B: Backend>(
     (out.into_primitive().tensor(), lse.into_primitive().tensor())
 }
 
+/// The outputs with attention sinks `sinks` (`[Hq]`, f32) from those without, `(out, L)`: the
+/// sink joins each row's denominator, so the output is scaled by `σ(L − sink)` and the
+/// log-sum-exp becomes `ln(e^L + e^sink)` (a row without a visible key: 0 and `sink`).
+fn sink_outputs<B: Backend>(
+    out: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    sinks: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let out = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out));
+    let lse = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse));
+    let heads = out.dims()[1];
+    let sinks = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(sinks))
+        .cast(burn::tensor::DType::F32)
+        .reshape([1, heads, 1]);
+    // σ(L − s) = 1 / (1 + e^(s − L)): 0 for L = −inf.
+    let scale = (sinks.clone() - lse.clone()).exp().add_scalar(1.0).recip();
+    let dtype = out.dtype();
+    let out = out * scale.cast(dtype).unsqueeze_dim::<4>(3);
+    let hi = lse.clone().max_pair(sinks.clone().expand(lse.dims()));
+    let lo = lse.min_pair(sinks.expand(hi.dims()));
+    let lse = hi.clone() + (lo - hi).exp().add_scalar(1.0).log();
+    (out.into_primitive().tensor(), lse.into_primitive().tensor())
+}
+
 /// `true` where key `j` is after query `i` in the bottom-right aligned causal order
 /// (`j > i + Sk − Sq`), expanded to `full` = `[B, Hq, Sq, Sk]`.
 pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
@@ -209,7 +253,9 @@ fn with_alibi<B: Backend>(
 /// `dS` (`B·Hq·Sq·Sk` each), as any composed attention backward does.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<B: Backend>(
-    (query, key, value, mask, bias, slopes): Inputs<B>,
+    // The sinks are in `lse`: the weights `e^(s − lse)` of the keys are the ones the forward
+    // used, and their gradient is the usual one (the sinks' own is the caller's).
+    (query, key, value, mask, bias, slopes, _sinks): Inputs<B>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     d_out: FloatTensor<B>,

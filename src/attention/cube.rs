@@ -37,6 +37,7 @@ fn features(dims: AttentionDims, terms: ScoreTerms) -> AttentionFeatures {
         mask: terms.mask,
         bias: terms.bias,
         alibi: terms.alibi,
+        sinks: terms.sinks,
     }
 }
 
@@ -69,7 +70,7 @@ where
 }
 
 pub(crate) fn forward<R, F, I, BT>(
-    (query, key, value, mask, bias, slopes): Inputs<CubeBackend<R, F, I, BT>>,
+    (query, key, value, mask, bias, slopes, sinks): Inputs<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -97,6 +98,7 @@ where
         mask.as_ref().map(tensor_ref),
         bias.as_ref().map(tensor_ref),
         slopes.as_ref().map(tensor_ref),
+        sinks.as_ref().map(tensor_ref),
         tensor_ref(&out),
         tensor_ref(&lse),
         dtype.into(),
@@ -126,7 +128,8 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
 }
 
 pub(crate) fn backward<R, F, I, BT>(
-    (query, key, value, mask, bias, slopes): Inputs<CubeBackend<R, F, I, BT>>,
+    // The sinks are in `lse` (the backward kernels read it): they are not read again.
+    (query, key, value, mask, bias, slopes, _sinks): Inputs<CubeBackend<R, F, I, BT>>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,

@@ -14,12 +14,13 @@ use crate::fusion::{Handles, out_and_lse, uninit};
 /// Attention or its backward.
 #[derive(Debug)]
 struct AttentionOp<B> {
-    /// [`Inputs`] (the mask, the bias and the slopes where given), then, for the backward,
+    /// [`Inputs`] (the mask, the bias, the slopes and the sinks where given), then, for the backward,
     /// `out`, `lse`, `d_out`.
     inputs: Vec<TensorIr>,
     has_mask: bool,
     has_bias: bool,
     has_slopes: bool,
+    has_sinks: bool,
     /// `out`, `lse`; for the backward `dq`, `dk`, `dv`, then `ds` where asked for.
     outputs: Vec<TensorId>,
     backward: bool,
@@ -37,6 +38,9 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
         let slopes = self
             .has_slopes
             .then(|| handles.get_float_tensor::<B>(next()));
+        let sinks = self
+            .has_sinks
+            .then(|| handles.get_float_tensor::<B>(next()));
         let outputs = if self.backward {
             let [out, lse, d_out] =
                 [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
@@ -48,6 +52,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
                 mask,
                 bias,
                 slopes,
+                sinks,
                 out,
                 lse,
                 d_out,
@@ -56,7 +61,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
             );
             [g.dq, g.dk, g.dv].into_iter().chain(g.ds).collect()
         } else {
-            let (out, lse) = B::flash_attention(q, k, v, mask, bias, slopes, self.options);
+            let (out, lse) = B::flash_attention(q, k, v, mask, bias, slopes, sinks, self.options);
             vec![out, lse]
         };
         for (id, t) in self.outputs.iter().zip(outputs) {
@@ -69,23 +74,26 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
 /// `rest`), writing `outputs`.
 fn record<B: FusionBackend + FlashBackend>(
     name: &'static str,
-    (query, key, value, mask, bias, slopes): Inputs<Fusion<B>>,
+    (query, key, value, mask, bias, slopes, sinks): Inputs<Fusion<B>>,
     rest: Vec<FloatTensor<Fusion<B>>>,
     outputs: Vec<TensorIr>,
     backward: bool,
     options: FlashAttentionOptions,
 ) -> Vec<FloatTensor<Fusion<B>>> {
-    let (has_mask, has_bias, has_slopes) = (mask.is_some(), bias.is_some(), slopes.is_some());
+    let (has_mask, has_bias) = (mask.is_some(), bias.is_some());
+    let (has_slopes, has_sinks) = (slopes.is_some(), sinks.is_some());
     let mut tensors = vec![query, key, value];
     tensors.extend(mask);
     tensors.extend(bias);
     tensors.extend(slopes);
+    tensors.extend(sinks);
     tensors.extend(rest);
     let op = |inputs, outputs| AttentionOp::<B> {
         inputs,
         has_mask,
         has_bias,
         has_slopes,
+        has_sinks,
         outputs,
         backward,
         options,

@@ -64,8 +64,8 @@ use crate::FlashBackend;
 
 const OP: &str = "burn_flash::attention";
 
-/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask, the bias and
-/// the ALiBi slopes.
+/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask, the bias,
+/// the ALiBi slopes and the attention-sink logits.
 pub(crate) type Inputs<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
@@ -73,7 +73,31 @@ pub(crate) type Inputs<B> = (
     Option<BoolTensor<B>>,
     Option<FloatTensor<B>>,
     Option<FloatTensor<B>>,
+    Option<FloatTensor<B>>,
 );
+
+/// Per-head inputs of an attention call beyond Burn's arguments
+/// ([`attention_with_heads`]), each `[Hq]`, any float dtype (read as f32).
+#[derive(Debug, Clone)]
+pub struct HeadTerms<B: Backend> {
+    /// ALiBi slopes: head `h`'s scores gain `−slopes[h]·|i + Sk − Sq − j|`
+    /// ([`attention_with_alibi`]). No gradient flows to them.
+    pub alibi_slopes: Option<Tensor<B, 1>>,
+    /// Attention sinks (gpt-oss): head `h`'s rows divide by `e^sinks[h] + Σ e^s`, a learned
+    /// logit with no value (a row may put weight on "nothing"); the returned log-sum-exp
+    /// includes it. Tracked under `Autodiff`: `dSinks[h] = −Σ_rows e^(sinks[h] − lse)·δ`,
+    /// `δ = rowsum(dO ⊙ O)`.
+    pub sinks: Option<Tensor<B, 1>>,
+}
+
+impl<B: Backend> Default for HeadTerms<B> {
+    fn default() -> Self {
+        Self {
+            alibi_slopes: None,
+            sinks: None,
+        }
+    }
+}
 
 /// Burn's attention options plus burn-flash's overrides.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -209,6 +233,32 @@ pub fn attention_with_alibi<B: FlashBackend>(
     alibi_slopes: Option<Tensor<B, 1>>,
     options: FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    let heads = HeadTerms {
+        alibi_slopes,
+        sinks: None,
+    };
+    attention_with_heads(query, key, value, mask, attn_bias, heads, options)
+}
+
+/// [`attention_with_lse`] with per-head terms: ALiBi slopes and attention sinks
+/// ([`HeadTerms`]).
+///
+/// # Panics
+/// As [`attention`], and when a per-head tensor is not `[Hq]`, not a float, or on another
+/// device.
+pub fn attention_with_heads<B: FlashBackend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    attn_bias: Option<Tensor<B, 4>>,
+    heads: HeadTerms<B>,
+    options: FlashAttentionOptions,
+) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    let HeadTerms {
+        alibi_slopes,
+        sinks,
+    } = heads;
     let dims = check_attention(
         &query,
         &key,
@@ -218,7 +268,10 @@ pub fn attention_with_alibi<B: FlashBackend>(
         options.module,
     );
     if let Some(slopes) = &alibi_slopes {
-        check_slopes(slopes, dims.heads_q, &query.device());
+        check_per_head("alibi_slopes", slopes, dims.heads_q, &query.device());
+    }
+    if let Some(sinks) = &sinks {
+        check_per_head("sinks", sinks, dims.heads_q, &query.device());
     }
     if let Some(dropout) = options.dropout
         && !(0.0..1.0).contains(&dropout.prob)
@@ -238,6 +291,7 @@ pub fn attention_with_alibi<B: FlashBackend>(
         bias: attn_bias.is_some(),
         bias_tracked: false,
         alibi: alibi_slopes.is_some(),
+        sinks: sinks.is_some(),
     };
     if let Some(Err(err)) =
         B::flash_attention_plan(&query.device(), dims, query.dtype(), options, terms)
@@ -251,6 +305,7 @@ pub fn attention_with_alibi<B: FlashBackend>(
         mask.map(|m| m.into_primitive()),
         attn_bias.map(|b| b.into_primitive().tensor()),
         alibi_slopes.map(|s| s.cast(DType::F32).into_primitive().tensor()),
+        sinks.map(|s| s.cast(DType::F32).into_primitive().tensor()),
         options,
     );
     (
@@ -259,24 +314,30 @@ pub fn attention_with_alibi<B: FlashBackend>(
     )
 }
 
-/// Checks ALiBi slopes against `Hq` heads on `device`; panics with a message naming them.
-pub(crate) fn check_slopes<B: Backend>(slopes: &Tensor<B, 1>, heads_q: usize, device: &B::Device) {
-    let [n] = slopes.dims();
+/// Checks a per-head tensor `name` against `Hq` heads on `device`; panics with a message
+/// naming it.
+pub(crate) fn check_per_head<B: Backend>(
+    name: &str,
+    t: &Tensor<B, 1>,
+    heads_q: usize,
+    device: &B::Device,
+) {
+    let [n] = t.dims();
     if n != heads_q {
-        panic!("{OP}: `alibi_slopes` has shape [{n}], expected [{heads_q}] (one per query head)");
+        panic!("{OP}: `{name}` has shape [{n}], expected [{heads_q}] (one per query head)");
     }
     if !matches!(
-        slopes.dtype(),
+        t.dtype(),
         DType::F32 | DType::F16 | DType::BF16 | DType::F64
     ) {
         panic!(
-            "{OP}: `alibi_slopes` has dtype {:?}; a float type is expected",
-            slopes.dtype()
+            "{OP}: `{name}` has dtype {:?}; a float type is expected",
+            t.dtype()
         );
     }
-    let other = slopes.device();
+    let other = t.device();
     if &other != device {
-        panic!("{OP}: `alibi_slopes` is on {other:?}, `query` on {device:?}");
+        panic!("{OP}: `{name}` is on {other:?}, `query` on {device:?}");
     }
 }
 
@@ -293,6 +354,8 @@ pub struct ScoreTerms {
     pub bias_tracked: bool,
     /// ALiBi slopes are given.
     pub alibi: bool,
+    /// Attention sinks are given.
+    pub sinks: bool,
 }
 
 /// The launch the fused attention would make on `device` for contiguous tensors of `dims`
@@ -336,6 +399,7 @@ pub fn attention_backward_plan<B: FlashBackend>(
         bias,
         bias_tracked: bias,
         alibi: false,
+        sinks: false,
     };
     attention_backward_plan_with::<B>(device, dims, dtype, options, terms)
 }

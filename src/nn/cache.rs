@@ -24,6 +24,8 @@ fn grown(current: usize, needed: usize, hint: usize) -> usize {
 struct SeqBuffer<B: Backend, const D: usize> {
     buffer: Option<Tensor<B, D>>,
     len: usize,
+    /// Positions forgotten from the front ([`SeqBuffer::forget_before`]).
+    dropped: usize,
     hint: usize,
     /// Who panics (`KvCache`, `RowCache`).
     who: &'static str,
@@ -36,9 +38,31 @@ impl<B: Backend, const D: usize> SeqBuffer<B, D> {
         Self {
             buffer: None,
             len: 0,
+            dropped: 0,
             hint,
             who,
         }
+    }
+
+    /// Keeps the last `keep` positions held once at least `2·keep` are (a copy of `keep`
+    /// positions into a new buffer, so each position is copied at most once on average): a
+    /// rolling window over the sequence whose memory stays within `2·keep` plus one step's rows.
+    fn forget_before(&mut self, keep: usize) {
+        let keep = keep.max(1);
+        if self.len < 2 * keep.max(MIN_CAPACITY / 2) {
+            return;
+        }
+        let Some(buffer) = self.buffer.take() else {
+            return;
+        };
+        let held = buffer.dims();
+        let mut shape = held;
+        shape[Self::SEQ] = grown(0, 2 * keep, self.hint.min(2 * keep));
+        let kept = buffer.slice(Self::ranges(held, self.len - keep..self.len));
+        let fresh = Tensor::<B, D>::empty(shape, (&kept.device(), kept.dtype()));
+        self.buffer = Some(fresh.slice_assign(Self::ranges(held, 0..keep), kept));
+        self.dropped += self.len - keep;
+        self.len = keep;
     }
 
     fn capacity(&self) -> usize {
@@ -140,6 +164,23 @@ impl<B: Backend> KvCache<B> {
     /// Whether nothing is held.
     pub fn is_empty(&self) -> bool {
         self.0.len == 0
+    }
+
+    /// Positions appended since the cache was made: those held and those forgotten
+    /// ([`KvCache::forget_before`]).
+    pub fn seen(&self) -> usize {
+        self.0.dropped + self.0.len
+    }
+
+    /// Positions forgotten from the front.
+    pub fn forgotten(&self) -> usize {
+        self.0.dropped
+    }
+
+    /// Keeps (at least) the last `keep` positions: once `2·keep` are held the older ones are
+    /// dropped, so a sliding-window model's cache stays within `2·keep` positions plus a step's.
+    pub fn forget_before(&mut self, keep: usize) {
+        self.0.forget_before(keep)
     }
 
     /// Positions the buffer holds before it grows.

@@ -153,6 +153,7 @@ pub struct MhaInput<B: Backend> {
     pub(crate) mask_pad: Option<Tensor<B, 2, Bool>>,
     pub(crate) mask_attn: Option<Tensor<B, 3, Bool>>,
     pub(crate) causal: bool,
+    pub(crate) window: Option<(usize, usize)>,
 }
 
 impl<B: Backend> MhaInput<B> {
@@ -170,6 +171,7 @@ impl<B: Backend> MhaInput<B> {
             mask_pad: None,
             mask_attn: None,
             causal: false,
+            window: None,
         }
     }
 
@@ -204,6 +206,16 @@ impl<B: Backend> MhaInput<B> {
         self.causal = true;
         self
     }
+
+    /// Sliding-window (local) attention: query `i` sees keys `i + Sk − Sq − left ..= i + Sk − Sq
+    /// + right` ([`crate::FlashAttentionOptions::window`]); with [`MhaInput::causal`],
+    /// `.window(w − 1, 0)` is Mistral's window of `w` keys. Key blocks outside every row's
+    /// window are skipped. With [`MhaCache::sliding_window`] the cache keeps only the keys a
+    /// window can still reach.
+    pub fn window(mut self, left: usize, right: usize) -> Self {
+        self.window = Some((left, right));
+        self
+    }
 }
 
 /// The output of [`MultiHeadAttention`]: the context. Unlike burn-nn's `MhaOutput` there is no
@@ -228,7 +240,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
         let (mask, _) = self.checked_mask(&mut input);
         let q = project_heads(&self.query, input.query, self.n_heads);
         let (k, v) = self.keys_values(input.key, input.value);
-        let context = self.attend(q, k, v, mask, input.causal);
+        let context = self.attend(q, k, v, mask, input.causal, input.window);
         MhaOutput {
             context: self.output.forward(merge_heads(context)),
         }
@@ -254,7 +266,16 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
                 context: cache.output.view(),
             };
         }
-        let done = cache.keys.len();
+        if let Some(keep) = cache.window {
+            match input.window {
+                Some((left, _)) if left <= keep => {}
+                _ => panic!(
+                    "{WHO}: a sliding-window cache keeps the last {keep} keys: the input's window must be set, its left side at most {keep} (got {:?})",
+                    input.window
+                ),
+            }
+        }
+        let done = cache.keys.seen();
         let (k_new, v_new) = if cache.cross {
             (input.key, input.value)
         } else {
@@ -269,6 +290,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             k_new,
             v_new,
             (input.mask_pad, input.mask_attn, input.causal),
+            input.window,
             start..seq_q,
             cache,
         );
@@ -288,6 +310,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
         key: Tensor<B, 3>,
         value: Tensor<B, 3>,
         (mask_pad, mask_attn, causal): MaskArgs<B>,
+        window: Option<(usize, usize)>,
         rows: std::ops::Range<usize>,
         cache: &mut MhaCache<B>,
     ) -> Tensor<B, 3> {
@@ -304,10 +327,23 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             let (k, v) = self.keys_values(key, value);
             (cache.keys.append(k), cache.values.append(v))
         };
-        let seq_k = k.dims()[2];
+        // A sliding-window cache holds the last keys only: the masks' columns of the
+        // forgotten ones are dropped (bottom-right alignment keeps the rows' windows).
+        let forgotten = cache.keys.forgotten();
+        let seq_k = k.dims()[2] + forgotten;
         let seq_q = rows.end;
-        let mask = attention_mask(WHO, mask_pad, mask_attn, batch, rows, seq_q, seq_k);
-        let context = self.attend(q, k, v, mask, causal);
+        let mut mask = attention_mask(WHO, mask_pad, mask_attn, batch, rows, seq_q, seq_k);
+        if forgotten > 0 {
+            mask = mask.map(|m| {
+                let [b, h, r, _] = m.dims();
+                m.slice([0..b, 0..h, 0..r, forgotten..seq_k])
+            });
+        }
+        let context = self.attend(q, k, v, mask, causal, window);
+        if let Some(keep) = cache.window {
+            cache.keys.forget_before(keep);
+            cache.values.forget_before(keep);
+        }
         self.output.forward(merge_heads(context))
     }
 
@@ -349,6 +385,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
         v: Tensor<B, 4>,
         mask: Option<Tensor<B, 4, Bool>>,
         causal: bool,
+        window: Option<(usize, usize)>,
     ) -> Tensor<B, 4> {
         let options = module_options::<B>(
             self.d_k,
@@ -358,6 +395,7 @@ impl<B: FlashBackend> MultiHeadAttention<B> {
             self.dropout.prob,
             &q.device(),
         );
+        let options = crate::FlashAttentionOptions { window, ..options };
         crate::attention_with_lse(q, k, v, mask, None, options).0
     }
 
@@ -402,6 +440,8 @@ pub struct MhaCache<B: Backend> {
     pub(crate) output: RowCache<B>,
     /// Keys and values computed once (cross-attention) rather than per position.
     pub(crate) cross: bool,
+    /// A sliding-window cache: the keys kept for windows reaching this far back.
+    pub(crate) window: Option<usize>,
 }
 
 impl<B: Backend> MhaCache<B> {
@@ -417,6 +457,19 @@ impl<B: Backend> MhaCache<B> {
             values: KvCache::with_capacity(positions),
             output: RowCache::with_capacity(positions),
             cross: false,
+            window: None,
+        }
+    }
+
+    /// The rolling cache of a sliding-window model whose windows reach `left` keys back
+    /// ([`MhaInput::window`]`(left′, _)` with `left′ ≤ left`): keys and values older than that
+    /// are dropped (at least the last `left`, at most `2·left` plus a step's are held), so
+    /// memory stays bounded however long the sequence. The context rows are still kept (the
+    /// calling convention returns every position's).
+    pub fn sliding_window(left: usize) -> Self {
+        Self {
+            window: Some(left),
+            ..Self::autoregressive()
         }
     }
 
@@ -427,12 +480,19 @@ impl<B: Backend> MhaCache<B> {
             values: KvCache::new(),
             output: RowCache::new(),
             cross: true,
+            window: None,
         }
     }
 
     /// Positions whose context the cache holds.
     pub fn len(&self) -> usize {
         self.output.len()
+    }
+
+    /// Positions of keys (and values) held: every one seen, but for a sliding-window cache
+    /// ([`MhaCache::sliding_window`]), which forgets the old ones.
+    pub fn keys_held(&self) -> usize {
+        self.keys.len()
     }
 
     /// Whether nothing is held.

@@ -379,7 +379,7 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
     ) -> Tensor<B, 3> {
         self.sublayers(x, |h| {
             self.mha
-                .cached_rows(h.clone(), h.clone(), h, masks, positions, cache)
+                .cached_rows(h.clone(), h.clone(), h, masks, None, positions, cache)
         })
     }
 
@@ -637,12 +637,28 @@ impl<B: FlashBackend> TransformerDecoderLayer<B> {
             x,
             |h| {
                 let (masks, attn) = (input.target_masks(), &self.self_attn);
-                attn.cached_rows(h.clone(), h.clone(), h, masks, self_positions, self_cache)
+                attn.cached_rows(
+                    h.clone(),
+                    h.clone(),
+                    h,
+                    masks,
+                    None,
+                    self_positions,
+                    self_cache,
+                )
             },
             |h| {
                 let (masks, memory) = (input.memory_masks(), input.memory.clone());
                 let attn = &self.cross_attn;
-                attn.cached_rows(h, memory.clone(), memory, masks, positions, cross_cache)
+                attn.cached_rows(
+                    h,
+                    memory.clone(),
+                    memory,
+                    masks,
+                    None,
+                    positions,
+                    cross_cache,
+                )
             },
         )
     }

@@ -396,6 +396,7 @@ pub fn launch_attention_backward<R: Runtime>(
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
         alibi: t.slopes.is_some(),
+        sinks: false,
     };
     let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;
@@ -458,6 +459,8 @@ pub fn launch_attention_backward<R: Runtime>(
         },
         // Absent slopes are never read: `lse` (f32) stands in.
         slopes: operand(t.slopes.as_ref().unwrap_or(&t.lse), None),
+        // The backward reads no sinks (the stored lse includes them): `lse` stands in.
+        sinks: operand(&t.lse, None),
         out: operand(&t.out, None),
         d_out: operand(&t.d_out, None),
         lse: operand(&t.lse, None),

@@ -161,6 +161,7 @@ impl AttentionOptions {
             quiet: self.quiet,
             window: self.window.is_some(),
             alibi: features.alibi,
+            sinks: features.sinks,
         }
     }
 
@@ -187,6 +188,9 @@ pub struct AttentionFeatures {
     pub bias: bool,
     /// ALiBi slopes are given.
     pub alibi: bool,
+    /// Attention-sink logits are given (forward only: the backward kernels read the stored
+    /// log-sum-exp, which includes them).
+    pub sinks: bool,
 }
 
 /// Sizes of one call.
@@ -756,6 +760,7 @@ pub fn launch_attention<R: Runtime>(
     mask: Option<TensorRef<'_>>,
     bias: Option<TensorRef<'_>>,
     slopes: Option<TensorRef<'_>>,
+    sinks: Option<TensorRef<'_>>,
     out: TensorRef<'_>,
     lse: TensorRef<'_>,
     dtype: StorageType,
@@ -767,6 +772,9 @@ pub fn launch_attention<R: Runtime>(
     expect_shape("lse", &lse, &dims.lse_shape())?;
     if let Some(s) = &slopes {
         expect_shape("slopes", s, &[dims.heads_q])?;
+    }
+    if let Some(s) = &sinks {
+        expect_shape("sinks", s, &[dims.heads_q])?;
     }
     let full = dims.scores_shape();
     let mask_strides = mask
@@ -787,6 +795,7 @@ pub fn launch_attention<R: Runtime>(
         mask: mask.is_some(),
         bias: bias.is_some(),
         alibi: slopes.is_some(),
+        sinks: sinks.is_some(),
     };
     let plan = plan_attention(client, dims, dtype, features, options)?;
     if dims.out_shape().contains(&0) {
@@ -809,6 +818,7 @@ pub fn launch_attention<R: Runtime>(
                     mask,
                     bias,
                     slopes.as_ref(),
+                    sinks.as_ref(),
                     &out,
                     &lse,
                     dims,
@@ -837,11 +847,13 @@ pub fn launch_attention<R: Runtime>(
         (Some(b), Some(s)) => arg::<R>(b, &full, s),
         _ => arg::<R>(&q, unused.0, unused.1),
     };
-    // Absent slopes are never read: `lse` (f32) stands in.
-    let slopes_arg = match &slopes {
+    // Absent slopes or sinks are never read: `lse` (f32) stands in.
+    let per_head = |t: &Option<TensorRef<'_>>| match t {
         Some(s) => arg::<R>(s, s.shape, s.strides),
         None => arg::<R>(&lse, lse.shape, lse.strides),
     };
+    let slopes_arg = per_head(&slopes);
+    let sinks_arg = per_head(&sinks);
     let tensors = FlashTensors {
         q: arg::<R>(&q, q.shape, q.strides),
         k: arg::<R>(&k, k.shape, k.strides),
@@ -849,6 +861,7 @@ pub fn launch_attention<R: Runtime>(
         mask: mask_arg,
         bias: bias_arg,
         slopes: slopes_arg,
+        sinks: sinks_arg,
         out: arg::<R>(&out, out.shape, out.strides),
         lse: arg::<R>(&lse, lse.shape, lse.strides),
     };

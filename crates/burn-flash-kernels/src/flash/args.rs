@@ -58,6 +58,8 @@ pub struct ScoreInputs<E: CubePrimitive, F: CubePrimitive> {
     pub bias: Tensor<F>,
     /// ALiBi slopes `[Hq]` (f32).
     pub slopes: Tensor<f32>,
+    /// Attention-sink logits `[Hq]` (f32).
+    pub sinks: Tensor<f32>,
 }
 
 /// What a forward kernel writes.
@@ -143,6 +145,8 @@ pub struct FlashTensors<R: Runtime> {
     pub bias: TensorArg<R>,
     /// The ALiBi slopes (f32).
     pub slopes: TensorArg<R>,
+    /// The attention-sink logits (f32).
+    pub sinks: TensorArg<R>,
     /// The output.
     pub out: TensorArg<R>,
     /// The row log-sum-exp (f32).
@@ -200,6 +204,7 @@ impl BackwardOperands {
             self.mask.arg(),
             self.bias.arg(),
             self.slopes.arg(),
+            self.sinks.arg(),
         )
     }
 
@@ -246,6 +251,8 @@ pub struct BackwardOperands {
     pub bias: Operand,
     /// The ALiBi slopes `[Hq]` (f32).
     pub slopes: Operand,
+    /// The attention-sink logits `[Hq]` (f32).
+    pub sinks: Operand,
     /// The forward's output.
     pub out: Operand,
     /// The output's gradient.

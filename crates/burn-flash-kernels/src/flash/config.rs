@@ -41,6 +41,10 @@ pub struct ScoreRules {
     /// ALiBi from per-head slopes (`[Hq]`, f32): `s −= slope[h]·|i + Sk − Sq − j|`, computed in
     /// the kernel beside the bias.
     pub alibi: bool,
+    /// Attention sinks (gpt-oss): a per-head logit (`[Hq]`, f32) in every row's denominator,
+    /// `e^s_j / (e^sink + Σ e^s)` ([`crate::flash::online::output_sum()`]); the stored
+    /// log-sum-exp includes it, so the backward kernels are unchanged.
+    pub sinks: bool,
 }
 
 impl ScoreRules {
@@ -55,6 +59,7 @@ impl ScoreRules {
         quiet: false,
         window: false,
         alibi: false,
+        sinks: false,
     };
 }
 

@@ -71,27 +71,41 @@ pub fn log_sum_exp(m: f32, l: f32) -> f32 {
     m + f32::ln(l)
 }
 
-/// The sum a row's output is divided by: `l`, or with quiet softmax `l + e^(−m)` (the `1` of
-/// `1 + Σ e^s` against the reference `m`; infinite, and the output 0, for a row without a
-/// visible key or whose scores are all far below 0).
+/// The sum a row's output is divided by: `l`, plus with quiet softmax `e^(−m)` (the `1` of
+/// `1 + Σ e^s` against the reference `m`) and with an attention sink `e^(sink − m)`; infinite,
+/// and the output 0, for a row without a visible key or whose scores are all far below them.
 #[cube]
-pub fn output_sum(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
+pub fn output_sum(m: f32, l: f32, sink: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut total = l;
     if comptime!(c.rules.quiet && !crate::mutation::quiet_off()) {
         total += f32::exp(-m);
+    }
+    if comptime!(c.rules.sinks) {
+        total += f32::exp(sink - m);
     }
     total
 }
 
 /// The log-sum-exp a row stores for the backward: [`log_sum_exp()`], or with quiet softmax
-/// [`quiet_lse()`] of it.
+/// [`quiet_lse()`] of it, and with an attention sink [`log_add_exp()`] of it and the sink.
 #[cube]
-pub fn row_lse(m: f32, l: f32, #[comptime] c: FlashConfig) -> f32 {
+pub fn row_lse(m: f32, l: f32, sink: f32, #[comptime] c: FlashConfig) -> f32 {
     let mut lse = log_sum_exp(m, l);
     if comptime!(c.rules.quiet) {
         lse = quiet_lse(lse);
     }
+    if comptime!(c.rules.sinks) {
+        lse = log_add_exp(lse, sink);
+    }
     lse
+}
+
+/// `ln(e^a + e^b)` for a finite `b`, without overflow (`b` for `a = −inf`).
+#[cube]
+pub fn log_add_exp(a: f32, b: f32) -> f32 {
+    let hi = f32::max(a, b);
+    let lo = f32::min(a, b);
+    hi + f32::ln(1.0f32 + f32::exp(lo - hi))
 }
 
 /// The log of the quiet softmax's denominator, `ln(1 + Σ e^s) = softplus(L)` for `L = lse`,

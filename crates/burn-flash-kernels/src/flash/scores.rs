@@ -13,7 +13,7 @@
 
 use cubecl::{ir::FastMath, prelude::*};
 
-use crate::flash::args::ScoreArgs;
+use crate::flash::args::{ScoreArgs, ScoreInputs};
 use crate::flash::block::QueryGroup;
 use crate::flash::config::FlashConfig;
 
@@ -174,6 +174,8 @@ pub struct RowRefs {
     pub slope: Array<f32>,
     /// Each row's diagonal key `i + Sk − Sq`, as f32 (exact below 2²⁴).
     pub diag: Array<f32>,
+    /// Each row's attention-sink logit (its head's; read with [`crate::flash::ScoreRules::sinks`]).
+    pub sink: Array<f32>,
 }
 
 /// Empty references for `slots` rows.
@@ -187,18 +189,17 @@ pub fn new_refs(#[comptime] slots: usize) -> RowRefs {
         bias: Array::new(slots),
         slope: Array::new(slots),
         diag: Array::new(slots),
+        sink: Array::new(slots),
     }
 }
 
 /// Fills `slot` for row `row` of the cube's [`QueryGroup`] (clamped to the last row), of a call
-/// with `Sk = seq_k` keys.
+/// with `Sk = seq_k` keys and score operands `inputs`.
 #[cube]
-pub fn set_row<F: Float>(
+pub fn set_row<E: CubePrimitive, F: Float>(
     refs: &mut RowRefs,
     slot: usize,
-    mask: &Tensor<F>,
-    bias: &Tensor<F>,
-    slopes: &Tensor<f32>,
+    inputs: &ScoreInputs<E, F>,
     group: &QueryGroup,
     row: usize,
     seq_k: usize,
@@ -214,13 +215,18 @@ pub fn set_row<F: Float>(
     refs.bias[slot] = 0usize;
     refs.slope[slot] = 0.0f32;
     refs.diag[slot] = 0.0f32;
+    refs.sink[slot] = 0.0f32;
     if comptime!(c.rules.mask) {
-        refs.mask[slot] = group.offset(mask, row);
+        refs.mask[slot] = group.offset(&inputs.mask, row);
     }
     if comptime!(c.rules.bias) {
-        refs.bias[slot] = group.offset(bias, row);
+        refs.bias[slot] = group.offset(&inputs.bias, row);
+    }
+    if comptime!(c.rules.sinks) {
+        refs.sink[slot] = inputs.sinks[group.head(row) * inputs.sinks.stride(0)];
     }
     if comptime!(c.rules.alibi) {
+        let slopes = &inputs.slopes;
         refs.slope[slot] = slopes[group.head(row) * slopes.stride(0)];
         refs.diag[slot] = f32::cast_from(pos + seq_k) - f32::cast_from(group.seq_q);
     }

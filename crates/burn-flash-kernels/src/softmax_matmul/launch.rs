@@ -169,6 +169,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
         mask: heads(&x, x.strides[0]),
         bias: heads(&x, x.strides[0]),
         slopes: heads(&lse, lse.strides[0]),
+        sinks: heads(&lse, lse.strides[0]),
         out: heads(&out, out.strides[0]),
         lse: heads(&lse, lse.strides[0]),
     };
@@ -276,6 +277,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         mask: view(&x),
         bias: view(&x),
         slopes: view(&lse),
+        sinks: view(&lse),
         out: view(&out),
         d_out: view(&d_out),
         lse: view(&lse),

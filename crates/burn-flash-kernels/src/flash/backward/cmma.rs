@@ -402,18 +402,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             #[unroll]
             for i in 0..cols_l {
                 let row = r0 + i * lanes as usize + cl;
-                set_row::<F>(
-                    &mut refs,
-                    i,
-                    mask,
-                    bias,
-                    &inputs.slopes,
-                    &group,
-                    row,
-                    seq_k,
-                    &args,
-                    c,
-                );
+                set_row(&mut refs, i, inputs, &group, row, seq_k, &args, c);
                 let (head, pos) = (group.head(row), group.pos(row));
                 row_ok[i] = row < rows;
                 row_lse[i] =
@@ -581,18 +570,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let pw_at = w_at + plane * f.m as usize * wl as usize;
 
     let mut refs = new_refs(1usize);
-    set_row::<F>(
-        &mut refs,
-        0,
-        mask,
-        bias,
-        &inputs.slopes,
-        &group,
-        row,
-        seq_k,
-        &args,
-        c,
-    );
+    set_row(&mut refs, 0, inputs, &group, row, seq_k, &args, c);
     let row_ok = row < rows;
     let (head, pos) = (group.head(row), group.pos(row));
     let row_lse = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];

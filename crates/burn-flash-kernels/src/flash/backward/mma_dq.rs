@@ -140,18 +140,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
         let pos = group.pos(row);
         x_rows[h] = group.offset(q, row);
         row_pair[h] = batch * q.shape(1) + head;
-        set_row::<F>(
-            &mut refs,
-            h,
-            mask,
-            bias,
-            &inputs.slopes,
-            &group,
-            row,
-            seq_k,
-            &args,
-            c,
-        );
+        set_row(&mut refs, h, inputs, &group, row, seq_k, &args, c);
         row_lse[h] = lse[batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2)];
         // A row without a visible key (lse = −inf) has P = 0.
         row_ok[h] = row < rows && row_lse[h] > f32::min_value();

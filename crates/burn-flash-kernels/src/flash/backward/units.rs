@@ -462,12 +462,10 @@ fn load_rows<F: Float>(
     for i in 0..ri {
         let slot = i as usize;
         let row = r0 + (ty + GRID * i) as usize;
-        set_row::<F>(
+        set_row(
             &mut out.refs,
             slot,
-            &inputs.mask,
-            &inputs.bias,
-            &inputs.slopes,
+            inputs,
             &q_group,
             row,
             blk.seq_k,

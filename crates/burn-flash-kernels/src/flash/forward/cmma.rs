@@ -546,18 +546,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let pp_at = p_at as usize + prow * pl as usize;
 
     let mut refs = new_refs(1usize);
-    set_row::<F>(
-        &mut refs,
-        0,
-        mask,
-        bias,
-        &inputs.slopes,
-        &group,
-        row,
-        seq_k,
-        &args,
-        c,
-    );
+    set_row(&mut refs, 0, inputs, &group, row, seq_k, &args, c);
     let pair = batch * q.shape(1) + group.head(row);
     let x_row = group.offset(q, row);
 
@@ -822,9 +811,9 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         let at = batch * lse.stride(0)
             + group.head(row) * lse.stride(1)
             + group.pos(row) * lse.stride(2);
-        lse[at] = row_lse(m, l, c);
+        lse[at] = row_lse(m, l, refs.sink[0], c);
     }
-    let inv = inverse_sum(output_sum(m, l, c));
+    let inv = inverse_sum(output_sum(m, l, refs.sink[0], c));
     let o_at = group.offset(out, row) + col0 * out.stride(3);
     store_accumulators::<F>(
         &o,

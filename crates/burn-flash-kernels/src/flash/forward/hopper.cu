@@ -246,6 +246,16 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         return;
     }
 #endif
+#if ALIBI
+    // Each of the thread's rows' distance to its first key of the block, as f32: register i's
+    // key is a constant 8·(i / 4) + i % 2 further, so its |distance| is one FADD (and an FFMA
+    // with the slope) per score.
+    float dist0[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        dist0[r] = (float)(rows.row0 + 8 * r + rows.diag - key0 - 2 * (int)(rows.lane % 4u));
+    }
+#endif
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
 #if SOFTCAP
@@ -253,7 +263,10 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #else
         float x = sc[i] * rows.scale_log2;
 #endif
-#if MASK || BIAS || ALIBI
+#if ALIBI
+        x = fmaf(rows.slope_log2, fabsf(dist0[(i / 2) % 2] - (float)(8 * (i / 4) + (i % 2))), x);
+#endif
+#if MASK || BIAS
         {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
             const int row = rows.row0 + 8 * ((i / 2) % 2);
@@ -261,9 +274,6 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if BIAS
                 x += LOG2E * elem_to_f32(rows.bias[(u64)row * rows.bias_stride_s
                                                    + (u64)key * rows.bias_stride_k]);
-#endif
-#if ALIBI
-                x += rows.slope_log2 * fabsf((float)(row + rows.diag - key));
 #endif
 #if MASK
                 const unsigned short m =
@@ -339,6 +349,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                           const unsigned short* __restrict__ mask,
                           const unsigned short* __restrict__ bias,
                           const float* __restrict__ slopes,
+                          const float* __restrict__ sinks,
                           const __grid_constant__ FwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -604,9 +615,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         if (row < (int)p.seq_q) {
 #if QUIET
             // Quiet softmax divides by 1 + Σ e^s: the 1 is e^(−m) against the row's reference.
-            const float total = l + ex2(-m_r[r]);
+            float total = l + ex2(-m_r[r]);
 #else
-            const float total = l;
+            float total = l;
+#endif
+#if SINKS
+            // The head's sink logit joins the denominator: e^sink against the reference.
+            const float sink_log2 = LOG2E * sinks[head];
+            total += ex2(sink_log2 - m_r[r]);
 #endif
             const float inv = total > 0.0f ? 1.0f / total : 0.0f;
             unsigned short* dst = out + out_base + (u64)row * p.out_stride_s + col0;
@@ -623,6 +639,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #if QUIET
                 // ln(1 + Σ e^s) = softplus(lse), without overflow.
                 row_lse = fmaxf(row_lse, 0.0f) + log1pf(expf(-fabsf(row_lse)));
+#endif
+#if SINKS
+                {
+                    // ln(e^lse + e^sink), without overflow.
+                    const float sink = sinks[head];
+                    const float hi = fmaxf(row_lse, sink), lo = fminf(row_lse, sink);
+                    row_lse = hi + log1pf(expf(lo - hi));
+                }
 #endif
                 lse[lse_base + (u64)row * p.lse_stride_s] = row_lse;
             }

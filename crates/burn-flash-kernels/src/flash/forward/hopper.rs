@@ -97,6 +97,8 @@ pub struct Variant {
     pub window: bool,
     /// ALiBi from per-head slopes.
     pub alibi: bool,
+    /// Attention sinks (per-head logits in every row's denominator).
+    pub sinks: bool,
 }
 
 impl Variant {
@@ -119,6 +121,7 @@ impl Variant {
             given: config.source == ScoreSource::Given,
             window: rules.window,
             alibi: rules.alibi,
+            sinks: rules.sinks,
         }
     }
 
@@ -137,6 +140,7 @@ impl Variant {
             ("GIVEN", self.given),
             ("WINDOW", self.window),
             ("ALIBI", self.alibi),
+            ("SINKS", self.sinks),
         ];
         let mut text = format!(
             "#define WG_ELEM \"{}\"\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
@@ -170,6 +174,7 @@ impl Variant {
             | u64::from(self.block_q) << 40
             | u64::from(self.window) << 48
             | u64::from(self.alibi) << 49
+            | u64::from(self.sinks) << 50
     }
 }
 
@@ -339,8 +344,8 @@ fn hand_written(
             ),
             (
                 crate::mutation::quiet_off(),
-                "const float total = l + ex2(-m_r[r]);",
-                "const float total = l;",
+                "float total = l + ex2(-m_r[r]);",
+                "float total = l;",
             ),
             (
                 crate::mutation::hopper_no_wait(),
@@ -415,6 +420,7 @@ pub unsafe fn launch(
     mask: Option<ScoreTerm<'_>>,
     bias: Option<ScoreTerm<'_>>,
     slopes: Option<&TensorRef<'_>>,
+    sinks: Option<&TensorRef<'_>>,
     out: &TensorRef<'_>,
     lse: &TensorRef<'_>,
     dims: AttentionDims,
@@ -474,8 +480,9 @@ pub unsafe fn launch(
                 lse.handle.clone().binding(),
                 mask_handle.binding(),
                 bias_handle.binding(),
-                // Absent slopes are never read: `lse` (f32) stands in.
+                // Absent slopes or sinks are never read: `lse` (f32) stands in.
                 slopes.unwrap_or(lse).handle.clone().binding(),
+                sinks.unwrap_or(lse).handle.clone().binding(),
             ],
             params,
         );
@@ -586,6 +593,7 @@ pub unsafe fn launch_given(
                 lse.handle.clone().binding(),
                 out.handle.clone().binding(),
                 out.handle.clone().binding(),
+                lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
             ],
             params,

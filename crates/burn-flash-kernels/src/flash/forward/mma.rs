@@ -791,18 +791,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     for slot in 0..slots {
         // Slot 2·rt + h: row r + 16·rt + 8·h.
         let row = my_row + slot * 8;
-        set_row::<F>(
-            &mut refs,
-            slot,
-            mask,
-            bias,
-            &inputs.slopes,
-            &group,
-            row,
-            seq_k,
-            &args,
-            c,
-        );
+        set_row(&mut refs, slot, inputs, &group, row, seq_k, &args, c);
         pairs[slot] = batch * q.shape(1) + group.head(row);
         x_rows[slot] = group.offset(q, row);
         m[slot] = f32::min_value();
@@ -888,12 +877,12 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
         } else {
             quad_sum(l[slot])
         };
-        inv[slot] = inverse_sum(output_sum(m[slot], total, c));
+        inv[slot] = inverse_sum(output_sum(m[slot], total, refs.sink[slot], c));
         let row = my_row + slot * 8;
         if quad == 0 && row < rows && blk.first_tile {
             let head = head0 + row / seq_q;
             let at = batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-            lse[at] = row_lse(m[slot], total, c);
+            lse[at] = row_lse(m[slot], total, refs.sink[slot], c);
         }
     }
     #[unroll]

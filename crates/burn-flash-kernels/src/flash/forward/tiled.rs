@@ -446,18 +446,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     #[unroll]
     for i in 0..4usize {
         let row = row0 + 4 * rg as usize + i;
-        set_row::<F>(
-            &mut refs,
-            i,
-            mask,
-            bias,
-            &inputs.slopes,
-            &group,
-            row,
-            seq_k,
-            &args,
-            c,
-        );
+        set_row(&mut refs, i, inputs, &group, row, seq_k, &args, c);
         x_rows[i] = group.offset(q, row);
         q_rows[i] = group.offset(q, row0 + 4 * (UNIT_POS / 4) as usize + i);
         m[i] = f32::min_value();
@@ -627,13 +616,13 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
         let mut vec = Vector::<f32, Const<4>>::empty();
         #[unroll]
         for i in 0..4usize {
-            vec[i] = output_sum(m[i], sums[i], c);
+            vec[i] = output_sum(m[i], sums[i], refs.sink[i], c);
             let row = row0 + 4 * rg as usize + i;
             if row < rows && blk.first_tile {
                 let head = head0 + row / seq_q;
                 let at =
                     batch * lse.stride(0) + head * lse.stride(1) + (row % seq_q) * lse.stride(2);
-                lse[at] = row_lse(m[i], sums[i], c);
+                lse[at] = row_lse(m[i], sums[i], refs.sink[i], c);
             }
         }
         sh.a_s[l_at + rg as usize] = vec;

@@ -179,18 +179,7 @@ pub fn flash_forward_units<F: Float>(
     #[unroll]
     for i in 0..rows_u as usize {
         let row = row0 + ty as usize * rows_u as usize + i;
-        set_row::<F>(
-            &mut refs,
-            i,
-            mask,
-            bias,
-            &inputs.slopes,
-            &group,
-            row,
-            seq_k,
-            &args,
-            c,
-        );
+        set_row(&mut refs, i, inputs, &group, row, seq_k, &args, c);
         pairs[i] = batch * q.shape(1) + group.head(row);
         x_rows[i] = group.offset(q, row);
         m[i] = f32::min_value();
@@ -392,9 +381,9 @@ pub fn flash_forward_units<F: Float>(
             let pos = row % seq_q;
             if tx == 0 && blk.first_tile {
                 let at = batch * lse.stride(0) + head * lse.stride(1) + pos * lse.stride(2);
-                lse[at] = row_lse(m[i], l[i], c);
+                lse[at] = row_lse(m[i], l[i], refs.sink[i], c);
             }
-            let inv = inverse_sum(output_sum(m[i], l[i], c));
+            let inv = inverse_sum(output_sum(m[i], l[i], refs.sink[i], c));
             let o_base = batch * out.stride(0) + head * out.stride(1) + pos * out.stride(2);
             #[unroll]
             for j in 0..comptime!(v_chunks as usize * 4) {
