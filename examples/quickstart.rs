@@ -4,6 +4,9 @@
 //! - fused attention (grouped-query heads, causal) against Burn's own, and a training step
 //!   through its fused backward kernels against Burn's autodiff, with the kernels each planned;
 //! - dropout on the attention weights, drawn in the kernel and redrawn by the backward;
+//! - long context: a sliding window (key blocks outside it skipped), ALiBi computed in the
+//!   kernel from per-head slopes, and attention sinks, each against Burn's attention with the
+//!   same rule materialised;
 //! - the drop-in modules: burn-nn's `MultiHeadAttention` swapped for `burn_flash::nn`'s with
 //!   the same weights (masks, a fully masked row, a training step), and decoding with the KV
 //!   cache (`examples/gpt.rs` trains a whole model with them);
@@ -18,12 +21,13 @@
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{
-    DType, Distribution, ElementConversion, Tensor, activation, module, ops::AttentionModuleOptions,
+    Bool, DType, Distribution, ElementConversion, Tensor, TensorData, activation, module,
+    ops::AttentionModuleOptions,
 };
 use burn_flash::kernels::fragment::MatrixUnitsUnavailable;
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend, attention::AttentionDims,
+    FlashBackend, HeadTerms, ScoreTerms, attention::AttentionDims,
 };
 
 /// Largest |a − b|.
@@ -334,8 +338,138 @@ fn gradients<B: FlashBackend>(device: &B::Device) {
     );
 }
 
+/// Sliding windows, ALiBi from slopes and attention sinks, each against Burn's attention with
+/// the same rule materialised: a band mask, the `[1, H, S, S]` ALiBi bias, and for the sinks a
+/// key of zeros whose bias column is the sink logit (its value row 0).
+fn long_context<B: FlashBackend>(device: &B::Device) {
+    let (b, h, s, d, w) = (1, 4, 512, 64, 64);
+    let normal = Distribution::Normal(0.0, 1.0);
+    let q = Tensor::<B, 4>::random([b, h, s, d], normal, device);
+    let k = Tensor::<B, 4>::random([b, h, s, d], normal, device);
+    let v = Tensor::<B, 4>::random([b, h, s, d], normal, device);
+    let plain = AttentionModuleOptions::default();
+    let causal = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    let dims = AttentionDims {
+        batch: b,
+        heads_q: h,
+        heads_kv: h,
+        seq_q: s,
+        seq_k: s,
+        head_dim: d,
+        value_dim: d,
+    };
+    let dtype = q.dtype();
+    let kernel = |options: FlashAttentionOptions, terms: ScoreTerms| {
+        match burn_flash::attention_plan_with::<B>(device, dims, dtype, options, terms) {
+            Some(Ok(p)) => format!("{:?}", p.kernel),
+            Some(Err(e)) => e.to_string(),
+            None => "composed fallback".into(),
+        }
+    };
+    let grid = |f: &dyn Fn(usize, usize) -> bool| {
+        let values: Vec<bool> = (0..s * s).map(|n| f(n / s, n % s)).collect();
+        Tensor::<B, 4, Bool>::from_data(TensorData::new(values, [1, 1, s, s]), device)
+    };
+    println!("long context q/k/v [{b}, {h}, {s}, {d}]");
+
+    // A causal window of w keys (Mistral's): key blocks outside every row's window are skipped.
+    let windowed = FlashAttentionOptions {
+        window: Some((w - 1, 0)),
+        ..causal.into()
+    };
+    let ours =
+        burn_flash::attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, windowed).0;
+    let band = grid(&|i, j| j > i || j + w <= i).expand([b, h, s, s]);
+    let burns =
+        module::attention_fallback(q.clone(), k.clone(), v.clone(), Some(band), None, plain);
+    println!(
+        "             window ({}, 0), causal: kernel {}, max |burn-flash − burn (band mask)| = {:.2e}",
+        w - 1,
+        kernel(windowed, ScoreTerms::default()),
+        max_diff(ours, burns)
+    );
+
+    // ALiBi from the slopes 2^(−8(i+1)/H), computed in the kernel: no [B, H, S, S] tensor.
+    let slopes: Vec<f32> = (0..h)
+        .map(|i| 2f32.powf(-8.0 * (i + 1) as f32 / h as f32))
+        .collect();
+    let bias: Vec<f32> = (0..h * s * s)
+        .map(|n| -slopes[n / (s * s)] * ((n / s) % s).abs_diff(n % s) as f32)
+        .collect();
+    let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [1, h, s, s]), device);
+    let slopes = Tensor::<B, 1>::from_data(TensorData::new(slopes, [h]), device);
+    let ours = burn_flash::attention_with_alibi(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        None,
+        None,
+        Some(slopes.clone()),
+        plain.into(),
+    )
+    .0;
+    let burns =
+        module::attention_fallback(q.clone(), k.clone(), v.clone(), None, Some(bias), plain);
+    let alibi = ScoreTerms {
+        alibi: true,
+        ..Default::default()
+    };
+    println!(
+        "             ALiBi from slopes [{h}]: kernel {}, max |burn-flash − burn (bias [1, {h}, {s}, {s}])| = {:.2e}",
+        kernel(plain.into(), alibi),
+        max_diff(ours, burns)
+    );
+
+    // Attention sinks (gpt-oss): one logit per head in every row's denominator.
+    let sinks =
+        Tensor::<B, 1>::from_data(TensorData::new(vec![0.5f32, -1.0, 2.0, 0.0], [h]), device);
+    let heads = HeadTerms {
+        alibi_slopes: None,
+        sinks: Some(sinks.clone()),
+    };
+    let ours = burn_flash::attention_with_heads(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        None,
+        None,
+        heads,
+        plain.into(),
+    )
+    .0;
+    let zeros = Tensor::<B, 4>::zeros([b, h, 1, d], device);
+    let sink_bias = Tensor::cat(
+        vec![
+            Tensor::<B, 4>::zeros([1, h, s, s], device),
+            sinks.reshape([1, h, 1, 1]).expand([1, h, s, 1]),
+        ],
+        3,
+    );
+    let burns = module::attention_fallback(
+        q,
+        Tensor::cat(vec![k, zeros.clone()], 2),
+        Tensor::cat(vec![v, zeros], 2),
+        None,
+        Some(sink_bias),
+        plain,
+    );
+    let sunk = ScoreTerms {
+        sinks: true,
+        ..Default::default()
+    };
+    println!(
+        "             sinks [{h}]: kernel {}, max |burn-flash − burn (a zero key, the sink as its bias)| = {:.2e}",
+        kernel(plain.into(), sunk),
+        max_diff(ours, burns)
+    );
+}
+
 fn run<B: FlashBackend>(device: B::Device) {
     attention::<B>(&device);
+    long_context::<B>(&device);
     modules::<B>(&device);
     demo::<B>(&device);
     gradients::<B>(&device);

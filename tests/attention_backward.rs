@@ -393,6 +393,14 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         _ => 1.0,
     };
     for (n, name) in ["dq", "dk", "dv", "dbias", "dsinks"].iter().enumerate() {
+        // dSinks sums B·Sq row terms `p_sink·δ` per head, each δ carrying the stored output's
+        // rounding (one of the dtype's): its floor grows as √(B·Sq) roundings of the largest
+        // (the naive model's own error is one sample of that sum; s34 c5: bf16 9.7e-5 against
+        // 2 × 1.8e-5 + one rounding 5.4e-5, at B·Sq 74).
+        let floor = match n {
+            4 => floor.max(((nb * sq) as f64).sqrt()),
+            _ => floor,
+        };
         assert_within_naive(
             &got[n],
             &naive[n],
