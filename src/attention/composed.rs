@@ -1,7 +1,7 @@
 //! The composed attention: the scores from stock Burn ops, then burn-flash's fused
 //! `softmax(S)·V` (which never writes the probabilities and gives fully masked rows zeros).
-//! The provided bodies of [`crate::AttentionBackend::flash_attention`] ([`forward`]) and of
-//! its backward ([`backward`]): what NdArray (and any backend without the kernels) runs, also
+//! The provided bodies of [`crate::AttentionBackend::flash_attention`] (`forward`) and of
+//! its backward (`backward`): what NdArray (and any backend without the kernels) runs, also
 //! under `Autodiff`. It materialises the `B·Hq·Sq·Sk` scores (with dropout, the weights and the
 //! mask drawn on the host by the kernels' generator).
 
@@ -22,23 +22,16 @@ pub(crate) fn forward<B: SoftmaxMatmulBackend>(
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let (out, lse) =
-        forward_without_sinks::<B>((query, key, value, mask, bias, slopes), flash_options);
+        forward_without_sinks::<B>((query, key, value, mask, bias, slopes, None), flash_options);
     match sinks {
         Some(sinks) => sink_outputs::<B>(out, lse, sinks),
         None => (out, lse),
     }
 }
 
-/// [`forward`] without attention sinks.
+/// [`forward`] without attention sinks (its `sinks` are not read).
 fn forward_without_sinks<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes): (
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        Option<BoolTensor<B>>,
-        Option<FloatTensor<B>>,
-        Option<FloatTensor<B>>,
-    ),
+    (query, key, value, mask, bias, slopes, _): Inputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let options = flash_options.module;

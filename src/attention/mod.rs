@@ -22,7 +22,7 @@
 //! and log-sum-exp (nothing `Sq × Sk`); the backward is
 //! [`AttentionBackend::flash_attention_backward`](crate::AttentionBackend::flash_attention_backward):
 //! FlashAttention-2's schedule on CubeCL backends ([`burn_flash_kernels::flash::backward`]: plain
-//! units, and the matrix units for f16/bf16 on CUDA), the gradient composed from stock ops on NdArray ([`composed::backward`]). A tracked
+//! units, and the matrix units for f16/bf16 on CUDA), the gradient composed from stock ops on NdArray (`composed::backward`). A tracked
 //! bias gets `dS` summed over its broadcast dimensions. Dropout on the weights:
 //! [`FlashAttentionOptions::dropout`].
 

@@ -207,8 +207,9 @@ impl<B: Backend> MhaInput<B> {
         self
     }
 
-    /// Sliding-window (local) attention: query `i` sees keys `i + Sk − Sq − left ..= i + Sk − Sq
-    /// + right` ([`crate::FlashAttentionOptions::window`]); with [`MhaInput::causal`],
+    /// Sliding-window (local) attention: query `i` sees keys from `a − left` to `a + right`
+    /// inclusive, `a = i + Sk − Sq` ([`crate::FlashAttentionOptions::window`]); with
+    /// [`MhaInput::causal`],
     /// `.window(w − 1, 0)` is Mistral's window of `w` keys. Key blocks outside every row's
     /// window are skipped. With [`MhaCache::sliding_window`] the cache keeps only the keys a
     /// window can still reach.

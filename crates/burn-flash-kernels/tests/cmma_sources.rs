@@ -36,6 +36,7 @@ fn inputs<E: CubePrimitive, F: CubePrimitive>() -> ScoreInputsCompilationArg<E, 
         mask: tensor(),
         bias: tensor(),
         slopes: tensor(),
+        sinks: tensor(),
     }
 }
 

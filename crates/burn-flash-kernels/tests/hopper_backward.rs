@@ -142,6 +142,7 @@ fn run(
         None,
         None,
         None,
+        None,
         t(&out_h, &os, &o_st),
         t(&lse_h, &lse_shape, &lse_st),
         dtype,

@@ -519,6 +519,7 @@ fn attention_refused(
         mask.as_ref().map(|h| t(h, &mask_dims, &mask_strides)),
         None,
         None,
+        None,
         t(&out, &s.out, &strides[3]),
         t(&lse, &s.lse, &strides[4]),
         f32_type(),

@@ -141,10 +141,10 @@ pub struct AttentionOptions {
     /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`): the stored log-sum-exp
     /// is `ln(1 + Σ e^s)`.
     pub quiet: bool,
-    /// Sliding window `(left, right)`: query `i` sees keys `i + Sk − Sq − left ..= i + Sk − Sq
-    /// + right` (bottom-right aligned, as the causal mask; with `causal` the right side is 0).
-    /// Key blocks outside every row's window are skipped. A side wider than the sequence sees
-    /// every key on that side.
+    /// Sliding window `(left, right)`: query `i` sees keys from `a − left` to `a + right`
+    /// inclusive, `a = i + Sk − Sq` (bottom-right aligned, as the causal mask; with `causal`
+    /// the right side is 0). Key blocks outside every row's window are skipped. A side wider
+    /// than the sequence sees every key on that side.
     pub window: Option<(usize, usize)>,
 }
 
