@@ -1209,6 +1209,35 @@ fn runnable_kernels<B: FlashBackend>(
     }
 }
 
+/// One call of `dims` with `options` through every kernel the device runs
+/// ([`runnable_kernels`]), checked by [`check_heads`]; `context` names the case.
+#[allow(clippy::too_many_arguments)]
+fn on_every_kernel<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    mask: Option<Tensor<B, 4, Bool>>,
+    bias: Option<Tensor<B, 4>>,
+    heads: HeadTerms<B>,
+    options: FlashAttentionOptions,
+    dtype: FloatDType,
+    context: &str,
+) {
+    for kernel in runnable_kernels::<B>(device, dims, dtype, options) {
+        check_heads(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask.clone(),
+            bias.clone(),
+            heads.clone(),
+            FlashAttentionOptions { kernel, ..options },
+            dtype,
+            &format!("{context} {kernel:?}"),
+        );
+    }
+}
+
 /// Sliding windows (against an explicit band in the reference) and ALiBi from slopes (against
 /// the materialised term), through every kernel the device runs: windows on both sides, causal
 /// windows with `Sq < Sk` and `Sq > Sk` (rows that see nothing give zeros), a window wider than
@@ -1259,25 +1288,23 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let mask = terms
             .then(|| bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 7 * b + 3 >= sk));
         let bias = terms.then(|| rand4::<B>([1, hq, sq, sk], 1.0, dtype, device));
-        for kernel in kernels {
-            let heads = HeadTerms {
-                alibi_slopes: slopes.clone(),
-                sinks: None,
-            };
-            check_heads(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                mask.clone(),
-                bias.clone(),
-                heads,
-                FlashAttentionOptions { kernel, ..options },
-                dtype,
-                &format!(
-                    "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms} {kernel:?}"
-                ),
-            );
-        }
+        let heads = HeadTerms {
+            alibi_slopes: slopes,
+            sinks: None,
+        };
+        on_every_kernel(
+            device,
+            dims,
+            (q, k, v),
+            mask,
+            bias,
+            heads,
+            options,
+            dtype,
+            &format!(
+                "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms}"
+            ),
+        );
     }
 }
 
@@ -1324,25 +1351,23 @@ fn attention_sinks<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 (b == 1 && (i == 3 || i == 5)) || j + 4 >= sk
             })
         });
-        for kernel in runnable_kernels::<B>(device, dims, dtype, options) {
-            let heads = HeadTerms {
-                alibi_slopes: None,
-                sinks: Some(sinks.clone()),
-            };
-            check_heads(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                mask.clone(),
-                None,
-                heads,
-                FlashAttentionOptions { kernel, ..options },
-                dtype,
-                &format!(
-                    "sinks in [{lo}, {hi}] Sq {sq} Sk {sk} causal {causal} window {window:?} quiet {quiet} mask {masked} {kernel:?}"
-                ),
-            );
-        }
+        let heads = HeadTerms {
+            alibi_slopes: None,
+            sinks: Some(sinks),
+        };
+        on_every_kernel(
+            device,
+            dims,
+            (q, k, v),
+            mask,
+            None,
+            heads,
+            options,
+            dtype,
+            &format!(
+                "sinks in [{lo}, {hi}] Sq {sq} Sk {sk} causal {causal} window {window:?} quiet {quiet} mask {masked}"
+            ),
+        );
     }
 }
 
