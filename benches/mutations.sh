@@ -55,6 +55,11 @@ zero-dk attention_backward.test cuda::f16::cooperative_backward
 zero-dk attention_backward.test cuda::bf16::cooperative_backward
 ds-skipped-rows attention_backward.test cuda::bf16::hopper_tracked_bias
 ds-skipped-rows attention_backward.test cuda::f16::hopper_tracked_bias
+window-right attention.test cuda::bf16::windows_and_alibi
+window-right attention_backward.test cuda::bf16::windows_and_alibi
+window-right attention_backward.test cuda::bf16::windows_and_alibi BURN_FLASH_HOPPER=always
+window-right attention_backward.test cuda::f16::windows_and_alibi BURN_FLASH_HOPPER=off
+quiet-off attention.test cuda::bf16::attention_sinks
 EOF
 )
 logs=/tmp/mutations
