@@ -1223,7 +1223,13 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     if cuda && dtype != FloatDType::F32 {
         kernels.push(Some(AttentionKernel::CooperativeMatrix));
     }
-    for (sq, sk, causal, window, alibi, terms) in cases {
+    // Off CUDA (lavapipe in CI, where every new rule set compiles slowly) the cases that skip
+    // query blocks on both sides and combine the rules; all of them on the GPU run.
+    let cases = match cuda {
+        true => &cases[..],
+        false => &cases[1..4],
+    };
+    for &(sq, sk, causal, window, alibi, terms) in cases {
         for &kernel in &kernels {
             let mut setup = Setup::new([2, 4, sq, 32], 2, sk, 32);
             setup.options.is_causal = causal;
