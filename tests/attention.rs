@@ -7,9 +7,9 @@ mod common;
 
 use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
 use burn_flash::{
-    AttentionKernel, FlashAttentionOptions, FlashBackend, HeadTerms, ScoreTerms, attention,
-    attention::AttentionDims, attention_plan, attention_plan_with, attention_with_alibi,
-    attention_with_heads, attention_with_lse,
+    AttentionKernel, FlashAttentionOptions, FlashBackend, HeadTerms, ScoreTerms, VarlenBatch,
+    attention, attention::AttentionDims, attention_plan, attention_plan_with, attention_varlen,
+    attention_with_alibi, attention_with_heads, attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
 use common::*;
@@ -35,12 +35,17 @@ struct Case {
     slopes: Option<Vec<f64>>,
     /// Attention-sink logits, one per query head.
     sinks: Option<Vec<f64>>,
+    /// A packed variable-length batch's cumulative query and key lengths (batch 1): each row
+    /// sees its own sequence's keys, the rules aligned within the sequence.
+    packed: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 impl Case {
     /// f64 reference: scale → softcap → + bias → ALiBi (`−slope·|i + Sk − Sq − j|`) → mask
     /// (−inf, or the fill score) → causal and window (an explicit band: −inf) → softmax (zeros for a row without a finite score; quiet: `e^s / (1 + Σ e^s)`) → ·V;
-    /// query head `h` reads key/value head `h / (Hq / Hkv)`. Returns the output and the row
+    /// query head `h` reads key/value head `h / (Hq / Hkv)`. Packed sequences: the keys of
+    /// other sequences −inf, and `Sq`, `Sk` those of the row's sequence, ending at its ends.
+    ///  Returns the output and the row
     /// log-sum-exp of the scores (−inf for a row without one; quiet: `ln(1 + Σ e^s)`, 0).
     fn reference(&self) -> (Vec<f64>, Vec<f64>) {
         self.model(EXACT)
@@ -59,6 +64,15 @@ impl Case {
             for h in 0..hq {
                 let kh = h / (hq / hkv);
                 for i in 0..sq {
+                    // The row's sequence: its keys `k0 .. k1`, its last query `q1 − 1`.
+                    let (k0, k1, q1) = match &self.packed {
+                        Some((cu_q, cu_k)) => {
+                            let s = cu_q.partition_point(|&x| x <= i) - 1;
+                            let s = s.min(cu_q.len() - 2);
+                            (cu_k[s], cu_k[s + 1], cu_q[s + 1])
+                        }
+                        None => (0, sk, sq),
+                    };
                     let mut s: Vec<f64> = (0..sk)
                         .map(|j| {
                             let mut dot = 0.0;
@@ -75,7 +89,7 @@ impl Case {
                                 x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
                             }
                             // Key `j`'s offset from the row's diagonal.
-                            let off = j as i64 - (i as i64 + sk as i64 - sq as i64);
+                            let off = j as i64 - (i as i64 + k1 as i64 - q1 as i64);
                             if let Some(slopes) = &self.slopes {
                                 x = (r.store)(x - slopes[h] * off.abs() as f64);
                             }
@@ -90,6 +104,9 @@ impl Case {
                             if let Some((left, right)) = self.window
                                 && (off < -(left as i64) || off > right as i64)
                             {
+                                x = f64::NEG_INFINITY;
+                            }
+                            if j < k0 || j >= k1 {
                                 x = f64::NEG_INFINITY;
                             }
                             x
@@ -248,6 +265,29 @@ fn check_heads<B: FlashBackend>(
     dtype: FloatDType,
     context: &str,
 ) -> Vec<f64> {
+    let call = (q, k, v, mask, bias, heads);
+    check_call(call, None, flash_options, dtype, context)
+}
+
+/// One call's tensors: `q`, `k`, `v`, the mask, the bias and the per-head terms.
+type Call<B> = (
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Tensor<B, 4>,
+    Option<Tensor<B, 4, Bool>>,
+    Option<Tensor<B, 4>>,
+    HeadTerms<B>,
+);
+
+/// [`check_heads`], or with `packed` the same tensors (one batch, `[1, H, T, D]`) as a packed
+/// variable-length batch through [`attention_varlen`] (`[T, H, D]` views of them).
+fn check_call<B: FlashBackend>(
+    (q, k, v, mask, bias, heads): Call<B>,
+    packed: Option<&VarlenBatch<B>>,
+    flash_options: FlashAttentionOptions,
+    dtype: FloatDType,
+    context: &str,
+) -> Vec<f64> {
     let options = flash_options.module;
     let device = q.device();
     eprintln!("case: {context}");
@@ -270,20 +310,47 @@ fn check_heads<B: FlashBackend>(
         window: flash_options.window,
         slopes: heads.alibi_slopes.clone().map(read),
         sinks: heads.sinks.clone().map(read),
+        packed: packed.map(|p| (p.cu_seqlens_q().to_vec(), p.cu_seqlens_k().to_vec())),
     };
     let [nb, hq, sq, _] = case.q_dims;
     let sk = case.k_dims[2];
     let out_dims = [nb, hq, sq, case.dv];
     poison::<B, 4>(out_dims, dtype, &device);
-    let (out, lse) = attention_with_heads(
-        q.clone(),
-        k.clone(),
-        v.clone(),
-        mask.clone(),
-        bias.clone(),
-        heads,
-        forward_kernel(flash_options, dtype),
-    );
+    let options_run = forward_kernel(flash_options, dtype);
+    let (out, lse) = match packed {
+        None => attention_with_heads(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            mask.clone(),
+            bias.clone(),
+            heads,
+            options_run,
+        ),
+        Some(batch) => {
+            let tokens = |t: Tensor<B, 4>| t.swap_dims(1, 2).squeeze_dim::<3>(0);
+            let (out, lse) = attention_varlen(
+                tokens(q.clone()),
+                tokens(k.clone()),
+                tokens(v.clone()),
+                batch,
+                mask.clone(),
+                bias.clone(),
+                heads,
+                options_run,
+            );
+            assert_eq!(
+                out.dims(),
+                [sq, hq, case.dv],
+                "{context}: packed output shape"
+            );
+            assert_eq!(lse.dims(), [hq, sq], "{context}: packed lse shape");
+            (
+                out.unsqueeze_dim::<4>(0).swap_dims(1, 2),
+                lse.unsqueeze_dim::<3>(0),
+            )
+        }
+    };
     assert_eq!(out.dims(), out_dims, "{context}: output shape");
     assert_eq!(lse.dims(), [nb, hq, sq], "{context}: lse shape");
     sync::<B>(&device);
@@ -291,12 +358,13 @@ fn check_heads<B: FlashBackend>(
     let got_lse = read(lse);
     let (want, want_lse) = case.reference();
     let ctx = format!(
-        "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {}",
+        "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {} packed {:?}",
         case.q_dims,
         case.k_dims,
         case.window,
         case.slopes.is_some(),
-        case.sinks.is_some()
+        case.sinks.is_some(),
+        case.packed
     );
 
     // The naive implementation in the dtype, as a CPU model (`naive`): Burn's fallback on the
@@ -1185,6 +1253,17 @@ fn runnable_kernels<B: FlashBackend>(
     dtype: FloatDType,
     options: FlashAttentionOptions,
 ) -> Vec<Option<AttentionKernel>> {
+    runnable_kernels_with::<B>(device, dims, dtype, options, ScoreTerms::default())
+}
+
+/// [`runnable_kernels`] of a call with the score terms `terms`.
+fn runnable_kernels_with<B: FlashBackend>(
+    device: &B::Device,
+    dims: AttentionDims,
+    dtype: FloatDType,
+    options: FlashAttentionOptions,
+    terms: ScoreTerms,
+) -> Vec<Option<AttentionKernel>> {
     let all = [
         AttentionKernel::Units,
         AttentionKernel::Tiled,
@@ -1196,14 +1275,12 @@ fn runnable_kernels<B: FlashBackend>(
         kernel: Some(kernel),
         ..options
     };
-    match attention_plan::<B>(device, dims, dtype.into(), forced(AttentionKernel::Units)) {
+    let plan = |options| attention_plan_with::<B>(device, dims, dtype.into(), options, terms);
+    match plan(forced(AttentionKernel::Units)) {
         None => vec![None],
         Some(_) => all
             .into_iter()
-            .filter(|&k| {
-                attention_plan::<B>(device, dims, dtype.into(), forced(k))
-                    .is_some_and(|p| p.is_ok())
-            })
+            .filter(|&k| plan(forced(k)).is_some_and(|p| p.is_ok()))
             .map(Some)
             .collect(),
     }
@@ -1381,6 +1458,128 @@ fn attention_sinks<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 "sinks in [{lo}, {hi}] Sq {sq} Sk {sk} causal {causal} window {window:?} quiet {quiet} mask {masked}"
             ),
         );
+    }
+}
+
+/// Packed variable-length batches ([`attention_varlen`]) against the f64 reference of the
+/// dense op on each sequence (the rules aligned within each sequence, no key of another), by
+/// the 2×-naive rule, through every kernel the device runs: empty and one-token sequences,
+/// sequences without keys (zeros, lse −inf), causal with `Sq < Sk` and `Sq > Sk` per sequence,
+/// a window, ALiBi from each sequence's diagonal, sinks, a key padding mask and a bias in
+/// packed coordinates, GQA, softcap and quiet softmax; on the GPU a sequence of 5000 tokens
+/// beside short ones.
+fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let (hq, hkv, d) = (4, 2, 32);
+    struct Packed {
+        lengths_q: Vec<usize>,
+        lengths_k: Vec<usize>,
+        causal: bool,
+        window: Option<(usize, usize)>,
+        /// ALiBi, sinks, a key padding mask and a bias.
+        terms: bool,
+        softcap: bool,
+        quiet: bool,
+    }
+    let case = |lengths_q: &[usize], lengths_k: &[usize]| Packed {
+        lengths_q: lengths_q.to_vec(),
+        lengths_k: lengths_k.to_vec(),
+        causal: false,
+        window: None,
+        terms: false,
+        softcap: false,
+        quiet: false,
+    };
+    let mut cases = vec![
+        case(&[37, 0, 1, 130, 64, 5], &[37, 0, 1, 130, 64, 5]),
+        Packed {
+            causal: true,
+            ..case(&[3, 0, 70, 20, 90], &[50, 9, 70, 0, 40])
+        },
+        Packed {
+            window: Some((20, 5)),
+            terms: true,
+            ..case(&[100, 33, 150], &[100, 33, 150])
+        },
+        Packed {
+            causal: true,
+            softcap: true,
+            quiet: true,
+            ..case(&[129, 1, 64], &[129, 1, 64])
+        },
+    ];
+    if cuda {
+        cases.push(Packed {
+            causal: true,
+            ..case(&[700, 1, 5000, 0, 333], &[700, 1, 5000, 12, 333])
+        });
+    } else {
+        // Off CUDA (lavapipe in CI, where every rule set compiles slowly) the combining cases.
+        cases.drain(0..1);
+    }
+    for p in cases {
+        let (tq, tk) = (p.lengths_q.iter().sum(), p.lengths_k.iter().sum());
+        let batch = VarlenBatch::<B>::from_lengths(&p.lengths_q, &p.lengths_k, device);
+        let options = FlashAttentionOptions {
+            window: p.window,
+            quiet: p.quiet,
+            ..AttentionModuleOptions {
+                is_causal: p.causal,
+                softcap: p.softcap.then_some(2.0),
+                ..Default::default()
+            }
+            .into()
+        };
+        let dims = AttentionDims {
+            batch: 1,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: tq,
+            seq_k: tk,
+            head_dim: d,
+            value_dim: d,
+        };
+        let terms = ScoreTerms {
+            varlen: true,
+            ..Default::default()
+        };
+        let q = rand4::<B>([1, hq, tq, d], 1.0, dtype, device);
+        let k = rand4::<B>([1, hkv, tk, d], 1.0, dtype, device);
+        let v = rand4::<B>([1, hkv, tk, d], 1.0, dtype, device);
+        let mask = p
+            .terms
+            .then(|| bool_mask::<B, 4>([1, 1, 1, tk], device, |[_, _, _, j]| j % 11 == 3));
+        let bias = p
+            .terms
+            .then(|| rand4::<B>([1, hq, tq, tk], 1.0, dtype, device));
+        let heads = HeadTerms {
+            alibi_slopes: p
+                .terms
+                .then(|| random::<B, 1>([hq], 0.02, 0.5, FloatDType::F32, device)),
+            sinks: p
+                .terms
+                .then(|| random::<B, 1>([hq], -1.0, 1.0, FloatDType::F32, device)),
+        };
+        for kernel in runnable_kernels_with::<B>(device, dims, dtype, options, terms) {
+            let call = (
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                mask.clone(),
+                bias.clone(),
+                heads.clone(),
+            );
+            check_call(
+                call,
+                Some(&batch),
+                FlashAttentionOptions { kernel, ..options },
+                dtype,
+                &format!(
+                    "varlen q {:?} k {:?} causal {} window {:?} terms {} {kernel:?}",
+                    p.lengths_q, p.lengths_k, p.causal, p.window, p.terms
+                ),
+            );
+        }
     }
 }
 
@@ -1648,6 +1847,7 @@ macro_rules! attention_suite {
                 masked_score_and_quiet,
                 windows_and_alibi,
                 attention_sinks,
+                varlen,
                 many_seeds,
             ]
         );

@@ -39,7 +39,7 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let d_out = grads.consume::<B>(&ops.node);
-        let ((q, k, v, mask, bias, slopes, sinks), out, lse, options) = ops.state;
+        let ((q, k, v, mask, bias, slopes, sinks, seqs), out, lse, options) = ops.state;
         let bias_node = bias.as_ref().and_then(|_| ops.parents[3].clone());
         let sinks_node = sinks
             .as_ref()
@@ -52,7 +52,7 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
             _ => None,
         };
         let g = B::flash_attention_backward(
-            q, k, v, mask, bias, slopes, sinks, out, lse, d_out, options, want_ds,
+            q, k, v, mask, bias, slopes, sinks, seqs, out, lse, d_out, options, want_ds,
         );
         for (parent, grad) in ops.parents.iter().zip([g.dq, g.dk, g.dv]) {
             if let Some(node) = parent {
@@ -105,7 +105,7 @@ fn reduce_to<B: FlashBackend>(ds: FloatTensor<B>, dims: [usize; 4]) -> FloatTens
 }
 
 pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
-    (query, key, value, mask, bias, slopes, sinks): Inputs<Autodiff<B, C>>,
+    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> Pair<B, C> {
     // The slopes are not tracked (no gradient flows to them).
@@ -121,6 +121,7 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
             bias,
             slopes.clone(),
             sinks.clone(),
+            seqs.clone(),
             options,
         )
     };
@@ -137,7 +138,16 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
                 OpsKind::Tracked(prep) => {
                     let bias: Option<FloatTensor<B>> = $bias;
                     let (out, lse) = run(q.clone(), k.clone(), v.clone(), bias.clone());
-                    let inputs = (q, k, v, mask.clone(), bias, slopes.clone(), sinks.clone());
+                    let inputs = (
+                        q,
+                        k,
+                        v,
+                        mask.clone(),
+                        bias,
+                        slopes.clone(),
+                        sinks.clone(),
+                        seqs.clone(),
+                    );
                     let state = (inputs, out.clone(), lse.clone(), options);
                     (
                         prep.finish(state, out),

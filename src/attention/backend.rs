@@ -5,7 +5,7 @@
 use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
 use burn::tensor::{
     DType,
-    ops::{BoolTensor, FloatTensor},
+    ops::{BoolTensor, FloatTensor, IntTensor},
 };
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_flash_kernels::attention::{
@@ -21,9 +21,11 @@ use crate::{FlashBackend, SoftmaxMatmulBackend};
 pub trait AttentionBackend: SoftmaxMatmulBackend {
     /// `(out, lse)` of attention (see [`crate::attention()`]) over `query` `[B, Hq, Sq, D]`,
     /// `key` `[B, Hkv, Sk, D]`, `value` `[B, Hkv, Sk, Dv]`, with `mask`/`bias` broadcasting
-    /// to `[B, Hq, Sq, Sk]` and ALiBi `slopes` `[Hq]` (f32; [`crate::attention_with_alibi`]);
-    /// `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the scores. Arguments are checked
-    /// by the caller.
+    /// to `[B, Hq, Sq, Sk]`, ALiBi `slopes` `[Hq]` (f32; [`crate::attention_with_alibi`]),
+    /// attention `sinks` `[Hq]` (f32) and, for a packed variable-length batch (`B = 1`), its
+    /// sequences `seqs` (`[2·(n + 1)]`: cumulative query lengths, then key lengths;
+    /// [`crate::VarlenBatch`]); `lse` (`[B, Hq, Sq]`, f32) is the row log-sum-exp of the
+    /// scores. Arguments are checked by the caller.
     fn flash_attention(
         query: FloatTensor<Self>,
         key: FloatTensor<Self>,
@@ -32,9 +34,10 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         bias: Option<FloatTensor<Self>>,
         slopes: Option<FloatTensor<Self>>,
         sinks: Option<FloatTensor<Self>>,
+        seqs: Option<IntTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let inputs = (query, key, value, mask, bias, slopes, sinks);
+        let inputs = (query, key, value, mask, bias, slopes, sinks, seqs);
         super::composed::forward::<Self>(inputs, options)
     }
 
@@ -50,13 +53,14 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         bias: Option<FloatTensor<Self>>,
         slopes: Option<FloatTensor<Self>>,
         sinks: Option<FloatTensor<Self>>,
+        seqs: Option<IntTensor<Self>>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
         options: FlashAttentionOptions,
         want_ds: bool,
     ) -> AttentionGrads<Self> {
-        let inputs = (query, key, value, mask, bias, slopes, sinks);
+        let inputs = (query, key, value, mask, bias, slopes, sinks, seqs);
         super::composed::backward::<Self>(inputs, out, lse, d_out, options, want_ds)
     }
 
@@ -107,9 +111,10 @@ macro_rules! delegate {
             bias: Option<FloatTensor<Self>>,
             slopes: Option<FloatTensor<Self>>,
             sinks: Option<FloatTensor<Self>>,
+            seqs: Option<IntTensor<Self>>,
             options: FlashAttentionOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            let inputs = (query, key, value, mask, bias, slopes, sinks);
+            let inputs = (query, key, value, mask, bias, slopes, sinks, seqs);
             super::$module::forward::<$($g),+>(inputs, options)
         }
     };
@@ -122,13 +127,14 @@ macro_rules! delegate {
             bias: Option<FloatTensor<Self>>,
             slopes: Option<FloatTensor<Self>>,
             sinks: Option<FloatTensor<Self>>,
+            seqs: Option<IntTensor<Self>>,
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             d_out: FloatTensor<Self>,
             options: FlashAttentionOptions,
             want_ds: bool,
         ) -> AttentionGrads<Self> {
-            let inputs = (query, key, value, mask, bias, slopes, sinks);
+            let inputs = (query, key, value, mask, bias, slopes, sinks, seqs);
             super::$module::backward::<$($g),+>(inputs, out, lse, d_out, options, want_ds)
         }
     };

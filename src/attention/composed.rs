@@ -8,7 +8,7 @@
 use burn::tensor::{
     Bool, Int, Tensor, TensorPrimitive,
     backend::Backend,
-    ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
+    ops::{AttentionModuleOptions, BoolTensor, FloatTensor, IntTensor},
 };
 
 use super::{FlashAttentionOptions, Inputs, scale_of};
@@ -18,11 +18,11 @@ use burn_flash_kernels::dropout::{DropoutParams, keep};
 /// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
 /// the caller.
 pub(crate) fn forward<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes, sinks): Inputs<B>,
+    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (out, lse) =
-        forward_without_sinks::<B>((query, key, value, mask, bias, slopes, None), flash_options);
+    let inputs = (query, key, value, mask, bias, slopes, None, seqs);
+    let (out, lse) = forward_without_sinks::<B>(inputs, flash_options);
     match sinks {
         Some(sinks) => sink_outputs::<B>(out, lse, sinks),
         None => (out, lse),
@@ -31,11 +31,12 @@ pub(crate) fn forward<B: SoftmaxMatmulBackend>(
 
 /// [`forward`] without attention sinks (its `sinks` are not read).
 fn forward_without_sinks<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes, _): Inputs<B>,
+    (query, key, value, mask, bias, slopes, _, seqs): Inputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let options = flash_options.module;
-    let bias = with_alibi::<B>(&query, &key, bias, slopes);
+    let packed = Packed::read::<B>(seqs);
+    let bias = with_alibi::<B>(&query, &key, bias, slopes, packed.as_ref());
     let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
     let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
     let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
@@ -62,7 +63,8 @@ fn forward_without_sinks<B: SoftmaxMatmulBackend>(
             value,
         );
         let v = v.into_primitive().tensor();
-        let (out, lse) = forward_with_dropout::<B>(q, k, v, mask, bias, flash_options, dropout);
+        let terms = (mask, bias, packed.as_ref());
+        let (out, lse) = forward_with_dropout::<B>(q, k, v, terms, flash_options, dropout);
         return quiet_outputs::<B>(out, lse, flash_options.quiet);
     }
     let group = heads_q / heads_kv;
@@ -88,7 +90,7 @@ fn forward_without_sinks<B: SoftmaxMatmulBackend>(
         let fill = flash_options.masked_score.unwrap_or(f64::NEG_INFINITY);
         scores = scores.mask_fill(mask.expand(full), fill);
     }
-    if let Some(hidden) = range_mask::<B>(full, &flash_options, &scores.device()) {
+    if let Some(hidden) = range_mask::<B>(full, &flash_options, packed.as_ref(), &scores.device()) {
         scores = scores.mask_fill(hidden, f32::NEG_INFINITY);
     }
     let scores = scores.reshape([batch * heads_kv, group * seq_q, seq_k]);
@@ -153,19 +155,68 @@ fn sink_outputs<B: Backend>(
     (out.into_primitive().tensor(), lse.into_primitive().tensor())
 }
 
+/// A packed variable-length batch's cumulative lengths ([`crate::VarlenBatch`]), read to the
+/// host.
+pub(crate) struct Packed {
+    cu_q: Vec<usize>,
+    cu_k: Vec<usize>,
+}
+
+impl Packed {
+    /// The sequences of `seqs` (`[2·(n + 1)]`: `cu_q`, then `cu_k`), read (a device sync).
+    fn read<B: Backend>(seqs: Option<IntTensor<B>>) -> Option<Self> {
+        let seqs = Tensor::<B, 1, Int>::from_primitive(seqs?);
+        let all: Vec<i64> = seqs
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .expect("integer sequences");
+        let n = all.len() / 2;
+        let cu = |s: &[i64]| s.iter().map(|&x| x as usize).collect();
+        Some(Self {
+            cu_q: cu(&all[..n]),
+            cu_k: cu(&all[n..]),
+        })
+    }
+
+    /// For query position `i`: its sequence's keys `k0 .. k1` and its diagonal key `i + k1 −
+    /// q1` (bottom-right aligned within the sequence).
+    fn row(&self, i: usize) -> (usize, usize, i64) {
+        let b = self.cu_q.partition_point(|&q| q <= i).saturating_sub(1);
+        let b = b.min(self.cu_q.len() - 2);
+        let (k0, k1) = (self.cu_k[b], self.cu_k[b + 1]);
+        (k0, k1, i as i64 + k1 as i64 - self.cu_q[b + 1] as i64)
+    }
+}
+
 /// `true` where key `j` is after query `i` in the bottom-right aligned causal order
 /// (`j > i + Sk − Sq`), expanded to `full` = `[B, Hq, Sq, Sk]`.
 pub fn causal_mask<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
-    diagonal_offsets::<B>(full, device)
+    diagonal_offsets::<B>(full, None, device)
         .greater_elem(0)
         .reshape([1, 1, full[2], full[3]])
         .expand(full)
 }
 
 /// `j − (i + Sk − Sq)` for query `i` and key `j`: each key's offset from the row's
-/// bottom-right aligned diagonal, `[Sq, Sk]`.
-fn diagonal_offsets<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<B, 2, Int> {
+/// bottom-right aligned diagonal, `[Sq, Sk]` (packed sequences: from the diagonal within the
+/// row's sequence, [`Packed::row`]).
+fn diagonal_offsets<B: Backend>(
+    full: [usize; 4],
+    packed: Option<&Packed>,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
     let (seq_q, seq_k) = (full[2], full[3]);
+    if let Some(p) = packed {
+        let values: Vec<i64> = (0..seq_q)
+            .flat_map(|i| {
+                let a = p.row(i).2;
+                (0..seq_k).map(move |j| j as i64 - a)
+            })
+            .collect();
+        let data = burn::tensor::TensorData::new(values, [seq_q, seq_k]);
+        return Tensor::<B, 2, Int>::from_data(data, device);
+    }
     let offset = seq_k as i64 - seq_q as i64;
     let rows = Tensor::<B, 1, Int>::arange(0..seq_q as i64, device)
         .add_scalar(offset)
@@ -177,24 +228,39 @@ fn diagonal_offsets<B: Backend>(full: [usize; 4], device: &B::Device) -> Tensor<
     cols - rows
 }
 
-/// `true` where the causal mask or the sliding window of `options` hides key `j` from query
-/// `i` (`None`: neither is asked for), expanded to `full` = `[B, Hq, Sq, Sk]`.
-pub fn range_mask<B: Backend>(
+/// `true` where the causal mask, the sliding window of `options` or packed sequences hide key
+/// `j` from query `i` (`None`: none is asked for), expanded to `full` = `[B, Hq, Sq, Sk]`.
+pub(crate) fn range_mask<B: Backend>(
     full: [usize; 4],
     options: &FlashAttentionOptions,
+    packed: Option<&Packed>,
     device: &B::Device,
 ) -> Option<Tensor<B, 4, Bool>> {
     let causal = options.module.is_causal;
-    if !causal && options.window.is_none() {
+    if !causal && options.window.is_none() && packed.is_none() {
         return None;
     }
-    let d = diagonal_offsets::<B>(full, device);
+    let d = diagonal_offsets::<B>(full, packed, device);
     let limit = |w: usize| w.min(full[2] + full[3]) as i64;
     let mut right = i64::MAX;
-    let mut hidden = d.clone().lower_elem(i64::MIN + 1);
+    let mut hidden = match packed {
+        // Keys of other sequences.
+        Some(p) => {
+            let (seq_q, seq_k) = (full[2], full[3]);
+            let outside: Vec<bool> = (0..seq_q)
+                .flat_map(|i| {
+                    let (k0, k1, _) = p.row(i);
+                    (0..seq_k).map(move |j| j < k0 || j >= k1)
+                })
+                .collect();
+            let data = burn::tensor::TensorData::new(outside, [seq_q, seq_k]);
+            Tensor::<B, 2, Bool>::from_data(data, device)
+        }
+        None => d.clone().lower_elem(i64::MIN + 1),
+    };
     if let Some((l, r)) = options.window {
         right = limit(r);
-        hidden = d.clone().lower_elem(-limit(l));
+        hidden = hidden.bool_or(d.clone().lower_elem(-limit(l)));
     }
     if causal {
         right = 0;
@@ -213,6 +279,7 @@ fn with_alibi<B: Backend>(
     key: &FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
     slopes: Option<FloatTensor<B>>,
+    packed: Option<&Packed>,
 ) -> Option<FloatTensor<B>> {
     let Some(slopes) = slopes else {
         return bias;
@@ -222,7 +289,7 @@ fn with_alibi<B: Backend>(
     let seq_k = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key.clone())).dims()[2];
     let device = q.device();
     let full = [batch, heads_q, seq_q, seq_k];
-    let distance = diagonal_offsets::<B>(full, &device)
+    let distance = diagonal_offsets::<B>(full, packed, &device)
         .abs()
         .float()
         .cast(burn::tensor::DType::F32)
@@ -248,7 +315,7 @@ fn with_alibi<B: Backend>(
 pub(crate) fn backward<B: Backend>(
     // The sinks are in `lse`: the weights `e^(s − lse)` of the keys are the ones the forward
     // used, and their gradient is the usual one (the sinks' own is the caller's).
-    (query, key, value, mask, bias, slopes, _sinks): Inputs<B>,
+    (query, key, value, mask, bias, slopes, _sinks, seqs): Inputs<B>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     d_out: FloatTensor<B>,
@@ -256,7 +323,8 @@ pub(crate) fn backward<B: Backend>(
     want_ds: bool,
 ) -> super::AttentionGrads<B> {
     let options = flash_options.module;
-    let bias = with_alibi::<B>(&query, &key, bias, slopes);
+    let packed = Packed::read::<B>(seqs);
+    let bias = with_alibi::<B>(&query, &key, bias, slopes, packed.as_ref());
     let float = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
     let (query, key, value, out, d_out) = (
         float(query),
@@ -294,7 +362,13 @@ pub(crate) fn backward<B: Backend>(
         hidden,
         filled,
         cap_grad,
-    } = scores::<B>(q.clone(), key.clone(), mask, bias, flash_options, full);
+    } = scores::<B>(
+        q.clone(),
+        key.clone(),
+        (mask, bias, packed.as_ref()),
+        flash_options,
+        full,
+    );
     // P = e^(s − lse); a row without a visible key has lse = −inf and P = 0 (the clamp keeps
     // e^(−inf − lse) at 0 there instead of NaN).
     let lse = lse
@@ -355,12 +429,18 @@ struct Scores<B: Backend> {
     cap_grad: Option<Tensor<B, 4>>,
 }
 
+/// A call's score terms: the mask, the bias (ALiBi included) and packed sequences.
+type Terms<'a, B> = (
+    Option<BoolTensor<B>>,
+    Option<FloatTensor<B>>,
+    Option<&'a Packed>,
+);
+
 /// [`Scores`] of `q` (grouped: `[B, Hkv, G·Sq, D]`) and `key`.
 fn scores<B: Backend>(
     q: Tensor<B, 4>,
     key: Tensor<B, 4>,
-    mask: Option<BoolTensor<B>>,
-    bias: Option<FloatTensor<B>>,
+    (mask, bias, packed): Terms<'_, B>,
     flash_options: FlashAttentionOptions,
     full: [usize; 4],
 ) -> Scores<B> {
@@ -392,7 +472,7 @@ fn scores<B: Backend>(
         }
         None => (mask, None),
     };
-    if let Some(range) = range_mask::<B>(full, &flash_options, &device) {
+    if let Some(range) = range_mask::<B>(full, &flash_options, packed, &device) {
         hidden = Some(match hidden {
             Some(h) => h.bool_or(range),
             None => range,
@@ -432,8 +512,7 @@ fn forward_with_dropout<B: Backend>(
     query: FloatTensor<B>,
     key: FloatTensor<B>,
     value: FloatTensor<B>,
-    mask: Option<BoolTensor<B>>,
-    bias: Option<FloatTensor<B>>,
+    terms: Terms<'_, B>,
     options: FlashAttentionOptions,
     dropout: DropoutParams,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
@@ -447,7 +526,7 @@ fn forward_with_dropout<B: Backend>(
     let full = [batch, heads_q, seq_q, seq_k];
     let rows = heads_q / heads_kv * seq_q;
     let q = query.reshape([batch, heads_kv, rows, head_dim]);
-    let Scores { scores, hidden, .. } = scores::<B>(q, key, mask, bias, options, full);
+    let Scores { scores, hidden, .. } = scores::<B>(q, key, terms, options, full);
     let mut s = scores.cast(burn::tensor::DType::F32);
     if let Some(hidden) = hidden {
         s = s.mask_fill(hidden, f32::NEG_INFINITY);

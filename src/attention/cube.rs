@@ -1,6 +1,9 @@
 //! Attention on `CubeBackend`: validate, convert the mask, allocate, launch.
 
-use burn::tensor::{DType, FloatDType, ops::BoolTensorOps};
+use burn::tensor::{
+    DType, FloatDType, IntDType,
+    ops::{BoolTensorOps, IntTensorOps},
+};
 use burn_cubecl::{
     BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement, tensor::CubeTensor,
 };
@@ -38,6 +41,7 @@ fn features(dims: AttentionDims, terms: ScoreTerms) -> AttentionFeatures {
         bias: terms.bias,
         alibi: terms.alibi,
         sinks: terms.sinks,
+        varlen: terms.varlen,
     }
 }
 
@@ -69,8 +73,23 @@ where
     mask.map(|m| CubeBackend::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)))
 }
 
+/// A packed batch's sequences as the kernels read them: 32-bit integers (the kernels read u32;
+/// the offsets are non-negative), cast where the backend's integers are wider.
+fn seqs_u32<R, F, I, BT>(seqs: Option<CubeTensor<R>>) -> Option<CubeTensor<R>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    seqs.map(|s| match s.dtype {
+        DType::I32 | DType::U32 => s,
+        _ => CubeBackend::<R, F, I, BT>::int_cast(s, IntDType::U32),
+    })
+}
+
 pub(crate) fn forward<R, F, I, BT>(
-    (query, key, value, mask, bias, slopes, sinks): Inputs<CubeBackend<R, F, I, BT>>,
+    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -81,6 +100,7 @@ where
 {
     let dtype = query.dtype;
     let mask = float_mask::<R, F, I, BT>(mask, dtype);
+    let seqs = seqs_u32::<R, F, I, BT>(seqs);
     let [batch, heads_q, seq_q, head_dim]: [usize; 4] = query
         .meta
         .shape()
@@ -99,6 +119,7 @@ where
         bias.as_ref().map(tensor_ref),
         slopes.as_ref().map(tensor_ref),
         sinks.as_ref().map(tensor_ref),
+        seqs.as_ref().map(tensor_ref),
         tensor_ref(&out),
         tensor_ref(&lse),
         dtype.into(),
@@ -129,7 +150,7 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
 
 pub(crate) fn backward<R, F, I, BT>(
     // The sinks are in `lse` (the backward kernels read it): they are not read again.
-    (query, key, value, mask, bias, slopes, _sinks): Inputs<CubeBackend<R, F, I, BT>>,
+    (query, key, value, mask, bias, slopes, _sinks, seqs): Inputs<CubeBackend<R, F, I, BT>>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
@@ -144,6 +165,7 @@ where
 {
     let dtype = query.dtype;
     let mask = float_mask::<R, F, I, BT>(mask, dtype);
+    let seqs = seqs_u32::<R, F, I, BT>(seqs);
     let dq = empty(&query, query.meta.shape(), dtype);
     let dk = empty(&query, key.meta.shape(), dtype);
     let dv = empty(&query, value.meta.shape(), dtype);
@@ -160,6 +182,7 @@ where
             mask: mask.as_ref().map(tensor_ref),
             bias: bias.as_ref().map(tensor_ref),
             slopes: slopes.as_ref().map(tensor_ref),
+            seqs: seqs.as_ref().map(tensor_ref),
             out: tensor_ref(&out),
             lse: tensor_ref(&lse),
             d_out: tensor_ref(&d_out),

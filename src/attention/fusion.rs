@@ -14,13 +14,14 @@ use crate::fusion::{Handles, out_and_lse, uninit};
 /// Attention or its backward.
 #[derive(Debug)]
 struct AttentionOp<B> {
-    /// [`Inputs`] (the mask, the bias, the slopes and the sinks where given), then, for the backward,
-    /// `out`, `lse`, `d_out`.
+    /// [`Inputs`] (the mask, the bias, the slopes, the sinks and the sequences where given),
+    /// then, for the backward, `out`, `lse`, `d_out`.
     inputs: Vec<TensorIr>,
     has_mask: bool,
     has_bias: bool,
     has_slopes: bool,
     has_sinks: bool,
+    has_seqs: bool,
     /// `out`, `lse`; for the backward `dq`, `dk`, `dv`, then `ds` where asked for.
     outputs: Vec<TensorId>,
     backward: bool,
@@ -41,6 +42,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
         let sinks = self
             .has_sinks
             .then(|| handles.get_float_tensor::<B>(next()));
+        let seqs = self.has_seqs.then(|| handles.get_int_tensor::<B>(next()));
         let outputs = if self.backward {
             let [out, lse, d_out] =
                 [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
@@ -53,6 +55,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
                 bias,
                 slopes,
                 sinks,
+                seqs,
                 out,
                 lse,
                 d_out,
@@ -61,7 +64,8 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
             );
             [g.dq, g.dk, g.dv].into_iter().chain(g.ds).collect()
         } else {
-            let (out, lse) = B::flash_attention(q, k, v, mask, bias, slopes, sinks, self.options);
+            let (out, lse) =
+                B::flash_attention(q, k, v, mask, bias, slopes, sinks, seqs, self.options);
             vec![out, lse]
         };
         for (id, t) in self.outputs.iter().zip(outputs) {
@@ -74,19 +78,20 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AttentionO
 /// `rest`), writing `outputs`.
 fn record<B: FusionBackend + FlashBackend>(
     name: &'static str,
-    (query, key, value, mask, bias, slopes, sinks): Inputs<Fusion<B>>,
+    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<Fusion<B>>,
     rest: Vec<FloatTensor<Fusion<B>>>,
     outputs: Vec<TensorIr>,
     backward: bool,
     options: FlashAttentionOptions,
 ) -> Vec<FloatTensor<Fusion<B>>> {
     let (has_mask, has_bias) = (mask.is_some(), bias.is_some());
-    let (has_slopes, has_sinks) = (slopes.is_some(), sinks.is_some());
+    let (has_slopes, has_sinks, has_seqs) = (slopes.is_some(), sinks.is_some(), seqs.is_some());
     let mut tensors = vec![query, key, value];
     tensors.extend(mask);
     tensors.extend(bias);
     tensors.extend(slopes);
     tensors.extend(sinks);
+    tensors.extend(seqs);
     tensors.extend(rest);
     let op = |inputs, outputs| AttentionOp::<B> {
         inputs,
@@ -94,6 +99,7 @@ fn record<B: FusionBackend + FlashBackend>(
         has_bias,
         has_slopes,
         has_sinks,
+        has_seqs,
         outputs,
         backward,
         options,

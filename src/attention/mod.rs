@@ -31,11 +31,14 @@ pub(crate) mod backend;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;
+mod varlen;
+
+pub use varlen::{VarlenBatch, attention_varlen};
 
 use burn::tensor::{
-    Bool, DType, Tensor, TensorPrimitive,
+    Bool, DType, Int, Tensor, TensorPrimitive,
     backend::Backend,
-    ops::{AttentionModuleOptions, BoolTensor, FloatTensor},
+    ops::{AttentionModuleOptions, BoolTensor, FloatTensor, IntTensor},
 };
 
 pub use burn_flash_kernels::dropout::DropoutParams;
@@ -65,7 +68,8 @@ use crate::FlashBackend;
 const OP: &str = "burn_flash::attention";
 
 /// A call's tensors as the backends take them: `query`, `key`, `value`, the mask, the bias,
-/// the ALiBi slopes and the attention-sink logits.
+/// the ALiBi slopes, the attention-sink logits and a packed batch's sequences
+/// ([`VarlenBatch`]).
 pub(crate) type Inputs<B> = (
     FloatTensor<B>,
     FloatTensor<B>,
@@ -74,6 +78,7 @@ pub(crate) type Inputs<B> = (
     Option<FloatTensor<B>>,
     Option<FloatTensor<B>>,
     Option<FloatTensor<B>>,
+    Option<IntTensor<B>>,
 );
 
 /// Per-head inputs of an attention call beyond Burn's arguments
@@ -255,6 +260,22 @@ pub fn attention_with_heads<B: FlashBackend>(
     heads: HeadTerms<B>,
     options: FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    attention_checked(query, key, value, mask, attn_bias, heads, None, options)
+}
+
+/// [`attention_with_heads`] of a call whose one batch may be packed sequences `seqs`
+/// ([`VarlenBatch`], whose values the caller checked).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_checked<B: FlashBackend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    mask: Option<Tensor<B, 4, Bool>>,
+    attn_bias: Option<Tensor<B, 4>>,
+    heads: HeadTerms<B>,
+    seqs: Option<Tensor<B, 1, Int>>,
+    options: FlashAttentionOptions,
+) -> (Tensor<B, 4>, Tensor<B, 3>) {
     let HeadTerms {
         alibi_slopes,
         sinks,
@@ -292,6 +313,7 @@ pub fn attention_with_heads<B: FlashBackend>(
         bias_tracked: false,
         alibi: alibi_slopes.is_some(),
         sinks: sinks.is_some(),
+        varlen: seqs.is_some(),
     };
     if let Some(Err(err)) =
         B::flash_attention_plan(&query.device(), dims, query.dtype(), options, terms)
@@ -306,6 +328,7 @@ pub fn attention_with_heads<B: FlashBackend>(
         attn_bias.map(|b| b.into_primitive().tensor()),
         alibi_slopes.map(|s| s.cast(DType::F32).into_primitive().tensor()),
         sinks.map(|s| s.cast(DType::F32).into_primitive().tensor()),
+        seqs.map(|s| s.into_primitive()),
         options,
     );
     (
@@ -356,6 +379,8 @@ pub struct ScoreTerms {
     pub alibi: bool,
     /// Attention sinks are given.
     pub sinks: bool,
+    /// The call is a packed variable-length batch ([`attention_varlen`]).
+    pub varlen: bool,
 }
 
 /// The launch the fused attention would make on `device` for contiguous tensors of `dims`
@@ -400,6 +425,7 @@ pub fn attention_backward_plan<B: FlashBackend>(
         bias_tracked: bias,
         alibi: false,
         sinks: false,
+        varlen: false,
     };
     attention_backward_plan_with::<B>(device, dims, dtype, options, terms)
 }

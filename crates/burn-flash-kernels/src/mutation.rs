@@ -62,6 +62,9 @@ pub enum Mutation {
     /// `window-right`: a sliding window's right edge is one key too far (`j ≤ i + Sk − Sq +
     /// right + 1`), in every kernel's visibility test and key range alike.
     WindowRight,
+    /// `varlen-first-row`: a packed batch's sequence lookup takes each sequence's first query
+    /// row for the previous sequence's (`cu_q[b] < pos` instead of `≤`).
+    VarlenFirstRow,
 }
 
 impl Mutation {
@@ -85,6 +88,7 @@ impl Mutation {
             Self::HopperNoWait => "hopper-no-wait",
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
+            Self::VarlenFirstRow => "varlen-first-row",
         }
     }
 }
@@ -120,10 +124,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::HopperNoWait,
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
+            Mutation::VarlenFirstRow,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -227,4 +232,9 @@ pub fn ds_skipped_rows() -> bool {
 /// [`Mutation::WindowRight`] is active.
 pub fn window_right() -> bool {
     active(Mutation::WindowRight)
+}
+
+/// [`Mutation::VarlenFirstRow`] is active.
+pub fn varlen_first_row() -> bool {
+    active(Mutation::VarlenFirstRow)
 }

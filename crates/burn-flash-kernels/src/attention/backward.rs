@@ -334,6 +334,8 @@ pub struct BackwardTensors<'a> {
     pub bias: Option<TensorRef<'a>>,
     /// The forward's ALiBi slopes `[Hq]`, f32.
     pub slopes: Option<TensorRef<'a>>,
+    /// The forward's packed sequences ([`super::check_seqs`]).
+    pub seqs: Option<TensorRef<'a>>,
     /// The forward's output `[B, Hq, Sq, Dv]`.
     pub out: TensorRef<'a>,
     /// The forward's row log-sum-exp `[B, Hq, Sq]`, f32.
@@ -376,6 +378,9 @@ pub fn launch_attention_backward<R: Runtime>(
     if let Some(s) = &t.slopes {
         expect_shape("slopes", s, &[dims.heads_q])?;
     }
+    if let Some(s) = &t.seqs {
+        super::check_seqs(s, dims)?;
+    }
     let mask_strides = t
         .mask
         .as_ref()
@@ -397,6 +402,7 @@ pub fn launch_attention_backward<R: Runtime>(
         bias: t.bias.is_some(),
         alibi: t.slopes.is_some(),
         sinks: false,
+        varlen: t.seqs.is_some(),
     };
     let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;
@@ -461,6 +467,8 @@ pub fn launch_attention_backward<R: Runtime>(
         slopes: operand(t.slopes.as_ref().unwrap_or(&t.lse), None),
         // The backward reads no sinks (the stored lse includes them): `lse` stands in.
         sinks: operand(&t.lse, None),
+        // Absent sequences are never read: `lse` stands in.
+        seqs: operand(t.seqs.as_ref().unwrap_or(&t.lse), None),
         out: operand(&t.out, None),
         d_out: operand(&t.d_out, None),
         lse: operand(&t.lse, None),

@@ -162,6 +162,7 @@ impl AttentionOptions {
             window: self.window.is_some(),
             alibi: features.alibi,
             sinks: features.sinks,
+            varlen: features.varlen,
         }
     }
 
@@ -191,6 +192,8 @@ pub struct AttentionFeatures {
     /// Attention-sink logits are given (forward only: the backward kernels read the stored
     /// log-sum-exp, which includes them).
     pub sinks: bool,
+    /// The call is a packed variable-length batch (`seqs` given, [`check_seqs`]).
+    pub varlen: bool,
 }
 
 /// Sizes of one call.
@@ -748,6 +751,29 @@ pub fn attention_dims(
     Ok(dims)
 }
 
+/// Checks the sequences of a packed variable-length call (`seqs`: `[2·(n + 1)]`, u32 or i32,
+/// the cumulative query lengths then the cumulative key lengths) against its sizes: one
+/// batch, `n ≥ 1`. Their values (starting at 0, non-decreasing, ending at `Sq` and `Sk`) are
+/// the caller's to check: reading them here would wait for the device.
+pub fn check_seqs(seqs: &TensorRef<'_>, dims: AttentionDims) -> Result<(), AttentionError> {
+    let n = seqs.shape.first().copied().unwrap_or(0);
+    if seqs.shape.len() != 1 || n < 4 || n % 2 != 0 {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "seqs",
+            expected: "[2·(n + 1)] with n ≥ 1 sequences (cu_q then cu_k)".to_string(),
+            got: seqs.shape.to_vec(),
+        });
+    }
+    if dims.batch != 1 {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "q",
+            expected: "one batch of packed sequences".to_string(),
+            got: vec![dims.batch, dims.heads_q, dims.seq_q, dims.head_dim],
+        });
+    }
+    Ok(())
+}
+
 /// `out` and `lse` of attention over `q`, `k`, `v` with an optional `mask` and `bias`
 /// (module docs). Returns the plan that ran; nothing is launched when an error is returned,
 /// nor for an empty output.
@@ -761,6 +787,7 @@ pub fn launch_attention<R: Runtime>(
     bias: Option<TensorRef<'_>>,
     slopes: Option<TensorRef<'_>>,
     sinks: Option<TensorRef<'_>>,
+    seqs: Option<TensorRef<'_>>,
     out: TensorRef<'_>,
     lse: TensorRef<'_>,
     dtype: StorageType,
@@ -768,6 +795,9 @@ pub fn launch_attention<R: Runtime>(
 ) -> Result<AttentionPlan, AttentionError> {
     crate::cache::ensure_linked();
     let dims = attention_dims(&q, &k, &v)?;
+    if let Some(s) = &seqs {
+        check_seqs(s, dims)?;
+    }
     expect_shape("out", &out, &dims.out_shape())?;
     expect_shape("lse", &lse, &dims.lse_shape())?;
     if let Some(s) = &slopes {
@@ -796,6 +826,7 @@ pub fn launch_attention<R: Runtime>(
         bias: bias.is_some(),
         alibi: slopes.is_some(),
         sinks: sinks.is_some(),
+        varlen: seqs.is_some(),
     };
     let plan = plan_attention(client, dims, dtype, features, options)?;
     if dims.out_shape().contains(&0) {
@@ -819,6 +850,7 @@ pub fn launch_attention<R: Runtime>(
                     bias,
                     slopes.as_ref(),
                     sinks.as_ref(),
+                    seqs.as_ref(),
                     &out,
                     &lse,
                     dims,
@@ -847,13 +879,14 @@ pub fn launch_attention<R: Runtime>(
         (Some(b), Some(s)) => arg::<R>(b, &full, s),
         _ => arg::<R>(&q, unused.0, unused.1),
     };
-    // Absent slopes or sinks are never read: `lse` (f32) stands in.
+    // Absent slopes, sinks or sequences are never read: `lse` (f32) stands in.
     let per_head = |t: &Option<TensorRef<'_>>| match t {
         Some(s) => arg::<R>(s, s.shape, s.strides),
         None => arg::<R>(&lse, lse.shape, lse.strides),
     };
     let slopes_arg = per_head(&slopes);
     let sinks_arg = per_head(&sinks);
+    let seqs_arg = per_head(&seqs);
     let tensors = FlashTensors {
         q: arg::<R>(&q, q.shape, q.strides),
         k: arg::<R>(&k, k.shape, k.strides),
@@ -862,6 +895,7 @@ pub fn launch_attention<R: Runtime>(
         bias: bias_arg,
         slopes: slopes_arg,
         sinks: sinks_arg,
+        seqs: seqs_arg,
         out: arg::<R>(&out, out.shape, out.strides),
         lse: arg::<R>(&lse, lse.shape, lse.strides),
     };

@@ -60,6 +60,10 @@ pub struct ScoreInputs<E: CubePrimitive, F: CubePrimitive> {
     pub slopes: Tensor<f32>,
     /// Attention-sink logits `[Hq]` (f32).
     pub sinks: Tensor<f32>,
+    /// The sequences of a packed variable-length call, `[2·(n + 1)]` (u32): the cumulative
+    /// query lengths `cu_q` (`0, …, Sq`), then the cumulative key lengths `cu_k` (`0, …, Sk`)
+    /// ([`crate::flash::scores::packed_seq()`]).
+    pub seqs: Tensor<u32>,
 }
 
 /// What a forward kernel writes.
@@ -147,6 +151,8 @@ pub struct FlashTensors<R: Runtime> {
     pub slopes: TensorArg<R>,
     /// The attention-sink logits (f32).
     pub sinks: TensorArg<R>,
+    /// The packed sequences' cumulative lengths (u32).
+    pub seqs: TensorArg<R>,
     /// The output.
     pub out: TensorArg<R>,
     /// The row log-sum-exp (f32).
@@ -205,6 +211,7 @@ impl BackwardOperands {
             self.bias.arg(),
             self.slopes.arg(),
             self.sinks.arg(),
+            self.seqs.arg(),
         )
     }
 
@@ -253,6 +260,8 @@ pub struct BackwardOperands {
     pub slopes: Operand,
     /// The attention-sink logits `[Hq]` (f32).
     pub sinks: Operand,
+    /// The packed sequences' cumulative lengths (u32, [`ScoreInputs::seqs`]).
+    pub seqs: Operand,
     /// The forward's output.
     pub out: Operand,
     /// The output's gradient.

@@ -87,8 +87,8 @@ impl CubeBlock {
 }
 
 /// The keys some of the query positions `pos_lo ..= pos_hi` see (`any`) and the keys all of
-/// them see (`all`), under the causal mask and the window ([`key_range()`]: both ends grow with
-/// the position).
+/// them see (`all`), under the causal mask, the window and packed sequences ([`key_range()`]:
+/// both ends grow with the position).
 #[derive(CubeType)]
 pub struct SpanKeys {
     /// Keys some position sees.
@@ -100,6 +100,7 @@ pub struct SpanKeys {
 /// [`SpanKeys`] of the positions `pos_lo ..= pos_hi`.
 #[cube]
 pub fn span_keys(
+    seqs: &Tensor<u32>,
     pos_lo: usize,
     pos_hi: usize,
     seq_q: usize,
@@ -107,8 +108,8 @@ pub fn span_keys(
     args: &ScoreArgs,
     #[comptime] c: FlashConfig,
 ) -> SpanKeys {
-    let lo = key_range(pos_lo, seq_q, seq_k, args, c);
-    let hi = key_range(pos_hi, seq_q, seq_k, args, c);
+    let lo = key_range(seqs, pos_lo, seq_q, seq_k, args, c);
+    let hi = key_range(seqs, pos_hi, seq_q, seq_k, args, c);
     SpanKeys {
         any: KeyRange {
             start: lo.start,
@@ -133,11 +134,12 @@ pub fn span_positions(r0: usize, last: usize, seq_q: usize) -> KeyRange {
 }
 
 /// The [`CubeBlock`] of this cube for queries `q` (the scores `X` when they are given) and
-/// keys `k`, under the call's window `args`.
+/// keys `k`, under the call's window `args` and packed sequences `seqs`.
 #[cube]
 pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     q: &Tensor<Q>,
     k: &Tensor<K>,
+    seqs: &Tensor<u32>,
     args: &ScoreArgs,
     #[comptime] c: FlashConfig,
 ) -> CubeBlock {
@@ -159,16 +161,16 @@ pub fn cube_block<Q: CubePrimitive, K: CubePrimitive>(
     }
     let hkv = pair % heads_kv;
     let row0 = (CUBE_POS_Y as usize % row_blocks) * comptime!(c.block_q as usize);
-    // With a causal mask or a window: from the first row's window start to the last row's
-    // diagonal (or window end), and all keys between the last row's start and the first's end.
+    // With a causal mask, a window or packed sequences: from the first row's first key to the
+    // last row's last, and all keys between the last row's first and the first row's last.
     let last = usize::min(row0 + comptime!(c.block_q as usize), rows) - 1;
     let mut kv_start = 0usize;
     let mut kv_end = seq_k;
     let mut full_start = 0usize;
     let mut full_end = seq_k;
-    if comptime!(c.rules.causal || c.rules.window) {
+    if comptime!(c.ranged()) {
         let pos = span_positions(row0, last, seq_q);
-        let keys = span_keys(pos.start, pos.end, seq_q, seq_k, args, c);
+        let keys = span_keys(seqs, pos.start, pos.end, seq_q, seq_k, args, c);
         let bk = comptime!(c.block_k as usize);
         kv_start = (keys.any.start / bk) * bk;
         kv_end = keys.any.end;
@@ -310,10 +312,12 @@ pub fn pair_block<Q: CubePrimitive, K: CubePrimitive, V: CubePrimitive>(
 }
 
 /// The keys some of the rows `r0 .. r0 + n` of a [`PairBlock`] see: all of them but under a
-/// causal mask or a window ([`span_keys()`]), the start rounded down to a multiple of `step`.
+/// causal mask, a window or packed sequences `seqs` ([`span_keys()`]), the start rounded down
+/// to a multiple of `step`.
 #[cube]
 pub fn rows_keys(
     blk: &PairBlock,
+    seqs: &Tensor<u32>,
     r0: usize,
     n: usize,
     args: &ScoreArgs,
@@ -322,10 +326,10 @@ pub fn rows_keys(
 ) -> KeyRange {
     let mut start = 0usize;
     let mut end = blk.seq_k;
-    if comptime!(c.rules.causal || c.rules.window) {
+    if comptime!(c.ranged()) {
         let last = usize::min(r0 + n, blk.rows) - 1;
         let pos = span_positions(r0, last, blk.seq_q);
-        let keys = span_keys(pos.start, pos.end, blk.seq_q, blk.seq_k, args, c);
+        let keys = span_keys(seqs, pos.start, pos.end, blk.seq_q, blk.seq_k, args, c);
         start = (keys.any.start / step) * step;
         end = keys.any.end;
     }

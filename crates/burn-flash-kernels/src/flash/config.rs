@@ -45,6 +45,11 @@ pub struct ScoreRules {
     /// `e^s_j / (e^sink + Σ e^s)` ([`crate::flash::online::output_sum()`]); the stored
     /// log-sum-exp includes it, so the backward kernels are unchanged.
     pub sinks: bool,
+    /// A packed variable-length batch: the call's one batch holds sequences end to end, and
+    /// each query position sees only its own sequence's keys, under the other rules applied
+    /// per sequence (causal and the window bottom-right aligned in each). The sequences'
+    /// cumulative lengths are a runtime tensor ([`crate::flash::args::ScoreInputs::seqs`]).
+    pub varlen: bool,
 }
 
 impl ScoreRules {
@@ -60,6 +65,7 @@ impl ScoreRules {
         window: false,
         alibi: false,
         sinks: false,
+        varlen: false,
     };
 }
 
@@ -144,10 +150,18 @@ impl FlashConfig {
     }
 
     /// Whether a kernel that visits rows for a key (the dK/dV kernels) needs each row's head
-    /// and position: a mask, a bias, dropout, ALiBi or a window.
+    /// and position: a mask, a bias, dropout, ALiBi, a window or packed sequences.
     pub fn reads_row_terms(&self) -> bool {
         let r = self.rules;
-        r.mask || r.bias || r.dropout || r.alibi || r.window
+        r.mask || r.bias || r.dropout || r.alibi || r.window || r.varlen
+    }
+
+    /// Whether rows see a range of the keys rather than all of them (the causal mask, a window
+    /// or packed sequences, [`crate::flash::scores::key_range()`]): the kernels then skip key
+    /// blocks outside every row's range.
+    pub fn ranged(&self) -> bool {
+        let r = self.rules;
+        r.causal || r.window || r.varlen
     }
 
     /// The score of a masked key ([`ScoreRules::masked_score`]; 0 when unset, never read).

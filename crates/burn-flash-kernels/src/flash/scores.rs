@@ -26,11 +26,93 @@ pub struct KeyRange {
     pub end: usize,
 }
 
-/// The keys query position `pos` sees under the causal mask and the sliding window (bottom-right
-/// aligned: the row's diagonal key is `a = pos + Sk − Sq`): `max(a − left, 0) ..
-/// min(a + 1 [causal] or a + right + 1 [window], Sk)`; `0 .. Sk` without either rule.
+/// One sequence of a packed variable-length call ([`crate::flash::ScoreRules::varlen`]): its
+/// query positions `q0 .. q1` and keys `k0 .. k1` in the packed tensors.
+#[derive(CubeType, Clone, Copy)]
+pub struct PackedSeq {
+    /// The sequence's first query position.
+    pub q0: usize,
+    /// One past its last query position.
+    pub q1: usize,
+    /// Its first key.
+    pub k0: usize,
+    /// One past its last key.
+    pub k1: usize,
+}
+
+/// The sequence holding query position `pos` of a packed call, from `seqs` (`[2·(n + 1)]`: the
+/// cumulative query lengths `cu_q`, then the cumulative key lengths `cu_k`): the last sequence
+/// `b < n` with `cu_q[b] ≤ pos` (a binary search; empty sequences before a position are
+/// passed over).
+#[cube]
+pub fn packed_seq(seqs: &Tensor<u32>, pos: usize) -> PackedSeq {
+    let st = seqs.stride(0);
+    let n = seqs.shape(0) / 2 - 1;
+    let mut lo = 0usize;
+    let mut hi = n;
+    // Invariant: cu_q[lo] ≤ pos, and every b ≥ hi has cu_q[b] > pos or b = n.
+    loop {
+        if hi - lo <= 1 {
+            break;
+        }
+        let mid = (lo + hi) / 2;
+        let mut starts = seqs[mid * st] as usize <= pos;
+        if comptime!(crate::mutation::varlen_first_row()) {
+            starts = (seqs[mid * st] as usize) < pos;
+        }
+        if starts {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    PackedSeq {
+        q0: seqs[lo * st] as usize,
+        q1: seqs[(lo + 1) * st] as usize,
+        k0: seqs[(n + 1 + lo) * st] as usize,
+        k1: seqs[(n + 2 + lo) * st] as usize,
+    }
+}
+
+/// The keys query position `pos` sees under the causal mask, the sliding window and packed
+/// sequences: with [`crate::flash::ScoreRules::varlen`] the keys of `pos`'s own sequence
+/// ([`packed_seq()`]) that [`local_range()`] gives its position within the sequence, against
+/// the sequence's lengths; [`local_range()`] of the call's `Sq`, `Sk` otherwise. Both ends grow
+/// with `pos` (also across sequences: a sequence's keys follow the previous one's).
 #[cube]
 pub fn key_range(
+    seqs: &Tensor<u32>,
+    pos: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> KeyRange {
+    // The position within its sequence, the sequence's lengths and its first key.
+    let mut at = pos;
+    let mut len_q = seq_q;
+    let mut len_k = seq_k;
+    let mut k0 = 0usize;
+    if comptime!(c.rules.varlen) {
+        let s = packed_seq(seqs, pos);
+        at = pos - s.q0;
+        len_q = s.q1 - s.q0;
+        len_k = s.k1 - s.k0;
+        k0 = s.k0;
+    }
+    let local = local_range(at, len_q, len_k, args, c);
+    KeyRange {
+        start: local.start + k0,
+        end: local.end + k0,
+    }
+}
+
+/// The keys query position `pos` of a sequence of `Sq` queries and `Sk` keys sees under the
+/// causal mask and the sliding window (bottom-right aligned: the row's diagonal key is `a = pos
+/// + Sk − Sq`): `max(a − left, 0) .. min(a + 1 [causal] or a + right + 1 [window], Sk)`; `0 ..
+/// Sk` without either rule.
+#[cube]
+pub fn local_range(
     pos: usize,
     seq_q: usize,
     seq_k: usize,
@@ -59,11 +141,12 @@ pub fn key_range(
     KeyRange { start, end }
 }
 
-/// Whether query position `pos` sees key `key` under the causal mask and the window: `key` in
-/// [`key_range()`]`(pos)`, tested directly (for kernels that hold a key and visit rows); does
-/// not test `key < Sk`.
+/// Whether query position `pos` sees key `key` under the causal mask, the window and packed
+/// sequences: `key` in [`key_range()`]`(pos)`, tested directly (for kernels that hold a key and
+/// visit rows); without packed sequences, does not test `key < Sk`.
 #[cube]
 pub fn sees(
+    seqs: &Tensor<u32>,
     pos: usize,
     key: usize,
     seq_q: usize,
@@ -72,30 +155,57 @@ pub fn sees(
     #[comptime] c: FlashConfig,
 ) -> bool {
     let mut ok = true;
-    if comptime!(c.rules.causal) {
-        if comptime!(crate::mutation::causal_top_left()) {
-            ok = key <= pos;
-        } else {
-            ok = key + seq_q <= pos + seq_k;
+    if comptime!(c.rules.varlen) {
+        let keys = key_range(seqs, pos, seq_q, seq_k, args, c);
+        ok = key >= keys.start && key < keys.end;
+    } else {
+        if comptime!(c.rules.causal) {
+            if comptime!(crate::mutation::causal_top_left()) {
+                ok = key <= pos;
+            } else {
+                ok = key + seq_q <= pos + seq_k;
+            }
         }
-    }
-    if comptime!(c.rules.window) {
-        let mut right = args.window_right as usize;
-        if comptime!(crate::mutation::window_right()) {
-            right += 1;
+        if comptime!(c.rules.window) {
+            let mut right = args.window_right as usize;
+            if comptime!(crate::mutation::window_right()) {
+                right += 1;
+            }
+            ok = ok
+                && key + seq_q + args.window_left as usize >= pos + seq_k
+                && key + seq_q <= pos + seq_k + right;
         }
-        ok = ok
-            && key + seq_q + args.window_left as usize >= pos + seq_k
-            && key + seq_q <= pos + seq_k + right;
     }
     ok
 }
 
-/// The ALiBi term of query position `pos` of head `head` and key `key`: `−slope[head]·|pos +
-/// Sk − Sq − key|` (0 without ALiBi).
+/// Query position `pos`'s diagonal key `pos + Sk − Sq` as f32 (exact below 2²⁴), the point
+/// of its ALiBi distance: with packed sequences, of its own sequence (`pos + k1 − q1`).
 #[cube]
+pub fn diagonal(
+    seqs: &Tensor<u32>,
+    pos: usize,
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] c: FlashConfig,
+) -> f32 {
+    let mut q1 = seq_q;
+    let mut k1 = seq_k;
+    if comptime!(c.rules.varlen) {
+        let s = packed_seq(seqs, pos);
+        q1 = s.q1;
+        k1 = s.k1;
+    }
+    f32::cast_from(pos + k1) - f32::cast_from(q1)
+}
+
+/// The ALiBi term of query position `pos` of head `head` and key `key`: `−slope[head]·|pos +
+/// Sk − Sq − key|` ([`diagonal()`]; 0 without ALiBi).
+#[cube]
+#[allow(clippy::too_many_arguments)]
 pub fn alibi_term(
     slopes: &Tensor<f32>,
+    seqs: &Tensor<u32>,
     head: usize,
     pos: usize,
     key: usize,
@@ -105,17 +215,78 @@ pub fn alibi_term(
 ) -> f32 {
     let mut t = 0.0f32;
     if comptime!(c.rules.alibi) {
-        let d = f32::cast_from(pos + seq_k) - f32::cast_from(seq_q) - f32::cast_from(key);
+        let d = diagonal(seqs, pos, seq_q, seq_k, c) - f32::cast_from(key);
         t = -slopes[head * slopes.stride(0)] * f32::abs(d);
     }
     t
 }
 
 /// The query positions that see at least one of the keys `key_lo ..= key_hi` under the causal
-/// mask and the sliding window ([`key_range()`] inverted; every position without either rule),
-/// clamped to `0 .. Sq`.
+/// mask, the sliding window and packed sequences ([`key_range()`] inverted; every position
+/// without any of them), clamped to `0 .. Sq`. May include positions that see none of them
+/// (between two that do, or beside one under packed sequences): the kernels still test each
+/// key.
 #[cube]
 pub fn row_range(
+    seqs: &Tensor<u32>,
+    key_lo: usize,
+    key_hi: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] c: FlashConfig,
+) -> KeyRange {
+    let mut start = 0usize;
+    let mut end = seq_q;
+    if comptime!(c.rules.varlen) {
+        // Both ends of [`key_range()`] grow with the position: the first position whose range
+        // ends after `key_lo`, and the first whose range starts after `key_hi`.
+        start = first_position(seqs, key_lo, seq_q, seq_k, args, true, c);
+        end = first_position(seqs, key_hi, seq_q, seq_k, args, false, c);
+    } else if comptime!(c.rules.causal || c.rules.window) {
+        let local = local_rows(key_lo, key_hi, seq_q, seq_k, args, c);
+        start = local.start;
+        end = local.end;
+    }
+    KeyRange { start, end }
+}
+
+/// The first query position `pos` (or `Sq`) whose [`key_range()`] ends after `key`
+/// (`by_end`), or starts after it.
+#[cube]
+fn first_position(
+    seqs: &Tensor<u32>,
+    key: usize,
+    seq_q: usize,
+    seq_k: usize,
+    args: &ScoreArgs,
+    #[comptime] by_end: bool,
+    #[comptime] c: FlashConfig,
+) -> usize {
+    let mut lo = 0usize;
+    let mut hi = seq_q;
+    loop {
+        if lo >= hi {
+            break;
+        }
+        let mid = (lo + hi) / 2;
+        let keys = key_range(seqs, mid, seq_q, seq_k, args, c);
+        let mut past = keys.start > key;
+        if comptime!(by_end) {
+            past = keys.end > key;
+        }
+        if past {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo
+}
+
+/// [`row_range()`] of a call without packed sequences, from the window's formula.
+#[cube]
+fn local_rows(
     key_lo: usize,
     key_hi: usize,
     seq_q: usize,
@@ -208,7 +379,7 @@ pub fn set_row<E: CubePrimitive, F: Float>(
 ) {
     let pos = group.pos(row);
     refs.pos[slot] = pos;
-    let keys = key_range(pos, group.seq_q, seq_k, args, c);
+    let keys = key_range(&inputs.seqs, pos, group.seq_q, seq_k, args, c);
     refs.lo[slot] = keys.start;
     refs.hi[slot] = keys.end;
     refs.mask[slot] = 0usize;
@@ -228,12 +399,12 @@ pub fn set_row<E: CubePrimitive, F: Float>(
     if comptime!(c.rules.alibi) {
         let slopes = &inputs.slopes;
         refs.slope[slot] = slopes[group.head(row) * slopes.stride(0)];
-        refs.diag[slot] = f32::cast_from(pos + seq_k) - f32::cast_from(group.seq_q);
+        refs.diag[slot] = diagonal(&inputs.seqs, pos, group.seq_q, seq_k, c);
     }
 }
 
 /// Whether key `key` is visible from the row: inside the row's key range (causal, window and
-/// `Sk`; tested only when `bounds`) and not masked.
+/// `Sk`, packed sequences; tested only when `bounds`) and not masked.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn visible<F: Float>(
@@ -249,7 +420,7 @@ pub fn visible<F: Float>(
     let mut ok = true;
     if comptime!(bounds) {
         ok = key < refs.hi[slot];
-        if comptime!(c.rules.window) {
+        if comptime!(c.rules.window || c.rules.varlen) {
             ok = ok && key >= refs.lo[slot];
         }
     }

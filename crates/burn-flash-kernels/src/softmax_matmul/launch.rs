@@ -170,13 +170,14 @@ pub fn launch_softmax_matmul<R: Runtime>(
         bias: heads(&x, x.strides[0]),
         slopes: heads(&lse, lse.strides[0]),
         sinks: heads(&lse, lse.strides[0]),
+        seqs: heads(&lse, lse.strides[0]),
         out: heads(&out, out.strides[0]),
         lse: heads(&lse, lse.strides[0]),
     };
     // SAFETY: as above; the matrix-unit kernel runs only on 16-byte aligned rows (the plan's
     // vector of 8), the tiled kernel's vector (the plan's) divides every row and stride, and
-    // `k`, `mask` and `bias` (stand-ins: `x`) and `slopes` (`lse`) are never read with given
-    // scores.
+    // `k`, `mask` and `bias` (stand-ins: `x`), `slopes`, `sinks` and `seqs` (`lse`) are never
+    // read with given scores.
     unsafe {
         launch_forward(
             client,
@@ -278,6 +279,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         bias: view(&x),
         slopes: view(&lse),
         sinks: view(&lse),
+        seqs: view(&lse),
         out: view(&out),
         d_out: view(&d_out),
         lse: view(&lse),

@@ -348,14 +348,14 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     let acc_dv = accumulators(comptime!(c.value_dim / f.n), f);
 
     let blocks = rows.div_ceil(STEP as usize);
-    // The positions that see one of the block's keys (causal, window).
+    // The positions that see one of the block's keys (causal, window, packed sequences).
     let key_last = usize::min(j0 + keys_n as usize, seq_k) - 1;
-    let seen_by = row_range(j0, key_last, seq_q, seq_k, &args, c);
+    let seen_by = row_range(&inputs.seqs, j0, key_last, seq_q, seq_k, &args, c);
     for qb in 0..blocks {
         let r0 = qb * STEP as usize;
         let last = usize::min(r0 + STEP as usize, rows) - 1;
         let mut live_block = true;
-        if comptime!(c.rules.causal || c.rules.window) {
+        if comptime!(c.ranged()) {
             let span = span_positions(r0, last, seq_q);
             live_block = span.start < seen_by.end && span.end >= seen_by.start;
         }
@@ -563,7 +563,15 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     let cl = lane % lanes as usize;
     let r0 = CUBE_POS_X as usize * c.block_q as usize;
     let row = r0 + plane * f.m as usize + r;
-    let key_span = rows_keys(&blk, r0, c.block_q as usize, &args, STEP as usize, c);
+    let key_span = rows_keys(
+        &blk,
+        &inputs.seqs,
+        r0,
+        c.block_q as usize,
+        &args,
+        STEP as usize,
+        c,
+    );
     let key0 = usize::min(key_span.start, key_span.end);
     let kv_end = key_span.end;
     let s_at = plane * f.m as usize * sl as usize;

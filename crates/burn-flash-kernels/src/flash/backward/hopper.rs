@@ -234,6 +234,8 @@ pub fn unavailable(
         "the Hopper backward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements, buffers starting on 16 bytes"
     } else if dims.seq_q == 0 || dims.seq_k == 0 {
         "the Hopper backward takes non-empty sequences"
+    } else if features.varlen {
+        "the Hopper backward does not take packed sequences"
     } else if dims.heads_kv > 65_535 || dims.batch > 65_535 {
         "the Hopper backward launches one block row per key/value head and batch: at most 65535 each"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {

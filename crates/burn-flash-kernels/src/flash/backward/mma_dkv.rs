@@ -127,18 +127,19 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
     let mat_row = (lane % 8) as usize;
     let x_lane =
         ((mat / 2) * 8 + mat_row) * x_ldv + (plane as usize * MMA_M as usize + 8 * (mat % 2)) / NV8;
-    // The query blocks to visit. Causal or windowed with whole blocks per head (`Sq` a
-    // multiple of the step): only the blocks holding a position that sees one of the cube's
-    // keys ([`row_range()`]), `first .. first + live_per_head` of each head's; otherwise every
-    // block (one outside every row's range computes nothing).
-    let seen_by = row_range(key0, key_last, seq_q, seq_k, &args, c);
+    // The query blocks to visit. Causal, windowed or packed, with whole blocks per head (`Sq` a
+    // multiple of the step, or one query head per key/value head): only the blocks holding a
+    // position that sees one of the cube's keys ([`row_range()`]), `first .. first +
+    // live_per_head` of each head's; otherwise every block (one outside every row's range
+    // computes nothing).
+    let seen_by = row_range(&inputs.seqs, key0, key_last, seq_q, seq_k, &args, c);
     let blocks = rows.div_ceil(bq);
     let mut per_head = blocks;
     let mut first = 0usize;
     let mut live_per_head = blocks;
-    if comptime!(c.rules.causal || c.rules.window) {
-        if seq_q % bq == 0 {
-            per_head = seq_q / bq;
+    if comptime!(c.ranged()) {
+        if seq_q % bq == 0 || blk.group == 1 {
+            per_head = seq_q.div_ceil(bq);
             first = usize::min(seen_by.start / bq, per_head);
             live_per_head = usize::max(seen_by.end.div_ceil(bq), first) - first;
         }
@@ -209,7 +210,7 @@ pub fn flash_backward_dkv_mma<F: Float, NV: Size>(
         let last = usize::min(r0 + bq, rows) - 1;
         // Causal: the block's largest position must see the cube's first key.
         let mut live = true;
-        if comptime!(c.rules.causal || c.rules.window) {
+        if comptime!(c.ranged()) {
             let span = span_positions(r0, last, seq_q);
             live = span.start < seen_by.end && span.end >= seen_by.start;
         }
@@ -400,13 +401,23 @@ fn key_weight<F: Float, NV: Size>(
     let mut ok = key <= key_last;
     // 0 where a masked key took the fill score (a constant: no dS).
     let mut gate = 1.0f32;
-    if comptime!(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window) {
+    if comptime!(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window || c.rules.varlen)
+    {
         // The row's head and position, staged with its lse and δ.
         let head = row_s[sb + col] as usize;
         let pos = row_s[sb + bq + col] as usize;
         let kk = usize::min(key, seq_k - 1);
-        ok = ok && sees(pos, key, seq_q, seq_k, args, c);
-        x += alibi_term(&inputs.slopes, head, pos, key, seq_q, seq_k, c);
+        ok = ok && sees(&inputs.seqs, pos, key, seq_q, seq_k, args, c);
+        x += alibi_term(
+            &inputs.slopes,
+            &inputs.seqs,
+            head,
+            pos,
+            key,
+            seq_q,
+            seq_k,
+            c,
+        );
         if comptime!(c.rules.mask) {
             let at = batch * mask.stride(0)
                 + head * mask.stride(1)
@@ -431,10 +442,11 @@ fn key_weight<F: Float, NV: Size>(
         }
     }
     if comptime!(
-        c.rules.causal && !(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window)
+        c.rules.causal
+            && !(c.rules.mask || c.rules.bias || c.rules.alibi || c.rules.window || c.rules.varlen)
     ) {
         let pos = usize::min(r0 + col, blk.rows - 1) % seq_q;
-        ok = ok && sees(pos, key, seq_q, seq_k, args, c);
+        ok = ok && sees(&inputs.seqs, pos, key, seq_q, seq_k, args, c);
     }
     let p = select(ok, f32::exp(x - stat_s[sb + col]), 0.0f32);
     let mut z = 1.0f32;

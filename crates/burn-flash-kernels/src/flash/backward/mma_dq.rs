@@ -69,6 +69,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     let r0 = (CUBE_POS_X * block_step) as usize;
     let keys = rows_keys(
         &blk,
+        &inputs.seqs,
         r0,
         rows_per_cube as usize,
         &args,

@@ -550,13 +550,13 @@ pub fn flash_backward_dkv<F: Float>(
     let mut w = new_weights();
 
     let blocks = rows.div_ceil(STEP_ROWS as usize);
-    // The positions that see one of the block's keys (causal, window).
-    let seen_by = row_range(j0, j0 + keys - 1, seq_q, seq_k, &args, c);
+    // The positions that see one of the block's keys (causal, window, packed sequences).
+    let seen_by = row_range(&inputs.seqs, j0, j0 + keys - 1, seq_q, seq_k, &args, c);
     for qb in 0..blocks {
         let r0 = qb * STEP_ROWS as usize;
         let last = usize::min(r0 + STEP_ROWS as usize, rows) - 1;
         let mut live = true;
-        if comptime!(c.rules.causal || c.rules.window) {
+        if comptime!(c.ranged()) {
             let span = span_positions(r0, last, seq_q);
             live = span.start < seen_by.end && span.end >= seen_by.start;
         }
@@ -697,7 +697,15 @@ pub fn flash_backward_dq<F: Float>(
     let (heads_kv, group, rows) = (blk.heads_kv, blk.group, blk.rows);
     let (batch, hkv) = (blk.batch, blk.hkv);
     let r0 = (CUBE_POS_X * BLOCK_ROWS) as usize;
-    let key_span = rows_keys(&blk, r0, BLOCK_ROWS as usize, &args, STEP_KEYS as usize, c);
+    let key_span = rows_keys(
+        &blk,
+        &inputs.seqs,
+        r0,
+        BLOCK_ROWS as usize,
+        &args,
+        STEP_KEYS as usize,
+        c,
+    );
     let ty = UNIT_POS / GRID;
     let tx = UNIT_POS % GRID;
 

@@ -523,7 +523,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let q_frags = comptime!(c.head_dim / f.k) as usize;
     let o_frags = comptime!(c.value_dim / f.n) as usize;
 
-    let blk = cube_block(q, k, &args, c);
+    let blk = cube_block(q, k, &inputs.seqs, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv) = (blk.batch, blk.hkv);

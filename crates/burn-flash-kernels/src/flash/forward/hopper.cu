@@ -350,6 +350,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                           const unsigned short* __restrict__ bias,
                           const float* __restrict__ slopes,
                           const float* __restrict__ sinks,
+                          const u32* __restrict__ seqs,
                           const __grid_constant__ FwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

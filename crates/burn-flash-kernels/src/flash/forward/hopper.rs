@@ -309,6 +309,8 @@ pub fn unavailable(
         "the Hopper forward takes head dims up to 256"
     } else if !features.aligned {
         "the Hopper forward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements"
+    } else if features.varlen {
+        "the Hopper forward does not take packed sequences"
     } else if dims.heads_q > 65_535 || dims.batch > 65_535 {
         "the Hopper forward launches one block row per head and batch: at most 65535 each"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
@@ -421,6 +423,7 @@ pub unsafe fn launch(
     bias: Option<ScoreTerm<'_>>,
     slopes: Option<&TensorRef<'_>>,
     sinks: Option<&TensorRef<'_>>,
+    seqs: Option<&TensorRef<'_>>,
     out: &TensorRef<'_>,
     lse: &TensorRef<'_>,
     dims: AttentionDims,
@@ -480,9 +483,10 @@ pub unsafe fn launch(
                 lse.handle.clone().binding(),
                 mask_handle.binding(),
                 bias_handle.binding(),
-                // Absent slopes or sinks are never read: `lse` (f32) stands in.
+                // Absent slopes, sinks or sequences are never read: `lse` (f32) stands in.
                 slopes.unwrap_or(lse).handle.clone().binding(),
                 sinks.unwrap_or(lse).handle.clone().binding(),
+                seqs.unwrap_or(lse).handle.clone().binding(),
             ],
             params,
         );

@@ -731,7 +731,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let chunks = comptime!(c.block_k / CHUNK);
     let slots = comptime!(2 * c.row_tiles as usize);
 
-    let blk = cube_block(q, k, &args, c);
+    let blk = cube_block(q, k, &inputs.seqs, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, block_row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);

@@ -400,7 +400,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let per4 = comptime!(4 / nv);
     let bufs = comptime!(buffers(c, planes) as usize);
 
-    let blk = cube_block(q, k, &args, c);
+    let blk = cube_block(q, k, &inputs.seqs, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);

@@ -154,7 +154,7 @@ pub fn flash_forward_units<F: Float>(
     let red_at = 0u32;
     let p_ld = comptime!(c.block_k + 1);
 
-    let blk = cube_block(q, k, &args, c);
+    let blk = cube_block(q, k, &inputs.seqs, &args, c);
     let group = cube_group(&blk);
     let (seq_q, seq_k, rows) = (blk.seq_q, blk.seq_k, blk.rows);
     let (batch, hkv, head0, row0) = (blk.batch, blk.hkv, blk.head0, blk.row0);
