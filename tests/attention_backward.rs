@@ -14,8 +14,8 @@ use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
     FlashBackend, HeadTerms, ScoreTerms,
     attention::{AttentionDims, recent_backward_launches},
-    attention_backward_plan, attention_backward_plan_with, attention_with_heads,
-    attention_with_lse,
+    VarlenBatch, attention_backward_plan, attention_backward_plan_with, attention_varlen,
+    attention_with_heads, attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
@@ -48,6 +48,9 @@ struct Case {
     slopes: Option<Vec<f64>>,
     /// Attention-sink logits, one per query head.
     sinks: Option<Vec<f64>>,
+    /// A packed variable-length batch's cumulative query and key lengths (batch 1): each row
+    /// sees its own sequence's keys, the rules aligned within the sequence.
+    packed: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 /// `dq`, `dk`, `dv`, `dbias` (at the bias's own shape), `dsinks`.
@@ -82,6 +85,15 @@ impl Case {
             for h in 0..hq {
                 let kh = h / group;
                 for i in 0..sq {
+                    // The row's sequence: its keys `k0 .. k1`, its last query `q1 − 1`.
+                    let (k0, k1, q1) = match &self.packed {
+                        Some((cu_q, cu_k)) => {
+                            let s = cu_q.partition_point(|&x| x <= i) - 1;
+                            let s = s.min(cu_q.len() - 2);
+                            (cu_k[s], cu_k[s + 1], cu_q[s + 1])
+                        }
+                        None => (0, sk, sq),
+                    };
                     let qi = |c: usize| self.q[at(self.q_dims, [b, h, i, c])];
                     let gi = |c: usize| self.g[at(o_dims, [b, h, i, c])];
                     // Scores, their softcap factor, visibility.
@@ -103,11 +115,13 @@ impl Case {
                             .is_some_and(|(m, md)| m[at(*md, [b, h, i, j])]);
                         // Key `j`'s offset from the row's diagonal; the causal mask and the
                         // window as an explicit band.
-                        let off = j as i64 - (i as i64 + sk as i64 - sq as i64);
+                        let off = j as i64 - (i as i64 + k1 as i64 - q1 as i64);
                         let causal = self.options.is_causal && off > 0;
                         let outside = self
                             .window
-                            .is_some_and(|(l, r)| off < -(l as i64) || off > r as i64);
+                            .is_some_and(|(l, r)| off < -(l as i64) || off > r as i64)
+                            || j < k0
+                            || j >= k1;
                         let hidden = masked && self.fill.is_none();
                         vis[j] = !hidden && !causal && !outside;
                         if let Some((bias, bd)) = &self.bias {
@@ -231,6 +245,9 @@ struct Setup {
     alibi: bool,
     /// Random attention sinks (`[Hq]`, f32, tracked: their gradient is checked).
     sinks: bool,
+    /// Query and key lengths of a packed variable-length batch through [`attention_varlen`]
+    /// (`q` then `[1, Hq, Σ lengths_q, D]`).
+    packed: Option<(Vec<usize>, Vec<usize>)>,
 }
 
 impl Setup {
@@ -252,6 +269,7 @@ impl Setup {
             window: None,
             alibi: false,
             sinks: false,
+            packed: None,
         }
     }
 }
@@ -323,6 +341,14 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         window: setup.window,
         slopes: slopes.clone().map(read),
         sinks: sinks.clone().map(read),
+        packed: setup.packed.as_ref().map(|(lq, lk)| {
+            let cu = |l: &[usize]| {
+                let mut cu = vec![0];
+                l.iter().for_each(|&x| cu.push(cu[cu.len() - 1] + x));
+                cu
+            };
+            (cu(lq), cu(lk))
+        }),
     };
     for dims in [setup.q, k_dims, v_dims] {
         poison::<B, 4>(dims, dtype, &device);
@@ -331,25 +357,38 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         alibi_slopes: slopes,
         sinks: sinks.clone(),
     };
-    let (out, _) = attention_with_heads(
-        q.clone(),
-        k.clone(),
-        v.clone(),
-        mask,
-        bias.clone(),
-        heads,
-        forward_kernel(
-            FlashAttentionOptions {
-                dropout: setup.dropout,
-                masked_score: setup.fill,
-                quiet: setup.quiet,
-                kernel: setup.kernel,
-                window: setup.window,
-                ..setup.options.into()
-            },
-            dtype,
-        ),
+    let options = forward_kernel(
+        FlashAttentionOptions {
+            dropout: setup.dropout,
+            masked_score: setup.fill,
+            quiet: setup.quiet,
+            kernel: setup.kernel,
+            window: setup.window,
+            ..setup.options.into()
+        },
+        dtype,
     );
+    let out = match &setup.packed {
+        None => {
+            let (q, k, v, bias) = (q.clone(), k.clone(), v.clone(), bias.clone());
+            attention_with_heads(q, k, v, mask, bias, heads, options).0
+        }
+        Some((lengths_q, lengths_k)) => {
+            let batch = VarlenBatch::<A<B>>::from_lengths(lengths_q, lengths_k, &device);
+            let tokens = |t: &Tensor<A<B>, 4>| t.clone().swap_dims(1, 2).squeeze_dim::<3>(0);
+            let (out, _) = attention_varlen(
+                tokens(&q),
+                tokens(&k),
+                tokens(&v),
+                &batch,
+                mask,
+                bias.clone(),
+                heads,
+                options,
+            );
+            out.unsqueeze_dim::<4>(0).swap_dims(1, 2)
+        }
+    };
     let grads = (out * g).sum().backward();
     let mut got: Vec<Vec<f64>> = [&q, &k, &v]
         .iter()
@@ -379,8 +418,8 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         naive[3].clear();
     }
     let ctx = format!(
-        "{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?} window {:?} alibi {} sinks {}",
-        setup.q, setup.window, setup.alibi, setup.sinks
+        "{context}: q {:?} k {k_dims:?} Dv {dv} {dtype:?} window {:?} alibi {} sinks {} packed {:?}",
+        setup.q, setup.window, setup.alibi, setup.sinks, setup.packed
     );
     // f32: a few roundings of the largest gradient per `√n` of the longest sum — over the rows
     // of a group, the keys, or the head dims (`dS` takes `dO·Vᵀ − δ`, two sums over `Dv` that
@@ -1280,6 +1319,58 @@ fn attention_sinks<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// Gradients of packed variable-length batches ([`attention_varlen`]) against the f64
+/// reference of the dense op on each sequence, through the plan's backward and, where the
+/// device has them, the cooperative-matrix one: empty and one-token sequences, a sequence
+/// without keys, causal with `Sq ≠ Sk` per sequence, GQA, and (combined) a window, ALiBi,
+/// tracked sinks, a key padding mask and a tracked bias; on the GPU also one query head per
+/// key/value head, where the matrix-unit dK/dV kernel skips the query blocks of other
+/// sequences, and a sequence of 2000 tokens.
+fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    // (query lengths, key lengths, heads (q, kv), causal, window + ALiBi + sinks + terms)
+    type Packed = (&'static [usize], &'static [usize], (usize, usize), bool, bool);
+    let mut cases: Vec<Packed> = vec![
+        (&[37, 0, 1, 90, 5], &[37, 0, 1, 90, 5], (4, 2), false, false),
+        (&[3, 0, 70, 20, 60], &[50, 9, 70, 0, 40], (4, 2), true, false),
+        (&[100, 33, 70], &[100, 33, 70], (4, 2), false, true),
+    ];
+    if cuda {
+        cases.push((&[300, 1, 2000, 129], &[300, 1, 2000, 129], (2, 2), true, false));
+    } else {
+        // Off CUDA (lavapipe in CI, where every rule set compiles slowly) the combining cases.
+        cases.remove(0);
+    }
+    let mut kernels = vec![None];
+    if cuda && dtype != FloatDType::F32 {
+        kernels.push(Some(AttentionKernel::CooperativeMatrix));
+    }
+    for (lengths_q, lengths_k, (hq, hkv), causal, terms) in cases {
+        let (tq, tk) = (lengths_q.iter().sum(), lengths_k.iter().sum());
+        for &kernel in &kernels {
+            let mut setup = Setup::new([1, hq, tq, 32], hkv, tk, 32);
+            setup.options.is_causal = causal;
+            setup.kernel = kernel;
+            setup.packed = Some((lengths_q.to_vec(), lengths_k.to_vec()));
+            if terms {
+                setup.window = Some((20, 5));
+                setup.alibi = true;
+                setup.sinks = true;
+                setup.mask = Some(([1, 1, 1, tk], |[_, _, _, j]| j % 11 == 3));
+                setup.bias = Some([1, hq, tq, tk]);
+            }
+            check::<B>(
+                &setup,
+                dtype,
+                &format!(
+                    "varlen q {lengths_q:?} k {lengths_k:?} causal {causal} terms {terms} {kernel:?}"
+                ),
+            );
+        }
+    }
+    let _ = device;
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         backward_suite!($module, $backend, $dtype, [many_heads]);
@@ -1303,6 +1394,7 @@ macro_rules! backward_suite {
                 cooperative_backward,
                 windows_and_alibi,
                 attention_sinks,
+                varlen,
                 many_seeds
                 $(, $extra)*
             ]
