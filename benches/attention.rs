@@ -956,6 +956,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 bias_tracked: cfg.bias_tracked,
                 alibi: cfg.alibi,
                 sinks: false,
+                varlen: false,
             };
             match burn_flash::attention_plan_with::<Fu<R, BT>>(
                 &self.device,

@@ -12,10 +12,10 @@ use burn::backend::Autodiff;
 use burn::tensor::{FloatDType, Tensor, ops::AttentionModuleOptions};
 use burn_flash::{
     AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend, HeadTerms, ScoreTerms,
+    FlashBackend, HeadTerms, ScoreTerms, VarlenBatch,
     attention::{AttentionDims, recent_backward_launches},
-    VarlenBatch, attention_backward_plan, attention_backward_plan_with, attention_varlen,
-    attention_with_heads, attention_with_lse,
+    attention_backward_plan, attention_backward_plan_with, attention_varlen, attention_with_heads,
+    attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
 use common::attention_ref::{EXACT, Rounding, at, naive};
@@ -1329,14 +1329,32 @@ fn attention_sinks<B: FlashBackend>(_: &B::Device, dtype: FloatDType) {
 fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
     // (query lengths, key lengths, heads (q, kv), causal, window + ALiBi + sinks + terms)
-    type Packed = (&'static [usize], &'static [usize], (usize, usize), bool, bool);
+    type Packed = (
+        &'static [usize],
+        &'static [usize],
+        (usize, usize),
+        bool,
+        bool,
+    );
     let mut cases: Vec<Packed> = vec![
         (&[37, 0, 1, 90, 5], &[37, 0, 1, 90, 5], (4, 2), false, false),
-        (&[3, 0, 70, 20, 60], &[50, 9, 70, 0, 40], (4, 2), true, false),
+        (
+            &[3, 0, 70, 20, 60],
+            &[50, 9, 70, 0, 40],
+            (4, 2),
+            true,
+            false,
+        ),
         (&[100, 33, 70], &[100, 33, 70], (4, 2), false, true),
     ];
     if cuda {
-        cases.push((&[300, 1, 2000, 129], &[300, 1, 2000, 129], (2, 2), true, false));
+        cases.push((
+            &[300, 1, 2000, 129],
+            &[300, 1, 2000, 129],
+            (2, 2),
+            true,
+            false,
+        ));
     } else {
         // Off CUDA (lavapipe in CI, where every rule set compiles slowly) the combining cases.
         cases.remove(0);
