@@ -49,6 +49,39 @@ __device__ __forceinline__ unsigned short f32_to_elem(float x) {
     return bits;
 }
 
+// The keys `lo .. hi` query position `pos` of a packed variable-length call sees, and its
+// diagonal key `diag` (bottom-right aligned within its sequence): `seqs` holds the cumulative
+// query lengths cu_q[n + 1], then the cumulative key lengths cu_k[n + 1]; the row's sequence
+// is the last b < n with cu_q[b] <= pos (a binary search), its keys cu_k[b] .. cu_k[b + 1],
+// narrowed by the causal mask (`causal`) and the window (`window`: `left`, `right` keys
+// around the diagonal) as scores.rs's `key_range`. Empty when hi <= lo.
+struct PackedRange {
+    int lo, hi, diag;
+};
+
+__device__ __forceinline__ PackedRange packed_range(const u32* seqs, int n, int pos, bool causal,
+                                                    bool window, u32 left, u32 right) {
+    int a = 0, b = n;
+    while (b - a > 1) {
+        const int mid = (a + b) / 2;
+        if ((int)seqs[mid] <= pos) a = mid;
+        else b = mid;
+    }
+    const long long k0 = seqs[n + 1 + a], k1 = seqs[n + 2 + a];
+    const long long diag = (long long)pos + k1 - (long long)seqs[a + 1];
+    long long lo = k0, hi = k1;
+    if (causal) hi = hi < diag + 1 ? hi : diag + 1;
+    if (window) {
+        hi = hi < diag + (long long)right + 1 ? hi : diag + (long long)right + 1;
+        lo = lo > diag - (long long)left ? lo : diag - (long long)left;
+    }
+    PackedRange r;
+    r.lo = (int)lo;
+    r.hi = (int)(hi > lo ? hi : lo);
+    r.diag = (int)diag;
+    return r;
+}
+
 __device__ __forceinline__ float ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

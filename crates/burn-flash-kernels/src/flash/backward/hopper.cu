@@ -36,9 +36,10 @@
 // The host prepends WG_ELEM ("f16" | "bf16"), ELEM_BF16, HEAD_DIM and VALUE_DIM (64 | 128, the
 // head dims rounded up; or 128 | 256 with one of them 256, WIDE; the columns past the real ones
 // are read as zeros and never written),
-// and CAUSAL, SOFTCAP, MASK, FILL, BIAS, ALIBI, WINDOW, DROPOUT (0 | 1), the score rules of the
-// forward (forward/hopper.cu) in its order: scale, softcap, bias and ALiBi, then a masked key
-// hidden or given the fill score; a window also narrows the row blocks a key block visits. A key that took the fill score has a constant score: its weight reaches dV,
+// and CAUSAL, SOFTCAP, MASK, FILL, BIAS, ALIBI, WINDOW, VARLEN, DROPOUT (0 | 1), the score rules
+// of the forward (forward/hopper.cu) in its order: scale, softcap, bias and ALiBi, then a
+// masked key hidden or given the fill score; a window or packed sequences also narrow the row
+// blocks a key block visits. A key that took the fill score has a constant score: its weight reaches dV,
 // its dS reaches neither dQ nor dK.
 //
 // WRITE_DS (0 | 1; never with SOFTCAP): dS = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), a tracked bias's gradient, is
@@ -117,7 +118,30 @@ struct BwdParams {
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
     u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
+    u32 n_seqs, unused;                                     // VARLEN: packed sequences
 };
+
+#if VARLEN
+// The keys of query row `row` of a packed call (scores.cuh's packed_range under this call's
+// causal mask and window).
+__device__ __forceinline__ PackedRange row_keys(const u32* seqs, const BwdParams& p, int row) {
+    return packed_range(seqs, (int)p.n_seqs, row, CAUSAL, WINDOW, p.window_left, p.window_right);
+}
+
+// The first query row (or Sq) whose key range ends after `key` (`by_end`), or starts after it
+// (both ends grow with the row).
+__device__ __forceinline__ int first_row_past(const u32* seqs, const BwdParams& p, int key,
+                                              bool by_end) {
+    int lo = 0, hi = (int)p.seq_q;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        const PackedRange r = row_keys(seqs, p, mid);
+        if ((by_end ? r.hi : r.lo) > key) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+#endif
 
 // Sᵀ (or dPᵀ) = A·Bᵀ for consumer `c`'s 64 keys (A: K or V, BLOCK_N key rows) and the step's
 // 64 query rows (B: Q or dO), DIM / 16 steps of k16, 32 bytes further into a swizzled row each.
@@ -227,6 +251,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                            const unsigned short* __restrict__ bias,
                            unsigned short* __restrict__ ds,
                            const float* __restrict__ slopes,
+                           const u32* __restrict__ seqs,
                            const __grid_constant__ BwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -266,6 +291,15 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
     {
         const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.window_left;
         m_end = last_row < 0 ? 0 : min(m_blocks, last_row / BLOCK_M + 1);
+    }
+#endif
+#if VARLEN
+    // The rows that see one of the block's keys: from the first whose range ends after n0 to
+    // the last whose range starts at or before the block's last key.
+    {
+        const int last_key = min(n0 + BLOCK_N, (int)p.seq_k) - 1;
+        m_first = first_row_past(seqs, p, n0, true) / BLOCK_M;
+        m_end = (first_row_past(seqs, p, last_key, false) + BLOCK_M - 1) / BLOCK_M;
     }
 #endif
     const int per_head = max(0, m_end - m_first);
@@ -351,7 +385,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if WRITE_DS
     const u32 ds_t = tid - 128u;
     const int ds_keys = (int)p.seq_k - n0;
-#if CAUSAL || WINDOW
+#if CAUSAL || WINDOW || VARLEN
     // The rows outside the visited blocks see none of this block's keys: dS = 0.
     {
         const int skipped = per_head > 0 ? min(m_first * BLOCK_M, (int)p.seq_q) : (int)p.seq_q;
@@ -398,6 +432,12 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         edge = edge || keys_c + 63 > m0 + diag + (int)p.window_right
                || keys_c < m0 + BLOCK_M - 1 + diag - (int)p.window_left;
 #endif
+#if VARLEN
+        // Some row of the step does not see all of the consumer's 64 keys: its last row's
+        // first key is after the first, or its first row's last before the last.
+        edge = keys_c < row_keys(seqs, p, min(m0 + BLOCK_M, (int)p.seq_q) - 1).lo
+               || keys_c + 64 > row_keys(seqs, p, m0).hi;
+#endif
 #if ALIBI
         const float slope_log2 = -LOG2E * slopes[head];
 #endif
@@ -435,7 +475,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                     x += LOG2E * elem_to_f32(bias_h[(u64)row * p.bias_stride_s
                                                     + (u64)key * p.bias_stride_k]);
 #endif
-#if ALIBI
+#if ALIBI && VARLEN
+                    x += slope_log2 * fabsf((float)(row_keys(seqs, p, row).diag - key));
+#elif ALIBI
                     x += slope_log2 * fabsf((float)(row + diag - key));
 #endif
 #if MASK
@@ -454,6 +496,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             float pv = ex2(fmaf(st[i], p.scale_log2, -lse_s[col]));
 #endif
             if (edge) {
+#if VARLEN
+                const PackedRange r = row_keys(seqs, p, min(m0 + col, (int)p.seq_q - 1));
+                const bool hidden = key < r.lo || key >= r.hi;
+#else
                 bool hidden = key >= (int)p.seq_k;
 #if CAUSAL
                 hidden = hidden || key > m0 + col + diag;
@@ -461,6 +507,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if WINDOW
                 hidden = hidden || key > m0 + col + diag + (int)p.window_right
                          || key < m0 + col + diag - (int)p.window_left;
+#endif
 #endif
                 if (hidden) pv = 0.0f;
             }

@@ -100,6 +100,8 @@ pub struct Variant {
     pub window: bool,
     /// ALiBi from per-head slopes.
     pub alibi: bool,
+    /// Packed variable-length sequences (each row sees its own sequence's keys).
+    pub varlen: bool,
 }
 
 impl Variant {
@@ -119,6 +121,7 @@ impl Variant {
             write_ds,
             window: config.rules.window,
             alibi: config.rules.alibi,
+            varlen: config.rules.varlen,
         }
     }
 
@@ -142,6 +145,7 @@ impl Variant {
             ("WRITE_DS", self.write_ds),
             ("WINDOW", self.window),
             ("ALIBI", self.alibi),
+            ("VARLEN", self.varlen),
         ] {
             text += &format!("#define {name} {}\n", u32::from(on));
         }
@@ -163,6 +167,7 @@ impl Variant {
             | u64::from(self.write_ds) << 30
             | u64::from(self.window) << 31
             | u64::from(self.alibi) << 32
+            | u64::from(self.varlen) << 33
     }
 }
 
@@ -234,8 +239,6 @@ pub fn unavailable(
         "the Hopper backward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements, buffers starting on 16 bytes"
     } else if dims.seq_q == 0 || dims.seq_k == 0 {
         "the Hopper backward takes non-empty sequences"
-    } else if features.varlen {
-        "the Hopper backward does not take packed sequences"
     } else if dims.heads_kv > 65_535 || dims.batch > 65_535 {
         "the Hopper backward launches one block row per key/value head and batch: at most 65535 each"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
@@ -353,6 +356,11 @@ pub unsafe fn launch(
                 "hidden = hidden || key > m0 + col + diag + (int)p.window_right + 1",
             ),
             (
+                mutation::varlen_first_row(),
+                "if ((int)seqs[mid] <= pos) a = mid;",
+                "if ((int)seqs[mid] < pos) a = mid;",
+            ),
+            (
                 mutation::ds_skipped_rows(),
                 "dst[(u64)r * p.ds_stride_s] = 0;",
                 "dst[(u64)r * p.ds_stride_s] = 0x4000;",
@@ -407,6 +415,9 @@ pub unsafe fn launch(
             t.dq.handle.clone()
         }
     };
+    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
+    let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
+    params.push(words(n_seqs as u32, 0));
     let maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
         tensor_map(&t.k, dtype, config.block_k as usize),
@@ -448,8 +459,9 @@ pub unsafe fn launch(
                 mask_handle.binding(),
                 bias_handle.binding(),
                 ds_handle.binding(),
-                // Absent slopes are never read: `lse` (f32) stands in.
+                // Absent slopes or sequences are never read: `lse` (f32) stands in.
                 t.slopes.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
+                t.seqs.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
             ],
             params,
         );

@@ -26,7 +26,9 @@
 // of scores, and 2 slots of K and V fit beside Q), HEAD_DIM and VALUE_DIM (64 | 128 | 256, the
 // head dims rounded up; the columns past the real ones are read as zeros and never written; with given scores
 // HEAD_DIM is BLOCK_N, the columns of X per step, and VALUE_DIM may be 256), and the score rules CAUSAL, SOFTCAP, MASK, FILL (masked keys take a fill score),
-// BIAS, ALIBI (−slope·|i + Sk − Sq − j| from the head's slope), WINDOW (keys outside
+// BIAS, ALIBI (−slope·|i + Sk − Sq − j| from the head's slope), VARLEN (packed sequences:
+// each row sees its own sequence's keys, the rules aligned within it, scores.cuh's
+// packed_range; key blocks outside every row's range skipped), WINDOW (keys outside
 // i + Sk − Sq − left ..= i + Sk − Sq + right hidden, key blocks outside every row's window
 // skipped), QUIET (0 | 1), applied in the order of the #[cube] kernels (scores.rs): scale,
 // softcap, bias and ALiBi, then a masked key hidden or given the fill score, then causal, the
@@ -79,6 +81,7 @@ struct FwdParams {
     float inv_keep;                  // dropout: 1 / (1 − p)
     u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
     u32 window_left, window_right;   // WINDOW
+    u32 n_seqs, unused;              // VARLEN: packed sequences
 };
 
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
@@ -165,6 +168,9 @@ __device__ __forceinline__ void load_scores(float (&sc)[S_REGS], u32 sx, u32 c, 
 struct ScoreRows {
     int first_row, row0, diag, seq_q, seq_k;
     int left, right;   // WINDOW
+    int lo[2], hi[2];      // VARLEN: each row's keys
+    int full_lo, full_hi;  // VARLEN: the keys all the consumer's rows see
+    int dk[2];             // each row's diagonal key (ALIBI)
     float slope_log2;  // ALIBI: −slope · log2(e)
     u32 lane;
     float scale_log2, cap_inv_scale, cap_log2, fill_log2;
@@ -187,13 +193,13 @@ __device__ __forceinline__ float dropped(float w, const ScoreRows& rows, int key
 #endif
 }
 
-// Block j's scores into weights: the log2-domain scores (scale, softcap, keys past the end and
-// the causal mask at -inf), the new row maxima (4 lanes share a row), the factor `corr` that
-// rescales what came before (applied here to the row sums, by the caller to O), the weights.
-__device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)[2],
-                                               float (&l_r)[2], float (&corr)[2],
-                                               const ScoreRows& rows, int j) {
-    const int key0 = j * BLOCK_N;
+// Whether some row of the consumer's 64 does not see every key of the block at key0 (keys past
+// the end, the causal mask, the window, packed sequences): its scores are then tested one by
+// one (`hidden`).
+__device__ __forceinline__ bool edge_block(const ScoreRows& rows, int key0) {
+#if VARLEN
+    return key0 < rows.full_lo || key0 + BLOCK_N > rows.full_hi;
+#else
     bool edge = key0 + BLOCK_N > rows.seq_k;
 #if CAUSAL
     edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag;
@@ -203,6 +209,35 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
     edge = edge || key0 + BLOCK_N - 1 > rows.first_row + rows.diag + rows.right
            || key0 < rows.first_row + 63 + rows.diag - rows.left;
 #endif
+    return edge;
+#endif
+}
+
+// Whether the thread's row r (row0 + 8r) does not see key `key`.
+__device__ __forceinline__ bool hidden_key(const ScoreRows& rows, int key, int r) {
+#if VARLEN
+    return key < rows.lo[r] || key >= rows.hi[r];
+#else
+    bool hidden = key >= rows.seq_k;
+    const int row = rows.row0 + 8 * r;
+#if CAUSAL
+    hidden = hidden || key > row + rows.diag;
+#endif
+#if WINDOW
+    hidden = hidden || key > row + rows.diag + rows.right || key < row + rows.diag - rows.left;
+#endif
+    return hidden;
+#endif
+}
+
+// Block j's scores into weights: the log2-domain scores (scale, softcap, keys past the end and
+// the causal mask at -inf), the new row maxima (4 lanes share a row), the factor `corr` that
+// rescales what came before (applied here to the row sums, by the caller to O), the weights.
+__device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)[2],
+                                               float (&l_r)[2], float (&corr)[2],
+                                               const ScoreRows& rows, int j) {
+    const int key0 = j * BLOCK_N;
+    const bool edge = edge_block(rows, key0);
 #if !SOFTCAP && !MASK && !BIAS && !ALIBI
     if (rows.scale_log2 > 0.0f) {
         // A positive scale keeps the order of the scores: the maximum is taken on the raw
@@ -211,16 +246,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #pragma unroll
             for (int i = 0; i < S_REGS; ++i) {
                 const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
-                bool hidden = key >= rows.seq_k;
-                const int row = rows.row0 + 8 * ((i / 2) % 2);
-#if CAUSAL
-                hidden = hidden || key > row + rows.diag;
-#endif
-#if WINDOW
-                hidden = hidden || key > row + rows.diag + rows.right
-                         || key < row + rows.diag - rows.left;
-#endif
-                if (hidden) sc[i] = NEG_INF;
+                if (hidden_key(rows, key, (i / 2) % 2)) sc[i] = NEG_INF;
             }
         }
         float raw[2] = {NEG_INF, NEG_INF};
@@ -253,7 +279,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
     float dist0[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        dist0[r] = (float)(rows.row0 + 8 * r + rows.diag - key0 - 2 * (int)(rows.lane % 4u));
+        dist0[r] = (float)(rows.dk[r] - key0 - 2 * (int)(rows.lane % 4u));
     }
 #endif
 #pragma unroll
@@ -285,16 +311,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #endif
         if (edge) {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
-            bool hidden = key >= rows.seq_k;
-            const int row = rows.row0 + 8 * ((i / 2) % 2);
-#if CAUSAL
-            hidden = hidden || key > row + rows.diag;
-#endif
-#if WINDOW
-            hidden = hidden || key > row + rows.diag + rows.right
-                     || key < row + rows.diag - rows.left;
-#endif
-            if (hidden) x = NEG_INF;
+            if (hidden_key(rows, key, (i / 2) % 2)) x = NEG_INF;
         }
         sc[i] = x;
     }
@@ -386,7 +403,18 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     // or window end, and from the first row's window start.
     int n_blocks = ((int)p.seq_k + BLOCK_N - 1) / BLOCK_N;
     int j0 = 0;
-#if CAUSAL || WINDOW
+#if VARLEN
+    {
+        // From the first row's first key to the last row's last (both grow with the row).
+        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
+        const PackedRange first = packed_range(seqs, (int)p.n_seqs, m0, CAUSAL, WINDOW,
+                                               p.window_left, p.window_right);
+        const PackedRange last = packed_range(seqs, (int)p.n_seqs, last_row, CAUSAL, WINDOW,
+                                              p.window_left, p.window_right);
+        j0 = first.lo / BLOCK_N;
+        n_blocks = max((last.hi + BLOCK_N - 1) / BLOCK_N, j0);
+    }
+#elif CAUSAL || WINDOW
     {
         const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
         int last_key = (int)p.seq_k - 1;
@@ -495,6 +523,27 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.bias_stride_k = p.bias_stride_k;
     rows.left = (int)p.window_left;
     rows.right = (int)p.window_right;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) rows.dk[r] = row0 + 8 * r + diag;
+#if VARLEN
+    {
+        const int last = (int)p.seq_q - 1;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const PackedRange k = packed_range(seqs, (int)p.n_seqs, min(row0 + 8 * r, last),
+                                               CAUSAL, WINDOW, p.window_left, p.window_right);
+            rows.lo[r] = k.lo;
+            rows.hi[r] = k.hi;
+            rows.dk[r] = k.diag;
+        }
+        // Every row of the consumer sees the keys from its last row's first to its first
+        // row's last.
+        rows.full_lo = packed_range(seqs, (int)p.n_seqs, min(first_row + 63, last), CAUSAL,
+                                    WINDOW, p.window_left, p.window_right).lo;
+        rows.full_hi = packed_range(seqs, (int)p.n_seqs, min(first_row, last), CAUSAL, WINDOW,
+                                    p.window_left, p.window_right).hi;
+    }
+#endif
     rows.slope_log2 = ALIBI ? -LOG2E * slopes[head] : 0.0f;
     rows.seed_lo = p.seed_lo;
     // The second key word: the seed's high word mixed with the (batch, head) pair.

@@ -99,6 +99,8 @@ pub struct Variant {
     pub alibi: bool,
     /// Attention sinks (per-head logits in every row's denominator).
     pub sinks: bool,
+    /// Packed variable-length sequences (each row sees its own sequence's keys).
+    pub varlen: bool,
 }
 
 impl Variant {
@@ -122,6 +124,7 @@ impl Variant {
             window: rules.window,
             alibi: rules.alibi,
             sinks: rules.sinks,
+            varlen: rules.varlen,
         }
     }
 
@@ -141,6 +144,7 @@ impl Variant {
             ("WINDOW", self.window),
             ("ALIBI", self.alibi),
             ("SINKS", self.sinks),
+            ("VARLEN", self.varlen),
         ];
         let mut text = format!(
             "#define WG_ELEM \"{}\"\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
@@ -175,6 +179,7 @@ impl Variant {
             | u64::from(self.window) << 48
             | u64::from(self.alibi) << 49
             | u64::from(self.sinks) << 50
+            | u64::from(self.varlen) << 51
     }
 }
 
@@ -309,8 +314,6 @@ pub fn unavailable(
         "the Hopper forward takes head dims up to 256"
     } else if !features.aligned {
         "the Hopper forward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements"
-    } else if features.varlen {
-        "the Hopper forward does not take packed sequences"
     } else if dims.heads_q > 65_535 || dims.batch > 65_535 {
         "the Hopper forward launches one block row per head and batch: at most 65535 each"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
@@ -353,6 +356,11 @@ fn hand_written(
                 crate::mutation::hopper_no_wait(),
                 "if (i >= STAGES) mbar_wait(",
                 "if (false) mbar_wait(",
+            ),
+            (
+                crate::mutation::varlen_first_row(),
+                "if ((int)seqs[mid] <= pos) a = mid;",
+                "if ((int)seqs[mid] < pos) a = mid;",
             ),
             (
                 crate::mutation::window_right(),
@@ -463,6 +471,9 @@ pub unsafe fn launch(
     params.push(0);
     let (left, right) = options.scalars().window_args();
     params.push(words(left, right));
+    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
+    let n_seqs = seqs.map_or(0, |s| s.shape[0] / 2 - 1);
+    params.push(words(n_seqs as u32, 0));
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let maps = vec![
@@ -573,7 +584,8 @@ pub unsafe fn launch_given(
     // No mask, bias or dropout: zero strides and words.
     params.extend([0; 8 + 2]);
     params.push(words(u32::from(x_batched), u32::from(v_batched)));
-    // No window: its words are not read.
+    // No window and no packed sequences: their words are not read.
+    params.push(0);
     params.push(0);
     let (cx, cy, cz) = cubes;
     let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
@@ -586,8 +598,8 @@ pub unsafe fn launch_given(
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
     // below `d1` of `out[b]` and `lse[b]` (`lse` only for t = 0), columns `VALUE_DIM`·t .. below
-    // `d3`, through the strides given. The mask, bias and slopes stand-ins (`out`, `lse`) are
-    // never read.
+    // `d3`, through the strides given. The mask, bias, slopes, sinks and sequences stand-ins
+    // (`out`, `lse`) are never read.
     unsafe {
         kernel.launch_with_maps(
             count,
@@ -597,6 +609,7 @@ pub unsafe fn launch_given(
                 lse.handle.clone().binding(),
                 out.handle.clone().binding(),
                 out.handle.clone().binding(),
+                lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
             ],
