@@ -1583,6 +1583,90 @@ fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// A call that must panic, and what its message must say.
+type Refusal<'a> = (&'static str, Box<dyn Fn() + 'a>);
+
+/// Bad packed batches are refused before any launch, one case each: lengths that decrease,
+/// that do not start at 0, query and key lists of different lengths, no sequence, a sequence
+/// longer than `max_seqlen`, token counts of `q` and `k`/`v` other than the batch's totals, and
+/// (the dense checks still apply) heads that do not group.
+fn varlen_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let int = |values: &[i64]| {
+        Tensor::<B, 1, burn::tensor::Int>::from_data(
+            TensorData::new(values.to_vec(), [values.len()]),
+            device,
+        )
+    };
+    let cases: [Refusal<'_>; 5] = [
+        (
+            "`cu_seqlens_q` must not decrease: entry 2 is 3 after 5",
+            Box::new(|| {
+                VarlenBatch::<B>::from_cu_seqlens(int(&[0, 5, 3]), int(&[0, 5, 8]), 5, 5);
+            }),
+        ),
+        (
+            "`cu_seqlens_k` must start at 0, got 1",
+            Box::new(|| {
+                VarlenBatch::<B>::from_cu_seqlens(int(&[0, 5, 8]), int(&[1, 5, 8]), 5, 5);
+            }),
+        ),
+        (
+            "2 query lengths but 3 key lengths",
+            Box::new(|| {
+                VarlenBatch::<B>::from_lengths(&[3, 4], &[3, 4, 5], device);
+            }),
+        ),
+        (
+            "a packed batch needs at least one sequence",
+            Box::new(|| {
+                VarlenBatch::<B>::from_lengths(&[], &[], device);
+            }),
+        ),
+        (
+            "a sequence has 5 tokens, more than `max_seqlen_q` = 4",
+            Box::new(|| {
+                VarlenBatch::<B>::from_cu_seqlens(int(&[0, 5, 8]), int(&[0, 5, 8]), 4, 5);
+            }),
+        ),
+    ];
+    for (want, call) in cases {
+        let msg = panic_message(call);
+        assert!(msg.contains(want), "expected `{want}`, got: {msg}");
+    }
+    let batch = VarlenBatch::<B>::from_lengths(&[3, 4], &[3, 5], device);
+    let options = FlashAttentionOptions::from(AttentionModuleOptions::default());
+    let tokens = |t: usize, h: usize| random::<B, 3>([t, h, 16], -1.0, 1.0, dtype, device);
+    let run = |q, k, v| {
+        panic_message(|| {
+            attention_varlen(q, k, v, &batch, None, None, HeadTerms::default(), options);
+        })
+    };
+    let msg = run(tokens(6, 2), tokens(8, 2), tokens(8, 2));
+    assert!(
+        msg.contains("`query` has 6 tokens, but `cu_seqlens_q` ends at 7"),
+        "{msg}"
+    );
+    let msg = run(tokens(7, 2), tokens(8, 2), tokens(9, 2));
+    assert!(
+        msg.contains("`value` has 9 tokens, but `cu_seqlens_k` ends at 8"),
+        "{msg}"
+    );
+    let msg = run(tokens(7, 3), tokens(8, 2), tokens(8, 2));
+    assert!(msg.contains("`query` has 3 heads, not a multiple"), "{msg}");
+    // The batch's own totals run.
+    let (out, lse) = attention_varlen(
+        tokens(7, 2),
+        tokens(8, 2),
+        tokens(8, 2),
+        &batch,
+        None,
+        None,
+        HeadTerms::default(),
+        options,
+    );
+    assert_eq!((out.dims(), lse.dims()), ([7, 2, 16], [2, 7]));
+}
+
 /// burn-nn's mask semantics (`masked_score`: a masked key takes a fill score and stays in the
 /// softmax, so a fully masked row is uniform) and quiet softmax, through every kernel the
 /// device can run (the composed fallback on NdArray). A fill score of 0.5 lies among the real
@@ -1848,6 +1932,7 @@ macro_rules! attention_suite {
                 windows_and_alibi,
                 attention_sinks,
                 varlen,
+                varlen_bad_input,
                 many_seeds,
             ]
         );
