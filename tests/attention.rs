@@ -75,6 +75,16 @@ impl Case {
                     };
                     let mut s: Vec<f64> = (0..sk)
                         .map(|j| {
+                            // Key `j`'s offset from the row's diagonal.
+                            let off = j as i64 - (i as i64 + k1 as i64 - q1 as i64);
+                            let outside = self
+                                .window
+                                .is_some_and(|(l, r)| off < -(l as i64) || off > r as i64);
+                            if (self.options.is_causal && off > 0) || outside || j < k0 || j >= k1 {
+                                // Hidden by the causal mask, the window or another sequence
+                                // (after everything else: −inf whatever the score).
+                                return f64::NEG_INFINITY;
+                            }
                             let mut dot = 0.0;
                             for c in 0..d {
                                 let qk = self.q[at(self.q_dims, [b, h, i, c])]
@@ -88,8 +98,6 @@ impl Case {
                             if let Some((bias, bd)) = &self.bias {
                                 x = (r.store)(x + bias[at(*bd, [b, h, i, j])]);
                             }
-                            // Key `j`'s offset from the row's diagonal.
-                            let off = j as i64 - (i as i64 + k1 as i64 - q1 as i64);
                             if let Some(slopes) = &self.slopes {
                                 x = (r.store)(x - slopes[h] * off.abs() as f64);
                             }
@@ -97,17 +105,6 @@ impl Case {
                                 && m[at(*md, [b, h, i, j])]
                             {
                                 x = self.fill.unwrap_or(f64::NEG_INFINITY);
-                            }
-                            if self.options.is_causal && off > 0 {
-                                x = f64::NEG_INFINITY;
-                            }
-                            if let Some((left, right)) = self.window
-                                && (off < -(left as i64) || off > right as i64)
-                            {
-                                x = f64::NEG_INFINITY;
-                            }
-                            if j < k0 || j >= k1 {
-                                x = f64::NEG_INFINITY;
                             }
                             x
                         })
@@ -148,6 +145,10 @@ impl Case {
                     for c in 0..dv {
                         let mut o = 0.0;
                         for (j, pj) in p.iter().enumerate() {
+                            if *pj == 0.0 {
+                                // Adds nothing (also under rounding): hidden keys.
+                                continue;
+                            }
                             o = (r.acc)(o + pj * self.v[at(v_dims, [b, kh, j, c])]);
                         }
                         out[at([nb, hq, sq, dv], [b, h, i, c])] = (r.store)(o);
