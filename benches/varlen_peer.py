@@ -121,8 +121,15 @@ def main():
                             raise RuntimeError(f"not in this PyTorch ({why_varlen})")
                         q, k, v = (torch.randn(tokens, h, d, device=dev, dtype=dt, requires_grad=train) for _ in range(3))
 
+                        import inspect
+                        params = inspect.signature(varlen_attn).parameters
+                        flag = next((n for n in ("is_causal", "causal") if n in params), None)
+                        if flag is None and causal:
+                            raise RuntimeError(f"varlen_attn{inspect.signature(varlen_attn)} takes no causal flag")
+                        kw = {flag: causal} if flag else {}
+
                         def fwd():
-                            return varlen_attn(q, k, v, cu, cu, mx, mx, is_causal=causal)
+                            return varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
                         row["kernel"] = "varlen_attn"
                     elif impl == "sdpa-dense":
                         q, k, v = (torch.randn(dense_b, h, dense_len, d, device=dev, dtype=dt, requires_grad=train) for _ in range(3))
