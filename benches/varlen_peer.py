@@ -124,9 +124,16 @@ def main():
                         import inspect
                         params = inspect.signature(varlen_attn).parameters
                         flag = next((n for n in ("is_causal", "causal") if n in params), None)
-                        if flag is None and causal:
+                        if flag:
+                            kw = {flag: causal}
+                        elif causal and "window_size" in params:
+                            # torch 2.11: causal is the window (−1, 0) (all keys before, none after).
+                            kw = {"window_size": (-1, 0)}
+                            row["note"] = "causal as window_size (-1, 0)"
+                        elif causal:
                             raise RuntimeError(f"varlen_attn{inspect.signature(varlen_attn)} takes no causal flag")
-                        kw = {flag: causal} if flag else {}
+                        else:
+                            kw = {}
 
                         def fwd():
                             return varlen_attn(q, k, v, cu, cu, mx, mx, **kw)
