@@ -60,6 +60,11 @@ window-right attention_backward.test cuda::bf16::windows_and_alibi
 window-right attention_backward.test cuda::bf16::windows_and_alibi BURN_FLASH_HOPPER=always
 window-right attention_backward.test cuda::f16::windows_and_alibi BURN_FLASH_HOPPER=off
 quiet-off attention.test cuda::bf16::attention_sinks
+varlen-first-row attention.test cuda::bf16::varlen BURN_FLASH_HOPPER=always
+varlen-first-row attention.test cuda::bf16::varlen BURN_FLASH_HOPPER=off
+varlen-first-row attention.test cuda::f32::varlen
+varlen-first-row attention_backward.test cuda::bf16::varlen BURN_FLASH_HOPPER=always
+varlen-first-row attention_backward.test cuda::bf16::varlen BURN_FLASH_HOPPER=off
 EOF
 )
 logs=/tmp/mutations
