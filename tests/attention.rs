@@ -11,7 +11,7 @@ use burn_flash::{
     attention, attention::AttentionDims, attention_plan, attention_plan_with, attention_varlen,
     attention_with_alibi, attention_with_heads, attention_with_lse,
 };
-use common::attention_ref::{EXACT, Rounding, at, naive};
+use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
 
 /// Row-major f64 copies of one call's inputs, and the reference output.
@@ -65,14 +65,7 @@ impl Case {
                 let kh = h / (hq / hkv);
                 for i in 0..sq {
                     // The row's sequence: its keys `k0 .. k1`, its last query `q1 − 1`.
-                    let (k0, k1, q1) = match &self.packed {
-                        Some((cu_q, cu_k)) => {
-                            let s = cu_q.partition_point(|&x| x <= i) - 1;
-                            let s = s.min(cu_q.len() - 2);
-                            (cu_k[s], cu_k[s + 1], cu_q[s + 1])
-                        }
-                        None => (0, sk, sq),
-                    };
+                    let (k0, k1, q1) = row_sequence(self.packed.as_ref(), i, sq, sk);
                     let mut s: Vec<f64> = (0..sk)
                         .map(|j| {
                             // Key `j`'s offset from the row's diagonal.

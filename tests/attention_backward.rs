@@ -18,7 +18,7 @@ use burn_flash::{
     attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
-use common::attention_ref::{EXACT, Rounding, at, naive};
+use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
 
 type A<B> = Autodiff<B>;
@@ -86,14 +86,7 @@ impl Case {
                 let kh = h / group;
                 for i in 0..sq {
                     // The row's sequence: its keys `k0 .. k1`, its last query `q1 − 1`.
-                    let (k0, k1, q1) = match &self.packed {
-                        Some((cu_q, cu_k)) => {
-                            let s = cu_q.partition_point(|&x| x <= i) - 1;
-                            let s = s.min(cu_q.len() - 2);
-                            (cu_k[s], cu_k[s + 1], cu_q[s + 1])
-                        }
-                        None => (0, sk, sq),
-                    };
+                    let (k0, k1, q1) = row_sequence(self.packed.as_ref(), i, sq, sk);
                     let qi = |c: usize| self.q[at(self.q_dims, [b, h, i, c])];
                     let gi = |c: usize| self.g[at(o_dims, [b, h, i, c])];
                     // Scores, their softcap factor, visibility.

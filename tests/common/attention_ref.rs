@@ -1,7 +1,25 @@
-//! What the attention suites' f64 references share: broadcast indexing and the rounding
-//! models (exact, and a naive implementation's in a dtype).
+//! What the attention suites' f64 references share: broadcast indexing, a packed row's
+//! sequence and the rounding models (exact, and a naive implementation's in a dtype).
 
 use burn::tensor::{FloatDType, bf16, f16};
+
+/// The keys `k0 .. k1` query row `i` sees before the causal mask and the window, and its
+/// sequence's end `q1` (the row's diagonal key is `i + k1 − q1`): with packed sequences
+/// (cumulative query and key lengths) its own sequence's, else `0 .. sk` and `sq`.
+pub fn row_sequence(
+    packed: Option<&(Vec<usize>, Vec<usize>)>,
+    i: usize,
+    sq: usize,
+    sk: usize,
+) -> (usize, usize, usize) {
+    match packed {
+        Some((cu_q, cu_k)) => {
+            let s = (cu_q.partition_point(|&x| x <= i) - 1).min(cu_q.len() - 2);
+            (cu_k[s], cu_k[s + 1], cu_q[s + 1])
+        }
+        None => (0, sk, sq),
+    }
+}
 
 /// Index of `(b, h, i, j)` in a row-major tensor of `dims`, broadcasting dims of size 1.
 pub fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {

@@ -37,6 +37,7 @@ fn inputs<E: CubePrimitive, F: CubePrimitive>() -> ScoreInputsCompilationArg<E, 
         bias: tensor(),
         slopes: tensor(),
         sinks: tensor(),
+        seqs: tensor(),
     }
 }
 

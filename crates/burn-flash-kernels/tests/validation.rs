@@ -520,6 +520,7 @@ fn attention_refused(
         None,
         None,
         None,
+        None,
         t(&out, &s.out, &strides[3]),
         t(&lse, &s.lse, &strides[4]),
         f32_type(),
