@@ -108,9 +108,9 @@ pub fn key_range(
 }
 
 /// The keys query position `pos` of a sequence of `Sq` queries and `Sk` keys sees under the
-/// causal mask and the sliding window (bottom-right aligned: the row's diagonal key is `a = pos
-/// + Sk − Sq`): `max(a − left, 0) .. min(a + 1 [causal] or a + right + 1 [window], Sk)`; `0 ..
-/// Sk` without either rule.
+/// causal mask and the sliding window, bottom-right aligned (the row's diagonal key is
+/// `a = pos + Sk − Sq`): from `max(a − left, 0)` to `min(end, Sk)`, `end` being `a + 1`
+/// (causal) or `a + right + 1` (window); `0 .. Sk` without either rule.
 #[cube]
 pub fn local_range(
     pos: usize,
