@@ -5,11 +5,13 @@
 
 mod common;
 
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData, module, ops::AttentionModuleOptions};
+use burn::tensor::{
+    Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive, module, ops::AttentionModuleOptions,
+};
 use burn_flash::{
-    AttentionKernel, FlashAttentionOptions, FlashBackend, HeadTerms, ScoreTerms, VarlenBatch,
-    attention, attention::AttentionDims, attention_plan, attention_plan_with, attention_varlen,
-    attention_with_alibi, attention_with_heads, attention_with_lse,
+    AttentionKernel, BlockTable, FlashAttentionOptions, FlashBackend, HeadTerms, Rope, ScoreTerms,
+    VarlenBatch, attention, attention::AttentionDims, attention_plan, attention_plan_with,
+    attention_varlen, attention_with_alibi, attention_with_heads, attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
@@ -1903,6 +1905,421 @@ fn many_seeds<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// The split-KV decoding kernel ([`AttentionKernel::SplitDecode`]), planned and forced: the
+/// plan takes it unasked for few rows per key/value head against long contexts and not
+/// otherwise; GQA 4:1 with one query against 1 000 keys (several splits and their merge);
+/// three causal rows under a window with a softcap, `D 128 ≠ Dv 64`; ALiBi, sinks and quiet
+/// softmax on `[B, S, H, D]` inputs in one split.
+fn split_decode<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let forced = |causal: bool| FlashAttentionOptions {
+        kernel: Some(AttentionKernel::SplitDecode),
+        module: AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let dims = |seq_q, seq_k| AttentionDims {
+        batch: 2,
+        heads_q: 8,
+        heads_kv: 2,
+        seq_q,
+        seq_k,
+        head_dim: 64,
+        value_dim: 64,
+    };
+    let plan = |sq, sk, options| {
+        attention_plan::<B>(device, dims(sq, sk), dtype.into(), options).map(|p| p.expect("plan"))
+    };
+    if let Some(long) = plan(1, 1000, Default::default()) {
+        assert_eq!(long.kernel, AttentionKernel::SplitDecode, "{long:?}");
+        assert!(long.cubes.0 > 1, "several splits at Sk 1000: {long:?}");
+        let short = plan(1, 100, Default::default()).expect("plan");
+        assert_ne!(short.kernel, AttentionKernel::SplitDecode, "{short:?}");
+        let rows = plan(8, 1000, Default::default()).expect("plan");
+        assert_ne!(
+            rows.kernel,
+            AttentionKernel::SplitDecode,
+            "G·Sq 32: {rows:?}"
+        );
+        let forced_short = plan(1, 100, forced(false)).expect("plan");
+        assert_eq!(
+            forced_short.cubes.0, 1,
+            "one split at Sk 100: {forced_short:?}"
+        );
+    }
+
+    let q = rand4::<B>([2, 8, 1, 64], 1.0, dtype, device);
+    let k = rand4::<B>([2, 2, 1000, 64], 1.0, dtype, device);
+    let v = rand4::<B>([2, 2, 1000, 64], 1.0, dtype, device);
+    let options = forced(false);
+    check_with(
+        q,
+        k,
+        v,
+        None,
+        None,
+        options,
+        dtype,
+        "decode, GQA 4:1, Sq 1, Sk 1000",
+    );
+
+    let q = rand4::<B>([1, 4, 3, 128], 1.0, dtype, device);
+    let k = rand4::<B>([1, 4, 700, 128], 1.0, dtype, device);
+    let v = rand4::<B>([1, 4, 700, 64], 1.0, dtype, device);
+    let mut options = forced(true);
+    options.window = Some((200, 0));
+    options.module.softcap = Some(5.0);
+    check_with(
+        q,
+        k,
+        v,
+        None,
+        None,
+        options,
+        dtype,
+        "decode, causal, window, softcap",
+    );
+
+    let q = rand4::<B>([2, 1, 6, 32], 2.0, dtype, device).swap_dims(1, 2);
+    let k = rand4::<B>([2, 90, 2, 32], 2.0, dtype, device).swap_dims(1, 2);
+    let v = rand4::<B>([2, 90, 2, 32], 1.0, dtype, device).swap_dims(1, 2);
+    let heads = HeadTerms {
+        alibi_slopes: Some(random::<B, 1>([6], 0.05, 0.5, FloatDType::F32, device)),
+        sinks: Some(random::<B, 1>([6], -1.0, 1.0, FloatDType::F32, device)),
+    };
+    let mut options = forced(false);
+    options.quiet = true;
+    check_heads(
+        q,
+        k,
+        v,
+        None,
+        None,
+        heads,
+        options,
+        dtype,
+        "decode, ALiBi, sinks, quiet",
+    );
+    sync::<B>(device);
+}
+
+/// A pool of `blocks` blocks and a table over it: sequence `b` holds `lengths[b]` keys and
+/// room for `extra` more, its blocks drawn from a shuffled pool.
+fn shuffled_table<B: FlashBackend>(
+    lengths: &[usize],
+    extra: usize,
+    block_size: usize,
+    pool_blocks: usize,
+    device: &B::Device,
+) -> BlockTable<B> {
+    use rand::{SeedableRng, seq::SliceRandom};
+    let mut order: Vec<usize> = (0..pool_blocks).collect();
+    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(fresh_seed()));
+    let mut free = order.into_iter();
+    let blocks = lengths
+        .iter()
+        .map(|l| {
+            let n = (l + extra).div_ceil(block_size);
+            free.by_ref().take(n).collect()
+        })
+        .collect();
+    BlockTable::new(blocks, lengths.to_vec(), block_size, pool_blocks, device)
+}
+
+/// Sequence `b`'s keys (or values) of a pool read to the host, `[1, H, len, D]` in `dtype`.
+fn gathered<B: FlashBackend>(
+    pool: &[f64],
+    dims: [usize; 4],
+    table: &BlockTable<B>,
+    b: usize,
+    dtype: FloatDType,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let [_, bs, heads, cols] = dims;
+    let len = table.lengths()[b];
+    let mut out = Vec::with_capacity(heads * len * cols);
+    for h in 0..heads {
+        for j in 0..len {
+            let block = table.blocks()[b][j / bs];
+            let at = ((block * bs + j % bs) * heads + h) * cols;
+            out.extend(pool[at..at + cols].iter().map(|&x| x as f32));
+        }
+    }
+    tensor::<B, 4>(out, [1, heads, len, cols], dtype, device)
+}
+
+/// Paged attention against the f64 reference of each sequence's keys gathered (2×-naive rule),
+/// and bit for bit against the same kernel on a contiguous cache of the same capacity and
+/// lengths: shuffled block tables, lengths 1–700 (blocks of 16, partial last blocks), GQA 4:1,
+/// causal rows at each sequence's end, ALiBi.
+fn paged<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (hq, hkv, d, bs, pool_blocks) = (8, 2, 64, 16, 70);
+    let lengths = [1usize, 77, 700, 0];
+    let table = shuffled_table::<B>(&lengths, 0, bs, pool_blocks, device);
+    let k_pool = rand4::<B>([pool_blocks, bs, hkv, d], 1.0, dtype, device);
+    let v_pool = rand4::<B>([pool_blocks, bs, hkv, d], 1.0, dtype, device);
+    let q = rand4::<B>([4, hq, 2, d], 1.0, dtype, device);
+    let slopes = random::<B, 1>([hq], 0.01, 0.2, FloatDType::F32, device);
+    let options = FlashAttentionOptions {
+        module: AttentionModuleOptions {
+            is_causal: true,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let heads = HeadTerms {
+        alibi_slopes: Some(slopes.clone()),
+        sinks: None,
+    };
+    poison::<B, 4>([4, hq, 2, d], dtype, device);
+    let (out, lse) = burn_flash::attention_paged(
+        q.clone(),
+        k_pool.clone(),
+        v_pool.clone(),
+        &table,
+        heads,
+        options,
+    );
+    sync::<B>(device);
+    let (got, got_lse) = (read(out.clone()), read(lse));
+    let (k_host, v_host) = (read(k_pool.clone()), read(v_pool.clone()));
+    let pool_dims = [pool_blocks, bs, hkv, d];
+    let per_seq = hq * 2 * d;
+    for (b, &len) in lengths.iter().enumerate() {
+        let ctx = format!("paged, sequence {b} of {len} keys, {dtype:?}");
+        let q_b = q.clone().narrow(0, b, 1);
+        let case = Case {
+            q: read(q_b),
+            k: read(gathered(&k_host, pool_dims, &table, b, dtype, device)),
+            v: read(gathered(&v_host, pool_dims, &table, b, dtype, device)),
+            q_dims: [1, hq, 2, d],
+            k_dims: [1, hkv, len, d],
+            dv: d,
+            mask: None,
+            bias: None,
+            options: options.module,
+            fill: None,
+            quiet: false,
+            window: None,
+            slopes: Some(read(slopes.clone())),
+            sinks: None,
+            packed: None,
+        };
+        let (want, want_lse) = case.reference();
+        let (naive, _) = case.model(naive(dtype));
+        let got_b = &got[b * per_seq..(b + 1) * per_seq];
+        let floor = if dtype == FloatDType::F32 { 8.0 } else { 1.0 };
+        assert_within_naive(got_b, &naive, &want, dtype, floor, &ctx);
+        check_lse(
+            &got_lse[b * hq * 2..(b + 1) * hq * 2],
+            &want_lse,
+            dtype,
+            &ctx,
+        );
+    }
+
+    // The same keys in a contiguous cache of the table's capacity: the same schedule, so the
+    // same bits.
+    let cap = table.blocks().iter().map(Vec::len).max().unwrap() * bs;
+    let contiguous = |host: &[f64]| {
+        let parts: Vec<Tensor<B, 4>> = (0..lengths.len())
+            .map(|b| {
+                let keys = gathered(host, pool_dims, &table, b, dtype, device);
+                let pad = rand4::<B>([1, hkv, cap - lengths[b], d], 1.0, dtype, device);
+                Tensor::cat(vec![keys, pad], 2)
+            })
+            .collect();
+        Tensor::cat(parts, 0)
+    };
+    let lens = Tensor::<B, 1, Int>::from_data(
+        TensorData::new(lengths.iter().map(|&l| l as i32).collect(), [lengths.len()]),
+        device,
+    );
+    let (flat, _) = B::flash_decode(
+        q.into_primitive().tensor(),
+        contiguous(&k_host).into_primitive().tensor(),
+        contiguous(&v_host).into_primitive().tensor(),
+        None,
+        lens.into_primitive(),
+        Some(slopes.into_primitive().tensor()),
+        None,
+        options,
+    );
+    let flat = read(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(flat)));
+    assert_eq!(got, flat, "paged and contiguous caches differ ({dtype:?})");
+}
+
+/// Appends across block boundaries (lengths 5, 16, 30 + 20 keys in blocks of 16) write exactly
+/// the new rows into their blocks and nothing else; with RoPE (interleaved and halves, all or
+/// half of the dims) the keys and queries match rotating them in f64 and then rounding, and
+/// burn-nn's `RotaryEncoding` (interleaved).
+fn paged_append<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (hq, hkv, d, bs, pool_blocks, new) = (4, 2, 32, 16, 12, 20);
+    let lengths = [5usize, 16, 30];
+    let pool_dims = [pool_blocks, bs, hkv, d];
+    for (rope, interleaved, rotary) in [(false, true, d), (true, true, d), (true, false, d / 2)] {
+        let ctx = format!("append, RoPE {rope} interleaved {interleaved} R {rotary}, {dtype:?}");
+        let table = shuffled_table::<B>(&lengths, new, bs, pool_blocks, device);
+        let k_pool = rand4::<B>(pool_dims, 1.0, dtype, device);
+        let v_pool = rand4::<B>(pool_dims, 1.0, dtype, device);
+        let k_new = rand4::<B>([3, hkv, new, d], 1.0, dtype, device);
+        let v_new = rand4::<B>([3, hkv, new, d], 1.0, dtype, device);
+        let q = rand4::<B>([3, hq, new, d], 1.0, dtype, device);
+        let tables = Rope::<B>::new(10_000.0, rotary, 64, interleaved, device);
+        let (k_old, v_old) = (read(k_pool.clone()), read(v_pool.clone()));
+        let (k_in, v_in, q_in) = (read(k_new.clone()), read(v_new.clone()), read(q.clone()));
+        let out = burn_flash::append_paged(
+            k_pool,
+            v_pool,
+            &table,
+            k_new.clone(),
+            v_new,
+            rope.then_some(&tables),
+            rope.then(|| q.clone()),
+        );
+        assert_eq!(out.table.lengths(), [25, 36, 50], "{ctx}");
+        sync::<B>(device);
+        let (cos, sin) = (read(tables.cos.clone()), read(tables.sin.clone()));
+        let half = rotary / 2;
+        // The row `x` (d values) at position `p`, rotated in f64 and rounded to the dtype.
+        let rotated = |x: &[f64], p: usize| -> Vec<f64> {
+            let mut y = x.to_vec();
+            if rope {
+                for i in 0..half {
+                    let (e0, e1) = if interleaved {
+                        (2 * i, 2 * i + 1)
+                    } else {
+                        (i, i + half)
+                    };
+                    let (c, s) = (cos[p * half + i], sin[p * half + i]);
+                    y[e0] = x[e0] * c - x[e1] * s;
+                    y[e1] = x[e0] * s + x[e1] * c;
+                }
+            }
+            y
+        };
+        let mut k_want = k_old.clone();
+        let mut v_want = v_old.clone();
+        for (b, &len) in lengths.iter().enumerate() {
+            for h in 0..hkv {
+                for s in 0..new {
+                    let pos = len + s;
+                    let slot = table.blocks()[b][pos / bs] * bs + pos % bs;
+                    let dst = (slot * hkv + h) * d;
+                    let src = ((b * hkv + h) * new + s) * d;
+                    k_want[dst..dst + d].copy_from_slice(&rotated(&k_in[src..src + d], pos));
+                    v_want[dst..dst + d].copy_from_slice(&v_in[src..src + d]);
+                }
+            }
+        }
+        let (k_got, v_got) = (read(out.key), read(out.value));
+        assert_eq!(v_got, v_want, "{ctx}: the value pool");
+        let t = Tol {
+            atol: 1e-6,
+            rtol: eps(dtype),
+        };
+        if rope {
+            assert_close(&k_got, &k_want, t, &format!("{ctx}: the key pool"));
+            let q_got = read(out.query.expect("rotated queries"));
+            let mut q_want = q_in.clone();
+            for (b, &len) in lengths.iter().enumerate() {
+                for h in 0..hq {
+                    for s in 0..new {
+                        let at = ((b * hq + h) * new + s) * d;
+                        q_want[at..at + d].copy_from_slice(&rotated(&q_in[at..at + d], len + s));
+                    }
+                }
+            }
+            assert_close(&q_got, &q_want, t, &format!("{ctx}: the queries"));
+            if interleaved && rotary == d {
+                // burn-nn's RotaryEncoding (its frequencies computed in f32 on the device).
+                let enc = burn::nn::RotaryEncodingConfig::new(64, d).init::<B>(device);
+                for (b, &len) in lengths.iter().enumerate() {
+                    let x = k_new.clone().narrow(0, b, 1).reshape([hkv, new, d]);
+                    let theirs = read(enc.apply(x.cast(FloatDType::F32), len));
+                    let blocks = &table.blocks()[b];
+                    let mut ours = Vec::with_capacity(hkv * new * d);
+                    for h in 0..hkv {
+                        for s in 0..new {
+                            let slot = blocks[(len + s) / bs] * bs + (len + s) % bs;
+                            let at = (slot * hkv + h) * d;
+                            ours.extend_from_slice(&k_got[at..at + d]);
+                        }
+                    }
+                    let t = Tol {
+                        atol: 1e-4,
+                        rtol: 2.0 * eps(dtype).max(1e-5),
+                    };
+                    assert_close(&ours, &theirs, t, &format!("{ctx}: burn-nn, sequence {b}"));
+                }
+            }
+        } else {
+            assert_eq!(k_got, k_want, "{ctx}: the key pool");
+        }
+    }
+}
+
+/// Every rejected paged call panics with a message naming the problem, before any launch.
+fn paged_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let table = |blocks: Vec<Vec<usize>>, lengths: Vec<usize>| {
+        BlockTable::<B>::new(blocks, lengths, 16, 8, device)
+    };
+    let refused = |f: &dyn Fn(), what: &str| {
+        let msg = panic_message(f);
+        assert!(
+            msg.contains(what),
+            "expected a panic about `{what}`, got: {msg}"
+        );
+    };
+    refused(&|| drop(table(vec![vec![8]], vec![1])), "outside the pool");
+    refused(
+        &|| drop(table(vec![vec![1], vec![1]], vec![1, 1])),
+        "listed twice",
+    );
+    refused(
+        &|| drop(table(vec![vec![1]], vec![17])),
+        "blocks of 16 hold 16",
+    );
+    refused(
+        &|| drop(table(vec![vec![1]], vec![1, 2])),
+        "one of each per sequence",
+    );
+    let ok = table(vec![vec![0, 3], vec![5, 6]], vec![20, 16]);
+    let pool = rand4::<B>([8, 16, 2, 32], 1.0, dtype, device);
+    let q = rand4::<B>([2, 4, 1, 32], 1.0, dtype, device);
+    let options = FlashAttentionOptions::default();
+    let attend = |q: Tensor<B, 4>, k: Tensor<B, 4>| {
+        let _ = burn_flash::attention_paged(q, k, pool.clone(), &ok, HeadTerms::default(), options);
+    };
+    let narrow = rand4::<B>([8, 8, 2, 32], 1.0, dtype, device);
+    refused(&|| attend(q.clone(), narrow.clone()), "the table's pool");
+    let three = rand4::<B>([3, 4, 1, 32], 1.0, dtype, device);
+    refused(
+        &|| attend(three.clone(), pool.clone()),
+        "the table 2 sequences",
+    );
+    let heads3 = rand4::<B>([2, 3, 1, 32], 1.0, dtype, device);
+    refused(&|| attend(heads3.clone(), pool.clone()), "not a multiple");
+    let other = if dtype == FloatDType::F32 {
+        FloatDType::F16
+    } else {
+        FloatDType::F32
+    };
+    refused(&|| attend(q.clone().cast(other), pool.clone()), "dtype");
+    let new = |s| rand4::<B>([2, 2, s, 32], 1.0, dtype, device);
+    let append = |s: usize, rope: Option<&Rope<B>>, q: Option<Tensor<B, 4>>| {
+        let _ = burn_flash::append_paged(pool.clone(), pool.clone(), &ok, new(s), new(s), rope, q);
+    };
+    refused(&|| append(13, None, None), "blocks of 16 hold");
+    let short = Rope::<B>::new(10_000.0, 32, 24, true, device);
+    refused(&|| append(8, Some(&short), None), "RoPE tables hold 24");
+    let wide = Rope::<B>::new(10_000.0, 64, 64, true, device);
+    refused(&|| append(1, Some(&wide), None), "R ≤ D");
+    let q1 = rand4::<B>([2, 4, 1, 32], 1.0, dtype, device);
+    refused(&|| append(1, None, Some(q1.clone())), "pass RoPE tables");
+}
+
 macro_rules! attention_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -1927,6 +2344,10 @@ macro_rules! attention_suite {
                 attention_sinks,
                 varlen,
                 varlen_bad_input,
+                split_decode,
+                paged,
+                paged_append,
+                paged_bad_input,
                 many_seeds,
             ]
         );

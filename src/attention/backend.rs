@@ -13,6 +13,7 @@ use burn_flash_kernels::attention::{
 };
 use burn_fusion::{Fusion, FusionBackend};
 
+use super::paged::{Appended, RopeArgs};
 use super::{AttentionGrads, FlashAttentionOptions, ScoreTerms};
 use crate::{FlashBackend, SoftmaxMatmulBackend};
 
@@ -62,6 +63,43 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
     ) -> AttentionGrads<Self> {
         let inputs = (query, key, value, mask, bias, slopes, sinks, seqs);
         super::composed::backward::<Self>(inputs, out, lse, d_out, options, want_ds)
+    }
+
+    /// `(out, lse)` of `query` `[B, Hq, Sq, D]` against the first `lengths[b]` keys of each
+    /// batch ([`crate::attention_paged`]): `key`/`value` contiguous caches `[B, Hkv, S_max, ·]`,
+    /// or with `table` (`[B, max_blocks]`) block pools `[blocks, block_size, Hkv, ·]`; the
+    /// queries are each batch's last `Sq` positions. Inference only. Arguments are checked by
+    /// the caller (table entries inside the pool, lengths inside the cache).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_decode(
+        query: FloatTensor<Self>,
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        table: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        slopes: Option<FloatTensor<Self>>,
+        sinks: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        super::paged::composed_decode::<Self>(
+            query, key, value, table, lengths, slopes, sinks, options,
+        )
+    }
+
+    /// `key_new` `[B, Hkv, S, D]`, `value_new` written into the caches (as
+    /// [`AttentionBackend::flash_decode`]'s) at positions `lengths[b] ..`, keys (and the
+    /// queries given with `rope`) rotated by RoPE ([`crate::append_paged`]). Inference only.
+    /// Arguments are checked by the caller.
+    fn flash_kv_append(
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        table: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        key_new: FloatTensor<Self>,
+        value_new: FloatTensor<Self>,
+        rope: Option<RopeArgs<Self>>,
+    ) -> Appended<Self> {
+        super::paged::composed_append::<Self>(key, value, table, lengths, key_new, value_new, rope)
     }
 
     /// The launch the fused attention backward would make for contiguous tensors, with or
@@ -138,6 +176,32 @@ macro_rules! delegate {
             super::$module::backward::<$($g),+>(inputs, out, lse, d_out, options, want_ds)
         }
     };
+    (paged: $decode:path, $append:path) => {
+        fn flash_decode(
+            query: FloatTensor<Self>,
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            table: Option<IntTensor<Self>>,
+            lengths: IntTensor<Self>,
+            slopes: Option<FloatTensor<Self>>,
+            sinks: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            $decode(query, key, value, table, lengths, slopes, sinks, options)
+        }
+
+        fn flash_kv_append(
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            table: Option<IntTensor<Self>>,
+            lengths: IntTensor<Self>,
+            key_new: FloatTensor<Self>,
+            value_new: FloatTensor<Self>,
+            rope: Option<RopeArgs<Self>>,
+        ) -> Appended<Self> {
+            $append(key, value, table, lengths, key_new, value_new, rope)
+        }
+    };
     (planning: $inner:ty) => {
         fn flash_attention_plan(
             device: &Self::Device,
@@ -165,6 +229,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
     for CubeBackend<R, F, I, BT>
 {
     delegate!(ops: cube::<R, F, I, BT>);
+    delegate!(paged: super::cube::decode::<R, F, I, BT>, super::cube::append::<R, F, I, BT>);
 
     fn flash_attention_backward_plan(
         device: &Self::Device,
@@ -193,6 +258,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
 
 impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
+    delegate!(paged: super::fusion::decode::<B>, super::fusion::append::<B>);
     delegate!(planning: B);
 }
 
@@ -201,5 +267,9 @@ impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
 /// on the fallback).
 impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     delegate!(forward: autodiff::<B, C>);
+    delegate!(
+        paged: super::paged::autodiff::decode::<B, C>,
+        super::paged::autodiff::append::<B, C>
+    );
     delegate!(planning: B);
 }

@@ -12,8 +12,12 @@ use burn_flash_kernels::attention::{
     AttentionPlan, BackwardTensors, launch_attention, launch_attention_backward, plan_attention,
     plan_attention_backward_writing,
 };
+use burn_flash_kernels::decode::{
+    AppendTensors, DecodeTensors, Paged, Rope, launch_append, launch_decode,
+};
 use cubecl::prelude::ComputeClient;
 
+use super::paged::{Appended, RopeArgs};
 use super::{AttentionGrads, FlashAttentionOptions, Inputs, OP, ScoreTerms, scale_of};
 use crate::cube::{empty, tensor_ref};
 
@@ -196,4 +200,113 @@ where
     )
     .unwrap_or_else(|err| panic!("{OP}: backward: {err}"));
     AttentionGrads { dq, dk, dv, ds }
+}
+
+/// Paged or contiguous decoding on `CubeBackend` ([`crate::AttentionBackend::flash_decode`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode<R, F, I, BT>(
+    query: CubeTensor<R>,
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    table: Option<CubeTensor<R>>,
+    lengths: CubeTensor<R>,
+    slopes: Option<CubeTensor<R>>,
+    sinks: Option<CubeTensor<R>>,
+    options: FlashAttentionOptions,
+) -> (CubeTensor<R>, CubeTensor<R>)
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let dtype = query.dtype;
+    let table = seqs_u32::<R, F, I, BT>(table);
+    let lengths = seqs_u32::<R, F, I, BT>(Some(lengths)).expect("given");
+    let shape = query.meta.shape();
+    let (batch, heads_q, seq_q, head_dim) = (shape[0], shape[1], shape[2], shape[3]);
+    let value_dim = value.meta.shape()[3];
+    let out = empty(&query, [batch, heads_q, seq_q, value_dim], dtype);
+    let lse = empty(&query, [batch, heads_q, seq_q], DType::F32);
+    launch_decode::<R>(
+        &query.client,
+        DecodeTensors {
+            q: tensor_ref(&query),
+            k: tensor_ref(&key),
+            v: tensor_ref(&value),
+            paged: table.as_ref().map(|t| Paged {
+                table: tensor_ref(t),
+            }),
+            lengths: Some(tensor_ref(&lengths)),
+            slopes: slopes.as_ref().map(tensor_ref),
+            sinks: sinks.as_ref().map(tensor_ref),
+            out: tensor_ref(&out),
+            lse: tensor_ref(&lse),
+        },
+        dtype.into(),
+        &kernel_options(options, head_dim),
+    )
+    .unwrap_or_else(|err| panic!("{OP}: decode: {err}"));
+    (out, lse)
+}
+
+/// `t` itself where no other tensor shares its buffer, else a copy: the append writes into it.
+fn owned<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
+    if t.can_mut() { t } else { t.copy() }
+}
+
+/// The append on `CubeBackend` ([`crate::AttentionBackend::flash_kv_append`]).
+pub(crate) fn append<R, F, I, BT>(
+    key: CubeTensor<R>,
+    value: CubeTensor<R>,
+    table: Option<CubeTensor<R>>,
+    lengths: CubeTensor<R>,
+    key_new: CubeTensor<R>,
+    value_new: CubeTensor<R>,
+    rope: Option<RopeArgs<CubeBackend<R, F, I, BT>>>,
+) -> Appended<CubeBackend<R, F, I, BT>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    let dtype = key.dtype;
+    let table = seqs_u32::<R, F, I, BT>(table);
+    let lengths = seqs_u32::<R, F, I, BT>(Some(lengths)).expect("given");
+    let (key, value) = (owned(key), owned(value));
+    let q_out = rope
+        .as_ref()
+        .and_then(|r| r.query.as_ref())
+        .map(|q| empty(q, q.meta.shape(), dtype));
+    let rope_refs = rope.as_ref().map(|r| Rope {
+        cos: tensor_ref(&r.cos),
+        sin: tensor_ref(&r.sin),
+        interleaved: r.interleaved,
+        q: r.query
+            .as_ref()
+            .zip(q_out.as_ref())
+            .map(|(q, o)| (tensor_ref(q), tensor_ref(o))),
+    });
+    launch_append::<R>(
+        &key.client,
+        AppendTensors {
+            k_new: tensor_ref(&key_new),
+            v_new: tensor_ref(&value_new),
+            k: tensor_ref(&key),
+            v: tensor_ref(&value),
+            paged: table.as_ref().map(|t| Paged {
+                table: tensor_ref(t),
+            }),
+            lengths: tensor_ref(&lengths),
+            rope: rope_refs,
+        },
+        dtype.into(),
+    )
+    .unwrap_or_else(|err| panic!("{OP}: append: {err}"));
+    Appended {
+        key,
+        value,
+        query: q_out,
+    }
 }

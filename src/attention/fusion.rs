@@ -4,9 +4,13 @@
 use core::marker::PhantomData;
 
 use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
-use burn::tensor::{Shape, ops::FloatTensor};
+use burn::tensor::{
+    Shape,
+    ops::{FloatTensor, IntTensor},
+};
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
+use super::paged::{Appended, RopeArgs};
 use super::{AttentionGrads, FlashAttentionOptions, Inputs};
 use crate::FlashBackend;
 use crate::fusion::{Handles, out_and_lse, uninit};
@@ -150,5 +154,159 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
         dk,
         dv,
         ds: want_ds.then(next),
+    }
+}
+
+/// Paged (or contiguous) decoding: `q`, `k`, `v`, the table where paged, the lengths, the
+/// slopes and sinks where given.
+#[derive(Debug)]
+struct DecodeOp<B> {
+    inputs: Vec<TensorIr>,
+    has_table: bool,
+    has_slopes: bool,
+    has_sinks: bool,
+    /// `out`, `lse`.
+    outputs: Vec<TensorId>,
+    options: FlashAttentionOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for DecodeOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let mut inputs = self.inputs.iter();
+        let mut next = || inputs.next().expect("recorded input");
+        let [q, k, v] = [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+        let table = self.has_table.then(|| handles.get_int_tensor::<B>(next()));
+        let lengths = handles.get_int_tensor::<B>(next());
+        let slopes = self
+            .has_slopes
+            .then(|| handles.get_float_tensor::<B>(next()));
+        let sinks = self
+            .has_sinks
+            .then(|| handles.get_float_tensor::<B>(next()));
+        let (out, lse) = B::flash_decode(q, k, v, table, lengths, slopes, sinks, self.options);
+        for (id, t) in self.outputs.iter().zip([out, lse]) {
+            handles.register_float_tensor::<B>(id, t);
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn decode<B: FusionBackend + FlashBackend>(
+    query: FloatTensor<Fusion<B>>,
+    key: FloatTensor<Fusion<B>>,
+    value: FloatTensor<Fusion<B>>,
+    table: Option<IntTensor<Fusion<B>>>,
+    lengths: IntTensor<Fusion<B>>,
+    slopes: Option<FloatTensor<Fusion<B>>>,
+    sinks: Option<FloatTensor<Fusion<B>>>,
+    options: FlashAttentionOptions,
+) -> (FloatTensor<Fusion<B>>, FloatTensor<Fusion<B>>) {
+    let (b, hq, sq) = (query.shape[0], query.shape[1], query.shape[2]);
+    let outputs = out_and_lse(&query, &[b, hq, sq], value.shape[3]).to_vec();
+    let (has_table, has_slopes, has_sinks) = (table.is_some(), slopes.is_some(), sinks.is_some());
+    let mut tensors = vec![query, key, value];
+    tensors.extend(table);
+    tensors.push(lengths);
+    tensors.extend(slopes);
+    tensors.extend(sinks);
+    let op = |inputs, outputs| DecodeOp::<B> {
+        inputs,
+        has_table,
+        has_slopes,
+        has_sinks,
+        outputs,
+        options,
+        _backend: PhantomData,
+    };
+    let [out, lse] = crate::fusion::record("burn_flash::decode", tensors, outputs, op)
+        .try_into()
+        .expect("two outputs");
+    (out, lse)
+}
+
+/// The append: the caches, the table where paged, the lengths, the new keys and values, then
+/// with RoPE its tables and the queries where given.
+#[derive(Debug)]
+struct AppendOp<B> {
+    inputs: Vec<TensorIr>,
+    has_table: bool,
+    rope: Option<bool>,
+    has_query: bool,
+    /// The caches, then the rotated queries where asked.
+    outputs: Vec<TensorId>,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AppendOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let mut inputs = self.inputs.iter();
+        let mut next = || inputs.next().expect("recorded input");
+        let [k, v] = [next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+        let table = self.has_table.then(|| handles.get_int_tensor::<B>(next()));
+        let lengths = handles.get_int_tensor::<B>(next());
+        let [k_new, v_new] = [next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+        let rope = self.rope.map(|interleaved| {
+            let [cos, sin] = [next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+            let query = self
+                .has_query
+                .then(|| handles.get_float_tensor::<B>(next()));
+            RopeArgs {
+                cos,
+                sin,
+                interleaved,
+                query,
+            }
+        });
+        let out = B::flash_kv_append(k, v, table, lengths, k_new, v_new, rope);
+        let results = [out.key, out.value].into_iter().chain(out.query);
+        for (id, t) in self.outputs.iter().zip(results) {
+            handles.register_float_tensor::<B>(id, t);
+        }
+    }
+}
+
+pub(crate) fn append<B: FusionBackend + FlashBackend>(
+    key: FloatTensor<Fusion<B>>,
+    value: FloatTensor<Fusion<B>>,
+    table: Option<IntTensor<Fusion<B>>>,
+    lengths: IntTensor<Fusion<B>>,
+    key_new: FloatTensor<Fusion<B>>,
+    value_new: FloatTensor<Fusion<B>>,
+    rope: Option<RopeArgs<Fusion<B>>>,
+) -> Appended<Fusion<B>> {
+    let mut outputs = vec![
+        uninit(&key, key.shape.clone(), key.dtype),
+        uninit(&value, value.shape.clone(), value.dtype),
+    ];
+    let has_table = table.is_some();
+    let rope_flag = rope.as_ref().map(|r| r.interleaved);
+    let has_query = rope.as_ref().is_some_and(|r| r.query.is_some());
+    let mut tensors = vec![key, value];
+    tensors.extend(table);
+    tensors.extend([lengths, key_new, value_new]);
+    if let Some(r) = rope {
+        if let Some(q) = &r.query {
+            outputs.push(uninit(q, q.shape.clone(), q.dtype));
+        }
+        tensors.extend([r.cos, r.sin]);
+        tensors.extend(r.query);
+    }
+    let op = |inputs, outputs| AppendOp::<B> {
+        inputs,
+        has_table,
+        rope: rope_flag,
+        has_query,
+        outputs,
+        _backend: PhantomData,
+    };
+    let mut results =
+        crate::fusion::record("burn_flash::kv_append", tensors, outputs, op).into_iter();
+    let mut next = || results.next().expect("registered output");
+    let (key, value) = (next(), next());
+    Appended {
+        key,
+        value,
+        query: has_query.then(next),
     }
 }

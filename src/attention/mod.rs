@@ -31,8 +31,10 @@ pub(crate) mod backend;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;
+mod paged;
 mod varlen;
 
+pub use paged::{Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_paged, attention_paged};
 pub use varlen::{VarlenBatch, attention_varlen};
 
 use burn::tensor::{

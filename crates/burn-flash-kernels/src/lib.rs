@@ -18,6 +18,7 @@
 
 pub mod attention;
 pub mod cache;
+pub mod decode;
 pub mod flash;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]

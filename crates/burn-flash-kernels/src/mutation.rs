@@ -65,6 +65,11 @@ pub enum Mutation {
     /// `varlen-first-row`: a packed batch's sequence lookup takes each sequence's first query
     /// row for the previous sequence's (`cu_q[b] < pos` instead of `≤`).
     VarlenFirstRow,
+    /// `paged-lookup`: the paged decoding kernel looks every batch's keys up in the block
+    /// table's first row (batch 0's blocks).
+    PagedLookup,
+    /// `drop-split`: the split-KV merge leaves out the last split's partial state.
+    DropSplit,
 }
 
 impl Mutation {
@@ -89,6 +94,8 @@ impl Mutation {
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
             Self::VarlenFirstRow => "varlen-first-row",
+            Self::PagedLookup => "paged-lookup",
+            Self::DropSplit => "drop-split",
         }
     }
 }
@@ -125,10 +132,12 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
             Mutation::VarlenFirstRow,
+            Mutation::PagedLookup,
+            Mutation::DropSplit,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -237,4 +246,14 @@ pub fn window_right() -> bool {
 /// [`Mutation::VarlenFirstRow`] is active.
 pub fn varlen_first_row() -> bool {
     active(Mutation::VarlenFirstRow)
+}
+
+/// [`Mutation::PagedLookup`] is active.
+pub fn paged_lookup() -> bool {
+    active(Mutation::PagedLookup)
+}
+
+/// [`Mutation::DropSplit`] is active.
+pub fn drop_split() -> bool {
+    active(Mutation::DropSplit)
 }

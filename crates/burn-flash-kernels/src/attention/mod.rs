@@ -65,6 +65,11 @@ pub enum AttentionKernel {
     /// (FlashAttention-3's schedule), hand-written CUDA (CUDA builds only; what it takes:
     /// [`hopper::unavailable`]).
     Hopper,
+    /// [`crate::decode`]: split-KV decoding (FlashDecoding), for few query rows per key/value
+    /// head ([`crate::decode::DECODE_ROWS`]) against long contexts: the keys split over cubes,
+    /// the splits' states merged by a second kernel. Every runtime and float type; no mask,
+    /// bias, dropout or packed sequences.
+    SplitDecode,
 }
 
 impl AttentionKernel {
@@ -75,7 +80,7 @@ impl AttentionKernel {
             Self::Tiled => Some(FlashKernel::Tiled),
             Self::MatrixUnits => Some(FlashKernel::MatrixUnits),
             Self::CooperativeMatrix => Some(FlashKernel::CooperativeMatrix),
-            Self::Hopper => None,
+            Self::Hopper | Self::SplitDecode => None,
         }
     }
 }
@@ -414,6 +419,22 @@ pub fn plan_attention<R: Runtime>(
     validate(client, dims, dtype, options)?;
     let (head_dim, value_dim) = (dims.head_dim, dims.value_dim);
     let matrix_units = fragment::unavailable(client, dtype, features.aligned);
+    let decode = match options.kernel {
+        Some(AttentionKernel::SplitDecode) => true,
+        None => decode_preferred(dims, features, options),
+        Some(_) => false,
+    };
+    if decode {
+        let plan = crate::decode::plan_decode(client, dims, dtype, features, options)?;
+        return Ok(AttentionPlan {
+            kernel: AttentionKernel::SplitDecode,
+            config: plan.config,
+            units: crate::decode::kernel::UNITS,
+            shared_bytes: crate::decode::shared_bytes(client, &plan),
+            cubes: plan.cubes,
+            matrix_units,
+        });
+    }
     let rules = options.rules(features);
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
@@ -495,6 +516,7 @@ pub fn plan_attention<R: Runtime>(
             fixed_block_k(options.block_k, tiled::BLOCK_K, "the tiled kernel")?;
             tiled_config
         }
+        AttentionKernel::SplitDecode => unreachable!("the decoding kernel is planned above"),
         AttentionKernel::Units => {
             fixed_block_k(options.block_k, units::BLOCK_K, "plain units")?;
             FlashConfig::new(
@@ -542,6 +564,7 @@ pub fn plan_attention<R: Runtime>(
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
         AttentionKernel::Hopper => (hopper::units(config), hopper::shared_bytes(config)),
+        AttentionKernel::SplitDecode => unreachable!("the decoding kernel is planned above"),
     };
     let hw = &client.properties().hardware;
     if units > hw.max_units_per_cube || shared_bytes > max_shared {
@@ -579,6 +602,20 @@ pub fn plan_attention<R: Runtime>(
         cubes,
         matrix_units,
     })
+}
+
+/// Whether the plan takes the decoding kernel unasked: few query rows per key/value head
+/// (`G·Sq` ≤ [`crate::decode::DECODE_ROWS`]), which the other kernels' row blocks of 64–192
+/// would mostly leave empty, against at least one split's worth of keys
+/// ([`crate::decode::MIN_SPLIT_KEYS`]), and a call it takes.
+fn decode_preferred(
+    dims: AttentionDims,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+) -> bool {
+    dims.group() * dims.seq_q <= crate::decode::DECODE_ROWS
+        && dims.seq_k >= crate::decode::MIN_SPLIT_KEYS
+        && crate::decode::unavailable(features, options).is_none()
 }
 
 /// The matrix-unit forward's tile for head dims `D`, `Dv`: two row tiles per plane (128 rows
@@ -830,6 +867,28 @@ pub fn launch_attention<R: Runtime>(
     };
     let plan = plan_attention(client, dims, dtype, features, options)?;
     if dims.out_shape().contains(&0) {
+        return Ok(plan);
+    }
+    if plan.kernel == AttentionKernel::SplitDecode {
+        let t = crate::decode::DecodeTensors {
+            q,
+            k,
+            v,
+            paged: None,
+            lengths: None,
+            slopes,
+            sinks,
+            out,
+            lse,
+        };
+        let decode = crate::decode::DecodePlan {
+            splits: plan.cubes.0,
+            rows: plan.config.block_q as usize,
+            cubes: plan.cubes,
+            config: plan.config,
+        };
+        // SAFETY: the shapes were checked above and describe the buffers.
+        unsafe { crate::decode::launch_planned(client, &t, &decode, dtype, options) };
         return Ok(plan);
     }
     let Some(flash_kernel) = plan.kernel.flash_kernel() else {
