@@ -3,11 +3,11 @@
 //! online-softmax states into the output and its log-sum-exp, FlashDecoding's second pass).
 //!
 //! Decoding reads every key and value once per key/value head and computes little per byte, so
-//! the schedule is about memory: a cube's [`UNITS`] units form [`GROUPS`] groups of
-//! [`KEY_UNITS`]; a group reads one key row (`D` elements, [`KEY_UNITS`] vectors side by side:
-//! coalesced) per slot of a step, [`KEYS_PER_GROUP`] slots per step, so a step reads
-//! [`STEP_KEYS`] consecutive keys and their values with every load issued before the first
-//! product. The group's units hold disjoint columns of the rows' queries (in registers) and of
+//! the schedule is about memory: a cube's [`UNITS`] units form groups of `key_units` (8, or 16
+//! for head dims from 128: [`DecodeConfig::key_units`]); a group reads one key row (`D`
+//! elements, `key_units` vectors side by side: coalesced) per slot of a step,
+//! [`KEYS_PER_GROUP`] slots per step, so a step reads `UNITS / key_units · KEYS_PER_GROUP`
+//! consecutive keys and their values with every load issued before the first product. The group's units hold disjoint columns of the rows' queries (in registers) and of
 //! their output accumulators; a score is the group's sum of its units' partial products
 //! (plane shuffles, or shared memory where the device has no fixed plane of a multiple of 8).
 //! Each group runs its own online softmax over its keys; the groups' states meet in shared
@@ -28,14 +28,8 @@ use crate::flash::scores::{capped, local_range};
 
 /// Units per cube of [`flash_decode()`].
 pub const UNITS: u32 = 128;
-/// Units that share one key row (its columns side by side).
-pub const KEY_UNITS: u32 = 8;
-/// Key groups per cube.
-pub const GROUPS: u32 = UNITS / KEY_UNITS;
 /// Keys each group takes per step.
 pub const KEYS_PER_GROUP: u32 = 4;
-/// Keys per step of a cube.
-pub const STEP_KEYS: u32 = GROUPS * KEYS_PER_GROUP;
 /// Units per cube of [`decode_merge()`].
 pub const MERGE_UNITS: u32 = 128;
 
@@ -47,7 +41,9 @@ pub struct DecodeConfig {
     pub flash: FlashConfig,
     /// Query rows per cube (of the `G·Sq` rows of a key/value head).
     pub rows: u32,
-    /// Vectors of `q`/`k` per unit (`head_dim / (KEY_UNITS · vector)`).
+    /// Units that share one key row (8 or 16): fewer registers per unit for wide heads.
+    pub key_units: u32,
+    /// Vectors of `q`/`k` per unit (`head_dim / (key_units · vector)`).
     pub head_vecs: u32,
     /// Vectors of `v`/`out` per unit.
     pub value_vecs: u32,
@@ -116,13 +112,14 @@ fn key_offset<E: CubePrimitive>(
     }
 }
 
-/// Sums each of `vals` over the [`KEY_UNITS`] units of a group: by plane shuffles, or through
-/// `red` (every unit of the cube must call this then).
+/// Sums each of `vals` over the `ku` units of a group: by plane shuffles, or through `red`
+/// (every unit of the cube must call this then).
 #[cube]
 fn group_sums(
     vals: &mut Array<f32>,
     red: &mut SharedMemory<f32>,
     #[comptime] n: usize,
+    #[comptime] ku: u32,
     #[comptime] planes: bool,
 ) {
     if comptime!(planes) {
@@ -132,10 +129,13 @@ fn group_sums(
             x += plane_shuffle_xor(x, 1u32);
             x += plane_shuffle_xor(x, 2u32);
             x += plane_shuffle_xor(x, 4u32);
+            if comptime!(ku == 16) {
+                x += plane_shuffle_xor(x, 8u32);
+            }
             vals[i] = x;
         }
     } else {
-        let base = (UNIT_POS / KEY_UNITS * KEY_UNITS) as usize;
+        let base = (UNIT_POS / ku * ku) as usize;
         #[unroll]
         for i in 0..n {
             red[i * UNITS as usize + UNIT_POS as usize] = vals[i];
@@ -145,7 +145,7 @@ fn group_sums(
         for i in 0..n {
             let mut x = 0.0f32;
             #[unroll]
-            for u in 0..KEY_UNITS as usize {
+            for u in 0..ku as usize {
                 x += red[i * UNITS as usize + base + u];
             }
             vals[i] = x;
@@ -174,8 +174,10 @@ pub fn flash_decode<F: Float, NV: Size>(
     let hv = comptime!(d.head_vecs as usize);
     let vv = comptime!(d.value_vecs as usize);
     let kpg = comptime!(KEYS_PER_GROUP as usize);
-    let groups = comptime!(GROUPS as usize);
-    let width = comptime!(vv * KEY_UNITS as usize * nv);
+    let ku = comptime!(d.key_units);
+    let groups = comptime!((UNITS / d.key_units) as usize);
+    let step_keys = comptime!(groups * KEYS_PER_GROUP as usize);
+    let width = comptime!(vv * d.key_units as usize * nv);
 
     let split = CUBE_POS_X as usize;
     let splits = CUBE_COUNT_X as usize;
@@ -202,8 +204,8 @@ pub fn flash_decode<F: Float, NV: Size>(
             inputs.lengths[batch * inputs.lengths.stride(0)] as usize,
         );
     }
-    let g = (UNIT_POS / KEY_UNITS) as usize;
-    let sub = (UNIT_POS % KEY_UNITS) as usize;
+    let g = (UNIT_POS / ku) as usize;
+    let sub = (UNIT_POS % ku) as usize;
 
     // -- the rows: queries in registers (f32), key ranges, ALiBi terms, the cube's keys --
     let mut qr = Array::<f32>::new(comptime!(rc * hv * nv));
@@ -234,7 +236,7 @@ pub fn flash_decode<F: Float, NV: Size>(
         let q_at = batch * q.stride(0) + head * q.stride(1) + pos * q.stride(2);
         #[unroll]
         for s in 0..hv {
-            let col = (s * KEY_UNITS as usize + sub) * nv;
+            let col = (s * ku as usize + sub) * nv;
             let vec = q[(q_at + usize::min(col, head_dim - nv) * q.stride(3)) / nv];
             #[unroll]
             for e in 0..nv {
@@ -243,7 +245,6 @@ pub fn flash_decode<F: Float, NV: Size>(
         }
     }
     // This split's share of the batch's keys, inside the rows' ranges.
-    let step_keys = STEP_KEYS as usize;
     let share = len.div_ceil(splits);
     let share = share.div_ceil(step_keys) * step_keys;
     let kb = usize::max(split * share, lo);
@@ -275,7 +276,7 @@ pub fn flash_decode<F: Float, NV: Size>(
     let mut vreg = Array::<Vector<F, NV>>::new(comptime!(kpg * vv));
     let mut sc = Array::<f32>::new(comptime!(rc * kpg));
     for st in 0..steps {
-        let j0 = kb + st * STEP_KEYS as usize;
+        let j0 = kb + st * step_keys;
         // -- every load of the step first --
         #[unroll]
         for t in 0..kpg {
@@ -285,12 +286,12 @@ pub fn flash_decode<F: Float, NV: Size>(
             let v_at = key_offset(v, table, batch, hkv, key, d.paged);
             #[unroll]
             for s in 0..hv {
-                let col = usize::min((s * KEY_UNITS as usize + sub) * nv, head_dim - nv);
+                let col = usize::min((s * ku as usize + sub) * nv, head_dim - nv);
                 kreg[t * hv + s] = k[(k_at + col * k.stride(3)) / nv];
             }
             #[unroll]
             for s in 0..vv {
-                let col = usize::min((s * KEY_UNITS as usize + sub) * nv, value_dim - nv);
+                let col = usize::min((s * ku as usize + sub) * nv, value_dim - nv);
                 vreg[t * vv + s] = v[(v_at + col * v.stride(3)) / nv];
             }
         }
@@ -311,7 +312,7 @@ pub fn flash_decode<F: Float, NV: Size>(
                 sc[r * kpg + t] = x;
             }
         }
-        group_sums(&mut sc, &mut red, comptime!(rc * kpg), d.planes);
+        group_sums(&mut sc, &mut red, comptime!(rc * kpg), ku, d.planes);
         // -- the online softmax of each row over the group's keys, and O += P·V --
         #[unroll]
         for r in 0..rc {
@@ -356,10 +357,8 @@ pub fn flash_decode<F: Float, NV: Size>(
     }
 
     // -- the groups' states meet in shared memory --
-    let mut sm_ml = SharedMemory::<f32>::new(comptime!(2 * GROUPS as usize * rc));
-    let mut sm_acc = SharedMemory::<f32>::new(comptime!(
-        GROUPS as usize * rc * vv * KEY_UNITS as usize * nv
-    ));
+    let mut sm_ml = SharedMemory::<f32>::new(comptime!(2 * groups * rc));
+    let mut sm_acc = SharedMemory::<f32>::new(comptime!(groups * rc * width));
     #[unroll]
     for r in 0..rc {
         if sub == 0 {
@@ -370,13 +369,13 @@ pub fn flash_decode<F: Float, NV: Size>(
         for s in 0..vv {
             #[unroll]
             for e in 0..nv {
-                let col = (s * KEY_UNITS as usize + sub) * nv + e;
+                let col = (s * ku as usize + sub) * nv + e;
                 sm_acc[(g * rc + r) * width + col] = acc[(r * vv + s) * nv + e];
             }
         }
     }
     sync_cube();
-    let per_unit = comptime!((rc * vv * KEY_UNITS as usize * nv).div_ceil(UNITS as usize));
+    let per_unit = comptime!((rc * vv * d.key_units as usize * nv).div_ceil(UNITS as usize));
     for i in 0..per_unit {
         let idx = UNIT_POS as usize + i * UNITS as usize;
         let r = idx / width;

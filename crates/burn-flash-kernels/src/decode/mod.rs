@@ -35,8 +35,8 @@ use kernel::{DecodeConfig, DecodeInputsLaunch, DecodePartialsLaunch};
 
 /// Most query rows per key/value head (`G·Sq`) for which the plan takes the decoding kernel.
 pub const DECODE_ROWS: usize = 16;
-/// Fewest keys a split takes (four steps of [`kernel::STEP_KEYS`]).
-pub const MIN_SPLIT_KEYS: usize = 4 * kernel::STEP_KEYS as usize;
+/// Fewest keys a split takes.
+pub const MIN_SPLIT_KEYS: usize = 256;
 /// Most splits of a batch's keys.
 pub const MAX_SPLITS: usize = 128;
 
@@ -103,8 +103,8 @@ pub fn unavailable(features: AttentionFeatures, options: &AttentionOptions) -> O
 }
 
 /// The plan for `dims` (`seq_k`: the keys of the longest batch, or the cache's capacity) on
-/// `client`: rows per cube from the head dims (each unit holds `rows · D / 8` query and
-/// accumulator values), then enough splits for two cubes per multiprocessor, each of at
+/// `client`: rows per cube from the head dims (each unit holds `rows · D / key_units` query and
+/// accumulator values), then enough splits for four cubes per multiprocessor, each of at
 /// least [`MIN_SPLIT_KEYS`].
 pub fn plan_decode<R: Runtime>(
     client: &ComputeClient<R>,
@@ -120,27 +120,28 @@ pub fn plan_decode<R: Runtime>(
             reason,
         });
     }
-    let key_units = kernel::KEY_UNITS as usize;
+    let ku = key_units(dims.head_dim, dims.value_dim);
+    let key_units = ku as usize;
     let head_dim = dims.head_dim.next_multiple_of(key_units);
     let value_dim = dims.value_dim.next_multiple_of(key_units);
     let per_unit = head_dim.max(value_dim) / key_units;
     let group_rows = (dims.group() * dims.seq_q).max(1);
-    let planes = planes(client);
+    let planes = planes(client, ku);
     let max_shared = client.properties().hardware.max_shared_memory_size;
     let mut rows = (64 / per_unit).clamp(1, 8).min(group_rows);
-    while rows > 1 && shared_for(rows, dims.value_dim, planes) > max_shared {
+    while rows > 1 && shared_for(rows, dims.value_dim, ku, planes) > max_shared {
         rows -= 1;
     }
     let chunks = group_rows.div_ceil(rows);
     let hw = &client.properties().hardware;
     let sms = hw.num_streaming_multiprocessors.unwrap_or(16) as usize;
     let base = (dims.batch * dims.heads_kv * chunks).max(1);
-    let splits = (2 * sms)
+    let splits = (4 * sms)
         .div_ceil(base)
         .min(dims.seq_k.div_ceil(MIN_SPLIT_KEYS))
         .clamp(1, MAX_SPLITS);
     let cubes = (splits, chunks, dims.batch * dims.heads_kv);
-    if shared_for(rows, dims.value_dim, planes) > max_shared {
+    if shared_for(rows, dims.value_dim, ku, planes) > max_shared {
         return Err(AttentionError::KernelUnavailable {
             kernel: AttentionKernel::SplitDecode,
             reason: format!("needs more shared memory than the device's {max_shared} B"),
@@ -156,7 +157,7 @@ pub fn plan_decode<R: Runtime>(
         Tile {
             block_q: rows as u32,
             row_tiles: 1,
-            block_k: kernel::STEP_KEYS,
+            block_k: kernel::UNITS / ku * kernel::KEYS_PER_GROUP,
             head_dim: head_dim as u32,
             value_dim: value_dim as u32,
         },
@@ -169,22 +170,35 @@ pub fn plan_decode<R: Runtime>(
     })
 }
 
+/// Units per key row for head dims `D`, `Dv`: 16 from 128 columns (each unit then holds
+/// `D / 16` of every query row and accumulator, leaving registers for the loads in flight),
+/// 8 below.
+pub fn key_units(head_dim: usize, value_dim: usize) -> u32 {
+    if head_dim.max(value_dim) >= 128 {
+        16
+    } else {
+        8
+    }
+}
+
 /// Whether `client` sums a key group's products by plane shuffles: plane operations over a
-/// fixed plane width that is a multiple of [`kernel::KEY_UNITS`] (else through shared memory).
-pub fn planes<R: Runtime>(client: &ComputeClient<R>) -> bool {
+/// fixed plane width that is a multiple of the group's `key_units` (else through shared
+/// memory).
+pub fn planes<R: Runtime>(client: &ComputeClient<R>, key_units: u32) -> bool {
     let props = client.properties();
     let hw = &props.hardware;
     props.features.plane.contains(cubecl::features::Plane::Ops)
         && hw.plane_size_min == hw.plane_size_max
-        && hw.plane_size_max.is_multiple_of(kernel::KEY_UNITS)
+        && hw.plane_size_max.is_multiple_of(key_units)
 }
 
-/// Shared memory of the decoding kernel with `rows` rows per cube and `Dv` columns, in bytes:
-/// the groups' row states and accumulators (the value width rounded up to the widest vector
-/// row of a group, 64 elements), and the group sums' scratch without plane shuffles.
-fn shared_for(rows: usize, value_dim: usize, planes: bool) -> usize {
-    let groups = kernel::GROUPS as usize;
-    let width = value_dim.next_multiple_of(64);
+/// Shared memory of the decoding kernel with `rows` rows per cube, `Dv` columns and
+/// `key_units` per key, in bytes: the groups' row states and accumulators (the value width
+/// rounded up to the widest vector row of a group, 8 elements per unit), and the group sums'
+/// scratch without plane shuffles.
+fn shared_for(rows: usize, value_dim: usize, key_units: u32, planes: bool) -> usize {
+    let groups = (kernel::UNITS / key_units) as usize;
+    let width = value_dim.next_multiple_of(8 * key_units as usize);
     let sums = if planes {
         1
     } else {
@@ -195,7 +209,9 @@ fn shared_for(rows: usize, value_dim: usize, planes: bool) -> usize {
 
 /// Shared memory of the decoding kernel under `plan` on `client`, in bytes (at most).
 pub fn shared_bytes<R: Runtime>(client: &ComputeClient<R>, plan: &DecodePlan) -> usize {
-    shared_for(plan.rows, plan.config.value_dim as usize, planes(client))
+    let c = plan.config;
+    let ku = key_units(c.head_dim as usize, c.value_dim as usize);
+    shared_for(plan.rows, c.value_dim as usize, ku, planes(client, ku))
 }
 
 /// The widest vector (16 bytes at most, one the device loads) that divides `D`, `Dv` and
@@ -349,16 +365,17 @@ pub(crate) unsafe fn launch_planned<R: Runtime>(
     options: &AttentionOptions,
 ) {
     let vector = vector_width(client, t, dtype.size());
-    let key_units = kernel::KEY_UNITS as usize;
-    let head_vecs = t.q.shape[3].div_ceil(key_units * vector);
-    let value_vecs = t.v.shape[3].div_ceil(key_units * vector);
+    let ku = key_units(t.q.shape[3], t.v.shape[3]);
+    let head_vecs = t.q.shape[3].div_ceil(ku as usize * vector);
+    let value_vecs = t.v.shape[3].div_ceil(ku as usize * vector);
     let hw = &client.properties().hardware;
-    let planes = planes(client);
+    let planes = planes(client, ku);
     let split = plan.splits > 1;
     let lengths = t.lengths.is_some();
     let d = DecodeConfig {
         flash: plan.config,
         rows: plan.rows as u32,
+        key_units: ku,
         head_vecs: head_vecs as u32,
         value_vecs: value_vecs as u32,
         paged: t.paged.is_some(),
