@@ -22,13 +22,14 @@
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, Module};
 use burn::tensor::{
-    Bool, DType, Distribution, ElementConversion, Tensor, TensorData, activation, module,
+    Bool, DType, Distribution, ElementConversion, Int, Tensor, TensorData, activation, module,
     ops::AttentionModuleOptions,
 };
 use burn_flash::kernels::fragment::MatrixUnitsUnavailable;
 use burn_flash::{
-    AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend, HeadTerms, ScoreTerms, VarlenBatch, attention::AttentionDims, attention_varlen,
+    AttentionBackwardKernel, AttentionDropout, AttentionKernel, BlockTable, FlashAttentionOptions,
+    FlashBackend, HeadTerms, Rope, ScoreTerms, VarlenBatch, append_paged, attention::AttentionDims,
+    attention_paged, attention_varlen,
 };
 
 /// Largest |a − b|.
@@ -467,6 +468,100 @@ fn long_context<B: FlashBackend>(device: &B::Device) {
         max_diff(ours, burns)
     );
     varlen::<B>(device);
+    paged::<B>(device);
+}
+
+/// A paged KV cache: three sequences in shuffled blocks of a pool, one new token each appended
+/// (keys and queries rotated by RoPE on the way), then decoded against the blocks, compared
+/// with Burn's attention on each sequence's keys gathered and rotated by burn-nn's RoPE.
+fn paged<B: FlashBackend>(device: &B::Device) {
+    let (hq, hkv, d, bs) = (8, 2, 64, 16);
+    let lengths = [5usize, 300, 1000];
+    let per: Vec<usize> = lengths.iter().map(|l| (l + 1).div_ceil(bs)).collect();
+    let pool: usize = per.iter().sum();
+    // Each sequence's blocks spread over the pool (a fixed shuffle).
+    let mut order: Vec<usize> = (0..pool).collect();
+    order.sort_by_key(|&i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut next = order.into_iter();
+    let blocks: Vec<Vec<usize>> = per
+        .iter()
+        .map(|&n| next.by_ref().take(n).collect())
+        .collect();
+    let table = BlockTable::<B>::new(blocks.clone(), lengths.to_vec(), bs, pool, device);
+    let normal = Distribution::Normal(0.0, 1.0);
+    let k_pool = Tensor::<B, 4>::random([pool, bs, hkv, d], normal, device);
+    let v_pool = Tensor::<B, 4>::random([pool, bs, hkv, d], normal, device);
+    let q = Tensor::<B, 4>::random([3, hq, 1, d], normal, device);
+    let k_new = Tensor::<B, 4>::random([3, hkv, 1, d], normal, device);
+    let v_new = Tensor::<B, 4>::random([3, hkv, 1, d], normal, device);
+    let rope = Rope::<B>::new(10_000.0, d, 2048, true, device);
+    let appended = append_paged(
+        k_pool,
+        v_pool,
+        &table,
+        k_new.clone(),
+        v_new,
+        Some(&rope),
+        Some(q.clone()),
+    );
+    let causal = AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    };
+    let (out, _) = attention_paged(
+        appended.query.expect("rotated queries"),
+        appended.key.clone(),
+        appended.value.clone(),
+        &appended.table,
+        HeadTerms::default(),
+        causal.into(),
+    );
+    // Burn: each sequence's keys gathered from the pool, the new key and the query rotated by
+    // burn-nn's RotaryEncoding, the key/value heads repeated per query head.
+    let enc = burn::nn::RotaryEncodingConfig::new(2048, d).init::<B>(device);
+    let mut diff = 0f32;
+    for (b, &len) in lengths.iter().enumerate() {
+        let slots: Vec<i64> = (0..=len)
+            .map(|j| (blocks[b][j / bs] * bs + j % bs) as i64)
+            .collect();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [len + 1]), device);
+        let gather = |pool: &Tensor<B, 4>| {
+            pool.clone()
+                .reshape([pool.dims()[0] * bs, hkv, d])
+                .select(0, idx.clone())
+                .swap_dims(0, 1)
+                .unsqueeze_dim::<4>(0)
+                .repeat_dim(1, hq / hkv)
+        };
+        let ours_k = gather(&appended.key);
+        let theirs_new = enc.apply(k_new.clone().narrow(0, b, 1), len);
+        let key_diff = max_diff(
+            ours_k.clone().narrow(2, len, 1).narrow(1, 0, hkv),
+            theirs_new,
+        );
+        let q_b = enc.apply(q.clone().narrow(0, b, 1), len);
+        let burns = module::attention(q_b, ours_k, gather(&appended.value), None, None, causal);
+        diff = diff
+            .max(max_diff(out.clone().narrow(0, b, 1), burns))
+            .max(key_diff);
+    }
+    let dims = AttentionDims {
+        batch: 3,
+        heads_q: hq,
+        heads_kv: hkv,
+        seq_q: 1,
+        seq_k: 1001,
+        head_dim: d,
+        value_dim: d,
+    };
+    let kernel = match burn_flash::attention_plan::<B>(device, dims, q.dtype(), causal.into()) {
+        Some(Ok(p)) => format!("{:?} ({} splits)", p.kernel, p.cubes.0),
+        Some(Err(e)) => e.to_string(),
+        None => "composed fallback".into(),
+    };
+    println!(
+        "             paged KV: {lengths:?} keys + 1 appended with RoPE, blocks of {bs} (shuffled), GQA {hq}:{hkv}, one query each: kernel {kernel}, max |burn-flash − burn (gathered keys, burn-nn RoPE)| = {diff:.2e}"
+    );
 }
 
 /// A packed variable-length batch (three causal prompts of different lengths end to end)

@@ -18,13 +18,15 @@ use burn::nn::transformer::{
     TransformerEncoderConfig as BurnEncoderConfig, TransformerEncoderInput as BurnEncoderInput,
 };
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn::tensor::{Bool, FloatDType, Tensor, TensorData, backend::Backend};
-use burn_flash::FlashBackend;
+use burn::tensor::{
+    Bool, FloatDType, Tensor, TensorData, backend::Backend, ops::AttentionModuleOptions,
+};
 use burn_flash::nn::{
-    CrossAttentionConfig, KvCache, MhaCache, MhaInput, MultiHeadAttentionConfig,
+    CrossAttentionConfig, KvCache, MhaCache, MhaInput, MultiHeadAttentionConfig, PagedKvCache,
     TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoderConfig,
     TransformerEncoderInput,
 };
+use burn_flash::{FlashAttentionOptions, FlashBackend};
 use common::*;
 
 /// The f64 reference backend: burn-nn's modules, same record.
@@ -761,6 +763,86 @@ fn sliding_window_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
     sync::<B>(device);
 }
 
+/// [`PagedKvCache`] against attention over each sequence's keys and values held
+/// contiguously: three sequences prefilled one at a time with prompts of 5, 17 and 9 tokens,
+/// then 12 decoding steps of all three together (appends crossing blocks of 8), two layers,
+/// GQA 4:2, causal; then a released sequence's blocks go back to the free list and are reused,
+/// and an exhausted pool is refused.
+fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (layers, hq, hkv, d, bs, blocks) = (2, 4, 2, 32, 8, 14);
+    let mut cache = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
+    let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+    let causal = FlashAttentionOptions::from(AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    });
+    // Each layer's keys and values of each sequence so far, `[1, Hkv, len, D]`.
+    type Held<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
+    let mut held: Vec<Vec<Held<B>>> = vec![vec![None; 3]; layers];
+    let check = |got: Tensor<B, 4>, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, what| {
+        let want = read(burn_flash::attention(q, k, v, None, None, causal.module));
+        let got = read(got);
+        let tol = 16.0 * eps(dtype) * max_abs(&want).max(1.0);
+        let err = max_err(&got, &want);
+        assert!(err <= tol, "{what}: error {err:e} > {tol:e}");
+    };
+    let mut step_on = |cache: &mut PagedKvCache<B>, ids: &[usize], new: usize, what: &str| {
+        let n = ids.len();
+        let step = cache.reserve(ids, new, device);
+        for (layer, held) in held.iter_mut().enumerate() {
+            let k = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
+            let v = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
+            let q = rand4::<B>([n, hq, new, d], 1.0, dtype, device);
+            assert!(
+                cache
+                    .append(layer, &step, k.clone(), v.clone(), None)
+                    .is_none()
+            );
+            let out = cache.attend(layer, &step, q.clone(), causal);
+            for (b, &id) in ids.iter().enumerate() {
+                let (kb, vb) = (k.clone().narrow(0, b, 1), v.clone().narrow(0, b, 1));
+                let (k_all, v_all) = match held[id].take() {
+                    Some((hk, hv)) => (Tensor::cat(vec![hk, kb], 2), Tensor::cat(vec![hv, vb], 2)),
+                    None => (kb, vb),
+                };
+                check(
+                    out.clone().narrow(0, b, 1),
+                    q.clone().narrow(0, b, 1),
+                    k_all.clone(),
+                    v_all.clone(),
+                    format!("{what}, layer {layer}, sequence {id}"),
+                );
+                held[id] = Some((k_all, v_all));
+            }
+        }
+        cache.commit(step);
+    };
+    for (&id, prompt) in ids.iter().zip([5, 17, 9]) {
+        step_on(&mut cache, &[id], prompt, "prefill");
+    }
+    for t in 0..12 {
+        step_on(&mut cache, &ids, 1, &format!("decoding step {t}"));
+    }
+    assert_eq!(
+        ids.iter().map(|&id| cache.len(id)).collect::<Vec<_>>(),
+        [17, 29, 21]
+    );
+    // 3 + 4 + 3 blocks held of 14.
+    assert_eq!(cache.free_blocks(), 4);
+    cache.release(ids[1]);
+    assert_eq!(cache.free_blocks(), 8);
+    assert_eq!(
+        cache.add_sequence(),
+        ids[1],
+        "a released id is given out again"
+    );
+    let msg = panic_message(|| {
+        let _ = cache.reserve(&[ids[1]], 9 * bs, device);
+    });
+    assert!(msg.contains("exhausted"), "{msg}");
+    sync::<B>(device);
+}
+
 macro_rules! nn_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -774,6 +856,7 @@ macro_rules! nn_suite {
                 transformer_equals_burn_nn,
                 kv_cache_decoding,
                 sliding_window_decoding,
+                paged_kv_cache,
                 dropout_statistics,
             ]
         );

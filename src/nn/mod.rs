@@ -31,6 +31,9 @@
 //!   cache anew each step) and attends only the new query rows to the cache (burn-nn recomputes
 //!   every row's scores each step). The calling convention is burn-nn's: each call passes the
 //!   whole sequence so far and gets the context of every position back.
+//! - **A paged KV cache for serving.** [`PagedKvCache`] holds the keys and values of many
+//!   sequences of a stack of layers in block pools, with one block allocator for all layers;
+//!   appends write in place, attention reads through the block table (no gather).
 //! - **Grouped-query cross-attention without repeats.** [`CrossAttention`] with
 //!   `n_heads_kv < n_heads` hands the `n_heads_kv` key/value heads to the kernel, which reads
 //!   each for its group of query heads; burn-nn repeats them in memory first.
@@ -38,11 +41,13 @@
 mod cache;
 mod cross_attention;
 mod mha;
+mod paged;
 mod transformer;
 
 pub use cache::{KvCache, RowCache};
 pub use cross_attention::{CrossAttention, CrossAttentionCache, CrossAttentionConfig};
 pub use mha::{MhaCache, MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
+pub use paged::{PagedKvCache, PagedStep};
 pub use transformer::{
     TransformerDecoder, TransformerDecoderAutoregressiveCache, TransformerDecoderConfig,
     TransformerDecoderInput, TransformerDecoderLayer, TransformerEncoder,
