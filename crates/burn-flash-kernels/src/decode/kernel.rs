@@ -29,7 +29,7 @@ use crate::flash::scores::{capped, local_range};
 /// Units per cube of [`flash_decode()`].
 pub const UNITS: u32 = 128;
 /// Keys each group takes per step.
-pub const KEYS_PER_GROUP: u32 = 4;
+pub const KEYS_PER_GROUP: u32 = 8;
 /// Units per cube of [`decode_merge()`].
 pub const MERGE_UNITS: u32 = 128;
 
