@@ -5,55 +5,23 @@ Rows (`impl`): `torch-copy` (a device copy of the KV cache's bytes, read and wri
 `sdpa` (`scaled_dot_product_attention(q [B, Hq, 1, D], k [B, Hkv, S, D], v, enable_gqa=True)`,
 the backend PyTorch picks), `sdpa-repeat` (keys and values repeated per query head outside the
 timed region, then SDPA: the flash backend, which needs equal heads), and
-`flash_attn_with_kvcache` where the `flash_attn` package is installed (contiguous and paged).
+`flash_attn_with_kvcache` where the `flash_attn` package is installed (contiguous caches).
 `kv_GB_per_s` = the bytes of K and V read per second (copy: read + written), `pct_of_copy`
-against `torch-copy` of the same run. Timing as benches/varlen_peer.py: 3 warm-up calls,
+against `torch-copy` of the same run. Timing: benches/varlen_peer.py's `measure` (3 warm-up calls,
 passes of calls lasting ≥ 10 ms, the median per call, wall (host clock between syncs) and device
-(CUDA events).
+(CUDA events), at most 200 calls a pass).
 
     python3 benches/decode_peer.py --out DIR [--batches 1,8,32,64] [--contexts 1024,...]
 """
 
 import argparse
 import csv
-import math
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def measure(call, passes=10):
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    one = time.perf_counter() - start
-    calls = max(1, min(200, math.ceil(0.01 / max(one, 1e-9))))
-    wall, device = [], []
-    for _ in range(passes):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = call()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - start) / calls)
-        del out
-    for _ in range(passes):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        begin.record()
-        for _ in range(calls):
-            out = call()
-        end.record()
-        end.synchronize()
-        device.append(begin.elapsed_time(end) / 1e3 / calls)
-        del out
-    return statistics.median(wall), statistics.median(device)
+from varlen_peer import measure
 
 
 def main():
@@ -112,7 +80,7 @@ def main():
                 for imp, call, factor in rows:
                     row = {**base, "impl": imp}
                     try:
-                        wall, dev = measure(call, a.passes)
+                        wall, dev = measure(call, a.passes, max_calls=200)
                         rate = (kv_bytes * factor / wall / 1e9, kv_bytes * factor / dev / 1e9)
                         if imp == "torch-copy":
                             copy_rate = list(rate)

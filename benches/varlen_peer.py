@@ -45,7 +45,9 @@ def draw_lengths(tokens, lo, hi, seed):
     return lengths
 
 
-def measure(call, passes=10):
+def measure(call, passes=10, max_calls=50):
+    """3 warm-up calls, `passes` passes of calls lasting ≥ 10 ms (at most `max_calls`): the
+    median per call, wall (host clock between syncs) and device (CUDA events)."""
     for _ in range(3):
         call()
     torch.cuda.synchronize()
@@ -53,7 +55,7 @@ def measure(call, passes=10):
     call()
     torch.cuda.synchronize()
     one = time.perf_counter() - start
-    calls = max(1, min(50, math.ceil(0.01 / max(one, 1e-9))))
+    calls = max(1, min(max_calls, math.ceil(0.01 / max(one, 1e-9))))
     wall, device = [], []
     for _ in range(passes):
         torch.cuda.synchronize()
