@@ -531,16 +531,25 @@ fn paged<B: FlashBackend>(device: &B::Device) {
                 .select(0, idx.clone())
                 .swap_dims(0, 1)
                 .unsqueeze_dim::<4>(0)
-                .repeat_dim(1, hq / hkv)
+        };
+        // Query head h reads key/value head h / (Hq / Hkv): each head repeated in place.
+        let per_query_head = |t: Tensor<B, 4>| {
+            t.unsqueeze_dim::<5>(2)
+                .repeat_dim(2, hq / hkv)
+                .reshape([1, hq, len + 1, d])
         };
         let ours_k = gather(&appended.key);
         let theirs_new = enc.apply(k_new.clone().narrow(0, b, 1), len);
-        let key_diff = max_diff(
-            ours_k.clone().narrow(2, len, 1).narrow(1, 0, hkv),
-            theirs_new,
-        );
+        let key_diff = max_diff(ours_k.clone().narrow(2, len, 1), theirs_new);
         let q_b = enc.apply(q.clone().narrow(0, b, 1), len);
-        let burns = module::attention(q_b, ours_k, gather(&appended.value), None, None, causal);
+        let burns = module::attention(
+            q_b,
+            per_query_head(ours_k),
+            per_query_head(gather(&appended.value)),
+            None,
+            None,
+            causal,
+        );
         diff = diff
             .max(max_diff(out.clone().narrow(0, b, 1), burns))
             .max(key_diff);
