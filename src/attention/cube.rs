@@ -77,9 +77,10 @@ where
     mask.map(|m| CubeBackend::<R, F, I, BT>::bool_into_float(m, FloatDType::from(dtype)))
 }
 
-/// A packed batch's sequences as the kernels read them: 32-bit integers (the kernels read u32;
-/// the offsets are non-negative), cast where the backend's integers are wider.
-fn seqs_u32<R, F, I, BT>(seqs: Option<CubeTensor<R>>) -> Option<CubeTensor<R>>
+/// Index tensors as the kernels read them — a packed batch's sequences, a block table, the
+/// sequences' lengths: 32-bit integers (the kernels read u32; the values are non-negative),
+/// cast where the backend's integers are wider.
+fn indices_u32<R, F, I, BT>(seqs: Option<CubeTensor<R>>) -> Option<CubeTensor<R>>
 where
     R: CubeRuntime,
     F: FloatElement,
@@ -90,6 +91,22 @@ where
         DType::I32 | DType::U32 => s,
         _ => CubeBackend::<R, F, I, BT>::int_cast(s, IntDType::U32),
     })
+}
+
+/// The tensors a forward writes: the output `[B, Hq, Sq, Dv]` in the queries' dtype and the
+/// row log-sum-exp `[B, Hq, Sq]` (f32).
+fn out_and_lse<R: CubeRuntime>(
+    query: &CubeTensor<R>,
+    value: &CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let q = query.meta.shape();
+    let rows = [q[0], q[1], q[2]];
+    let out = empty(
+        query,
+        [q[0], q[1], q[2], value.meta.shape()[3]],
+        query.dtype,
+    );
+    (out, empty(query, rows, DType::F32))
 }
 
 pub(crate) fn forward<R, F, I, BT>(
@@ -104,16 +121,14 @@ where
 {
     let dtype = query.dtype;
     let mask = float_mask::<R, F, I, BT>(mask, dtype);
-    let seqs = seqs_u32::<R, F, I, BT>(seqs);
-    let [batch, heads_q, seq_q, head_dim]: [usize; 4] = query
+    let seqs = indices_u32::<R, F, I, BT>(seqs);
+    let [_, _, _, head_dim]: [usize; 4] = query
         .meta
         .shape()
         .to_vec()
         .try_into()
         .unwrap_or_else(|_| panic!("{OP}: `query` must be 4-D"));
-    let value_dim = value.meta.shape()[3];
-    let out = empty(&query, [batch, heads_q, seq_q, value_dim], dtype);
-    let lse = empty(&query, [batch, heads_q, seq_q], DType::F32);
+    let (out, lse) = out_and_lse(&query, &value);
     launch_attention::<R>(
         &query.client,
         tensor_ref(&query),
@@ -169,7 +184,7 @@ where
 {
     let dtype = query.dtype;
     let mask = float_mask::<R, F, I, BT>(mask, dtype);
-    let seqs = seqs_u32::<R, F, I, BT>(seqs);
+    let seqs = indices_u32::<R, F, I, BT>(seqs);
     let dq = empty(&query, query.meta.shape(), dtype);
     let dk = empty(&query, key.meta.shape(), dtype);
     let dv = empty(&query, value.meta.shape(), dtype);
@@ -221,13 +236,10 @@ where
     BT: BoolElement,
 {
     let dtype = query.dtype;
-    let table = seqs_u32::<R, F, I, BT>(table);
-    let lengths = seqs_u32::<R, F, I, BT>(Some(lengths)).expect("given");
-    let shape = query.meta.shape();
-    let (batch, heads_q, seq_q, head_dim) = (shape[0], shape[1], shape[2], shape[3]);
-    let value_dim = value.meta.shape()[3];
-    let out = empty(&query, [batch, heads_q, seq_q, value_dim], dtype);
-    let lse = empty(&query, [batch, heads_q, seq_q], DType::F32);
+    let table = indices_u32::<R, F, I, BT>(table);
+    let lengths = indices_u32::<R, F, I, BT>(Some(lengths)).expect("given");
+    let head_dim = query.meta.shape()[3];
+    let (out, lse) = out_and_lse(&query, &value);
     launch_decode::<R>(
         &query.client,
         DecodeTensors {
@@ -272,8 +284,8 @@ where
     BT: BoolElement,
 {
     let dtype = key.dtype;
-    let table = seqs_u32::<R, F, I, BT>(table);
-    let lengths = seqs_u32::<R, F, I, BT>(Some(lengths)).expect("given");
+    let table = indices_u32::<R, F, I, BT>(table);
+    let lengths = indices_u32::<R, F, I, BT>(Some(lengths)).expect("given");
     let (key, value) = (owned(key), owned(value));
     let q_out = rope
         .as_ref()

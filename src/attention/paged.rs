@@ -72,14 +72,7 @@ impl<B: Backend> BlockTable<B> {
                     panic!("{OP}: block {block} is listed twice (sequence {b})");
                 }
             }
-            if lengths[b] > list.len() * block_size {
-                panic!(
-                    "{OP}: sequence {b} holds {} keys but its {} blocks of {block_size} hold {}",
-                    lengths[b],
-                    list.len(),
-                    list.len() * block_size
-                );
-            }
+            check_room(b, lengths[b], list.len(), block_size);
         }
         let width = blocks.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let rows: Vec<i32> = blocks
@@ -87,8 +80,7 @@ impl<B: Backend> BlockTable<B> {
             .flat_map(|list| (0..width).map(|i| list.get(i).copied().unwrap_or(0) as i32))
             .collect();
         let table = Tensor::from_data(TensorData::new(rows, [blocks.len(), width]), device);
-        let lens_host: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
-        let lens = Tensor::from_data(TensorData::new(lens_host, [lengths.len()]), device);
+        let lens = upload_lengths(&lengths, device);
         Self {
             blocks,
             lengths,
@@ -119,20 +111,41 @@ impl<B: Backend> BlockTable<B> {
         self.pool_blocks
     }
 
-    /// The same table with `extra` more keys in every sequence (after [`append_paged`]).
+    /// The same table with `extra` more keys in every sequence (after [`append_paged`]): the
+    /// device table is shared, only the lengths are uploaded again.
     ///
     /// # Panics
     /// When a sequence's blocks cannot hold them.
     pub fn grown(&self, extra: usize) -> Self {
-        let lengths = self.lengths.iter().map(|l| l + extra).collect();
-        Self::new(
-            self.blocks.clone(),
+        let lengths: Vec<usize> = self.lengths.iter().map(|l| l + extra).collect();
+        for (b, (&len, list)) in lengths.iter().zip(&self.blocks).enumerate() {
+            check_room(b, len, list.len(), self.block_size);
+        }
+        Self {
+            blocks: self.blocks.clone(),
+            lens: upload_lengths(&lengths, &self.table.device()),
             lengths,
-            self.block_size,
-            self.pool_blocks,
-            &self.table.device(),
-        )
+            block_size: self.block_size,
+            pool_blocks: self.pool_blocks,
+            table: self.table.clone(),
+        }
     }
+}
+
+/// Panics unless `blocks` blocks of `block_size` keys hold sequence `b`'s `len` keys.
+fn check_room(b: usize, len: usize, blocks: usize, block_size: usize) {
+    if len > blocks * block_size {
+        panic!(
+            "{OP}: sequence {b} holds {len} keys but its {blocks} blocks of {block_size} hold {}",
+            blocks * block_size
+        );
+    }
+}
+
+/// The device copy of the sequences' lengths the kernels read.
+fn upload_lengths<B: Backend>(lengths: &[usize], device: &B::Device) -> Tensor<B, 1, Int> {
+    let host: Vec<i32> = lengths.iter().map(|&l| l as i32).collect();
+    Tensor::from_data(TensorData::new(host, [lengths.len()]), device)
 }
 
 /// RoPE tables for [`append_paged`]: `cos`, `sin` `[positions, R/2]` (f32) of the rotary dims
