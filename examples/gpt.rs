@@ -39,7 +39,7 @@ use burn::nn::transformer::{TransformerEncoder as BurnEncoder, TransformerEncode
 use burn::nn::{Embedding, EmbeddingConfig, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{
-    DType, ElementConversion, FloatDType, Int, IntDType, Tensor, TensorData, backend::Backend,
+    Bool, DType, ElementConversion, FloatDType, Int, IntDType, Tensor, TensorData, backend::Backend,
 };
 use burn_cubecl::CubeRuntime;
 use burn_flash::FlashBackend;
@@ -304,7 +304,7 @@ enum Task {
         #[arg(long)]
         no_time: bool,
     },
-    /// Per-token decoding latency with the KV cache against recomputing the prefix.
+    /// Per-token decoding latency with each KV cache against recomputing the prefix.
     Decode {
         /// On the bare CubeCL backend instead of Burn's Fusion (`Cuda`/`Wgpu`).
         #[arg(long)]
@@ -313,8 +313,30 @@ enum Task {
         context: usize,
         #[arg(long, default_value_t = 16)]
         tokens: usize,
-        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Impl::Burn, Impl::Flash])]
-        impls: Vec<Impl>,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [CacheKind::Burn, CacheKind::Contiguous, CacheKind::Paged])]
+        caches: Vec<CacheKind>,
+        /// Also count the kernels launched per token (two child processes per cache).
+        #[arg(long)]
+        count_kernels: bool,
+    },
+    /// Serving: N requests with different prompt lengths; tokens/s and per-request latency.
+    Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+        #[arg(long, value_enum, value_delimiter = ',', default_values_t = [CacheKind::Burn, CacheKind::Contiguous, CacheKind::Paged])]
+        caches: Vec<CacheKind>,
+    },
+    /// Decodes with one cache for a kernel count (run by `decode --count-kernels`).
+    #[command(hide = true)]
+    Kernels {
+        #[arg(long, value_enum)]
+        cache: CacheKind,
+        #[arg(long)]
+        context: usize,
+        #[arg(long)]
+        tokens: usize,
+        #[arg(long)]
+        bare: bool,
     },
     /// One bench point (run by `bench` in a child process).
     #[command(hide = true)]
@@ -330,6 +352,25 @@ enum Task {
         #[arg(long)]
         memory: bool,
     },
+}
+
+/// The requests of the `serve` task.
+#[derive(clap::Args, Debug)]
+struct ServeArgs {
+    /// Requests.
+    #[arg(long, default_value_t = 16)]
+    requests: usize,
+    /// Prompt lengths drawn from this range, `MINxMAX`.
+    #[arg(long, value_parser = common::parse_pair, default_value = "64x1024")]
+    prompt: (usize, usize),
+    /// Tokens generated per request drawn from this range, `MINxMAX`.
+    #[arg(long, value_parser = common::parse_pair, default_value = "16x64")]
+    new: (usize, usize),
+    #[arg(long, default_value_t = 3)]
+    seed: u64,
+    /// Timed runs after a warm-up run (the median run is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
 }
 
 impl Cli {
@@ -409,8 +450,27 @@ fn run<R: CubeRuntime>(cli: &Cli) {
             bare,
             context,
             tokens,
-            impls,
-        } => decode::<R>(cli, &device, *context, *tokens, impls, *bare),
+            caches,
+            count_kernels,
+        } => decode::<R>(
+            cli,
+            &device,
+            *context,
+            *tokens,
+            caches,
+            *bare,
+            *count_kernels,
+        ),
+        Task::Serve { args, caches } => serve::<Fu<R, u8>>(cli, &device, args, caches),
+        Task::Kernels {
+            cache,
+            context,
+            tokens,
+            bare,
+        } => match bare {
+            true => kernels_child::<common::Un<R, u8>>(cli, &device, *cache, *context, *tokens),
+            false => kernels_child::<Fu<R, u8>>(cli, &device, *cache, *context, *tokens),
+        },
         Task::Point {
             which,
             seq,
@@ -561,34 +621,52 @@ impl<B: FlashBackend> Cache<B> {
     /// seen yet are embedded and uploaded). Both stacks take the whole sequence so far, as
     /// burn-nn's autoregressive inference does.
     fn next_token(&mut self, model: &Gpt<B>, tokens: &[i64], device: &B::Device) -> i64 {
-        let seq = tokens.len();
         let start = self.embedded.len();
         let new = &tokens[start..];
         let x_new = model.embed(ints::<B>(new, [1, new.len()], device), start);
+        self.next_tokens(model, x_new, None, device)[0]
+    }
+
+    /// The greedy next token of each row of a batch after its new positions' embeddings
+    /// `x_new` `[B, n, d_model]`, under the padding mask `mask_pad` `[B, S]` of every position
+    /// so far (`true` = a pad).
+    fn next_tokens(
+        &mut self,
+        model: &Gpt<B>,
+        x_new: Tensor<B, 3>,
+        mask_pad: Option<Tensor<B, 2, Bool>>,
+        device: &B::Device,
+    ) -> Vec<i64> {
         let x = self.embedded.append(x_new);
+        let [batch, seq, _] = x.dims();
         let x = match &mut self.stack {
-            StackCache::Burn(cache) => model
-                .burn
-                .as_ref()
-                .expect("stack")
-                .forward_autoregressive_inference(
-                    burn::nn::transformer::TransformerEncoderInput::new(x)
-                        .mask_attn(generate_autoregressive_mask(1, seq, device)),
-                    cache,
-                ),
-            StackCache::Flash(cache) => model
-                .flash
-                .as_ref()
-                .expect("stack")
-                .forward_autoregressive_inference(TransformerEncoderInput::new(x).causal(), cache),
+            StackCache::Burn(cache) => {
+                let input = burn::nn::transformer::TransformerEncoderInput::new(x)
+                    .mask_attn(generate_autoregressive_mask(batch, seq, device));
+                let input = match mask_pad {
+                    Some(m) => input.mask_pad(m),
+                    None => input,
+                };
+                model
+                    .burn
+                    .as_ref()
+                    .expect("stack")
+                    .forward_autoregressive_inference(input, cache)
+            }
+            StackCache::Flash(cache) => {
+                let input = TransformerEncoderInput::new(x).causal();
+                let input = match mask_pad {
+                    Some(m) => input.mask_pad(m),
+                    None => input,
+                };
+                model
+                    .flash
+                    .as_ref()
+                    .expect("stack")
+                    .forward_autoregressive_inference(input, cache)
+            }
         };
-        let last = x.slice([0..1, seq - 1..seq]);
-        let logits = model.head.forward(model.norm.forward(last));
-        logits
-            .argmax(2)
-            .flatten::<1>(0, 2)
-            .into_scalar()
-            .elem::<i64>()
+        model.greedy(x.slice([0..batch, seq - 1..seq]))
     }
 }
 
@@ -775,19 +853,159 @@ fn point<R: CubeRuntime>(
     println!("result {}", times[times.len() / 2]);
 }
 
+/// The KV caches a decoding run can use.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum CacheKind {
+    /// burn-nn's stack and its autoregressive cache (`forward_autoregressive_inference`).
+    Burn,
+    /// burn-flash's stack and its contiguous autoregressive cache, burn-nn's calling convention.
+    Contiguous,
+    /// burn-flash's stack arranged for serving (`TransformerEncoder::serving`): varlen prefill,
+    /// paged KV cache, one fused projection and one append + attention op per layer.
+    Paged,
+}
+
+impl CacheKind {
+    fn name(self) -> &'static str {
+        match self {
+            CacheKind::Burn => "burn",
+            CacheKind::Contiguous => "flash-contiguous",
+            CacheKind::Paged => "flash-paged",
+        }
+    }
+
+    /// Its value on the command line.
+    fn arg(self) -> &'static str {
+        match self {
+            CacheKind::Burn => "burn",
+            CacheKind::Contiguous => "contiguous",
+            CacheKind::Paged => "paged",
+        }
+    }
+
+    /// The stack the cache belongs to.
+    fn stack(self) -> Impl {
+        match self {
+            CacheKind::Burn => Impl::Burn,
+            _ => Impl::Flash,
+        }
+    }
+}
+
+/// Positions of a paged cache's blocks.
+const BLOCK_SIZE: usize = 64;
+
+impl<B: FlashBackend> Gpt<B> {
+    /// Token plus position embeddings of `tokens` `[n, S]` at `positions` `[n, S]`, uploaded
+    /// together: `[n, S, d_model]`.
+    fn embed_at(&self, tokens: &[i64], positions: &[i64], dims: [usize; 2]) -> Tensor<B, 3> {
+        let device = self.norm.gamma.device();
+        let both = ints::<B>(
+            &[tokens, positions].concat(),
+            [2 * dims[0], dims[1]],
+            &device,
+        );
+        let t = both.clone().narrow(0, 0, dims[0]);
+        let p = both.narrow(0, dims[0], dims[0]);
+        self.tokens.forward(t) + self.positions.forward(p)
+    }
+
+    /// The greedy next token after each row of the stack's output `[n, 1, d_model]` (read
+    /// back: a sync).
+    fn greedy(&self, last: Tensor<B, 3>) -> Vec<i64> {
+        let n = last.dims()[0];
+        let logits = self.head.forward(self.norm.forward(last));
+        logits
+            .argmax(2)
+            .reshape([n])
+            .into_data()
+            .convert::<i64>()
+            .to_vec()
+            .expect("tokens")
+    }
+}
+
+/// A decoder of one sequence over one cache kind.
+enum Decoder<B: FlashBackend> {
+    /// burn-nn's calling convention (the whole sequence each call): burn-nn's cache or ours.
+    Stack { cache: Cache<B>, tokens: Vec<i64> },
+    /// The serving stack and its paged cache.
+    Paged {
+        serving: burn_flash::nn::ServingEncoder<B>,
+        cache: burn_flash::nn::PagedKvCache<B>,
+        id: usize,
+        len: usize,
+    },
+}
+
+impl<B: FlashBackend> Decoder<B> {
+    /// A decoder for `capacity` positions.
+    fn new(kind: CacheKind, model: &Gpt<B>, capacity: usize, device: &B::Device) -> Self {
+        match kind {
+            CacheKind::Paged => {
+                let serving = model.flash.as_ref().expect("our stack").serving();
+                let mut cache =
+                    serving.new_paged_cache(capacity.div_ceil(BLOCK_SIZE), BLOCK_SIZE, device);
+                let id = cache.add_sequence();
+                Decoder::Paged {
+                    serving,
+                    cache,
+                    id,
+                    len: 0,
+                }
+            }
+            _ => Decoder::Stack {
+                cache: Cache::new(model),
+                tokens: Vec::new(),
+            },
+        }
+    }
+
+    /// Feeds `new` tokens (the prompt, then one at a time); the greedy next token.
+    fn feed(&mut self, model: &Gpt<B>, new: &[i64], device: &B::Device) -> i64 {
+        match self {
+            Decoder::Stack { cache, tokens } => {
+                tokens.extend_from_slice(new);
+                cache.next_token(model, tokens, device)
+            }
+            Decoder::Paged {
+                serving,
+                cache,
+                id,
+                len,
+            } => {
+                let n = new.len();
+                let positions: Vec<i64> = (*len..*len + n).map(|p| p as i64).collect();
+                let x = model.embed_at(new, &positions, [1, n]);
+                let y = if *len == 0 {
+                    let d = x.dims()[2];
+                    let y = serving.prefill(x.reshape([n, d]), &[*id], &[n], cache);
+                    y.narrow(0, n - 1, 1).reshape([1, 1, d])
+                } else {
+                    let y = serving.decode(x, &[*id], cache);
+                    y.narrow(1, n - 1, 1)
+                };
+                *len += n;
+                model.greedy(y)[0]
+            }
+        }
+    }
+}
+
 /// Per-token latency at `context` tokens: one cached step against a full forward of the
-/// prefix, for each implementation (untrained weights: the work is the same).
+/// prefix, for each cache (untrained weights: the work is the same).
 fn decode<R: CubeRuntime>(
     cli: &Cli,
     device: &R::Device,
     context: usize,
     tokens: usize,
-    impls: &[Impl],
+    caches: &[CacheKind],
     bare: bool,
+    count: bool,
 ) {
     match bare {
-        true => decode_on::<common::Un<R, u8>>(cli, device, context, tokens, impls, "bare"),
-        false => decode_on::<Fu<R, u8>>(cli, device, context, tokens, impls, "fusion"),
+        true => decode_on::<common::Un<R, u8>>(cli, device, context, tokens, caches, "bare", count),
+        false => decode_on::<Fu<R, u8>>(cli, device, context, tokens, caches, "fusion", count),
     }
 }
 
@@ -797,27 +1015,30 @@ fn decode_on<B: FlashBackend>(
     device: &B::Device,
     context: usize,
     tokens: usize,
-    impls: &[Impl],
+    caches: &[CacheKind],
     backend: &str,
+    count: bool,
 ) {
     let out = cli.out();
-    let mut csv = String::from("impl,runtime,backend,dtype,context,cached_ms,recompute_ms,ratio\n");
+    let mut csv = String::from(
+        "impl,runtime,backend,dtype,context,cached_ms,recompute_ms,ratio,kernels_per_token\n",
+    );
     let initial = Gpt::<B>::new(cli.size(context + tokens + 1, 0.0), device);
     let initial = initial.clone().load_record(initial.into_record());
     let mut rng = StdRng::seed_from_u64(5);
     let prompt: Vec<i64> = (0..context + tokens)
         .map(|_| rng.random_range(0..VOCAB as i64 - 1))
         .collect();
-    for &which in impls {
-        let model = initial.clone().into_impl(which);
+    for &kind in caches {
+        let model = initial.clone().into_impl(kind.stack());
         // Cached: fill the cache with the prompt, then time single-token steps.
-        let mut cache = Cache::new(&model);
-        cache.next_token(&model, &prompt[..context], device);
+        let mut decoder = Decoder::new(kind, &model, context + tokens + 1, device);
+        decoder.feed(&model, &prompt[..context], device);
         sync::<B>(device);
         let mut cached = Vec::new();
         for t in 0..tokens {
             let start = Instant::now();
-            cache.next_token(&model, &prompt[..context + t + 1], device);
+            decoder.feed(&model, &prompt[context + t..context + t + 1], device);
             sync::<B>(device);
             cached.push(start.elapsed().as_secs_f64());
         }
@@ -835,16 +1056,35 @@ fn decode_on<B: FlashBackend>(
             v[v.len() / 2]
         };
         let (c, f) = (median(&mut cached), median(&mut full));
+        let kernels = match count {
+            true => match kernels_per_token(cli, kind, context, backend == "bare") {
+                Ok((per_token, top)) => {
+                    println!(
+                        "  {} kernels per token: {per_token:.1}; most launched:",
+                        kind.name()
+                    );
+                    for (name, n) in top.iter().take(12) {
+                        println!("    {n:>5.1}  {name}");
+                    }
+                    format!("{per_token:.1}")
+                }
+                Err(e) => {
+                    println!("  {} kernels per token: not counted ({e})", kind.name());
+                    String::new()
+                }
+            },
+            false => String::new(),
+        };
         println!(
             "gpt decode {} ({backend}) at {context} tokens: cached {:.2} ms/token, recompute {:.2} ms/token ({:.1}x)",
-            which.name(),
+            kind.name(),
             c * 1e3,
             f * 1e3,
             f / c
         );
         csv.push_str(&format!(
-            "{},{},{backend},{},{context},{:.3},{:.3},{:.2}\n",
-            which.name(),
+            "{},{},{backend},{},{context},{:.3},{:.3},{:.2},{kernels}\n",
+            kind.name(),
             cli.runtime.name(),
             cli.dtype.label(),
             c * 1e3,
@@ -855,4 +1095,426 @@ fn decode_on<B: FlashBackend>(
     let path = out.join(format!("decode-{backend}.csv"));
     std::fs::write(&path, csv).expect("write csv");
     println!("wrote {}", path.display());
+}
+
+/// Kernels launched per decoded token with cache `kind`, counted by cubecl's execution log
+/// (`[profiling.logger] level = "minimal"`, which names each kernel as it is launched and
+/// changes nothing else): two child processes decode 2 and 10 tokens after the same prompt,
+/// and the difference of their counts is 8 tokens' kernels. Returns the count per token and
+/// the kernels by name, most launched first.
+fn kernels_per_token(
+    cli: &Cli,
+    kind: CacheKind,
+    context: usize,
+    bare: bool,
+) -> Result<(f64, Vec<(String, f64)>), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let dir = std::env::temp_dir().join(format!("gpt-kernels-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    std::fs::write(
+        dir.join("cubecl.toml"),
+        "[profiling.logger]\nlevel = \"minimal\"\nstdout = true\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let run = |tokens: usize| -> Result<std::collections::BTreeMap<String, usize>, String> {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.current_dir(&dir).args([
+            "--runtime",
+            cli.runtime.name(),
+            "--dtype",
+            cli.dtype.label(),
+            "--d-model",
+            &cli.d_model.to_string(),
+            "--layers",
+            &cli.layers.to_string(),
+            "--heads",
+            &cli.heads.to_string(),
+            "kernels",
+            "--cache",
+            kind.arg(),
+            "--context",
+            &context.to_string(),
+            "--tokens",
+            &tokens.to_string(),
+        ]);
+        if bare {
+            cmd.arg("--bare");
+        }
+        let output = cmd.output().map_err(|e| e.to_string())?;
+        if !output.status.success() {
+            let err = String::from_utf8_lossy(&output.stderr);
+            return Err(err.lines().last().unwrap_or("failed").to_string());
+        }
+        let mut names = std::collections::BTreeMap::new();
+        for line in String::from_utf8_lossy(&output.stdout).lines() {
+            if let Some(name) = line.trim().strip_prefix("Executing ") {
+                *names.entry(name.to_string()).or_insert(0) += 1;
+            }
+        }
+        Ok(names)
+    };
+    let (few, many) = (run(2)?, run(10)?);
+    let mut per: Vec<(String, f64)> = many
+        .iter()
+        .map(|(name, &n)| {
+            let base = few.get(name).copied().unwrap_or(0);
+            (name.clone(), (n as f64 - base as f64) / 8.0)
+        })
+        .filter(|(_, n)| *n > 0.0)
+        .collect();
+    per.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total = per.iter().map(|(_, n)| n).sum();
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((total, per))
+}
+
+/// The child of [`kernels_per_token`]: a prompt of `context` tokens, then `tokens` decoded.
+fn kernels_child<B: FlashBackend>(
+    cli: &Cli,
+    device: &B::Device,
+    kind: CacheKind,
+    context: usize,
+    tokens: usize,
+) {
+    let model = Gpt::<B>::new(cli.size(context + tokens + 1, 0.0), device);
+    let model = model
+        .clone()
+        .load_record(model.into_record())
+        .into_impl(kind.stack());
+    let mut rng = StdRng::seed_from_u64(5);
+    let prompt: Vec<i64> = (0..context + tokens)
+        .map(|_| rng.random_range(0..VOCAB as i64 - 1))
+        .collect();
+    let mut decoder = Decoder::new(kind, &model, context + tokens + 1, device);
+    decoder.feed(&model, &prompt[..context], device);
+    for t in 0..tokens {
+        decoder.feed(&model, &prompt[context + t..context + t + 1], device);
+    }
+    sync::<B>(device);
+    // cubecl's logger prints from a task of its own: let it drain.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+}
+
+// -- serving --
+
+/// One request: a prompt and how many tokens to generate.
+struct Request {
+    prompt: Vec<i64>,
+    new: usize,
+}
+
+/// What serving the requests took: per request the time to its first token and to its last,
+/// in seconds from the start; the whole run; the tokens generated.
+struct Served {
+    first: Vec<f64>,
+    last: Vec<f64>,
+    wall: f64,
+    generated: Vec<Vec<i64>>,
+}
+
+/// `n` requests with prompts of `prompt.0 ..= prompt.1` tokens and `new.0 ..= new.1` tokens to
+/// generate, drawn with `seed`.
+fn requests(n: usize, prompt: (usize, usize), new: (usize, usize), seed: u64) -> Vec<Request> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let len = rng.random_range(prompt.0..=prompt.1);
+            Request {
+                prompt: (0..len)
+                    .map(|_| rng.random_range(0..VOCAB as i64 - 1))
+                    .collect(),
+                new: rng.random_range(new.0..=new.1),
+            }
+        })
+        .collect()
+}
+
+/// Serves `requests` with the serving stack and a paged cache: every prompt prefilled as one
+/// packed batch, then one decoding step per token for the requests still generating (a
+/// finished request leaves the batch and returns its blocks).
+fn serve_paged<B: FlashBackend>(
+    model: &Gpt<B>,
+    requests: &[Request],
+    device: &B::Device,
+) -> Served {
+    let serving = model.flash.as_ref().expect("our stack").serving();
+    let blocks: usize = requests
+        .iter()
+        .map(|r| (r.prompt.len() + r.new).div_ceil(BLOCK_SIZE))
+        .sum();
+    let mut cache = serving.new_paged_cache(blocks, BLOCK_SIZE, device);
+    let n = requests.len();
+    let start = Instant::now();
+    let ids: Vec<usize> = (0..n).map(|_| cache.add_sequence()).collect();
+    let lengths: Vec<usize> = requests.iter().map(|r| r.prompt.len()).collect();
+    let total: usize = lengths.iter().sum();
+    let tokens: Vec<i64> = requests.iter().flat_map(|r| r.prompt.clone()).collect();
+    let positions: Vec<i64> = lengths
+        .iter()
+        .flat_map(|&l| (0..l as i64).collect::<Vec<_>>())
+        .collect();
+    let x = model.embed_at(&tokens, &positions, [1, total]);
+    let d = x.dims()[2];
+    let y = serving.prefill(x.reshape([total, d]), &ids, &lengths, &mut cache);
+    let ends: Vec<i64> = lengths
+        .iter()
+        .scan(0, |end, &l| {
+            *end += l;
+            Some(*end as i64 - 1)
+        })
+        .collect();
+    let last = y.select(0, Tensor::<B, 1, Int>::from_ints(ends.as_slice(), device));
+    let next = model.greedy(last.reshape([n, 1, d]));
+    let first_at = start.elapsed().as_secs_f64();
+    let mut served = Served {
+        first: vec![first_at; n],
+        last: vec![first_at; n],
+        wall: 0.0,
+        generated: next.iter().map(|&t| vec![t]).collect(),
+    };
+    let mut live: Vec<usize> = (0..n).filter(|&i| requests[i].new > 1).collect();
+    for &i in (0..n)
+        .filter(|i| !live.contains(i))
+        .collect::<Vec<_>>()
+        .iter()
+    {
+        cache.release(ids[i]);
+    }
+    while !live.is_empty() {
+        let step_ids: Vec<usize> = live.iter().map(|&i| ids[i]).collect();
+        let toks: Vec<i64> = live
+            .iter()
+            .map(|&i| *served.generated[i].last().expect("a token"))
+            .collect();
+        let pos: Vec<i64> = live
+            .iter()
+            .map(|&i| (lengths[i] + served.generated[i].len() - 1) as i64)
+            .collect();
+        let x = model.embed_at(&toks, &pos, [live.len(), 1]);
+        let y = serving.decode(x, &step_ids, &mut cache);
+        let next = model.greedy(y);
+        let now = start.elapsed().as_secs_f64();
+        for (&i, &t) in live.iter().zip(&next) {
+            served.generated[i].push(t);
+            served.last[i] = now;
+        }
+        live.retain(|&i| {
+            let done = served.generated[i].len() >= requests[i].new;
+            if done {
+                cache.release(ids[i]);
+            }
+            !done
+        });
+    }
+    served.wall = start.elapsed().as_secs_f64();
+    served
+}
+
+/// Serves `requests` as one left-padded batch through a stack's autoregressive cache
+/// (burn-nn's or ours, burn-nn's calling convention: the whole sequence so far each call, a
+/// padding mask over the pads): the prompts in one call, then one call per token until the
+/// longest request is done; a request that is done rides along.
+fn serve_padded<B: FlashBackend>(
+    model: &Gpt<B>,
+    requests: &[Request],
+    device: &B::Device,
+) -> Served {
+    let n = requests.len();
+    let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    let steps = requests.iter().map(|r| r.new).max().unwrap_or(0);
+    let pads: Vec<usize> = requests.iter().map(|r| longest - r.prompt.len()).collect();
+    let start = Instant::now();
+    let mut cache = Cache::new(model);
+    let mut generated: Vec<Vec<i64>> = vec![Vec::new(); n];
+    let mut first = vec![0.0; n];
+    let mut last = vec![0.0; n];
+    for step in 0..steps {
+        // The new columns of the padded batch: the prompts, then one token.
+        let (cols, from) = match step {
+            0 => (longest, 0),
+            _ => (1, longest + step - 1),
+        };
+        let mut toks = Vec::with_capacity(n * cols);
+        let mut pos = Vec::with_capacity(n * cols);
+        for (i, r) in requests.iter().enumerate() {
+            for c in from..from + cols {
+                let (t, p) = match (step, c.checked_sub(pads[i])) {
+                    (0, None) => (PAD as i64, 0),
+                    (0, Some(j)) => (r.prompt[j], j as i64),
+                    (_, _) => (*generated[i].last().expect("a token"), (c - pads[i]) as i64),
+                };
+                toks.push(t);
+                pos.push(p);
+            }
+        }
+        let seq = longest + step;
+        let pad: Vec<bool> = (0..n)
+            .flat_map(|i| {
+                let p = pads[i];
+                (0..seq).map(move |c| c < p)
+            })
+            .collect();
+        let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(pad, [n, seq]), device);
+        let x_new = model.embed_at(&toks, &pos, [n, cols]);
+        let next = cache.next_tokens(model, x_new, Some(mask), device);
+        let now = start.elapsed().as_secs_f64();
+        for (i, &t) in next.iter().enumerate() {
+            if generated[i].len() < requests[i].new {
+                generated[i].push(t);
+                last[i] = now;
+                if step == 0 {
+                    first[i] = now;
+                }
+            }
+        }
+    }
+    Served {
+        first,
+        last,
+        wall: start.elapsed().as_secs_f64(),
+        generated,
+    }
+}
+
+/// The `serve` task: the same requests through each cache; tokens/s and per-request latency.
+fn serve<B: FlashBackend>(cli: &Cli, device: &B::Device, args: &ServeArgs, caches: &[CacheKind]) {
+    let out = cli.out();
+    let reqs = requests(args.requests, args.prompt, args.new, args.seed);
+    let max_seq = reqs
+        .iter()
+        .map(|r| r.prompt.len() + r.new)
+        .max()
+        .unwrap_or(1)
+        .max(args.prompt.1 + args.new.1);
+    let initial = Gpt::<B>::new(cli.size(max_seq + 1, 0.0), device);
+    let initial = initial.clone().load_record(initial.into_record());
+    let total_new: usize = reqs.iter().map(|r| r.new).sum();
+    let prompt_tokens: usize = reqs.iter().map(|r| r.prompt.len()).sum();
+    println!(
+        "gpt serve: {} requests, prompts {}..={} tokens ({prompt_tokens} in all), {}..={} new ({total_new} in all), {} {:?}",
+        reqs.len(),
+        args.prompt.0,
+        args.prompt.1,
+        args.new.0,
+        args.new.1,
+        cli.runtime.name(),
+        cli.dtype
+    );
+    let mut csv = String::from(
+        "cache,runtime,dtype,requests,prompt_tokens,new_tokens,run,wall_s,tokens_per_s,first_token_p50_ms,latency_p50_ms,latency_p90_ms,latency_max_ms\n",
+    );
+    let mut per_request = String::from("cache,request,prompt,new,first_token_ms,latency_ms\n");
+    let mut panels: Vec<Panel> = Vec::new();
+    let mut finished: Vec<Panel> = Vec::new();
+    let mut reference: Option<Vec<Vec<i64>>> = None;
+    for &kind in caches {
+        let model = initial.clone().into_impl(kind.stack());
+        let run = |model: &Gpt<B>| match kind {
+            CacheKind::Paged => serve_paged(model, &reqs, device),
+            _ => serve_padded(model, &reqs, device),
+        };
+        // A warm-up run compiles the kernels (and lets Burn's autotune settle); then timed runs.
+        let mut runs: Vec<Served> = Vec::new();
+        for r in 0..=args.runs {
+            let served = run(&model);
+            sync::<B>(device);
+            if r > 0 {
+                runs.push(served);
+            }
+        }
+        runs.sort_by(|a, b| a.wall.total_cmp(&b.wall));
+        let served = runs.swap_remove(runs.len() / 2);
+        let quantile = |v: &[f64], q: f64| {
+            let mut v = v.to_vec();
+            v.sort_by(f64::total_cmp);
+            v[((v.len() - 1) as f64 * q).round() as usize]
+        };
+        let tps = total_new as f64 / served.wall;
+        let agree = reference.as_ref().map(|r| {
+            let same = r
+                .iter()
+                .zip(&served.generated)
+                .filter(|(a, b)| a.first() == b.first())
+                .count();
+            format!(
+                " (first tokens as {}'s: {same}/{})",
+                caches[0].name(),
+                reqs.len()
+            )
+        });
+        println!(
+            "  {:<17} {:.3} s, {:.0} tokens/s; first token p50 {:.1} ms; latency p50 {:.1} / p90 {:.1} / max {:.1} ms{}",
+            kind.name(),
+            served.wall,
+            tps,
+            quantile(&served.first, 0.5) * 1e3,
+            quantile(&served.last, 0.5) * 1e3,
+            quantile(&served.last, 0.9) * 1e3,
+            quantile(&served.last, 1.0) * 1e3,
+            agree.unwrap_or_default()
+        );
+        csv.push_str(&format!(
+            "{},{},{},{},{prompt_tokens},{total_new},median of {},{:.4},{:.1},{:.2},{:.2},{:.2},{:.2}\n",
+            kind.name(),
+            cli.runtime.name(),
+            cli.dtype.label(),
+            reqs.len(),
+            args.runs,
+            served.wall,
+            tps,
+            quantile(&served.first, 0.5) * 1e3,
+            quantile(&served.last, 0.5) * 1e3,
+            quantile(&served.last, 0.9) * 1e3,
+            quantile(&served.last, 1.0) * 1e3,
+        ));
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&i| reqs[i].prompt.len());
+        for &i in &order {
+            per_request.push_str(&format!(
+                "{},{i},{},{},{:.2},{:.2}\n",
+                kind.name(),
+                reqs[i].prompt.len(),
+                reqs[i].new,
+                served.first[i] * 1e3,
+                served.last[i] * 1e3
+            ));
+            add_point(
+                &mut panels,
+                "request latency (last token)",
+                "ms",
+                kind.name(),
+                reqs[i].prompt.len() as f64,
+                served.last[i] * 1e3,
+            );
+        }
+        let mut done: Vec<(f64, usize)> = (0..reqs.len())
+            .map(|i| (served.last[i], reqs[i].new))
+            .collect();
+        done.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut tokens = 0;
+        for (at, new) in done {
+            tokens += new;
+            add_point(
+                &mut finished,
+                "tokens of finished requests",
+                "tokens",
+                kind.name(),
+                at * 1e3,
+                tokens as f64,
+            );
+        }
+        if reference.is_none() {
+            reference = Some(served.generated);
+        }
+    }
+    for (name, text) in [("serve.csv", csv), ("serve-requests.csv", per_request)] {
+        let path = out.join(name);
+        std::fs::write(&path, text).expect("write csv");
+        println!("wrote {}", path.display());
+    }
+    let png = out.join("serve.png");
+    plot(&png, "prompt tokens (log2)", &panels);
+    let finished_png = out.join("serve-finished.png");
+    plot(&finished_png, "ms since the start (log2)", &finished);
+    println!("wrote {} and {}", png.display(), finished_png.display());
 }

@@ -772,6 +772,12 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let (layers, hq, hkv, d, bs, blocks) = (2, 4, 2, 32, 8, 14);
     let mut cache = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
     let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+    // The same steps through `append_attend` (the append and the attention as one op) give
+    // the same values bit for bit.
+    let mut twin = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
+    for _ in 0..3 {
+        twin.add_sequence();
+    }
     let causal = FlashAttentionOptions::from(AttentionModuleOptions {
         is_causal: true,
         ..Default::default()
@@ -789,6 +795,7 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let mut step_on = |cache: &mut PagedKvCache<B>, ids: &[usize], new: usize, what: &str| {
         let n = ids.len();
         let step = cache.reserve(ids, new, device);
+        let twin_step = twin.reserve(ids, new, device);
         for (layer, held) in held.iter_mut().enumerate() {
             let k = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
             let v = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
@@ -799,6 +806,13 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                     .is_none()
             );
             let out = cache.attend(layer, &step, q.clone(), causal);
+            let (k2, v2, q2) = (k.clone(), v.clone(), q.clone());
+            let fused = twin.append_attend(layer, &twin_step, k2, v2, q2, None, causal);
+            assert_eq!(
+                read(fused),
+                read(out.clone()),
+                "{what}, layer {layer}: append_attend against append, then attend"
+            );
             for (b, &id) in ids.iter().enumerate() {
                 let (kb, vb) = (k.clone().narrow(0, b, 1), v.clone().narrow(0, b, 1));
                 let (k_all, v_all) = match held[id].take() {
@@ -816,6 +830,7 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             }
         }
         cache.commit(step);
+        twin.commit(twin_step);
     };
     for (&id, prompt) in ids.iter().zip([5, 17, 9]) {
         step_on(&mut cache, &[id], prompt, "prefill");
@@ -843,6 +858,156 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
+/// `ServingEncoder`: prompts of different lengths prefilled as one packed batch, then decoding
+/// steps (one token for every sequence, two for some, a sequence released in between) through
+/// the paged cache (blocks of 8: prompts and steps cross block boundaries), every output row
+/// against burn-nn's encoder on the whole sequence with the causal mask (f64 reference, twice
+/// the naive error), pre-LN and post-LN.
+fn serving_encoder<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cpu = Default::default();
+    let (d_model, d_ff, heads, layers) = (32, 48, 4, 2);
+    let prompts = [5, 17, 9];
+    // The steps after the prefill: the sequences of each and their new tokens.
+    let steps: [(&[usize], usize); 6] = [
+        (&[0, 1, 2], 1),
+        (&[0, 1, 2], 1),
+        (&[0, 1, 2], 1),
+        (&[0, 2], 2),
+        (&[2], 1),
+        (&[0, 2], 1),
+    ];
+    let mut lengths = prompts.to_vec();
+    for (ids, new) in steps {
+        for &i in ids {
+            lengths[i] += new;
+        }
+    }
+    // Each sequence's inputs, `[1, L, d_model]`.
+    let xs: Vec<Tensor<B, 3>> = lengths
+        .iter()
+        .map(|&l| rand3::<B>([1, l, d_model], 1.0, dtype, device))
+        .collect();
+    for norm_first in [true, false] {
+        let ctx = format!("norm_first {norm_first}, {dtype:?}");
+        let enc = BurnEncoderConfig::new(d_model, d_ff, heads, layers)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first);
+        let theirs = fixed(enc.init::<B>(device));
+        let ours = transfer(
+            theirs.clone(),
+            TransformerEncoderConfig::new(d_model, d_ff, heads, layers)
+                .with_dropout(0.0)
+                .with_norm_first(norm_first)
+                .init::<B>(device),
+            device,
+        );
+        let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+        let serving = ours.serving();
+        assert_eq!(serving.layers(), layers);
+        let mut cache = serving.new_paged_cache(16, 8, device);
+        let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+        let rows = |i: usize, from: usize, n: usize| xs[i].clone().narrow(1, from, n);
+        // Every output row of each sequence, in order.
+        let mut got: Vec<Vec<Tensor<B, 3>>> = vec![Vec::new(); 3];
+        let packed = Tensor::cat((0..3).map(|i| rows(i, 0, prompts[i])).collect(), 1);
+        let total: usize = prompts.iter().sum();
+        let out = serving.prefill(packed.reshape([total, d_model]), &ids, &prompts, &mut cache);
+        assert_eq!(out.dims(), [total, d_model]);
+        let mut start = 0;
+        for i in 0..3 {
+            got[i].push(out.clone().narrow(0, start, prompts[i]).unsqueeze_dim(0));
+            start += prompts[i];
+            assert_eq!(cache.len(ids[i]), prompts[i]);
+        }
+        let mut held = prompts.to_vec();
+        for (step, (which, new)) in steps.iter().enumerate() {
+            if step == 3 {
+                // Sequence 1 is done: its blocks go back and the batch shrinks.
+                let free = cache.free_blocks();
+                cache.release(ids[1]);
+                assert_eq!(cache.free_blocks(), free + held[1].div_ceil(8));
+            }
+            let x = Tensor::cat(which.iter().map(|&i| rows(i, held[i], *new)).collect(), 0);
+            let step_ids: Vec<usize> = which.iter().map(|&i| ids[i]).collect();
+            let out = serving.decode(x, &step_ids, &mut cache);
+            assert_eq!(out.dims(), [which.len(), *new, d_model]);
+            for (b, &i) in which.iter().enumerate() {
+                got[i].push(out.clone().narrow(0, b, 1));
+                held[i] += new;
+            }
+        }
+        assert_eq!(held, lengths);
+        for i in 0..3 {
+            let l = lengths[i];
+            let mask = generate_autoregressive_mask::<B>(1, l, device);
+            let want =
+                reference.forward(BurnEncoderInput::new(to_ref(&xs[i])).mask_attn(bool_ref(&mask)));
+            let naive = theirs.forward(BurnEncoderInput::new(xs[i].clone()).mask_attn(mask));
+            let got = Tensor::cat(std::mem::take(&mut got[i]), 1);
+            compare(got, naive, want, dtype, &format!("{ctx}, sequence {i}"));
+        }
+    }
+    sync::<B>(device);
+}
+
+/// `ServingEncoder` refuses bad calls before anything runs, one case each: prompts that are
+/// not `[Σ lengths, d_model]`, as many lengths as sequences, an empty prompt, a prefill of a
+/// sequence that holds positions, a decoding step of the wrong shape.
+fn serving_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (d_model, heads) = (16, 2);
+    let ours = TransformerEncoderConfig::new(d_model, 32, heads, 1)
+        .with_dropout(0.0)
+        .with_norm_first(true)
+        .init::<B>(device);
+    let serving = ours.serving();
+    let mut cache = serving.new_paged_cache(8, 4, device);
+    let a = cache.add_sequence();
+    let b = cache.add_sequence();
+    let x =
+        |rows: usize| rand3::<B>([1, rows, d_model], 1.0, dtype, device).reshape([rows, d_model]);
+    let cases: [(&str, Box<dyn FnOnce(&mut burn_flash::nn::PagedKvCache<B>)>); 4] = [
+        (
+            "expected [7 tokens, d_model 16]",
+            Box::new(|c| {
+                serving.prefill(x(6), &[a, b], &[3, 4], c);
+            }),
+        ),
+        (
+            "2 sequences for 1 prompt lengths",
+            Box::new(|c| {
+                serving.prefill(x(3), &[a, b], &[3], c);
+            }),
+        ),
+        (
+            "has an empty prompt",
+            Box::new(|c| {
+                serving.prefill(x(3), &[a, b], &[3, 0], c);
+            }),
+        ),
+        (
+            "expected [1 sequences, S ≥ 1, d_model 16]",
+            Box::new(|c| {
+                let x = rand3::<B>([2, 1, d_model], 1.0, dtype, device);
+                serving.decode(x, &[a], c);
+            }),
+        ),
+    ];
+    for (want, case) in cases {
+        let msg = panic_message(|| case(&mut cache));
+        assert!(msg.contains(want), "expected `{want}`, got `{msg}`");
+    }
+    // Nothing was taken by the refused calls; a prefill then works, and a second one of the
+    // same sequence is refused.
+    assert_eq!(cache.free_blocks(), 8);
+    serving.prefill(x(5), &[a], &[5], &mut cache);
+    assert_eq!(cache.len(a), 5);
+    let msg = panic_message(|| {
+        serving.prefill(x(2), &[a], &[2], &mut cache);
+    });
+    assert!(msg.contains("already holds 5 positions"), "{msg}");
+    sync::<B>(device);
+}
+
 macro_rules! nn_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         suite!(
@@ -857,6 +1022,8 @@ macro_rules! nn_suite {
                 kv_cache_decoding,
                 sliding_window_decoding,
                 paged_kv_cache,
+                serving_encoder,
+                serving_bad_input,
                 dropout_statistics,
             ]
         );

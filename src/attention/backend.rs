@@ -102,6 +102,57 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         super::paged::composed_append::<Self>(key, value, table, lengths, key_new, value_new, rope)
     }
 
+    /// [`AttentionBackend::flash_kv_append`] then [`AttentionBackend::flash_decode`] as one op
+    /// ([`crate::append_attention_paged`]): the new keys and values written at positions
+    /// `lengths[b] ..`, then `query` (rotated by `rope` where given, at the same positions)
+    /// attends to the first `lengths_after[b]` keys. Returns the caches (with the rotated
+    /// query where rotated), the output and the log-sum-exp. Inference only. Arguments are
+    /// checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_append_decode(
+        key: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+        table: Option<IntTensor<Self>>,
+        lengths: IntTensor<Self>,
+        lengths_after: IntTensor<Self>,
+        key_new: FloatTensor<Self>,
+        value_new: FloatTensor<Self>,
+        query: FloatTensor<Self>,
+        rope: Option<RopeArgs<Self>>,
+        slopes: Option<FloatTensor<Self>>,
+        sinks: Option<FloatTensor<Self>>,
+        options: FlashAttentionOptions,
+    ) -> (Appended<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (rope, query) = match rope {
+            Some(r) => (
+                Some(RopeArgs {
+                    query: Some(query),
+                    ..r
+                }),
+                None,
+            ),
+            None => (None, Some(query)),
+        };
+        let appended =
+            Self::flash_kv_append(key, value, table.clone(), lengths, key_new, value_new, rope);
+        let query = match (&appended.query, query) {
+            (Some(rotated), _) => rotated.clone(),
+            (None, Some(query)) => query,
+            (None, None) => unreachable!("the rotated query comes back"),
+        };
+        let (out, lse) = Self::flash_decode(
+            query,
+            appended.key.clone(),
+            appended.value.clone(),
+            table,
+            lengths_after,
+            slopes,
+            sinks,
+            options,
+        );
+        (appended, out, lse)
+    }
+
     /// The launch the fused attention backward would make for contiguous tensors, with or
     /// without a `mask` and a `bias`, tracked or not (`None`: composed fallback).
     fn flash_attention_backward_plan(
@@ -202,6 +253,26 @@ macro_rules! delegate {
             $append(key, value, table, lengths, key_new, value_new, rope)
         }
     };
+    (append_decode: $op:path) => {
+        fn flash_append_decode(
+            key: FloatTensor<Self>,
+            value: FloatTensor<Self>,
+            table: Option<IntTensor<Self>>,
+            lengths: IntTensor<Self>,
+            lengths_after: IntTensor<Self>,
+            key_new: FloatTensor<Self>,
+            value_new: FloatTensor<Self>,
+            query: FloatTensor<Self>,
+            rope: Option<RopeArgs<Self>>,
+            slopes: Option<FloatTensor<Self>>,
+            sinks: Option<FloatTensor<Self>>,
+            options: FlashAttentionOptions,
+        ) -> (Appended<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            let caches = (key, value, table, lengths, lengths_after);
+            let new = (key_new, value_new, query, rope);
+            $op(caches, new, slopes, sinks, options)
+        }
+    };
     (planning: $inner:ty) => {
         fn flash_attention_plan(
             device: &Self::Device,
@@ -259,6 +330,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
 impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
     delegate!(paged: super::fusion::decode::<B>, super::fusion::append::<B>);
+    delegate!(append_decode: super::fusion::append_decode::<B>);
     delegate!(planning: B);
 }
 
@@ -271,5 +343,6 @@ impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C>
         paged: super::paged::autodiff::decode::<B, C>,
         super::paged::autodiff::append::<B, C>
     );
+    delegate!(append_decode: super::paged::autodiff::append_decode::<B, C>);
     delegate!(planning: B);
 }

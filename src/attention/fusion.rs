@@ -11,6 +11,7 @@ use burn::tensor::{
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
 use super::paged::{Appended, RopeArgs};
+use super::{AppendCaches, AppendRows};
 use super::{AttentionGrads, FlashAttentionOptions, Inputs};
 use crate::FlashBackend;
 use crate::fusion::{Handles, out_and_lse, uninit};
@@ -309,4 +310,116 @@ pub(crate) fn append<B: FusionBackend + FlashBackend>(
         value,
         query: has_query.then(next),
     }
+}
+
+/// The append and the decoding as one op ([`crate::AttentionBackend::flash_append_decode`]):
+/// the caches, the table where paged, the lengths before and after, the new keys and values,
+/// the query, then the RoPE tables, the slopes and the sinks where given.
+#[derive(Debug)]
+struct AppendDecodeOp<B> {
+    inputs: Vec<TensorIr>,
+    has_table: bool,
+    rope: Option<bool>,
+    has_slopes: bool,
+    has_sinks: bool,
+    /// The caches, the rotated query where rotated, `out`, `lse`.
+    outputs: Vec<TensorId>,
+    options: FlashAttentionOptions,
+    _backend: PhantomData<B>,
+}
+
+impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for AppendDecodeOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let mut inputs = self.inputs.iter();
+        let mut next = || inputs.next().expect("recorded input");
+        let [k, v] = [next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+        let table = self.has_table.then(|| handles.get_int_tensor::<B>(next()));
+        let [lengths, after] = [next(), next()].map(|t| handles.get_int_tensor::<B>(t));
+        let [k_new, v_new, q] = [next(), next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+        let rope = self.rope.map(|interleaved| {
+            let [cos, sin] = [next(), next()].map(|t| handles.get_float_tensor::<B>(t));
+            RopeArgs {
+                cos,
+                sin,
+                interleaved,
+                query: None,
+            }
+        });
+        let slopes = self
+            .has_slopes
+            .then(|| handles.get_float_tensor::<B>(next()));
+        let sinks = self
+            .has_sinks
+            .then(|| handles.get_float_tensor::<B>(next()));
+        let (appended, out, lse) = B::flash_append_decode(
+            k,
+            v,
+            table,
+            lengths,
+            after,
+            k_new,
+            v_new,
+            q,
+            rope,
+            slopes,
+            sinks,
+            self.options,
+        );
+        let results = [appended.key, appended.value]
+            .into_iter()
+            .chain(appended.query)
+            .chain([out, lse]);
+        for (id, t) in self.outputs.iter().zip(results) {
+            handles.register_float_tensor::<B>(id, t);
+        }
+    }
+}
+
+pub(crate) fn append_decode<B: FusionBackend + FlashBackend>(
+    (key, value, table, lengths, lengths_after): AppendCaches<Fusion<B>>,
+    (key_new, value_new, query, rope): AppendRows<Fusion<B>>,
+    slopes: Option<FloatTensor<Fusion<B>>>,
+    sinks: Option<FloatTensor<Fusion<B>>>,
+    options: FlashAttentionOptions,
+) -> (
+    Appended<Fusion<B>>,
+    FloatTensor<Fusion<B>>,
+    FloatTensor<Fusion<B>>,
+) {
+    let (b, hq, sq) = (query.shape[0], query.shape[1], query.shape[2]);
+    let mut outputs = vec![
+        uninit(&key, key.shape.clone(), key.dtype),
+        uninit(&value, value.shape.clone(), value.dtype),
+    ];
+    if rope.is_some() {
+        outputs.push(uninit(&query, query.shape.clone(), query.dtype));
+    }
+    outputs.extend(out_and_lse(&query, &[b, hq, sq], value.shape[3]));
+    let (has_table, has_slopes, has_sinks) = (table.is_some(), slopes.is_some(), sinks.is_some());
+    let rope_flag = rope.as_ref().map(|r| r.interleaved);
+    let mut tensors = vec![key, value];
+    tensors.extend(table);
+    tensors.extend([lengths, lengths_after, key_new, value_new, query]);
+    if let Some(r) = rope {
+        tensors.extend([r.cos, r.sin]);
+    }
+    tensors.extend(slopes);
+    tensors.extend(sinks);
+    let op = |inputs, outputs| AppendDecodeOp::<B> {
+        inputs,
+        has_table,
+        rope: rope_flag,
+        has_slopes,
+        has_sinks,
+        outputs,
+        options,
+        _backend: PhantomData,
+    };
+    let mut results =
+        crate::fusion::record("burn_flash::append_decode", tensors, outputs, op).into_iter();
+    let mut next = || results.next().expect("registered output");
+    let (key, value) = (next(), next());
+    let query = rope_flag.map(|_| next());
+    let (out, lse) = (next(), next());
+    (Appended { key, value, query }, out, lse)
 }

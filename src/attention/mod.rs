@@ -34,7 +34,11 @@ pub(crate) mod fusion;
 mod paged;
 mod varlen;
 
-pub use paged::{Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_paged, attention_paged};
+pub(crate) use paged::{AppendCaches, AppendRows};
+pub use paged::{
+    Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_attention_paged, append_paged,
+    attention_paged,
+};
 pub use varlen::{VarlenBatch, attention_varlen};
 
 use burn::tensor::{

@@ -210,6 +210,25 @@ pub struct RopeArgs<B: Backend> {
     pub query: Option<FloatTensor<B>>,
 }
 
+/// The caches [`AttentionBackend::flash_append_decode`] takes: `key`, `value`, the table where
+/// paged, the lengths before the append and after it.
+pub(crate) type AppendCaches<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<IntTensor<B>>,
+    IntTensor<B>,
+    IntTensor<B>,
+);
+
+/// The new rows [`AttentionBackend::flash_append_decode`] takes: keys, values, queries and the
+/// RoPE tables where given (their `query` unused).
+pub(crate) type AppendRows<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    FloatTensor<B>,
+    Option<RopeArgs<B>>,
+);
+
 /// What [`AttentionBackend::flash_kv_append`] returns: the caches with the new keys and values
 /// (the same buffers where the caller held the only reference), and the rotated queries.
 #[derive(Debug)]
@@ -323,7 +342,36 @@ pub fn attention_paged<B: FlashBackend>(
     heads: HeadTerms<B>,
     options: FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    let heads_kv = check_pools(("query", &query), &key, &value, table);
+    let (slopes, sinks) = check_decode(&query, &key, &value, table, heads, options);
+    let (out, lse) = B::flash_decode(
+        query.into_primitive().tensor(),
+        key.into_primitive().tensor(),
+        value.into_primitive().tensor(),
+        Some(table.table.clone().into_primitive()),
+        table.lens.clone().into_primitive(),
+        slopes,
+        sinks,
+        options,
+    );
+    (float(out), float(lse))
+}
+
+/// A float tensor of the backend's primitive.
+fn float<B: Backend, const D: usize>(t: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+/// [`attention_paged`]'s checks of `query` against the pools and `table`; returns the per-head
+/// terms as the kernels take them (f32 primitives).
+fn check_decode<B: FlashBackend>(
+    query: &Tensor<B, 4>,
+    key: &Tensor<B, 4>,
+    value: &Tensor<B, 4>,
+    table: &BlockTable<B>,
+    heads: HeadTerms<B>,
+    options: FlashAttentionOptions,
+) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
+    let heads_kv = check_pools(("query", query), key, value, table);
     let [_, heads_q, _, _] = query.dims();
     if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
         panic!("{OP}: `query` has {heads_q} heads, not a multiple of the {heads_kv} of the pools");
@@ -351,20 +399,9 @@ pub fn attention_paged<B: FlashBackend>(
     {
         panic!("{OP}: `scale` must be finite, got {scale}");
     }
-    let (out, lse) = B::flash_decode(
-        query.into_primitive().tensor(),
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        Some(table.table.clone().into_primitive()),
-        table.lens.clone().into_primitive(),
-        alibi_slopes.map(|s| s.cast(DType::F32).into_primitive().tensor()),
-        sinks.map(|s| s.cast(DType::F32).into_primitive().tensor()),
-        options,
-    );
-    (
-        Tensor::from_primitive(TensorPrimitive::Float(out)),
-        Tensor::from_primitive(TensorPrimitive::Float(lse)),
-    )
+    let f32_terms =
+        |t: Option<Tensor<B, 1>>| t.map(|t| t.cast(DType::F32).into_primitive().tensor());
+    (f32_terms(alibi_slopes), f32_terms(sinks))
 }
 
 /// Appends `key_new` `[B, Hkv, S, D]` and `value_new` `[B, Hkv, S, Dv]` to each sequence of the
@@ -386,7 +423,114 @@ pub fn append_paged<B: FlashBackend>(
     rope: Option<&Rope<B>>,
     query: Option<Tensor<B, 4>>,
 ) -> PagedAppend<B> {
-    let heads_kv = check_pools(("key_new", &key_new), &key, &value, table);
+    if query.is_some() && rope.is_none() {
+        panic!("{OP}: `query` is only taken to be rotated: pass RoPE tables");
+    }
+    let grown = check_append(
+        &key,
+        &value,
+        table,
+        &key_new,
+        &value_new,
+        rope,
+        query.as_ref(),
+    );
+    let rope_args = rope.map(|r| RopeArgs {
+        query: query.map(|q| q.into_primitive().tensor()),
+        ..rope_tables(r)
+    });
+    let out = B::flash_kv_append(
+        key.into_primitive().tensor(),
+        value.into_primitive().tensor(),
+        Some(table.table.clone().into_primitive()),
+        table.lens.clone().into_primitive(),
+        key_new.into_primitive().tensor(),
+        value_new.into_primitive().tensor(),
+        rope_args,
+    );
+    PagedAppend {
+        key: float(out.key),
+        value: float(out.value),
+        table: grown,
+        query: out.query.map(float),
+    }
+}
+
+/// [`append_paged`] and then [`attention_paged`] of `query` `[B, Hq, S, D]` (the new tokens'
+/// queries, rotated with the keys where `rope` is given) as one op: one launch of the append and
+/// one of the decoding kernel, recorded as one operation on `Fusion` (a serving step's
+/// attention per layer). Returns the append's pools, grown table and rotated queries (where
+/// rotated), the output `[B, Hq, S, Dv]` and the log-sum-exp `[B, Hq, S]`. Options as
+/// [`attention_paged`]'s.
+///
+/// # Panics
+/// Before anything runs: as [`append_paged`] and [`attention_paged`].
+#[allow(clippy::too_many_arguments)]
+pub fn append_attention_paged<B: FlashBackend>(
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    table: &BlockTable<B>,
+    key_new: Tensor<B, 4>,
+    value_new: Tensor<B, 4>,
+    query: Tensor<B, 4>,
+    rope: Option<&Rope<B>>,
+    heads: HeadTerms<B>,
+    options: FlashAttentionOptions,
+) -> (PagedAppend<B>, Tensor<B, 4>, Tensor<B, 3>) {
+    let grown = check_append(
+        &key,
+        &value,
+        table,
+        &key_new,
+        &value_new,
+        rope,
+        Some(&query),
+    );
+    let (slopes, sinks) = check_decode(&query, &key, &value, &grown, heads, options);
+    let (appended, out, lse) = B::flash_append_decode(
+        key.into_primitive().tensor(),
+        value.into_primitive().tensor(),
+        Some(table.table.clone().into_primitive()),
+        table.lens.clone().into_primitive(),
+        grown.lens.clone().into_primitive(),
+        key_new.into_primitive().tensor(),
+        value_new.into_primitive().tensor(),
+        query.into_primitive().tensor(),
+        rope.map(rope_tables),
+        slopes,
+        sinks,
+        options,
+    );
+    let pools = PagedAppend {
+        key: float(appended.key),
+        value: float(appended.value),
+        table: grown,
+        query: appended.query.map(float),
+    };
+    (pools, float(out), float(lse))
+}
+
+/// `rope`'s tables as the kernels take them (f32 primitives), no query.
+fn rope_tables<B: Backend>(rope: &Rope<B>) -> RopeArgs<B> {
+    RopeArgs {
+        cos: rope.cos.clone().cast(DType::F32).into_primitive().tensor(),
+        sin: rope.sin.clone().cast(DType::F32).into_primitive().tensor(),
+        interleaved: rope.interleaved,
+        query: None,
+    }
+}
+
+/// [`append_paged`]'s checks (a `query` only with `rope` there); returns the grown table.
+fn check_append<B: FlashBackend>(
+    key: &Tensor<B, 4>,
+    value: &Tensor<B, 4>,
+    table: &BlockTable<B>,
+    key_new: &Tensor<B, 4>,
+    value_new: &Tensor<B, 4>,
+    rope: Option<&Rope<B>>,
+    query: Option<&Tensor<B, 4>>,
+) -> BlockTable<B> {
+    let heads_kv = check_pools(("key_new", key_new), key, value, table);
     let [batch, new_heads, new, head_dim] = key_new.dims();
     let [vb, vh, vs, value_dim] = value_new.dims();
     if new_heads != heads_kv || [vb, vh, vs] != [batch, new_heads, new] {
@@ -417,11 +561,8 @@ pub fn append_paged<B: FlashBackend>(
             panic!("{OP}: positions up to {last} but the RoPE tables hold {positions}");
         }
     }
-    if let Some(q) = &query {
+    if let Some(q) = query {
         let [qb, _, qs, qd] = q.dims();
-        if rope.is_none() {
-            panic!("{OP}: `query` is only taken to be rotated: pass RoPE tables");
-        }
         if [qb, qs, qd] != [batch, new, head_dim] {
             panic!(
                 "{OP}: `query` has shape {:?}, expected [{batch}, Hq, {new}, {head_dim}]",
@@ -429,28 +570,7 @@ pub fn append_paged<B: FlashBackend>(
             );
         }
     }
-    let rope_args = rope.map(|r| RopeArgs {
-        cos: r.cos.clone().cast(DType::F32).into_primitive().tensor(),
-        sin: r.sin.clone().cast(DType::F32).into_primitive().tensor(),
-        interleaved: r.interleaved,
-        query: query.map(|q| q.into_primitive().tensor()),
-    });
-    let out = B::flash_kv_append(
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        Some(table.table.clone().into_primitive()),
-        table.lens.clone().into_primitive(),
-        key_new.into_primitive().tensor(),
-        value_new.into_primitive().tensor(),
-        rope_args,
-    );
-    let float = |t| Tensor::from_primitive(TensorPrimitive::Float(t));
-    PagedAppend {
-        key: float(out.key),
-        value: float(out.value),
-        table: grown,
-        query: out.query.map(float),
-    }
+    grown
 }
 
 /// Reads an integer tensor to the host.
@@ -750,5 +870,44 @@ pub(crate) mod autodiff {
             value: untracked::<B, C>(out.value),
             query: out.query.map(untracked::<B, C>),
         }
+    }
+
+    pub(crate) fn append_decode<B: FlashBackend, C: CheckpointStrategy>(
+        (key, value, table, lengths, lengths_after): AppendCaches<Autodiff<B, C>>,
+        (key_new, value_new, query, rope): AppendRows<Autodiff<B, C>>,
+        slopes: Option<FloatTensor<Autodiff<B, C>>>,
+        sinks: Option<FloatTensor<Autodiff<B, C>>>,
+        options: FlashAttentionOptions,
+    ) -> (
+        Appended<Autodiff<B, C>>,
+        FloatTensor<Autodiff<B, C>>,
+        FloatTensor<Autodiff<B, C>>,
+    ) {
+        let rope = rope.map(|r| RopeArgs {
+            cos: inner::<B, C>(r.cos),
+            sin: inner::<B, C>(r.sin),
+            interleaved: r.interleaved,
+            query: None,
+        });
+        let (appended, out, lse) = B::flash_append_decode(
+            inner::<B, C>(key),
+            inner::<B, C>(value),
+            table,
+            lengths,
+            lengths_after,
+            inner::<B, C>(key_new),
+            inner::<B, C>(value_new),
+            inner::<B, C>(query),
+            rope,
+            slopes.map(inner::<B, C>),
+            sinks.map(inner::<B, C>),
+            options,
+        );
+        let appended = Appended {
+            key: untracked::<B, C>(appended.key),
+            value: untracked::<B, C>(appended.value),
+            query: appended.query.map(untracked::<B, C>),
+        };
+        (appended, untracked::<B, C>(out), untracked::<B, C>(lse))
     }
 }

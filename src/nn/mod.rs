@@ -34,6 +34,11 @@
 //! - **A paged KV cache for serving.** [`PagedKvCache`] holds the keys and values of many
 //!   sequences of a stack of layers in block pools, with one block allocator for all layers;
 //!   appends write in place, attention reads through the block table (no gather).
+//! - **Serving a decoder-only stack.** [`TransformerEncoder::serving`] arranges a causal stack
+//!   for inference ([`ServingEncoder`]): prompts of many sequences prefilled as one packed
+//!   (varlen) batch, then decoding steps for a batch of sequences of any lengths through a
+//!   [`PagedKvCache`], each layer's step in the fewest Burn ops (one fused query/key/value
+//!   projection, append and attention as one op).
 //! - **Grouped-query cross-attention without repeats.** [`CrossAttention`] with
 //!   `n_heads_kv < n_heads` hands the `n_heads_kv` key/value heads to the kernel, which reads
 //!   each for its group of query heads; burn-nn repeats them in memory first.
@@ -42,12 +47,14 @@ mod cache;
 mod cross_attention;
 mod mha;
 mod paged;
+mod serving;
 mod transformer;
 
 pub use cache::{KvCache, RowCache};
 pub use cross_attention::{CrossAttention, CrossAttentionCache, CrossAttentionConfig};
 pub use mha::{MhaCache, MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use paged::{PagedKvCache, PagedStep};
+pub use serving::ServingEncoder;
 pub use transformer::{
     TransformerDecoder, TransformerDecoderAutoregressiveCache, TransformerDecoderConfig,
     TransformerDecoderInput, TransformerDecoderLayer, TransformerEncoder,

@@ -14,7 +14,9 @@
 use burn::tensor::{DType, Tensor};
 
 use crate::attention::{BlockTable, HeadTerms, Rope};
-use crate::{FlashAttentionOptions, FlashBackend, append_paged, attention_paged};
+use crate::{
+    FlashAttentionOptions, FlashBackend, append_attention_paged, append_paged, attention_paged,
+};
 
 /// A sequence's blocks and the keys it holds.
 #[derive(Debug, Clone)]
@@ -54,6 +56,10 @@ pub struct PagedKvCache<B: FlashBackend> {
     blocks: usize,
     free: Vec<usize>,
     sequences: Vec<Option<Sequence>>,
+    /// The sequences of the last committed step and its table after the append: the next
+    /// step's table before its append when it runs the same sequences in the same blocks
+    /// (decoding between block boundaries), so that nothing is checked or uploaded again.
+    last: Option<(Vec<usize>, BlockTable<B>)>,
 }
 
 impl<B: FlashBackend> PagedKvCache<B> {
@@ -84,6 +90,7 @@ impl<B: FlashBackend> PagedKvCache<B> {
             blocks,
             free: (0..blocks).rev().collect(),
             sequences: Vec::new(),
+            last: None,
         }
     }
 
@@ -112,6 +119,7 @@ impl<B: FlashBackend> PagedKvCache<B> {
     pub fn release(&mut self, id: usize) {
         let seq = self.take_live(id);
         self.free.extend(seq.blocks.into_iter().rev());
+        self.last = None;
     }
 
     /// Positions sequence `id` holds.
@@ -165,12 +173,14 @@ impl<B: FlashBackend> PagedKvCache<B> {
                 panic!("PagedKvCache: sequence {id} is listed twice in one step");
             }
         }
+        let mut taken = false;
         for &id in ids {
             let bs = self.block_size;
             let seq = self.live(id).clone();
             let needed = (seq.len + new).div_ceil(bs);
             let mut blocks = seq.blocks;
             while blocks.len() < needed {
+                taken = true;
                 let block = self.free.pop().unwrap_or_else(|| {
                     panic!(
                         "PagedKvCache: the pool of {} blocks is exhausted (sequence {id} needs {needed})",
@@ -184,9 +194,14 @@ impl<B: FlashBackend> PagedKvCache<B> {
                 len: seq.len,
             });
         }
-        let lists: Vec<Vec<usize>> = ids.iter().map(|&id| self.live(id).blocks.clone()).collect();
-        let lengths: Vec<usize> = ids.iter().map(|&id| self.live(id).len).collect();
-        let before = BlockTable::new(lists, lengths, self.block_size, self.blocks, device);
+        let before = match self.last.take() {
+            Some((last_ids, table)) if !taken && last_ids == ids => table,
+            _ => {
+                let lists = ids.iter().map(|&id| self.live(id).blocks.clone()).collect();
+                let lengths = ids.iter().map(|&id| self.live(id).len).collect();
+                BlockTable::new(lists, lengths, self.block_size, self.blocks, device)
+            }
+        };
         let after = before.grown(new);
         PagedStep {
             ids: ids.to_vec(),
@@ -233,11 +248,45 @@ impl<B: FlashBackend> PagedKvCache<B> {
         attention_paged(query, k, v, &step.after, HeadTerms::default(), options).0
     }
 
+    /// [`PagedKvCache::append`] then [`PagedKvCache::attend`] as one op
+    /// ([`append_attention_paged`]): layer `layer`'s new keys and values `[n, Hkv, S, D]` written
+    /// in place, then its queries `[n, Hq, S, D]` (rotated with the keys where `rope` is given)
+    /// attend to the step's sequences. Returns the output `[n, Hq, S, Dv]`.
+    pub fn append_attend(
+        &mut self,
+        layer: usize,
+        step: &PagedStep<B>,
+        key: Tensor<B, 4>,
+        value: Tensor<B, 4>,
+        query: Tensor<B, 4>,
+        rope: Option<&Rope<B>>,
+        options: FlashAttentionOptions,
+    ) -> Tensor<B, 4> {
+        let k_pool = self.keys[layer].take().expect("the key pool");
+        let v_pool = self.values[layer].take().expect("the value pool");
+        let heads = HeadTerms::default();
+        let (pools, out, _) = append_attention_paged(
+            k_pool,
+            v_pool,
+            &step.before,
+            key,
+            value,
+            query,
+            rope,
+            heads,
+            options,
+        );
+        self.keys[layer] = Some(pools.key);
+        self.values[layer] = Some(pools.value);
+        out
+    }
+
     /// Records the step's new positions (after every layer appended).
     pub fn commit(&mut self, step: PagedStep<B>) {
-        for id in step.ids {
+        for &id in &step.ids {
             let seq = self.sequences[id].as_mut().expect("a live sequence");
             seq.len += step.new;
         }
+        self.last = Some((step.ids, step.after));
     }
 }

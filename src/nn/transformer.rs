@@ -230,13 +230,13 @@ struct LayerParts<B: Backend> {
 /// burn-nn's sub-layer step: `x + dropout(f(norm(x)))` with `norm_first`, else
 /// `norm(x + dropout(f(x)))`. `f` takes the whole sequence (a cache computes only its new
 /// rows).
-fn sublayer<B: Backend>(
-    x: Tensor<B, 3>,
+fn sublayer<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
     norm_first: bool,
     dropout: &Dropout,
     norm: &LayerNorm<B>,
-    f: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
-) -> Tensor<B, 3> {
+    f: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+) -> Tensor<B, D> {
     if norm_first {
         let y = f(norm.forward(x.clone()));
         x + dropout.forward(y)
@@ -383,12 +383,13 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         })
     }
 
-    /// The attention sub-layer (`attend`, on the sub-layer's input), then the feed-forward.
-    fn sublayers(
+    /// The attention sub-layer (`attend`, on the sub-layer's input), then the feed-forward
+    /// (on `[B, S, d_model]`, or a packed batch's `[T, d_model]`).
+    pub(crate) fn sublayers<const D: usize>(
         &self,
-        x: Tensor<B, 3>,
-        attend: impl FnOnce(Tensor<B, 3>) -> Tensor<B, 3>,
-    ) -> Tensor<B, 3> {
+        x: Tensor<B, D>,
+        attend: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> Tensor<B, D> {
         let (nf, dropout) = (self.norm_first, &self.dropout);
         let (first, second) = match nf {
             true => (&self.norm_2, &self.norm_1),

@@ -1,0 +1,266 @@
+//! Serving a decoder-only language model built on [`TransformerEncoder`] (causal
+//! self-attention) to many sequences at once: [`TransformerEncoder::serving`] gives the stack's
+//! [`ServingEncoder`], whose weights are arranged once for inference, and which runs
+//!
+//! - **prefill** ([`ServingEncoder::prefill`]): the prompts of several new sequences packed end
+//!   to end (`[T, d_model]`, no padding), one varlen attention call per layer
+//!   ([`crate::attention_varlen`], causal per sequence), every layer's keys and values written
+//!   into a [`PagedKvCache`];
+//! - **decoding steps** ([`ServingEncoder::decode`]): `S` new tokens for each of a batch of
+//!   sequences of any lengths, attending through the paged cache's block table.
+//!
+//! A decoding step is host-bound at small batches (each Burn op costs the host more than its
+//! kernel costs the GPU), so it is written in the fewest ops: per layer the query, key and
+//! value projections are one matmul (their weights concatenated once, `[d_model, 3·d_model]`,
+//! heads split by views), and the append of the new keys and values and the attention are one
+//! op ([`PagedKvCache::append_attend`]: one Fusion operation, two launches). Dropout is off
+//! (inference) and the attention options are the modules' (`1/√d_k`, `min_float`, quiet
+//! softmax).
+
+use burn::nn::Linear;
+use burn::tensor::{Tensor, module::linear};
+
+use super::PagedKvCache;
+use super::merge_heads;
+use super::transformer::{TransformerEncoder, TransformerEncoderLayer};
+use crate::{FlashAttentionOptions, FlashBackend, HeadTerms, VarlenBatch, attention_varlen};
+
+const WHO: &str = "burn_flash::nn::ServingEncoder";
+
+/// One layer arranged for inference: the layer and its fused query/key/value projection.
+#[derive(Debug, Clone)]
+struct ServingLayer<B: FlashBackend> {
+    layer: TransformerEncoderLayer<B>,
+    /// `[d_model, 3·d_model]`: the query, key and value weights side by side (each head's
+    /// columns together, as `project_heads` splits them).
+    qkv_weight: Tensor<B, 2>,
+    /// `[3·d_model]`, zeros where a projection has no bias.
+    qkv_bias: Tensor<B, 1>,
+}
+
+/// A [`TransformerEncoder`] arranged for serving (module docs): made by
+/// [`TransformerEncoder::serving`], it shares the stack's parameter tensors but the fused
+/// projection, which is a copy made then (make a new one after the weights change).
+#[derive(Debug, Clone)]
+pub struct ServingEncoder<B: FlashBackend> {
+    layers: Vec<ServingLayer<B>>,
+    d_model: usize,
+    heads: usize,
+    d_k: usize,
+}
+
+impl<B: FlashBackend> TransformerEncoder<B> {
+    /// The stack arranged for serving with a [`PagedKvCache`] ([`ServingEncoder`]).
+    pub fn serving(&self) -> ServingEncoder<B> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let mha = &layer.mha;
+                let parts = [&mha.query, &mha.key, &mha.value];
+                let weight = Tensor::cat(parts.iter().map(|l| l.weight.val()).collect(), 1);
+                let bias = parts
+                    .iter()
+                    .map(|l| bias_or_zeros(l, mha.d_model))
+                    .collect();
+                ServingLayer {
+                    layer: layer.clone(),
+                    qkv_weight: weight,
+                    qkv_bias: Tensor::cat(bias, 0),
+                }
+            })
+            .collect();
+        ServingEncoder {
+            layers,
+            d_model: self.d_model,
+            heads: self.n_heads,
+            d_k: self.d_model / self.n_heads,
+        }
+    }
+}
+
+/// `l`'s bias, or zeros of its `width` outputs.
+fn bias_or_zeros<B: FlashBackend>(l: &Linear<B>, width: usize) -> Tensor<B, 1> {
+    match &l.bias {
+        Some(b) => b.val(),
+        None => {
+            let w = l.weight.val();
+            Tensor::zeros([width], (&w.device(), w.dtype()))
+        }
+    }
+}
+
+impl<B: FlashBackend> ServingEncoder<B> {
+    /// Layers.
+    pub fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// A paged cache for this stack: `blocks` blocks of `block_size` positions per layer, in
+    /// the weights' dtype.
+    pub fn new_paged_cache(
+        &self,
+        blocks: usize,
+        block_size: usize,
+        device: &B::Device,
+    ) -> PagedKvCache<B> {
+        let dtype = self
+            .layers
+            .first()
+            .map_or(burn::tensor::DType::F32, |l| l.qkv_weight.dtype());
+        PagedKvCache::new(
+            self.layers.len(),
+            blocks,
+            block_size,
+            self.heads,
+            self.d_k,
+            dtype,
+            device,
+        )
+    }
+
+    /// The prompts of the new sequences `ids` (`lengths[i]` tokens of sequence `ids[i]`, packed
+    /// end to end in `x` `[Σ lengths, d_model]`) through the stack as one packed batch, each
+    /// attending causally to its own tokens; every layer's keys and values are written into
+    /// `cache` and the sequences' lengths committed. Returns the last layer's output
+    /// `[Σ lengths, d_model]` (a model reads each sequence's last row).
+    ///
+    /// # Panics
+    /// When `x` is not `[Σ lengths, d_model]`, `ids` and `lengths` differ in length or are
+    /// empty, a prompt is empty, a sequence already holds positions or is not live, or the
+    /// pool runs out of blocks.
+    pub fn prefill(
+        &self,
+        x: Tensor<B, 2>,
+        ids: &[usize],
+        lengths: &[usize],
+        cache: &mut PagedKvCache<B>,
+    ) -> Tensor<B, 2> {
+        let device = x.device();
+        let total: usize = lengths.iter().sum();
+        if ids.len() != lengths.len() || ids.is_empty() {
+            panic!(
+                "{WHO}: {} sequences for {} prompt lengths (one of each, at least one)",
+                ids.len(),
+                lengths.len()
+            );
+        }
+        if x.dims() != [total, self.d_model] {
+            panic!(
+                "{WHO}: the prompts are {:?}, expected [{total} tokens, d_model {}]",
+                x.dims(),
+                self.d_model
+            );
+        }
+        for (&id, &len) in ids.iter().zip(lengths) {
+            if len == 0 {
+                panic!("{WHO}: sequence {id} has an empty prompt");
+            }
+            if !cache.is_empty(id) {
+                panic!(
+                    "{WHO}: sequence {id} already holds {} positions: prefill starts new sequences (continue one with `decode`)",
+                    cache.len(id)
+                );
+            }
+        }
+        let steps: Vec<_> = ids
+            .iter()
+            .zip(lengths)
+            .map(|(&id, &len)| cache.reserve(&[id], len, &device))
+            .collect();
+        let batch = VarlenBatch::self_attention(lengths, &device);
+        let (heads, d_k) = (self.heads, self.d_k);
+        let mut x = x;
+        for (index, l) in self.layers.iter().enumerate() {
+            x = l.layer.sublayers(x, |h| {
+                let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone())).reshape([
+                    total,
+                    3 * heads,
+                    d_k,
+                ]);
+                let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
+                let mut start = 0;
+                for (step, &len) in steps.iter().zip(lengths) {
+                    // `[len, H, d_k]` rows as `[1, H, len, d_k]`: views.
+                    let rows =
+                        |t: &Tensor<B, 3>| t.clone().narrow(0, start, len).unsqueeze_dim::<4>(0);
+                    let (k_seq, v_seq) = (rows(&k).swap_dims(1, 2), rows(&v).swap_dims(1, 2));
+                    cache.append(index, step, k_seq, v_seq, None);
+                    start += len;
+                }
+                let options = l.options();
+                let (context, _) =
+                    attention_varlen(q, k, v, &batch, None, None, HeadTerms::default(), options);
+                let context = context.reshape([total, heads * d_k]);
+                l.layer.mha.output.forward(context)
+            });
+        }
+        for step in steps {
+            cache.commit(step);
+        }
+        x
+    }
+
+    /// One step of the sequences `ids` with `S` new tokens each, `x` `[n, S, d_model]` (row
+    /// `i` the tokens of `ids[i]`, at the positions after those it holds): each layer's new keys
+    /// and values are appended to `cache` and its queries attend causally to every position of
+    /// their sequence. Commits the step; returns the last layer's output `[n, S, d_model]`.
+    ///
+    /// # Panics
+    /// When `x` is not `[ids.len(), S, d_model]`, a sequence is not live or listed twice, or
+    /// the pool runs out of blocks.
+    pub fn decode(
+        &self,
+        x: Tensor<B, 3>,
+        ids: &[usize],
+        cache: &mut PagedKvCache<B>,
+    ) -> Tensor<B, 3> {
+        let [n, new, width] = x.dims();
+        if n != ids.len() || width != self.d_model || new == 0 {
+            panic!(
+                "{WHO}: the step's tokens are {:?}, expected [{} sequences, S ≥ 1, d_model {}]",
+                x.dims(),
+                ids.len(),
+                self.d_model
+            );
+        }
+        let step = cache.reserve(ids, new, &x.device());
+        let (heads, d_k) = (self.heads, self.d_k);
+        let mut x = x;
+        for (index, l) in self.layers.iter().enumerate() {
+            x = l.layer.sublayers(x, |h| {
+                let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone()))
+                    .reshape([n, new, 3 * heads, d_k])
+                    .swap_dims(1, 2);
+                let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
+                let context = cache.append_attend(index, &step, k, v, q, None, l.options());
+                // `[n, H, 1, d_k]` is `[n, 1, H·d_k]` in memory: one token needs no copy.
+                let context = match new {
+                    1 => context.reshape([n, 1, heads * d_k]),
+                    _ => merge_heads(context),
+                };
+                l.layer.mha.output.forward(context)
+            });
+        }
+        cache.commit(step);
+        x
+    }
+}
+
+impl<B: FlashBackend> ServingLayer<B> {
+    /// The layer's attention options for inference: causal, no dropout.
+    fn options(&self) -> FlashAttentionOptions {
+        let mha = &self.layer.mha;
+        let module = burn::tensor::ops::AttentionModuleOptions {
+            scale: Some(1.0 / (mha.d_k as f64).sqrt()),
+            softcap: None,
+            is_causal: true,
+        };
+        FlashAttentionOptions {
+            module,
+            masked_score: Some(mha.min_float),
+            quiet: mha.quiet_softmax,
+            ..Default::default()
+        }
+    }
+}
