@@ -86,29 +86,71 @@ pub struct DecodePartials {
     pub ml: Tensor<f32>,
 }
 
-/// Offset of key (or value) row `key` of batch `batch`, head `head` in `t`: contiguous
-/// `[B, H, S, ·]`, or through `table` into the pool `[blocks, block_size, H, ·]`.
+/// Where each slot `t` of group `g` reads its key and value rows in the step from key `j0`:
+/// key `j0 + t·groups + g` (the split's first key `kb` where that is past its end `ke`), in `k`
+/// and `v` contiguous `[B, H, S, ·]`, or through `table` into the pools `[blocks, block_size,
+/// H, ·]` (one table lookup per key for both pools).
 #[cube]
-fn key_offset<E: CubePrimitive>(
-    t: &Tensor<E>,
+fn slot_offsets<E: CubePrimitive>(
+    k: &Tensor<E>,
+    v: &Tensor<E>,
     table: &Tensor<u32>,
     batch: usize,
     head: usize,
-    key: usize,
+    j0: usize,
+    kb: usize,
+    ke: usize,
+    g: usize,
+    groups: usize,
+    k_off: &mut Array<usize>,
+    v_off: &mut Array<usize>,
+    #[comptime] kpg: usize,
     #[comptime] paged: bool,
-) -> usize {
-    if comptime!(paged) {
-        let bs = t.shape(1);
-        let mut row = batch;
-        if comptime!(crate::mutation::paged_lookup()) {
-            row = 0;
+) {
+    #[unroll]
+    for t in 0..kpg {
+        let key = j0 + t * groups + g;
+        let key = select(key < ke, key, kb);
+        if comptime!(paged) {
+            let bs = k.shape(1);
+            let mut row = batch;
+            if comptime!(crate::mutation::paged_lookup()) {
+                row = 0;
+            }
+            let entry = table[row * table.stride(0) + (key / bs) * table.stride(1)] as usize;
+            // The host checks every entry against the pool; the clamp keeps reads inside it.
+            let block = usize::min(entry, k.shape(0) - 1);
+            let at = key % bs;
+            k_off[t] = block * k.stride(0) + at * k.stride(1) + head * k.stride(2);
+            v_off[t] = block * v.stride(0) + at * v.stride(1) + head * v.stride(2);
+        } else {
+            k_off[t] = batch * k.stride(0) + head * k.stride(1) + key * k.stride(2);
+            v_off[t] = batch * v.stride(0) + head * v.stride(1) + key * v.stride(2);
         }
-        let entry = table[row * table.stride(0) + (key / bs) * table.stride(1)] as usize;
-        // The host checks every entry against the pool; the clamp keeps reads inside it.
-        let block = usize::min(entry, t.shape(0) - 1);
-        block * t.stride(0) + (key % bs) * t.stride(1) + head * t.stride(2)
-    } else {
-        batch * t.stride(0) + head * t.stride(1) + key * t.stride(2)
+    }
+}
+
+/// Loads each slot's row of `t` (`vecs` vectors per unit of a group of `ku`, columns past
+/// `dim` clamped onto its last vector) from `offsets` into `regs`.
+#[cube]
+fn load_slots<F: Float, NV: Size>(
+    t: &Tensor<Vector<F, NV>>,
+    offsets: &Array<usize>,
+    regs: &mut Array<Vector<F, NV>>,
+    sub: usize,
+    dim: usize,
+    #[comptime] kpg: usize,
+    #[comptime] vecs: usize,
+    #[comptime] ku: usize,
+) {
+    let nv = NV::value();
+    #[unroll]
+    for slot in 0..kpg {
+        #[unroll]
+        for s in 0..vecs {
+            let col = usize::min((s * ku + sub) * nv, dim - nv);
+            regs[slot * vecs + s] = t[(offsets[slot] + col * t.stride(3)) / nv];
+        }
     }
 }
 
@@ -274,27 +316,22 @@ pub fn flash_decode<F: Float, NV: Size>(
 
     let mut kreg = Array::<Vector<F, NV>>::new(comptime!(kpg * hv));
     let mut vreg = Array::<Vector<F, NV>>::new(comptime!(kpg * vv));
+    let mut k_off = Array::<usize>::new(kpg);
+    let mut v_off = Array::<usize>::new(kpg);
     let mut sc = Array::<f32>::new(comptime!(rc * kpg));
+    let kuz = comptime!(ku as usize);
+    // Software-pipelined: step 0's keys and values load before the loop; each step loads the
+    // next step's keys once its scores are taken and the next values once its `P·V` is done,
+    // so every load has a step's work to hide behind and no register is added.
+    if steps > 0 {
+        let (kk, vo) = (&mut k_off, &mut v_off);
+        slot_offsets(k, v, table, batch, hkv, kb, kb, ke, g, groups, kk, vo, kpg, d.paged);
+        load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
+        load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
+    }
     for st in 0..steps {
         let j0 = kb + st * step_keys;
-        // -- every load of the step first --
-        #[unroll]
-        for t in 0..kpg {
-            let key = j0 + t * groups + g;
-            let key = select(key < ke, key, kb);
-            let k_at = key_offset(k, table, batch, hkv, key, d.paged);
-            let v_at = key_offset(v, table, batch, hkv, key, d.paged);
-            #[unroll]
-            for s in 0..hv {
-                let col = usize::min((s * ku as usize + sub) * nv, head_dim - nv);
-                kreg[t * hv + s] = k[(k_at + col * k.stride(3)) / nv];
-            }
-            #[unroll]
-            for s in 0..vv {
-                let col = usize::min((s * ku as usize + sub) * nv, value_dim - nv);
-                vreg[t * vv + s] = v[(v_at + col * v.stride(3)) / nv];
-            }
-        }
+        let more = st + 1 < steps;
         // -- the scores: each unit's share of q·k, summed over the group --
         #[unroll]
         for r in 0..rc {
@@ -311,6 +348,11 @@ pub fn flash_decode<F: Float, NV: Size>(
                 }
                 sc[r * kpg + t] = x;
             }
+        }
+        if more {
+            let (kk, vo, next) = (&mut k_off, &mut v_off, j0 + step_keys);
+            slot_offsets(k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged);
+            load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
         }
         group_sums(&mut sc, &mut red, comptime!(rc * kpg), ku, d.planes);
         // -- the online softmax of each row over the group's keys, and O += P·V --
@@ -353,6 +395,9 @@ pub fn flash_decode<F: Float, NV: Size>(
                     acc[(r * vv + s) * nv + e] = o;
                 }
             }
+        }
+        if more {
+            load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
         }
     }
 
