@@ -55,6 +55,9 @@ pub struct DecodeConfig {
     pub planes: bool,
     /// Each batch's keys are read from `lengths` (else every batch has the cache's `S`).
     pub lengths: bool,
+    /// Software-pipelined loads (the next step's keys and values issued during this step's
+    /// work); else every load of a step at its start ([`super::pipelined`]).
+    pub pipelined: bool,
 }
 
 /// What [`flash_decode()`] reads.
@@ -320,10 +323,10 @@ pub fn flash_decode<F: Float, NV: Size>(
     let mut v_off = Array::<usize>::new(kpg);
     let mut sc = Array::<f32>::new(comptime!(rc * kpg));
     let kuz = comptime!(ku as usize);
-    // Software-pipelined: step 0's keys and values load before the loop; each step loads the
+    // Software-pipelined (`d.pipelined`): step 0's keys and values load before the loop; each step loads the
     // next step's keys once its scores are taken and the next values once its `P·V` is done,
     // so every load has a step's work to hide behind and no register is added.
-    if steps > 0 {
+    if comptime!(d.pipelined) && steps > 0 {
         let (kk, vo) = (&mut k_off, &mut v_off);
         slot_offsets(k, v, table, batch, hkv, kb, kb, ke, g, groups, kk, vo, kpg, d.paged);
         load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
@@ -332,6 +335,12 @@ pub fn flash_decode<F: Float, NV: Size>(
     for st in 0..steps {
         let j0 = kb + st * step_keys;
         let more = st + 1 < steps;
+        if comptime!(!d.pipelined) {
+            let (kk, vo) = (&mut k_off, &mut v_off);
+            slot_offsets(k, v, table, batch, hkv, j0, kb, ke, g, groups, kk, vo, kpg, d.paged);
+            load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
+            load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
+        }
         // -- the scores: each unit's share of q·k, summed over the group --
         #[unroll]
         for r in 0..rc {
@@ -349,7 +358,7 @@ pub fn flash_decode<F: Float, NV: Size>(
                 sc[r * kpg + t] = x;
             }
         }
-        if more {
+        if comptime!(d.pipelined) && more {
             let (kk, vo, next) = (&mut k_off, &mut v_off, j0 + step_keys);
             slot_offsets(k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged);
             load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
@@ -396,7 +405,7 @@ pub fn flash_decode<F: Float, NV: Size>(
                 }
             }
         }
-        if more {
+        if comptime!(d.pipelined) && more {
             load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
         }
     }

@@ -382,6 +382,7 @@ pub(crate) unsafe fn launch_planned<R: Runtime>(
         split,
         planes,
         lengths,
+        pipelined: pipelined(),
     };
     // Absent tensors are never read: `lse` (f32) stands in for f32 ones; the u32 ones are
     // read only when given, so `lse`'s buffer stands in for them as well.
@@ -626,4 +627,17 @@ pub fn launch_append<R: Runtime>(
         );
     }
     Ok(())
+}
+
+/// Whether the decoding kernel pipelines its loads ([`DecodeConfig::pipelined`]): on unless the
+/// environment variable `BURN_FLASH_DECODE_PIPELINE` is `off` (read once per process; the
+/// same-call A/B of the schedule).
+pub fn pipelined() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        !matches!(
+            std::env::var("BURN_FLASH_DECODE_PIPELINE").as_deref(),
+            Ok("off") | Ok("0")
+        )
+    })
 }
