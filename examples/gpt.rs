@@ -666,7 +666,7 @@ impl<B: FlashBackend> Cache<B> {
                     .forward_autoregressive_inference(input, cache)
             }
         };
-        model.greedy(x.slice([0..batch, seq - 1..seq]))
+        model.greedy(x.slice([0..batch, seq - 1..seq]), false)
     }
 }
 
@@ -896,25 +896,30 @@ impl CacheKind {
 const BLOCK_SIZE: usize = 64;
 
 impl<B: FlashBackend> Gpt<B> {
-    /// Token plus position embeddings of `tokens` `[n, S]` at `positions` `[n, S]`, uploaded
-    /// together: `[n, S, d_model]`.
+    /// Token plus position embeddings of `tokens` `[n, S]` at `positions` `[n, S]`:
+    /// `[n, S, d_model]`.
     fn embed_at(&self, tokens: &[i64], positions: &[i64], dims: [usize; 2]) -> Tensor<B, 3> {
         let device = self.norm.gamma.device();
-        let both = ints::<B>(
-            &[tokens, positions].concat(),
-            [2 * dims[0], dims[1]],
-            &device,
+        let (t, p) = (
+            ints::<B>(tokens, dims, &device),
+            ints::<B>(positions, dims, &device),
         );
-        let t = both.clone().narrow(0, 0, dims[0]);
-        let p = both.narrow(0, dims[0], dims[0]);
         self.tokens.forward(t) + self.positions.forward(p)
     }
 
     /// The greedy next token after each row of the stack's output `[n, 1, d_model]` (read
-    /// back: a sync).
-    fn greedy(&self, last: Tensor<B, 3>) -> Vec<i64> {
+    /// back: a sync); the final norm as one op with `fused` (`burn_flash::layer_norm`, the
+    /// serving path), else burn-nn's `LayerNorm`.
+    fn greedy(&self, last: Tensor<B, 3>, fused: bool) -> Vec<i64> {
         let n = last.dims()[0];
-        let logits = self.head.forward(self.norm.forward(last));
+        let normed = match fused {
+            true => {
+                let beta = self.norm.beta.as_ref().map(|b| b.val());
+                burn_flash::layer_norm(last, self.norm.gamma.val(), beta, 1e-5)
+            }
+            false => self.norm.forward(last),
+        };
+        let logits = self.head.forward(normed);
         logits
             .argmax(2)
             .reshape([n])
@@ -986,7 +991,7 @@ impl<B: FlashBackend> Decoder<B> {
                     y.narrow(1, n - 1, 1)
                 };
                 *len += n;
-                model.greedy(y)[0]
+                model.greedy(y, true)[0]
             }
         }
     }
@@ -1264,7 +1269,7 @@ fn serve_paged<B: FlashBackend>(
         })
         .collect();
     let last = y.select(0, Tensor::<B, 1, Int>::from_ints(ends.as_slice(), device));
-    let next = model.greedy(last.reshape([n, 1, d]));
+    let next = model.greedy(last.reshape([n, 1, d]), true);
     let first_at = start.elapsed().as_secs_f64();
     let mut served = Served {
         first: vec![first_at; n],
@@ -1292,7 +1297,7 @@ fn serve_paged<B: FlashBackend>(
             .collect();
         let x = model.embed_at(&toks, &pos, [live.len(), 1]);
         let y = serving.decode(x, &step_ids, &mut cache);
-        let next = model.greedy(y);
+        let next = model.greedy(y, true);
         let now = start.elapsed().as_secs_f64();
         for (&i, &t) in live.iter().zip(&next) {
             served.generated[i].push(t);

@@ -25,6 +25,7 @@ mod backend;
 mod cube;
 mod fusion;
 pub mod nn;
+mod norm;
 pub mod softmax;
 pub mod softmax_matmul;
 
@@ -39,6 +40,7 @@ pub use attention::{
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
+pub use norm::layer_norm;
 pub use softmax::backend::SoftmaxBackend;
 pub use softmax::{
     SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,

@@ -950,6 +950,74 @@ fn serving_encoder<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
+/// `burn_flash::layer_norm` (one kernel on CubeCL backends) against burn-nn's `LayerNorm` in f64
+/// (twice the naive error of burn-nn's in the dtype): rows narrower and wider than a cube's
+/// units, a width that is no power of two, a strided input (the normalised dimension not
+/// contiguous), with and without β, random γ and β, inputs off zero mean; and its refusals.
+fn fused_layer_norm<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cpu = Default::default();
+    for (shape, bias, strided) in [
+        ([2, 7, 64], true, false),
+        ([1, 3, 512], true, false),
+        ([3, 2, 1000], false, false),
+        ([1, 5, 24], true, true),
+        ([1, 40, 3], true, false),
+    ] {
+        let ctx = format!("{shape:?}, bias {bias}, strided {strided}, {dtype:?}");
+        let width = shape[2];
+        let x = rand3::<B>(shape, 3.0, dtype, device).add_scalar(1.5);
+        // The same values with the normalised dimension strided: made `[.., width, rows]` and
+        // swapped (a view).
+        let x = match strided {
+            true => x.swap_dims(1, 2).into_data().convert::<f32>(),
+            false => x.into_data().convert::<f32>(),
+        };
+        let x = Tensor::<B, 3>::from_data(x, (device, dtype.into()));
+        let x = match strided {
+            true => x.swap_dims(1, 2),
+            false => x,
+        };
+        let norm = fixed(
+            burn::nn::LayerNormConfig::new(width)
+                .with_bias(bias)
+                .init::<B>(device),
+        );
+        // Parameters off their initial ones (γ = 1, β = 0).
+        let gamma = rand3::<B>([1, 1, width], 1.0, dtype, device).reshape([width]);
+        let beta = rand3::<B>([1, 1, width], 1.0, dtype, device).reshape([width]);
+        let mut norm = norm;
+        norm.gamma = burn::module::Param::from_tensor(gamma);
+        norm.beta = bias.then(|| burn::module::Param::from_tensor(beta));
+        let reference = transfer(
+            norm.clone(),
+            burn::nn::LayerNormConfig::new(width)
+                .with_bias(bias)
+                .init::<R>(&cpu),
+            &cpu,
+        );
+        let want = reference.forward(to_ref(&x));
+        let naive = norm.forward(x.clone());
+        let got = burn_flash::layer_norm(
+            x.clone(),
+            norm.gamma.val(),
+            norm.beta.as_ref().map(|b| b.val()),
+            1e-5,
+        );
+        assert_eq!(got.dims(), shape, "{ctx}");
+        let want: Vec<f64> = want.into_data().convert::<f64>().to_vec().expect("f64");
+        let got = read(got);
+        assert!(got.iter().all(|x| x.is_finite()), "{ctx}: not finite");
+        assert_within_naive(&got, &read(naive), &want, dtype, 8.0, &ctx);
+    }
+    let x = rand3::<B>([2, 3, 8], 1.0, dtype, device);
+    let msg = panic_message(|| {
+        let gamma = rand3::<B>([1, 1, 7], 1.0, dtype, device).reshape([7]);
+        let _ = burn_flash::layer_norm(x.clone(), gamma, None, 1e-5);
+    });
+    assert!(msg.contains("`gamma` has shape [7], expected [8]"), "{msg}");
+    sync::<B>(device);
+}
+
 /// `ServingEncoder` refuses bad calls before anything runs, one case each: prompts that are
 /// not `[Σ lengths, d_model]`, as many lengths as sequences, an empty prompt, a prefill of a
 /// sequence that holds positions, a decoding step of the wrong shape.
@@ -1022,6 +1090,7 @@ macro_rules! nn_suite {
                 kv_cache_decoding,
                 sliding_window_decoding,
                 paged_kv_cache,
+                fused_layer_norm,
                 serving_encoder,
                 serving_bad_input,
                 dropout_statistics,
@@ -1034,12 +1103,30 @@ macro_rules! nn_suite {
 mod wgpu {
     use super::*;
     nn_suite!(f32, burn::backend::Wgpu, FloatDType::F32);
+    suite!(
+        f16,
+        burn::backend::Wgpu,
+        FloatDType::F16,
+        [fused_layer_norm]
+    );
 }
 
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
     nn_suite!(f32, burn::backend::Cuda, FloatDType::F32);
+    suite!(
+        bf16,
+        burn::backend::Cuda,
+        FloatDType::BF16,
+        [fused_layer_norm]
+    );
+    suite!(
+        f16,
+        burn::backend::Cuda,
+        FloatDType::F16,
+        [fused_layer_norm]
+    );
 }
 
 #[cfg(feature = "ndarray")]

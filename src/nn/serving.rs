@@ -17,13 +17,15 @@
 //! (inference) and the attention options are the modules' (`1/√d_k`, `min_float`, quiet
 //! softmax).
 
-use burn::nn::Linear;
+use burn::nn::{LayerNorm, Linear};
 use burn::tensor::{Tensor, module::linear};
 
 use super::PagedKvCache;
 use super::merge_heads;
 use super::transformer::{TransformerEncoder, TransformerEncoderLayer};
-use crate::{FlashAttentionOptions, FlashBackend, HeadTerms, VarlenBatch, attention_varlen};
+use crate::{
+    FlashAttentionOptions, FlashBackend, HeadTerms, VarlenBatch, attention_varlen, layer_norm,
+};
 
 const WHO: &str = "burn_flash::nn::ServingEncoder";
 
@@ -172,7 +174,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let (heads, d_k) = (self.heads, self.d_k);
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
-            x = l.layer.sublayers(x, |h| {
+            x = l.layer.sublayers_normed(x, fused_norm, |h| {
                 let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone())).reshape([
                     total,
                     3 * heads,
@@ -228,7 +230,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let (heads, d_k) = (self.heads, self.d_k);
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
-            x = l.layer.sublayers(x, |h| {
+            x = l.layer.sublayers_normed(x, fused_norm, |h| {
                 let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone()))
                     .reshape([n, new, 3 * heads, d_k])
                     .swap_dims(1, 2);
@@ -245,6 +247,19 @@ impl<B: FlashBackend> ServingEncoder<B> {
         cache.commit(step);
         x
     }
+}
+
+/// The layer norms of the stacks' layers (burn-nn's transformers make them with
+/// `LayerNormConfig`'s default `epsilon`, which burn-nn's `LayerNorm` does not expose).
+const NORM_EPSILON: f64 = 1e-5;
+
+/// `norm` on `x` as one op ([`crate::layer_norm`]).
+fn fused_norm<B: FlashBackend, const D: usize>(
+    norm: &LayerNorm<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    let beta = norm.beta.as_ref().map(|b| b.val());
+    layer_norm(x, norm.gamma.val(), beta, NORM_EPSILON)
 }
 
 impl<B: FlashBackend> ServingLayer<B> {

@@ -234,15 +234,15 @@ fn sublayer<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     norm_first: bool,
     dropout: &Dropout,
-    norm: &LayerNorm<B>,
+    norm: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
     f: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
 ) -> Tensor<B, D> {
     if norm_first {
-        let y = f(norm.forward(x.clone()));
+        let y = f(norm(x.clone()));
         x + dropout.forward(y)
     } else {
         let y = f(x.clone());
-        norm.forward(x + dropout.forward(y))
+        norm(x + dropout.forward(y))
     }
 }
 
@@ -385,9 +385,20 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
 
     /// The attention sub-layer (`attend`, on the sub-layer's input), then the feed-forward
     /// (on `[B, S, d_model]`, or a packed batch's `[T, d_model]`).
-    pub(crate) fn sublayers<const D: usize>(
+    fn sublayers<const D: usize>(
         &self,
         x: Tensor<B, D>,
+        attend: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        self.sublayers_normed(x, |n, t| n.forward(t), attend)
+    }
+
+    /// [`TransformerEncoderLayer::sublayers`] with the norms computed by `norm` (the module and
+    /// its input).
+    pub(crate) fn sublayers_normed<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        norm: impl Fn(&LayerNorm<B>, Tensor<B, D>) -> Tensor<B, D>,
         attend: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
         let (nf, dropout) = (self.norm_first, &self.dropout);
@@ -395,8 +406,14 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
             true => (&self.norm_2, &self.norm_1),
             false => (&self.norm_1, &self.norm_2),
         };
-        let x = sublayer(x, nf, dropout, first, attend);
-        sublayer(x, nf, dropout, second, |h| self.pwff.forward(h))
+        let x = sublayer(x, nf, dropout, |t| norm(first, t), attend);
+        sublayer(
+            x,
+            nf,
+            dropout,
+            |t| norm(second, t),
+            |h| self.pwff.forward(h),
+        )
     }
 }
 
@@ -679,9 +696,15 @@ impl<B: FlashBackend> TransformerDecoderLayer<B> {
             true => (&self.norm_3, &self.norm_1, &self.norm_2),
             false => (&self.norm_1, &self.norm_2, &self.norm_3),
         };
-        let x = sublayer(x, nf, dropout, n_self, attend);
-        let x = sublayer(x, nf, dropout, n_cross, cross);
-        sublayer(x, nf, dropout, n_ff, |h| self.pwff.forward(h))
+        let x = sublayer(x, nf, dropout, |t| n_self.forward(t), attend);
+        let x = sublayer(x, nf, dropout, |t| n_cross.forward(t), cross);
+        sublayer(
+            x,
+            nf,
+            dropout,
+            |t| n_ff.forward(t),
+            |h| self.pwff.forward(h),
+        )
     }
 }
 

@@ -41,6 +41,18 @@ pub trait SoftmaxBackend: Backend {
         super::reference::backward::<Self>(y, dy, dim, variant)
     }
 
+    /// Layer normalisation over the last dimension ([`crate::layer_norm`]): Burn's composed
+    /// `layer_norm` by default, one kernel on CubeCL backends. Arguments are checked by the
+    /// caller.
+    fn flash_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        Self::layer_norm(x, gamma, beta, epsilon)
+    }
+
     /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
     /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
     fn flash_softmax_plan(
@@ -120,6 +132,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
 {
     delegate!(ops: cube::<R>);
 
+    fn flash_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        crate::norm::cube::<R, F, I, BT>(x, gamma, beta, epsilon)
+    }
+
     fn flash_softmax_plan(
         device: &Self::Device,
         shape: &[usize],
@@ -171,6 +192,15 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
 impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
     delegate!(planning: B);
+
+    fn flash_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: Option<FloatTensor<Self>>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        crate::norm::fusion::<B>(x, gamma, beta, epsilon)
+    }
 }
 
 impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxBackend for Autodiff<B, C> {

@@ -9,6 +9,7 @@
 //!   (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
 //! - [`tensor`]: what every launch takes ([`tensor::TensorRef`]) and checks first (the dtype);
 //! - [`cache`]: the compilation cache burn-flash turns on (where it lives, how to clear it);
+//! - [`norm`]: layer normalisation of rows in one kernel;
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
 //! - `hopper` (feature `cuda`): hand-written CUDA for sm_90 launched through cubecl's client
 //!   (issue 35; so far the door: a TMA bulk copy completed on an `mbarrier`);
@@ -35,6 +36,9 @@ pub mod fragment;
 #[cfg(feature = "cuda")]
 pub mod hopper;
 pub mod mutation;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod norm;
 // `#[cube]` expands every function into undocumented helper items.
 pub mod softmax;
 pub mod softmax_matmul;

@@ -328,7 +328,9 @@ pub fn flash_decode<F: Float, NV: Size>(
     // so every load has a step's work to hide behind and no register is added.
     if comptime!(d.pipelined) && steps > 0 {
         let (kk, vo) = (&mut k_off, &mut v_off);
-        slot_offsets(k, v, table, batch, hkv, kb, kb, ke, g, groups, kk, vo, kpg, d.paged);
+        slot_offsets(
+            k, v, table, batch, hkv, kb, kb, ke, g, groups, kk, vo, kpg, d.paged,
+        );
         load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
         load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
     }
@@ -337,7 +339,9 @@ pub fn flash_decode<F: Float, NV: Size>(
         let more = st + 1 < steps;
         if comptime!(!d.pipelined) {
             let (kk, vo) = (&mut k_off, &mut v_off);
-            slot_offsets(k, v, table, batch, hkv, j0, kb, ke, g, groups, kk, vo, kpg, d.paged);
+            slot_offsets(
+                k, v, table, batch, hkv, j0, kb, ke, g, groups, kk, vo, kpg, d.paged,
+            );
             load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
             load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
         }
@@ -360,7 +364,9 @@ pub fn flash_decode<F: Float, NV: Size>(
         }
         if comptime!(d.pipelined) && more {
             let (kk, vo, next) = (&mut k_off, &mut v_off, j0 + step_keys);
-            slot_offsets(k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged);
+            slot_offsets(
+                k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged,
+            );
             load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
         }
         group_sums(&mut sc, &mut red, comptime!(rc * kpg), ku, d.planes);
