@@ -1033,7 +1033,8 @@ fn serving_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let b = cache.add_sequence();
     let x =
         |rows: usize| rand3::<B>([1, rows, d_model], 1.0, dtype, device).reshape([rows, d_model]);
-    let cases: [(&str, Box<dyn FnOnce(&mut burn_flash::nn::PagedKvCache<B>)>); 4] = [
+    type Case<'a, B> = Box<dyn FnOnce(&mut burn_flash::nn::PagedKvCache<B>) + 'a>;
+    let cases: [(&str, Case<B>); 4] = [
         (
             "expected [7 tokens, d_model 16]",
             Box::new(|c| {

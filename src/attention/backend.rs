@@ -13,7 +13,7 @@ use burn_flash_kernels::attention::{
 };
 use burn_fusion::{Fusion, FusionBackend};
 
-use super::paged::{Appended, RopeArgs};
+use super::paged::{AppendDecoded, Appended, RopeArgs};
 use super::{AttentionGrads, FlashAttentionOptions, ScoreTerms};
 use crate::{FlashBackend, SoftmaxMatmulBackend};
 
@@ -122,7 +122,7 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         slopes: Option<FloatTensor<Self>>,
         sinks: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
-    ) -> (Appended<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> AppendDecoded<Self> {
         let (rope, query) = match rope {
             Some(r) => (
                 Some(RopeArgs {
@@ -267,7 +267,7 @@ macro_rules! delegate {
             slopes: Option<FloatTensor<Self>>,
             sinks: Option<FloatTensor<Self>>,
             options: FlashAttentionOptions,
-        ) -> (Appended<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        ) -> AppendDecoded<Self> {
             let caches = (key, value, table, lengths, lengths_after);
             let new = (key_new, value_new, query, rope);
             $op(caches, new, slopes, sinks, options)

@@ -10,7 +10,7 @@ use burn::tensor::{
 };
 use burn_fusion::{Fusion, FusionBackend, stream::Operation};
 
-use super::paged::{Appended, RopeArgs};
+use super::paged::{AppendDecoded, Appended, RopeArgs};
 use super::{AppendCaches, AppendRows};
 use super::{AttentionGrads, FlashAttentionOptions, Inputs};
 use crate::FlashBackend;
@@ -381,11 +381,7 @@ pub(crate) fn append_decode<B: FusionBackend + FlashBackend>(
     slopes: Option<FloatTensor<Fusion<B>>>,
     sinks: Option<FloatTensor<Fusion<B>>>,
     options: FlashAttentionOptions,
-) -> (
-    Appended<Fusion<B>>,
-    FloatTensor<Fusion<B>>,
-    FloatTensor<Fusion<B>>,
-) {
+) -> AppendDecoded<Fusion<B>> {
     let (b, hq, sq) = (query.shape[0], query.shape[1], query.shape[2]);
     let mut outputs = vec![
         uninit(&key, key.shape.clone(), key.dtype),

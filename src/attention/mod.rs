@@ -36,8 +36,8 @@ mod varlen;
 
 pub(crate) use paged::{AppendCaches, AppendRows};
 pub use paged::{
-    Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_attention_paged, append_paged,
-    attention_paged,
+    AppendDecoded, Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_attention_paged,
+    append_paged, attention_paged,
 };
 pub use varlen::{VarlenBatch, attention_varlen};
 

@@ -229,6 +229,10 @@ pub(crate) type AppendRows<B> = (
     Option<RopeArgs<B>>,
 );
 
+/// What [`AttentionBackend::flash_append_decode`] returns: the caches (and the rotated query),
+/// the output and the log-sum-exp.
+pub type AppendDecoded<B> = (Appended<B>, FloatTensor<B>, FloatTensor<B>);
+
 /// What [`AttentionBackend::flash_kv_append`] returns: the caches with the new keys and values
 /// (the same buffers where the caller held the only reference), and the rotated queries.
 #[derive(Debug)]
@@ -878,11 +882,7 @@ pub(crate) mod autodiff {
         slopes: Option<FloatTensor<Autodiff<B, C>>>,
         sinks: Option<FloatTensor<Autodiff<B, C>>>,
         options: FlashAttentionOptions,
-    ) -> (
-        Appended<Autodiff<B, C>>,
-        FloatTensor<Autodiff<B, C>>,
-        FloatTensor<Autodiff<B, C>>,
-    ) {
+    ) -> AppendDecoded<Autodiff<B, C>> {
         let rope = rope.map(|r| RopeArgs {
             cos: inner::<B, C>(r.cos),
             sin: inner::<B, C>(r.sin),

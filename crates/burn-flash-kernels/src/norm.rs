@@ -6,7 +6,7 @@
 //! Fusion runs as about five kernels; a host-bound decoding step pays for each launch, and a
 //! transformer layer has two norms. Here a cube holds `rows_per_cube` rows of `units_per_row`
 //! units each ([`GroupShape`]); the units of a row stride over its columns, and the row's sums
-//! are [`group_reduce`]s (plane shuffles where the device has a fixed plane, else shared
+//! are [`group_reduce()`]s (plane shuffles where the device has a fixed plane, else shared
 //! memory).
 
 use cubecl::prelude::*;
