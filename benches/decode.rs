@@ -48,6 +48,10 @@ struct Cli {
     /// Element types.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [DTypeName::Bf16])]
     dtypes: Vec<DTypeName>,
+    /// Rows to run besides the copy [default: contiguous, paged, mma-forced (CUDA, 16-bit),
+    /// burn].
+    #[arg(long, value_delimiter = ',')]
+    impls: Vec<String>,
     /// Batches [default: 1,8,32,64; 1,4 with --quick].
     #[arg(long, value_delimiter = ',')]
     batches: Vec<usize>,
@@ -185,6 +189,9 @@ fn bench<R: CubeRuntime, BT: BoolElement>(runtime: RuntimeName, cli: &Cli) {
                     impls.push("mma-forced");
                 }
                 impls.push("burn");
+                if !cli.impls.is_empty() {
+                    impls.retain(|i| *i == "copy" || cli.impls.iter().any(|a| a == i));
+                }
                 for imp in impls {
                     let mut row = Row {
                         runtime: runtime.name().into(),
