@@ -10,6 +10,9 @@
 # here:  benches/serving_gpu.sh
 # Writes $OUT/serving-gpu.log (everything printed) and $OUT/serving-gpu.tar.gz (CSVs, PNGs,
 # per-test logs). Each step has its own time limit; a failed step is logged and the rest runs.
+# A dry run on lavapipe (the same binaries, wgpu, small shapes):
+#   PREFIX=wgpu RUNTIME=wgpu DTYPE=f32 BATCHES=1 CONTEXTS=512 CONTEXT=256 REQUESTS=3 \
+#     PROMPT=16x64 NEW=2x6 OUT=/tmp/dry benches/serving_gpu.sh
 set -uo pipefail
 out=${OUT:-/tmp/serving-gpu}
 mkdir -p "$out"
@@ -19,7 +22,7 @@ rm -rf "$work" && mkdir -p "$work/tests"
 exec > >(tee -a "$log") 2>&1
 .gpu/run ls >/dev/null # unpacks the binaries once
 bin=/tmp/gpu-pack-bin
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 # Each step's files are packed again after it: a call stopped at its limit still brings back
 # what the finished steps wrote.
 pack() { tar -czf "$out/serving-gpu.tar.gz" -C "$work" . 2>/dev/null; }
@@ -36,11 +39,14 @@ step() {
 s=$SECONDS
 {
   "$bin/nn.test" --list 2>/dev/null |
-    sed -n 's/^\(cuda::[a-z0-9]*::\(serving\|paged\|fused_layer_norm\|kv_cache\|transformer\|sliding\)[a-z_]*\): test$/nn.test \1/p'
+    sed -n 's/^\('"${PREFIX:-cuda}"'::[a-z0-9]*::\(serving\|paged\|fused_layer_norm\|kv_cache\|transformer\|sliding\)[a-z_]*\): test$/nn.test \1/p'
   "$bin/attention.test" --list 2>/dev/null |
-    sed -n 's/^\(cuda::[a-z0-9]*::\(split_decode\|paged\)[a-z_]*\): test$/attention.test \1/p'
+    sed -n 's/^\('"${PREFIX:-cuda}"'::[a-z0-9]*::\(split_decode\|paged\)[a-z_]*\): test$/attention.test \1/p'
 } >"$work/tests.txt"
 echo "::: $(wc -l <"$work/tests.txt") tests"
+# `wait` with the jobs' pids: a bare `wait` would also wait for the `tee` above, which never
+# ends (s37's call hung there until its limit).
+pids=()
 while read -r b t; do
   (
     l="$work/tests/${b%.test}-${t//::/-}.log"
@@ -48,6 +54,7 @@ while read -r b t; do
     if timeout "${TEST_TIMEOUT:-75}" "$bin/$b" "$t" --exact --test-threads=1 >"$l" 2>&1; then r=PASS; else r=FAIL; fi
     echo "$r $((SECONDS - s0))s $b $t"
   ) &
+  pids+=($!)
 done <"$work/tests.txt"
 # compute-sanitizer on the new and changed kernels, beside the tests.
 san() {
@@ -56,16 +63,21 @@ san() {
     "$bin/$b" "$t" --exact --test-threads=1 >"$l" 2>&1
   echo "SANITIZER $tool $kns $t: exit $? after $((SECONDS - s0)) s: $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' "$l" | tail -1)"
 }
-san memcheck layer_norm nn.test cuda::bf16::fused_layer_norm &
-san racecheck layer_norm nn.test cuda::f32::fused_layer_norm &
-san memcheck decode attention.test cuda::bf16::paged &
-san racecheck decode attention.test cuda::bf16::split_decode &
-wait
+p=${PREFIX:-cuda}
+san memcheck layer_norm nn.test "$p::${DTYPE:-bf16}::fused_layer_norm" &
+pids+=($!)
+san racecheck layer_norm nn.test "$p::f32::fused_layer_norm" &
+pids+=($!)
+san memcheck decode attention.test "$p::${DTYPE:-bf16}::paged" &
+pids+=($!)
+san racecheck decode attention.test "$p::${DTYPE:-bf16}::split_decode" &
+pids+=($!)
+wait "${pids[@]}"
 echo "::: tests took $((SECONDS - s)) s"
 pack
 
 # -- the decoding kernel: pipelined loads (default) against the old schedule, then torch --
-dec=(--runtimes cuda --dtypes bf16 --batches "${BATCHES:-8,32}" --contexts "${CONTEXTS:-8192,32768}"
+dec=(--runtimes "${RUNTIME:-cuda}" --dtypes "${DTYPE:-bf16}" --batches "${BATCHES:-8,32}" --contexts "${CONTEXTS:-8192,32768}"
   --passes 5 --impls contiguous,paged)
 step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-pipelined"
 BURN_FLASH_DECODE_PIPELINE=off step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-unpipelined"
@@ -73,12 +85,12 @@ step 40 python3 benches/decode_peer.py --batches "${BATCHES:-8,32}" --contexts "
   --passes 5 --out "$work/decode-peer"
 
 # -- the GPT example: a decoded token per cache (and kernels per token), then serving --
-gpt=(--runtime cuda --dtype bf16 --d-model 512 --layers 4 --heads 8)
-step 60 "$bin/gpt.example" "${gpt[@]}" --out "$work/gpt" decode --context 4096 --tokens 16 \
+gpt=(--runtime "${RUNTIME:-cuda}" --dtype "${DTYPE:-bf16}" --d-model 512 --layers 4 --heads 8)
+step 60 "$bin/gpt.example" "${gpt[@]}" --out "$work/gpt" decode --context "${CONTEXT:-4096}" --tokens 16 \
   --caches contiguous,paged --count-kernels
 # The contiguous cache first: the others' first tokens are checked against its.
 step 90 "$bin/gpt.example" "${gpt[@]}" --out "$work/gpt" serve --requests "${REQUESTS:-16}" \
-  --runs 1 --caches "${SERVE_CACHES:-contiguous,paged,burn}"
+  --prompt "${PROMPT:-64x1024}" --new "${NEW:-16x64}" --runs 1 --caches "${SERVE_CACHES:-contiguous,paged,burn}"
 
 echo "::: tests: $(grep -c '^PASS ' "$log") passed, $(grep -c '^FAIL ' "$log") failed"
 grep '^FAIL \|^SANITIZER' "$log"
