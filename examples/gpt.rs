@@ -374,6 +374,20 @@ struct ServeArgs {
 }
 
 impl Cli {
+    /// The global arguments a child process needs to build the same model.
+    fn model_args(&self) -> Vec<String> {
+        [
+            ("--runtime", self.runtime.name().to_string()),
+            ("--dtype", self.dtype.label().to_string()),
+            ("--d-model", self.d_model.to_string()),
+            ("--layers", self.layers.to_string()),
+            ("--heads", self.heads.to_string()),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_string(), value])
+        .collect()
+    }
+
     fn out(&self) -> PathBuf {
         let dir = self.out.clone().unwrap_or_else(|| {
             let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
@@ -689,17 +703,7 @@ fn bench(
         for &which in impls {
             let child = |memory: bool| {
                 let mut cmd = std::process::Command::new(&exe);
-                cmd.args([
-                    "--runtime",
-                    cli.runtime.name(),
-                    "--dtype",
-                    cli.dtype.label(),
-                    "--d-model",
-                    &cli.d_model.to_string(),
-                    "--layers",
-                    &cli.layers.to_string(),
-                    "--heads",
-                    &cli.heads.to_string(),
+                cmd.args(cli.model_args()).args([
                     "point",
                     "--which",
                     which.name(),
@@ -1123,17 +1127,7 @@ fn kernels_per_token(
     .map_err(|e| e.to_string())?;
     let run = |tokens: usize| -> Result<std::collections::BTreeMap<String, usize>, String> {
         let mut cmd = std::process::Command::new(&exe);
-        cmd.current_dir(&dir).args([
-            "--runtime",
-            cli.runtime.name(),
-            "--dtype",
-            cli.dtype.label(),
-            "--d-model",
-            &cli.d_model.to_string(),
-            "--layers",
-            &cli.layers.to_string(),
-            "--heads",
-            &cli.heads.to_string(),
+        cmd.current_dir(&dir).args(cli.model_args()).args([
             "kernels",
             "--cache",
             kind.arg(),

@@ -2331,6 +2331,19 @@ fn paged_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     refused(&|| append(1, Some(&wide), None), "R ≤ D");
     let q1 = rand4::<B>([2, 4, 1, 32], 1.0, dtype, device);
     refused(&|| append(1, None, Some(q1.clone())), "pass RoPE tables");
+    // The append and the attention as one op refuse what either refuses, before either runs.
+    let both = |s: usize, q: Tensor<B, 4>| {
+        let (k, v) = (pool.clone(), pool.clone());
+        let h = HeadTerms::default();
+        let _ = burn_flash::append_attention_paged(k, v, &ok, new(s), new(s), q, None, h, options);
+    };
+    refused(
+        &|| both(13, rand4::<B>([2, 4, 13, 32], 1.0, dtype, device)),
+        "blocks of 16 hold",
+    );
+    refused(&|| both(2, q1.clone()), "expected [2, Hq, 2, 32]");
+    refused(&|| both(1, heads3.clone()), "not a multiple");
+    refused(&|| both(1, q1.clone().cast(other)), "dtype");
 }
 
 macro_rules! attention_suite {
