@@ -6,7 +6,7 @@
 #
 # Usage, from the project root on the GPU machine, after `../shared/tools/gpu-pack --features
 # cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
-# attention_backward` here:
+# attention_backward --test nn` here:
 #   benches/mutations.sh [JOBS]
 # Every line (CAUGHT/PASS per test, then a verdict per mutation) goes to $OUT/mutations.txt.
 set -uo pipefail
@@ -65,6 +65,14 @@ varlen-first-row attention.test cuda::bf16::varlen BURN_FLASH_HOPPER=off
 varlen-first-row attention.test cuda::f32::varlen
 varlen-first-row attention_backward.test cuda::bf16::varlen BURN_FLASH_HOPPER=always
 varlen-first-row attention_backward.test cuda::bf16::varlen BURN_FLASH_HOPPER=off
+paged-lookup attention.test cuda::bf16::paged
+paged-lookup attention.test cuda::f32::paged
+drop-split attention.test cuda::bf16::split_decode
+drop-split attention.test cuda::f32::split_decode
+stale-prefetch attention.test cuda::bf16::split_decode
+stale-prefetch attention.test cuda::f32::paged
+biased-norm nn.test cuda::bf16::fused_layer_norm
+biased-norm nn.test cuda::f32::fused_layer_norm
 EOF
 )
 logs=/tmp/mutations

@@ -12,10 +12,11 @@
 //! A decoding step is host-bound at small batches (each Burn op costs the host more than its
 //! kernel costs the GPU), so it is written in the fewest ops: per layer the query, key and
 //! value projections are one matmul (their weights concatenated once, `[d_model, 3·d_model]`,
-//! heads split by views), and the append of the new keys and values and the attention are one
-//! op ([`PagedKvCache::append_attend`]: one Fusion operation, two launches). Dropout is off
+//! heads split by views), the append of the new keys and values and the attention are one op
+//! ([`PagedKvCache::append_attend`]: one Fusion operation, two launches), and each layer norm
+//! is one kernel ([`crate::layer_norm`]; Burn's is about five launches). Dropout is off
 //! (inference) and the attention options are the modules' (`1/√d_k`, `min_float`, quiet
-//! softmax).
+//! softmax). Only causal (decoder-only) stacks are served: every call is causal.
 
 use burn::nn::{LayerNorm, Linear};
 use burn::tensor::{Tensor, module::linear};

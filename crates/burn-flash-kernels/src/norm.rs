@@ -60,7 +60,11 @@ pub fn layer_norm_rows<F: Float>(
         squares += c * c;
         col += per_row;
     }
-    let var = group_reduce(squares, &mut smem_var, false, shape) / f32::cast_from(width);
+    let mut n = width;
+    if comptime!(crate::mutation::biased_norm()) {
+        n = width - 1;
+    }
+    let var = group_reduce(squares, &mut smem_var, false, shape) / f32::cast_from(n);
     let inv = 1.0f32 / f32::sqrt(var + epsilon);
     if valid {
         let to = row_offset(out, r, last);

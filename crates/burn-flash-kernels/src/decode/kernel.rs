@@ -363,7 +363,11 @@ pub fn flash_decode<F: Float, NV: Size>(
             }
         }
         if comptime!(d.pipelined) && more {
-            let (kk, vo, next) = (&mut k_off, &mut v_off, j0 + step_keys);
+            let mut next = j0 + step_keys;
+            if comptime!(crate::mutation::stale_prefetch()) {
+                next = j0;
+            }
+            let (kk, vo) = (&mut k_off, &mut v_off);
             slot_offsets(
                 k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged,
             );
