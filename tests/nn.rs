@@ -394,6 +394,34 @@ fn cross_attention_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: Fl
     sync::<B>(device);
 }
 
+/// burn-nn's encoder without dropout (`(d_model, d_ff, heads, layers)`), ours from its record,
+/// and burn-nn's on the f64 reference backend from the same record.
+fn encoders<B: FlashBackend>(
+    (d_model, d_ff, heads, layers): (usize, usize, usize, usize),
+    norm_first: bool,
+    device: &B::Device,
+) -> (
+    burn::nn::transformer::TransformerEncoder<B>,
+    burn_flash::nn::TransformerEncoder<B>,
+    burn::nn::transformer::TransformerEncoder<R>,
+) {
+    let cpu = Default::default();
+    let enc = BurnEncoderConfig::new(d_model, d_ff, heads, layers)
+        .with_dropout(0.0)
+        .with_norm_first(norm_first);
+    let theirs = fixed(enc.init::<B>(device));
+    let ours = transfer(
+        theirs.clone(),
+        TransformerEncoderConfig::new(d_model, d_ff, heads, layers)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first)
+            .init::<B>(device),
+        device,
+    );
+    let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+    (theirs, ours, reference)
+}
+
 /// `TransformerEncoder` and `TransformerDecoder` (post-LN and pre-LN) load burn-nn's records
 /// and give burn-nn's outputs, with padding masks and burn-nn's autoregressive mask (and
 /// ours, `causal()`).
@@ -407,19 +435,8 @@ fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatD
     let causal = generate_autoregressive_mask::<B>(nb, s, device);
     for norm_first in [false, true] {
         let ctx = format!("norm_first {norm_first}, {dtype:?}");
-        let enc = BurnEncoderConfig::new(d_model, d_ff, heads, layers)
-            .with_dropout(0.0)
-            .with_norm_first(norm_first);
-        let theirs = fixed(enc.init::<B>(device));
-        let ours = transfer(
-            theirs.clone(),
-            TransformerEncoderConfig::new(d_model, d_ff, heads, layers)
-                .with_dropout(0.0)
-                .with_norm_first(norm_first)
-                .init::<B>(device),
-            device,
-        );
-        let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+        let sizes = (d_model, d_ff, heads, layers);
+        let (theirs, ours, reference) = encoders::<B>(sizes, norm_first, device);
         let want = reference.forward(
             BurnEncoderInput::new(to_ref(&x))
                 .mask_pad(bool_ref(&pad))
@@ -864,7 +881,6 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 /// against burn-nn's encoder on the whole sequence with the causal mask (f64 reference, twice
 /// the naive error), pre-LN and post-LN.
 fn serving_encoder<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let cpu = Default::default();
     let (d_model, d_ff, heads, layers) = (32, 48, 4, 2);
     let prompts = [5, 17, 9];
     // The steps after the prefill: the sequences of each and their new tokens.
@@ -889,19 +905,8 @@ fn serving_encoder<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         .collect();
     for norm_first in [true, false] {
         let ctx = format!("norm_first {norm_first}, {dtype:?}");
-        let enc = BurnEncoderConfig::new(d_model, d_ff, heads, layers)
-            .with_dropout(0.0)
-            .with_norm_first(norm_first);
-        let theirs = fixed(enc.init::<B>(device));
-        let ours = transfer(
-            theirs.clone(),
-            TransformerEncoderConfig::new(d_model, d_ff, heads, layers)
-                .with_dropout(0.0)
-                .with_norm_first(norm_first)
-                .init::<B>(device),
-            device,
-        );
-        let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+        let sizes = (d_model, d_ff, heads, layers);
+        let (theirs, ours, reference) = encoders::<B>(sizes, norm_first, device);
         let serving = ours.serving();
         assert_eq!(serving.layers(), layers);
         let mut cache = serving.new_paged_cache(16, 8, device);
