@@ -123,7 +123,8 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         sinks: Option<FloatTensor<Self>>,
         options: FlashAttentionOptions,
     ) -> AppendDecoded<Self> {
-        let (rope, query) = match rope {
+        // With RoPE the append rotates the query too, and the rotated one attends.
+        let (rope, plain) = match rope {
             Some(r) => (
                 Some(RopeArgs {
                     query: Some(query),
@@ -135,11 +136,9 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
         };
         let appended =
             Self::flash_kv_append(key, value, table.clone(), lengths, key_new, value_new, rope);
-        let query = match (&appended.query, query) {
-            (Some(rotated), _) => rotated.clone(),
-            (None, Some(query)) => query,
-            (None, None) => unreachable!("the rotated query comes back"),
-        };
+        let query = plain
+            .or_else(|| appended.query.clone())
+            .expect("the append returns the rotated query");
         let (out, lse) = Self::flash_decode(
             query,
             appended.key.clone(),

@@ -176,11 +176,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
             x = l.layer.sublayers_normed(x, fused_norm, |h| {
-                let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone())).reshape([
-                    total,
-                    3 * heads,
-                    d_k,
-                ]);
+                let qkv = l.qkv(h).reshape([total, 3 * heads, d_k]);
                 let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
                 let mut start = 0;
                 for (step, &len) in steps.iter().zip(lengths) {
@@ -232,9 +228,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
             x = l.layer.sublayers_normed(x, fused_norm, |h| {
-                let qkv = linear(h, l.qkv_weight.clone(), Some(l.qkv_bias.clone()))
-                    .reshape([n, new, 3 * heads, d_k])
-                    .swap_dims(1, 2);
+                let qkv = l.qkv(h).reshape([n, new, 3 * heads, d_k]).swap_dims(1, 2);
                 let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
                 let context = cache.append_attend(index, &step, k, v, q, None, l.options());
                 // `[n, H, 1, d_k]` is `[n, 1, H·d_k]` in memory: one token needs no copy.
@@ -264,6 +258,11 @@ fn fused_norm<B: FlashBackend, const D: usize>(
 }
 
 impl<B: FlashBackend> ServingLayer<B> {
+    /// The fused projection of the sub-layer's input `h` (`[…, d_model]` → `[…, 3·d_model]`).
+    fn qkv<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        linear(h, self.qkv_weight.clone(), Some(self.qkv_bias.clone()))
+    }
+
     /// The layer's attention options for inference: causal, no dropout.
     fn options(&self) -> FlashAttentionOptions {
         let mha = &self.layer.mha;
