@@ -8,6 +8,8 @@
 # cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
 # attention_backward --test nn` here:
 #   benches/mutations.sh [JOBS]
+# `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
+# so that a call after a change to a few kernels runs their mutations beside the CUDA suite.
 # Every line (CAUGHT/PASS per test, then a verdict per mutation) goes to $OUT/mutations.txt.
 set -uo pipefail
 jobs=${1:-14}
@@ -69,12 +71,12 @@ paged-lookup attention.test cuda::bf16::paged
 paged-lookup attention.test cuda::f32::paged
 drop-split attention.test cuda::bf16::split_decode
 drop-split attention.test cuda::f32::split_decode
-stale-prefetch attention.test cuda::bf16::split_decode
-stale-prefetch attention.test cuda::f32::paged
 biased-norm nn.test cuda::bf16::fused_layer_norm
 biased-norm nn.test cuda::f32::fused_layer_norm
 EOF
 )
+[ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')
+echo "mutations: $(echo "$cases" | wc -l) cases, $jobs at a time"
 logs=/tmp/mutations
 rm -rf "$logs" && mkdir -p "$logs"
 # A test that fails under its mutation has caught it (CAUGHT); one that passes has not (PASS).

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 36's serving checks and measurements in one device call, within a few minutes: the CUDA
 # tests of the serving path (nn: paged cache, ServingEncoder, fused layer norm, KV caches,
-# transformer; attention: split decoding and paged caches), the decoding bench with the
-# pipelined kernel and without it (same call), its PyTorch peer, and the GPT example's `decode`
-# (with kernel counts) and `serve` tasks.
+# transformer; attention: split decoding and paged caches), the decoding bench under each
+# schedule of SCHEDULES (same call), its PyTorch peer, and the GPT example's `decode` (with
+# kernel counts) and `serve` tasks.
 #
 # Usage, from the project root on the GPU machine, after
 #   ../shared/tools/gpu-pack --features cuda --example gpt --test nn --test attention --bench decode
@@ -13,6 +13,9 @@
 # A dry run on lavapipe (the same binaries, wgpu, small shapes):
 #   PREFIX=wgpu RUNTIME=wgpu DTYPE=f32 BATCHES=1 CONTEXTS=512 CONTEXT=256 REQUESTS=3 \
 #     PROMPT=16x64 NEW=2x6 OUT=/tmp/dry benches/serving_gpu.sh
+# SCHEDULES (default `8:4`): the decoding schedules to time, `KEYS:CUBES` pairs separated by
+# spaces (`BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`: keys per group per step, cubes
+# per multiprocessor the splits aim at); the first is the default build's schedule.
 set -uo pipefail
 out=${OUT:-/tmp/serving-gpu}
 mkdir -p "$out"
@@ -76,11 +79,13 @@ wait "${pids[@]}"
 echo "::: tests took $((SECONDS - s)) s"
 pack
 
-# -- the decoding kernel: pipelined loads (default) against the old schedule, then torch --
+# -- the decoding kernel under each schedule, then torch --
 dec=(--runtimes "${RUNTIME:-cuda}" --dtypes "${DTYPE:-bf16}" --batches "${BATCHES:-8,32}" --contexts "${CONTEXTS:-8192,32768}"
   --passes 5 --impls contiguous,paged)
-step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-pipelined"
-BURN_FLASH_DECODE_PIPELINE=off step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-unpipelined"
+for sched in ${SCHEDULES:-8:4}; do
+  BURN_FLASH_DECODE_KEYS=${sched%:*} BURN_FLASH_DECODE_CUBES=${sched#*:} \
+    step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-k${sched%:*}-c${sched#*:}"
+done
 step 40 python3 benches/decode_peer.py --batches "${BATCHES:-8,32}" --contexts "${CONTEXTS:-8192,32768}" \
   --passes 5 --out "$work/decode-peer"
 

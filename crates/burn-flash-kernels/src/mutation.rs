@@ -70,9 +70,6 @@ pub enum Mutation {
     PagedLookup,
     /// `drop-split`: the split-KV merge leaves out the last split's partial state.
     DropSplit,
-    /// `stale-prefetch`: the pipelined decoding kernel fetches the current step's keys again
-    /// where it should fetch the next step's.
-    StalePrefetch,
     /// `biased-norm`: the layer norm divides the centred squares by `d − 1` (the unbiased
     /// variance) instead of `d`.
     BiasedNorm,
@@ -102,7 +99,6 @@ impl Mutation {
             Self::VarlenFirstRow => "varlen-first-row",
             Self::PagedLookup => "paged-lookup",
             Self::DropSplit => "drop-split",
-            Self::StalePrefetch => "stale-prefetch",
             Self::BiasedNorm => "biased-norm",
         }
     }
@@ -142,12 +138,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::VarlenFirstRow,
             Mutation::PagedLookup,
             Mutation::DropSplit,
-            Mutation::StalePrefetch,
             Mutation::BiasedNorm,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, stale-prefetch, biased-norm"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -266,11 +261,6 @@ pub fn paged_lookup() -> bool {
 /// [`Mutation::DropSplit`] is active.
 pub fn drop_split() -> bool {
     active(Mutation::DropSplit)
-}
-
-/// [`Mutation::StalePrefetch`] is active.
-pub fn stale_prefetch() -> bool {
-    active(Mutation::StalePrefetch)
 }
 
 /// [`Mutation::BiasedNorm`] is active.

@@ -6,7 +6,7 @@
 //! the schedule is about memory: a cube's [`UNITS`] units form groups of `key_units` (8, or 16
 //! for head dims from 128: [`DecodeConfig::key_units`]); a group reads one key row (`D`
 //! elements, `key_units` vectors side by side: coalesced) per slot of a step,
-//! [`KEYS_PER_GROUP`] slots per step, so a step reads `UNITS / key_units · KEYS_PER_GROUP`
+//! [`DecodeConfig::keys`] slots per step, so a step reads `UNITS / key_units · keys`
 //! consecutive keys and their values with every load issued before the first product. The group's units hold disjoint columns of the rows' queries (in registers) and of
 //! their output accumulators; a score is the group's sum of its units' partial products
 //! (plane shuffles, or shared memory where the device has no fixed plane of a multiple of 8).
@@ -28,8 +28,6 @@ use crate::flash::scores::{capped, local_range};
 
 /// Units per cube of [`flash_decode()`].
 pub const UNITS: u32 = 128;
-/// Keys each group takes per step.
-pub const KEYS_PER_GROUP: u32 = 8;
 /// Units per cube of [`decode_merge()`].
 pub const MERGE_UNITS: u32 = 128;
 
@@ -55,9 +53,8 @@ pub struct DecodeConfig {
     pub planes: bool,
     /// Each batch's keys are read from `lengths` (else every batch has the cache's `S`).
     pub lengths: bool,
-    /// Software-pipelined loads (the next step's keys and values issued during this step's
-    /// work); else every load of a step at its start ([`super::pipelined`]).
-    pub pipelined: bool,
+    /// Keys each group takes per step (its slots): the keys and values a unit has in flight.
+    pub keys: u32,
 }
 
 /// What [`flash_decode()`] reads.
@@ -218,10 +215,10 @@ pub fn flash_decode<F: Float, NV: Size>(
     let rc = comptime!(d.rows as usize);
     let hv = comptime!(d.head_vecs as usize);
     let vv = comptime!(d.value_vecs as usize);
-    let kpg = comptime!(KEYS_PER_GROUP as usize);
+    let kpg = comptime!(d.keys as usize);
     let ku = comptime!(d.key_units);
     let groups = comptime!((UNITS / d.key_units) as usize);
-    let step_keys = comptime!(groups * KEYS_PER_GROUP as usize);
+    let step_keys = comptime!(groups * d.keys as usize);
     let width = comptime!(vv * d.key_units as usize * nv);
 
     let split = CUBE_POS_X as usize;
@@ -302,7 +299,7 @@ pub fn flash_decode<F: Float, NV: Size>(
     let mut red = SharedMemory::<f32>::new(comptime!(if d.planes {
         1usize
     } else {
-        rc * KEYS_PER_GROUP as usize * UNITS as usize
+        rc * d.keys as usize * UNITS as usize
     }));
     let mut m = Array::<f32>::new(rc);
     let mut l = Array::<f32>::new(rc);
@@ -323,28 +320,14 @@ pub fn flash_decode<F: Float, NV: Size>(
     let mut v_off = Array::<usize>::new(kpg);
     let mut sc = Array::<f32>::new(comptime!(rc * kpg));
     let kuz = comptime!(ku as usize);
-    // Software-pipelined (`d.pipelined`): step 0's keys and values load before the loop; each step loads the
-    // next step's keys once its scores are taken and the next values once its `P·V` is done,
-    // so every load has a step's work to hide behind and no register is added.
-    if comptime!(d.pipelined) && steps > 0 {
+    for st in 0..steps {
+        let j0 = kb + st * step_keys;
         let (kk, vo) = (&mut k_off, &mut v_off);
         slot_offsets(
-            k, v, table, batch, hkv, kb, kb, ke, g, groups, kk, vo, kpg, d.paged,
+            k, v, table, batch, hkv, j0, kb, ke, g, groups, kk, vo, kpg, d.paged,
         );
         load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
         load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
-    }
-    for st in 0..steps {
-        let j0 = kb + st * step_keys;
-        let more = st + 1 < steps;
-        if comptime!(!d.pipelined) {
-            let (kk, vo) = (&mut k_off, &mut v_off);
-            slot_offsets(
-                k, v, table, batch, hkv, j0, kb, ke, g, groups, kk, vo, kpg, d.paged,
-            );
-            load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
-            load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
-        }
         // -- the scores: each unit's share of q·k, summed over the group --
         #[unroll]
         for r in 0..rc {
@@ -361,17 +344,6 @@ pub fn flash_decode<F: Float, NV: Size>(
                 }
                 sc[r * kpg + t] = x;
             }
-        }
-        if comptime!(d.pipelined) && more {
-            let mut next = j0 + step_keys;
-            if comptime!(crate::mutation::stale_prefetch()) {
-                next = j0;
-            }
-            let (kk, vo) = (&mut k_off, &mut v_off);
-            slot_offsets(
-                k, v, table, batch, hkv, next, kb, ke, g, groups, kk, vo, kpg, d.paged,
-            );
-            load_slots(k, &k_off, &mut kreg, sub, head_dim, kpg, hv, kuz);
         }
         group_sums(&mut sc, &mut red, comptime!(rc * kpg), ku, d.planes);
         // -- the online softmax of each row over the group's keys, and O += P·V --
@@ -414,9 +386,6 @@ pub fn flash_decode<F: Float, NV: Size>(
                     acc[(r * vv + s) * nv + e] = o;
                 }
             }
-        }
-        if comptime!(d.pipelined) && more {
-            load_slots(v, &v_off, &mut vreg, sub, value_dim, kpg, vv, kuz);
         }
     }
 

@@ -39,6 +39,10 @@ pub const DECODE_ROWS: usize = 16;
 pub const MIN_SPLIT_KEYS: usize = 256;
 /// Most splits of a batch's keys.
 pub const MAX_SPLITS: usize = 128;
+/// Keys each group of units takes per step, unless [`schedule`] says otherwise.
+pub const DEFAULT_KEYS: u32 = 8;
+/// Cubes per multiprocessor the splits aim at, unless [`schedule`] says otherwise.
+pub const DEFAULT_CUBES_PER_SM: usize = 4;
 
 /// The block table of a paged cache as the kernels read it.
 #[derive(Debug, Clone, Copy)]
@@ -104,8 +108,8 @@ pub fn unavailable(features: AttentionFeatures, options: &AttentionOptions) -> O
 
 /// The plan for `dims` (`seq_k`: the keys of the longest batch, or the cache's capacity) on
 /// `client`: rows per cube from the head dims (each unit holds `rows · D / key_units` query and
-/// accumulator values), then enough splits for four cubes per multiprocessor, each of at
-/// least [`MIN_SPLIT_KEYS`].
+/// accumulator values), then enough splits for [`schedule`]'s cubes per multiprocessor (4),
+/// each of at least [`MIN_SPLIT_KEYS`].
 pub fn plan_decode<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
@@ -127,21 +131,22 @@ pub fn plan_decode<R: Runtime>(
     let per_unit = head_dim.max(value_dim) / key_units;
     let group_rows = (dims.group() * dims.seq_q).max(1);
     let planes = planes(client, ku);
+    let (keys, cubes_per_sm) = schedule();
     let max_shared = client.properties().hardware.max_shared_memory_size;
     let mut rows = (64 / per_unit).clamp(1, 8).min(group_rows);
-    while rows > 1 && shared_for(rows, dims.value_dim, ku, planes) > max_shared {
+    while rows > 1 && shared_for(rows, dims.value_dim, ku, keys, planes) > max_shared {
         rows -= 1;
     }
     let chunks = group_rows.div_ceil(rows);
     let hw = &client.properties().hardware;
     let sms = hw.num_streaming_multiprocessors.unwrap_or(16) as usize;
     let base = (dims.batch * dims.heads_kv * chunks).max(1);
-    let splits = (4 * sms)
+    let splits = (cubes_per_sm * sms)
         .div_ceil(base)
         .min(dims.seq_k.div_ceil(MIN_SPLIT_KEYS))
         .clamp(1, MAX_SPLITS);
     let cubes = (splits, chunks, dims.batch * dims.heads_kv);
-    if shared_for(rows, dims.value_dim, ku, planes) > max_shared {
+    if shared_for(rows, dims.value_dim, ku, keys, planes) > max_shared {
         return Err(AttentionError::KernelUnavailable {
             kernel: AttentionKernel::SplitDecode,
             reason: format!("needs more shared memory than the device's {max_shared} B"),
@@ -157,7 +162,7 @@ pub fn plan_decode<R: Runtime>(
         Tile {
             block_q: rows as u32,
             row_tiles: 1,
-            block_k: kernel::UNITS / ku * kernel::KEYS_PER_GROUP,
+            block_k: kernel::UNITS / ku * keys,
             head_dim: head_dim as u32,
             value_dim: value_dim as u32,
         },
@@ -193,16 +198,16 @@ pub fn planes<R: Runtime>(client: &ComputeClient<R>, key_units: u32) -> bool {
 }
 
 /// Shared memory of the decoding kernel with `rows` rows per cube, `Dv` columns and
-/// `key_units` per key, in bytes: the groups' row states and accumulators (the value width
-/// rounded up to the widest vector row of a group, 8 elements per unit), and the group sums'
-/// scratch without plane shuffles.
-fn shared_for(rows: usize, value_dim: usize, key_units: u32, planes: bool) -> usize {
+/// `key_units` per key and `keys` per group and step, in bytes: the groups' row states and
+/// accumulators (the value width rounded up to the widest vector row of a group, 8 elements
+/// per unit), and the group sums' scratch without plane shuffles.
+fn shared_for(rows: usize, value_dim: usize, key_units: u32, keys: u32, planes: bool) -> usize {
     let groups = (kernel::UNITS / key_units) as usize;
     let width = value_dim.next_multiple_of(8 * key_units as usize);
     let sums = if planes {
         1
     } else {
-        rows * (kernel::KEYS_PER_GROUP * kernel::UNITS) as usize
+        rows * (keys * kernel::UNITS) as usize
     };
     (2 * groups * rows + groups * rows * width + sums) * 4
 }
@@ -211,7 +216,14 @@ fn shared_for(rows: usize, value_dim: usize, key_units: u32, planes: bool) -> us
 pub fn shared_bytes<R: Runtime>(client: &ComputeClient<R>, plan: &DecodePlan) -> usize {
     let c = plan.config;
     let ku = key_units(c.head_dim as usize, c.value_dim as usize);
-    shared_for(plan.rows, c.value_dim as usize, ku, planes(client, ku))
+    let keys = c.block_k * ku / kernel::UNITS;
+    shared_for(
+        plan.rows,
+        c.value_dim as usize,
+        ku,
+        keys,
+        planes(client, ku),
+    )
 }
 
 /// The widest vector (16 bytes at most, one the device loads) that divides `D`, `Dv` and
@@ -382,7 +394,8 @@ pub(crate) unsafe fn launch_planned<R: Runtime>(
         split,
         planes,
         lengths,
-        pipelined: pipelined(),
+        // The plan's keys per step are `UNITS / key_units` groups of `keys` slots.
+        keys: plan.config.block_k * ku / kernel::UNITS,
     };
     // Absent tensors are never read: `lse` (f32) stands in for f32 ones; the u32 ones are
     // read only when given, so `lse`'s buffer stands in for them as well.
@@ -629,15 +642,30 @@ pub fn launch_append<R: Runtime>(
     Ok(())
 }
 
-/// Whether the decoding kernel pipelines its loads ([`DecodeConfig::pipelined`]): on unless the
-/// environment variable `BURN_FLASH_DECODE_PIPELINE` is `off` (read once per process; the
-/// same-call A/B of the schedule).
-pub fn pipelined() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        !matches!(
-            std::env::var("BURN_FLASH_DECODE_PIPELINE").as_deref(),
-            Ok("off") | Ok("0")
-        )
+/// The decoding schedule's two knobs, read once per process from the environment for
+/// same-call A/Bs: keys per group per step (`BURN_FLASH_DECODE_KEYS`: 4, 8 or 16, default
+/// [`DEFAULT_KEYS`]) and the cubes per multiprocessor the splits aim at
+/// (`BURN_FLASH_DECODE_CUBES`: 1–64, default [`DEFAULT_CUBES_PER_SM`]).
+///
+/// # Panics
+/// When a variable is set to a value outside its range.
+pub fn schedule() -> (u32, usize) {
+    static KNOBS: std::sync::OnceLock<(u32, usize)> = std::sync::OnceLock::new();
+    *KNOBS.get_or_init(|| {
+        let read =
+            |name: &str, default: usize, ok: &dyn Fn(usize) -> bool| match std::env::var(name) {
+                Err(_) => default,
+                Ok(v) => match v.parse::<usize>() {
+                    Ok(n) if ok(n) => n,
+                    _ => panic!("{name}={v}: not one of the values it takes"),
+                },
+            };
+        let keys = read("BURN_FLASH_DECODE_KEYS", DEFAULT_KEYS as usize, &|n| {
+            matches!(n, 4 | 8 | 16)
+        });
+        let cubes = read("BURN_FLASH_DECODE_CUBES", DEFAULT_CUBES_PER_SM, &|n| {
+            (1..=64).contains(&n)
+        });
+        (keys as u32, cubes)
     })
 }
