@@ -13,7 +13,7 @@
 # A dry run on lavapipe (the same binaries, wgpu, small shapes):
 #   PREFIX=wgpu RUNTIME=wgpu DTYPE=f32 BATCHES=1 CONTEXTS=512 CONTEXT=256 REQUESTS=3 \
 #     PROMPT=16x64 NEW=2x6 OUT=/tmp/dry benches/serving_gpu.sh
-# SCHEDULES (default `8:4`): the decoding schedules to time, `KEYS:CUBES` pairs separated by
+# SCHEDULES (default `8:16`): the decoding schedules to time, `KEYS:CUBES` pairs separated by
 # spaces (`BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`: keys per group per step, cubes
 # per multiprocessor the splits aim at); the first is the default build's schedule.
 set -uo pipefail
@@ -82,7 +82,7 @@ pack
 # -- the decoding kernel under each schedule, then torch --
 dec=(--runtimes "${RUNTIME:-cuda}" --dtypes "${DTYPE:-bf16}" --batches "${BATCHES:-8,32}" --contexts "${CONTEXTS:-8192,32768}"
   --passes 5 --impls contiguous,paged)
-for sched in ${SCHEDULES:-8:4}; do
+for sched in ${SCHEDULES:-8:16}; do
   BURN_FLASH_DECODE_KEYS=${sched%:*} BURN_FLASH_DECODE_CUBES=${sched#*:} \
     step 40 "$bin/decode.bench" "${dec[@]}" --out "$work/decode-k${sched%:*}-c${sched#*:}"
 done

@@ -26,7 +26,7 @@ use burn_flash::nn::{
     TransformerDecoderConfig, TransformerDecoderInput, TransformerEncoderConfig,
     TransformerEncoderInput,
 };
-use burn_flash::{FlashAttentionOptions, FlashBackend};
+use burn_flash::{BlockTable, FlashAttentionOptions, FlashBackend, Rope};
 use common::*;
 
 /// The f64 reference backend: burn-nn's modules, same record.
@@ -784,22 +784,26 @@ fn sliding_window_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
 /// contiguously: three sequences prefilled one at a time with prompts of 5, 17 and 9 tokens,
 /// then 12 decoding steps of all three together (appends crossing blocks of 8), two layers,
 /// GQA 4:2, causal; then a released sequence's blocks go back to the free list and are reused,
-/// and an exhausted pool is refused.
+/// and an exhausted pool is refused. A twin cache runs every step through `append_attend`
+/// (the append and the attention as one op) and must agree bit for bit, with RoPE as well
+/// (`append` rotating, then `attend` with the rotated queries).
 fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let (layers, hq, hkv, d, bs, blocks) = (2, 4, 2, 32, 8, 14);
-    let mut cache = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
-    let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
-    // The same steps through `append_attend` (the append and the attention as one op) give
-    // the same values bit for bit.
-    let mut twin = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
-    for _ in 0..3 {
-        twin.add_sequence();
-    }
+    let new_cache = || {
+        let mut cache = PagedKvCache::<B>::new(layers, blocks, bs, hkv, d, dtype.into(), device);
+        for _ in 0..3 {
+            cache.add_sequence();
+        }
+        cache
+    };
+    let (mut cache, mut twin) = (new_cache(), new_cache());
+    let ids = [0, 1, 2];
     let causal = FlashAttentionOptions::from(AttentionModuleOptions {
         is_causal: true,
         ..Default::default()
     });
-    // Each layer's keys and values of each sequence so far, `[1, Hkv, len, D]`.
+    // Each layer's keys and values of each sequence so far, `[1, Hkv, len, D]` (unrotated
+    // runs only).
     type Held<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
     let mut held: Vec<Vec<Held<B>>> = vec![vec![None; 3]; layers];
     let check = |got: Tensor<B, 4>, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>, what| {
@@ -809,30 +813,44 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let err = max_err(&got, &want);
         assert!(err <= tol, "{what}: error {err:e} > {tol:e}");
     };
-    let mut step_on = |cache: &mut PagedKvCache<B>, ids: &[usize], new: usize, what: &str| {
+    // One step of `new` tokens for `ids` in `cache` (append, then attend) and in `twin`
+    // (`append_attend`); with `held`, every output against the contiguous reference.
+    let step_on = |cache: &mut PagedKvCache<B>,
+                   twin: &mut PagedKvCache<B>,
+                   mut held: Option<&mut Vec<Vec<Held<B>>>>,
+                   rope: Option<&Rope<B>>,
+                   ids: &[usize],
+                   new: usize,
+                   what: &str| {
         let n = ids.len();
         let step = cache.reserve(ids, new, device);
         let twin_step = twin.reserve(ids, new, device);
-        for (layer, held) in held.iter_mut().enumerate() {
+        for layer in 0..layers {
             let k = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
             let v = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
             let q = rand4::<B>([n, hq, new, d], 1.0, dtype, device);
-            assert!(
-                cache
-                    .append(layer, &step, k.clone(), v.clone(), None)
-                    .is_none()
+            let rotated = cache.append(
+                layer,
+                &step,
+                k.clone(),
+                v.clone(),
+                rope.map(|r| (r, q.clone())),
             );
-            let out = cache.attend(layer, &step, q.clone(), causal);
+            assert_eq!(rotated.is_some(), rope.is_some(), "{what}: rotated queries");
+            let out = cache.attend(layer, &step, rotated.unwrap_or_else(|| q.clone()), causal);
             let (k2, v2, q2) = (k.clone(), v.clone(), q.clone());
-            let fused = twin.append_attend(layer, &twin_step, k2, v2, q2, None, causal);
+            let fused = twin.append_attend(layer, &twin_step, k2, v2, q2, rope, causal);
             assert_eq!(
                 read(fused),
                 read(out.clone()),
                 "{what}, layer {layer}: append_attend against append, then attend"
             );
+            let Some(held) = held.as_deref_mut() else {
+                continue;
+            };
             for (b, &id) in ids.iter().enumerate() {
                 let (kb, vb) = (k.clone().narrow(0, b, 1), v.clone().narrow(0, b, 1));
-                let (k_all, v_all) = match held[id].take() {
+                let (k_all, v_all) = match held[layer][id].take() {
                     Some((hk, hv)) => (Tensor::cat(vec![hk, kb], 2), Tensor::cat(vec![hv, vb], 2)),
                     None => (kb, vb),
                 };
@@ -843,22 +861,28 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                     v_all.clone(),
                     format!("{what}, layer {layer}, sequence {id}"),
                 );
-                held[id] = Some((k_all, v_all));
+                held[layer][id] = Some((k_all, v_all));
             }
         }
         cache.commit(step);
         twin.commit(twin_step);
     };
     for (&id, prompt) in ids.iter().zip([5, 17, 9]) {
-        step_on(&mut cache, &[id], prompt, "prefill");
+        step_on(
+            &mut cache,
+            &mut twin,
+            Some(&mut held),
+            None,
+            &[id],
+            prompt,
+            "prefill",
+        );
     }
     for t in 0..12 {
-        step_on(&mut cache, &ids, 1, &format!("decoding step {t}"));
+        let what = format!("decoding step {t}");
+        step_on(&mut cache, &mut twin, Some(&mut held), None, &ids, 1, &what);
     }
-    assert_eq!(
-        ids.iter().map(|&id| cache.len(id)).collect::<Vec<_>>(),
-        [17, 29, 21]
-    );
+    assert_eq!(ids.map(|id| cache.len(id)), [17, 29, 21]);
     // 3 + 4 + 3 blocks held of 14.
     assert_eq!(cache.free_blocks(), 4);
     cache.release(ids[1]);
@@ -872,6 +896,142 @@ fn paged_kv_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let _ = cache.reserve(&[ids[1]], 9 * bs, device);
     });
     assert!(msg.contains("exhausted"), "{msg}");
+    // With RoPE (half-split pairs over 24 of the 32 columns): prompts crossing a block, then
+    // steps of one and of two tokens.
+    let rope = Rope::new(10_000.0, 24, 64, false, device);
+    let (mut cache, mut twin) = (new_cache(), new_cache());
+    for (&id, prompt) in ids.iter().zip([11, 3, 8]) {
+        step_on(
+            &mut cache,
+            &mut twin,
+            None,
+            Some(&rope),
+            &[id],
+            prompt,
+            "RoPE prefill",
+        );
+    }
+    for (t, new) in [1, 1, 2, 1].into_iter().enumerate() {
+        let what = format!("RoPE step {t}");
+        step_on(&mut cache, &mut twin, None, Some(&rope), &ids, new, &what);
+    }
+    sync::<B>(device);
+}
+
+/// A rolling [`PagedKvCache`] (`with_window`) against windowed attention over each sequence's
+/// keys held contiguously (the band as an explicit mask): prompts shorter and longer than the
+/// window of 12 (left 11), prefilled one at a time, then 30 decoding steps of all three and a
+/// step of three tokens, blocks of 8. The cache gives blocks back as the window moves on: it
+/// never holds more than 3 blocks a sequence, in a pool of 10 that the whole sequences (18
+/// blocks) would exhaust. Attention through it without the window, and a rolling table that
+/// gave back keys it does not hold, are refused.
+fn rolling_paged_cache<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let (hq, hkv, d, bs, left, blocks) = (4, 2, 32, 8, 11, 10);
+    let mut cache =
+        PagedKvCache::<B>::new(1, blocks, bs, hkv, d, dtype.into(), device).with_window(left);
+    let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
+    let causal = FlashAttentionOptions::from(AttentionModuleOptions {
+        is_causal: true,
+        ..Default::default()
+    });
+    let windowed = FlashAttentionOptions {
+        window: Some((left, 0)),
+        ..causal
+    };
+    type Held<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
+    let mut held: Vec<Held<B>> = vec![None; 3];
+    let mut most = 0;
+    let mut step_on = |cache: &mut PagedKvCache<B>, ids: &[usize], new: usize, what: &str| {
+        let n = ids.len();
+        let step = cache.reserve(ids, new, device);
+        let k = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
+        let v = rand4::<B>([n, hkv, new, d], 1.0, dtype, device);
+        let q = rand4::<B>([n, hq, new, d], 1.0, dtype, device);
+        assert!(cache.append(0, &step, k.clone(), v.clone(), None).is_none());
+        let out = cache.attend(0, &step, q.clone(), windowed);
+        for (b, &id) in ids.iter().enumerate() {
+            let (kb, vb) = (k.clone().narrow(0, b, 1), v.clone().narrow(0, b, 1));
+            let (k_all, v_all) = match held[id].take() {
+                Some((hk, hv)) => (Tensor::cat(vec![hk, kb], 2), Tensor::cat(vec![hv, vb], 2)),
+                None => (kb, vb),
+            };
+            let len = k_all.dims()[2];
+            // Query `i` sits at `len − new + i` and sees keys `p − left ..= p`.
+            let band = bool_mask::<B, 4>([1, 1, new, len], device, |[_, _, i, j]| {
+                let p = len - new + i;
+                j > p || j + left < p
+            });
+            let qb = q.clone().narrow(0, b, 1);
+            let want = burn_flash::attention(
+                qb,
+                k_all.clone(),
+                v_all.clone(),
+                Some(band),
+                None,
+                Default::default(),
+            );
+            let want = read(want);
+            let got = read(out.clone().narrow(0, b, 1));
+            let tol = 16.0 * eps(dtype) * max_abs(&want).max(1.0);
+            let err = max_err(&got, &want);
+            assert!(
+                err <= tol,
+                "{what}, sequence {id} at {len}: error {err:e} > {tol:e}"
+            );
+            held[id] = Some((k_all, v_all));
+        }
+        cache.commit(step);
+        for &id in ids {
+            most = most.max(cache.held_blocks(id));
+        }
+    };
+    for (&id, prompt) in ids.iter().zip([5, 20, 13]) {
+        step_on(&mut cache, &[id], prompt, "prefill");
+    }
+    for t in 0..30 {
+        step_on(&mut cache, &ids, 1, &format!("decoding step {t}"));
+    }
+    step_on(&mut cache, &ids, 3, "a step of 3 tokens");
+    assert_eq!(
+        ids.iter().map(|&id| cache.len(id)).collect::<Vec<_>>(),
+        [38, 53, 46]
+    );
+    assert!(most <= 3, "a sequence held {most} blocks");
+    let held_now: usize = ids.iter().map(|&id| cache.held_blocks(id)).sum();
+    assert_eq!(
+        cache.free_blocks() + held_now,
+        blocks,
+        "blocks lost or doubled"
+    );
+    // Attending without the window would read keys the cache gave back.
+    let step = cache.reserve(&ids, 1, device);
+    let k = rand4::<B>([3, hkv, 1, d], 1.0, dtype, device);
+    let q = rand4::<B>([3, hq, 1, d], 1.0, dtype, device);
+    cache.append(0, &step, k.clone(), k, None);
+    for options in [
+        causal,
+        FlashAttentionOptions {
+            window: Some((left + 8, 0)),
+            ..causal
+        },
+    ] {
+        let msg = panic_message(|| {
+            cache.attend(0, &step, q.clone(), options);
+        });
+        assert!(msg.contains("a rolling cache gave back its first"), "{msg}");
+    }
+    cache.commit(step);
+    let before = cache.free_blocks();
+    let gone = cache.held_blocks(ids[0]);
+    cache.release(ids[0]);
+    assert_eq!(cache.free_blocks(), before + gone);
+    let msg = panic_message(|| {
+        let _ = BlockTable::<B>::rolling(vec![vec![0]], vec![2], vec![10], bs, 4, device);
+    });
+    assert!(
+        msg.contains("gave back 2 blocks (16 keys) but holds only 10 keys"),
+        "{msg}"
+    );
     sync::<B>(device);
 }
 
@@ -1096,6 +1256,7 @@ macro_rules! nn_suite {
                 kv_cache_decoding,
                 sliding_window_decoding,
                 paged_kv_cache,
+                rolling_paged_cache,
                 fused_layer_norm,
                 serving_encoder,
                 serving_bad_input,
@@ -1125,7 +1286,7 @@ mod cuda {
         bf16,
         burn::backend::Cuda,
         FloatDType::BF16,
-        [fused_layer_norm]
+        [fused_layer_norm, rolling_paged_cache]
     );
     suite!(
         f16,

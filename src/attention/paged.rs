@@ -25,9 +25,15 @@ use crate::{AttentionBackend, FlashBackend};
 /// A paged cache's block table: for each of `B` sequences its blocks of the pool in order and
 /// the keys it holds. Checked when made (every block inside the pool, no block listed twice,
 /// every length within its blocks); the device copies the kernels read are made then too.
+///
+/// A rolling cache (sliding-window attention) gives back a sequence's leading blocks once no
+/// later query can see them: [`BlockTable::rolling`] lists each sequence's blocks from its
+/// first held one; the attention then checks that its window keeps every query inside the
+/// held keys.
 #[derive(Debug, Clone)]
 pub struct BlockTable<B: Backend> {
     blocks: Vec<Vec<usize>>,
+    evicted: Vec<usize>,
     lengths: Vec<usize>,
     block_size: usize,
     pool_blocks: usize,
@@ -50,10 +56,30 @@ impl<B: Backend> BlockTable<B> {
         pool_blocks: usize,
         device: &B::Device,
     ) -> Self {
-        if blocks.len() != lengths.len() || blocks.is_empty() {
+        let evicted = vec![0; blocks.len()];
+        Self::rolling(blocks, evicted, lengths, block_size, pool_blocks, device)
+    }
+
+    /// As [`BlockTable::new`] for a rolling cache: sequence `b` gave back its first
+    /// `evicted[b]` blocks (keys `0 .. evicted[b]·block_size`), and `blocks[b]` lists the
+    /// blocks it holds from there.
+    ///
+    /// # Panics
+    /// As [`BlockTable::new`], and when `evicted` has another length or a sequence gave back
+    /// keys it does not hold.
+    pub fn rolling(
+        blocks: Vec<Vec<usize>>,
+        evicted: Vec<usize>,
+        lengths: Vec<usize>,
+        block_size: usize,
+        pool_blocks: usize,
+        device: &B::Device,
+    ) -> Self {
+        if blocks.len() != lengths.len() || blocks.len() != evicted.len() || blocks.is_empty() {
             panic!(
-                "{OP}: {} block lists for {} lengths (one of each per sequence, at least one)",
+                "{OP}: {} block lists, {} evicted counts and {} lengths (one of each per sequence, at least one)",
                 blocks.len(),
+                evicted.len(),
                 lengths.len()
             );
         }
@@ -72,17 +98,41 @@ impl<B: Backend> BlockTable<B> {
                     panic!("{OP}: block {block} is listed twice (sequence {b})");
                 }
             }
-            check_room(b, lengths[b], list.len(), block_size);
+            if lengths[b] < evicted[b] * block_size {
+                panic!(
+                    "{OP}: sequence {b} gave back {} blocks ({} keys) but holds only {} keys",
+                    evicted[b],
+                    evicted[b] * block_size,
+                    lengths[b]
+                );
+            }
+            check_room(b, lengths[b], evicted[b] + list.len(), block_size);
         }
-        let width = blocks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        // Entries of given-back blocks are 0: the attention's window check keeps every read
+        // past them.
+        let width = blocks
+            .iter()
+            .zip(&evicted)
+            .map(|(list, e)| e + list.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
         let rows: Vec<i32> = blocks
             .iter()
-            .flat_map(|list| (0..width).map(|i| list.get(i).copied().unwrap_or(0) as i32))
+            .zip(&evicted)
+            .flat_map(|(list, &e)| {
+                (0..width).map(move |i| {
+                    i.checked_sub(e)
+                        .and_then(|i| list.get(i))
+                        .map_or(0, |&b| b as i32)
+                })
+            })
             .collect();
         let table = Tensor::from_data(TensorData::new(rows, [blocks.len(), width]), device);
         let lens = upload_lengths(&lengths, device);
         Self {
             blocks,
+            evicted,
             lengths,
             block_size,
             pool_blocks,
@@ -91,9 +141,14 @@ impl<B: Backend> BlockTable<B> {
         }
     }
 
-    /// Each sequence's blocks.
+    /// Each sequence's blocks (from its first held one).
     pub fn blocks(&self) -> &[Vec<usize>] {
         &self.blocks
+    }
+
+    /// Leading blocks each sequence gave back ([`BlockTable::rolling`]; 0 otherwise).
+    pub fn evicted(&self) -> &[usize] {
+        &self.evicted
     }
 
     /// Keys each sequence holds.
@@ -119,10 +174,11 @@ impl<B: Backend> BlockTable<B> {
     pub fn grown(&self, extra: usize) -> Self {
         let lengths: Vec<usize> = self.lengths.iter().map(|l| l + extra).collect();
         for (b, (&len, list)) in lengths.iter().zip(&self.blocks).enumerate() {
-            check_room(b, len, list.len(), self.block_size);
+            check_room(b, len, self.evicted[b] + list.len(), self.block_size);
         }
         Self {
             blocks: self.blocks.clone(),
+            evicted: self.evicted.clone(),
             lens: upload_lengths(&lengths, &self.table.device()),
             lengths,
             block_size: self.block_size,
@@ -403,9 +459,35 @@ fn check_decode<B: FlashBackend>(
     {
         panic!("{OP}: `scale` must be finite, got {scale}");
     }
+    check_window_reach(table, query.dims()[2], options.window);
     let f32_terms =
         |t: Option<Tensor<B, 1>>| t.map(|t| t.cast(DType::F32).into_primitive().tensor());
     (f32_terms(alibi_slopes), f32_terms(sinks))
+}
+
+/// Panics unless the window keeps each sequence's `seq_q` queries (its last positions) inside
+/// the keys it still holds (a rolling table's given-back blocks are never read).
+fn check_window_reach<B: Backend>(
+    table: &BlockTable<B>,
+    seq_q: usize,
+    window: Option<(usize, usize)>,
+) {
+    for (b, (&evicted, &len)) in table.evicted.iter().zip(&table.lengths).enumerate() {
+        let held_from = evicted * table.block_size;
+        if held_from == 0 {
+            continue;
+        }
+        // The first query is at position `len − Sq` (bottom-right) and sees from `left` before.
+        let first = len.saturating_sub(seq_q);
+        let reach = window.map(|(left, _)| first.saturating_sub(left));
+        if reach.is_none_or(|from| from < held_from) {
+            panic!(
+                "{OP}: sequence {b} holds keys from {held_from} on (a rolling cache gave back its first {evicted} blocks), but its query at {first} would see keys from {} on: attend with a window whose left side is at most {}",
+                reach.unwrap_or(0),
+                first.saturating_sub(held_from)
+            );
+        }
+    }
 }
 
 /// Appends `key_new` `[B, Hkv, S, D]` and `value_new` `[B, Hkv, S, Dv]` to each sequence of the

@@ -10,6 +10,10 @@
 //! [`PagedKvCache::commit`] records the new lengths. [`PagedKvCache::release`] returns a
 //! finished sequence's blocks to the free list. The table and lengths are uploaded once per
 //! step for all layers.
+//!
+//! For sliding-window attention, [`PagedKvCache::with_window`] makes the cache rolling: at each
+//! commit a sequence gives back the blocks whose keys no later query can see, so that it holds
+//! about `window / block_size + 1` blocks however long it runs (Mistral's rolling buffer).
 
 use burn::tensor::{DType, Tensor};
 
@@ -18,10 +22,12 @@ use crate::{
     FlashAttentionOptions, FlashBackend, append_attention_paged, append_paged, attention_paged,
 };
 
-/// A sequence's blocks and the keys it holds.
+/// A sequence's blocks (from its first held one) and the keys it holds.
 #[derive(Debug, Clone)]
 struct Sequence {
     blocks: Vec<usize>,
+    /// Leading blocks given back by a rolling cache.
+    evicted: usize,
     len: usize,
 }
 
@@ -56,6 +62,8 @@ pub struct PagedKvCache<B: FlashBackend> {
     blocks: usize,
     free: Vec<usize>,
     sequences: Vec<Option<Sequence>>,
+    /// A rolling cache's window: keys a query sees before its own position.
+    window: Option<usize>,
     /// The sequences of the last committed step and its table after the append: the next
     /// step's table before its append when it runs the same sequences in the same blocks
     /// (decoding between block boundaries), so that nothing is checked or uploaded again.
@@ -90,14 +98,33 @@ impl<B: FlashBackend> PagedKvCache<B> {
             blocks,
             free: (0..blocks).rev().collect(),
             sequences: Vec::new(),
+            window: None,
             last: None,
         }
+    }
+
+    /// The cache made rolling for attention with a window of `left` keys before each query
+    /// (`FlashAttentionOptions::window` `(left, 0)`, causal): after each step a sequence gives
+    /// back the blocks that lie wholly before its next query's window. Attention through the
+    /// cache with a wider window is refused.
+    pub fn with_window(mut self, left: usize) -> Self {
+        self.window = Some(left);
+        self
+    }
+
+    /// Blocks sequence `id` holds.
+    ///
+    /// # Panics
+    /// When `id` is not a live sequence.
+    pub fn held_blocks(&self, id: usize) -> usize {
+        self.live(id).blocks.len()
     }
 
     /// A new, empty sequence; its id.
     pub fn add_sequence(&mut self) -> usize {
         let seq = Sequence {
             blocks: Vec::new(),
+            evicted: 0,
             len: 0,
         };
         match self.sequences.iter().position(Option::is_none) {
@@ -179,7 +206,7 @@ impl<B: FlashBackend> PagedKvCache<B> {
             let seq = self.live(id).clone();
             let needed = (seq.len + new).div_ceil(bs);
             let mut blocks = seq.blocks;
-            while blocks.len() < needed {
+            while seq.evicted + blocks.len() < needed {
                 taken = true;
                 let block = self.free.pop().unwrap_or_else(|| {
                     panic!(
@@ -189,17 +216,22 @@ impl<B: FlashBackend> PagedKvCache<B> {
                 });
                 blocks.push(block);
             }
-            self.sequences[id] = Some(Sequence {
-                blocks,
-                len: seq.len,
-            });
+            self.sequences[id] = Some(Sequence { blocks, ..seq });
         }
         let before = match self.last.take() {
             Some((last_ids, table)) if !taken && last_ids == ids => table,
             _ => {
                 let lists = ids.iter().map(|&id| self.live(id).blocks.clone()).collect();
+                let evicted = ids.iter().map(|&id| self.live(id).evicted).collect();
                 let lengths = ids.iter().map(|&id| self.live(id).len).collect();
-                BlockTable::new(lists, lengths, self.block_size, self.blocks, device)
+                BlockTable::rolling(
+                    lists,
+                    evicted,
+                    lengths,
+                    self.block_size,
+                    self.blocks,
+                    device,
+                )
             }
         };
         let after = before.grown(new);
@@ -281,12 +313,24 @@ impl<B: FlashBackend> PagedKvCache<B> {
         out
     }
 
-    /// Records the step's new positions (after every layer appended).
+    /// Records the step's new positions (after every layer appended); a rolling cache then
+    /// gives back the blocks before the next queries' window.
     pub fn commit(&mut self, step: PagedStep<B>) {
+        let mut evicted = false;
         for &id in &step.ids {
             let seq = self.sequences[id].as_mut().expect("a live sequence");
             seq.len += step.new;
+            if let Some(left) = self.window {
+                // The next query sits at `len` and sees keys from `len − left` on.
+                let unseen = seq.len.saturating_sub(left) / self.block_size;
+                let give = unseen.saturating_sub(seq.evicted).min(seq.blocks.len());
+                if give > 0 {
+                    self.free.extend(seq.blocks.drain(..give).rev());
+                    seq.evicted += give;
+                    evicted = true;
+                }
+            }
         }
-        self.last = Some((step.ids, step.after));
+        self.last = (!evicted).then_some((step.ids, step.after));
     }
 }

@@ -42,7 +42,7 @@ pub const MAX_SPLITS: usize = 128;
 /// Keys each group of units takes per step, unless [`schedule`] says otherwise.
 pub const DEFAULT_KEYS: u32 = 8;
 /// Cubes per multiprocessor the splits aim at, unless [`schedule`] says otherwise.
-pub const DEFAULT_CUBES_PER_SM: usize = 4;
+pub const DEFAULT_CUBES_PER_SM: usize = 16;
 
 /// The block table of a paged cache as the kernels read it.
 #[derive(Debug, Clone, Copy)]
@@ -108,7 +108,7 @@ pub fn unavailable(features: AttentionFeatures, options: &AttentionOptions) -> O
 
 /// The plan for `dims` (`seq_k`: the keys of the longest batch, or the cache's capacity) on
 /// `client`: rows per cube from the head dims (each unit holds `rows · D / key_units` query and
-/// accumulator values), then enough splits for [`schedule`]'s cubes per multiprocessor (4),
+/// accumulator values), then enough splits for [`schedule`]'s cubes per multiprocessor (16),
 /// each of at least [`MIN_SPLIT_KEYS`].
 pub fn plan_decode<R: Runtime>(
     client: &ComputeClient<R>,
