@@ -73,6 +73,8 @@ drop-split attention.test cuda::bf16::split_decode
 drop-split attention.test cuda::f32::split_decode
 biased-norm nn.test cuda::bf16::fused_layer_norm
 biased-norm nn.test cuda::f32::fused_layer_norm
+skip-k-lane nn.test cuda::bf16::fused_linear
+skip-k-lane nn.test cuda::f32::fused_linear
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36's serving checks and measurements in one device call, within a few minutes: the CUDA
-# tests of the serving path (nn: paged cache, ServingEncoder, fused layer norm, KV caches,
-# transformer; attention: split decoding and paged caches), the decoding bench under each
+# tests of the serving path (nn: paged and rolling caches, ServingEncoder, fused layer norm and
+# linear, KV caches, transformer; attention: split decoding and paged caches), the decoding bench under each
 # schedule of SCHEDULES (same call), its PyTorch peer, and the GPT example's `decode` (with
 # kernel counts) and `serve` tasks.
 #
@@ -42,7 +42,7 @@ step() {
 s=$SECONDS
 {
   "$bin/nn.test" --list 2>/dev/null |
-    sed -n 's/^\('"${PREFIX:-cuda}"'::[a-z0-9]*::\(serving\|paged\|fused_layer_norm\|kv_cache\|transformer\|sliding\)[a-z_]*\): test$/nn.test \1/p'
+    sed -n 's/^\('"${PREFIX:-cuda}"'::[a-z0-9]*::\(serving\|paged\|fused_layer_norm\|fused_linear\|rolling\|kv_cache\|transformer\|sliding\)[a-z_]*\): test$/nn.test \1/p'
   "$bin/attention.test" --list 2>/dev/null |
     sed -n 's/^\('"${PREFIX:-cuda}"'::[a-z0-9]*::\(split_decode\|paged\)[a-z_]*\): test$/attention.test \1/p'
 } >"$work/tests.txt"
@@ -74,6 +74,10 @@ pids+=($!)
 san memcheck decode attention.test "$p::${DTYPE:-bf16}::paged" &
 pids+=($!)
 san racecheck decode attention.test "$p::${DTYPE:-bf16}::split_decode" &
+pids+=($!)
+san memcheck linear_rows nn.test "$p::${DTYPE:-bf16}::fused_linear" &
+pids+=($!)
+san racecheck linear_rows nn.test "$p::f32::fused_linear" &
 pids+=($!)
 wait "${pids[@]}"
 echo "::: tests took $((SECONDS - s)) s"

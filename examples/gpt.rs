@@ -912,18 +912,19 @@ impl<B: FlashBackend> Gpt<B> {
     }
 
     /// The greedy next token after each row of the stack's output `[n, 1, d_model]` (read
-    /// back: a sync); the final norm as one op with `fused` (`burn_flash::layer_norm`, the
-    /// serving path), else burn-nn's `LayerNorm`.
+    /// back: a sync); with `fused` (the serving path) the final norm and the head as one op
+    /// each (`burn_flash::layer_norm`, `burn_flash::linear`), else burn-nn's modules.
     fn greedy(&self, last: Tensor<B, 3>, fused: bool) -> Vec<i64> {
         let n = last.dims()[0];
-        let normed = match fused {
+        let logits = match fused {
             true => {
                 let beta = self.norm.beta.as_ref().map(|b| b.val());
-                burn_flash::layer_norm(last, self.norm.gamma.val(), beta, 1e-5)
+                let normed = burn_flash::layer_norm(last, self.norm.gamma.val(), beta, 1e-5);
+                let bias = self.head.bias.as_ref().map(|b| b.val());
+                burn_flash::linear(normed, self.head.weight.val(), bias)
             }
-            false => self.norm.forward(last),
+            false => self.head.forward(self.norm.forward(last)),
         };
-        let logits = self.head.forward(normed);
         logits
             .argmax(2)
             .reshape([n])

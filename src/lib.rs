@@ -24,6 +24,7 @@ pub mod attention;
 mod backend;
 mod cube;
 mod fusion;
+mod linear;
 pub mod nn;
 mod norm;
 pub mod softmax;
@@ -40,6 +41,7 @@ pub use attention::{
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
+pub use linear::linear;
 pub use norm::layer_norm;
 pub use softmax::backend::SoftmaxBackend;
 pub use softmax::{

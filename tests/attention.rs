@@ -904,30 +904,6 @@ fn gradients_match_burns_fallback<B: FlashBackend>(device: &B::Device, dtype: Fl
     }
 }
 
-/// Whether Burn's f32 matmul on this backend rounds its operands to TF32-class precision
-/// (Burn 0.21's does on CUDA; full f32 accumulation errs ~1e-7 here).
-fn f32_matmul_is_tf32<B: FlashBackend>(device: &B::Device) -> bool {
-    let (m, k, n) = (16, 512, 16);
-    let a = uniform(m * k, -1.0, 1.0, fresh_seed());
-    let b = uniform(k * n, -1.0, 1.0, fresh_seed());
-    let ta = Tensor::<B, 2>::from_data(TensorData::new(a.clone(), [m, k]), device);
-    let tb = Tensor::<B, 2>::from_data(TensorData::new(b.clone(), [k, n]), device);
-    let got = read(ta.matmul(tb));
-    let mut worst = 0.0f64;
-    for i in 0..m {
-        for j in 0..n {
-            let (mut want, mut size) = (0.0f64, 0.0f64);
-            for l in 0..k {
-                let p = a[i * k + l] as f64 * b[l * n + j] as f64;
-                want += p;
-                size += p.abs();
-            }
-            worst = worst.max((got[i * n + j] - want).abs() / size);
-        }
-    }
-    worst > 1e-6
-}
-
 /// Every head dim of the list (`Dv = D`, and one `Dv ≠ D`), causal and not; a head
 /// dim above [`burn_flash::attention::MAX_HEAD_DIM`] is refused before any launch where the
 /// fused kernels run (the composed fallback takes any).

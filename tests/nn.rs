@@ -505,6 +505,17 @@ fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatD
     sync::<B>(device);
 }
 
+/// The unit roundoff of the projections' matmuls in `dtype`: TF32's (2⁻¹¹) for f32 where
+/// Burn's f32 matmul rounds its operands to TF32 (CUDA), else the dtype's. A cached step's
+/// projections (a few rows) and the full forward's (every row) may take matmul kernels that
+/// round differently, so the comparison of the two is held to the coarser one.
+fn matmul_eps<B: FlashBackend>(dtype: FloatDType, device: &B::Device) -> f64 {
+    match dtype {
+        FloatDType::F32 if f32_matmul_is_tf32::<B>(device) => 2f64.powi(-11),
+        _ => eps(dtype),
+    }
+}
+
 /// Decoding token by token with the KV cache equals the full causal forward: `MhaCache` (a
 /// prompt, single tokens, a step of three), with `causal()` and with burn-nn's per-step
 /// autoregressive mask (rows sliced from it), against burn-nn's own `forward_cache`; the
@@ -529,7 +540,7 @@ fn kv_cache_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ours.forward(MhaInput::self_attn(x.clone()).causal())
             .context,
     );
-    let tol = 16.0 * eps(dtype) * max_abs(&full);
+    let tol = 16.0 * matmul_eps::<B>(dtype, device) * max_abs(&full);
     let close = |got: Vec<f64>, want: &[f64], what: &str| {
         let err = max_err(&got, want);
         assert!(err <= tol, "{what}: error {err:e} > {tol:e}");
@@ -746,7 +757,7 @@ fn sliding_window_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
         "window (15, 0) against burn-nn's band mask",
     );
     let full = read(got);
-    let tol = 16.0 * eps(dtype) * max_abs(&full);
+    let tol = 16.0 * matmul_eps::<B>(dtype, device) * max_abs(&full);
     let mut cache = MhaCache::sliding_window(w - 1);
     let mut len = 0;
     let mut steps = vec![20, 1, 1, 5];
@@ -1183,6 +1194,87 @@ fn fused_layer_norm<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     sync::<B>(device);
 }
 
+/// `burn_flash::linear` (the few-rows kernel on CubeCL backends up to 16 rows, Burn's matmul
+/// beyond) against burn-nn's `Linear` in f64 (twice the naive error of burn-nn's in the
+/// dtype): 1, 3, 5 and 16 rows (one and several row chunks per cube), 40 rows (Burn's matmul),
+/// reduction dims that are and are not multiples of the kernel's lanes and unrolling, output
+/// widths of whole vectors, of a vector and a half-width one (vectors of 2) and of an odd count
+/// (scalars), with and without bias, a strided input and a transposed weight; and its refusals.
+fn fused_linear<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cpu = Default::default();
+    for (rows, k, n, bias, strided) in [
+        (1, 512, 1536, true, false),
+        (3, 200, 96, true, false),
+        (5, 64, 36, false, true),
+        (16, 300, 130, true, false),
+        (2, 17, 7, true, true),
+        (40, 64, 48, true, false),
+    ] {
+        let ctx = format!("[{rows}, {k}] · [{k}, {n}], bias {bias}, strided {strided}, {dtype:?}");
+        let layer = fixed(
+            burn::nn::LinearConfig::new(k, n)
+                .with_bias(bias)
+                .init::<B>(device),
+        );
+        let mut layer = layer;
+        // Weights (and the input) drawn fresh, the weight transposed in memory when `strided`.
+        let w = rand3::<B>([1, k, n], 1.0, dtype, device).reshape([k, n]);
+        let w = match strided {
+            true => Tensor::<B, 2>::from_data(
+                w.transpose().into_data().convert::<f32>(),
+                (device, dtype.into()),
+            )
+            .transpose(),
+            false => w,
+        };
+        layer.weight = burn::module::Param::from_tensor(w);
+        let b = rand3::<B>([1, 1, n], 1.0, dtype, device).reshape([n]);
+        layer.bias = bias.then(|| burn::module::Param::from_tensor(b));
+        let x = rand3::<B>([1, rows, k], 1.0, dtype, device);
+        let x = match strided {
+            true => Tensor::<B, 3>::from_data(
+                x.swap_dims(1, 2).into_data().convert::<f32>(),
+                (device, dtype.into()),
+            )
+            .swap_dims(1, 2),
+            false => x,
+        };
+        let reference = transfer(
+            layer.clone(),
+            burn::nn::LinearConfig::new(k, n)
+                .with_bias(bias)
+                .init::<R>(&cpu),
+            &cpu,
+        );
+        let want = reference.forward(to_ref(&x));
+        let naive = layer.forward(x.clone());
+        let got = burn_flash::linear(
+            x.clone(),
+            layer.weight.val(),
+            layer.bias.as_ref().map(|b| b.val()),
+        );
+        assert_eq!(got.dims(), [1, rows, n], "{ctx}");
+        let want: Vec<f64> = want.into_data().convert::<f64>().to_vec().expect("f64");
+        let got = read(got);
+        assert!(got.iter().all(|x| x.is_finite()), "{ctx}: not finite");
+        assert_within_naive(&got, &read(naive), &want, dtype, 8.0, &ctx);
+    }
+    let x = rand3::<B>([2, 3, 8], 1.0, dtype, device);
+    let w7 = || rand3::<B>([1, 7, 4], 1.0, dtype, device).reshape([7, 4]);
+    let w8 = || rand3::<B>([1, 8, 4], 1.0, dtype, device).reshape([8, 4]);
+    let b3 = || rand3::<B>([1, 1, 3], 1.0, dtype, device).reshape([3]);
+    for (want, w, b) in [
+        ("`weight` has shape [7, 4], expected [8, N]", w7(), None),
+        ("`bias` has shape [3], expected [4]", w8(), Some(b3())),
+    ] {
+        let msg = panic_message(|| {
+            let _ = burn_flash::linear(x.clone(), w, b);
+        });
+        assert!(msg.contains(want), "expected `{want}`, got `{msg}`");
+    }
+    sync::<B>(device);
+}
+
 /// `ServingEncoder` refuses bad calls before anything runs, one case each: prompts that are
 /// not `[Σ lengths, d_model]`, as many lengths as sequences, an empty prompt, a prefill of a
 /// sequence that holds positions, a decoding step of the wrong shape.
@@ -1258,6 +1350,7 @@ macro_rules! nn_suite {
                 paged_kv_cache,
                 rolling_paged_cache,
                 fused_layer_norm,
+                fused_linear,
                 serving_encoder,
                 serving_bad_input,
                 dropout_statistics,
@@ -1274,7 +1367,7 @@ mod wgpu {
         f16,
         burn::backend::Wgpu,
         FloatDType::F16,
-        [fused_layer_norm]
+        [fused_layer_norm, fused_linear]
     );
 }
 
@@ -1286,13 +1379,13 @@ mod cuda {
         bf16,
         burn::backend::Cuda,
         FloatDType::BF16,
-        [fused_layer_norm, rolling_paged_cache]
+        [fused_layer_norm, fused_linear, rolling_paged_cache]
     );
     suite!(
         f16,
         burn::backend::Cuda,
         FloatDType::F16,
-        [fused_layer_norm]
+        [fused_layer_norm, fused_linear]
     );
 }
 

@@ -19,13 +19,14 @@
 //! softmax). Only causal (decoder-only) stacks are served: every call is causal.
 
 use burn::nn::{LayerNorm, Linear};
-use burn::tensor::{Tensor, module::linear};
+use burn::tensor::Tensor;
 
 use super::PagedKvCache;
 use super::merge_heads;
 use super::transformer::{TransformerEncoder, TransformerEncoderLayer};
 use crate::{
     FlashAttentionOptions, FlashBackend, HeadTerms, VarlenBatch, attention_varlen, layer_norm,
+    linear,
 };
 
 const WHO: &str = "burn_flash::nn::ServingEncoder";
@@ -175,7 +176,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let (heads, d_k) = (self.heads, self.d_k);
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
-            x = l.layer.sublayers_normed(x, fused_norm, |h| {
+            let attend = |h: Tensor<B, 2>| {
                 let qkv = l.qkv(h).reshape([total, 3 * heads, d_k]);
                 let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
                 let mut start = 0;
@@ -191,8 +192,11 @@ impl<B: FlashBackend> ServingEncoder<B> {
                 let (context, _) =
                     attention_varlen(q, k, v, &batch, None, None, HeadTerms::default(), options);
                 let context = context.reshape([total, heads * d_k]);
-                l.layer.mha.output.forward(context)
-            });
+                dense(&l.layer.mha.output, context)
+            };
+            x = l
+                .layer
+                .sublayers_normed(x, fused_norm, attend, |h| l.ffn(h));
         }
         for step in steps {
             cache.commit(step);
@@ -227,7 +231,7 @@ impl<B: FlashBackend> ServingEncoder<B> {
         let (heads, d_k) = (self.heads, self.d_k);
         let mut x = x;
         for (index, l) in self.layers.iter().enumerate() {
-            x = l.layer.sublayers_normed(x, fused_norm, |h| {
+            let attend = |h: Tensor<B, 3>| {
                 let qkv = l.qkv(h).reshape([n, new, 3 * heads, d_k]).swap_dims(1, 2);
                 let [q, k, v] = [0, 1, 2].map(|i| qkv.clone().narrow(1, i * heads, heads));
                 let context = cache.append_attend(index, &step, k, v, q, None, l.options());
@@ -236,8 +240,11 @@ impl<B: FlashBackend> ServingEncoder<B> {
                     1 => context.reshape([n, 1, heads * d_k]),
                     _ => merge_heads(context),
                 };
-                l.layer.mha.output.forward(context)
-            });
+                dense(&l.layer.mha.output, context)
+            };
+            x = l
+                .layer
+                .sublayers_normed(x, fused_norm, attend, |h| l.ffn(h));
         }
         cache.commit(step);
         x
@@ -257,10 +264,23 @@ fn fused_norm<B: FlashBackend, const D: usize>(
     layer_norm(x, norm.gamma.val(), beta, NORM_EPSILON)
 }
 
+/// `l` on `x` through [`crate::linear`] (one kernel for a decoding step's few rows).
+fn dense<B: FlashBackend, const D: usize>(l: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    linear(x, l.weight.val(), l.bias.as_ref().map(|b| b.val()))
+}
+
 impl<B: FlashBackend> ServingLayer<B> {
     /// The fused projection of the sub-layer's input `h` (`[…, d_model]` → `[…, 3·d_model]`).
     fn qkv<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
         linear(h, self.qkv_weight.clone(), Some(self.qkv_bias.clone()))
+    }
+
+    /// The position-wise feed-forward for inference (no dropout): burn-nn's
+    /// `PositionWiseFeedForward` with its two projections through [`crate::linear`].
+    fn ffn<const D: usize>(&self, h: Tensor<B, D>) -> Tensor<B, D> {
+        let pwff = &self.layer.pwff;
+        let inner = pwff.activation.forward(dense(&pwff.linear_inner, h));
+        dense(&pwff.linear_outer, inner)
     }
 
     /// The layer's attention options for inference: causal, no dropout.

@@ -390,16 +390,17 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
         x: Tensor<B, D>,
         attend: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
-        self.sublayers_normed(x, |n, t| n.forward(t), attend)
+        self.sublayers_normed(x, |n, t| n.forward(t), attend, |h| self.pwff.forward(h))
     }
 
     /// [`TransformerEncoderLayer::sublayers`] with the norms computed by `norm` (the module and
-    /// its input).
+    /// its input) and the feed-forward by `ffn`.
     pub(crate) fn sublayers_normed<const D: usize>(
         &self,
         x: Tensor<B, D>,
         norm: impl Fn(&LayerNorm<B>, Tensor<B, D>) -> Tensor<B, D>,
         attend: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
+        ffn: impl FnOnce(Tensor<B, D>) -> Tensor<B, D>,
     ) -> Tensor<B, D> {
         let (nf, dropout) = (self.norm_first, &self.dropout);
         let (first, second) = match nf {
@@ -407,13 +408,7 @@ impl<B: FlashBackend> TransformerEncoderLayer<B> {
             false => (&self.norm_1, &self.norm_2),
         };
         let x = sublayer(x, nf, dropout, |t| norm(first, t), attend);
-        sublayer(
-            x,
-            nf,
-            dropout,
-            |t| norm(second, t),
-            |h| self.pwff.forward(h),
-        )
+        sublayer(x, nf, dropout, |t| norm(second, t), ffn)
     }
 }
 

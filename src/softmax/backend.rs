@@ -53,6 +53,17 @@ pub trait SoftmaxBackend: Backend {
         Self::layer_norm(x, gamma, beta, epsilon)
     }
 
+    /// `x·w + bias` for `x` `[M, K]`, `w` `[K, N]`, `bias` `[N]` ([`crate::linear`]): Burn's
+    /// matmul and add by default, one kernel for a few rows on CubeCL backends. Arguments are
+    /// checked by the caller.
+    fn flash_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        crate::linear::composed::<Self>(x, w, bias)
+    }
+
     /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
     /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
     fn flash_softmax_plan(
@@ -141,6 +152,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
         crate::norm::cube::<R, F, I, BT>(x, gamma, beta, epsilon)
     }
 
+    fn flash_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        crate::linear::cube::<R, F, I, BT>(x, w, bias)
+    }
+
     fn flash_softmax_plan(
         device: &Self::Device,
         shape: &[usize],
@@ -200,6 +219,14 @@ impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
         epsilon: f64,
     ) -> FloatTensor<Self> {
         crate::norm::fusion::<B>(x, gamma, beta, epsilon)
+    }
+
+    fn flash_linear(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        bias: Option<FloatTensor<Self>>,
+    ) -> FloatTensor<Self> {
+        crate::linear::fusion::<B>(x, w, bias)
     }
 }
 

@@ -35,6 +35,9 @@ pub mod dropout;
 pub mod fragment;
 #[cfg(feature = "cuda")]
 pub mod hopper;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod linear;
 pub mod mutation;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]

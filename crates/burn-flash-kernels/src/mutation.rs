@@ -73,6 +73,9 @@ pub enum Mutation {
     /// `biased-norm`: the layer norm divides the centred squares by `d − 1` (the unbiased
     /// variance) instead of `d`.
     BiasedNorm,
+    /// `skip-k-lane`: the few-rows linear kernel leaves out its last lane of the reduction
+    /// dimension (every `K_LANES`-th row of `W` from the last lane's first).
+    SkipKLane,
 }
 
 impl Mutation {
@@ -100,6 +103,7 @@ impl Mutation {
             Self::PagedLookup => "paged-lookup",
             Self::DropSplit => "drop-split",
             Self::BiasedNorm => "biased-norm",
+            Self::SkipKLane => "skip-k-lane",
         }
     }
 }
@@ -139,10 +143,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::PagedLookup,
             Mutation::DropSplit,
             Mutation::BiasedNorm,
+            Mutation::SkipKLane,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -266,4 +271,9 @@ pub fn drop_split() -> bool {
 /// [`Mutation::BiasedNorm`] is active.
 pub fn biased_norm() -> bool {
     active(Mutation::BiasedNorm)
+}
+
+/// [`Mutation::SkipKLane`] is active.
+pub fn skip_k_lane() -> bool {
+    active(Mutation::SkipKLane)
 }
