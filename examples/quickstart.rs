@@ -376,8 +376,17 @@ fn serving<B: FlashBackend>(device: &B::Device) {
         })
         .fold(0.0f32, f32::max);
     println!(
-        "  serving {layers} layers to {} sequences: prompts {prompts:?} prefilled as one packed batch, {steps} paged decoding steps for all, blocks of 16: max |served − full causal forward| = {diff:.2e}",
+        "  serving {layers} layers to {} sequences: prompts {prompts:?} prefilled as one packed batch, {steps} paged decoding steps for all, blocks of 16 (fused QKV, norms and few-row projections): max |served − full causal forward| = {diff:.2e}",
         prompts.len()
+    );
+    // A decoding step's projection: 3 rows through the few-rows kernel against Burn's matmul.
+    let x = Tensor::<B, 2>::random([3, 512], Distribution::Default, device);
+    let w = Tensor::<B, 2>::random([512, 1536], Distribution::Default, device);
+    let b = Tensor::<B, 1>::random([1536], Distribution::Default, device);
+    let ours = burn_flash::linear(x.clone(), w.clone(), Some(b.clone()));
+    let diff = max_diff(ours, x.matmul(w) + b.unsqueeze());
+    println!(
+        "  linear [3, 512]·[512, 1536] + b (kernel `linear_rows`): max |burn-flash − burn| = {diff:.2e}"
     );
 }
 
