@@ -12,8 +12,9 @@
 //! step for all layers.
 //!
 //! For sliding-window attention, [`PagedKvCache::with_window`] makes the cache rolling: at each
-//! commit a sequence gives back the blocks whose keys no later query can see, so that it holds
-//! about `window / block_size + 1` blocks however long it runs (Mistral's rolling buffer).
+//! commit a sequence gives back the blocks whose keys no later query can see, so that after each
+//! step it holds at most `left / block_size + 2` blocks however long it runs (Mistral's rolling
+//! buffer).
 
 use burn::tensor::{DType, Tensor};
 
