@@ -380,9 +380,9 @@ fn serving<B: FlashBackend>(device: &B::Device) {
         prompts.len()
     );
     // A decoding step's projection: 3 rows through the few-rows kernel against Burn's matmul.
-    let x = Tensor::<B, 2>::random([3, 512], Distribution::Default, device);
-    let w = Tensor::<B, 2>::random([512, 1536], Distribution::Default, device);
-    let b = Tensor::<B, 1>::random([1536], Distribution::Default, device);
+    let x = Tensor::<B, 2>::random([3, 512], Distribution::Normal(0.0, 1.0), device);
+    let w = Tensor::<B, 2>::random([512, 1536], Distribution::Normal(0.0, 0.044), device);
+    let b = Tensor::<B, 1>::random([1536], Distribution::Normal(0.0, 1.0), device);
     let ours = burn_flash::linear(x.clone(), w.clone(), Some(b.clone()));
     let diff = max_diff(ours, x.matmul(w) + b.unsqueeze());
     println!(
