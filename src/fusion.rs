@@ -5,10 +5,12 @@
 //! kernels. It ends the fused block around it (Burn's fuser cannot see inside). The operation
 //! structs keep the tensors' IR they need, not a second copy of the whole `CustomOpIr`.
 
-use burn::backend::ir::{CustomOpIr, HandleContainer, OperationIr, TensorId, TensorIr};
-use burn::tensor::{DType, Shape};
+use burn::backend::ir::{
+    CustomOpIr, HandleContainer, OperationIr, OperationOutput, TensorId, TensorIr,
+};
+use burn::tensor::{DType, Shape, ops::FloatTensor};
 use burn_fusion::{
-    FusionBackend, FusionRuntime, FusionTensor,
+    Fusion, FusionBackend, FusionRuntime, FusionTensor,
     client::GlobalFusionClient,
     stream::{Operation, OperationStreams},
 };
@@ -52,6 +54,59 @@ pub(crate) fn record<R: FusionRuntime, O: Operation<R> + 'static>(
     let inputs: Vec<TensorIr> = inputs.into_iter().map(FusionTensor::into_ir).collect();
     let op = op(inputs.clone(), outputs.iter().map(|t| t.id).collect());
     register(&client, streams, custom_op(name, inputs, outputs), op)
+}
+
+/// The inner backend's op of a [`record_rows_op`]: two tensors, an optional third and a scalar.
+pub(crate) type RowsFn<B> =
+    fn(FloatTensor<B>, FloatTensor<B>, Option<FloatTensor<B>>, f64) -> FloatTensor<B>;
+
+/// The inputs of a [`record_rows_op`]: `x`, a parameter and an optional one.
+pub(crate) type RowsArgs<B> = (
+    FloatTensor<Fusion<B>>,
+    FloatTensor<Fusion<B>>,
+    Option<FloatTensor<Fusion<B>>>,
+);
+
+/// A row-wise op over `x`, a parameter and an optional one (a layer norm's `γ`, `β`; a
+/// linear's weight and bias), run by `run` on `B`'s tensors.
+#[derive(Debug)]
+struct RowsOp<B: FusionBackend> {
+    inputs: Vec<TensorIr>,
+    out: TensorId,
+    scalar: f64,
+    run: RowsFn<B>,
+}
+
+impl<B: FusionBackend> Operation<B::FusionRuntime> for RowsOp<B> {
+    fn execute(&self, handles: &mut Handles<B>) {
+        let mut inputs = self.inputs.iter().map(|t| handles.get_float_tensor::<B>(t));
+        let (x, p) = (
+            inputs.next().expect("x"),
+            inputs.next().expect("a parameter"),
+        );
+        let out = (self.run)(x, p, inputs.next(), self.scalar);
+        handles.register_float_tensor::<B>(&self.out, out);
+    }
+}
+
+/// Records `run(x, p, q, scalar)` as the custom operation `name` writing `out` (made by
+/// [`uninit`]), and returns the output.
+pub(crate) fn record_rows_op<B: FusionBackend>(
+    name: &'static str,
+    (x, p, q): RowsArgs<B>,
+    out: TensorIr,
+    scalar: f64,
+    run: RowsFn<B>,
+) -> FloatTensor<Fusion<B>> {
+    let mut tensors = vec![x, p];
+    tensors.extend(q);
+    let op = |inputs, outputs: Vec<TensorId>| RowsOp::<B> {
+        inputs,
+        out: outputs[0],
+        scalar,
+        run,
+    };
+    record(name, tensors, vec![out], op).output()
 }
 
 /// The IR Fusion records for a custom operation (`CustomOpIr::new` would copy both lists).

@@ -3,19 +3,16 @@
 //! projections, one row per sequence — and Burn's matmul and add for more rows and elsewhere
 //! (NdArray, and `Autodiff`, where it is tracked).
 
-use core::marker::PhantomData;
-
-use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor, TensorPrimitive, ops::FloatTensor};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_flash_kernels::linear::{LinearTensors, MAX_ROWS, launch_linear_rows};
-use burn_fusion::{Fusion, FusionBackend, stream::Operation};
+use burn_fusion::{Fusion, FusionBackend};
 
 use crate::FlashBackend;
 use crate::cube::{empty, tensor_ref};
-use crate::fusion::{Handles, uninit};
+use crate::fusion::{RowsFn, record_rows_op, uninit};
 
 const OP: &str = "burn_flash::linear";
 
@@ -135,24 +132,6 @@ where
     out
 }
 
-/// The few-rows linear on `Fusion<B>`: `x`, `w` and `bias` where given, writing `out`.
-#[derive(Debug)]
-struct LinearOp<B> {
-    inputs: Vec<TensorIr>,
-    out: TensorId,
-    _backend: PhantomData<B>,
-}
-
-impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for LinearOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let mut inputs = self.inputs.iter().map(|t| handles.get_float_tensor::<B>(t));
-        let (x, w) = (inputs.next(), inputs.next());
-        let bias = inputs.next();
-        let out = B::flash_linear(x.expect("x"), w.expect("w"), bias);
-        handles.register_float_tensor::<B>(&self.out, out);
-    }
-}
-
 /// The linear on `Fusion<B>` ([`crate::SoftmaxBackend::flash_linear`]): one custom operation
 /// for a few rows; Burn's ops (which Fusion may fuse) for more.
 pub(crate) fn fusion<B: FusionBackend + FlashBackend>(
@@ -164,12 +143,6 @@ pub(crate) fn fusion<B: FusionBackend + FlashBackend>(
         return composed::<Fusion<B>>(x, w, bias);
     }
     let out = uninit(&x, Shape::new([x.shape[0], w.shape[1]]), x.dtype);
-    let mut tensors = vec![x, w];
-    tensors.extend(bias);
-    let op = |inputs, outputs: Vec<TensorId>| LinearOp::<B> {
-        inputs,
-        out: outputs[0],
-        _backend: PhantomData,
-    };
-    crate::fusion::record(OP, tensors, vec![out], op).output()
+    let run: RowsFn<B> = |x, w, b, _| B::flash_linear(x, w, b);
+    record_rows_op::<B>(OP, (x, w, bias), out, 0.0, run)
 }

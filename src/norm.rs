@@ -2,9 +2,6 @@
 //! ([`burn_flash_kernels::norm`]), one custom operation on `Fusion`, and Burn's own composition
 //! elsewhere (NdArray, and `Autodiff`, where it is tracked).
 
-use core::marker::PhantomData;
-
-use burn::backend::ir::{OperationOutput, TensorId, TensorIr};
 use burn::tensor::{
     DType, Tensor, TensorPrimitive,
     ops::{FloatTensor, ModuleOps},
@@ -12,11 +9,11 @@ use burn::tensor::{
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use burn_flash_kernels::norm::{LayerNormTensors, launch_layer_norm};
-use burn_fusion::{Fusion, FusionBackend, stream::Operation};
+use burn_fusion::{Fusion, FusionBackend};
 
 use crate::FlashBackend;
 use crate::cube::{empty, tensor_ref};
-use crate::fusion::{Handles, uninit};
+use crate::fusion::{RowsFn, record_rows_op, uninit};
 
 const OP: &str = "burn_flash::layer_norm";
 
@@ -96,26 +93,8 @@ where
     out
 }
 
-/// The layer norm on `Fusion<B>`: `x`, `gamma` and `beta` where given, writing `out`.
-#[derive(Debug)]
-struct LayerNormOp<B> {
-    inputs: Vec<TensorIr>,
-    out: TensorId,
-    epsilon: f64,
-    _backend: PhantomData<B>,
-}
-
-impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for LayerNormOp<B> {
-    fn execute(&self, handles: &mut Handles<B>) {
-        let mut inputs = self.inputs.iter().map(|t| handles.get_float_tensor::<B>(t));
-        let (x, gamma) = (inputs.next(), inputs.next());
-        let beta = inputs.next();
-        let out = B::flash_layer_norm(x.expect("x"), gamma.expect("gamma"), beta, self.epsilon);
-        handles.register_float_tensor::<B>(&self.out, out);
-    }
-}
-
-/// The layer norm on `Fusion<B>` ([`crate::SoftmaxBackend::flash_layer_norm`]).
+/// The layer norm on `Fusion<B>` ([`crate::SoftmaxBackend::flash_layer_norm`]): one custom
+/// operation.
 pub(crate) fn fusion<B: FusionBackend + FlashBackend>(
     x: FloatTensor<Fusion<B>>,
     gamma: FloatTensor<Fusion<B>>,
@@ -123,13 +102,6 @@ pub(crate) fn fusion<B: FusionBackend + FlashBackend>(
     epsilon: f64,
 ) -> FloatTensor<Fusion<B>> {
     let out = uninit(&x, x.shape.clone(), x.dtype);
-    let mut tensors = vec![x, gamma];
-    tensors.extend(beta);
-    let op = |inputs, outputs: Vec<TensorId>| LayerNormOp::<B> {
-        inputs,
-        out: outputs[0],
-        epsilon,
-        _backend: PhantomData,
-    };
-    crate::fusion::record(OP, tensors, vec![out], op).output()
+    let run: RowsFn<B> = |x, g, b, eps| B::flash_layer_norm(x, g, b, eps);
+    record_rows_op::<B>(OP, (x, gamma, beta), out, epsilon, run)
 }

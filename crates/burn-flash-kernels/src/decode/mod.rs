@@ -212,11 +212,17 @@ fn shared_for(rows: usize, value_dim: usize, key_units: u32, keys: u32, planes: 
     (2 * groups * rows + groups * rows * width + sums) * 4
 }
 
+/// The keys each group of `key_units` takes per step under `config`: a step's `block_k` keys are
+/// `UNITS / key_units` groups of that many slots.
+fn keys_per_group(config: &FlashConfig, key_units: u32) -> u32 {
+    config.block_k * key_units / kernel::UNITS
+}
+
 /// Shared memory of the decoding kernel under `plan` on `client`, in bytes (at most).
 pub fn shared_bytes<R: Runtime>(client: &ComputeClient<R>, plan: &DecodePlan) -> usize {
     let c = plan.config;
     let ku = key_units(c.head_dim as usize, c.value_dim as usize);
-    let keys = c.block_k * ku / kernel::UNITS;
+    let keys = keys_per_group(&c, ku);
     shared_for(
         plan.rows,
         c.value_dim as usize,
@@ -394,8 +400,7 @@ pub(crate) unsafe fn launch_planned<R: Runtime>(
         split,
         planes,
         lengths,
-        // The plan's keys per step are `UNITS / key_units` groups of `keys` slots.
-        keys: plan.config.block_k * ku / kernel::UNITS,
+        keys: keys_per_group(&plan.config, ku),
     };
     // Absent tensors are never read: `lse` (f32) stands in for f32 ones; the u32 ones are
     // read only when given, so `lse`'s buffer stands in for them as well.
