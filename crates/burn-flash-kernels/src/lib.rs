@@ -27,6 +27,8 @@ pub mod reduce;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod copy;
+#[cfg(feature = "cuda")]
+pub mod cuda_target;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod dropout;
@@ -42,6 +44,7 @@ pub mod mutation;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod norm;
+pub mod occupancy;
 // `#[cube]` expands every function into undocumented helper items.
 pub mod softmax;
 pub mod softmax_matmul;

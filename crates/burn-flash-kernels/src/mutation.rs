@@ -76,6 +76,15 @@ pub enum Mutation {
     /// `skip-k-lane`: the few-rows linear kernel leaves out its last lane of the reduction
     /// dimension (every `K_LANES`-th row of `W` from the last lane's first).
     SkipKLane,
+    /// `forced-spill`: the Hopper forward promises three blocks per SM in its launch bounds
+    /// (56 registers a thread), which forces ptxas to spill (`cargo xtask cuda-check`).
+    ForcedSpill,
+    /// `register-budget`: the `mma.sync` forward's stated occupancy is four times what its
+    /// schedule assumes, a register budget under its count (`cargo xtask cuda-check`).
+    RegisterBudget,
+    /// `hopper-syntax`: a semicolon of the Hopper forward's source is dropped, a syntax error
+    /// NVRTC reports (`cargo xtask cuda-check`).
+    HopperSyntax,
 }
 
 impl Mutation {
@@ -104,6 +113,9 @@ impl Mutation {
             Self::DropSplit => "drop-split",
             Self::BiasedNorm => "biased-norm",
             Self::SkipKLane => "skip-k-lane",
+            Self::ForcedSpill => "forced-spill",
+            Self::RegisterBudget => "register-budget",
+            Self::HopperSyntax => "hopper-syntax",
         }
     }
 }
@@ -144,10 +156,13 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DropSplit,
             Mutation::BiasedNorm,
             Mutation::SkipKLane,
+            Mutation::ForcedSpill,
+            Mutation::RegisterBudget,
+            Mutation::HopperSyntax,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -276,4 +291,19 @@ pub fn biased_norm() -> bool {
 /// [`Mutation::SkipKLane`] is active.
 pub fn skip_k_lane() -> bool {
     active(Mutation::SkipKLane)
+}
+
+/// [`Mutation::ForcedSpill`] is active.
+pub fn forced_spill() -> bool {
+    active(Mutation::ForcedSpill)
+}
+
+/// [`Mutation::RegisterBudget`] is active.
+pub fn register_budget() -> bool {
+    active(Mutation::RegisterBudget)
+}
+
+/// [`Mutation::HopperSyntax`] is active.
+pub fn hopper_syntax() -> bool {
+    active(Mutation::HopperSyntax)
 }

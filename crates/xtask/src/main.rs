@@ -6,6 +6,14 @@
 //! Extra arguments are passed to cargo (`cargo xtask test --features cuda`). `cargo xtask test`
 //! runs one test at a time in each test binary unless `RUST_TEST_THREADS` says otherwise (see
 //! [`TEST_THREADS`]).
+//!
+//! `cargo xtask cuda-check [ARGS]` compiles every planned CUDA kernel variant on the CPU with
+//! NVRTC and holds it to its budgets (`crates/cuda-check`; ARGS are its own, `--all` for the
+//! full grid). It first installs NVRTC and the CUDA headers from NVIDIA's wheels
+//! (`nvidia-cuda-nvrtc`, `nvidia-cuda-runtime`, [`CUDA_WHEELS`]) into a cache folder
+//! ([`cuda_home`]) with pip, once. With `BURN_FLASH_MUTATION` set it builds the check with the
+//! kernels' deliberate bugs (`--features mutants`); `cargo xtask cuda-check --mutations` runs
+//! each of the check's own mutations and fails unless every one is caught.
 
 use std::{
     path::Path,
@@ -106,18 +114,185 @@ fn cargo(args: &[String], envs: &[(&str, &str)]) -> ExitCode {
     }
 }
 
+/// The CUDA version of the NVRTC the check installs: the CUDA 13 of the GPU machines, and the
+/// first NVRTC that bundles its headers (`nvrtcInstallBundledHeaders`).
+const CUDA_WHEELS: [&str; 2] = ["nvidia-cuda-nvrtc==13.5.*", "nvidia-cuda-runtime==13.5.*"];
+
+/// Where the check's CUDA lives: `$XDG_CACHE_HOME/burn-flash/cuda-13.5` (else under
+/// `~/.cache`); its `nvidia/cu13` is a `CUDA_PATH` (`include/`, and `lib/` with NVRTC).
+fn cuda_home() -> std::path::PathBuf {
+    let cache = std::env::var_os("XDG_CACHE_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))
+        .unwrap_or_else(|| "target".into());
+    cache.join("burn-flash").join("cuda-13.5")
+}
+
+/// Installs NVRTC and the CUDA headers from NVIDIA's wheels unless they are there; returns
+/// the `CUDA_PATH`.
+fn ensure_nvrtc() -> Result<std::path::PathBuf, String> {
+    let home = cuda_home();
+    let cuda = home.join("nvidia").join("cu13");
+    let ready = |c: &Path| {
+        c.join("lib").join("libnvrtc.so.13").exists()
+            && c.join("include").join("cuda_runtime.h").exists()
+    };
+    if ready(&cuda) {
+        return Ok(cuda);
+    }
+    eprintln!(
+        "xtask: installing NVRTC and the CUDA headers into {}",
+        home.display()
+    );
+    let target = home.to_string_lossy().into_owned();
+    let mut args = vec![
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--target",
+        &target,
+    ];
+    args.extend(CUDA_WHEELS);
+    if !run("python3", &args) || !ready(&cuda) {
+        return Err(format!(
+            "could not install NVRTC: `python3 -m pip install --target {target} {}` failed \
+             (it needs Python 3 with pip and PyPI)",
+            CUDA_WHEELS.join(" ")
+        ));
+    }
+    Ok(cuda)
+}
+
+/// The check's own mutations: each must make `cuda-check` fail on the calls given, with the
+/// message given in its output.
+const CHECK_MUTATIONS: [(&str, &[&str], &str); 3] = [
+    (
+        "forced-spill",
+        &[
+            "--arch",
+            "sm_90a",
+            "--filter",
+            "attention Hopper f16 D128/128 plain fwd",
+        ],
+        "in a matrix-unit kernel",
+    ),
+    (
+        "register-budget",
+        &[
+            "--arch",
+            "sm_80",
+            "--filter",
+            "attention MatrixUnits f16 D128/128 plain fwd",
+        ],
+        "over the budget of",
+    ),
+    (
+        "hopper-syntax",
+        &[
+            "--arch",
+            "sm_90a",
+            "--filter",
+            "attention Hopper f16 D128/128 plain fwd",
+        ],
+        "---- NVRTC log ----",
+    ),
+];
+
+/// `cargo xtask cuda-check`: NVRTC installed, then the check run (module docs).
+fn cuda_check(rest: &[String]) -> ExitCode {
+    let cuda = match ensure_nvrtc() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let lib = cuda.join("lib").to_string_lossy().into_owned();
+    let ld = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(old) if !old.is_empty() => format!("{lib}:{old}"),
+        _ => lib,
+    };
+    let cuda_path = cuda.to_string_lossy().into_owned();
+    let envs = [
+        ("LD_LIBRARY_PATH", ld.as_str()),
+        ("CUDA_PATH", cuda_path.as_str()),
+    ];
+    let mutations = rest.iter().any(|a| a == "--mutations");
+    let mutants = mutations || std::env::var_os("BURN_FLASH_MUTATION").is_some();
+    // `cargo run` of the check, with the kernels' mutations compiled in where asked.
+    let check = |args: &[&str]| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["run", "--quiet", "--package", "cuda-check"]);
+        if mutants {
+            cmd.args(["--features", "mutants"]);
+        }
+        cmd.arg("--").args(args).envs(envs);
+        cmd
+    };
+    if !mutations {
+        let args: Vec<&str> = rest.iter().map(String::as_str).collect();
+        eprintln!(
+            "xtask: cuda-check {} (CUDA_PATH={cuda_path})",
+            args.join(" ")
+        );
+        let ok = check(&args).status().is_ok_and(|s| s.success());
+        return if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
+    // Each mutation must fail the check with its message; unmutated, the same calls pass.
+    let mut all_caught = true;
+    for (name, args, expect) in CHECK_MUTATIONS {
+        let clean = check(args).status().is_ok_and(|s| s.success());
+        let mutated = check(args).env("BURN_FLASH_MUTATION", name).output();
+        let (failed, shown) = match &mutated {
+            Ok(out) => (
+                !out.status.success(),
+                String::from_utf8_lossy(&out.stdout).contains(expect),
+            ),
+            Err(_) => (false, false),
+        };
+        let caught = clean && failed && shown;
+        eprintln!(
+            "xtask: mutation {name}: unmutated {}; mutated {}, `{expect}` {} → {}",
+            if clean { "passes" } else { "FAILS" },
+            if failed { "fails" } else { "PASSES" },
+            if shown { "shown" } else { "NOT shown" },
+            if caught { "caught" } else { "NOT CAUGHT" },
+        );
+        all_caught &= caught;
+    }
+    if all_caught {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     let task = args.next().unwrap_or_default();
     let rest: Vec<String> = args.collect();
     let wgpu_needed = !rest.iter().any(|a| a == "--no-default-features");
+    if task == "cuda-check" {
+        return cuda_check(&rest);
+    }
     let plan: Vec<String> = match task.as_str() {
         "demo" => ["run", "--example", "quickstart"]
             .map(String::from)
             .to_vec(),
-        "test" => ["test", "--workspace"].map(String::from).to_vec(),
+        // `cuda-check` turns on the kernels' `cuda` feature: built with the suites, it would
+        // unify `cuda` into them (`cargo xtask cuda-check` tests it).
+        "test" => ["test", "--workspace", "--exclude", "cuda-check"]
+            .map(String::from)
+            .to_vec(),
         _ => {
-            eprintln!("usage: cargo xtask demo|test [cargo args]");
+            eprintln!("usage: cargo xtask demo|test [cargo args] | cuda-check [check args]");
             return ExitCode::FAILURE;
         }
     };

@@ -412,13 +412,13 @@ pub fn launch_attention_backward<R: Runtime>(
     }
     if plan.kernel == AttentionBackwardKernel::Hopper {
         #[cfg(feature = "cuda")]
-        if let Some(cuda) = super::cuda_client(client) {
+        {
             // SAFETY: the shapes were checked above and describe the buffers; the plan took
             // the Hopper backward, so `hopper::unavailable` found nothing against this call
             // (rows and starts aligned, non-empty sequences) and a `ds` comes without a
             // softcap (`hopper::takes_ds`); the mask and bias strides were checked against
             // `[B, Hq, Sq, Sk]`, `ds`'s shape is `[B, Hq, Sq, Sk]`.
-            unsafe {
+            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
                 hopper::launch(
                     cuda,
                     &t,
@@ -431,7 +431,11 @@ pub fn launch_attention_backward<R: Runtime>(
                     hopper::shared_bytes(plan.config),
                     plan.dkv_cubes,
                 )
-            };
+            });
+            assert!(
+                launched.is_some(),
+                "the plan takes the Hopper backward on CUDA clients only"
+            );
             record_launch(BackwardLaunch {
                 dims,
                 kernel: plan.kernel,
@@ -440,6 +444,7 @@ pub fn launch_attention_backward<R: Runtime>(
             });
             return Ok(plan);
         }
+        #[cfg(not(feature = "cuda"))]
         unreachable!("the plan takes the Hopper backward on CUDA clients only");
     }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| Operand {

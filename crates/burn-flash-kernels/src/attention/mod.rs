@@ -104,20 +104,13 @@ pub(crate) fn hopper_switched_off() -> Option<String> {
 /// Whether `client` is a CUDA client of a Hopper GPU (sm_90).
 pub(crate) fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
     #[cfg(feature = "cuda")]
-    return cuda_client(client).is_some_and(crate::hopper::sm90);
+    return crate::hopper::with_cuda_client!(client, |cuda| crate::hopper::sm90(cuda))
+        .unwrap_or(false);
     #[cfg(not(feature = "cuda"))]
     {
         let _ = client;
         false
     }
-}
-
-/// `client` as a CUDA client, where its runtime is CUDA.
-#[cfg(feature = "cuda")]
-pub(crate) fn cuda_client<R: Runtime>(
-    client: &ComputeClient<R>,
-) -> Option<&ComputeClient<cubecl::cuda::CudaRuntime>> {
-    (client as &dyn core::any::Any).downcast_ref()
 }
 
 /// What the scores are made of, and overrides of the host heuristic.
@@ -893,13 +886,13 @@ pub fn launch_attention<R: Runtime>(
     }
     let Some(flash_kernel) = plan.kernel.flash_kernel() else {
         #[cfg(feature = "cuda")]
-        if let Some(cuda) = cuda_client(client) {
+        {
+            let mask = mask.as_ref().zip(mask_strides.as_deref());
+            let bias = bias.as_ref().zip(bias_strides.as_deref());
             // SAFETY: the shapes were checked above and describe the buffers; the plan took
             // the Hopper kernel, so `hopper::unavailable` found nothing against this call, and
             // `aligned` includes the buffers' 16-byte starts.
-            let mask = mask.as_ref().zip(mask_strides.as_deref());
-            let bias = bias.as_ref().zip(bias_strides.as_deref());
-            unsafe {
+            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
                 hopper::launch(
                     cuda,
                     &q,
@@ -917,9 +910,14 @@ pub fn launch_attention<R: Runtime>(
                     options,
                     &plan,
                 )
-            };
+            });
+            assert!(
+                launched.is_some(),
+                "the plan takes the Hopper kernel on CUDA clients only"
+            );
             return Ok(plan);
         }
+        #[cfg(not(feature = "cuda"))]
         unreachable!("the plan takes the Hopper kernel on CUDA clients only");
     };
     let count = CubeCount::Static(

@@ -6,7 +6,7 @@
 //! the lanes `elect.sync` chose (one per warp). [`launch_wgmma`]: one `wgmma` product with both
 //! operands read from shared memory through descriptors.
 
-use cubecl::cuda::CudaRuntime;
+use super::CudaCompiled;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
@@ -111,8 +111,8 @@ impl core::fmt::Display for DoorError {
 /// `out[i] = 2·a[i] + s` for `i < n` (f32 buffers of at least `n` elements, `n` a multiple of
 /// 4), and `flags` (two `u32`, zeroed by the caller): `[sm90a compiled in, lanes elected]`.
 /// Checks the device and the buffers before anything is launched.
-pub fn launch(
-    client: &ComputeClient<CudaRuntime>,
+pub fn launch<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     a: &Handle,
     out: &Handle,
     flags: &Handle,
@@ -231,8 +231,8 @@ burn_flash_hopper_wgmma(const unsigned short* __restrict__ a, const unsigned sho
 
 /// `out = A·B` on one `wgmma` (the kernel of `WGMMA_SOURCE`): `a`, `bt` 64 × 16 f16 row-major
 /// (`bt` is `Bᵀ`), `out` 64 × 64 f32 row-major. Checks the device and the buffers first.
-pub fn launch_wgmma(
-    client: &ComputeClient<CudaRuntime>,
+pub fn launch_wgmma<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     a: &Handle,
     bt: &Handle,
     out: &Handle,

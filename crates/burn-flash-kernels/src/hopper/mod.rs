@@ -29,13 +29,44 @@
 pub mod door;
 pub mod task;
 
-use cubecl::cuda::CudaRuntime;
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
 use cubecl::ir::features::Tma;
-use cubecl::prelude::ComputeClient;
+use cubecl::prelude::{ComputeClient, Runtime};
+
+use crate::cuda_target::TargetRuntime;
+
+/// A runtime whose kernels cubecl-cuda's compiler compiles: [`CudaRuntime`] on a GPU, and
+/// [`TargetRuntime`] for a stated architecture without one (`crate::cuda_target`). The
+/// hand-written kernels launch on either.
+pub trait CudaCompiled: Runtime<Compiler = CudaCompiler> {}
+
+impl CudaCompiled for CudaRuntime {}
+
+impl CudaCompiled for TargetRuntime {}
+
+/// `Some($body)` with `$cuda` bound to `$client` (a `&ComputeClient<R>` of any runtime) as
+/// the client of a [`CudaCompiled`] runtime, where it is one; `None` elsewhere.
+macro_rules! with_cuda_client {
+    ($client:expr, |$cuda:ident| $body:expr) => {{
+        let any = $client as &dyn core::any::Any;
+        if let Some($cuda) =
+            any.downcast_ref::<cubecl::prelude::ComputeClient<cubecl::cuda::CudaRuntime>>()
+        {
+            Some($body)
+        } else if let Some($cuda) =
+            any.downcast_ref::<cubecl::prelude::ComputeClient<$crate::cuda_target::TargetRuntime>>()
+        {
+            Some($body)
+        } else {
+            None
+        }
+    }};
+}
+pub(crate) use with_cuda_client;
 
 /// Whether the device of `client` is a Hopper GPU (compute capability 9.x): it registers TMA
 /// (sm_90 and later) but not the wide im2col mode of sm_100.
-pub fn sm90(client: &ComputeClient<CudaRuntime>) -> bool {
+pub fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
     let tma = client.properties().features.tma;
     tma.contains(Tma::Base) && !tma.contains(Tma::Im2colWide)
 }

@@ -1,7 +1,9 @@
 //! [`HandWritten`]: a CUDA C++ source of ours as a cubecl kernel (the module docs of
 //! [`crate::hopper`] give the contract).
 
-use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::cuda::CudaCompiler;
+
+use super::CudaCompiled;
 use cubecl::prelude::*;
 use cubecl::server::{KernelArguments, MetadataBindingInfo, TensorMapBinding, TensorMapMeta};
 use cubecl::zspace::metadata::Metadata;
@@ -26,7 +28,7 @@ fn shared_memory_shell(out: &mut Array<u32>, #[comptime] words: usize) {
 /// (`extern "C" __global__`), launched with `cube_dim` threads per block and `shared_bytes` of
 /// dynamic shared memory (a multiple of 4). A variant's `#define`s go in `defines`, compiled
 /// in front of `source`.
-pub struct HandWritten {
+pub struct HandWritten<R: CudaCompiled> {
     /// The CUDA C++ source.
     pub source: &'static str,
     /// Text compiled in front of `source` (a variant's `#define`s); part of the `KernelId`.
@@ -42,13 +44,13 @@ pub struct HandWritten {
     pub variant: u64,
     /// [`super::source_hash`] of `source`, computed once here rather than in every `id()`.
     source_hash: u64,
-    client: ComputeClient<CudaRuntime>,
+    client: ComputeClient<R>,
 }
 
-impl HandWritten {
+impl<R: CudaCompiled> HandWritten<R> {
     /// The kernel `entry` of `source` for `client`'s device.
     pub fn new(
-        client: &ComputeClient<CudaRuntime>,
+        client: &ComputeClient<R>,
         source: &'static str,
         entry: &'static str,
         cube_dim: CubeDim,
@@ -62,7 +64,7 @@ impl HandWritten {
     /// [`Self::new`] for a source whose [`super::source_hash`] is known (a `const` computed at
     /// compile time), so that a launch does not hash the source again.
     pub fn new_hashed(
-        client: &ComputeClient<CudaRuntime>,
+        client: &ComputeClient<R>,
         source: &'static str,
         source_hash: u64,
         entry: &'static str,
@@ -131,7 +133,7 @@ impl HandWritten {
     }
 }
 
-impl KernelMetadata for HandWritten {
+impl<R: CudaCompiled> KernelMetadata for HandWritten<R> {
     fn name(&self) -> &'static str {
         self.entry
     }
@@ -153,7 +155,7 @@ impl KernelMetadata for HandWritten {
     }
 }
 
-impl CubeTask<CudaCompiler> for HandWritten {
+impl<R: CudaCompiled> CubeTask<CudaCompiler> for HandWritten<R> {
     fn compile(
         &self,
         compiler: &mut CudaCompiler,
@@ -164,7 +166,7 @@ impl CubeTask<CudaCompiler> for HandWritten {
         let settings = KernelSettings::default()
             .cube_dim(self.cube_dim)
             .address_type(AddressType::U32);
-        let shell = shared_memory_shell::SharedMemoryShell::<CudaRuntime>::new(
+        let shell = shared_memory_shell::SharedMemoryShell::<R>::new(
             settings,
             self.client.clone(),
             ArrayCompilationArg { inplace: None },

@@ -120,11 +120,11 @@ pub fn launch_softmax_matmul<R: Runtime>(
     }
     if plan.kernel == SmmForwardKernel::Hopper {
         #[cfg(feature = "cuda")]
-        if let Some(cuda) = crate::attention::cuda_client(client) {
+        {
             // SAFETY: `dims_of` checked the shapes, which describe the buffers; the plan took
             // the Hopper kernel, so `hopper_unavailable` found nothing against this call (TMA
             // layout, non-empty tensors, grid limits).
-            unsafe {
+            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
                 crate::flash::forward::hopper::launch_given(
                     cuda,
                     &x,
@@ -135,10 +135,15 @@ pub fn launch_softmax_matmul<R: Runtime>(
                     plan.config,
                     plan.units,
                     plan.cubes,
-                );
-            }
+                )
+            });
+            assert!(
+                launched.is_some(),
+                "the plan takes the Hopper kernel on CUDA clients only"
+            );
             return Ok(plan);
         }
+        #[cfg(not(feature = "cuda"))]
         unreachable!("the plan takes the Hopper kernel on CUDA clients only");
     }
     let flash_kernel = plan
@@ -338,23 +343,32 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         let delta = launch_delta(client, &operands.out, &operands.d_out, rows, dtype);
         if plan.path == SmmBackwardPath::Hopper {
             #[cfg(feature = "cuda")]
-            if let Some(cuda) = crate::attention::cuda_client(client) {
+            {
                 // The plan took the Hopper kernels: `hopper_unavailable` found nothing against
                 // `x`, `v`, `d_out`, `dx`, `dv` (16-byte rows and starts, no size 0), and
                 // `delta` holds `batch · d1` rows.
-                crate::flash::backward::hopper_given::launch(
-                    cuda,
-                    &x,
-                    &v,
-                    &d_out,
-                    &lse,
-                    &delta.handle,
-                    &dx,
-                    dtype,
+                let launched = crate::hopper::with_cuda_client!(client, |cuda| {
+                    crate::flash::backward::hopper_given::launch(
+                        cuda,
+                        &x,
+                        &v,
+                        &d_out,
+                        &lse,
+                        &delta.handle,
+                        &dx,
+                        dtype,
+                    );
+                    crate::flash::backward::hopper_given::launch_dv(
+                        cuda, &x, &d_out, &lse, &dv, dtype,
+                    );
+                });
+                assert!(
+                    launched.is_some(),
+                    "the plan takes the Hopper kernels on CUDA clients only"
                 );
-                crate::flash::backward::hopper_given::launch_dv(cuda, &x, &d_out, &lse, &dv, dtype);
                 return Ok(());
             }
+            #[cfg(not(feature = "cuda"))]
             unreachable!("the plan takes the Hopper kernels on CUDA clients only");
         }
         launch_backward_with_delta(

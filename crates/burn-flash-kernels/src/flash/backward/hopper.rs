@@ -14,7 +14,7 @@
 //! [`unavailable`] names; the plan then runs the `mma.sync` backward.
 
 #[cfg(feature = "cuda")]
-use cubecl::cuda::CudaRuntime;
+use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
 use crate::attention::{AttentionDims, AttentionFeatures};
@@ -258,8 +258,8 @@ pub fn unavailable(
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
 #[cfg(feature = "cuda")]
-pub unsafe fn launch(
-    client: &ComputeClient<CudaRuntime>,
+pub unsafe fn launch<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     t: &BackwardTensors<'_>,
     dims: AttentionDims,
     dtype: StorageType,

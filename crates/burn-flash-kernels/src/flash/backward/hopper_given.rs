@@ -9,7 +9,7 @@
 //! checked by `crate::softmax_matmul::plan_softmax_matmul_backward_for`.
 
 #[cfg(feature = "cuda")]
-use cubecl::cuda::CudaRuntime;
+use crate::hopper::CudaCompiled;
 #[cfg(feature = "cuda")]
 use cubecl::prelude::*;
 
@@ -78,8 +78,8 @@ pub fn cubes(batch: usize, d1: usize, d2: usize) -> (usize, usize, usize) {
 /// The shapes and strides describe the buffers; `delta` holds `batch · d1` floats.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn launch(
-    client: &ComputeClient<CudaRuntime>,
+pub unsafe fn launch<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     x: &TensorRef<'_>,
     v: &TensorRef<'_>,
     d_out: &TensorRef<'_>,
@@ -211,8 +211,8 @@ pub fn dv_cubes(dv_batch: usize, d2: usize, d3: usize) -> (usize, usize, usize) 
 /// # Safety
 /// The shapes and strides describe the buffers.
 #[cfg(feature = "cuda")]
-pub unsafe fn launch_dv(
-    client: &ComputeClient<CudaRuntime>,
+pub unsafe fn launch_dv<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     x: &TensorRef<'_>,
     d_out: &TensorRef<'_>,
     lse: &TensorRef<'_>,

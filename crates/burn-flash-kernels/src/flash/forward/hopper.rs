@@ -16,7 +16,7 @@
 //! registers of `S` with `ldmatrix`, `V` is read [`given_tile`]`.value_dim` columns per block.
 
 #[cfg(feature = "cuda")]
-use cubecl::cuda::CudaRuntime;
+use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
 use crate::attention::{AttentionDims, AttentionFeatures};
@@ -327,12 +327,12 @@ pub fn unavailable(
 /// The kernel of `variant` with `units` threads and `shared_bytes` of shared memory, with the
 /// active mutations (`--features mutants`) applied to its source.
 #[cfg(feature = "cuda")]
-fn hand_written(
-    client: &ComputeClient<CudaRuntime>,
+fn hand_written<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     variant: Variant,
     units: u32,
     shared_bytes: usize,
-) -> HandWritten {
+) -> HandWritten<R> {
     let (source, hash) = crate::hopper::mutated(
         SOURCE,
         SOURCE_HASH,
@@ -371,6 +371,16 @@ fn hand_written(
                 crate::mutation::window_right(),
                 "last_row + diag + (int)p.window_right);",
                 "last_row + diag + (int)p.window_right + 1);",
+            ),
+            (
+                crate::mutation::forced_spill(),
+                "__launch_bounds__(128 * (CONSUMERS + 1), 1)",
+                "__launch_bounds__(128 * (CONSUMERS + 1), 3)",
+            ),
+            (
+                crate::mutation::hopper_syntax(),
+                "const int diag = (int)p.seq_k - (int)p.seq_q;",
+                "const int diag = (int)p.seq_k - (int)p.seq_q",
             ),
         ],
     );
@@ -422,8 +432,8 @@ pub(crate) fn bind_terms(
 /// # Safety
 /// The shapes and strides describe the buffers.
 #[cfg(feature = "cuda")]
-pub unsafe fn launch(
-    client: &ComputeClient<CudaRuntime>,
+pub unsafe fn launch<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     q: &TensorRef<'_>,
     k: &TensorRef<'_>,
     v: &TensorRef<'_>,
@@ -547,8 +557,8 @@ pub(crate) fn view<'a>(
 /// The shapes and strides describe the buffers.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn launch_given(
-    client: &ComputeClient<CudaRuntime>,
+pub unsafe fn launch_given<R: CudaCompiled>(
+    client: &ComputeClient<R>,
     x: &TensorRef<'_>,
     v: &TensorRef<'_>,
     out: &TensorRef<'_>,

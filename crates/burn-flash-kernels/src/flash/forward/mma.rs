@@ -66,7 +66,10 @@ pub const NV8: usize = 8;
 pub const CHUNK: u32 = 32;
 
 /// Shared memory of [`flash_forward_mma()`], in bytes: two `V` buffers and, for computed
-/// scores, the `Q` tile and two `K` buffers; rows padded by [`V_PAD`] elements.
+/// scores, the `Q` tile and two `K` buffers, rows padded by [`V_PAD`] elements; and the two
+/// `cp.async` barriers (8 bytes each), which count against the device's limit too (without
+/// them a D 256 plan on sm_86/sm_89 asked for 16 bytes over the 99 KiB: `cargo xtask
+/// cuda-check`).
 pub fn shared_bytes(c: FlashConfig) -> usize {
     let pad = V_PAD as usize;
     let (bq, bk) = (c.block_q as usize, c.block_k as usize);
@@ -76,8 +79,11 @@ pub fn shared_bytes(c: FlashConfig) -> usize {
     } else {
         bq * (d + pad) + 2 * bk * (d + pad)
     };
-    (qk + 2 * bk * (dv + pad)) * 2
+    (qk + 2 * bk * (dv + pad)) * 2 + BARRIER_BYTES
 }
+
+/// The shared memory of the kernel's two `Barrier::shared`.
+const BARRIER_BYTES: usize = 2 * 8;
 
 /// Whether `c` fits the kernel: whole `mma` tiles and pairs of them and, for given scores,
 /// whole [`CHUNK`]s per step.

@@ -1,0 +1,185 @@
+//! The budgets a compiled variant is held to, and the summary of a run.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use burn_flash_kernels::cuda_target::TargetLaunch;
+use burn_flash_kernels::occupancy;
+
+use crate::Variant;
+use crate::nvrtc::Compiled;
+
+/// Registers of an SM on every target architecture (sm_80 – sm_90).
+const SM_REGISTERS: u32 = 65_536;
+/// Registers a thread can have.
+const MAX_REGISTERS: u32 = 255;
+
+/// The most registers a thread of a `threads`-thread cube may use for `cubes` cubes to fit on
+/// an SM at once: registers are allocated per warp in units of 256 (8 a thread).
+pub fn register_budget(threads: u32, cubes: u32) -> u32 {
+    let warps = threads.div_ceil(32).max(1);
+    (SM_REGISTERS / (32 * warps * cubes.max(1)) / 8 * 8).min(MAX_REGISTERS)
+}
+
+/// Whether `source` issues matrix instructions (`mma.sync`, `wmma`, `wgmma`).
+pub fn matrix_units(source: &str) -> bool {
+    source.contains("mma.sync") || source.contains("wmma::") || source.contains("wgmma.")
+}
+
+/// A variant against its budgets.
+pub struct Verdict {
+    /// Its register budget, where its kernel states an occupancy.
+    pub register_budget: Option<u32>,
+    /// Whether it issues matrix instructions (and must not spill).
+    pub matrix_units: bool,
+    /// What it breaks (empty: nothing).
+    pub failures: Vec<String>,
+}
+
+impl Verdict {
+    /// Whether it keeps every budget.
+    pub fn ok(&self) -> bool {
+        self.failures.is_empty()
+    }
+
+    /// `ok`, or what it breaks.
+    pub fn status(&self) -> String {
+        if self.ok() {
+            "ok".into()
+        } else {
+            self.failures.join("; ")
+        }
+    }
+}
+
+/// Holds `launch`, compiled as `compiled`, to its budgets.
+pub fn judge(launch: &TargetLaunch, compiled: &Compiled) -> Verdict {
+    let threads = launch.cube_dim.num_elems();
+    let stated = occupancy::of(launch.name, launch.arch.cc);
+    let cubes = stated.map(|o| o.cubes_per_sm);
+    let mut v = Verdict {
+        register_budget: cubes.map(|c| register_budget(threads, c)),
+        matrix_units: matrix_units(&launch.source),
+        failures: Vec::new(),
+    };
+    if let Some(why) = &launch.refused {
+        v.failures.push(format!("refused before NVRTC: {why}"));
+        return v;
+    }
+    let (r, _) = match compiled {
+        Ok(c) => c,
+        Err(_) => {
+            v.failures.push("NVRTC failed (log below)".into());
+            return v;
+        }
+    };
+    match (cubes, v.register_budget) {
+        (Some(c), Some(budget)) if r.registers > budget => v.failures.push(format!(
+            "{} registers over the budget of {budget} ({c} cubes of {threads} threads per SM)",
+            r.registers
+        )),
+        (None, _) => v.failures.push(format!(
+            "no occupancy stated for `{}` (burn_flash_kernels::occupancy)",
+            launch.name
+        )),
+        _ => {}
+    }
+    let allowed = stated.map_or(0, |o| o.known_spill_bytes);
+    if v.matrix_units && r.spill_stores + r.spill_loads > allowed {
+        v.failures.push(format!(
+            "spills {} B stored, {} B loaded in a matrix-unit kernel (known spills: {allowed} B)",
+            r.spill_stores, r.spill_loads
+        ));
+    }
+    let smem = launch.shared_bytes + r.static_smem as usize;
+    if smem > launch.arch.max_shared {
+        v.failures.push(format!(
+            "{smem} B of shared memory over the {} B of {} ({})",
+            launch.arch.max_shared, launch.arch.nvrtc, launch.arch.gpu
+        ));
+    }
+    v
+}
+
+/// A table by kernel and architecture: variants, most registers (budget), spills, shared
+/// memory, NVRTC time.
+pub fn summary(rows: &[(&Variant, &(Compiled, bool), &Verdict)]) -> String {
+    #[derive(Default)]
+    struct Row {
+        variants: usize,
+        registers: u32,
+        budget: u32,
+        spills: u32,
+        smem: usize,
+        ms: f64,
+        ms_max: f64,
+        failures: usize,
+    }
+    let mut table: BTreeMap<(String, String), Row> = BTreeMap::new();
+    for (v, (c, _), verdict) in rows {
+        let row = table
+            .entry((v.launch.entry.clone(), v.launch.arch.nvrtc.to_string()))
+            .or_default();
+        row.variants += 1;
+        row.failures += usize::from(!verdict.ok());
+        row.smem = row.smem.max(v.launch.shared_bytes);
+        if let Some(b) = verdict.register_budget {
+            row.budget = row.budget.max(b);
+        }
+        if let Ok((r, ms)) = c {
+            row.registers = row.registers.max(r.registers);
+            row.spills = row.spills.max(r.spill_stores + r.spill_loads);
+            row.smem = row.smem.max(v.launch.shared_bytes + r.static_smem as usize);
+            row.ms += ms;
+            row.ms_max = row.ms_max.max(*ms);
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<40} {:<7} {:>4} {:>5} {:>6} {:>7} {:>7} {:>8} {:>8} {:>5}",
+        "kernel", "arch", "n", "regs", "budget", "spill B", "smem B", "NVRTC s", "max ms", "fail"
+    );
+    for ((entry, arch), r) in table {
+        let _ = writeln!(
+            out,
+            "{:<40} {:<7} {:>4} {:>5} {:>6} {:>7} {:>7} {:>8.1} {:>8.0} {:>5}",
+            entry,
+            arch,
+            r.variants,
+            r.registers,
+            r.budget,
+            r.spills,
+            r.smem,
+            r.ms / 1e3,
+            r.ms_max,
+            r.failures
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn register_budgets_follow_the_allocation_unit() {
+        // 4 warps, 1 cube: capped at 255; 2 cubes: 256 → 255; 3 cubes: 2048 / 12 = 170 → 168.
+        assert_eq!(register_budget(128, 1), 255);
+        assert_eq!(register_budget(128, 3), 168);
+        // 384 threads (the Hopper kernels), 1 cube: 65536 / 384 = 170 → 168.
+        assert_eq!(register_budget(384, 1), 168);
+        // 256 threads, 2 cubes: 128; a partial warp counts whole.
+        assert_eq!(register_budget(256, 2), 128);
+        assert_eq!(register_budget(250, 2), 128);
+    }
+
+    #[test]
+    fn matrix_instructions_are_recognised() {
+        assert!(matrix_units("asm(\"mma.sync.aligned.m16n8k16\")"));
+        assert!(matrix_units("wmma::mma_sync(acc, a, b, acc);"));
+        assert!(matrix_units("wgmma.mma_async.sync.aligned"));
+        assert!(!matrix_units("float acc = a * b;"));
+    }
+}

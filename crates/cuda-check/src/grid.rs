@@ -1,0 +1,779 @@
+//! The calls whose launches the check compiles: each is a real call of a public launch
+//! function of `burn-flash-kernels` on a [`TargetRuntime`] client, so the plan, the kernel
+//! and its comptime configuration are the ones a GPU of that architecture would get.
+//!
+//! [`calls`] with `all = false` is the representative grid CI compiles: every kernel family
+//! on each architecture it targets, every score feature at least once, every head-dim class
+//! (64, 128, 256, and odd sizes that round up), each dtype. `all = true` crosses them.
+
+use burn_flash_kernels::attention::{
+    AttentionKernel, AttentionOptions, BackwardTensors, launch_attention, launch_attention_backward,
+};
+use burn_flash_kernels::copy::launch_copy;
+use burn_flash_kernels::cuda_target::{Arch, TargetRuntime};
+use burn_flash_kernels::decode::{
+    AppendTensors, DecodeTensors, Paged, Rope, launch_append, launch_decode,
+};
+use burn_flash_kernels::dropout::DropoutParams;
+use burn_flash_kernels::linear::{LinearTensors, launch_linear_rows};
+use burn_flash_kernels::norm::{LayerNormTensors, launch_layer_norm};
+use burn_flash_kernels::softmax::{
+    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, launch_softmax, launch_softmax_backward,
+};
+use burn_flash_kernels::softmax_matmul::{
+    SmmPath, SoftmaxMatmulOptions, launch_softmax_matmul, launch_softmax_matmul_backward,
+};
+use burn_flash_kernels::tensor::TensorRef;
+use cubecl::ir::{ElemType, FloatKind, UIntKind};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// A client of one target architecture.
+pub type Client = ComputeClient<TargetRuntime>;
+
+/// One call of the grid.
+pub struct Call {
+    /// What it is, e.g. `attention fwd MatrixUnits f16 D128 causal`.
+    pub name: String,
+    run: Box<dyn Fn(&Client) -> Result<(), String>>,
+}
+
+impl Call {
+    /// Makes the call on `client` (its launches are recorded by the target runtime).
+    pub fn run(&self, client: &Client) -> Result<(), String> {
+        (self.run)(client)
+    }
+}
+
+/// A tensor on a target device: its buffer (never read), shape and pitched strides.
+struct Owned {
+    handle: Handle,
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+}
+
+impl Owned {
+    fn new(client: &Client, shape: &[usize], dtype: StorageType) -> Self {
+        let layout = client.empty_tensor(shape.into(), dtype.size());
+        Self {
+            handle: layout.memory,
+            shape: shape.to_vec(),
+            strides: layout.strides.to_vec(),
+        }
+    }
+
+    fn r(&self) -> TensorRef<'_> {
+        TensorRef {
+            handle: &self.handle,
+            shape: &self.shape,
+            strides: &self.strides,
+        }
+    }
+}
+
+fn float(kind: FloatKind) -> StorageType {
+    StorageType::Scalar(ElemType::Float(kind))
+}
+
+const F32: StorageType = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+const U32: StorageType = StorageType::Scalar(ElemType::UInt(UIntKind::U32));
+
+fn dtype_name(kind: FloatKind) -> &'static str {
+    match kind {
+        FloatKind::F16 => "f16",
+        FloatKind::BF16 => "bf16",
+        _ => "f32",
+    }
+}
+
+/// The score features of an attention call.
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Features {
+    causal: bool,
+    mask: bool,
+    fill: bool,
+    bias: bool,
+    softcap: bool,
+    quiet: bool,
+    dropout: bool,
+    window: bool,
+    alibi: bool,
+    sinks: bool,
+    varlen: bool,
+    /// Backward: `dS` written (a tracked bias).
+    ds: bool,
+}
+
+impl Features {
+    fn name(&self) -> String {
+        let f = [
+            (self.causal, "causal"),
+            (self.mask, "mask"),
+            (self.fill, "fill"),
+            (self.bias, "bias"),
+            (self.softcap, "softcap"),
+            (self.quiet, "quiet"),
+            (self.dropout, "dropout"),
+            (self.window, "window"),
+            (self.alibi, "alibi"),
+            (self.sinks, "sinks"),
+            (self.varlen, "varlen"),
+            (self.ds, "ds"),
+        ];
+        let on: Vec<_> = f.iter().filter(|(b, _)| *b).map(|(_, n)| *n).collect();
+        if on.is_empty() {
+            "plain".into()
+        } else {
+            on.join("+")
+        }
+    }
+}
+
+/// The feature sets of the grid: each feature at least once, the common pairs together.
+fn feature_sets(all: bool) -> Vec<Features> {
+    let none = Features::default();
+    let mut sets = vec![
+        none,
+        Features {
+            causal: true,
+            ..none
+        },
+        Features {
+            mask: true,
+            bias: true,
+            softcap: true,
+            ..none
+        },
+        Features {
+            mask: true,
+            fill: true,
+            quiet: true,
+            causal: true,
+            ..none
+        },
+        Features {
+            dropout: true,
+            causal: true,
+            ..none
+        },
+        Features {
+            window: true,
+            alibi: true,
+            sinks: true,
+            ..none
+        },
+        Features {
+            varlen: true,
+            causal: true,
+            ..none
+        },
+    ];
+    if all {
+        sets.extend([
+            Features { bias: true, ..none },
+            Features {
+                softcap: true,
+                causal: true,
+                ..none
+            },
+            Features {
+                window: true,
+                causal: true,
+                ..none
+            },
+            Features {
+                dropout: true,
+                mask: true,
+                bias: true,
+                ..none
+            },
+        ]);
+    }
+    sets
+}
+
+/// Options of a call with `f` forced onto `kernel`.
+fn options(f: Features, kernel: Option<AttentionKernel>) -> AttentionOptions {
+    AttentionOptions {
+        scale: 0.125,
+        softcap: f.softcap.then_some(30.0),
+        causal: f.causal,
+        kernel,
+        block_k: None,
+        dropout: f.dropout.then(|| DropoutParams::new(0.1, 7)),
+        masked_score: f.fill.then_some(-1e4),
+        quiet: f.quiet,
+        window: f.window.then_some((64, 16)),
+    }
+}
+
+/// The sizes of an attention call.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seq_q: usize,
+    seq_k: usize,
+    d: usize,
+    dv: usize,
+}
+
+/// The tensors of an attention call (forward and backward).
+struct AttentionCall {
+    q: Owned,
+    k: Owned,
+    v: Owned,
+    mask: Option<Owned>,
+    bias: Option<Owned>,
+    slopes: Option<Owned>,
+    sinks: Option<Owned>,
+    seqs: Option<Owned>,
+    out: Owned,
+    lse: Owned,
+}
+
+impl AttentionCall {
+    fn new(client: &Client, s: Sizes, f: Features, dtype: StorageType) -> Self {
+        let t = |shape: &[usize], dtype| Owned::new(client, shape, dtype);
+        let (b, hq, hkv) = (s.batch, s.heads_q, s.heads_kv);
+        Self {
+            q: t(&[b, hq, s.seq_q, s.d], dtype),
+            k: t(&[b, hkv, s.seq_k, s.d], dtype),
+            v: t(&[b, hkv, s.seq_k, s.dv], dtype),
+            mask: f.mask.then(|| t(&[b, 1, s.seq_q, s.seq_k], dtype)),
+            bias: f.bias.then(|| t(&[1, hq, s.seq_q, s.seq_k], dtype)),
+            slopes: f.alibi.then(|| t(&[hq], F32)),
+            sinks: f.sinks.then(|| t(&[hq], F32)),
+            seqs: f.varlen.then(|| t(&[2 * 3], U32)),
+            out: t(&[b, hq, s.seq_q, s.dv], dtype),
+            lse: t(&[b, hq, s.seq_q], F32),
+        }
+    }
+
+    fn forward(
+        &self,
+        client: &Client,
+        dtype: StorageType,
+        o: &AttentionOptions,
+    ) -> Result<(), String> {
+        launch_attention(
+            client,
+            self.q.r(),
+            self.k.r(),
+            self.v.r(),
+            self.mask.as_ref().map(Owned::r),
+            self.bias.as_ref().map(Owned::r),
+            self.slopes.as_ref().map(Owned::r),
+            self.sinks.as_ref().map(Owned::r),
+            self.seqs.as_ref().map(Owned::r),
+            self.out.r(),
+            self.lse.r(),
+            dtype,
+            o,
+        )
+        .map(|plan| drop(plan))
+        .map_err(|e| e.to_string())
+    }
+
+    fn backward(
+        &self,
+        client: &Client,
+        dtype: StorageType,
+        o: &AttentionOptions,
+        ds: bool,
+    ) -> Result<(), String> {
+        let like = |t: &Owned| Owned::new(client, &t.shape, dtype);
+        let (d_out, dq, dk, dv) = (like(&self.out), like(&self.q), like(&self.k), like(&self.v));
+        let full = [
+            self.q.shape[0],
+            self.q.shape[1],
+            self.q.shape[2],
+            self.k.shape[2],
+        ];
+        let ds = ds.then(|| Owned::new(client, &full, dtype));
+        let t = BackwardTensors {
+            q: self.q.r(),
+            k: self.k.r(),
+            v: self.v.r(),
+            mask: self.mask.as_ref().map(Owned::r),
+            bias: self.bias.as_ref().map(Owned::r),
+            slopes: self.slopes.as_ref().map(Owned::r),
+            seqs: self.seqs.as_ref().map(Owned::r),
+            out: self.out.r(),
+            lse: self.lse.r(),
+            d_out: d_out.r(),
+            dq: dq.r(),
+            dk: dk.r(),
+            dv: dv.r(),
+            ds: ds.as_ref().map(Owned::r),
+        };
+        launch_attention_backward(client, t, dtype, o)
+            .map(|plan| drop(plan))
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Which architectures a forced attention kernel runs on.
+fn kernel_archs(kernel: AttentionKernel, archs: &[Arch]) -> Vec<Arch> {
+    archs
+        .iter()
+        .copied()
+        .filter(|a| kernel != AttentionKernel::Hopper || a.cc == 90)
+        .collect()
+}
+
+fn push(
+    calls: &mut Vec<Call>,
+    name: String,
+    archs: Vec<Arch>,
+    run: impl Fn(&Client) -> Result<(), String> + 'static,
+) {
+    // A call is made on the architectures its kernel targets.
+    if !archs.is_empty() {
+        calls.push(Call {
+            name,
+            run: Box::new(run),
+        });
+    }
+}
+
+/// Attention forward and backward: each kernel path × dtype × head dims × feature sets.
+fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    use AttentionKernel::*;
+    // Head-dim classes: (D, Dv). Odd sizes round up inside the kernels.
+    let dims_all: &[(usize, usize)] = &[
+        (64, 64),
+        (128, 128),
+        (256, 256),
+        (80, 80),
+        (64, 128),
+        (32, 32),
+    ];
+    let dims_few: &[(usize, usize)] = &[(64, 64), (128, 128), (256, 256), (80, 80)];
+    let head_dims = if all { dims_all } else { dims_few };
+    let matrix = [FloatKind::F16, FloatKind::BF16];
+    for kernel in [MatrixUnits, Hopper, CooperativeMatrix, Tiled, Units] {
+        let kinds: &[FloatKind] = match kernel {
+            MatrixUnits | Hopper | CooperativeMatrix => &matrix,
+            Tiled | Units if all => &[FloatKind::F32, FloatKind::F16, FloatKind::BF16],
+            _ => &[FloatKind::F32],
+        };
+        for (i, &kind) in kinds.iter().enumerate() {
+            for (j, &(d, dv)) in head_dims.iter().enumerate() {
+                for (k, f) in feature_sets(all).into_iter().enumerate() {
+                    // The representative grid, on sm_80 and sm_90a: every feature set at one
+                    // head dim and dtype, every head dim plain and causal, the second dtype
+                    // plain; on sm_86 and sm_89 (sm_80's code with less shared memory, which
+                    // only the tile choice sees) the first dtype at D 128 and 256, plain and
+                    // causal.
+                    let primary = archs.iter().any(|a| a.cc == 80 || a.cc == 90);
+                    let wanted = if primary {
+                        i == 0 && (j == 1 || k <= 1) || k == 0 && j <= 1
+                    } else {
+                        i == 0 && (j == 1 || j == 2) && k <= 1
+                    };
+                    if !all && !wanted {
+                        continue;
+                    }
+                    if kernel == Tiled && f.dropout {
+                        continue; // the tiled kernel takes no dropout (the plan refuses it)
+                    }
+                    let s = Sizes {
+                        batch: if f.varlen { 1 } else { 2 },
+                        heads_q: 4,
+                        heads_kv: 2,
+                        seq_q: 200,
+                        seq_k: 328,
+                        d,
+                        dv,
+                    };
+                    let name = format!(
+                        "attention {kernel:?} {} D{d}/{dv} {}",
+                        dtype_name(kind),
+                        f.name()
+                    );
+                    let dtype = float(kind);
+                    let o = options(f, Some(kernel));
+                    push(
+                        calls,
+                        format!("{name} fwd"),
+                        kernel_archs(kernel, archs),
+                        move |c| AttentionCall::new(c, s, f, dtype).forward(c, dtype, &o),
+                    );
+                    // Backward: no sinks (they are forward-only); `dS` with a bias.
+                    if f.sinks || (kernel == Tiled) {
+                        continue;
+                    }
+                    for ds in [false, true] {
+                        if ds && !f.bias {
+                            continue;
+                        }
+                        let f = Features { ds, ..f };
+                        push(
+                            calls,
+                            format!("{name}{} bwd", if ds { "+ds" } else { "" }),
+                            kernel_archs(kernel, archs),
+                            move |c| {
+                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, f.ds)
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Decoding: split-KV over a contiguous cache (planned and forced), paged, with ALiBi and
+/// sinks; appends with and without RoPE.
+fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    let kinds: &[FloatKind] = if all {
+        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
+    } else {
+        &[FloatKind::F16, FloatKind::F32]
+    };
+    for &kind in kinds {
+        let dtype = float(kind);
+        for d in if all { vec![64, 128, 256] } else { vec![128] } {
+            for (paged, f) in [
+                (false, Features::default()),
+                (true, Features::default()),
+                (
+                    true,
+                    Features {
+                        alibi: true,
+                        sinks: true,
+                        window: true,
+                        ..Default::default()
+                    },
+                ),
+            ] {
+                let name = format!(
+                    "decode {} {} D{d} {}",
+                    if paged { "paged" } else { "contiguous" },
+                    dtype_name(kind),
+                    f.name()
+                );
+                push(calls, name, archs.to_vec(), move |c| {
+                    let (b, hq, hkv, smax, block) = (4, 8, 2, 2048, 64);
+                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                    let q = t(&[b, hq, 1, d], dtype);
+                    let (k, v, table) = if paged {
+                        let blocks = b * smax / block;
+                        (
+                            t(&[blocks, block, hkv, d], dtype),
+                            t(&[blocks, block, hkv, d], dtype),
+                            Some(t(&[b, smax / block], U32)),
+                        )
+                    } else {
+                        (
+                            t(&[b, hkv, smax, d], dtype),
+                            t(&[b, hkv, smax, d], dtype),
+                            None,
+                        )
+                    };
+                    let lengths = t(&[b], U32);
+                    let slopes = f.alibi.then(|| t(&[hq], F32));
+                    let sinks = f.sinks.then(|| t(&[hq], F32));
+                    let out = t(&[b, hq, 1, d], dtype);
+                    let lse = t(&[b, hq, 1], F32);
+                    let dt = DecodeTensors {
+                        q: q.r(),
+                        k: k.r(),
+                        v: v.r(),
+                        paged: table.as_ref().map(|t| Paged { table: t.r() }),
+                        lengths: Some(lengths.r()),
+                        slopes: slopes.as_ref().map(Owned::r),
+                        sinks: sinks.as_ref().map(Owned::r),
+                        out: out.r(),
+                        lse: lse.r(),
+                    };
+                    launch_decode(c, dt, dtype, &options(f, None))
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                });
+            }
+            // The planner's own pick for one query row against a long contiguous cache.
+            let s = Sizes {
+                batch: 2,
+                heads_q: 8,
+                heads_kv: 2,
+                seq_q: 1,
+                seq_k: 4096,
+                d,
+                dv: d,
+            };
+            push(
+                calls,
+                format!(
+                    "attention planned {} D{d} decode-shaped fwd",
+                    dtype_name(kind)
+                ),
+                archs.to_vec(),
+                move |c| {
+                    let f = Features::default();
+                    AttentionCall::new(c, s, f, dtype).forward(c, dtype, &options(f, None))
+                },
+            );
+            for (paged, rope) in [(false, false), (true, true)] {
+                push(
+                    calls,
+                    format!(
+                        "append {} {} D{d}{}",
+                        if paged { "paged" } else { "contiguous" },
+                        dtype_name(kind),
+                        if rope { " rope" } else { "" }
+                    ),
+                    archs.to_vec(),
+                    move |c| {
+                        let (b, hkv, hq, s_new, smax, block) = (2, 2, 4, 3, 512, 64);
+                        let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                        let k_new = t(&[b, hkv, s_new, d], dtype);
+                        let v_new = t(&[b, hkv, s_new, d], dtype);
+                        let (k, v, table) = if paged {
+                            let blocks = b * smax / block;
+                            (
+                                t(&[blocks, block, hkv, d], dtype),
+                                t(&[blocks, block, hkv, d], dtype),
+                                Some(t(&[b, smax / block], U32)),
+                            )
+                        } else {
+                            (
+                                t(&[b, hkv, smax, d], dtype),
+                                t(&[b, hkv, smax, d], dtype),
+                                None,
+                            )
+                        };
+                        let lengths = t(&[b], U32);
+                        let cos = t(&[smax, d / 2], F32);
+                        let sin = t(&[smax, d / 2], F32);
+                        let q = t(&[b, hq, s_new, d], dtype);
+                        let q_out = t(&[b, hq, s_new, d], dtype);
+                        let at = AppendTensors {
+                            k_new: k_new.r(),
+                            v_new: v_new.r(),
+                            k: k.r(),
+                            v: v.r(),
+                            paged: table.as_ref().map(|t| Paged { table: t.r() }),
+                            lengths: lengths.r(),
+                            rope: rope.then(|| Rope {
+                                cos: cos.r(),
+                                sin: sin.r(),
+                                interleaved: false,
+                                q: Some((q.r(), q_out.r())),
+                            }),
+                        };
+                        launch_append(c, at, dtype).map_err(|e| e.to_string())
+                    },
+                );
+            }
+        }
+    }
+}
+
+/// The softmax family: each tier × variant × direction, at a width the tier takes.
+fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    let kinds: &[FloatKind] = if all {
+        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
+    } else {
+        &[FloatKind::F32, FloatKind::BF16]
+    };
+    for &kind in kinds {
+        let dtype = float(kind);
+        for (tier, width, dim) in [
+            (SoftmaxTier::Plane, 512, 1),
+            (SoftmaxTier::Cube, 8192, 1),
+            (SoftmaxTier::Split, 65_536, 1),
+            (SoftmaxTier::Exchange, 65_536, 1),
+            (SoftmaxTier::Strided, 64, 0),
+        ] {
+            for variant in [
+                SoftmaxVariant::Softmax,
+                SoftmaxVariant::LogSoftmax,
+                SoftmaxVariant::QuietSoftmax,
+            ] {
+                if !all && kind != FloatKind::F32 && variant != SoftmaxVariant::Softmax {
+                    continue;
+                }
+                let shape = if dim == 1 { [32, width] } else { [width, 96] };
+                let name = format!(
+                    "softmax {tier:?} {variant:?} {} {shape:?} dim {dim}",
+                    dtype_name(kind)
+                );
+                let o = SoftmaxOptions {
+                    tier: Some(tier),
+                    ..Default::default()
+                };
+                push(calls, format!("{name} fwd"), archs.to_vec(), move |c| {
+                    let x = Owned::new(c, &shape, dtype);
+                    let y = Owned::new(c, &shape, dtype);
+                    launch_softmax(c, x.r(), y.r(), dim, dtype, variant, o)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                });
+                push(calls, format!("{name} bwd"), archs.to_vec(), move |c| {
+                    let y = Owned::new(c, &shape, dtype);
+                    let dy = Owned::new(c, &shape, dtype);
+                    let dx = Owned::new(c, &shape, dtype);
+                    launch_softmax_backward(c, y.r(), dy.r(), dx.r(), dim, dtype, variant, o)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                });
+            }
+        }
+    }
+}
+
+/// `softmax(X)·V`: each path (plain units, matrix units, Hopper) × dtype × value widths.
+fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    for (path, hopper, kinds) in [
+        (SmmPath::Units, false, vec![FloatKind::F32]),
+        (
+            SmmPath::MatrixUnits,
+            false,
+            vec![FloatKind::F16, FloatKind::BF16],
+        ),
+        (SmmPath::MatrixUnits, true, vec![FloatKind::BF16]),
+    ] {
+        let archs: Vec<Arch> = archs
+            .iter()
+            .copied()
+            .filter(|a| !hopper || a.cc == 90)
+            .collect();
+        for kind in kinds {
+            for d3 in if all {
+                vec![64, 128, 256, 512]
+            } else {
+                vec![128, 512]
+            } {
+                let dtype = float(kind);
+                let o = SoftmaxMatmulOptions {
+                    path: Some(path),
+                    hopper: Some(hopper),
+                    ..Default::default()
+                };
+                let name = format!(
+                    "softmax_matmul {path:?}{} {} d3 {d3}",
+                    if hopper { " Hopper" } else { "" },
+                    dtype_name(kind)
+                );
+                let (b, d1, d2) = (2, 300, 1024);
+                push(calls, format!("{name} fwd"), archs.clone(), move |c| {
+                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                    let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
+                    let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));
+                    launch_softmax_matmul(c, x.r(), v.r(), out.r(), lse.r(), dtype, o)
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                });
+                push(calls, format!("{name} bwd"), archs.clone(), move |c| {
+                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                    let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
+                    let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));
+                    let (d_out, dx, dv) = (
+                        t(&[b, d1, d3], dtype),
+                        t(&[b, d1, d2], dtype),
+                        t(&[b, d2, d3], dtype),
+                    );
+                    launch_softmax_matmul_backward(
+                        c,
+                        x.r(),
+                        v.r(),
+                        out.r(),
+                        lse.r(),
+                        d_out.r(),
+                        dx.r(),
+                        dv.r(),
+                        dtype,
+                    )
+                    .map_err(|e| e.to_string())
+                });
+            }
+        }
+    }
+}
+
+/// The serving pieces: the few-rows linear, the layer norm, the copy benchmarks compare with.
+fn rows(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    let kinds: &[FloatKind] = if all {
+        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
+    } else {
+        &[FloatKind::F32, FloatKind::BF16]
+    };
+    for &kind in kinds {
+        let dtype = float(kind);
+        for (m, bias) in [(1, true), (16, false)] {
+            push(
+                calls,
+                format!(
+                    "linear {} M{m}{}",
+                    dtype_name(kind),
+                    if bias { " bias" } else { "" }
+                ),
+                archs.to_vec(),
+                move |c| {
+                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                    let (x, w, b, out) = (
+                        t(&[m, 512], dtype),
+                        t(&[512, 1536], dtype),
+                        t(&[1536], dtype),
+                        t(&[m, 1536], dtype),
+                    );
+                    let lt = LinearTensors {
+                        x: x.r(),
+                        w: w.r(),
+                        bias: bias.then(|| b.r()),
+                        out: out.r(),
+                    };
+                    launch_linear_rows(c, lt, dtype).map_err(|e| e.to_string())
+                },
+            );
+        }
+        for width in [512, 4096] {
+            push(
+                calls,
+                format!("layer_norm {} width {width}", dtype_name(kind)),
+                archs.to_vec(),
+                move |c| {
+                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
+                    let (x, g, b, out) = (
+                        t(&[64, width], dtype),
+                        t(&[width], dtype),
+                        t(&[width], dtype),
+                        t(&[64, width], dtype),
+                    );
+                    let lt = LayerNormTensors {
+                        x: x.r(),
+                        gamma: g.r(),
+                        beta: Some(b.r()),
+                        out: out.r(),
+                    };
+                    launch_layer_norm(c, lt, 1e-5, dtype).map_err(|e| e.to_string())
+                },
+            );
+        }
+        push(
+            calls,
+            format!("copy {}", dtype_name(kind)),
+            archs.to_vec(),
+            move |c| {
+                let len = 1 << 20;
+                let (a, b) = (c.empty(len * dtype.size()), c.empty(len * dtype.size()));
+                launch_copy(c, &a, &b, len, dtype);
+                Ok(())
+            },
+        );
+    }
+}
+
+/// Every call of the grid on `archs` (module docs).
+pub fn calls(archs: &[Arch], all: bool) -> Vec<Call> {
+    let mut calls = Vec::new();
+    attention(&mut calls, archs, all);
+    decode(&mut calls, archs, all);
+    softmax(&mut calls, archs, all);
+    softmax_matmul(&mut calls, archs, all);
+    rows(&mut calls, archs, all);
+    calls
+}
