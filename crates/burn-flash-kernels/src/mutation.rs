@@ -76,8 +76,9 @@ pub enum Mutation {
     /// `skip-k-lane`: the few-rows linear kernel leaves out its last lane of the reduction
     /// dimension (every `K_LANES`-th row of `W` from the last lane's first).
     SkipKLane,
-    /// `forced-spill`: the Hopper forward promises three blocks per SM in its launch bounds
-    /// (56 registers a thread), which forces ptxas to spill (`cargo xtask cuda-check`).
+    /// `forced-spill`: the Hopper forward's two consumer warpgroups claim 176 registers a
+    /// thread instead of 240 (`setmaxnreg`), which forces ptxas to spill (`cargo xtask
+    /// cuda-check`).
     ForcedSpill,
     /// `register-budget`: the `mma.sync` forward's stated occupancy is four times what its
     /// schedule assumes, a register budget under its count (`cargo xtask cuda-check`).

@@ -31,11 +31,14 @@ use cubecl::server::Handle;
 /// A client of one target architecture.
 pub type Client = ComputeClient<TargetRuntime>;
 
+/// A call's body: launches on a client, or the error the launch function returned.
+type Body = Box<dyn Fn(&Client) -> Result<(), String>>;
+
 /// One call of the grid.
 pub struct Call {
     /// What it is, e.g. `attention fwd MatrixUnits f16 D128 causal`.
     pub name: String,
-    run: Box<dyn Fn(&Client) -> Result<(), String>>,
+    run: Body,
 }
 
 impl Call {
@@ -272,7 +275,7 @@ impl AttentionCall {
             dtype,
             o,
         )
-        .map(|plan| drop(plan))
+        .map(|_| ())
         .map_err(|e| e.to_string())
     }
 
@@ -309,7 +312,7 @@ impl AttentionCall {
             ds: ds.as_ref().map(Owned::r),
         };
         launch_attention_backward(client, t, dtype, o)
-            .map(|plan| drop(plan))
+            .map(|_| ())
             .map_err(|e| e.to_string())
     }
 }
@@ -490,7 +493,7 @@ fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                         lse: lse.r(),
                     };
                     launch_decode(c, dt, dtype, &options(f, None))
-                        .map(drop)
+                        .map(|_| ())
                         .map_err(|e| e.to_string())
                 });
             }
@@ -609,7 +612,7 @@ fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                     let x = Owned::new(c, &shape, dtype);
                     let y = Owned::new(c, &shape, dtype);
                     launch_softmax(c, x.r(), y.r(), dim, dtype, variant, o)
-                        .map(drop)
+                        .map(|_| ())
                         .map_err(|e| e.to_string())
                 });
                 push(calls, format!("{name} bwd"), archs.to_vec(), move |c| {
@@ -617,7 +620,7 @@ fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                     let dy = Owned::new(c, &shape, dtype);
                     let dx = Owned::new(c, &shape, dtype);
                     launch_softmax_backward(c, y.r(), dy.r(), dx.r(), dim, dtype, variant, o)
-                        .map(drop)
+                        .map(|_| ())
                         .map_err(|e| e.to_string())
                 });
             }
@@ -664,7 +667,7 @@ fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                     let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
                     let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));
                     launch_softmax_matmul(c, x.r(), v.r(), out.r(), lse.r(), dtype, o)
-                        .map(drop)
+                        .map(|_| ())
                         .map_err(|e| e.to_string())
                 });
                 push(calls, format!("{name} bwd"), archs.clone(), move |c| {

@@ -275,7 +275,7 @@ fn compile_all(
                     *results[i].lock().unwrap() = Some(outcome);
                     let mut d = done.lock().unwrap();
                     *d += 1;
-                    if *d % 25 == 0 || *d == todo {
+                    if (*d).is_multiple_of(25) || *d == todo {
                         eprintln!(
                             "cuda-check: {}/{todo} compiled ({:.0} s)",
                             *d,

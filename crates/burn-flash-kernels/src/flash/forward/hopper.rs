@@ -374,8 +374,8 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::forced_spill(),
-                "__launch_bounds__(128 * (CONSUMERS + 1), 1)",
-                "__launch_bounds__(128 * (CONSUMERS + 1), 3)",
+                "    regs_claim<240>();",
+                "    regs_claim<176>();",
             ),
             (
                 crate::mutation::hopper_syntax(),
