@@ -3,6 +3,10 @@
 
 use cubecl::{CubeCount, CubeDim, prelude::*, server::Handle};
 
+/// The copy and the zeroing fill an SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(8);
+
 #[cube(launch_unchecked)]
 fn copy_kernel<F: Float, N: Size>(
     input: &Array<Vector<F, N>>,

@@ -28,6 +28,10 @@ pub const ROWS_PER_CUBE: usize = 4;
 /// Most rows of `x` the kernel is planned for: beyond, a tiled matmul reads `W` fewer times.
 pub const MAX_ROWS: usize = 16;
 
+/// A K-slice of the rows per lane (256 threads): two cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(2);
+
 /// `out[m, ·] = x[m, ·]·w + b` for the cube's rows and columns (module docs). Grid: one cube
 /// per [`COLUMN_LANES`] column vectors (`x`) and `rows` rows (`y`); units `(COLUMN_LANES,
 /// K_LANES)`.

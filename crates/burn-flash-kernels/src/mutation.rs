@@ -86,6 +86,10 @@ pub enum Mutation {
     /// `hopper-syntax`: a semicolon of the Hopper forward's source is dropped, a syntax error
     /// NVRTC reports (`cargo xtask cuda-check`).
     HopperSyntax,
+    /// `uncounted-barriers`: the `mma.sync` forward's plan leaves its two barriers out of its
+    /// shared memory, so a D 256 plan on sm_86 / sm_89 asks 16 bytes over the device's limit
+    /// (`cargo xtask cuda-check`).
+    UncountedBarriers,
 }
 
 impl Mutation {
@@ -117,6 +121,7 @@ impl Mutation {
             Self::ForcedSpill => "forced-spill",
             Self::RegisterBudget => "register-budget",
             Self::HopperSyntax => "hopper-syntax",
+            Self::UncountedBarriers => "uncounted-barriers",
         }
     }
 }
@@ -160,10 +165,11 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::ForcedSpill,
             Mutation::RegisterBudget,
             Mutation::HopperSyntax,
+            Mutation::UncountedBarriers,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax, uncounted-barriers"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -307,4 +313,9 @@ pub fn register_budget() -> bool {
 /// [`Mutation::HopperSyntax`] is active.
 pub fn hopper_syntax() -> bool {
     active(Mutation::HopperSyntax)
+}
+
+/// [`Mutation::UncountedBarriers`] is active.
+pub fn uncounted_barriers() -> bool {
+    active(Mutation::UncountedBarriers)
 }

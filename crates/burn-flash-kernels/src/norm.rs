@@ -17,6 +17,10 @@ use crate::tensor::{TensorRef, UnsupportedDType, check_dtype};
 /// Units per cube of [`layer_norm_rows()`].
 pub const UNITS: u32 = 256;
 
+/// Two f32 passes over each row: streams, four cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(4);
+
 /// Normalises each row of `x` (its last dimension, any strides) into `out` (module docs).
 /// Grid: one cube per `rows_per_cube` rows, linear over `(x, y)`.
 #[cube(launch_unchecked)]

@@ -2,10 +2,13 @@
 //! against ptxas for every planned variant: how many of its cubes share an SM (the register
 //! budget follows: the registers a thread may use for that many cubes to fit), and, for the
 //! matrix-unit kernels, the spill bytes ptxas may report — zero, but for the known spills
-//! listed here, which are debts the check keeps from growing (NOTES, "CUDA without a GPU").
+//! a kernel lists, which are debts the check keeps from growing (NOTES §12). A ceiling is the
+//! largest spill measured with some room: cubecl 0.10 emits a kernel's declarations in an
+//! order that changes between processes, and ptxas's allocation moves with it (±16 registers,
+//! ±60 bytes of spills seen on the cooperative-matrix kernels).
 //!
-//! One table, by kernel: a `#[cube]` kernel is named by its launch function's name (the
-//! module of its type), a hand-written one by its entry point.
+//! Each kernel states its [`Occupancy`] next to its definition (`OCCUPANCY`,
+//! `DKV_OCCUPANCY`, …); [`of`] finds it by the kernel's name.
 
 /// A kernel's budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,67 +20,56 @@ pub struct Occupancy {
     pub known_spill_bytes: u32,
 }
 
-const fn cubes(cubes_per_sm: u32) -> Occupancy {
-    Occupancy {
-        cubes_per_sm,
-        known_spill_bytes: 0,
+impl Occupancy {
+    /// `cubes_per_sm` cubes per SM, no spill.
+    pub const fn cubes(cubes_per_sm: u32) -> Self {
+        Self {
+            cubes_per_sm,
+            known_spill_bytes: 0,
+        }
+    }
+
+    /// `cubes_per_sm` cubes per SM, and a known spill of at most `known_spill_bytes`.
+    pub const fn spilling(cubes_per_sm: u32, known_spill_bytes: u32) -> Self {
+        Self {
+            cubes_per_sm,
+            known_spill_bytes,
+        }
     }
 }
 
-const fn spilling(cubes_per_sm: u32, known_spill_bytes: u32) -> Occupancy {
-    Occupancy {
-        cubes_per_sm,
-        known_spill_bytes,
-    }
-}
-
-/// The budgets of kernel `name` (a `#[cube]` kernel's type name, or a hand-written kernel's
-/// entry point) on compute capability `cc`; `None` for a kernel that states none.
-pub fn of(name: &str, cc: u32) -> Option<Occupancy> {
-    let _ = cc;
-    // `path::kernel_fn::KernelType<Runtime>` → `kernel_fn`; an entry point stays as it is.
+/// The budgets of kernel `name`: a `#[cube]` kernel's type name (`path::kernel_fn::Type<R>`,
+/// found by `kernel_fn`) or a hand-written kernel's entry point; `None` for a kernel that
+/// states none.
+pub fn of(name: &str) -> Option<Occupancy> {
+    use crate::flash::{backward, forward};
     let path = name.split('<').next().unwrap_or(name);
     let kernel = path.rsplit("::").nth(1).unwrap_or(path);
     let budget = match kernel {
-        // Attention and softmax·V forwards.
-        // FlashAttention-2's schedule: 4 planes (2 at 64 rows) of up to 255 registers, two
-        // cubes per SM. Known: the D 128 variants with score rules spill up to 44 + 52 B,
-        // softmax·V's (given scores) up to 48 + 72 B on sm_86 / sm_89.
-        "flash_forward_mma" => spilling(2, 120),
-        // Eight 16-row planes of fragments (256 threads), one cube per SM. Known: D 256 on
-        // CUDA's `wmma` spills up to 240 + 212 B (the path runs on CUDA only when forced).
-        "flash_forward_cmma" => spilling(1, 452),
-        // Plain units, 256 threads of register tiles: one cube per SM.
-        "flash_forward_tiled" | "flash_forward_units" => cubes(1),
-        // One producer and two (three at D 64) consumer warpgroups, `setmaxnreg` 24 / 240:
-        // one block per SM.
-        "burn_flash_hopper_forward" => cubes(1),
-        // Backwards.
-        // The row prepass `δ = rowsum(dO ⊙ O)`: memory-bound, four cubes per SM.
-        "flash_delta" => cubes(4),
-        // dK/dV and dQ on `mma.sync`: 4 planes, two cubes per SM (8 warps). Known spills:
-        // dK/dV at D 80 up to 12 + 12 B, dQ up to 24 + 24 B.
-        "flash_backward_dkv_mma" => spilling(2, 24),
-        "flash_backward_dq_mma" => spilling(2, 48),
-        // Cooperative matrices on CUDA's `wmma` (forced only): 4 planes, two cubes per SM.
-        // Known: dK/dV spills 420–468 B (f16, D 128) and 11 KB (bf16, sm_80); dQ 124 B.
-        "flash_backward_dkv_cmma" => spilling(2, 11_284),
-        "flash_backward_dq_cmma" => spilling(2, 124),
-        // Plain units (256 threads, f32): one cube per SM.
-        "flash_backward_dkv" | "flash_backward_dq" | "flash_backward_given_tiled" => cubes(1),
-        // Warp-specialised Hopper backward (384 threads): one block per SM. Known: the
-        // masked / biased / dropout variants spill up to 244 + 184 B.
-        "burn_flash_hopper_backward" => spilling(1, 428),
-        "burn_flash_hopper_smm_dx" | "burn_flash_hopper_smm_dv" => cubes(1),
-        // The Hopper backward's per-row pre- and post-passes: memory-bound, a full SM.
-        "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => cubes(8),
-        // Decoding: the split kernel is register-limited (NOTES §6: 2–3 cubes per SM); the
-        // merge and the append are memory-bound.
-        "flash_decode" => cubes(2),
-        "decode_merge" | "kv_append" => cubes(4),
-        // The softmax family: a row per plane or cube (up to 512 threads), two cubes per SM
-        // for the register tiers; the split and strided tiers stream, four.
-        "softmax_rows" | "softmax_backward_rows" => cubes(2),
+        "flash_forward_mma" => forward::mma::OCCUPANCY,
+        "flash_forward_cmma" => forward::cmma::OCCUPANCY,
+        "flash_forward_tiled" => forward::tiled::OCCUPANCY,
+        "flash_forward_units" => forward::units::OCCUPANCY,
+        "burn_flash_hopper_forward" => forward::hopper::OCCUPANCY,
+        "flash_delta" => backward::DELTA_OCCUPANCY,
+        "flash_backward_dkv_mma" => backward::mma_dkv::OCCUPANCY,
+        "flash_backward_dq_mma" => backward::mma_dq::OCCUPANCY,
+        "flash_backward_dkv_cmma" => backward::cmma::DKV_OCCUPANCY,
+        "flash_backward_dq_cmma" => backward::cmma::DQ_OCCUPANCY,
+        "flash_backward_dkv" => backward::units::DKV_OCCUPANCY,
+        "flash_backward_dq" => backward::units::DQ_OCCUPANCY,
+        "flash_backward_given_tiled" => backward::units_given::OCCUPANCY,
+        "burn_flash_hopper_backward" => backward::hopper::OCCUPANCY,
+        "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => {
+            backward::hopper::ROWS_OCCUPANCY
+        }
+        "burn_flash_hopper_smm_dx" | "burn_flash_hopper_smm_dv" => {
+            backward::hopper_given::OCCUPANCY
+        }
+        "flash_decode" => crate::decode::kernel::OCCUPANCY,
+        "decode_merge" => crate::decode::kernel::MERGE_OCCUPANCY,
+        "kv_append" => crate::decode::append::OCCUPANCY,
+        "softmax_rows" | "softmax_backward_rows" => crate::softmax::kernel::ROWS_OCCUPANCY,
         "softmax_split_partials"
         | "softmax_split_finish"
         | "softmax_split_exchange"
@@ -85,21 +77,17 @@ pub fn of(name: &str, cc: u32) -> Option<Occupancy> {
         | "softmax_backward_split_partials"
         | "softmax_backward_split_finish"
         | "softmax_backward_split_exchange"
-        | "softmax_backward_strided" => cubes(4),
-        // Serving pieces: the few-rows linear holds a K-slice per lane (two cubes), the
-        // layer norm streams (four); the copy and the zeroing fill an SM.
-        "linear_rows" => cubes(2),
-        "layer_norm_rows" => cubes(4),
-        "copy_kernel" | "zero_u32_kernel" => cubes(8),
+        | "softmax_backward_strided" => crate::softmax::kernel::STREAM_OCCUPANCY,
+        "linear_rows" => crate::linear::OCCUPANCY,
+        "layer_norm_rows" => crate::norm::OCCUPANCY,
+        "copy_kernel" | "zero_u32_kernel" => crate::copy::OCCUPANCY,
         _ => return None,
     };
-    let budget = if kernel == "flash_forward_mma" && crate::mutation::register_budget() {
-        Occupancy {
+    if kernel == "flash_forward_mma" && crate::mutation::register_budget() {
+        return Some(Occupancy {
             cubes_per_sm: 4 * budget.cubes_per_sm,
             ..budget
-        }
-    } else {
-        budget
-    };
+        });
+    }
     Some(budget)
 }

@@ -55,7 +55,7 @@ impl Verdict {
 /// Holds `launch`, compiled as `compiled`, to its budgets.
 pub fn judge(launch: &TargetLaunch, compiled: &Compiled) -> Verdict {
     let threads = launch.cube_dim.num_elems();
-    let stated = occupancy::of(launch.name, launch.arch.cc);
+    let stated = occupancy::of(launch.name);
     let cubes = stated.map(|o| o.cubes_per_sm);
     let mut v = Verdict {
         register_budget: cubes.map(|c| register_budget(threads, c)),
@@ -159,6 +159,76 @@ pub fn summary(rows: &[(&Variant, &(Compiled, bool), &Verdict)]) -> String {
     out
 }
 
+/// The fields of one CSV line (double-quoted fields may hold commas).
+fn csv_fields(line: &str) -> Vec<String> {
+    let (mut fields, mut field, mut quoted) = (Vec::new(), String::new(), false);
+    for ch in line.chars() {
+        match ch {
+            '"' => quoted = !quoted,
+            ',' if !quoted => fields.push(std::mem::take(&mut field)),
+            _ => field.push(ch),
+        }
+    }
+    fields.push(field);
+    fields
+}
+
+/// The rows of this run whose registers or spills differ from `old` (a previous
+/// `resources.csv`), keyed by kernel, variant and arch; variants only one side has are counted.
+pub fn compare(old: &str, rows: &[(&Variant, &(Compiled, bool), &Verdict)]) -> String {
+    let mut lines = old.lines();
+    let header = csv_fields(lines.next().unwrap_or_default());
+    let col = |name: &str| header.iter().position(|h| h == name);
+    let (Some(k), Some(var), Some(a), Some(reg), Some(ss), Some(sl)) = (
+        col("kernel"),
+        col("variant"),
+        col("arch"),
+        col("registers"),
+        col("spill_stores"),
+        col("spill_loads"),
+    ) else {
+        return "cuda-check: the baseline is not a resources.csv\n".into();
+    };
+    let mut before: BTreeMap<(String, String, String), (u32, u32)> = BTreeMap::new();
+    for line in lines {
+        let f = csv_fields(line);
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<u32>().ok()).unwrap_or(0);
+        if let (Some(kernel), Some(variant), Some(arch)) = (f.get(k), f.get(var), f.get(a)) {
+            let key = (kernel.clone(), variant.clone(), arch.clone());
+            before.insert(key, (num(reg), num(ss) + num(sl)));
+        }
+    }
+    let mut out = String::new();
+    let (mut changed, mut new) = (0, 0);
+    for (v, (c, _), _) in rows {
+        let Ok((r, _)) = c else { continue };
+        let key = (
+            v.launch.entry.clone(),
+            v.call.clone(),
+            v.launch.arch.nvrtc.to_string(),
+        );
+        let Some((regs, spills)) = before.remove(&key) else {
+            new += 1;
+            continue;
+        };
+        let now = (r.registers, r.spill_stores + r.spill_loads);
+        if now != (regs, spills) {
+            changed += 1;
+            let _ = writeln!(
+                out,
+                "changed {} {} [{}]: registers {regs} → {}, spill bytes {spills} → {}",
+                key.2, key.0, key.1, now.0, now.1
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "cuda-check: against the baseline, {changed} variants changed, {new} new, {} gone",
+        before.len()
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +243,14 @@ mod tests {
         // 256 threads, 2 cubes: 128; a partial warp counts whole.
         assert_eq!(register_budget(256, 2), 128);
         assert_eq!(register_budget(250, 2), 128);
+    }
+
+    #[test]
+    fn csv_fields_keep_quoted_commas() {
+        assert_eq!(
+            csv_fields("k,\"softmax [32, 512] fwd\",sm_80,12"),
+            ["k", "softmax [32, 512] fwd", "sm_80", "12"]
+        );
     }
 
     #[test]

@@ -6,8 +6,8 @@
 //! For each architecture a [`TargetRuntime`] client takes every call of [`grid::calls`]; the
 //! kernels those calls launch are compiled to CUDA C++ as cubecl-cuda compiles them, deduplicated
 //! by source, and handed to NVRTC with the runtime's options plus `--ptxas-options=-v`, two
-//! at a time (or `--jobs`). Results are cached by a hash of NVRTC's version, the options and
-//! the source, under `target/cuda-check/cache`.
+//! at a time (or `--jobs`). Results are cached by a hash of NVRTC's version, the architecture
+//! and the source, under `target/cuda-check/cache`.
 //!
 //! Budgets ([`budget`]): no spill store or load in a kernel that issues matrix instructions;
 //! registers at or under what the occupancy stated next to the kernel's launch allows
@@ -50,10 +50,15 @@ struct Args {
     no_cache: bool,
     /// List the variants without compiling.
     list: bool,
+    /// Write each variant's CUDA source under this folder.
+    sources: Option<PathBuf>,
+    /// A previous `resources.csv` to compare registers and spills with.
+    baseline: Option<PathBuf>,
 }
 
 const USAGE: &str = "usage: cuda-check [--all] [--arch sm_80,sm_86,sm_89,sm_90a] [--jobs N] \
-                     [--filter TEXT] [--out DIR] [--cuda CUDA_PATH] [--no-cache] [--list]";
+                     [--filter TEXT] [--out DIR] [--cuda CUDA_PATH] [--no-cache] [--list] \
+                     [--sources DIR] [--baseline OLD_resources.csv]";
 
 fn args() -> Result<Args, String> {
     let mut a = Args {
@@ -65,6 +70,8 @@ fn args() -> Result<Args, String> {
         cuda: std::env::var_os("CUDA_PATH").map(PathBuf::from),
         no_cache: false,
         list: false,
+        sources: None,
+        baseline: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -88,6 +95,8 @@ fn args() -> Result<Args, String> {
             "--filter" => a.filter = Some(value()?),
             "--out" => a.out = PathBuf::from(value()?),
             "--cuda" => a.cuda = Some(PathBuf::from(value()?)),
+            "--sources" => a.sources = Some(PathBuf::from(value()?)),
+            "--baseline" => a.baseline = Some(PathBuf::from(value()?)),
             _ => return Err(USAGE.into()),
         }
     }
@@ -254,9 +263,10 @@ fn compile_all(
                     }
                     let opts = options(v.launch.arch, headers);
                     let version = format!("{}.{}", nvrtc.0, nvrtc.1);
+                    // The headers come with NVRTC's version: their path is not part of the key.
                     let key = fnv(&[
                         version.as_bytes(),
-                        opts.join(" ").as_bytes(),
+                        v.launch.arch.nvrtc.as_bytes(),
                         v.launch.source.as_bytes(),
                         v.launch.entry.as_bytes(),
                     ]);
@@ -294,6 +304,29 @@ fn compile_all(
                 .unwrap_or((Err("refused before NVRTC".into()), false))
         })
         .collect()
+}
+
+/// Writes each variant's source as `dir/<arch>/<entry>-<source hash>.cu`, its first call and
+/// NVRTC's options in a comment at the top.
+fn write_sources(dir: &Path, variants: &[Variant]) -> std::io::Result<()> {
+    for v in variants {
+        let l = &v.launch;
+        let folder = dir.join(l.arch.nvrtc);
+        std::fs::create_dir_all(&folder)?;
+        let hash = fnv(&[l.source.as_bytes()]);
+        let header = format!(
+            "// {} ({} threads, {} B of dynamic shared memory), first launched by: {}\n",
+            l.entry,
+            l.cube_dim.num_elems(),
+            l.shared_bytes,
+            v.call
+        );
+        std::fs::write(
+            folder.join(format!("{}-{hash:016x}.cu", l.entry)),
+            header + &l.source,
+        )?;
+    }
+    Ok(())
 }
 
 /// The CSV of the run: one row per variant.
@@ -355,6 +388,13 @@ fn main() -> ExitCode {
             .join(", "),
         start.elapsed().as_secs_f64()
     );
+    if let Some(dir) = &args.sources {
+        if let Err(e) = write_sources(dir, &variants) {
+            eprintln!("cuda-check: writing sources under {}: {e}", dir.display());
+            return ExitCode::from(2);
+        }
+        eprintln!("cuda-check: sources under {}", dir.display());
+    }
     if args.list {
         for v in &variants {
             println!(
@@ -410,6 +450,12 @@ fn main() -> ExitCode {
     }
     let summary = budget::summary(&rows);
     println!("{summary}");
+    if let Some(base) = &args.baseline {
+        match std::fs::read_to_string(base) {
+            Ok(old) => print!("{}", budget::compare(&old, &rows)),
+            Err(e) => eprintln!("cuda-check: reading {}: {e}", base.display()),
+        }
+    }
     let mut broken = 0;
     for (v, (c, _), verdict) in &rows {
         if verdict.ok() {
@@ -479,6 +525,8 @@ mod tests {
             cuda: None,
             no_cache: true,
             list: true,
+            sources: None,
+            baseline: None,
         };
         let (variants, failed) = collect(&args);
         assert!(failed.is_empty(), "calls refused: {failed:#?}");

@@ -167,7 +167,7 @@ fn ensure_nvrtc() -> Result<std::path::PathBuf, String> {
 
 /// The check's own mutations: each must make `cuda-check` fail on the calls given, with the
 /// message given in its output.
-const CHECK_MUTATIONS: [(&str, &[&str], &str); 3] = [
+const CHECK_MUTATIONS: [(&str, &[&str], &str); 4] = [
     (
         "forced-spill",
         &[
@@ -197,6 +197,16 @@ const CHECK_MUTATIONS: [(&str, &[&str], &str); 3] = [
             "attention Hopper f16 D128/128 plain fwd",
         ],
         "---- NVRTC log ----",
+    ),
+    (
+        "uncounted-barriers",
+        &[
+            "--arch",
+            "sm_86",
+            "--filter",
+            "attention MatrixUnits f16 D256/256 plain fwd",
+        ],
+        "of shared memory; the device has",
     ),
 ];
 

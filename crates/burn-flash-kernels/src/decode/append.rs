@@ -109,6 +109,10 @@ fn move_pair<F: Float>(
     }
 }
 
+/// The append streams: four cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(4);
+
 /// Appends `k_new`, `v_new` at each batch's length (module docs). Grid: linear over
 /// `B · H · S · pairs` units (`H = max(Hkv, Hq)` with `rope_q`, `pairs = ⌈max(D, Dv) / 2⌉`), as
 /// `(x, y)` cubes of `CUBE_DIM` units.

@@ -196,6 +196,10 @@ fn group_sums(
     }
 }
 
+/// Register-limited split-KV schedule (NOTES §6): two cubes per SM at the most registers.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(2);
+
 /// Attention of the last `Sq` positions of each batch against its `lengths[b]` keys, split
 /// over the grid's x axis (module docs). Grid: `(splits, row chunks of G·Sq, B·Hkv)`,
 /// [`UNITS`] units. Writes `out`, `lse` with one split; the partials otherwise.
@@ -453,6 +457,10 @@ pub fn flash_decode<F: Float, NV: Size>(
         }
     }
 }
+
+/// The merge of the splits' states streams: four cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const MERGE_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(4);
 
 /// The output and log-sum-exp of each query row from the splits' partial states (module
 /// docs). Grid: one cube per row `(b·Hq + h)·Sq + i` (x, then y), [`MERGE_UNITS`] units, each

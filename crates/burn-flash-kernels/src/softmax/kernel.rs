@@ -197,6 +197,11 @@ fn cube_row(num_rows: usize, #[comptime] group: GroupShape) -> (usize, bool) {
     (select(active, row, 0), active)
 }
 
+/// The register tiers (a row per plane or cube, up to 512 threads, 128 B of row a unit), forward
+/// and backward: two cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const ROWS_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(2);
+
 /// Forward, whole row in registers: one read and one write per element.
 #[cube(launch_unchecked, fast_math = exp_modes(cfg.fast_exp))]
 pub fn softmax_rows<F: Float, N: Size>(
@@ -350,6 +355,11 @@ fn chunk_partial<F: Float, N: Size>(
     }
     (m, group_reduce(local_sum, smem_sum, false, cfg.group))
 }
+
+/// The split, exchange and strided tiers stream, forward and backward: three cubes per SM
+/// (the exchange tier holds 63 registers, at four cubes' edge).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const STREAM_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(3);
 
 /// Forward, split rows, first pass: each cube writes its chunk's `(m, l)` with
 /// `l = Σ e^(x − m)` (shifted by 0 if the chunk is fully −inf).

@@ -237,6 +237,12 @@ fn weight<F: Float>(
     w
 }
 
+/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): 420–468 B (f16,
+/// D 128 with score rules), 11 KB (bf16 on sm_80).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const DKV_OCCUPANCY: crate::occupancy::Occupancy =
+    crate::occupancy::Occupancy::spilling(2, 12_288);
+
 /// `dK` and `dV` of one block of `PLANES·m` keys (module docs); given scores: `dV` alone.
 /// `c` is the dQ kernel's configuration. Grid: `(key blocks, y, z)`, `y·z ≥ B·Hkv`;
 /// `(plane, PLANES)` units.
@@ -511,6 +517,10 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
         f,
     );
 }
+
+/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): 80 + 44 B (bf16).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const DQ_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 192);
 
 /// `dQ` of one block of `PLANES·m` query rows (module docs), and with `write_ds` the score
 /// gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`; with given scores, `dX`,

@@ -46,8 +46,19 @@ pub fn padded_rows(dims: AttentionDims) -> usize {
 #[cfg(feature = "cuda")]
 const ROWS_PER_BLOCK: usize = 8;
 
+/// Warp-specialised (384 threads, `setmaxnreg`): one block per SM. Known spills: the masked,
+/// biased and dropout variants up to 244 + 184 B.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 428);
+
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_backward";
+
+/// The per-row pre- and post-passes (`δ`, the log-sum-exp in base 2, `dQ` in the element
+/// type) stream: a full SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const ROWS_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(8);
+
 #[cfg(feature = "cuda")]
 const ROWS_ENTRY: &str = "burn_flash_hopper_backward_rows";
 #[cfg(feature = "cuda")]

@@ -29,6 +29,10 @@ pub const STAGES: usize = 3;
 /// Threads per block: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
 
+/// Warp-specialised `dX` and `dV` kernels (384 threads, `setmaxnreg`): one block per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_smm_dx";
 

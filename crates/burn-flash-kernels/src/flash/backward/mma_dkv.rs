@@ -18,6 +18,10 @@ use crate::flash::scores::{alibi_term, capped, row_range, sees};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
 
+/// 4 planes, two cubes per SM (8 warps). Known spills: D 80 up to 12 + 12 B.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 48);
+
 /// `dK`, `dV` of [`DKV_KEYS`] keys of one (batch, key/value head) (module docs), summed over
 /// every query row of the group. `c.block_q` = [`DKV_KEYS`], `c.block_k` query rows per step,
 /// `c.head_dim`, `c.value_dim` = `D`, `Dv` rounded up to 16. Grid: `(key blocks, y, z)`,

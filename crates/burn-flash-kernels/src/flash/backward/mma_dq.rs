@@ -15,6 +15,11 @@ use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_r
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::wait_step;
 
+/// 4 planes, two cubes per SM (8 warps; 3 would need ≤ 168 registers). Known spills: up to
+/// 24 + 24 B (D 64–128).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 80);
+
 /// `dQ` of `c.block_q` query rows of the group of one (batch, key/value head) (module docs).
 /// `c.block_q` = [`DQ_ROWS`] (or [`WIDE_DX_ROWS`] with given scores), `c.block_k` keys per
 /// step, `c.head_dim`, `c.value_dim` = `D`, `Dv` rounded up to 16. Grid: `(row blocks of

@@ -46,6 +46,10 @@ use crate::flash::block::{GROUP_ROWS, cube_count, row_groups_grid, row_of_group}
 use crate::flash::config::{BackwardKernel, FlashConfig};
 use crate::fragment::{MMA_M, PLANE};
 
+/// The row prepass `δ = rowsum(dO ⊙ O)` streams: four cubes per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const DELTA_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(4);
+
 /// `δ[b, h, i] = Σ_c dO[b, h, i, c] · O[b, h, i, c]` (f32) for every query row: 32 units per
 /// row, [`GROUP_ROWS`] rows per cube; `delta` is contiguous `[B, Hq, Sq]`. Grid: row groups
 /// along x then y.

@@ -487,6 +487,10 @@ fn load_rows<F: Float>(
     out
 }
 
+/// 256 threads, f32: one cube per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const DKV_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 /// `dK` and `dV` of one block of [`BLOCK_KEYS`] keys and one tile of [`COL_TILE`] columns
 /// (module docs); given scores (`softmax(X)·V`): `dV` alone. `c.head_dim` is `D` rounded up
 /// to [`CHUNK`] (0 for given scores). Grid: `(key blocks × column tiles, y, z)` (x as
@@ -665,6 +669,10 @@ pub fn flash_backward_dkv<F: Float>(
         }
     }
 }
+
+/// 256 threads, f32: one cube per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const DQ_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
 
 /// `dQ` of one block of [`BLOCK_ROWS`] query rows (module docs), and with `write_ds` the
 /// score gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`: what a bias's

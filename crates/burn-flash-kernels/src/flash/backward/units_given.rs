@@ -223,6 +223,10 @@ fn build_step<F: Float, NV: Size>(
     }
 }
 
+/// 256 threads of register tiles: one cube per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 /// `dV` (`dv`: `a = x`, `b = dO`, `out = dV`) or `dX` (`a = dO`, `b = V`, `out = dX`) of one
 /// (batch, key/value head) pair (module docs). Grid: `(tiles(m, n), y, z)` with the pairs
 /// folded over `y·z` ([`crate::flash::block::fold_pairs`]), [`crate::tiling::UNITS`] units; `NV` (1, 2 or 4)

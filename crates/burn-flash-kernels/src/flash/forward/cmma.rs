@@ -488,6 +488,11 @@ pub(crate) fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) 
     r
 }
 
+/// Eight 16-row planes of fragments (256 threads): one cube per SM. Known spills: D 256 on
+/// CUDA's `wmma` up to 240 + 212 B (the path runs on CUDA only when forced).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 640);
+
 /// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source), on
 /// the cooperative matrices of fragment `f` (module docs). `q`, `k`, `v` are read as vectors of
 /// `NV` elements (`NV` dividing their rows and strides, unit stride along the rows); `mask`,

@@ -48,6 +48,11 @@ pub fn units(config: FlashConfig) -> u32 {
     128 * (1 + config.block_q / 64)
 }
 
+/// One producer and two (three at D 64) consumer warpgroups, `setmaxnreg` 24 / 240 (160):
+/// one block per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_forward";
 

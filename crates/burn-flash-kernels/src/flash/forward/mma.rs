@@ -79,7 +79,12 @@ pub fn shared_bytes(c: FlashConfig) -> usize {
     } else {
         bq * (d + pad) + 2 * bk * (d + pad)
     };
-    (qk + 2 * bk * (dv + pad)) * 2 + BARRIER_BYTES
+    let barriers = if crate::mutation::uncounted_barriers() {
+        0
+    } else {
+        BARRIER_BYTES
+    };
+    (qk + 2 * bk * (dv + pad)) * 2 + barriers
 }
 
 /// The shared memory of the kernel's two `Barrier::shared`.
@@ -699,6 +704,13 @@ pub(crate) fn accumulate_pv<F: Float, NV: Size>(
         }
     }
 }
+
+/// FlashAttention-2's schedule: 4 planes (2 at 64 rows) of up to 255 registers, two cubes per SM.
+/// Known spills: the D 128 variants with score rules up to 44 + 52 B, softmax·V's (given
+/// scores) up to 48 + 72 B on sm_86 / sm_89; the ceiling leaves room for cubecl's declaration
+/// order, which moves between processes (NOTES §12).
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 160);
 
 /// `out = softmax(scores)·v` and the row log-sum-exp `lse` of the finished scores, for
 /// f16/bf16 tensors whose rows are contiguous and 16-byte aligned (row lengths and every

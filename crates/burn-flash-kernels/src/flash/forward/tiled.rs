@@ -373,6 +373,10 @@ fn query_key<F: Float, NV: Size>(
     }
 }
 
+/// 256 threads of 8 × 8 register tiles: one cube per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 /// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source),
 /// for any float type and layout, with the tiles of the module docs. `c.head_dim` is `D`
 /// rounded up to [`D_CHUNK`]; `c.block_q`, `c.block_k`, `c.value_dim` are [`BLOCK_Q`],

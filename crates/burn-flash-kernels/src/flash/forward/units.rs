@@ -120,6 +120,10 @@ fn stage_keys<F: Float>(
     }
 }
 
+/// 256 threads, a row's keys per thread group: one cube per SM.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
 /// `out`, `lse` as [`super::mma::flash_forward_mma()`] (same tensors for each score source),
 /// for any float type and layout. `c.head_dim` is `D` rounded up to [`D_CHUNK`], `c.value_dim`
 /// the output tile, a multiple of [`V_CHUNK`]; `c.block_q`, `c.block_k` are 16, 32 or 64.
