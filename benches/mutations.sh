@@ -11,6 +11,8 @@
 # `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
 # so that a call after a change to a few kernels runs their mutations beside the CUDA suite.
 # Every line (CAUGHT/PASS per test, then a verdict per mutation) goes to $OUT/mutations.txt.
+# The CUDA check's own mutations (forced-spill, register-budget, hopper-syntax,
+# uncounted-barriers) run on the CPU: `cargo xtask cuda-check --mutations`.
 set -uo pipefail
 jobs=${1:-14}
 .gpu/run ls >/dev/null # unpacks the binaries once
