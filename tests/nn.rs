@@ -1183,7 +1183,22 @@ fn fused_layer_norm<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let want: Vec<f64> = want.into_data().convert::<f64>().to_vec().expect("f64");
         let got = read(got);
         assert!(got.iter().all(|x| x.is_finite()), "{ctx}: not finite");
-        assert_within_naive(&got, &read(naive), &want, dtype, 8.0, &ctx);
+        // The floor's scale: `x − μ` carries a rounding of `μ`, which `/σ` and `γ` amplify by
+        // `|μ|·|γ| / σ`. Narrow rows can have a small σ (width 3, seed 5373700181749776822:
+        // 10 roundings of max |y|), beside which max |y| alone is too small a scale.
+        let xs = read(x.clone());
+        let gamma_max = max_abs(&read(norm.gamma.val()));
+        let amplified = xs
+            .chunks(width)
+            .map(|row| {
+                let n = row.len() as f64;
+                let mean = row.iter().sum::<f64>() / n;
+                let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+                mean.abs() * gamma_max / (var + 1e-5).sqrt()
+            })
+            .fold(0.0f64, f64::max);
+        let ulps = 8.0 * (1.0 + amplified / max_abs(&want));
+        assert_within_naive(&got, &read(naive), &want, dtype, ulps, &ctx);
     }
     let x = rand3::<B>([2, 3, 8], 1.0, dtype, device);
     let msg = panic_message(|| {

@@ -428,6 +428,34 @@ fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
     }
 }
 
+/// A key/value cache: contiguous `[B, Hkv, S_max, D]`, or a pool of `block`-key blocks
+/// `[blocks, block, Hkv, D]` with its table `[B, S_max / block]`.
+struct Cache {
+    k: Owned,
+    v: Owned,
+    table: Option<Owned>,
+}
+
+impl Cache {
+    fn new(
+        c: &Client,
+        paged: bool,
+        (b, hkv, smax, block, d): (usize, usize, usize, usize, usize),
+        dtype: StorageType,
+    ) -> Self {
+        let shape = if paged {
+            [b * smax / block, block, hkv, d]
+        } else {
+            [b, hkv, smax, d]
+        };
+        Self {
+            k: Owned::new(c, &shape, dtype),
+            v: Owned::new(c, &shape, dtype),
+            table: paged.then(|| Owned::new(c, &[b, smax / block], U32)),
+        }
+    }
+}
+
 /// Decoding: split-KV over a contiguous cache (planned and forced), paged, with ALiBi and
 /// sinks; appends with and without RoPE.
 fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
@@ -462,20 +490,8 @@ fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                     let (b, hq, hkv, smax, block) = (4, 8, 2, 2048, 64);
                     let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
                     let q = t(&[b, hq, 1, d], dtype);
-                    let (k, v, table) = if paged {
-                        let blocks = b * smax / block;
-                        (
-                            t(&[blocks, block, hkv, d], dtype),
-                            t(&[blocks, block, hkv, d], dtype),
-                            Some(t(&[b, smax / block], U32)),
-                        )
-                    } else {
-                        (
-                            t(&[b, hkv, smax, d], dtype),
-                            t(&[b, hkv, smax, d], dtype),
-                            None,
-                        )
-                    };
+                    let Cache { k, v, table } =
+                        Cache::new(c, paged, (b, hkv, smax, block, d), dtype);
                     let lengths = t(&[b], U32);
                     let slopes = f.alibi.then(|| t(&[hq], F32));
                     let sinks = f.sinks.then(|| t(&[hq], F32));
@@ -534,20 +550,8 @@ fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                         let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
                         let k_new = t(&[b, hkv, s_new, d], dtype);
                         let v_new = t(&[b, hkv, s_new, d], dtype);
-                        let (k, v, table) = if paged {
-                            let blocks = b * smax / block;
-                            (
-                                t(&[blocks, block, hkv, d], dtype),
-                                t(&[blocks, block, hkv, d], dtype),
-                                Some(t(&[b, smax / block], U32)),
-                            )
-                        } else {
-                            (
-                                t(&[b, hkv, smax, d], dtype),
-                                t(&[b, hkv, smax, d], dtype),
-                                None,
-                            )
-                        };
+                        let Cache { k, v, table } =
+                            Cache::new(c, paged, (b, hkv, smax, block, d), dtype);
                         let lengths = t(&[b], U32);
                         let cos = t(&[smax, d / 2], F32);
                         let sin = t(&[smax, d / 2], F32);

@@ -20,7 +20,6 @@ mod grid;
 mod nvrtc;
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -112,22 +111,10 @@ struct Variant {
     calls: usize,
 }
 
-/// FNV-1a of `parts`.
-fn fnv(parts: &[&[u8]]) -> u64 {
-    struct Fnv(u64);
-    impl Hasher for Fnv {
-        fn finish(&self) -> u64 {
-            self.0
-        }
-        fn write(&mut self, bytes: &[u8]) {
-            for &b in bytes {
-                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-            }
-        }
-    }
-    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
-    parts.iter().for_each(|p| p.hash(&mut h));
-    h.finish()
+/// FNV-1a of `parts` (the hand-written kernels' source hash), each part ended by a NUL.
+fn fnv(parts: &[&str]) -> u64 {
+    let joined: String = parts.iter().flat_map(|p| [*p, "\0"]).collect();
+    burn_flash_kernels::hopper::source_hash(&joined)
 }
 
 /// Makes every call on every architecture; returns the distinct variants in launch order and
@@ -154,10 +141,7 @@ fn collect(args: &Args) -> (Vec<Variant>, Vec<String>) {
                 failed.push(format!("{arch} {}: {e:?}", call.name));
             }
             for launch in take_launches() {
-                let key = (
-                    arch.cc,
-                    fnv(&[launch.source.as_bytes(), launch.entry.as_bytes()]),
-                );
+                let key = (arch.cc, fnv(&[&launch.source, &launch.entry]));
                 match index.get(&key) {
                     Some(&i) => variants[i].calls += 1,
                     None => {
@@ -265,10 +249,10 @@ fn compile_all(
                     let version = format!("{}.{}", nvrtc.0, nvrtc.1);
                     // The headers come with NVRTC's version: their path is not part of the key.
                     let key = fnv(&[
-                        version.as_bytes(),
-                        v.launch.arch.nvrtc.as_bytes(),
-                        v.launch.source.as_bytes(),
-                        v.launch.entry.as_bytes(),
+                        &version,
+                        v.launch.arch.nvrtc,
+                        &v.launch.source,
+                        &v.launch.entry,
                     ]);
                     let path = cache.join(format!("{key:016x}"));
                     let cached = (!args.no_cache).then(|| read_cache(&path)).flatten();
@@ -313,7 +297,7 @@ fn write_sources(dir: &Path, variants: &[Variant]) -> std::io::Result<()> {
         let l = &v.launch;
         let folder = dir.join(l.arch.nvrtc);
         std::fs::create_dir_all(&folder)?;
-        let hash = fnv(&[l.source.as_bytes()]);
+        let hash = fnv(&[&l.source]);
         let header = format!(
             "// {} ({} threads, {} B of dynamic shared memory), first launched by: {}\n",
             l.entry,
