@@ -89,6 +89,12 @@ fn dtype_name(kind: FloatKind) -> &'static str {
     }
 }
 
+/// Every float dtype with `all`, else `few`.
+fn dtypes(all: bool, few: &'static [FloatKind]) -> &'static [FloatKind] {
+    const ALL: [FloatKind; 3] = [FloatKind::F32, FloatKind::F16, FloatKind::BF16];
+    if all { &ALL } else { few }
+}
+
 /// The score features of an attention call.
 #[derive(Clone, Copy, Default, Debug)]
 pub struct Features {
@@ -459,11 +465,7 @@ impl Cache {
 /// Decoding: split-KV over a contiguous cache (planned and forced), paged, with ALiBi and
 /// sinks; appends with and without RoPE.
 fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    let kinds: &[FloatKind] = if all {
-        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
-    } else {
-        &[FloatKind::F16, FloatKind::F32]
-    };
+    let kinds = dtypes(all, &[FloatKind::F16, FloatKind::F32]);
     for &kind in kinds {
         let dtype = float(kind);
         for d in if all { vec![64, 128, 256] } else { vec![128] } {
@@ -581,11 +583,7 @@ fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
 
 /// The softmax family: each tier × variant × direction, at a width the tier takes.
 fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    let kinds: &[FloatKind] = if all {
-        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
-    } else {
-        &[FloatKind::F32, FloatKind::BF16]
-    };
+    let kinds = dtypes(all, &[FloatKind::F32, FloatKind::BF16]);
     for &kind in kinds {
         let dtype = float(kind);
         for (tier, width, dim) in [
@@ -703,11 +701,7 @@ fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
 
 /// The serving pieces: the few-rows linear, the layer norm, the copy benchmarks compare with.
 fn rows(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    let kinds: &[FloatKind] = if all {
-        &[FloatKind::F32, FloatKind::F16, FloatKind::BF16]
-    } else {
-        &[FloatKind::F32, FloatKind::BF16]
-    };
+    let kinds = dtypes(all, &[FloatKind::F32, FloatKind::BF16]);
     for &kind in kinds {
         let dtype = float(kind);
         for (m, bias) in [(1, true), (16, false)] {
