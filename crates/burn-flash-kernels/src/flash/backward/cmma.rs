@@ -237,8 +237,8 @@ fn weight<F: Float>(
     w
 }
 
-/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): 420–468 B (f16,
-/// D 128 with score rules), 11 KB (bf16 on sm_80).
+/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): f16 D 128
+/// with score rules, bf16 on sm_80 (RESULTS §16).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const DKV_OCCUPANCY: crate::occupancy::Occupancy =
     crate::occupancy::Occupancy::spilling(2, 12_288);
@@ -518,7 +518,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     );
 }
 
-/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): 80 + 44 B (bf16).
+/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only, bf16): RESULTS §16.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const DQ_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 192);
 

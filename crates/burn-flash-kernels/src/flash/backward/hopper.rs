@@ -47,7 +47,7 @@ pub fn padded_rows(dims: AttentionDims) -> usize {
 const ROWS_PER_BLOCK: usize = 8;
 
 /// Warp-specialised (384 threads, `setmaxnreg`): one block per SM. Known spills: the masked,
-/// biased and dropout variants up to 244 + 184 B.
+/// biased and dropout variants (RESULTS §16).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 428);
 

@@ -15,8 +15,8 @@ use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_r
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::wait_step;
 
-/// 4 planes, two cubes per SM (8 warps; 3 would need ≤ 168 registers). Known spills: up to
-/// 24 + 24 B (D 64–128).
+/// 4 planes, two cubes per SM (8 warps; 3 would need ≤ 168 registers). Known spills (D 64–128):
+/// RESULTS §16.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 80);
 
