@@ -15,7 +15,7 @@ import sys
 TABLES = [
     (
         "attention.csv",
-        ["dtype", "head_dim", "seq", "pass"],
+        ["dtype", "head_dim", "seq", "causal", "pass"],
         "device_TFLOP_per_s",
         lambda r: r["impl"] == "burn-flash",
     ),
