@@ -8,7 +8,7 @@
 mod common;
 
 use burn::backend::{Autodiff, NdArray};
-use burn::module::{AutodiffModule, Module};
+use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
 use burn::nn::attention::{
     CrossAttentionConfig as BurnCrossConfig, MhaInput as BurnMhaInput,
     MultiHeadAttentionConfig as BurnMhaConfig, generate_autoregressive_mask,
@@ -19,7 +19,7 @@ use burn::nn::transformer::{
 };
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::{
-    Bool, FloatDType, Tensor, TensorData, backend::Backend, ops::AttentionModuleOptions,
+    Bool, DType, FloatDType, Tensor, TensorData, backend::Backend, ops::AttentionModuleOptions,
 };
 use burn_flash::nn::{
     CrossAttentionConfig, KvCache, MhaCache, MhaInput, MultiHeadAttentionConfig, PagedKvCache,
@@ -57,12 +57,31 @@ fn fixed<B: Backend, M: Module<B>>(module: M) -> M {
     module.load_record(record)
 }
 
-/// The same values on the reference backend.
+/// The same values on the reference backend, in f64.
 fn to_ref<B: Backend, const D: usize>(t: &Tensor<B, D>) -> Tensor<R, D> {
     Tensor::from_data(
         TensorData::new(read(t.clone()), t.dims()),
-        &Default::default(),
+        (&Default::default(), DType::F64),
     )
+}
+
+/// Every float parameter of a reference module cast to f64 (tracked where it was). Burn 0.21
+/// keeps one default float dtype per device, and `NdArray<f32>` and `NdArray<f64>` share the
+/// CPU device: the first tensor a process makes on it fixes that default for both (f32 in this
+/// suite), so a reference loaded from a record or made from data without a dtype computes in
+/// f32 and equals burn-nn's f32 run bit for bit.
+fn in_f64<B: Backend, M: Module<B>>(module: M) -> M {
+    struct ToF64;
+    impl<B: Backend> ModuleMapper<B> for ToF64 {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+            param.map(|t| {
+                let tracked = t.is_require_grad();
+                let t = Tensor::from_data(t.to_data().convert::<f64>(), (&t.device(), DType::F64));
+                if tracked { t.require_grad() } else { t }
+            })
+        }
+    }
+    module.map(&mut ToF64)
 }
 
 fn bool_ref<B: Backend, const D: usize>(t: &Tensor<B, D, Bool>) -> Tensor<R, D, Bool> {
@@ -81,6 +100,12 @@ fn compare<B: Backend, const D: usize>(
     dtype: FloatDType,
     context: &str,
 ) {
+    assert_eq!(
+        want.dtype(),
+        DType::F64,
+        "{context}: the reference ran in {:?}",
+        want.dtype()
+    );
     let want: Vec<f64> = want
         .into_data()
         .convert::<f64>()
@@ -117,14 +142,14 @@ fn mha_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .with_dropout(0.0)
             .with_quiet_softmax(quiet);
         let ours = transfer(theirs.clone(), config.init::<B>(device), device);
-        let reference = transfer(
+        let reference = in_f64(transfer(
             theirs.clone(),
             BurnMhaConfig::new(d_model, heads)
                 .with_dropout(0.0)
                 .with_quiet_softmax(quiet)
                 .init::<R>(&cpu),
             &cpu,
-        );
+        ));
         let x = rand3::<B>([nb, s, d_model], 1.0, dtype, device);
         let kv = rand3::<B>([nb, s + 7, d_model], 1.0, dtype, device);
         // Batch 1 pads its last 6 keys; rows 4 and 11 of the attention mask are fully masked.
@@ -242,13 +267,13 @@ fn mha_gradients_equal_burn_nn<B: FlashBackend>(_: &B::Device, dtype: FloatDType
             .init::<A<B>>(&device),
         &device,
     );
-    let reference = transfer(
+    let reference = in_f64(transfer(
         theirs.clone(),
         BurnMhaConfig::new(d_model, heads)
             .with_dropout(0.0)
             .init::<AR>(&cpu),
         &cpu,
-    );
+    ));
     let x = rand3::<A<B>>([nb, s, d_model], 1.0, dtype, &device);
     let g = rand3::<A<B>>([nb, s, d_model], 1.0, dtype, &device);
     // No fully masked row: there the f32 log-sum-exp of −1e4 scores rounds (see
@@ -367,7 +392,7 @@ fn cross_attention_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: Fl
                 .init::<B>(device),
             device,
         );
-        let reference = transfer(theirs.clone(), config.init::<R>(&cpu), &cpu);
+        let reference = in_f64(transfer(theirs.clone(), config.init::<R>(&cpu), &cpu));
         let q = rand3::<B>([nb, lq, d_model], 1.0, dtype, device);
         let c = rand3::<B>([nb, lk, d_context], 1.0, dtype, device);
         // Batch 0: the last 5 positions padded; batch 1: everything (uniform weights).
@@ -418,7 +443,7 @@ fn encoders<B: FlashBackend>(
             .init::<B>(device),
         device,
     );
-    let reference = transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu);
+    let reference = in_f64(transfer(theirs.clone(), enc.init::<R>(&cpu), &cpu));
     (theirs, ours, reference)
 }
 
@@ -484,7 +509,7 @@ fn transformer_equals_burn_nn<B: FlashBackend>(device: &B::Device, dtype: FloatD
                 .init::<B>(device),
             device,
         );
-        let reference = transfer(theirs.clone(), dec.init::<R>(&cpu), &cpu);
+        let reference = in_f64(transfer(theirs.clone(), dec.init::<R>(&cpu), &cpu));
         let want = reference.forward(
             BurnDecoderInput::new(to_ref(&x), to_ref(&memory))
                 .target_mask_attn(bool_ref(&causal))
@@ -735,13 +760,13 @@ fn sliding_window_decoding<B: FlashBackend>(device: &B::Device, dtype: FloatDTyp
     let input = || MhaInput::self_attn(x.clone()).causal().window(w - 1, 0);
     let got = ours.forward(input()).context;
     let cpu = Default::default();
-    let reference = transfer(
+    let reference = in_f64(transfer(
         theirs.clone(),
         BurnMhaConfig::new(d_model, heads)
             .with_dropout(0.0)
             .init::<R>(&cpu),
         &cpu,
-    );
+    ));
     let band = bool_mask::<B, 3>([nb, s, s], device, |[_, i, j]| j > i || j + w <= i);
     let naive = theirs
         .forward(BurnMhaInput::self_attn(x.clone()).mask_attn(band.clone()))
@@ -1164,13 +1189,13 @@ fn fused_layer_norm<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let mut norm = norm;
         norm.gamma = burn::module::Param::from_tensor(gamma);
         norm.beta = bias.then(|| burn::module::Param::from_tensor(beta));
-        let reference = transfer(
+        let reference = in_f64(transfer(
             norm.clone(),
             burn::nn::LayerNormConfig::new(width)
                 .with_bias(bias)
                 .init::<R>(&cpu),
             &cpu,
-        );
+        ));
         let want = reference.forward(to_ref(&x));
         let naive = norm.forward(x.clone());
         let got = burn_flash::layer_norm(
@@ -1180,6 +1205,7 @@ fn fused_layer_norm<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             1e-5,
         );
         assert_eq!(got.dims(), shape, "{ctx}");
+        assert_eq!(want.dtype(), DType::F64, "{ctx}: the reference's dtype");
         let want: Vec<f64> = want.into_data().convert::<f64>().to_vec().expect("f64");
         let got = read(got);
         assert!(got.iter().all(|x| x.is_finite()), "{ctx}: not finite");
@@ -1254,13 +1280,13 @@ fn fused_linear<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .swap_dims(1, 2),
             false => x,
         };
-        let reference = transfer(
+        let reference = in_f64(transfer(
             layer.clone(),
             burn::nn::LinearConfig::new(k, n)
                 .with_bias(bias)
                 .init::<R>(&cpu),
             &cpu,
-        );
+        ));
         let want = reference.forward(to_ref(&x));
         let naive = layer.forward(x.clone());
         let got = burn_flash::linear(
@@ -1269,6 +1295,7 @@ fn fused_linear<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             layer.bias.as_ref().map(|b| b.val()),
         );
         assert_eq!(got.dims(), [1, rows, n], "{ctx}");
+        assert_eq!(want.dtype(), DType::F64, "{ctx}: the reference's dtype");
         let want: Vec<f64> = want.into_data().convert::<f64>().to_vec().expect("f64");
         let got = read(got);
         assert!(got.iter().all(|x| x.is_finite()), "{ctx}: not finite");
