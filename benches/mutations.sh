@@ -6,7 +6,8 @@
 #
 # Usage, from the project root on the GPU machine, after `../shared/tools/gpu-pack --features
 # cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
-# attention_backward --test nn` here:
+# attention_backward --test nn` here (the `dq-*` cases also run the kernels crate's
+# `hopper_backward` test: `-p burn-flash -p burn-flash-kernels ... --test hopper_backward`):
 #   benches/mutations.sh [JOBS]
 # `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
 # so that a call after a change to a few kernels runs their mutations beside the CUDA suite.
@@ -77,15 +78,22 @@ biased-norm nn.test cuda::bf16::fused_layer_norm
 biased-norm nn.test cuda::f32::fused_layer_norm
 skip-k-lane nn.test cuda::bf16::fused_linear
 skip-k-lane nn.test cuda::f32::fused_linear
+dq-skip-tile attention_backward.test cuda::bf16::shapes_and_options
+dq-skip-tile hopper_backward.test hopper_backward_matches_f64
+dq-skip-tile hopper_backward.test hopper_causal_backward_matches_f64
+dq-bulk-no-wait hopper_backward.test hopper_backward_matches_f64
+dq-bulk-no-wait hopper_backward.test hopper_causal_backward_matches_f64
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')
 echo "mutations: $(echo "$cases" | wc -l) cases, $jobs at a time"
 logs=/tmp/mutations
 rm -rf "$logs" && mkdir -p "$logs"
-# A test that fails under its mutation has caught it (CAUGHT); one that passes has not (PASS).
+# A test that fails under its mutation has caught it (CAUGHT); one that passes has not (PASS);
+# one whose binary was not staged did not run (MISSING).
 echo "$cases" | xargs -P "$jobs" -L 1 bash -c '
   m=$0; b=$1; t=$2; log="'"$logs"'/$m-${b%.test}-${t//::/-}-${3:-plan}.log"
+  [ -x "'"$bin"'/$b" ] || { echo "MISSING $m $b $t ${3:-}"; exit 0; }
   if env ${3:+"$3"} BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
   then echo "PASS $m $b $t ${3:-}"; else echo "CAUGHT $m $b $t ${3:-}"; fi
 ' | sort | tee "$summary"
@@ -93,6 +101,8 @@ survivors=0
 for m in $(echo "$cases" | cut -d' ' -f1 | sort -u); do
   if grep -q "^CAUGHT $m " "$summary"; then
     echo "mutation $m: caught by $(grep -c "^CAUGHT $m " "$summary") of $(grep -c " $m " "$summary") tests"
+  elif ! grep -q "^PASS $m " "$summary"; then
+    echo "mutation $m: not run (no staged binary)"
   else
     echo "mutation $m: SURVIVED"
     survivors=$((survivors + 1))

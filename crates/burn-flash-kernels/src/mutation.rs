@@ -56,6 +56,12 @@ pub enum Mutation {
     /// `Q`/`dO` in the backward) without waiting for the consumers to release it (the
     /// pipeline's empty-barrier waits dropped).
     HopperNoWait,
+    /// `dq-skip-tile`: the Hopper backward's second consumer warpgroup never issues the bulk
+    /// reduce of its `dQ` tile (head dim 128: columns 64–127; 64: its keys' share).
+    DqSkipTile,
+    /// `dq-bulk-no-wait`: the Hopper backward's consumers refill a `dQ` tile in shared memory
+    /// without waiting for the bulk reduce that read it two steps before (a race).
+    DqBulkNoWait,
     /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
     /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
@@ -111,6 +117,8 @@ impl Mutation {
             Self::ZeroDk => "zero-dk",
             Self::WgmmaStrides => "wgmma-strides",
             Self::HopperNoWait => "hopper-no-wait",
+            Self::DqSkipTile => "dq-skip-tile",
+            Self::DqBulkNoWait => "dq-bulk-no-wait",
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
             Self::VarlenFirstRow => "varlen-first-row",
@@ -155,6 +163,8 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::ZeroDk,
             Mutation::WgmmaStrides,
             Mutation::HopperNoWait,
+            Mutation::DqSkipTile,
+            Mutation::DqBulkNoWait,
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
             Mutation::VarlenFirstRow,
@@ -169,7 +179,7 @@ pub fn chosen_name() -> Option<&'static str> {
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax, uncounted-barriers"
+            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, dq-skip-tile, dq-bulk-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax, uncounted-barriers"
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -248,6 +258,16 @@ pub fn dx_narrow_blocks() -> bool {
 /// [`Mutation::KeepFragments`] is active.
 pub fn keep_fragments() -> bool {
     active(Mutation::KeepFragments)
+}
+
+/// [`Mutation::DqSkipTile`] is active.
+pub fn dq_skip_tile() -> bool {
+    active(Mutation::DqSkipTile)
+}
+
+/// [`Mutation::DqBulkNoWait`] is active.
+pub fn dq_bulk_no_wait() -> bool {
+    active(Mutation::DqBulkNoWait)
 }
 
 /// [`Mutation::ZeroDk`] is active.

@@ -99,6 +99,30 @@ __device__ __forceinline__ void red_add_v2(float* dst, float a, float b) {
                  :: "l"(dst), "f"(a), "f"(b) : "memory");
 }
 
+// Adds `bytes` of f32 (a multiple of 16, both addresses 16-byte aligned) from shared `src` to
+// global `dst` element by element (TMA bulk reduce, relaxed, GPU scope), in this thread's
+// current bulk group. The writer threads' stores to `src` must be fenced (`fence_proxy_async`)
+// and synchronised with the issuing thread first.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+// Closes this thread's current bulk group.
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Waits until at most N of this thread's bulk groups still read their shared-memory sources.
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+// Waits until at most N of this thread's bulk groups are incomplete (writes performed).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");
 }

@@ -19,9 +19,16 @@
 //        dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ Z − δ)              (⊙ (1 − tanh²) through a softcap)
 //        dV += (Pᵀ ⊙ Z)·dO, dK += dSᵀ·Q         (A from registers, B = dO, Q N-major)
 //        dQ  = dS·K                              (dSᵀ through shared memory; A and B MN-major)
-//      and dQ is added to the f32 accumulator with vector reductions (`red.add.v2.f32`).
 //      With D = 128 each consumer computes 64 of dQ's columns from all 128 keys; with D = 64
 //      each computes all columns from its own 64 keys (both add into the accumulator).
+//      DQ_BULK (every head dim but WIDE): each consumer stores its 64 × 64 f32 tile of dQ to
+//      shared memory in its threads' order (`store_dq`: conflict-free 16-byte stores) and one
+//      thread adds the whole 16 KB to the accumulator with one TMA bulk reduce
+//      (`cp.reduce.async.bulk .add.f32`), FlashAttention-3's dQ path: the accumulator holds
+//      each 64-row block as tiles in that order (hopper_rows.cu, `dq_offset`). Two buffers
+//      per consumer alternate by step parity; the issuing thread lets at most one reduce
+//      still read its source before the next step's barrier.
+//      WIDE: the consumers add dQ with vector reductions (`red.add.v2.f32`) per thread.
 //    - WIDE (a head dim of 256): a block holds 64 keys, and both consumers compute Sᵀ and dPᵀ
 //      of all of them (the same values; wgmma's M is 64), then each takes half of the columns:
 //      dV[:, half c], dK[:, half c] and dQ[:, half c] — the registers of the 128-column case.
@@ -70,6 +77,15 @@
 #define DO_BYTES (V_ATOMS * ROW_ATOM)
 #define ROWS_BYTES (BLOCK_M * 4)
 #define DS_BYTES (BLOCK_N * BLOCK_M * 2)
+// dQ through shared memory and TMA bulk reduces (not WIDE): a consumer's 64 × 64 f32 tile, two
+// per consumer (step parity).
+#define DQ_BULK (!WIDE)
+#define DQ_TILE_BYTES (BLOCK_M * 64 * 4)
+#if DQ_BULK
+#define DQ_BYTES (4 * DQ_TILE_BYTES)
+#else
+#define DQ_BYTES 0
+#endif
 // The columns of dK and dV a consumer accumulates (WIDE: half of each), and the first
 // 64-column atom of consumer c's; the first of the keys it computes with.
 #if WIDE
@@ -220,6 +236,19 @@ __device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int ro
     }
 }
 
+// Stores a consumer's 64 × 64 f32 tile of dQ at `buf` in thread order: registers 4j … 4j + 3 of
+// thread `t` at byte 16·(128j + t). Consecutive threads fill consecutive 16 bytes (no bank
+// conflict), and the tile is the accumulator's (hopper_rows.cu, `dq_offset`).
+__device__ __forceinline__ void store_dq(u32 buf, const float (&dq)[32], u32 t) {
+#pragma unroll
+    for (u32 j = 0; j < 8; ++j) {
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+                     :: "r"(buf + 16u * (128u * j + t)), "f"(dq[4 * j]), "f"(dq[4 * j + 1]),
+                        "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3])
+                     : "memory");
+    }
+}
+
 #if WRITE_DS
 // Copies a step's dSᵀ tile (BLOCK_N keys × BLOCK_M query rows in `buf`, as store_ds wrote it)
 // to `dst` (dS at the step's first row and the block's first key): rows below `rows`, keys
@@ -264,7 +293,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
     const u32 sds = sv + V_BYTES;
     const u32 tiles = sds + 2 * DS_BYTES;
     const u32 rows_area = tiles + STAGES * (Q_BYTES + DO_BYTES);
-    const u32 bars = rows_area + STAGES * 2 * ROWS_BYTES;
+    const u32 sdq = rows_area + STAGES * 2 * ROWS_BYTES;
+    const u32 bars = sdq + DQ_BYTES;
     const u32 kv_full = bars;
 #define SQ(s) (tiles + (s) * (Q_BYTES + DO_BYTES))
 #define SDO(s) (SQ(s) + Q_BYTES)
@@ -622,9 +652,25 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
-        add_dq(dq_rows, dq, (int)p.seq_q - m0, HEAD_DIM == 128 ? 64u * c : 0u, warp, lane);
+        // The tile of this step's parity: the reduce that read it two steps ago finished
+        // reading before its issuing thread reached this step's named barrier 1.
+        const u32 dq_buf = sdq + (u32)(it % 2) * 2u * DQ_TILE_BYTES + c * DQ_TILE_BYTES;
+        store_dq(dq_buf, dq, t);
+        fence_proxy_async();
+        named_sync(2u + c, 128);
+        if (t == 0u) {
+            // Rows past Sq add zeros to the accumulator's padding (their weights are 0).
+            bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u), dq_buf,
+                                DQ_TILE_BYTES);
+            bulk_commit();
+            bulk_wait_read<1>();
+        }
 #endif
     }
+#if DQ_BULK
+    // Every reduce performed before the block ends (the conversion reads the accumulator).
+    if (t == 0u) bulk_wait<0>();
+#endif
 
     // dK (scaled: the scores are scale·q·k) and dV of this thread's keys, from the consumer's
     // first column.

@@ -1,7 +1,9 @@
 //! The attention backward on Hopper (sm_90a), FlashAttention-3's schedule: one block per 128
 //! keys keeps `K`, `V` in shared memory and `dK`, `dV` in registers while a producer warpgroup
 //! streams `Q`, `dO` and the rows' statistics through TMA; two consumer warpgroups compute the
-//! five products on `wgmma` and add `dQ` into an f32 accumulator with vector reductions. A
+//! five products on `wgmma` and add `dQ` into an f32 accumulator: through shared memory and
+//! one TMA bulk reduce per consumer and step ([`dq_tiled`]), or (head dim 256) with vector
+//! reductions per thread. A
 //! prepass (`δ`, the base-2 log-sum-exp, the accumulator zeroed) runs before and a conversion
 //! (`dQ` in the element type) after. The sources are `hopper.cu` and `hopper_rows.cu` next to
 //! this file, on the wrappers of `crate::hopper` (`sm90.cuh`) and the score helpers of
@@ -199,10 +201,18 @@ pub fn tile(dims: AttentionDims) -> Tile {
     }
 }
 
+/// Whether the accumulator of `dQ` is tiled (`hopper_rows.cu`, `dq_offset`): the consumers
+/// add their 64 × 64 tiles with TMA bulk reduces, every tile but the wide one's (64 keys per
+/// block, [`tile`]), whose consumers add with vector reductions per thread.
+pub fn dq_tiled(config: FlashConfig) -> bool {
+    config.block_k as usize == BLOCK_K
+}
+
 /// Dynamic shared memory for `config`'s tile: `K` and `V` of the block (`block_k` rows × 128
 /// bytes per 64 columns), two `dSᵀ` buffers (`block_k` × 64 × 2 bytes), [`STAGES`] slots of
-/// `Q` and `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), the barriers, and 1 KiB
-/// to align the swizzle atoms: 210 KiB at head dims of 256.
+/// `Q` and `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), where [`dq_tiled`] two
+/// 16 KiB `dQ` tiles per consumer, the barriers, and 1 KiB to align the swizzle atoms: 226 KiB
+/// at head dim 128, 210 KiB at head dims of 256.
 pub fn shared_bytes(config: FlashConfig) -> usize {
     let (d, dv) = (
         config.head_dim as usize / 64,
@@ -210,7 +220,12 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
     );
     let keys = config.block_k as usize;
     let (kv_atom, row_atom) = (keys * 128, BLOCK_Q * 128);
-    1024 + kv_atom * (d + dv) + 2 * keys * BLOCK_Q * 2 + STAGES * (row_atom * (d + dv) + 512) + 64
+    let dq_tiles = if dq_tiled(config) { 4 * BLOCK_Q * 64 * 4 } else { 0 };
+    1024 + kv_atom * (d + dv)
+        + 2 * keys * BLOCK_Q * 2
+        + STAGES * (row_atom * (d + dv) + 512)
+        + dq_tiles
+        + 64
 }
 
 /// Whether the plan picks the Hopper backward for a call it can run with `features`: under
@@ -303,14 +318,16 @@ pub unsafe fn launch<R: CudaCompiled>(
             ),
             (
                 mutation::zero_dq(),
-                "f32_to_elem(acc[col] * p.scale)",
+                "f32_to_elem(dq_acc[dq_offset(r, col)] * p.scale)",
                 "f32_to_elem(0.0f)",
             ),
         ],
     );
+    let tiled = dq_tiled(config);
     let rows_defines = format!(
-        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n",
-        u32::from(bf16)
+        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n#define DQ_TILED {}\n",
+        u32::from(bf16),
+        u32::from(tiled)
     );
     let strides = |s: &[usize]| s.iter().map(|&x| x as u64).collect::<Vec<_>>();
     let mut rows_params = strides(t.out.strides);
@@ -330,7 +347,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             entry,
             CubeDim::new_1d(32 * ROWS_PER_BLOCK as u32),
             0,
-            acc_dim as u64,
+            acc_dim as u64 | u64::from(tiled) << 16,
         )
         .with_defines(rows_defines.clone())
     };
@@ -370,6 +387,16 @@ pub unsafe fn launch<R: CudaCompiled>(
                 mutation::varlen_first_row(),
                 "if ((int)seqs[mid] <= pos) a = mid;",
                 "if ((int)seqs[mid] < pos) a = mid;",
+            ),
+            (
+                mutation::dq_skip_tile(),
+                "bulk_reduce_add_f32(dq_rows +",
+                "if (c == 0u) bulk_reduce_add_f32(dq_rows +",
+            ),
+            (
+                mutation::dq_bulk_no_wait(),
+                "bulk_wait_read<1>();",
+                "",
             ),
             (
                 mutation::ds_skipped_rows(),

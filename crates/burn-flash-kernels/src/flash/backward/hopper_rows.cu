@@ -3,8 +3,15 @@
 // numbered (batch · Hq + head) · rows_pad + position, positions padded up to the backward's
 // 64-row steps.
 //
-// The host prepends ELEM_BF16 (0 | 1) and ACC_DIM (64 | 128: the accumulator's columns, the
-// head dim rounded up).
+// The host prepends ELEM_BF16 (0 | 1), ACC_DIM (64 | 128 | 256: the accumulator's columns, the
+// head dim rounded up) and DQ_TILED (0 | 1: the layout below).
+//
+// The accumulator is f32, ACC_DIM columns per row. DQ_TILED (the backward's DQ_BULK): each
+// block of 64 rows is ACC_DIM / 64 tiles of 64 × 64 in the order the backward's consumers
+// store them for one bulk reduce (hopper.cu, `store_dq`): element (r, c) of a tile is
+// register 4j + k of consumer thread t, with j = c / 8, t = 32·(r / 16) + 4·(r % 8) +
+// (c % 8) / 2 and k = 2·((r % 16) / 8) + c % 2 (the `wgmma` accumulator's layout), at float
+// 4·(128j + t) + k. Otherwise rows are row-major.
 
 // The scalars, in the order of the host's words (hopper.rs, `rows_params`).
 struct RowsParams {
@@ -19,8 +26,21 @@ struct RowsParams {
     float scale; // dQ = scale · accumulator
 };
 
+// Where column `col` of accumulator row `row` (rows counted as above) lies.
+__device__ __forceinline__ u64 dq_offset(u64 row, u32 col) {
+#if DQ_TILED
+    const u32 r = (u32)(row % 64u), a = col / 64u, c = col % 64u;
+    const u32 t = 32u * (r / 16u) + 4u * (r % 8u) + (c % 8u) / 2u;
+    const u32 k = 2u * ((r % 16u) / 8u) + c % 2u;
+    return (row - r) * ACC_DIM + 4096u * a + 4u * (128u * (c / 8u) + t) + k;
+#else
+    return row * ACC_DIM + col;
+#endif
+}
+
 // Per row: δ = Σ dO ⊙ O (f32), lse₂ = lse · log2(e) (+inf for a row without a visible key or
-// past Sq: its weights are 0), and the row of the dQ accumulator zeroed.
+// past Sq: its weights are 0), and the row's ACC_DIM floats of the dQ accumulator zeroed (in
+// either layout, the rows of a block zero the block).
 extern "C" __global__ void __launch_bounds__(256)
 burn_flash_hopper_backward_rows(const unsigned short* __restrict__ out,
                                 const unsigned short* __restrict__ d_out,
@@ -71,8 +91,7 @@ burn_flash_hopper_backward_dq(const float* __restrict__ dq_acc, unsigned short* 
     if (s >= p.seq_q) return;
     const u64 b = pair / p.heads_q, h = pair % p.heads_q;
     unsigned short* dst = dq + b * p.dq_stride_b + h * p.dq_stride_h + s * p.dq_stride_s;
-    const float* acc = dq_acc + r * ACC_DIM;
     for (u32 col = lane; col < p.head_dim; col += 32u) {
-        dst[col * p.dq_stride_d] = f32_to_elem(acc[col] * p.scale);
+        dst[col * p.dq_stride_d] = f32_to_elem(dq_acc[dq_offset(r, col)] * p.scale);
     }
 }
