@@ -1,7 +1,10 @@
 //! Project tasks, Burn-style: `cargo xtask demo` runs the quick-start example, `cargo xtask test`
 //! runs the whole test suite. Both first make sure a Vulkan driver is there for wgpu (on a
 //! machine without a GPU that is Mesa's lavapipe): as root they install `mesa-vulkan-drivers`,
-//! otherwise they say what to install.
+//! otherwise they say what to install. Where `XDG_RUNTIME_DIR` is unset (a headless login),
+//! they give the child a private one ([`runtime_dir`]): the Vulkan loader's Wayland probe
+//! otherwise prints `error: XDG_RUNTIME_DIR is invalid or not set in the environment.` on
+//! every device it opens, which reads as a failure though nothing failed.
 //!
 //! Extra arguments are passed to cargo (`cargo xtask test --features cuda`). `cargo xtask test`
 //! runs one test at a time in each test binary unless `RUST_TEST_THREADS` says otherwise (see
@@ -13,7 +16,9 @@
 //! (`nvidia-cuda-nvrtc`, `nvidia-cuda-runtime`, [`CUDA_WHEELS`]) into a cache folder
 //! ([`cuda_home`]) with pip, once. With `BURN_FLASH_MUTATION` set it builds the check with the
 //! kernels' deliberate bugs (`--features mutants`); `cargo xtask cuda-check --mutations` runs
-//! each of the check's own mutations and fails unless every one is caught.
+//! each of the check's own mutations and fails unless every one is caught. `--bulk-dq` builds
+//! it with the kernels' opt-in `hopper-bulk-dq` feature (the Hopper backward's bulk-reduce `dQ`
+//! path: `cargo xtask cuda-check --bulk-dq --arch sm_90a --filter Hopper` checks its variants).
 
 use std::{
     path::Path,
@@ -57,6 +62,27 @@ fn is_root() -> bool {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
         .unwrap_or(false)
+}
+
+/// A private `XDG_RUNTIME_DIR` for the child (`<temp>/burn-flash-xdg-<uid>`, mode 0700) where
+/// the variable is unset or names no directory; `None` where it is usable (or the folder cannot
+/// be made: the child then prints the Wayland probe's line, harmless).
+fn runtime_dir() -> Option<String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if std::env::var_os("XDG_RUNTIME_DIR").is_some_and(|d| Path::new(&d).is_dir()) {
+        return None;
+    }
+    let uid = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let dir = std::env::temp_dir().join(format!("burn-flash-xdg-{uid}"));
+    let made = std::fs::DirBuilder::new().mode(0o700).create(&dir);
+    let usable = made.is_ok()
+        || std::fs::metadata(&dir)
+            .is_ok_and(|m| m.is_dir() && m.permissions().mode() & 0o777 == 0o700);
+    usable.then(|| dir.to_string_lossy().into_owned())
 }
 
 /// Test threads per test binary for `cargo xtask test` where `RUST_TEST_THREADS` is unset. The
@@ -231,13 +257,19 @@ fn cuda_check(rest: &[String]) -> ExitCode {
     ];
     let mutations = rest.iter().any(|a| a == "--mutations");
     let mutants = mutations || std::env::var_os("BURN_FLASH_MUTATION").is_some();
+    let bulk_dq = rest.iter().any(|a| a == "--bulk-dq");
+    let rest: Vec<String> = rest.iter().filter(|a| *a != "--bulk-dq").cloned().collect();
+    let features: Vec<&str> = [(mutants, "mutants"), (bulk_dq, "hopper-bulk-dq")]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect();
     // `cargo run` of the check, with the kernels' mutations compiled in where asked.
     let check = |args: &[&str]| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.args(["run", "--quiet", "--package", "cuda-check"]);
-        if mutants {
-            cmd.args(["--features", "mutants"]);
+        if !features.is_empty() {
+            cmd.args(["--features", &features.join(",")]);
         }
         cmd.arg("--").args(args).envs(envs);
         cmd
@@ -310,13 +342,15 @@ fn main() -> ExitCode {
         eprintln!("xtask: {e}");
         return ExitCode::FAILURE;
     }
-    let envs: &[(&str, &str)] = if task == "test" && std::env::var_os("RUST_TEST_THREADS").is_none()
-    {
-        &[("RUST_TEST_THREADS", TEST_THREADS)]
-    } else {
-        &[]
-    };
+    let mut envs: Vec<(&str, &str)> = Vec::new();
+    if task == "test" && std::env::var_os("RUST_TEST_THREADS").is_none() {
+        envs.push(("RUST_TEST_THREADS", TEST_THREADS));
+    }
+    let runtime = runtime_dir();
+    if let Some(dir) = &runtime {
+        envs.push(("XDG_RUNTIME_DIR", dir));
+    }
     let mut cmd = plan;
     cmd.extend(rest);
-    cargo(&cmd, envs)
+    cargo(&cmd, &envs)
 }

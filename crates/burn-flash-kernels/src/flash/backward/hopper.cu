@@ -21,14 +21,15 @@
 //        dQ  = dS·K                              (dSᵀ through shared memory; A and B MN-major)
 //      With D = 128 each consumer computes 64 of dQ's columns from all 128 keys; with D = 64
 //      each computes all columns from its own 64 keys (both add into the accumulator).
-//      DQ_BULK (every head dim but WIDE): each consumer stores its 64 × 64 f32 tile of dQ to
-//      shared memory in its threads' order (`store_dq`: conflict-free 16-byte stores) and one
+//      DQ_BULK (a host define; head dims up to 128): each consumer stores its 64 × 64 f32
+//      tile of dQ to shared memory in its threads' order (`store_dq`: conflict-free 16-byte stores) and one
 //      thread adds the whole 16 KB to the accumulator with one TMA bulk reduce
 //      (`cp.reduce.async.bulk .add.f32`), FlashAttention-3's dQ path: the accumulator holds
 //      each 64-row block as tiles in that order (hopper_rows.cu, `dq_offset`). Two buffers
 //      per consumer alternate by step parity; the issuing thread lets at most one reduce
 //      still read its source before the next step's barrier.
-//      WIDE: the consumers add dQ with vector reductions (`red.add.v2.f32`) per thread.
+//      Otherwise (WIDE always): the consumers add dQ with vector reductions
+//      (`red.add.v2.f32`) per thread, into a row-major accumulator.
 //    - WIDE (a head dim of 256): a block holds 64 keys, and both consumers compute Sᵀ and dPᵀ
 //      of all of them (the same values; wgmma's M is 64), then each takes half of the columns:
 //      dV[:, half c], dK[:, half c] and dQ[:, half c] — the registers of the 128-column case.
@@ -77,9 +78,11 @@
 #define DO_BYTES (V_ATOMS * ROW_ATOM)
 #define ROWS_BYTES (BLOCK_M * 4)
 #define DS_BYTES (BLOCK_N * BLOCK_M * 2)
-// dQ through shared memory and TMA bulk reduces (not WIDE): a consumer's 64 × 64 f32 tile, two
-// per consumer (step parity).
-#define DQ_BULK (!WIDE)
+// DQ_BULK (from the host, never with WIDE): dQ through shared memory and TMA bulk reduces, a
+// consumer's 64 × 64 f32 tile, two per consumer (step parity).
+#if DQ_BULK && WIDE
+#error "DQ_BULK needs 128 keys per block (not WIDE)"
+#endif
 #define DQ_TILE_BYTES (BLOCK_M * 64 * 4)
 #if DQ_BULK
 #define DQ_BYTES (4 * DQ_TILE_BYTES)
@@ -652,6 +655,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
+#if DQ_BULK
         // The tile of this step's parity: the reduce that read it two steps ago finished
         // reading before its issuing thread reached this step's named barrier 1.
         const u32 dq_buf = sdq + (u32)(it % 2) * 2u * DQ_TILE_BYTES + c * DQ_TILE_BYTES;
@@ -665,6 +669,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             bulk_commit();
             bulk_wait_read<1>();
         }
+#else
+        add_dq(dq_rows, dq, (int)p.seq_q - m0, HEAD_DIM == 128 ? 64u * c : 0u, warp, lane);
+#endif
 #endif
     }
 #if DQ_BULK

@@ -1,9 +1,9 @@
 //! The attention backward on Hopper (sm_90a), FlashAttention-3's schedule: one block per 128
 //! keys keeps `K`, `V` in shared memory and `dK`, `dV` in registers while a producer warpgroup
 //! streams `Q`, `dO` and the rows' statistics through TMA; two consumer warpgroups compute the
-//! five products on `wgmma` and add `dQ` into an f32 accumulator: through shared memory and
-//! one TMA bulk reduce per consumer and step ([`dq_tiled`]), or (head dim 256) with vector
-//! reductions per thread. A
+//! five products on `wgmma` and add `dQ` into an f32 accumulator with vector reductions per
+//! thread, or (feature `hopper-bulk-dq`, [`dq_tiled`]) through shared memory and one TMA bulk
+//! reduce per consumer and step. A
 //! prepass (`δ`, the base-2 log-sum-exp, the accumulator zeroed) runs before and a conversion
 //! (`dQ` in the element type) after. The sources are `hopper.cu` and `hopper_rows.cu` next to
 //! this file, on the wrappers of `crate::hopper` (`sm90.cuh`) and the score helpers of
@@ -115,6 +115,8 @@ pub struct Variant {
     pub alibi: bool,
     /// Packed variable-length sequences (each row sees its own sequence's keys).
     pub varlen: bool,
+    /// `dQ` through shared memory and TMA bulk reduces ([`dq_tiled`]).
+    pub dq_bulk: bool,
 }
 
 impl Variant {
@@ -135,6 +137,7 @@ impl Variant {
             window: config.rules.window,
             alibi: config.rules.alibi,
             varlen: config.rules.varlen,
+            dq_bulk: dq_tiled(config),
         }
     }
 
@@ -159,6 +162,7 @@ impl Variant {
             ("WINDOW", self.window),
             ("ALIBI", self.alibi),
             ("VARLEN", self.varlen),
+            ("DQ_BULK", self.dq_bulk),
         ] {
             text += &format!("#define {name} {}\n", u32::from(on));
         }
@@ -181,6 +185,7 @@ impl Variant {
             | u64::from(self.window) << 31
             | u64::from(self.alibi) << 32
             | u64::from(self.varlen) << 33
+            | u64::from(self.dq_bulk) << 34
     }
 }
 
@@ -201,11 +206,13 @@ pub fn tile(dims: AttentionDims) -> Tile {
     }
 }
 
-/// Whether the accumulator of `dQ` is tiled (`hopper_rows.cu`, `dq_offset`): the consumers
-/// add their 64 × 64 tiles with TMA bulk reduces, every tile but the wide one's (64 keys per
-/// block, [`tile`]), whose consumers add with vector reductions per thread.
+/// Whether the consumers add `dQ` through shared memory and one TMA bulk reduce per 64 × 64
+/// tile (FlashAttention-3's path) into an accumulator tiled in their order (`hopper_rows.cu`,
+/// `dq_offset`), rather than with vector reductions per thread into a row-major one: with the
+/// `hopper-bulk-dq` feature (opt-in until a GPU run verifies it), for every tile but the wide
+/// one (64 keys per block, [`tile`]: no shared memory left for the tiles).
 pub fn dq_tiled(config: FlashConfig) -> bool {
-    config.block_k as usize == BLOCK_K
+    cfg!(feature = "hopper-bulk-dq") && config.block_k as usize == BLOCK_K
 }
 
 /// Dynamic shared memory for `config`'s tile: `K` and `V` of the block (`block_k` rows × 128
@@ -220,7 +227,11 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
     );
     let keys = config.block_k as usize;
     let (kv_atom, row_atom) = (keys * 128, BLOCK_Q * 128);
-    let dq_tiles = if dq_tiled(config) { 4 * BLOCK_Q * 64 * 4 } else { 0 };
+    let dq_tiles = if dq_tiled(config) {
+        4 * BLOCK_Q * 64 * 4
+    } else {
+        0
+    };
     1024 + kv_atom * (d + dv)
         + 2 * keys * BLOCK_Q * 2
         + STAGES * (row_atom * (d + dv) + 512)
@@ -393,11 +404,7 @@ pub unsafe fn launch<R: CudaCompiled>(
                 "bulk_reduce_add_f32(dq_rows +",
                 "if (c == 0u) bulk_reduce_add_f32(dq_rows +",
             ),
-            (
-                mutation::dq_bulk_no_wait(),
-                "bulk_wait_read<1>();",
-                "",
-            ),
+            (mutation::dq_bulk_no_wait(), "bulk_wait_read<1>();", ""),
             (
                 mutation::ds_skipped_rows(),
                 "dst[(u64)r * p.ds_stride_s] = 0;",
