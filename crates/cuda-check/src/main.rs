@@ -1,7 +1,7 @@
 //! `cuda-check`: every CUDA kernel variant burn-flash's plans produce on a grid of calls,
 //! compiled on the CPU by NVRTC for sm_80, sm_86, sm_89 and sm_90a, its resources read from
 //! ptxas and held to budgets. Run through `cargo xtask cuda-check` (which installs NVRTC and
-//! sets `LD_LIBRARY_PATH`); the README's "CUDA without a GPU" says what it does not cover.
+//! sets `LD_LIBRARY_PATH`); docs/testing.md's "CUDA without a GPU" says what it does not cover.
 //!
 //! For each architecture a [`TargetRuntime`] client takes every call of [`grid::calls`]; the
 //! kernels those calls launch are compiled to CUDA C++ as cubecl-cuda compiles them, deduplicated
