@@ -4,7 +4,7 @@
 //!
 //! The kernels run the call as one batch whose rows each see only their own sequence's keys:
 //! a third rule beside the causal mask and the sliding window, which give every row a range of
-//! keys ([`burn_flash_kernels::flash::scores::key_range`]). Key blocks outside every row's
+//! keys ([`burn_flash_kernels::flash::keys::key_range`]). Key blocks outside every row's
 //! range are skipped forward and backward, so a row block pays for the keys of the sequences
 //! it holds, not for the packed total.
 

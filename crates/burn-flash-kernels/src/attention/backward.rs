@@ -5,9 +5,9 @@
 
 use cubecl::prelude::*;
 
-use super::{
-    AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, attention_dims,
-    broadcast_strides, expect_shape, validate,
+use super::options::{
+    AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, BackwardTensors,
+    attention_dims, broadcast_strides, expect_shape, validate,
 };
 use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, mma, units};
 use crate::flash::block::fold_pairs;
@@ -318,39 +318,6 @@ fn plan_backward<R: Runtime>(
         dq_cubes,
         matrix_units,
     })
-}
-
-/// The tensors of a backward launch.
-pub struct BackwardTensors<'a> {
-    /// The forward's queries `[B, Hq, Sq, D]`.
-    pub q: TensorRef<'a>,
-    /// Keys `[B, Hkv, Sk, D]`.
-    pub k: TensorRef<'a>,
-    /// Values `[B, Hkv, Sk, Dv]`.
-    pub v: TensorRef<'a>,
-    /// The forward's mask (1 = masked out, in the element type), broadcasting.
-    pub mask: Option<TensorRef<'a>>,
-    /// The forward's bias, broadcasting.
-    pub bias: Option<TensorRef<'a>>,
-    /// The forward's ALiBi slopes `[Hq]`, f32.
-    pub slopes: Option<TensorRef<'a>>,
-    /// The forward's packed sequences ([`super::check_seqs`]).
-    pub seqs: Option<TensorRef<'a>>,
-    /// The forward's output `[B, Hq, Sq, Dv]`.
-    pub out: TensorRef<'a>,
-    /// The forward's row log-sum-exp `[B, Hq, Sq]`, f32.
-    pub lse: TensorRef<'a>,
-    /// The output's gradient `[B, Hq, Sq, Dv]`.
-    pub d_out: TensorRef<'a>,
-    /// `dQ` (written), `q`'s shape.
-    pub dq: TensorRef<'a>,
-    /// `dK` (written), `k`'s shape.
-    pub dk: TensorRef<'a>,
-    /// `dV` (written), `v`'s shape.
-    pub dv: TensorRef<'a>,
-    /// Where given, `dS` (written) `[B, Hq, Sq, Sk]`: the gradient of every score, which a
-    /// bias's gradient sums over its broadcast dimensions.
-    pub ds: Option<TensorRef<'a>>,
 }
 
 /// Writes the gradients of [`super::launch_attention`] (same `options`) into `t.dq`, `t.dk`,

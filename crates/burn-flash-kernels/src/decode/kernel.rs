@@ -23,8 +23,9 @@ use cubecl::prelude::*;
 
 use crate::flash::args::{ForwardOutputs, ScoreArgs};
 use crate::flash::config::FlashConfig;
+use crate::flash::keys::local_range;
 use crate::flash::online::{inverse_sum, output_sum, rescale_factor, row_lse};
-use crate::flash::scores::{capped, local_range};
+use crate::flash::scores::capped;
 
 /// Units per cube of [`flash_decode()`].
 pub const UNITS: u32 = 128;

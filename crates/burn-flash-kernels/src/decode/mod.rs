@@ -23,7 +23,7 @@ pub mod kernel;
 
 use cubecl::{CubeCount, CubeDim, prelude::*};
 
-use crate::attention::{
+use crate::attention::options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
     attention_dims, validate,
 };

@@ -62,7 +62,7 @@ pub struct ScoreInputs<E: CubePrimitive, F: CubePrimitive> {
     pub sinks: Tensor<f32>,
     /// The sequences of a packed variable-length call, `[2·(n + 1)]` (u32): the cumulative
     /// query lengths `cu_q` (`0, …, Sq`), then the cumulative key lengths `cu_k` (`0, …, Sk`)
-    /// ([`crate::flash::scores::packed_seq()`]).
+    /// ([`crate::flash::keys::packed_seq()`]).
     pub seqs: Tensor<u32>,
 }
 

@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 
 use crate::flash::args::ScoreArgs;
 use crate::flash::config::FlashConfig;
-use crate::flash::scores::{KeyRange, key_range};
+use crate::flash::keys::{KeyRange, key_range};
 
 /// The grid of a forward launch: `x` cubes along the output's column tiles, and `row_blocks`
 /// row blocks for each of `pairs` (batch, key/value head) pairs, the pairs folded over y and z

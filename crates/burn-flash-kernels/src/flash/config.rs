@@ -157,7 +157,7 @@ impl FlashConfig {
     }
 
     /// Whether rows see a range of the keys rather than all of them (the causal mask, a window
-    /// or packed sequences, [`crate::flash::scores::key_range()`]): the kernels then skip key
+    /// or packed sequences, [`crate::flash::keys::key_range()`]): the kernels then skip key
     /// blocks outside every row's range.
     pub fn ranged(&self) -> bool {
         let r = self.rules;

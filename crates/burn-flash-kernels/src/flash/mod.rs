@@ -4,8 +4,9 @@
 //!
 //! The forward ([`forward`]) is the online softmax ([`online`]): `softmax(S)·V` over the
 //! columns of `S` in steps, never holding a whole row of `S`. The backward ([`backward`])
-//! rebuilds `P` block by block from the forward's log-sum-exp. Both apply the same score rules
-//! ([`scores`]: scale, softcap, mask, causal, bias), address their cube's share of the problem
+//! rebuilds `P` block by block from the forward's log-sum-exp. Both see the same keys per row
+//! ([`keys`]: causal, window, packed sequences), apply the same score rules ([`scores`]:
+//! scale, softcap, mask, bias, ALiBi), address their cube's share of the problem
 //! the same way ([`block`]) and take the same argument bundles ([`args`]); a plan hands each
 //! kernel its comptime [`FlashConfig`] ([`config`]).
 //!
@@ -23,6 +24,9 @@ pub mod backward;
 pub mod block;
 pub mod config;
 pub mod forward;
+// `#[cube]` expands every function into undocumented helper items.
+#[allow(missing_docs)]
+pub mod keys;
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod online;

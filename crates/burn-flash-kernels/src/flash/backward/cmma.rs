@@ -33,8 +33,9 @@ use crate::flash::forward::cmma::{
     Fragment, PAD, S_PAD, fragment, load_rows, product_abt, product_wb, stage_group_rows,
     store_accumulators, store_rows,
 };
+use crate::flash::keys::row_range;
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, row_range, set_row, visible,
+    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
 };
 
 /// Planes per cube of either kernel.

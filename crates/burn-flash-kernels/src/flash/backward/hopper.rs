@@ -19,9 +19,9 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::{AttentionDims, AttentionFeatures};
+use crate::attention::options::{AttentionDims, AttentionFeatures};
 #[cfg(feature = "cuda")]
-use crate::attention::{AttentionOptions, BackwardTensors};
+use crate::attention::options::{AttentionOptions, BackwardTensors};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, Tile};

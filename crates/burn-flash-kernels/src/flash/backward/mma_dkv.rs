@@ -14,7 +14,8 @@ use crate::flash::backward::mma::*;
 use crate::flash::block::{PairBlock, pair_block, pair_group, span_positions};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{NV8, step_scores};
-use crate::flash::scores::{alibi_term, capped, row_range, sees};
+use crate::flash::keys::{row_range, sees};
+use crate::flash::scores::{alibi_term, capped};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
 

@@ -34,8 +34,9 @@ use crate::flash::block::{
     PairBlock, cube_count, pair_block, pair_group, rows_keys, span_positions,
 };
 use crate::flash::config::FlashConfig;
+use crate::flash::keys::row_range;
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, row_range, set_row, visible,
+    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
 };
 
 /// An f32 4-vector, the unit of the shared tiles.

@@ -19,9 +19,9 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::{AttentionDims, AttentionFeatures};
+use crate::attention::options::{AttentionDims, AttentionFeatures};
 #[cfg(feature = "cuda")]
-use crate::attention::{AttentionOptions, AttentionPlan};
+use crate::attention::options::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, ScoreSource, Tile};

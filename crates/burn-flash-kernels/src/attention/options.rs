@@ -1,0 +1,478 @@
+//! The attention problem: what a call takes ([`AttentionOptions`], [`AttentionFeatures`],
+//! [`AttentionDims`], the backward's [`BackwardTensors`]), what a plan is
+//! ([`AttentionKernel`], [`AttentionPlan`]), why a call is refused ([`AttentionError`]) and the
+//! checks every plan makes first ([`validate`], [`attention_dims`], [`check_seqs`]). A leaf:
+//! the kernel modules that take these types ([`crate::decode`], the Hopper kernels) import
+//! them from here, never from the dispatcher that calls them.
+
+use core::fmt;
+
+use cubecl::prelude::*;
+
+use crate::dropout::DropoutParams;
+use crate::flash::{FlashConfig, FlashKernel, Scalars, ScoreRules};
+use crate::fragment::MatrixUnitsUnavailable;
+use crate::tensor::{TensorRef, UnsupportedDType};
+#[cfg(doc)]
+use {
+    super::plan_attention,
+    crate::flash::forward::{cmma, hopper, mma, tiled, units},
+};
+
+/// Largest head dim (of queries/keys and of values) any kernel takes.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// The kernel of a launch, chosen once by [`plan_attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKernel {
+    /// [`units::flash_forward_units()`]: plain units, every runtime and float type.
+    Units,
+    /// [`tiled::flash_forward_tiled()`]: plain units, every runtime and float type,
+    /// register-tiled (128 query rows × 128 output columns per cube, 16 keys per step).
+    Tiled,
+    /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
+    /// double buffering (CUDA sm_80+, 16-byte aligned rows).
+    MatrixUnits,
+    /// [`cmma::flash_forward_cmma()`]: f16/bf16 on cooperative matrices (cubecl's `cmma`):
+    /// where the device offers them ([`cmma::fragment`] — Vulkan through SPIR-V, Metal, and
+    /// CUDA's `wmma` when forced.
+    CooperativeMatrix,
+    /// [`hopper`]: f16/bf16 on Hopper GPUs (sm_90) with TMA, `wgmma` and warp specialisation
+    /// (FlashAttention-3's schedule), hand-written CUDA (CUDA builds only; what it takes:
+    /// [`hopper::unavailable`].
+    Hopper,
+    /// [`crate::decode`]: split-KV decoding (FlashDecoding), for few query rows per key/value
+    /// head ([`crate::decode::DECODE_ROWS`]) against long contexts: the keys split over cubes,
+    /// the splits' states merged by a second kernel. Every runtime and float type; no mask,
+    /// bias, dropout or packed sequences.
+    SplitDecode,
+}
+
+impl AttentionKernel {
+    /// The `#[cube]` forward loop of this kernel (`None`: the hand-written Hopper kernel).
+    pub(crate) fn flash_kernel(self) -> Option<FlashKernel> {
+        match self {
+            Self::Units => Some(FlashKernel::Units),
+            Self::Tiled => Some(FlashKernel::Tiled),
+            Self::MatrixUnits => Some(FlashKernel::MatrixUnits),
+            Self::CooperativeMatrix => Some(FlashKernel::CooperativeMatrix),
+            Self::Hopper | Self::SplitDecode => None,
+        }
+    }
+}
+
+/// What the scores are made of, and overrides of the host heuristic.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Factor of `q·k`.
+    pub scale: f32,
+    /// Softcap `c` (`s = c·tanh(s / c)`), positive and finite.
+    pub softcap: Option<f32>,
+    /// Bottom-right aligned causal mask.
+    pub causal: bool,
+    /// Force a kernel; an impossible choice is an error, never a silent fallback.
+    pub kernel: Option<AttentionKernel>,
+    /// Force the keys per step: a multiple of 16 up to 128 on the matrix units, [`units::BLOCK_K`]
+    /// or [`tiled::BLOCK_K`] on plain units; an impossible choice is an error.
+    pub block_k: Option<usize>,
+    /// Dropout on the attention weights ([`crate::dropout`]): `None` or a probability of 0 is
+    /// none. Every forward kernel but the register-tiled one ([`AttentionKernel::Tiled`])
+    /// takes it.
+    pub dropout: Option<DropoutParams>,
+    /// The score a key masked by the bool mask takes, instead of leaving the softmax
+    /// (burn-nn's `mask_fill(mask, min_float)`): finite, so a fully masked row is uniform.
+    /// After scale, softcap and bias; the causal mask and keys past the end still leave.
+    /// `None`: masked keys are invisible.
+    pub masked_score: Option<f32>,
+    /// Quiet softmax, `e^s / (1 + Σ e^s)` (burn's `quiet_softmax`): the stored log-sum-exp
+    /// is `ln(1 + Σ e^s)`.
+    pub quiet: bool,
+    /// Sliding window `(left, right)`: query `i` sees keys from `a − left` to `a + right`
+    /// inclusive, `a = i + Sk − Sq` (bottom-right aligned, as the causal mask; with `causal`
+    /// the right side is 0). Key blocks outside every row's window are skipped. A side wider
+    /// than the sequence sees every key on that side.
+    pub window: Option<(usize, usize)>,
+}
+
+impl AttentionOptions {
+    /// The score rules of a call with these options and `features`.
+    pub fn rules(&self, features: AttentionFeatures) -> ScoreRules {
+        ScoreRules {
+            causal: self.causal,
+            mask: features.mask,
+            bias: features.bias,
+            softcap: self.softcap.is_some(),
+            dropout: self.dropout.is_some(),
+            masked_score: self.masked_score.map(f32::to_bits),
+            quiet: self.quiet,
+            window: self.window.is_some(),
+            alibi: features.alibi,
+            sinks: features.sinks,
+            varlen: features.varlen,
+        }
+    }
+
+    /// The kernels' runtime scalars.
+    pub fn scalars(&self) -> Scalars {
+        Scalars {
+            scale: self.scale,
+            softcap: self.softcap,
+            dropout: self.dropout,
+            window: self.window,
+        }
+    }
+}
+
+/// What of a call beyond its sizes a plan depends on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionFeatures {
+    /// The rows of `q`, `k`, `v` and `out` (backward: `dO`) are 16-byte aligned
+    /// ([`rows_aligned`]).
+    pub aligned: bool,
+    /// A mask is given.
+    pub mask: bool,
+    /// A bias is given (backward: or `dS` is asked for).
+    pub bias: bool,
+    /// ALiBi slopes are given.
+    pub alibi: bool,
+    /// Attention-sink logits are given (forward only: the backward kernels read the stored
+    /// log-sum-exp, which includes them).
+    pub sinks: bool,
+    /// The call is a packed variable-length batch (`seqs` given, [`check_seqs`]).
+    pub varlen: bool,
+}
+
+/// Sizes of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionDims {
+    /// Batch.
+    pub batch: usize,
+    /// Query heads.
+    pub heads_q: usize,
+    /// Key/value heads (divides `heads_q`).
+    pub heads_kv: usize,
+    /// Query positions.
+    pub seq_q: usize,
+    /// Key/value positions.
+    pub seq_k: usize,
+    /// Head dim of queries and keys.
+    pub head_dim: usize,
+    /// Head dim of values and of the output.
+    pub value_dim: usize,
+}
+
+impl AttentionDims {
+    /// Query heads per key/value head, `G = Hq / Hkv`.
+    pub fn group(&self) -> usize {
+        self.heads_q / self.heads_kv
+    }
+
+    /// The shape of the output (and of its gradient), `[B, Hq, Sq, Dv]`.
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.value_dim]
+    }
+
+    /// The shape of the row log-sum-exp, `[B, Hq, Sq]`.
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads_q, self.seq_q]
+    }
+
+    /// The shape of the scores (a full mask, a bias, `dS`), `[B, Hq, Sq, Sk]`.
+    pub fn scores_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.seq_k]
+    }
+}
+
+/// The launch [`plan_attention`] chose: the kernel and the configuration it is compiled with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// The kernel that runs.
+    pub kernel: AttentionKernel,
+    /// Its configuration: score rules and tile (query rows per cube, keys per step, head dims
+    /// rounded up, output columns per cube).
+    pub config: FlashConfig,
+    /// Units per cube.
+    pub units: u32,
+    /// Shared memory per cube, in bytes.
+    pub shared_bytes: usize,
+    /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`), the
+    /// last two folded so that any `B·Hkv` runs ([`crate::flash::block::fold_grid`]).
+    pub cubes: (usize, usize, usize),
+    /// Why the matrix units do not run this call (`None`: they do, or could).
+    pub matrix_units: Option<MatrixUnitsUnavailable>,
+}
+
+/// Why an attention launch was refused. Nothing is launched when one is returned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AttentionError {
+    /// A tensor's shape does not fit the others.
+    ShapeMismatch {
+        /// Which argument.
+        arg: &'static str,
+        /// What it should be.
+        expected: String,
+        /// Its shape.
+        got: Vec<usize>,
+    },
+    /// The element type is not f32, f16 or bf16, or the device cannot run it.
+    UnsupportedDType {
+        /// The element type, as cubecl names it.
+        dtype: String,
+    },
+    /// A head dim no kernel takes.
+    UnsupportedHeadDim {
+        /// `D`.
+        head_dim: usize,
+        /// `Dv`.
+        value_dim: usize,
+    },
+    /// An option is out of range.
+    InvalidOption {
+        /// Why.
+        reason: String,
+    },
+    /// The forced kernel cannot run this call on this device.
+    KernelUnavailable {
+        /// The forced kernel.
+        kernel: AttentionKernel,
+        /// Why not.
+        reason: String,
+    },
+    /// More cubes along one grid axis than the device can launch.
+    TooLarge {
+        /// Cubes along each axis the launch would need.
+        cubes: (usize, usize, usize),
+    },
+}
+
+impl fmt::Display for AttentionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ShapeMismatch { arg, expected, got } => {
+                write!(f, "`{arg}` has shape {got:?}, expected {expected}")
+            }
+            Self::UnsupportedDType { dtype } => write!(
+                f,
+                "dtype {dtype} is not supported (f32, f16 and bf16 are, where the device has them)"
+            ),
+            Self::UnsupportedHeadDim {
+                head_dim,
+                value_dim,
+            } => write!(
+                f,
+                "head dims D = {head_dim}, Dv = {value_dim} are not supported (1 ..= {MAX_HEAD_DIM} each)"
+            ),
+            Self::InvalidOption { reason } => write!(f, "invalid option: {reason}"),
+            Self::KernelUnavailable { kernel, reason } => {
+                write!(f, "kernel {kernel:?} is not available: {reason}")
+            }
+            Self::TooLarge { cubes } => write!(
+                f,
+                "the launch needs {cubes:?} cubes along (x, y, z), more than the device allows"
+            ),
+        }
+    }
+}
+
+impl core::error::Error for AttentionError {}
+
+impl From<UnsupportedDType> for AttentionError {
+    fn from(e: UnsupportedDType) -> Self {
+        Self::UnsupportedDType { dtype: e.dtype }
+    }
+}
+
+/// Whether the matrix-unit kernel can read these `q`, `k`, `v` and write this `out` (shape,
+/// strides): unit stride along the head dim, head dims and every other stride multiples of 8
+/// elements (16 bytes).
+pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
+    tensors.iter().all(|(shape, strides)| {
+        strides.len() == 4
+            && strides[3] == 1
+            && shape[3].is_multiple_of(8)
+            && strides[..3].iter().all(|s| s.is_multiple_of(8))
+    })
+}
+
+/// Whether each buffer starts on 16 bytes, as 16-byte row loads (and TMA) need.
+pub fn starts_aligned(tensors: &[&TensorRef<'_>]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.handle.offset_start.unwrap_or(0).is_multiple_of(16))
+}
+
+/// Checks what every attention plan needs, forward and backward: a float type the device
+/// runs, `Hkv` dividing `Hq`, head dims in `1..=`[`MAX_HEAD_DIM`], finite options.
+pub fn validate<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    options: &AttentionOptions,
+) -> Result<(), AttentionError> {
+    crate::tensor::check_dtype(client, dtype)?;
+    let (heads_q, heads_kv) = (dims.heads_q, dims.heads_kv);
+    let (head_dim, value_dim) = (dims.head_dim, dims.value_dim);
+    if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "k",
+            expected: format!("a number of heads dividing Hq = {heads_q}"),
+            got: vec![dims.batch, heads_kv, dims.seq_k, head_dim],
+        });
+    }
+    if !(1..=MAX_HEAD_DIM).contains(&head_dim) || !(1..=MAX_HEAD_DIM).contains(&value_dim) {
+        return Err(AttentionError::UnsupportedHeadDim {
+            head_dim,
+            value_dim,
+        });
+    }
+    let invalid = |reason: String| Err(AttentionError::InvalidOption { reason });
+    if !options.scale.is_finite() {
+        return invalid(format!("scale must be finite, got {}", options.scale));
+    }
+    if let Some(cap) = options.softcap
+        && !(cap > 0.0 && cap.is_finite())
+    {
+        return invalid(format!("softcap must be positive and finite, got {cap}"));
+    }
+    if let Some(fill) = options.masked_score
+        && !fill.is_finite()
+    {
+        return invalid(format!("masked_score must be finite, got {fill}"));
+    }
+    Ok(())
+}
+
+/// Checks a mask or bias shape against `[B or 1, Hq or 1, Sq or 1, Sk]` and returns its
+/// strides with 0 along broadcast dimensions.
+pub(crate) fn broadcast_strides(
+    name: &'static str,
+    t: &TensorRef<'_>,
+    full: [usize; 4],
+) -> Result<Vec<usize>, AttentionError> {
+    let ok = t.shape.len() == 4
+        && t.strides.len() == 4
+        && t.shape[3] == full[3]
+        && (0..3).all(|d| t.shape[d] == full[d] || t.shape[d] == 1);
+    if !ok {
+        return Err(AttentionError::ShapeMismatch {
+            arg: name,
+            expected: format!(
+                "[{} or 1, {} or 1, {} or 1, {}]",
+                full[0], full[1], full[2], full[3]
+            ),
+            got: t.shape.to_vec(),
+        });
+    }
+    Ok((0..4)
+        .map(|d| if t.shape[d] == 1 { 0 } else { t.strides[d] })
+        .collect())
+}
+
+/// Checks that `t` has exactly the shape `expected`.
+pub(crate) fn expect_shape(
+    name: &'static str,
+    t: &TensorRef<'_>,
+    expected: &[usize],
+) -> Result<(), AttentionError> {
+    if t.shape != expected || t.strides.len() != expected.len() {
+        return Err(AttentionError::ShapeMismatch {
+            arg: name,
+            expected: format!("{expected:?}"),
+            got: t.shape.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Reads the sizes of a call from `q`, `k`, `v` and checks every shape.
+pub fn attention_dims(
+    q: &TensorRef<'_>,
+    k: &TensorRef<'_>,
+    v: &TensorRef<'_>,
+) -> Result<AttentionDims, AttentionError> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.shape.len() != 4 || t.strides.len() != 4 {
+            return Err(AttentionError::ShapeMismatch {
+                arg: name,
+                expected: "a 4-D tensor".into(),
+                got: t.shape.to_vec(),
+            });
+        }
+    }
+    let dims = AttentionDims {
+        batch: q.shape[0],
+        heads_q: q.shape[1],
+        heads_kv: k.shape[1],
+        seq_q: q.shape[2],
+        seq_k: k.shape[2],
+        head_dim: q.shape[3],
+        value_dim: v.shape[3],
+    };
+    expect_shape(
+        "k",
+        k,
+        &[dims.batch, dims.heads_kv, dims.seq_k, dims.head_dim],
+    )?;
+    expect_shape(
+        "v",
+        v,
+        &[dims.batch, dims.heads_kv, dims.seq_k, dims.value_dim],
+    )?;
+    Ok(dims)
+}
+
+/// Checks the sequences of a packed variable-length call (`seqs`: `[2·(n + 1)]`, u32 or i32,
+/// the cumulative query lengths then the cumulative key lengths) against its sizes: one
+/// batch, `n ≥ 1`. Their values (starting at 0, non-decreasing, ending at `Sq` and `Sk`) are
+/// the caller's to check: reading them here would wait for the device.
+pub fn check_seqs(seqs: &TensorRef<'_>, dims: AttentionDims) -> Result<(), AttentionError> {
+    let n = seqs.shape.first().copied().unwrap_or(0);
+    if seqs.shape.len() != 1 || n < 4 || n % 2 != 0 {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "seqs",
+            expected: "[2·(n + 1)] with n ≥ 1 sequences (cu_q then cu_k)".to_string(),
+            got: seqs.shape.to_vec(),
+        });
+    }
+    if dims.batch != 1 {
+        return Err(AttentionError::ShapeMismatch {
+            arg: "q",
+            expected: "one batch of packed sequences".to_string(),
+            got: vec![dims.batch, dims.heads_q, dims.seq_q, dims.head_dim],
+        });
+    }
+    Ok(())
+}
+
+/// The tensors of a backward launch.
+pub struct BackwardTensors<'a> {
+    /// The forward's queries `[B, Hq, Sq, D]`.
+    pub q: TensorRef<'a>,
+    /// Keys `[B, Hkv, Sk, D]`.
+    pub k: TensorRef<'a>,
+    /// Values `[B, Hkv, Sk, Dv]`.
+    pub v: TensorRef<'a>,
+    /// The forward's mask (1 = masked out, in the element type), broadcasting.
+    pub mask: Option<TensorRef<'a>>,
+    /// The forward's bias, broadcasting.
+    pub bias: Option<TensorRef<'a>>,
+    /// The forward's ALiBi slopes `[Hq]`, f32.
+    pub slopes: Option<TensorRef<'a>>,
+    /// The forward's packed sequences ([`check_seqs`]).
+    pub seqs: Option<TensorRef<'a>>,
+    /// The forward's output `[B, Hq, Sq, Dv]`.
+    pub out: TensorRef<'a>,
+    /// The forward's row log-sum-exp `[B, Hq, Sq]`, f32.
+    pub lse: TensorRef<'a>,
+    /// The output's gradient `[B, Hq, Sq, Dv]`.
+    pub d_out: TensorRef<'a>,
+    /// `dQ` (written), `q`'s shape.
+    pub dq: TensorRef<'a>,
+    /// `dK` (written), `k`'s shape.
+    pub dk: TensorRef<'a>,
+    /// `dV` (written), `v`'s shape.
+    pub dv: TensorRef<'a>,
+    /// Where given, `dS` (written) `[B, Hq, Sq, Sk]`: the gradient of every score, which a
+    /// bias's gradient sums over its broadcast dimensions.
+    pub ds: Option<TensorRef<'a>>,
+}
