@@ -7,7 +7,8 @@
 //! order that changes between processes, and ptxas's allocation moves with it (RESULTS §16).
 //!
 //! Each kernel states its [`Occupancy`] next to its definition (`OCCUPANCY`,
-//! `DKV_OCCUPANCY`, …); [`of`] finds it by the kernel's name.
+//! `DKV_OCCUPANCY`, …); the check finds it by the kernel's name (`crates/cuda-check`,
+//! `budget::stated`). This module is a leaf: it names no kernel.
 
 /// A kernel's budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,58 +36,4 @@ impl Occupancy {
             known_spill_bytes,
         }
     }
-}
-
-/// The budgets of kernel `name`: a `#[cube]` kernel's type name (`path::kernel_fn::Type<R>`,
-/// found by `kernel_fn`) or a hand-written kernel's entry point; `None` for a kernel that
-/// states none.
-pub fn of(name: &str) -> Option<Occupancy> {
-    use crate::flash::{backward, forward};
-    let path = name.split('<').next().unwrap_or(name);
-    let kernel = path.rsplit("::").nth(1).unwrap_or(path);
-    let budget = match kernel {
-        "flash_forward_mma" => forward::mma::OCCUPANCY,
-        "flash_forward_cmma" => forward::cmma::OCCUPANCY,
-        "flash_forward_tiled" => forward::tiled::OCCUPANCY,
-        "flash_forward_units" => forward::units::OCCUPANCY,
-        "burn_flash_hopper_forward" => forward::hopper::OCCUPANCY,
-        "flash_delta" => backward::DELTA_OCCUPANCY,
-        "flash_backward_dkv_mma" => backward::mma_dkv::OCCUPANCY,
-        "flash_backward_dq_mma" => backward::mma_dq::OCCUPANCY,
-        "flash_backward_dkv_cmma" => backward::cmma::DKV_OCCUPANCY,
-        "flash_backward_dq_cmma" => backward::cmma::DQ_OCCUPANCY,
-        "flash_backward_dkv" => backward::units::DKV_OCCUPANCY,
-        "flash_backward_dq" => backward::units::DQ_OCCUPANCY,
-        "flash_backward_given_tiled" => backward::units_given::OCCUPANCY,
-        "burn_flash_hopper_backward" => backward::hopper::OCCUPANCY,
-        "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => {
-            backward::hopper::ROWS_OCCUPANCY
-        }
-        "burn_flash_hopper_smm_dx" | "burn_flash_hopper_smm_dv" => {
-            backward::hopper_given::OCCUPANCY
-        }
-        "flash_decode" => crate::decode::kernel::OCCUPANCY,
-        "decode_merge" => crate::decode::kernel::MERGE_OCCUPANCY,
-        "kv_append" => crate::decode::append::OCCUPANCY,
-        "softmax_rows" | "softmax_backward_rows" => crate::softmax::kernel::ROWS_OCCUPANCY,
-        "softmax_split_partials"
-        | "softmax_split_finish"
-        | "softmax_split_exchange"
-        | "softmax_strided"
-        | "softmax_backward_split_partials"
-        | "softmax_backward_split_finish"
-        | "softmax_backward_split_exchange"
-        | "softmax_backward_strided" => crate::softmax::kernel::STREAM_OCCUPANCY,
-        "linear_rows" => crate::linear::OCCUPANCY,
-        "layer_norm_rows" => crate::norm::OCCUPANCY,
-        "copy_kernel" | "zero_u32_kernel" => crate::copy::OCCUPANCY,
-        _ => return None,
-    };
-    if kernel == "flash_forward_mma" && crate::mutation::register_budget() {
-        return Some(Occupancy {
-            cubes_per_sm: 4 * budget.cubes_per_sm,
-            ..budget
-        });
-    }
-    Some(budget)
 }

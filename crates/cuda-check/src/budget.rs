@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use burn_flash_kernels::cuda_target::TargetLaunch;
-use burn_flash_kernels::occupancy;
+use burn_flash_kernels::occupancy::Occupancy;
 
 use crate::Variant;
 use crate::nvrtc::Compiled;
@@ -55,7 +55,7 @@ impl Verdict {
 /// Holds `launch`, compiled as `compiled`, to its budgets.
 pub fn judge(launch: &TargetLaunch, compiled: &Compiled) -> Verdict {
     let threads = launch.cube_dim.num_elems();
-    let stated = occupancy::of(launch.name);
+    let stated = stated(launch.name);
     let cubes = stated.map(|o| o.cubes_per_sm);
     let mut v = Verdict {
         register_budget: cubes.map(|c| register_budget(threads, c)),
@@ -227,6 +227,62 @@ pub fn compare(old: &str, rows: &[(&Variant, &(Compiled, bool), &Verdict)]) -> S
         before.len()
     );
     out
+}
+
+/// The budgets kernel `name` states next to its definition: a `#[cube]` kernel's type name (`path::kernel_fn::Type<R>`,
+/// found by `kernel_fn`) or a hand-written kernel's entry point; `None` for a kernel that
+/// states none.
+pub fn stated(name: &str) -> Option<Occupancy> {
+    use burn_flash_kernels::flash::{backward, forward};
+    let path = name.split('<').next().unwrap_or(name);
+    let kernel = path.rsplit("::").nth(1).unwrap_or(path);
+    let budget = match kernel {
+        "flash_forward_mma" => forward::mma::OCCUPANCY,
+        "flash_forward_cmma" => forward::cmma::OCCUPANCY,
+        "flash_forward_tiled" => forward::tiled::OCCUPANCY,
+        "flash_forward_units" => forward::units::OCCUPANCY,
+        "burn_flash_hopper_forward" => forward::hopper::OCCUPANCY,
+        "flash_delta" => backward::DELTA_OCCUPANCY,
+        "flash_backward_dkv_mma" => backward::mma_dkv::OCCUPANCY,
+        "flash_backward_dq_mma" => backward::mma_dq::OCCUPANCY,
+        "flash_backward_dkv_cmma" => backward::cmma::DKV_OCCUPANCY,
+        "flash_backward_dq_cmma" => backward::cmma::DQ_OCCUPANCY,
+        "flash_backward_dkv" => backward::units::DKV_OCCUPANCY,
+        "flash_backward_dq" => backward::units::DQ_OCCUPANCY,
+        "flash_backward_given_tiled" => backward::units_given::OCCUPANCY,
+        "burn_flash_hopper_backward" => backward::hopper::OCCUPANCY,
+        "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => {
+            backward::hopper::ROWS_OCCUPANCY
+        }
+        "burn_flash_hopper_smm_dx" | "burn_flash_hopper_smm_dv" => {
+            backward::hopper_given::OCCUPANCY
+        }
+        "flash_decode" => burn_flash_kernels::decode::kernel::OCCUPANCY,
+        "decode_merge" => burn_flash_kernels::decode::kernel::MERGE_OCCUPANCY,
+        "kv_append" => burn_flash_kernels::decode::append::OCCUPANCY,
+        "softmax_rows" | "softmax_backward_rows" => {
+            burn_flash_kernels::softmax::kernel::ROWS_OCCUPANCY
+        }
+        "softmax_split_partials"
+        | "softmax_split_finish"
+        | "softmax_split_exchange"
+        | "softmax_strided"
+        | "softmax_backward_split_partials"
+        | "softmax_backward_split_finish"
+        | "softmax_backward_split_exchange"
+        | "softmax_backward_strided" => burn_flash_kernels::softmax::kernel::STREAM_OCCUPANCY,
+        "linear_rows" => burn_flash_kernels::linear::OCCUPANCY,
+        "layer_norm_rows" => burn_flash_kernels::norm::OCCUPANCY,
+        "copy_kernel" | "zero_u32_kernel" => burn_flash_kernels::copy::OCCUPANCY,
+        _ => return None,
+    };
+    if kernel == "flash_forward_mma" && burn_flash_kernels::mutation::register_budget() {
+        return Some(Occupancy {
+            cubes_per_sm: 4 * budget.cubes_per_sm,
+            ..budget
+        });
+    }
+    Some(budget)
 }
 
 #[cfg(test)]

@@ -13,25 +13,21 @@
 //! zeros and `lse = −inf`.
 //!
 //! [`plan_attention`] picks one kernel ([`AttentionKernel`]); all are the flash forward loops
-//! of [`crate::flash`] with computed scores ([`ScoreSource::QueryKey`]):
-//! - [`mma`]: FlashAttention-2's schedule on the matrix units, f16/bf16 on CUDA (sm_80+) with
-//!   16-byte aligned rows;
-//! - [`cmma`]: the same loop on cooperative matrices, f16/bf16 where the device offers them
-//!   and has no manual `mma` (Vulkan through SPIR-V, Metal);
-//! - [`tiled`]: plain units, every runtime and float type, f32 arithmetic, register-tiled
-//!   128 × 128 outputs per cube (outputs of at least 65 × 65);
-//! - [`units`]: plain units for the rest (and where 256 units or the tiled kernel's shared
-//!   memory are missing).
+//! of [`crate::flash`] with computed scores ([`QueryKey`](crate::flash::ScoreSource::QueryKey)):
+//! - [`mma`](crate::flash::forward::mma): FlashAttention-2's schedule on the matrix units,
+//!   f16/bf16 on CUDA (sm_80+) with 16-byte aligned rows;
+//! - [`cmma`](crate::flash::forward::cmma): the same loop on cooperative matrices, f16/bf16
+//!   where the device offers them and has no manual `mma` (Vulkan through SPIR-V, Metal);
+//! - [`tiled`](crate::flash::forward::tiled): plain units, every runtime and float type, f32
+//!   arithmetic, register-tiled 128 × 128 outputs per cube (outputs of at least 65 × 65);
+//! - [`units`](crate::flash::forward::units): plain units for the rest (and where 256 units or
+//!   the tiled kernel's shared memory are missing);
+//! - [`hopper`](crate::flash::forward::hopper) on sm_90 and [`crate::decode`] for few query
+//!   rows against long contexts ([`AttentionKernel`]).
 //!
 //! Files: [`options`] (the problem: what a call takes, its plans and errors, and their
 //! checks; a leaf), [`plan`] (the heuristic and the tiles), [`launch`] (the forward's launch),
 //! [`backward`] (the backward's plan and launch).
-
-#[cfg(doc)]
-use crate::flash::{
-    ScoreSource,
-    forward::{cmma, mma, tiled, units},
-};
 
 pub mod backward;
 pub mod launch;

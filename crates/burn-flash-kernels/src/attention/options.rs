@@ -13,33 +13,31 @@ use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, FlashKernel, Scalars, ScoreRules};
 use crate::fragment::MatrixUnitsUnavailable;
 use crate::tensor::{TensorRef, UnsupportedDType};
-#[cfg(doc)]
-use {
-    super::plan_attention,
-    crate::flash::forward::{cmma, hopper, mma, tiled, units},
-};
 
 /// Largest head dim (of queries/keys and of values) any kernel takes.
 pub const MAX_HEAD_DIM: usize = 256;
 
-/// The kernel of a launch, chosen once by [`plan_attention`].
+/// The kernel of a launch, chosen once by [`plan_attention`](super::plan_attention).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttentionKernel {
-    /// [`units::flash_forward_units()`]: plain units, every runtime and float type.
+    /// [`flash_forward_units()`](crate::flash::forward::units::flash_forward_units()): plain
+    /// units, every runtime and float type.
     Units,
-    /// [`tiled::flash_forward_tiled()`]: plain units, every runtime and float type,
-    /// register-tiled (128 query rows × 128 output columns per cube, 16 keys per step).
+    /// [`flash_forward_tiled()`](crate::flash::forward::tiled::flash_forward_tiled()): plain
+    /// units, every runtime and float type, register-tiled (128 query rows × 128 output
+    /// columns per cube, 16 keys per step).
     Tiled,
-    /// [`mma::flash_forward_mma()`]: f16/bf16 on the matrix units with `cp.async`
-    /// double buffering (CUDA sm_80+, 16-byte aligned rows).
+    /// [`flash_forward_mma()`](crate::flash::forward::mma::flash_forward_mma()): f16/bf16 on
+    /// the matrix units with `cp.async` double buffering (CUDA sm_80+, 16-byte aligned rows).
     MatrixUnits,
-    /// [`cmma::flash_forward_cmma()`]: f16/bf16 on cooperative matrices (cubecl's `cmma`):
-    /// where the device offers them ([`cmma::fragment`] — Vulkan through SPIR-V, Metal, and
-    /// CUDA's `wmma` when forced.
+    /// [`flash_forward_cmma()`](crate::flash::forward::cmma::flash_forward_cmma()): f16/bf16
+    /// on cooperative matrices (cubecl's `cmma`): where the device offers them
+    /// ([`fragment`](crate::flash::forward::cmma::fragment)) — Vulkan through SPIR-V, Metal,
+    /// and CUDA's `wmma` when forced.
     CooperativeMatrix,
-    /// [`hopper`]: f16/bf16 on Hopper GPUs (sm_90) with TMA, `wgmma` and warp specialisation
-    /// (FlashAttention-3's schedule), hand-written CUDA (CUDA builds only; what it takes:
-    /// [`hopper::unavailable`].
+    /// [`hopper`](crate::flash::forward::hopper): f16/bf16 on Hopper GPUs (sm_90) with TMA,
+    /// `wgmma` and warp specialisation (FlashAttention-3's schedule), hand-written CUDA (CUDA
+    /// builds only; what it takes: [`unavailable`](crate::flash::forward::hopper::unavailable)).
     Hopper,
     /// [`crate::decode`]: split-KV decoding (FlashDecoding), for few query rows per key/value
     /// head ([`crate::decode::DECODE_ROWS`]) against long contexts: the keys split over cubes,
@@ -72,8 +70,10 @@ pub struct AttentionOptions {
     pub causal: bool,
     /// Force a kernel; an impossible choice is an error, never a silent fallback.
     pub kernel: Option<AttentionKernel>,
-    /// Force the keys per step: a multiple of 16 up to 128 on the matrix units, [`units::BLOCK_K`]
-    /// or [`tiled::BLOCK_K`] on plain units; an impossible choice is an error.
+    /// Force the keys per step: a multiple of 16 up to 128 on the matrix units,
+    /// [`BLOCK_K`](crate::flash::forward::units::BLOCK_K) or
+    /// [`BLOCK_K`](crate::flash::forward::tiled::BLOCK_K) of the plain-unit kernels (untiled,
+    /// tiled); an impossible choice is an error.
     pub block_k: Option<usize>,
     /// Dropout on the attention weights ([`crate::dropout`]): `None` or a probability of 0 is
     /// none. Every forward kernel but the register-tiled one ([`AttentionKernel::Tiled`])
@@ -183,7 +183,8 @@ impl AttentionDims {
     }
 }
 
-/// The launch [`plan_attention`] chose: the kernel and the configuration it is compiled with.
+/// The launch [`plan_attention`](super::plan_attention) chose: the kernel and the
+/// configuration it is compiled with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttentionPlan {
     /// The kernel that runs.
