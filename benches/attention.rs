@@ -1248,6 +1248,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
 }
 
 fn main() {
+    common::plan_inputs_from_env();
     let cli = Cli::parse();
     BLOCK_K.set(cli.block_k).expect("set once");
     KERNEL.set(cli.kernel).expect("set once");

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The decoding kernel's schedules in one device call: for each `KEYS:CUBES` pair of SCHEDULES
 # (`BURN_FLASH_DECODE_KEYS`: keys per group per step; `BURN_FLASH_DECODE_CUBES`: cubes per
-# multiprocessor the splits aim at), the CUDA tests of the decoding kernel (`attention`
+# multiprocessor the splits aim at; the test suites and benches read both, the GPT example
+# takes `--decode-schedule`), the CUDA tests of the decoding kernel (`attention`
 # `split_decode` and `paged`, f32 / bf16 / f16, one process each), the `decode` bench, and the
 # GPT example's paged decoding; then the PyTorch peer once.
 #
@@ -53,7 +54,7 @@ for sched in $schedules; do
   timeout 60 "$bin/decode.bench" --runtimes cuda --dtypes bf16 --batches "$batches" \
     --contexts "$contexts" --passes 5 --impls contiguous,paged --out "$d" | grep -v '^wrote'
   timeout 60 "$bin/gpt.example" --runtime cuda --dtype bf16 --d-model 512 --layers 4 --heads 8 \
-    --out "$d" decode --context 4096 --tokens 16 --caches contiguous,paged | grep '^gpt decode'
+    --decode-schedule "$sched" --out "$d" decode --context 4096 --tokens 16 --caches contiguous,paged | grep '^gpt decode'
   pack
 done
 unset BURN_FLASH_DECODE_KEYS BURN_FLASH_DECODE_CUBES

@@ -777,6 +777,7 @@ fn plot_csv(csv: &Path) {
 }
 
 fn main() {
+    common::plan_inputs_from_env();
     let cli = Cli::parse();
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();

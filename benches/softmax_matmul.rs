@@ -867,6 +867,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
 }
 
 fn main() {
+    common::plan_inputs_from_env();
     let cli = Cli::parse();
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();

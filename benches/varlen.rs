@@ -492,6 +492,7 @@ fn draw(csv: &std::path::Path) {
 }
 
 fn main() {
+    common::plan_inputs_from_env();
     let cli = Cli::parse();
     if let Some(why) = cli.common.missing_runtime() {
         Cli::command().error(ErrorKind::InvalidValue, why).exit();

@@ -264,6 +264,10 @@ struct Cli {
     /// Output directory [default: target/bench/gpt].
     #[arg(long, global = true)]
     out: Option<PathBuf>,
+    /// The decoding kernel's schedule, `KEYS:CUBES` (keys per step 4, 8 or 16; cubes per
+    /// multiprocessor 1–64) [default: the standard 8:16].
+    #[arg(long, global = true)]
+    decode_schedule: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -412,6 +416,16 @@ type Train<R> = Autodiff<Fu<R, u8>>;
 
 fn main() {
     let cli = Cli::parse();
+    if let Some(s) = &cli.decode_schedule {
+        let (keys, cubes) = s.split_once(':').unwrap_or((s, ""));
+        match burn_flash::PlanDefaults::from_names(None, Some(keys), Some(cubes)) {
+            Ok(d) => burn_flash::set_plan_defaults(d),
+            Err(e) => {
+                eprintln!("gpt: --decode-schedule {s}: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
     if !cli.runtime.built_in() {
         eprintln!(
             "gpt: runtime `{0}` is not built in (build with `--features {0}`)",

@@ -27,6 +27,7 @@ mod fusion;
 mod linear;
 pub mod nn;
 mod norm;
+mod plan_defaults;
 pub mod softmax;
 pub mod softmax_matmul;
 
@@ -40,9 +41,11 @@ pub use attention::{
 };
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
+pub use burn_flash_kernels::attention::{DecodeSchedule, HopperUse};
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use linear::linear;
 pub use norm::layer_norm;
+pub use plan_defaults::{PlanDefaults, plan_defaults, set_plan_defaults};
 pub use softmax::backend::SoftmaxBackend;
 pub use softmax::{
     SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,

@@ -1071,7 +1071,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert!(
                 reason.contains("not a Hopper GPU")
                     || reason.contains("takes f16 and bf16")
-                    || reason.contains("BURN_FLASH_HOPPER=off"),
+                    || reason.contains("switched off"),
                 "{dtype:?}: {reason}"
             );
             false
@@ -1109,8 +1109,38 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         ..Default::default()
     });
     assert!(masked.config.rules.mask);
+    // The plan inputs are options: the planner checks them (an out-of-range decoding schedule
+    // is refused on every device), and a call's own win over the process defaults.
+    let bad = FlashAttentionOptions {
+        decode: Some(burn_flash::DecodeSchedule {
+            keys_per_step: 5,
+            cubes_per_sm: 16,
+        }),
+        ..Default::default()
+    };
+    let refused =
+        attention_plan_with::<B>(device, dims(64), dtype.into(), bad, ScoreTerms::default())
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+    assert!(
+        refused.contains("keys_per_step must be 4, 8 or 16"),
+        "{refused}"
+    );
     if hopper {
-        let always = std::env::var("BURN_FLASH_HOPPER").as_deref() == Ok("always");
+        let off = FlashAttentionOptions {
+            hopper: Some(burn_flash::HopperUse::Off),
+            ..Default::default()
+        };
+        let kernel =
+            attention_plan_with::<B>(device, dims(64), dtype.into(), off, ScoreTerms::default())
+                .unwrap()
+                .unwrap()
+                .kernel;
+        assert_eq!(kernel, AttentionKernel::MatrixUnits, "HopperUse::Off");
+    }
+    if hopper {
+        let always = common::plan_inputs().hopper == burn_flash::HopperUse::Always;
         let want = if always {
             AttentionKernel::Hopper
         } else {

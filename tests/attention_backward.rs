@@ -743,7 +743,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward could
         // take it, but the plan keeps the `mma.sync` one (per-element bias reads measured
         // slower), unless the run forces Hopper (`hopper_tracked_bias` forces the kernel).
-        let always = std::env::var("BURN_FLASH_HOPPER").as_deref() == Ok("always");
+        let always = common::plan_inputs().hopper == burn_flash::HopperUse::Always;
         for tracked in [true, false] {
             let biased = attention_backward_plan_with::<A<B>>(
                 device,

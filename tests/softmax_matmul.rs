@@ -542,7 +542,7 @@ fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert!(
                 reason.contains("not a Hopper GPU")
                     || reason.contains("takes f16 and bf16")
-                    || reason.contains("BURN_FLASH_HOPPER=off"),
+                    || reason.contains("switched off"),
                 "{dtype:?}: {reason}"
             );
         }
@@ -969,6 +969,7 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(
                 (&[batch, d1, d2], &[d1 * d2, d2, 1]),
                 (&v_shape, &[d2 * d3, d3, 1]),
             ],
+            Default::default(),
         )
         .expect("plans")
         .path;
@@ -1044,6 +1045,7 @@ mod wgpu {
 
     #[test]
     fn empty_and_degenerate() {
+        common::plan_inputs();
         let device = Default::default();
         // d2 = 0: every row is empty, hence "fully masked": zeros.
         let x = Tensor::<W, 3>::zeros([2, 3, 0], &device);
@@ -1060,11 +1062,13 @@ mod wgpu {
 
     #[test]
     fn backward_paths_on_plain_units() {
+        common::plan_inputs();
         backward_paths::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false, false);
     }
 
     #[test]
     fn forward_kernels_on_plain_units() {
+        common::plan_inputs();
         forward_kernels::<burn::backend::wgpu::WgpuRuntime>(&Default::default(), false, false);
     }
 
@@ -1094,14 +1098,19 @@ mod cuda {
     /// buffer does not start on 16 bytes (no TMA map); the `mma.sync` kernels elsewhere.
     #[test]
     fn backward_paths_take_the_matrix_units() {
+        common::plan_inputs();
         use burn_cubecl::cubecl::{Runtime, cuda::CudaRuntime};
-        use burn_flash::kernels::flash::forward::hopper::{Use, usage};
         use burn_flash::kernels::softmax_matmul::{
             SmmBackwardPath, plan_softmax_matmul_backward_for,
         };
         let device = Default::default();
         let client = CudaRuntime::client(&device);
-        let hopper = burn_flash::kernels::hopper::sm90(&client) && usage() != Use::Off;
+        let off = common::plan_inputs().hopper == burn_flash::HopperUse::Off;
+        let hopper = burn_flash::kernels::hopper::sm90(&client) && !off;
+        let options = SoftmaxMatmulOptions {
+            hopper: off.then_some(false),
+            ..Default::default()
+        };
         println!("sm_90 with the Hopper kernels on: {hopper}");
         backward_paths::<CudaRuntime>(&device, true, hopper);
         let (batch, d1, d2, d3) = (2, 200, 136, 264);
@@ -1120,7 +1129,7 @@ mod cuda {
                     (&x[..], &xs[..]),
                     (&v[..], &vs[..]),
                 ];
-                plan_softmax_matmul_backward_for(&client, dims, dtype, layouts, tma)
+                plan_softmax_matmul_backward_for(&client, dims, dtype, layouts, tma, options)
                     .expect("plans")
                     .path
             };
@@ -1139,12 +1148,17 @@ mod cuda {
     /// buffer does not start on 16 bytes (no TMA map); the `mma.sync` kernel elsewhere.
     #[test]
     fn forward_kernels_take_the_matrix_units() {
+        common::plan_inputs();
         use burn_cubecl::cubecl::{Runtime, cuda::CudaRuntime};
-        use burn_flash::kernels::flash::forward::hopper::{Use, usage};
         use burn_flash::kernels::softmax_matmul::{contiguous_row_vector, plan_softmax_matmul_for};
         let device = Default::default();
         let client = CudaRuntime::client(&device);
-        let hopper = burn_flash::kernels::hopper::sm90(&client) && usage() != Use::Off;
+        let off = common::plan_inputs().hopper == burn_flash::HopperUse::Off;
+        let hopper = burn_flash::kernels::hopper::sm90(&client) && !off;
+        let options = SoftmaxMatmulOptions {
+            hopper: off.then_some(false),
+            ..Default::default()
+        };
         println!("sm_90 with the Hopper kernels on: {hopper}");
         forward_kernels::<CudaRuntime>(&device, true, hopper);
         let dims = SmmDims {
@@ -1157,7 +1171,7 @@ mod cuda {
             let dtype = DType::from(dtype).into();
             let vector = contiguous_row_vector(dims, dtype);
             let plan = |tma| {
-                plan_softmax_matmul_for(&client, dims, dtype, vector, tma, Default::default())
+                plan_softmax_matmul_for(&client, dims, dtype, vector, tma, options)
                     .expect("plans")
                     .kernel
             };
@@ -1176,6 +1190,7 @@ mod cuda {
     /// and a `d3` of several reduction chunks), and keeps 64 rows on a smaller grid.
     #[test]
     fn wide_dx_rows() {
+        common::plan_inputs();
         use burn_cubecl::cubecl::Runtime;
         use burn_flash::kernels::flash::backward::mma::{DQ_ROWS, WIDE_DX_ROWS};
         use burn_flash::kernels::softmax_matmul::mma_dx_rows;
@@ -1219,6 +1234,7 @@ mod cuda {
     /// column tile).
     #[test]
     fn p_buffer_plans() {
+        common::plan_inputs();
         use burn_flash::kernels::softmax_matmul::{P_BUFFER_MAX_D2, mma_p_buffer};
         let dims = |d2| SmmDims {
             batch: 2,

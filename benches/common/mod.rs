@@ -49,6 +49,20 @@ pub type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
 /// The same backend through Fusion, as Burn's `Cuda`/`Wgpu` backends run it.
 pub type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 
+/// The plan inputs the GPU scripts set through the environment (`BURN_FLASH_HOPPER`,
+/// `BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`), made the process's plan defaults: every
+/// bench calls this first (the library reads no environment).
+pub fn plan_inputs_from_env() {
+    let var = |name| std::env::var(name).ok();
+    let d = burn_flash::PlanDefaults::from_names(
+        var("BURN_FLASH_HOPPER").as_deref(),
+        var("BURN_FLASH_DECODE_KEYS").as_deref(),
+        var("BURN_FLASH_DECODE_CUBES").as_deref(),
+    )
+    .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
+    burn_flash::set_plan_defaults(d);
+}
+
 // -- command line --
 
 /// An element type on the command line (`--dtypes f32,f16,bf16`).

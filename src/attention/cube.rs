@@ -24,6 +24,7 @@ use crate::cube::{empty, tensor_ref};
 /// The kernels crate's options for a call with head dim `head_dim`.
 pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) -> AttentionOptions {
     let module = options.module;
+    let defaults = crate::plan_defaults();
     AttentionOptions {
         scale: scale_of(&module, head_dim) as f32,
         softcap: module.softcap.map(|c| c as f32),
@@ -34,6 +35,8 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         masked_score: options.masked_score.map(|f| f as f32),
         quiet: options.quiet,
         window: options.window,
+        hopper: options.hopper.unwrap_or(defaults.hopper),
+        decode: options.decode.unwrap_or(defaults.decode),
     }
 }
 

@@ -51,7 +51,8 @@ pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
-    AttentionPlan, BackwardLaunch, MAX_HEAD_DIM, recent_backward_launches,
+    AttentionPlan, BackwardLaunch, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
+    recent_backward_launches,
 };
 
 /// The gradients of one attention call
@@ -141,6 +142,10 @@ pub struct FlashAttentionOptions {
     /// kernels skip key blocks outside every row's window (forward and backward) rather than
     /// mask them. A side wider than the sequence sees every key on that side.
     pub window: Option<(usize, usize)>,
+    /// How the plan uses the Hopper kernels (`None`: [`crate::plan_defaults`]'s).
+    pub hopper: Option<HopperUse>,
+    /// The decoding kernel's schedule (`None`: [`crate::plan_defaults`]'s).
+    pub decode: Option<DecodeSchedule>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,
@@ -167,12 +172,7 @@ impl From<AttentionModuleOptions> for FlashAttentionOptions {
     fn from(module: AttentionModuleOptions) -> Self {
         Self {
             module,
-            kernel: None,
-            block_k: None,
-            dropout: None,
-            masked_score: None,
-            quiet: false,
-            window: None,
+            ..Default::default()
         }
     }
 }

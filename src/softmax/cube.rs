@@ -21,7 +21,7 @@ pub(crate) fn check_dtype(op: &str, arg: &str, dtype: DType) {
 /// softmax dim in place with the strided scheme; below, it copies to a dim-last layout first.
 /// The strided scheme runs one unit per row, so with few rows it leaves the GPU idle; the
 /// crossover with copying first lies between 2^14 and 2^16 rows (`benches/softmax.rs`, strided
-/// rows; RESULTS.md §2.5).
+/// rows; RESULTS.md §2.4).
 pub(crate) const STRIDED_MIN_ROWS: usize = 1 << 16;
 
 /// Whether the op copies a tensor of this layout to a dim-last layout before launching: a forced

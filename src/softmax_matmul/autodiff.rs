@@ -21,19 +21,21 @@ type Pair<B, C> = (FloatTensor<Autodiff<B, C>>, FloatTensor<Autodiff<B, C>>);
 struct SoftmaxMatmulBackward;
 
 impl<B: FlashBackend> Backward<B, 2> for SoftmaxMatmulBackward {
-    /// `x`, `v`, the output and the log-sum-exp: all the backward needs.
+    /// `x`, `v`, the output, the log-sum-exp and the forward's options: all the backward
+    /// needs.
     type State = (
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
+        SoftmaxMatmulOptions,
     );
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_v] = ops.parents;
         let d_out = grads.consume::<B>(&ops.node);
-        let (x, v, out, lse) = ops.state;
-        let (dx, dv) = B::flash_softmax_matmul_backward(x, v, out, lse, d_out);
+        let (x, v, out, lse, options) = ops.state;
+        let (dx, dv) = B::flash_softmax_matmul_backward(x, v, out, lse, d_out, options);
         if let Some(node) = node_x {
             grads.register::<B>(node.id, dx);
         }
@@ -56,7 +58,7 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
         OpsKind::Tracked(prep) => {
             let (out, lse) =
                 B::flash_softmax_matmul(x.primitive.clone(), v.primitive.clone(), options);
-            let state = (x.primitive, v.primitive, out.clone(), lse.clone());
+            let state = (x.primitive, v.primitive, out.clone(), lse.clone(), options);
             (prep.finish(state, out), lse)
         }
         OpsKind::UnTracked(prep) => {
@@ -78,6 +80,7 @@ pub(crate) fn backward<B: FlashBackend, C: CheckpointStrategy>(
     out: FloatTensor<Autodiff<B, C>>,
     lse: FloatTensor<Autodiff<B, C>>,
     d_out: FloatTensor<Autodiff<B, C>>,
+    options: SoftmaxMatmulOptions,
 ) -> Pair<B, C> {
     use burn::tensor::backend::AutodiffBackend;
     let (dx, dv) = B::flash_softmax_matmul_backward(
@@ -86,6 +89,7 @@ pub(crate) fn backward<B: FlashBackend, C: CheckpointStrategy>(
         out.primitive,
         lse.primitive,
         d_out.primitive,
+        options,
     );
     (
         <Autodiff<B, C> as AutodiffBackend>::from_inner(dx),

@@ -27,15 +27,16 @@ pub trait SoftmaxMatmulBackend: Backend {
     }
 
     /// Gradients `(dx, dv)` of [`SoftmaxMatmulBackend::flash_softmax_matmul`] from its inputs, its
-    /// outputs and the output gradient `d_out`.
+    /// outputs and the output gradient `d_out`, with the forward's `options`.
     fn flash_softmax_matmul_backward(
         x: FloatTensor<Self>,
         v: FloatTensor<Self>,
         out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
         d_out: FloatTensor<Self>,
+        options: SoftmaxMatmulOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = (out, lse);
+        let _ = (out, lse, options);
         super::reference::backward::<Self>(x, v, d_out)
     }
 
@@ -71,8 +72,9 @@ macro_rules! delegate {
             out: FloatTensor<Self>,
             lse: FloatTensor<Self>,
             d_out: FloatTensor<Self>,
+            options: SoftmaxMatmulOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            super::$module::backward::<$($g),+>(x, v, out, lse, d_out)
+            super::$module::backward::<$($g),+>(x, v, out, lse, d_out, options)
         }
     };
     (planning: $inner:ty) => {

@@ -42,6 +42,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
+    options: SoftmaxMatmulOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     check(&x, &v);
     if d_out.dtype != x.dtype {
@@ -62,6 +63,7 @@ pub(crate) fn backward<R: CubeRuntime>(
         tensor_ref(&dx),
         tensor_ref(&dv),
         x.dtype.into(),
+        options,
     )
     .unwrap_or_else(|err| panic!("burn_flash::softmax_matmul backward: {err}"));
     (dx, dv)

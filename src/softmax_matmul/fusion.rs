@@ -18,7 +18,7 @@ use crate::fusion::{Handles, out_and_lse, uninit};
 struct SoftmaxMatmulOp<B> {
     inputs: Vec<TensorIr>,
     outputs: Vec<TensorId>,
-    /// The forward's (the backward takes none).
+    /// The forward's (the backward's too).
     options: SoftmaxMatmulOptions,
     _backend: PhantomData<B>,
 }
@@ -30,7 +30,7 @@ impl<B: FusionBackend + FlashBackend> Operation<B::FusionRuntime> for SoftmaxMat
             [x, v] => B::flash_softmax_matmul(read(x), read(v), self.options),
             [x, v, out, lse, d_out] => {
                 let (x, v, out, lse, d_out) = (read(x), read(v), read(out), read(lse), read(d_out));
-                B::flash_softmax_matmul_backward(x, v, out, lse, d_out)
+                B::flash_softmax_matmul_backward(x, v, out, lse, d_out, self.options)
             }
             _ => unreachable!("softmax_matmul reads two tensors, its backward five"),
         };
@@ -58,7 +58,7 @@ fn record<B: FusionBackend + FlashBackend>(
 /// Fusion runs the op later, on its own thread, where a panic would only surface at the next
 /// sync: check dtypes and the plan now. The default plan can fail too (a dtype the device
 /// lacks, more cubes than it launches), and planning is cheap next to the op's other host work
-/// (RESULTS.md §9), so it stays here.
+/// (RESULTS.md §10), so it stays here.
 fn validate<B: FusionBackend + FlashBackend>(
     x: &FloatTensor<Fusion<B>>,
     v: &FloatTensor<Fusion<B>>,
@@ -91,8 +91,8 @@ pub(crate) fn backward<B: FusionBackend + FlashBackend>(
     out: FloatTensor<Fusion<B>>,
     lse: FloatTensor<Fusion<B>>,
     d_out: FloatTensor<Fusion<B>>,
+    options: SoftmaxMatmulOptions,
 ) -> (FloatTensor<Fusion<B>>, FloatTensor<Fusion<B>>) {
-    let options = SoftmaxMatmulOptions::default();
     validate::<B>(&x, &v, options);
     if d_out.dtype != x.dtype || d_out.shape != out.shape {
         panic!(

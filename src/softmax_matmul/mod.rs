@@ -65,7 +65,7 @@ pub fn softmax_matmul_with<B: SoftmaxMatmulBackend, const D: usize, const DV: us
     let (out, _lse) = B::flash_softmax_matmul(
         x3.into_primitive().tensor(),
         v3.into_primitive().tensor(),
-        options,
+        crate::plan_defaults::softmax_matmul_options(options),
     );
     Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(out)).reshape(out_shape)
 }
@@ -79,7 +79,12 @@ pub fn softmax_matmul_plan<B: SoftmaxMatmulBackend>(
     dtype: DType,
     options: SoftmaxMatmulOptions,
 ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-    B::flash_softmax_matmul_plan(device, dims, dtype, options)
+    B::flash_softmax_matmul_plan(
+        device,
+        dims,
+        dtype,
+        crate::plan_defaults::softmax_matmul_options(options),
+    )
 }
 
 /// Checks the arguments and flattens them to `[batch, d1, d2]` and `[1 or batch, d2, d3]`;

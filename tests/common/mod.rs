@@ -12,6 +12,26 @@ use burn::tensor::{Bool, FloatDType, Tensor, TensorData, backend::Backend};
 use burn_flash::SoftmaxVariant;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
+/// The plan inputs the GPU suite sets through the environment, made the process's plan defaults
+/// ([`burn_flash::set_plan_defaults`]) on first use; every suite test calls it first (the
+/// library itself reads no environment). `BURN_FLASH_HOPPER`: `off`, `always` or `faster` (the
+/// default); `BURN_FLASH_DECODE_KEYS` (4, 8, 16) and `BURN_FLASH_DECODE_CUBES` (1–64): the
+/// decoding schedule.
+pub fn plan_inputs() -> burn_flash::PlanDefaults {
+    static SET: std::sync::OnceLock<burn_flash::PlanDefaults> = std::sync::OnceLock::new();
+    *SET.get_or_init(|| {
+        let var = |name| std::env::var(name).ok();
+        let d = burn_flash::PlanDefaults::from_names(
+            var("BURN_FLASH_HOPPER").as_deref(),
+            var("BURN_FLASH_DECODE_KEYS").as_deref(),
+            var("BURN_FLASH_DECODE_CUBES").as_deref(),
+        )
+        .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
+        burn_flash::set_plan_defaults(d);
+        d
+    })
+}
+
 /// Absolute and relative tolerance of one dtype: `|got − want| ≤ atol + rtol·|want|`.
 #[derive(Debug, Clone, Copy)]
 pub struct Tol {
@@ -485,6 +505,7 @@ macro_rules! suite {
             $(
                 #[test]
                 fn $test() {
+                    common::plan_inputs();
                     let device = Default::default();
                     super::$test::<$backend>(&device, $dtype);
                 }

@@ -4,7 +4,7 @@
 //! matrix-unit kernels, the spill bytes ptxas may report — zero, but for the known spills
 //! a kernel lists, which are debts the check keeps from growing (NOTES §12). A ceiling is the
 //! largest spill measured with some room: cubecl 0.10 emits a kernel's declarations in an
-//! order that changes between processes, and ptxas's allocation moves with it (RESULTS §16).
+//! order that changes between processes, and ptxas's allocation moves with it (RESULTS §15).
 //!
 //! Each kernel states its [`Occupancy`] next to its definition (`OCCUPANCY`,
 //! `DKV_OCCUPANCY`, …); the check finds it by the kernel's name (`crates/cuda-check`,

@@ -369,6 +369,7 @@ fn softmax_matmul_backward_shape_errors_name_the_argument() {
         t(5),
         t(6),
         f32_type(),
+        Default::default(),
     )
     .unwrap_err();
     assert_eq!(
@@ -535,14 +536,7 @@ fn attention_launch_refuses_bad_input() {
     use burn_flash_kernels::attention::{AttentionError, AttentionKernel, AttentionOptions};
     let options = AttentionOptions {
         scale: 0.125,
-        softcap: None,
-        causal: false,
-        kernel: None,
-        block_k: None,
-        dropout: None,
-        masked_score: None,
-        quiet: false,
-        window: None,
+        ..Default::default()
     };
     let good = || AttnShapes::new(2, 4, 2, 8, 32, 16);
     // Each case changes one thing of a good call: its shapes or its options.
@@ -598,6 +592,21 @@ fn attention_launch_refuses_bad_input() {
         (
             opts(|o| o.kernel = Some(AttentionKernel::MatrixUnits)),
             "kernel MatrixUnits is not available",
+        ),
+        (
+            opts(|o| o.decode.keys_per_step = 5),
+            "decode keys_per_step must be 4, 8 or 16, got 5",
+        ),
+        (
+            opts(|o| o.decode.cubes_per_sm = 0),
+            "decode cubes_per_sm must be 1 to 64, got 0",
+        ),
+        (
+            opts(|o| {
+                o.kernel = Some(AttentionKernel::Hopper);
+                o.hopper = burn_flash_kernels::attention::HopperUse::Off;
+            }),
+            "the Hopper kernels are switched off (HopperUse::Off)",
         ),
     ];
     for ((shapes, opts), want) in cases {

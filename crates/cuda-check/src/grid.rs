@@ -213,6 +213,7 @@ fn options(f: Features, kernel: Option<AttentionKernel>) -> AttentionOptions {
         masked_score: f.fill.then_some(-1e4),
         quiet: f.quiet,
         window: f.window.then_some((64, 16)),
+        ..Default::default()
     }
 }
 
@@ -691,6 +692,7 @@ fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                         dx.r(),
                         dv.r(),
                         dtype,
+                        o,
                     )
                     .map_err(|e| e.to_string())
                 });

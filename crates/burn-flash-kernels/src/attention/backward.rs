@@ -42,7 +42,7 @@ pub enum AttentionBackwardKernel {
     /// in base 2, the `dQ` accumulator zeroed), one kernel per block of 128 keys (64 at head
     /// dims over 128) writing `dK`, `dV` (and `dS`) and adding `dQ` into the f32 accumulator,
     /// then `dQ` in the element type.
-    /// Planned on sm_90 unless `BURN_FLASH_HOPPER=off`, another forward kernel is forced, or
+    /// Planned on sm_90 unless [`HopperUse::Off`](super::HopperUse::Off), another forward kernel is forced, or
     /// the call has a bias ([`hopper::preferred`]: slower there, unless `=always`).
     Hopper,
 }
@@ -207,7 +207,9 @@ fn hopper_reason<R: Runtime>(
     {
         return Some(format!("the forward is forced onto {kernel:?}"));
     }
-    super::hopper_switched_off()
+    options
+        .hopper
+        .switched_off()
         .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
 }
 
@@ -260,8 +262,8 @@ fn plan_backward<R: Runtime>(
     });
     // The Hopper backward where it runs the call and is the faster one, or the forward was
     // forced onto Hopper.
-    let hopper_wanted =
-        options.kernel == Some(super::AttentionKernel::Hopper) || hopper::preferred(features);
+    let hopper_wanted = options.kernel == Some(super::AttentionKernel::Hopper)
+        || hopper::preferred(features, options.hopper);
     if hopper_ok && hopper_wanted && hopper_reason(client, dims, dtype, features, options).is_none()
     {
         let config = FlashConfig::new(ScoreSource::QueryKey, rules, hopper::tile(dims));

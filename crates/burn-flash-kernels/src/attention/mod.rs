@@ -41,8 +41,8 @@ pub use backward::{
 pub use launch::launch_attention;
 pub use options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
-    AttentionPlan, BackwardTensors, MAX_HEAD_DIM, attention_dims, check_seqs, rows_aligned,
-    starts_aligned, validate,
+    AttentionPlan, BackwardTensors, DecodeSchedule, HopperUse, MAX_HEAD_DIM, attention_dims,
+    check_seqs, rows_aligned, starts_aligned, validate,
 };
+pub(crate) use plan::sm90;
 pub use plan::{cmma_tile, mma_tile, plan_attention, units_tile};
-pub(crate) use plan::{hopper_switched_off, sm90};

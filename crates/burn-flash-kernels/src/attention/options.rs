@@ -59,7 +59,95 @@ impl AttentionKernel {
     }
 }
 
-/// What the scores are made of, and overrides of the host heuristic.
+/// How a plan uses the Hopper kernels (sm_90) for the calls they can run. A plan input like
+/// every other option, so that one call plans the same way in every process; the test suites
+/// and benches set it (from `BURN_FLASH_HOPPER`, which the library never reads).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum HopperUse {
+    /// For the calls where they measured faster than the `mma.sync` kernels: the forward
+    /// without a mask or a bias, the backward without a bias (they read those per element;
+    /// RESULTS.md).
+    #[default]
+    Faster,
+    /// For every call they can run (how the test suites force them).
+    Always,
+    /// Never: a plan does not take them, and forcing them is an error (the escape hatch; how
+    /// the suites run with them off).
+    Off,
+}
+
+impl HopperUse {
+    /// Whether a plan takes a Hopper kernel that can run the call; `faster` says whether it
+    /// measured faster than the `mma.sync` kernel for such calls.
+    pub fn wanted(self, faster: bool) -> bool {
+        match self {
+            Self::Always => true,
+            Self::Faster => faster,
+            Self::Off => false,
+        }
+    }
+
+    /// Why no Hopper kernel runs under this use (`None`: they may).
+    pub fn switched_off(self) -> Option<String> {
+        (self == Self::Off).then(|| "the Hopper kernels are switched off (HopperUse::Off)".into())
+    }
+
+    /// The use a name stands for: `off` or `0`, `always`, `faster` or `on` (how the test
+    /// suites and benches spell `BURN_FLASH_HOPPER`); `None` for any other.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "off" | "0" => Some(Self::Off),
+            "always" => Some(Self::Always),
+            "faster" | "on" => Some(Self::Faster),
+            _ => None,
+        }
+    }
+}
+
+/// The split-KV decoding kernel's schedule ([`crate::decode`]): a plan input, set for A/Bs of
+/// the schedule (the default is the measured best on an H200, RESULTS.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecodeSchedule {
+    /// Keys each group of units takes per step: 4, 8 or 16.
+    pub keys_per_step: u32,
+    /// Cubes per multiprocessor the splits aim at: 1 to 64.
+    pub cubes_per_sm: usize,
+}
+
+impl Default for DecodeSchedule {
+    fn default() -> Self {
+        Self::STANDARD
+    }
+}
+
+impl DecodeSchedule {
+    /// 8 keys per step, 16 cubes per multiprocessor.
+    pub const STANDARD: Self = Self {
+        keys_per_step: 8,
+        cubes_per_sm: 16,
+    };
+
+    /// Why the schedule is out of range (`None`: it is not).
+    pub fn invalid(&self) -> Option<String> {
+        if !matches!(self.keys_per_step, 4 | 8 | 16) {
+            Some(format!(
+                "decode keys_per_step must be 4, 8 or 16, got {}",
+                self.keys_per_step
+            ))
+        } else if !(1..=64).contains(&self.cubes_per_sm) {
+            Some(format!(
+                "decode cubes_per_sm must be 1 to 64, got {}",
+                self.cubes_per_sm
+            ))
+        } else {
+            None
+        }
+    }
+}
+
+/// What the scores are made of, and overrides of the host heuristic. The default: scale 1, no
+/// score term, the plan's kernel and tile, the Hopper kernels where faster, the default
+/// decoding schedule.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {
     /// Factor of `q·k`.
@@ -92,6 +180,28 @@ pub struct AttentionOptions {
     /// the right side is 0). Key blocks outside every row's window are skipped. A side wider
     /// than the sequence sees every key on that side.
     pub window: Option<(usize, usize)>,
+    /// How the plan uses the Hopper kernels.
+    pub hopper: HopperUse,
+    /// The decoding kernel's schedule.
+    pub decode: DecodeSchedule,
+}
+
+impl Default for AttentionOptions {
+    fn default() -> Self {
+        Self {
+            scale: 1.0,
+            softcap: None,
+            causal: false,
+            kernel: None,
+            block_k: None,
+            dropout: None,
+            masked_score: None,
+            quiet: false,
+            window: None,
+            hopper: HopperUse::Faster,
+            decode: DecodeSchedule::STANDARD,
+        }
+    }
 }
 
 impl AttentionOptions {
@@ -339,6 +449,9 @@ pub fn validate<R: Runtime>(
         && !fill.is_finite()
     {
         return invalid(format!("masked_score must be finite, got {fill}"));
+    }
+    if let Some(reason) = options.decode.invalid() {
+        return invalid(reason);
     }
     Ok(())
 }

@@ -17,14 +17,12 @@ fn hopper_unavailable<R: Runtime>(
     dims: AttentionDims,
     dtype: StorageType,
     features: AttentionFeatures,
+    options: &AttentionOptions,
 ) -> Option<String> {
-    hopper_switched_off().or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
-}
-
-/// Why no Hopper kernel runs in this process (`None`: they may): `BURN_FLASH_HOPPER=off`.
-pub(crate) fn hopper_switched_off() -> Option<String> {
-    (hopper::usage() == hopper::Use::Off)
-        .then(|| "the Hopper kernels are switched off (BURN_FLASH_HOPPER=off)".into())
+    options
+        .hopper
+        .switched_off()
+        .or_else(|| hopper::unavailable(sm90(client), dims, dtype, features))
 }
 
 /// Whether `client` is a CUDA client of a Hopper GPU (sm_90).
@@ -77,7 +75,7 @@ pub fn plan_attention<R: Runtime>(
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
     let coop = cmma::fragment(client, dtype);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
-    let hopper_reason = hopper_unavailable(client, dims, dtype, features);
+    let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
     let kernel = match (options.kernel, matrix_units) {
         (Some(AttentionKernel::Hopper), _) if hopper_reason.is_some() => {
             return Err(unavailable(
@@ -103,7 +101,7 @@ pub fn plan_attention<R: Runtime>(
             ));
         }
         (Some(kernel), _) => kernel,
-        (None, None) if hopper_reason.is_none() && hopper::preferred(features) => {
+        (None, None) if hopper_reason.is_none() && hopper::preferred(features, options.hopper) => {
             AttentionKernel::Hopper
         }
         (None, None) => AttentionKernel::MatrixUnits,

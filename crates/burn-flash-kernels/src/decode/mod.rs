@@ -25,7 +25,7 @@ use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use crate::attention::options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
-    attention_dims, validate,
+    DecodeSchedule, attention_dims, validate,
 };
 use crate::flash::args::{ForwardOutputsLaunch, ScoreArgsLaunch};
 use crate::flash::config::{FlashConfig, ScoreSource, Tile};
@@ -39,10 +39,6 @@ pub const DECODE_ROWS: usize = 16;
 pub const MIN_SPLIT_KEYS: usize = 256;
 /// Most splits of a batch's keys.
 pub const MAX_SPLITS: usize = 128;
-/// Keys each group of units takes per step, unless [`schedule`] says otherwise.
-pub const DEFAULT_KEYS: u32 = 8;
-/// Cubes per multiprocessor the splits aim at, unless [`schedule`] says otherwise.
-pub const DEFAULT_CUBES_PER_SM: usize = 16;
 
 /// The block table of a paged cache as the kernels read it.
 #[derive(Debug, Clone, Copy)]
@@ -108,7 +104,8 @@ pub fn unavailable(features: AttentionFeatures, options: &AttentionOptions) -> O
 
 /// The plan for `dims` (`seq_k`: the keys of the longest batch, or the cache's capacity) on
 /// `client`: rows per cube from the head dims (each unit holds `rows · D / key_units` query and
-/// accumulator values), then enough splits for [`schedule`]'s cubes per multiprocessor (16),
+/// accumulator values), then enough splits for the schedule's cubes per multiprocessor
+/// ([`DecodeSchedule`], 16 by default),
 /// each of at least [`MIN_SPLIT_KEYS`].
 pub fn plan_decode<R: Runtime>(
     client: &ComputeClient<R>,
@@ -131,7 +128,10 @@ pub fn plan_decode<R: Runtime>(
     let per_unit = head_dim.max(value_dim) / key_units;
     let group_rows = (dims.group() * dims.seq_q).max(1);
     let planes = planes(client, ku);
-    let (keys, cubes_per_sm) = schedule();
+    let DecodeSchedule {
+        keys_per_step: keys,
+        cubes_per_sm,
+    } = options.decode;
     let max_shared = client.properties().hardware.max_shared_memory_size;
     let mut rows = (64 / per_unit).clamp(1, 8).min(group_rows);
     while rows > 1 && shared_for(rows, dims.value_dim, ku, keys, planes) > max_shared {
@@ -645,32 +645,4 @@ pub fn launch_append<R: Runtime>(
         );
     }
     Ok(())
-}
-
-/// The decoding schedule's two knobs, read once per process from the environment for
-/// same-call A/Bs: keys per group per step (`BURN_FLASH_DECODE_KEYS`: 4, 8 or 16, default
-/// [`DEFAULT_KEYS`]) and the cubes per multiprocessor the splits aim at
-/// (`BURN_FLASH_DECODE_CUBES`: 1–64, default [`DEFAULT_CUBES_PER_SM`]).
-///
-/// # Panics
-/// When a variable is set to a value outside its range.
-pub fn schedule() -> (u32, usize) {
-    static KNOBS: std::sync::OnceLock<(u32, usize)> = std::sync::OnceLock::new();
-    *KNOBS.get_or_init(|| {
-        let read =
-            |name: &str, default: usize, ok: &dyn Fn(usize) -> bool| match std::env::var(name) {
-                Err(_) => default,
-                Ok(v) => match v.parse::<usize>() {
-                    Ok(n) if ok(n) => n,
-                    _ => panic!("{name}={v}: not one of the values it takes"),
-                },
-            };
-        let keys = read("BURN_FLASH_DECODE_KEYS", DEFAULT_KEYS as usize, &|n| {
-            matches!(n, 4 | 8 | 16)
-        });
-        let cubes = read("BURN_FLASH_DECODE_CUBES", DEFAULT_CUBES_PER_SM, &|n| {
-            (1..=64).contains(&n)
-        });
-        (keys as u32, cubes)
-    })
 }

@@ -202,6 +202,8 @@ pub fn launch_softmax_matmul<R: Runtime>(
 /// Gradients of [`launch_softmax_matmul`]: `dx` (`[batch, d1, d2]`) and `dv` (`v`'s shape; a
 /// shared `v` gets the sum over batches) from the forward's `out` and `lse` and the output
 /// gradient `d_out`. Needs one f32 per row of scratch, nothing of size `d1 × d2` but `dx`.
+/// `options` are the forward's: `hopper: Some(false)` keeps the backward off the Hopper kernels
+/// too.
 #[allow(clippy::too_many_arguments)]
 pub fn launch_softmax_matmul_backward<R: Runtime>(
     client: &ComputeClient<R>,
@@ -213,6 +215,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     dx: TensorRef<'_>,
     dv: TensorRef<'_>,
     dtype: StorageType,
+    options: SoftmaxMatmulOptions,
 ) -> Result<(), SoftmaxMatmulError> {
     crate::cache::ensure_linked();
     let v_batch = v.shape.first().copied().unwrap_or(0);
@@ -253,6 +256,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
             (dv.shape, dv.strides),
         ],
         tma,
+        options,
     )?;
     let rows = batch * d1;
     // The flash kernels' 4-D view of a 3-D tensor `[batch or 1, n1, n2]`: one head per batch,

@@ -136,9 +136,6 @@ pub fn hopper_unavailable<R: Runtime>(
     tma: bool,
 ) -> Option<String> {
     use cubecl::ir::{ElemType, FloatKind};
-    if let Some(off) = crate::attention::hopper_switched_off() {
-        return Some(off);
-    }
     let reason = if !crate::attention::sm90(client) {
         "the device is not a Hopper GPU (sm_90)"
     } else if !matches!(
@@ -391,22 +388,25 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
     dims: SmmDims,
     dtype: StorageType,
     layouts: BackwardLayouts<'_>,
+    options: SoftmaxMatmulOptions,
 ) -> Result<SmmBackwardPlan, SoftmaxMatmulError> {
-    plan_softmax_matmul_backward_for(client, dims, dtype, layouts, true)
+    plan_softmax_matmul_backward_for(client, dims, dtype, layouts, true, options)
 }
 
 /// The backward launch for tensors of these shapes and strides, without launching: the matrix
 /// units where [`mma_backward_unavailable`] says they can run — on a Hopper GPU with `dX` by the
 /// `wgmma` kernel ([`SmmBackwardPath::Hopper`]) where [`hopper_unavailable`] finds nothing
 /// against `x`, `v`, `d_out` and `dx` (`tma`: every buffer starts on 16 bytes and no row stride
-/// is 0) — else plain units, register-tiled ([`units_given`]) for gradients of at least 65 × 65
-/// where the device has its units and shared memory, else the flash schedule ([`units`]).
+/// is 0) and the forward's `options` do not say `hopper: Some(false)` — else plain units,
+/// register-tiled ([`units_given`]) for gradients of at least 65 × 65 where the device has its
+/// units and shared memory, else the flash schedule ([`units`]).
 pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
     dtype: StorageType,
     layouts: BackwardLayouts<'_>,
     tma: bool,
+    options: SoftmaxMatmulOptions,
 ) -> Result<SmmBackwardPlan, SoftmaxMatmulError> {
     check_dtype(client, dtype)?;
     let SmmDims { batch, d1, d2, d3 } = dims;
@@ -444,14 +444,15 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     // dX and dV on Hopper's `wgmma` kernels where they can run.
     let path = match path {
         SmmBackwardPath::MatrixUnits
-            if hopper_unavailable(
-                client,
-                dims,
-                dtype,
-                row_vector(&[x, v, d_out, dx, dv], dtype),
-                tma,
-            )
-            .is_none()
+            if options.hopper != Some(false)
+                && hopper_unavailable(
+                    client,
+                    dims,
+                    dtype,
+                    row_vector(&[x, v, d_out, dx, dv], dtype),
+                    tma,
+                )
+                .is_none()
                 && dims.d2.div_ceil(hopper_given::BLOCK_KEYS) <= i32::MAX as usize =>
         {
             SmmBackwardPath::Hopper

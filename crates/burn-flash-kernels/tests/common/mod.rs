@@ -199,11 +199,7 @@ impl Case {
             softcap: self.softcap,
             causal: self.causal,
             kernel,
-            block_k: None,
-            dropout: None,
-            masked_score: None,
-            quiet: false,
-            window: None,
+            ..Default::default()
         }
     }
 

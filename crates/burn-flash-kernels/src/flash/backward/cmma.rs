@@ -239,7 +239,7 @@ fn weight<F: Float>(
 }
 
 /// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only): f16 D 128
-/// with score rules, bf16 on sm_80 (RESULTS §16).
+/// with score rules, bf16 on sm_80 (RESULTS §15).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const DKV_OCCUPANCY: crate::occupancy::Occupancy =
     crate::occupancy::Occupancy::spilling(2, 12_288);
@@ -519,7 +519,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     );
 }
 
-/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only, bf16): RESULTS §16.
+/// 4 planes, two cubes per SM. Known spills on CUDA's `wmma` (forced only, bf16): RESULTS §15.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const DQ_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 192);
 

@@ -19,7 +19,7 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::options::{AttentionDims, AttentionFeatures};
+use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, BackwardTensors};
 #[cfg(feature = "cuda")]
@@ -49,7 +49,7 @@ pub fn padded_rows(dims: AttentionDims) -> usize {
 const ROWS_PER_BLOCK: usize = 8;
 
 /// Warp-specialised (384 threads, `setmaxnreg`): one block per SM. Known spills: the masked,
-/// biased and dropout variants (RESULTS §16).
+/// biased and dropout variants (RESULTS §15).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 428);
 
@@ -239,12 +239,12 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
         + 64
 }
 
-/// Whether the plan picks the Hopper backward for a call it can run with `features`: under
-/// `BURN_FLASH_HOPPER` unset (or `on`), every call but one with a bias — it reads the bias per
-/// element, and measured slower than the `mma.sync` backward with a full `[1, H, S, S]` bias
-/// (RESULTS.md §14.8) while faster with a mask; `always`, every call; `off`, none.
-pub fn preferred(features: AttentionFeatures) -> bool {
-    crate::flash::forward::hopper::wanted(!features.bias)
+/// Whether the plan picks the Hopper backward for a call it can run with `features` under
+/// `hopper`: under [`HopperUse::Faster`], every call but one with a bias — it reads the bias
+/// per element, and measured slower than the `mma.sync` backward with a full `[1, H, S, S]`
+/// bias (RESULTS.md §5.2) while faster with a mask.
+pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
+    hopper.wanted(!features.bias)
 }
 
 /// Whether the Hopper backward takes a call that writes `dS` (a tracked bias's gradient) with

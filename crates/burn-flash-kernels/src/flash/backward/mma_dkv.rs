@@ -19,7 +19,7 @@ use crate::flash::scores::{alibi_term, capped};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
 
-/// 4 planes, two cubes per SM (8 warps). Known spills (D 80): RESULTS §16.
+/// 4 planes, two cubes per SM (8 warps). Known spills (D 80): RESULTS §15.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 48);
 

@@ -16,7 +16,7 @@ use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::wait_step;
 
 /// 4 planes, two cubes per SM (8 warps; 3 would need ≤ 168 registers). Known spills (D 64–128):
-/// RESULTS §16.
+/// RESULTS §15.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 80);
 

@@ -489,7 +489,7 @@ pub(crate) fn row_reduce(x: f32, #[comptime] lanes: u32, #[comptime] max: bool) 
 }
 
 /// Eight 16-row planes of fragments (256 threads): one cube per SM. Known spills: D 256 on
-/// CUDA's `wmma` (the path runs on CUDA only when forced; RESULTS §16).
+/// CUDA's `wmma` (the path runs on CUDA only when forced; RESULTS §15).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 640);
 

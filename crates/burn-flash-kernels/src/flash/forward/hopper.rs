@@ -19,7 +19,7 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::options::{AttentionDims, AttentionFeatures};
+use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
@@ -37,7 +37,7 @@ use crate::tensor::TensorRef;
 pub const BLOCK_Q: usize = 128;
 /// Keys per step (64 where a head dim is over 128: [`tile`]).
 pub const BLOCK_K: usize = 128;
-/// `K`/`V` slots of the pipeline (a third measured no faster on an H200, RESULTS §14).
+/// `K`/`V` slots of the pipeline (a third measured no faster on an H200, RESULTS §4.10.1).
 pub const STAGES: usize = 2;
 /// Threads per block of [`BLOCK_Q`] rows: one producer and two consumer warpgroups.
 pub const UNITS: u32 = 384;
@@ -259,44 +259,11 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
     1024 + q + STAGES * (k + dv * keys_atom) + 128
 }
 
-/// How the plan uses the Hopper forward, from the environment variable `BURN_FLASH_HOPPER`
-/// (read once per process).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Use {
-    /// Unset (or `on`): for the calls where it measured faster than the `mma.sync` kernel —
-    /// every call it takes without a mask or a bias (its mask and bias reads are per element;
-    /// RESULTS.md §14).
-    Faster,
-    /// `always`: for every call it takes (how the test suite forces it).
-    Always,
-    /// `off` (or `0`): never unless forced; the escape hatch, and how the suite runs with the
-    /// path off.
-    Off,
-}
-
-/// The process's [`Use`] (an unknown value of `BURN_FLASH_HOPPER` is [`Use::Faster`]).
-pub fn usage() -> Use {
-    static USE: std::sync::OnceLock<Use> = std::sync::OnceLock::new();
-    *USE.get_or_init(|| match std::env::var("BURN_FLASH_HOPPER").as_deref() {
-        Ok("off") | Ok("0") => Use::Off,
-        Ok("always") => Use::Always,
-        _ => Use::Faster,
-    })
-}
-
-/// Whether the plan picks a Hopper kernel for a call it can run, under [`usage`]: `faster`
-/// says whether that kernel measured faster than the `mma.sync` one for such calls.
-pub fn wanted(faster: bool) -> bool {
-    match usage() {
-        Use::Always => true,
-        Use::Faster => faster,
-        Use::Off => false,
-    }
-}
-
-/// Whether the plan picks the Hopper forward for a call it can run with `features`.
-pub fn preferred(features: AttentionFeatures) -> bool {
-    wanted(!features.mask && !features.bias)
+/// Whether the plan picks the Hopper forward for a call it can run with `features` under
+/// `hopper`: under [`HopperUse::Faster`], without a mask or a bias (it reads those per
+/// element; RESULTS.md §4.2).
+pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
+    hopper.wanted(!features.mask && !features.bias)
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device

@@ -707,7 +707,7 @@ pub(crate) fn accumulate_pv<F: Float, NV: Size>(
 
 /// FlashAttention-2's schedule: 4 planes (2 at 64 rows) of up to 255 registers, two cubes per SM.
 /// Known spills: the D 128 variants with score rules, softmax·V's (given scores) on sm_86 /
-/// sm_89 (RESULTS §16); the ceiling leaves room for cubecl's declaration order, which moves
+/// sm_89 (RESULTS §15); the ceiling leaves room for cubecl's declaration order, which moves
 /// between processes (NOTES §12).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 160);

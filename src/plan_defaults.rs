@@ -1,0 +1,93 @@
+//! The plan inputs of calls that do not set them: how plans use the Hopper kernels
+//! ([`HopperUse`]) and the decoding kernel's schedule ([`DecodeSchedule`]).
+//!
+//! A call's options win ([`crate::FlashAttentionOptions::hopper`] and `decode`,
+//! [`crate::SoftmaxMatmulOptions::hopper`]); calls that cannot carry them (Burn's `attention`
+//! arguments, the `nn` modules, `softmax_matmul` without options) plan with these. The planners
+//! themselves are functions of their arguments, and the library reads no environment for them:
+//! a program (a test suite, a bench) sets these once, before its first call.
+
+use std::sync::RwLock;
+
+use burn_flash_kernels::attention::{DecodeSchedule, HopperUse};
+use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
+
+/// The process's plan inputs for calls that leave them unset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PlanDefaults {
+    /// How plans use the Hopper kernels.
+    pub hopper: HopperUse,
+    /// The decoding kernel's schedule.
+    pub decode: DecodeSchedule,
+}
+
+impl PlanDefaults {
+    /// The Hopper kernels where they measured faster, the measured decoding schedule.
+    pub const STANDARD: Self = Self {
+        hopper: HopperUse::Faster,
+        decode: DecodeSchedule::STANDARD,
+    };
+}
+
+impl PlanDefaults {
+    /// The defaults a program's settings name (each `None`: the standard one): `hopper` as
+    /// [`HopperUse::from_name`] reads it, `keys` and `cubes` the decoding schedule's numbers.
+    /// The test suites and benches pass `BURN_FLASH_HOPPER`, `BURN_FLASH_DECODE_KEYS` and
+    /// `BURN_FLASH_DECODE_CUBES` here.
+    pub fn from_names(
+        hopper: Option<&str>,
+        keys: Option<&str>,
+        cubes: Option<&str>,
+    ) -> Result<Self, String> {
+        let mut d = Self::STANDARD;
+        if let Some(h) = hopper {
+            d.hopper = HopperUse::from_name(h)
+                .ok_or_else(|| format!("hopper use {h:?}: off, always or faster"))?;
+        }
+        if let Some(k) = keys {
+            d.decode.keys_per_step = k
+                .parse()
+                .map_err(|_| format!("decode keys {k:?}: not a number"))?;
+        }
+        if let Some(c) = cubes {
+            d.decode.cubes_per_sm = c
+                .parse()
+                .map_err(|_| format!("decode cubes {c:?}: not a number"))?;
+        }
+        match d.decode.invalid() {
+            Some(reason) => Err(reason),
+            None => Ok(d),
+        }
+    }
+}
+
+impl Default for PlanDefaults {
+    fn default() -> Self {
+        Self::STANDARD
+    }
+}
+
+static DEFAULTS: RwLock<PlanDefaults> = RwLock::new(PlanDefaults::STANDARD);
+
+/// Sets the plan inputs of the calls that leave them unset, for the whole process.
+pub fn set_plan_defaults(defaults: PlanDefaults) {
+    *DEFAULTS.write().unwrap_or_else(|e| e.into_inner()) = defaults;
+}
+
+/// The plan inputs of the calls that leave them unset ([`PlanDefaults::STANDARD`] unless
+/// [`set_plan_defaults`] said otherwise).
+pub fn plan_defaults() -> PlanDefaults {
+    *DEFAULTS.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `options` with an unset Hopper choice taken from the defaults: [`HopperUse::Off`] keeps the
+/// call off the Hopper kernels (forward and backward); the other uses leave it to the plan.
+pub(crate) fn softmax_matmul_options(options: SoftmaxMatmulOptions) -> SoftmaxMatmulOptions {
+    match (options.hopper, plan_defaults().hopper) {
+        (None, HopperUse::Off) => SoftmaxMatmulOptions {
+            hopper: Some(false),
+            ..options
+        },
+        _ => options,
+    }
+}
