@@ -32,8 +32,6 @@ impl PlanDefaults {
 impl PlanDefaults {
     /// The defaults a program's settings name (each `None`: the standard one): `hopper` as
     /// [`HopperUse::from_name`] reads it, `keys` and `cubes` the decoding schedule's numbers.
-    /// The test suites and benches pass `BURN_FLASH_HOPPER`, `BURN_FLASH_DECODE_KEYS` and
-    /// `BURN_FLASH_DECODE_CUBES` here.
     pub fn from_names(
         hopper: Option<&str>,
         keys: Option<&str>,
@@ -58,6 +56,18 @@ impl PlanDefaults {
             Some(reason) => Err(reason),
             None => Ok(d),
         }
+    }
+
+    /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
+    /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them: how the test
+    /// suites and benches read them from their environment (the library reads none).
+    pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let (hopper, keys, cubes) = (
+            get("BURN_FLASH_HOPPER"),
+            get("BURN_FLASH_DECODE_KEYS"),
+            get("BURN_FLASH_DECODE_CUBES"),
+        );
+        Self::from_names(hopper.as_deref(), keys.as_deref(), cubes.as_deref())
     }
 }
 

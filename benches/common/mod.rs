@@ -53,13 +53,8 @@ pub type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 /// `BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`), made the process's plan defaults: every
 /// bench calls this first (the library reads no environment).
 pub fn plan_inputs_from_env() {
-    let var = |name| std::env::var(name).ok();
-    let d = burn_flash::PlanDefaults::from_names(
-        var("BURN_FLASH_HOPPER").as_deref(),
-        var("BURN_FLASH_DECODE_KEYS").as_deref(),
-        var("BURN_FLASH_DECODE_CUBES").as_deref(),
-    )
-    .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
+    let d = burn_flash::PlanDefaults::from_settings(|name| std::env::var(name).ok())
+        .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
     burn_flash::set_plan_defaults(d);
 }
 

@@ -20,13 +20,8 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 pub fn plan_inputs() -> burn_flash::PlanDefaults {
     static SET: std::sync::OnceLock<burn_flash::PlanDefaults> = std::sync::OnceLock::new();
     *SET.get_or_init(|| {
-        let var = |name| std::env::var(name).ok();
-        let d = burn_flash::PlanDefaults::from_names(
-            var("BURN_FLASH_HOPPER").as_deref(),
-            var("BURN_FLASH_DECODE_KEYS").as_deref(),
-            var("BURN_FLASH_DECODE_CUBES").as_deref(),
-        )
-        .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
+        let d = burn_flash::PlanDefaults::from_settings(|name| std::env::var(name).ok())
+            .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
         burn_flash::set_plan_defaults(d);
         d
     })

@@ -67,6 +67,29 @@ impl ScoreRules {
         sinks: false,
         varlen: false,
     };
+
+    /// The rules as the hand-written CUDA kernels read them: one `#define NAME 0|1` line per
+    /// rule, `FILL` for a mask whose keys take the fill score (its value is a runtime scalar,
+    /// so calls that differ only in it share a compiled kernel). Written once for every
+    /// hand-written kernel (`crate::hopper`); a kernel ignores the rules it does not take.
+    pub fn defines(&self) -> String {
+        [
+            ("CAUSAL", self.causal),
+            ("SOFTCAP", self.softcap),
+            ("MASK", self.mask),
+            ("FILL", self.mask && self.masked_score.is_some()),
+            ("BIAS", self.bias),
+            ("QUIET", self.quiet),
+            ("DROPOUT", self.dropout),
+            ("WINDOW", self.window),
+            ("ALIBI", self.alibi),
+            ("SINKS", self.sinks),
+            ("VARLEN", self.varlen),
+        ]
+        .iter()
+        .map(|(name, on)| format!("#define {name} {}\n", u32::from(*on)))
+        .collect()
+    }
 }
 
 /// The tile a plan chose for a kernel.

@@ -24,7 +24,7 @@ use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 use crate::attention::options::{AttentionOptions, BackwardTensors};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
-use crate::flash::{FlashConfig, Tile};
+use crate::flash::{FlashConfig, ScoreRules, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
@@ -86,8 +86,10 @@ const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 #[cfg(feature = "cuda")]
 const ROWS_SOURCE_HASH: u64 = crate::hopper::source_hash(ROWS_SOURCE);
 
-/// One compiled variant of the main kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// One compiled variant of the main kernel: the plan's tile and score rules, the element type,
+/// whether `dS` is written ([`takes_ds`]) and how `dQ` is added ([`dq_tiled`]). Its `#define`s
+/// are the tile's and [`ScoreRules::defines`]; its id is a hash of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
     /// bf16 (else f16).
     pub bf16: bool,
@@ -95,28 +97,12 @@ pub struct Variant {
     pub head_dim: u32,
     /// `Dv` rounded up ([`tile`]).
     pub value_dim: u32,
-    /// Bottom-right causal mask.
-    pub causal: bool,
-    /// Softcap.
-    pub softcap: bool,
-    /// A bool mask (in the element type) is read.
-    pub mask: bool,
-    /// Masked keys took the fill score (`masked_score`) instead of leaving.
-    pub fill: bool,
-    /// A bias is read.
-    pub bias: bool,
-    /// Dropout on the weights.
-    pub dropout: bool,
-    /// `dS` is written (a tracked bias's gradient; never with `softcap`, [`takes_ds`]).
+    /// `dS` is written (a tracked bias's gradient; never with a softcap, [`takes_ds`]).
     pub write_ds: bool,
-    /// A sliding window (runtime `left`, `right`).
-    pub window: bool,
-    /// ALiBi from per-head slopes.
-    pub alibi: bool,
-    /// Packed variable-length sequences (each row sees its own sequence's keys).
-    pub varlen: bool,
     /// `dQ` through shared memory and TMA bulk reduces ([`dq_tiled`]).
     pub dq_bulk: bool,
+    /// The score rules.
+    pub rules: ScoreRules,
 }
 
 impl Variant {
@@ -127,65 +113,31 @@ impl Variant {
             bf16,
             head_dim: config.head_dim,
             value_dim: config.value_dim,
-            causal: config.rules.causal,
-            softcap: config.rules.softcap,
-            mask: config.rules.mask,
-            fill: config.rules.mask && config.rules.masked_score.is_some(),
-            bias: config.rules.bias,
-            dropout: config.rules.dropout,
             write_ds,
-            window: config.rules.window,
-            alibi: config.rules.alibi,
-            varlen: config.rules.varlen,
             dq_bulk: dq_tiled(config),
+            rules: config.rules,
         }
     }
 
     /// The `#define`s the source is compiled with.
     #[cfg(feature = "cuda")]
     fn defines(self) -> String {
-        let mut text = format!(
-            "#define WG_ELEM \"{}\"\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
+        format!(
+            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define WRITE_DS {}\n#define DQ_BULK {}\n{}",
             if self.bf16 { "bf16" } else { "f16" },
+            u32::from(self.bf16),
             self.head_dim,
             self.value_dim,
-        );
-        for (name, on) in [
-            ("ELEM_BF16", self.bf16),
-            ("CAUSAL", self.causal),
-            ("SOFTCAP", self.softcap),
-            ("MASK", self.mask),
-            ("FILL", self.fill),
-            ("BIAS", self.bias),
-            ("DROPOUT", self.dropout),
-            ("WRITE_DS", self.write_ds),
-            ("WINDOW", self.window),
-            ("ALIBI", self.alibi),
-            ("VARLEN", self.varlen),
-            ("DQ_BULK", self.dq_bulk),
-        ] {
-            text += &format!("#define {name} {}\n", u32::from(on));
-        }
-        text
+            u32::from(self.write_ds),
+            u32::from(self.dq_bulk),
+            self.rules.defines(),
+        )
     }
 
-    /// The variant as one word of the kernel's id.
+    /// The variant's id: a hash of its `#define`s, which are all that varies between variants.
     #[cfg(feature = "cuda")]
     fn key(self) -> u64 {
-        u64::from(self.bf16)
-            | u64::from(self.head_dim) << 8
-            | u64::from(self.value_dim) << 16
-            | u64::from(self.causal) << 24
-            | u64::from(self.softcap) << 25
-            | u64::from(self.dropout) << 26
-            | u64::from(self.mask) << 27
-            | u64::from(self.fill) << 28
-            | u64::from(self.bias) << 29
-            | u64::from(self.write_ds) << 30
-            | u64::from(self.window) << 31
-            | u64::from(self.alibi) << 32
-            | u64::from(self.varlen) << 33
-            | u64::from(self.dq_bulk) << 34
+        crate::hopper::source_hash(&self.defines())
     }
 }
 

@@ -24,7 +24,7 @@ use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 use crate::attention::options::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
 use crate::dropout::DropoutParams;
-use crate::flash::{FlashConfig, ScoreSource, Tile};
+use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
@@ -68,8 +68,10 @@ pub const SOURCE: &str = concat!(
 #[cfg(feature = "cuda")]
 const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 
-/// One compiled variant of the kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// One compiled variant of the kernel: the plan's tile and score rules, the element type and
+/// the score source. Its `#define`s are the tile's and [`ScoreRules::defines`]; its id is a
+/// hash of them.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
     /// bf16 (else f16).
     pub bf16: bool,
@@ -82,109 +84,46 @@ pub struct Variant {
     pub head_dim: u32,
     /// `Dv` rounded up to 64, 128 or 256 (with given scores: the output columns per block).
     pub value_dim: u32,
-    /// Bottom-right causal mask.
-    pub causal: bool,
-    /// Softcap.
-    pub softcap: bool,
-    /// A bool mask (in the element type) is read.
-    pub mask: bool,
-    /// Masked keys take the fill score (`masked_score`) instead of leaving.
-    pub fill: bool,
-    /// A bias is read.
-    pub bias: bool,
-    /// Quiet softmax.
-    pub quiet: bool,
-    /// Dropout on the weights.
-    pub dropout: bool,
     /// Given scores (`softmax(X)·V`): no `Q`, tiles of `X` in the `K` slots.
     pub given: bool,
-    /// A sliding window (runtime `left`, `right`).
-    pub window: bool,
-    /// ALiBi from per-head slopes.
-    pub alibi: bool,
-    /// Attention sinks (per-head logits in every row's denominator).
-    pub sinks: bool,
-    /// Packed variable-length sequences (each row sees its own sequence's keys).
-    pub varlen: bool,
+    /// The score rules.
+    pub rules: ScoreRules,
 }
 
 impl Variant {
     /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16.
     pub fn new(config: FlashConfig, bf16: bool) -> Self {
-        let rules = config.rules;
         Self {
             bf16,
             block_q: config.block_q,
             block_k: config.block_k,
             head_dim: config.head_dim,
             value_dim: config.value_dim,
-            causal: rules.causal,
-            softcap: rules.softcap,
-            mask: rules.mask,
-            fill: rules.mask && rules.masked_score.is_some(),
-            bias: rules.bias,
-            quiet: rules.quiet,
-            dropout: rules.dropout,
             given: config.source == ScoreSource::Given,
-            window: rules.window,
-            alibi: rules.alibi,
-            sinks: rules.sinks,
-            varlen: rules.varlen,
+            rules: config.rules,
         }
     }
 
     /// The `#define`s the source is compiled with.
     #[cfg(feature = "cuda")]
     fn defines(self) -> String {
-        let flags = [
-            ("ELEM_BF16", self.bf16),
-            ("CAUSAL", self.causal),
-            ("SOFTCAP", self.softcap),
-            ("MASK", self.mask),
-            ("FILL", self.fill),
-            ("BIAS", self.bias),
-            ("QUIET", self.quiet),
-            ("DROPOUT", self.dropout),
-            ("GIVEN", self.given),
-            ("WINDOW", self.window),
-            ("ALIBI", self.alibi),
-            ("SINKS", self.sinks),
-            ("VARLEN", self.varlen),
-        ];
-        let mut text = format!(
-            "#define WG_ELEM \"{}\"\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n",
+        format!(
+            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define GIVEN {}\n{}",
             if self.bf16 { "bf16" } else { "f16" },
+            u32::from(self.bf16),
             self.block_q,
             self.block_k,
             self.head_dim,
             self.value_dim,
-        );
-        for (name, on) in flags {
-            text += &format!("#define {name} {}\n", u32::from(on));
-        }
-        text
+            u32::from(self.given),
+            self.rules.defines(),
+        )
     }
 
-    /// The variant as one word of the kernel's id.
+    /// The variant's id: a hash of its `#define`s, which are all that varies between variants.
     #[cfg(feature = "cuda")]
     fn key(self) -> u64 {
-        u64::from(self.bf16)
-            | u64::from(self.head_dim) << 8
-            | u64::from(self.value_dim) << 16
-            | u64::from(self.causal) << 24
-            | u64::from(self.softcap) << 25
-            | u64::from(self.mask) << 26
-            | u64::from(self.fill) << 27
-            | u64::from(self.bias) << 28
-            | u64::from(self.quiet) << 29
-            | u64::from(self.dropout) << 30
-            | u64::from(self.given) << 31
-            | u64::from(self.block_k) << 32
-            | u64::from(self.block_q) << 40
-            | u64::from(self.window) << 48
-            | u64::from(self.alibi) << 49
-            | u64::from(self.sinks) << 50
-            | u64::from(self.varlen) << 51
+        crate::hopper::source_hash(&self.defines())
     }
 }
 
