@@ -3,19 +3,29 @@
 //!
 //! - [`softmax`]: fused row softmax, log-softmax and quiet softmax (forward and backward);
 //! - [`softmax_matmul`]: `softmax(X)·V` without the softmax matrix (forward and backward);
-//! - [`attention`]: fused attention forward (`Q·Kᵀ` → scale/softcap/mask/bias/causal → online
-//!   softmax → `·V`), the scores never written;
+//! - [`attention`]: fused attention (scale, softcap, masks, bias, ALiBi, sinks, causal and
+//!   sliding windows, packed sequences, dropout), forward and backward, the scores never
+//!   written; `options` (the problem, a leaf), `plan`, `launch`, `backward`;
+//! - [`decode`]: split-KV decoding for few query rows against long contexts, over contiguous or
+//!   paged caches, and the append (with RoPE) into paged caches;
 //! - [`flash`]: the flash kernels both ops run, forward and backward, with the scores given
-//!   (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`);
+//!   (`softmax_matmul`) or computed as `Q·Kᵀ` (`attention`), on five paths: plain units
+//!   (untiled and register-tiled), the matrix units (`mma.sync`), cooperative matrices, and
+//!   Hopper's hand-written `wgmma`/TMA kernels;
+//! - [`dropout`]: the counter-based keep/drop draws every kernel regenerates;
+//! - [`linear`], [`norm`]: a few-rows linear layer and a layer norm, one kernel each;
 //! - [`tensor`]: what every launch takes ([`tensor::TensorRef`]) and checks first (the dtype);
 //! - [`cache`]: the compilation cache burn-flash turns on (where it lives, how to clear it);
-//! - [`norm`]: layer normalisation of rows in one kernel;
 //! - [`copy`]: a vectorised copy, the bandwidth ceiling benchmarks compare against;
-//! - `hopper` (feature `cuda`): hand-written CUDA for sm_90 launched through cubecl's client
-//!   (issue 35; so far the door: a TMA bulk copy completed on an `mbarrier`);
+//! - `hopper` (feature `cuda`): the door for hand-written CUDA (sm_90 and up) launched through
+//!   cubecl's client (`CubeTask`), and the instruction wrappers (`sm90.cuh`) of the Hopper
+//!   attention and `softmax(X)·V` kernels; `cuda_target` (feature `cuda`): CUDA kernels
+//!   compiled without a GPU (`cargo xtask cuda-check`);
+//! - [`occupancy`]: the SM share each CUDA kernel's schedule assumes, held by the check;
+//!   [`mutation`]: the deliberate bugs of the mutation check (feature `mutants`);
 //! - [`fragment`], [`staging`]: pieces shared by the matrix-unit kernels (`mma` fragment
 //!   helpers, `cp.async` double buffering); [`tiling`]: the register-tiled product of the
-//!   plain-unit kernels.
+//!   plain-unit kernels; [`reduce`]: the row reductions of the softmax kernels.
 
 pub mod attention;
 pub mod cache;

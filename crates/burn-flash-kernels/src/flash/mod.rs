@@ -10,8 +10,12 @@
 //! the same way ([`block`]) and take the same argument bundles ([`args`]); a plan hands each
 //! kernel its comptime [`FlashConfig`] ([`config`]).
 //!
-//! Each direction has one schedule per inner-product path: the matrix units (`mma`, f16/bf16
-//! on CUDA sm_80+) and plain units (every runtime and float type, f32 arithmetic).
+//! Each direction has one schedule per inner-product path: plain units (every runtime and float
+//! type, f32 arithmetic: `units`, and the register-tiled `tiled` / `units_given`), the matrix
+//! units (`mma`: `mma.sync` m16n8k16, f16/bf16 on CUDA sm_80+), cooperative matrices (`cmma`:
+//! cubecl's `cmma`, Vulkan through SPIR-V, Metal), and on Hopper the hand-written `wgmma`/TMA
+//! kernels (`hopper`, `hopper_given`: CUDA C++ through `crate::hopper`'s door, feature
+//! `cuda`).
 
 // `#[derive(CubeLaunch)]` expands every bundle into undocumented launch items.
 #[allow(missing_docs)]
