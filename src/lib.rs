@@ -33,11 +33,12 @@ pub mod softmax_matmul;
 
 pub use attention::backend::AttentionBackend;
 pub use attention::{
-    AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionKernel, BlockTable,
-    FlashAttentionOptions, HeadTerms, PagedAppend, Rope, ScoreTerms, VarlenBatch,
-    append_attention_paged, append_paged, attention, attention_backward_plan,
-    attention_backward_plan_with, attention_paged, attention_plan, attention_plan_with,
-    attention_varlen, attention_with_alibi, attention_with_heads, attention_with_lse,
+    AttentionBackwardKernel, AttentionDropout, AttentionGrads, AttentionInputs, AttentionKernel,
+    BlockTable, FlashAttentionOptions, HeadOperands, HeadTerms, KvCache, NewKeys, PagedAppend,
+    Rope, ScoreOperands, ScoreTerms, VarlenBatch, append_attention_paged, append_paged, attention,
+    attention_backward_plan, attention_backward_plan_with, attention_paged, attention_plan,
+    attention_plan_with, attention_varlen, attention_with_alibi, attention_with_heads,
+    attention_with_lse,
 };
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;

@@ -9,9 +9,10 @@ use burn::tensor::{
     Bool, FloatDType, Int, Tensor, TensorData, TensorPrimitive, module, ops::AttentionModuleOptions,
 };
 use burn_flash::{
-    AttentionKernel, BlockTable, FlashAttentionOptions, FlashBackend, HeadTerms, Rope, ScoreTerms,
-    VarlenBatch, attention, attention::AttentionDims, attention_plan, attention_plan_with,
-    attention_varlen, attention_with_alibi, attention_with_heads, attention_with_lse,
+    AttentionKernel, BlockTable, FlashAttentionOptions, FlashBackend, HeadOperands, HeadTerms,
+    KvCache, Rope, ScoreTerms, VarlenBatch, attention, attention::AttentionDims, attention_plan,
+    attention_plan_with, attention_varlen, attention_with_alibi, attention_with_heads,
+    attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
@@ -2153,16 +2154,17 @@ fn paged<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         TensorData::new(lengths.iter().map(|&l| l as i32).collect(), [lengths.len()]),
         device,
     );
-    let (flat, _) = B::flash_decode(
-        q.into_primitive().tensor(),
-        contiguous(&k_host).into_primitive().tensor(),
-        contiguous(&v_host).into_primitive().tensor(),
-        None,
-        lens.into_primitive(),
-        Some(slopes.into_primitive().tensor()),
-        None,
-        options,
-    );
+    let cache = KvCache {
+        key: contiguous(&k_host).into_primitive().tensor(),
+        value: contiguous(&v_host).into_primitive().tensor(),
+        table: None,
+        lengths: lens.into_primitive(),
+    };
+    let heads = HeadOperands {
+        slopes: Some(slopes.into_primitive().tensor()),
+        sinks: None,
+    };
+    let (flat, _) = B::flash_decode(q.into_primitive().tensor(), cache, heads, options);
     let flat = read(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(flat)));
     assert_eq!(got, flat, "paged and contiguous caches differ ({dtype:?})");
 }

@@ -15,7 +15,8 @@ use burn::tensor::{
     Tensor, TensorMetadata, TensorPrimitive, backend::AutodiffBackend, ops::FloatTensor,
 };
 
-use super::{FlashAttentionOptions, Inputs};
+use super::FlashAttentionOptions;
+use super::operands::{AttentionInputs, HeadOperands, ScoreOperands};
 use crate::FlashBackend;
 
 /// Two float tensors of `Autodiff<B, C>`: the op's two results.
@@ -28,7 +29,7 @@ struct AttentionBackward;
 
 /// What the backward needs: the call's inputs, the output and `lse`, the options.
 type State<B> = (
-    Inputs<B>,
+    AttentionInputs<B>,
     FloatTensor<B>,
     FloatTensor<B>,
     FlashAttentionOptions,
@@ -39,7 +40,8 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
 
     fn backward(self, ops: Ops<Self::State, N>, grads: &mut Gradients, _: &mut Checkpointer) {
         let d_out = grads.consume::<B>(&ops.node);
-        let ((q, k, v, mask, bias, slopes, sinks, seqs), out, lse, options) = ops.state;
+        let (inputs, out, lse, options) = ops.state;
+        let (bias, sinks) = (&inputs.scores.bias, &inputs.scores.heads.sinks);
         let bias_node = bias.as_ref().and_then(|_| ops.parents[3].clone());
         let sinks_node = sinks
             .as_ref()
@@ -47,13 +49,11 @@ impl<B: FlashBackend, const N: usize> Backward<B, N> for AttentionBackward {
         let bias_dims = bias.as_ref().map(|b| b.shape().dims::<4>());
         let want_ds = bias_node.is_some();
         // dSinks needs the output and the log-sum-exp after the backward took them.
-        let sink_grad = match (&sinks_node, &sinks) {
+        let sink_grad = match (&sinks_node, sinks) {
             (Some(_), Some(s)) => Some((s.clone(), out.clone(), lse.clone(), d_out.clone())),
             _ => None,
         };
-        let g = B::flash_attention_backward(
-            q, k, v, mask, bias, slopes, sinks, seqs, out, lse, d_out, options, want_ds,
-        );
+        let g = B::flash_attention_backward(inputs, out, lse, d_out, options, want_ds);
         for (parent, grad) in ops.parents.iter().zip([g.dq, g.dk, g.dv]) {
             if let Some(node) = parent {
                 grads.register::<B>(node.id, grad);
@@ -105,25 +105,30 @@ fn reduce_to<B: FlashBackend>(ds: FloatTensor<B>, dims: [usize; 4]) -> FloatTens
 }
 
 pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
-    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<Autodiff<B, C>>,
+    inputs: AttentionInputs<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> Pair<B, C> {
-    // The slopes are not tracked (no gradient flows to them).
-    let slopes = slopes.map(|s| s.primitive);
-    let sinks_node = sinks.as_ref().map(|s| s.node.clone());
-    let sinks = sinks.map(|s| s.primitive);
-    let run = |q, k, v, bias| {
-        B::flash_attention(
-            q,
-            k,
-            v,
-            mask.clone(),
-            bias,
-            slopes.clone(),
-            sinks.clone(),
-            seqs.clone(),
-            options,
-        )
+    let (query, key, value, scores) = (inputs.query, inputs.key, inputs.value, inputs.scores);
+    let sinks_node = scores.heads.sinks.as_ref().map(|s| s.node.clone());
+    // The slopes are not tracked (no gradient flows to them); the bias and the sinks are
+    // parents where given.
+    let inner = |bias| ScoreOperands::<B> {
+        mask: scores.mask.clone(),
+        bias,
+        heads: HeadOperands {
+            slopes: scores.heads.slopes.as_ref().map(|s| s.primitive.clone()),
+            sinks: scores.heads.sinks.as_ref().map(|s| s.primitive.clone()),
+        },
+        seqs: scores.seqs.clone(),
+    };
+    let run = |query, key, value, bias| {
+        let inputs = AttentionInputs {
+            query,
+            key,
+            value,
+            scores: inner(bias),
+        };
+        B::flash_attention(inputs, options)
     };
     let [a, b, c] = [query.node.clone(), key.node.clone(), value.node.clone()];
     let (q, k, v) = (query.primitive, key.primitive, value.primitive);
@@ -138,16 +143,12 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
                 OpsKind::Tracked(prep) => {
                     let bias: Option<FloatTensor<B>> = $bias;
                     let (out, lse) = run(q.clone(), k.clone(), v.clone(), bias.clone());
-                    let inputs = (
-                        q,
-                        k,
-                        v,
-                        mask.clone(),
-                        bias,
-                        slopes.clone(),
-                        sinks.clone(),
-                        seqs.clone(),
-                    );
+                    let inputs = AttentionInputs {
+                        query: q,
+                        key: k,
+                        value: v,
+                        scores: inner(bias),
+                    };
                     let state = (inputs, out.clone(), lse.clone(), options);
                     (
                         prep.finish(state, out),
@@ -164,7 +165,7 @@ pub(crate) fn forward<B: FlashBackend, C: CheckpointStrategy>(
             }
         };
     }
-    match (bias, sinks_node) {
+    match (scores.bias, sinks_node) {
         (Some(bias), Some(s)) => {
             let node = bias.node.clone();
             tracked!([a, b, c, node, s], Some(bias.primitive.clone()))

@@ -11,17 +11,18 @@ use burn::tensor::{
     ops::{AttentionModuleOptions, BoolTensor, FloatTensor, IntTensor},
 };
 
-use super::{FlashAttentionOptions, Inputs, scale_of};
+use super::operands::AttentionInputs;
+use super::{FlashAttentionOptions, scale_of};
 use crate::SoftmaxMatmulBackend;
 use burn_flash_kernels::dropout::{DropoutParams, keep};
 
 /// `(out, lse)` of attention from stock ops and the fused `softmax(S)·V`; arguments checked by
 /// the caller.
 pub(crate) fn forward<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<B>,
+    mut inputs: AttentionInputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let inputs = (query, key, value, mask, bias, slopes, None, seqs);
+    let sinks = inputs.scores.heads.sinks.take();
     let (out, lse) = forward_without_sinks::<B>(inputs, flash_options);
     match sinks {
         Some(sinks) => sink_outputs::<B>(out, lse, sinks),
@@ -31,12 +32,14 @@ pub(crate) fn forward<B: SoftmaxMatmulBackend>(
 
 /// [`forward`] without attention sinks (its `sinks` are not read).
 fn forward_without_sinks<B: SoftmaxMatmulBackend>(
-    (query, key, value, mask, bias, slopes, _, seqs): Inputs<B>,
+    inputs: AttentionInputs<B>,
     flash_options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (query, key, value, scores) = (inputs.query, inputs.key, inputs.value, inputs.scores);
+    let (mask, slopes) = (scores.mask, scores.heads.slopes);
     let options = flash_options.module;
-    let packed = Packed::read::<B>(seqs);
-    let bias = with_alibi::<B>(&query, &key, bias, slopes, packed.as_ref());
+    let packed = Packed::read::<B>(scores.seqs);
+    let bias = with_alibi::<B>(&query, &key, scores.bias, slopes, packed.as_ref());
     let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
     let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
     let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
@@ -311,17 +314,19 @@ fn with_alibi<B: Backend>(
 /// score, what a bias's gradient sums) only when `want_ds`. The provided body of
 /// [`crate::AttentionBackend::flash_attention_backward`]. It materialises the scores, `P` and
 /// `dS` (`B·Hq·Sq·Sk` each), as any composed attention backward does.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<B: Backend>(
-    // The sinks are in `lse`: the weights `e^(s − lse)` of the keys are the ones the forward
-    // used, and their gradient is the usual one (the sinks' own is the caller's).
-    (query, key, value, mask, bias, slopes, _sinks, seqs): Inputs<B>,
+    inputs: AttentionInputs<B>,
     out: FloatTensor<B>,
     lse: FloatTensor<B>,
     d_out: FloatTensor<B>,
     flash_options: FlashAttentionOptions,
     want_ds: bool,
 ) -> super::AttentionGrads<B> {
+    let (query, key, value, operands) = (inputs.query, inputs.key, inputs.value, inputs.scores);
+    // The sinks are in `lse`: the weights `e^(s − lse)` of the keys are the ones the forward
+    // used, and their gradient is the usual one (the sinks' own is the caller's).
+    let (mask, bias, seqs) = (operands.mask, operands.bias, operands.seqs);
+    let slopes = operands.heads.slopes;
     let options = flash_options.module;
     let packed = Packed::read::<B>(seqs);
     let bias = with_alibi::<B>(&query, &key, bias, slopes, packed.as_ref());

@@ -17,8 +17,9 @@ use burn_flash_kernels::decode::{
 };
 use cubecl::prelude::ComputeClient;
 
+use super::operands::{AttentionInputs, HeadOperands, KvCache, NewKeys};
 use super::paged::{Appended, RopeArgs};
-use super::{AttentionGrads, FlashAttentionOptions, Inputs, OP, ScoreTerms, scale_of};
+use super::{AttentionGrads, FlashAttentionOptions, OP, ScoreTerms, scale_of};
 use crate::cube::{empty, tensor_ref};
 
 /// The kernels crate's options for a call with head dim `head_dim`.
@@ -113,7 +114,7 @@ fn out_and_lse<R: CubeRuntime>(
 }
 
 pub(crate) fn forward<R, F, I, BT>(
-    (query, key, value, mask, bias, slopes, sinks, seqs): Inputs<CubeBackend<R, F, I, BT>>,
+    inputs: AttentionInputs<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -122,25 +123,27 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    let (query, scores) = (inputs.query, inputs.scores);
     let dtype = query.dtype;
-    let mask = float_mask::<R, F, I, BT>(mask, dtype);
-    let seqs = indices_u32::<R, F, I, BT>(seqs);
+    let mask = float_mask::<R, F, I, BT>(scores.mask, dtype);
+    let seqs = indices_u32::<R, F, I, BT>(scores.seqs);
     let [_, _, _, head_dim]: [usize; 4] = query
         .meta
         .shape()
         .to_vec()
         .try_into()
         .unwrap_or_else(|_| panic!("{OP}: `query` must be 4-D"));
-    let (out, lse) = out_and_lse(&query, &value);
+    let (out, lse) = out_and_lse(&query, &inputs.value);
+    let heads = &scores.heads;
     launch_attention::<R>(
         &query.client,
         tensor_ref(&query),
-        tensor_ref(&key),
-        tensor_ref(&value),
+        tensor_ref(&inputs.key),
+        tensor_ref(&inputs.value),
         mask.as_ref().map(tensor_ref),
-        bias.as_ref().map(tensor_ref),
-        slopes.as_ref().map(tensor_ref),
-        sinks.as_ref().map(tensor_ref),
+        scores.bias.as_ref().map(tensor_ref),
+        heads.slopes.as_ref().map(tensor_ref),
+        heads.sinks.as_ref().map(tensor_ref),
         seqs.as_ref().map(tensor_ref),
         tensor_ref(&out),
         tensor_ref(&lse),
@@ -171,8 +174,7 @@ pub(crate) fn backward_plan<R: CubeRuntime>(
 }
 
 pub(crate) fn backward<R, F, I, BT>(
-    // The sinks are in `lse` (the backward kernels read it): they are not read again.
-    (query, key, value, mask, bias, slopes, _sinks, seqs): Inputs<CubeBackend<R, F, I, BT>>,
+    inputs: AttentionInputs<CubeBackend<R, F, I, BT>>,
     out: CubeTensor<R>,
     lse: CubeTensor<R>,
     d_out: CubeTensor<R>,
@@ -185,9 +187,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    let (query, key, value, scores) = (inputs.query, inputs.key, inputs.value, inputs.scores);
     let dtype = query.dtype;
-    let mask = float_mask::<R, F, I, BT>(mask, dtype);
-    let seqs = indices_u32::<R, F, I, BT>(seqs);
+    let mask = float_mask::<R, F, I, BT>(scores.mask, dtype);
+    let seqs = indices_u32::<R, F, I, BT>(scores.seqs);
     let dq = empty(&query, query.meta.shape(), dtype);
     let dk = empty(&query, key.meta.shape(), dtype);
     let dv = empty(&query, value.meta.shape(), dtype);
@@ -202,8 +205,9 @@ where
             k: tensor_ref(&key),
             v: tensor_ref(&value),
             mask: mask.as_ref().map(tensor_ref),
-            bias: bias.as_ref().map(tensor_ref),
-            slopes: slopes.as_ref().map(tensor_ref),
+            bias: scores.bias.as_ref().map(tensor_ref),
+            // The sinks are in `lse` (the backward kernels read it): not read again.
+            slopes: scores.heads.slopes.as_ref().map(tensor_ref),
             seqs: seqs.as_ref().map(tensor_ref),
             out: tensor_ref(&out),
             lse: tensor_ref(&lse),
@@ -221,15 +225,10 @@ where
 }
 
 /// Paged or contiguous decoding on `CubeBackend` ([`crate::AttentionBackend::flash_decode`]).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn decode<R, F, I, BT>(
     query: CubeTensor<R>,
-    key: CubeTensor<R>,
-    value: CubeTensor<R>,
-    table: Option<CubeTensor<R>>,
-    lengths: CubeTensor<R>,
-    slopes: Option<CubeTensor<R>>,
-    sinks: Option<CubeTensor<R>>,
+    cache: KvCache<CubeBackend<R, F, I, BT>>,
+    heads: HeadOperands<CubeBackend<R, F, I, BT>>,
     options: FlashAttentionOptions,
 ) -> (CubeTensor<R>, CubeTensor<R>)
 where
@@ -239,22 +238,22 @@ where
     BT: BoolElement,
 {
     let dtype = query.dtype;
-    let table = indices_u32::<R, F, I, BT>(table);
-    let lengths = indices_u32::<R, F, I, BT>(Some(lengths)).expect("given");
+    let table = indices_u32::<R, F, I, BT>(cache.table);
+    let lengths = indices_u32::<R, F, I, BT>(Some(cache.lengths)).expect("given");
     let head_dim = query.meta.shape()[3];
-    let (out, lse) = out_and_lse(&query, &value);
+    let (out, lse) = out_and_lse(&query, &cache.value);
     launch_decode::<R>(
         &query.client,
         DecodeTensors {
             q: tensor_ref(&query),
-            k: tensor_ref(&key),
-            v: tensor_ref(&value),
+            k: tensor_ref(&cache.key),
+            v: tensor_ref(&cache.value),
             paged: table.as_ref().map(|t| Paged {
                 table: tensor_ref(t),
             }),
             lengths: Some(tensor_ref(&lengths)),
-            slopes: slopes.as_ref().map(tensor_ref),
-            sinks: sinks.as_ref().map(tensor_ref),
+            slopes: heads.slopes.as_ref().map(tensor_ref),
+            sinks: heads.sinks.as_ref().map(tensor_ref),
             out: tensor_ref(&out),
             lse: tensor_ref(&lse),
         },
@@ -272,12 +271,8 @@ fn owned<R: CubeRuntime>(t: CubeTensor<R>) -> CubeTensor<R> {
 
 /// The append on `CubeBackend` ([`crate::AttentionBackend::flash_kv_append`]).
 pub(crate) fn append<R, F, I, BT>(
-    key: CubeTensor<R>,
-    value: CubeTensor<R>,
-    table: Option<CubeTensor<R>>,
-    lengths: CubeTensor<R>,
-    key_new: CubeTensor<R>,
-    value_new: CubeTensor<R>,
+    cache: KvCache<CubeBackend<R, F, I, BT>>,
+    new: NewKeys<CubeBackend<R, F, I, BT>>,
     rope: Option<RopeArgs<CubeBackend<R, F, I, BT>>>,
 ) -> Appended<CubeBackend<R, F, I, BT>>
 where
@@ -286,10 +281,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    let dtype = key.dtype;
-    let table = indices_u32::<R, F, I, BT>(table);
-    let lengths = indices_u32::<R, F, I, BT>(Some(lengths)).expect("given");
-    let (key, value) = (owned(key), owned(value));
+    let dtype = cache.key.dtype;
+    let table = indices_u32::<R, F, I, BT>(cache.table);
+    let lengths = indices_u32::<R, F, I, BT>(Some(cache.lengths)).expect("given");
+    let (key, value) = (owned(cache.key), owned(cache.value));
     let q_out = rope
         .as_ref()
         .and_then(|r| r.query.as_ref())
@@ -306,8 +301,8 @@ where
     launch_append::<R>(
         &key.client,
         AppendTensors {
-            k_new: tensor_ref(&key_new),
-            v_new: tensor_ref(&value_new),
+            k_new: tensor_ref(&new.key),
+            v_new: tensor_ref(&new.value),
             k: tensor_ref(&key),
             v: tensor_ref(&value),
             paged: table.as_ref().map(|t| Paged {

@@ -31,10 +31,11 @@ pub(crate) mod backend;
 pub mod composed;
 pub(crate) mod cube;
 pub(crate) mod fusion;
+mod operands;
 mod paged;
 mod varlen;
 
-pub(crate) use paged::{AppendCaches, AppendRows};
+pub use operands::{AttentionInputs, HeadOperands, KvCache, NewKeys, ScoreOperands};
 pub use paged::{
     AppendDecoded, Appended, BlockTable, PagedAppend, Rope, RopeArgs, append_attention_paged,
     append_paged, attention_paged,
@@ -44,7 +45,7 @@ pub use varlen::{VarlenBatch, attention_varlen};
 use burn::tensor::{
     Bool, DType, Int, Tensor, TensorPrimitive,
     backend::Backend,
-    ops::{AttentionModuleOptions, BoolTensor, FloatTensor, IntTensor},
+    ops::{AttentionModuleOptions, FloatTensor},
 };
 
 pub use burn_flash_kernels::dropout::DropoutParams;
@@ -73,20 +74,6 @@ pub struct AttentionGrads<B: Backend> {
 use crate::FlashBackend;
 
 const OP: &str = "burn_flash::attention";
-
-/// A call's tensors as the backends take them: `query`, `key`, `value`, the mask, the bias,
-/// the ALiBi slopes, the attention-sink logits and a packed batch's sequences
-/// ([`VarlenBatch`]).
-pub(crate) type Inputs<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<BoolTensor<B>>,
-    Option<FloatTensor<B>>,
-    Option<FloatTensor<B>>,
-    Option<FloatTensor<B>>,
-    Option<IntTensor<B>>,
-);
 
 /// Per-head inputs of an attention call beyond Burn's arguments
 /// ([`attention_with_heads`]), each `[Hq]`, any float dtype (read as f32).
@@ -313,30 +300,27 @@ pub(crate) fn attention_checked<B: FlashBackend>(
     {
         panic!("{OP}: `masked_score` must be finite, got {fill}");
     }
-    let terms = ScoreTerms {
-        mask: mask.is_some(),
-        bias: attn_bias.is_some(),
-        bias_tracked: false,
-        alibi: alibi_slopes.is_some(),
-        sinks: sinks.is_some(),
-        varlen: seqs.is_some(),
+    let (device, dtype) = (query.device(), query.dtype());
+    let f32_head = |t: Tensor<B, 1>| t.cast(DType::F32).into_primitive().tensor();
+    let inputs = AttentionInputs {
+        query: query.into_primitive().tensor(),
+        key: key.into_primitive().tensor(),
+        value: value.into_primitive().tensor(),
+        scores: ScoreOperands {
+            mask: mask.map(|m| m.into_primitive()),
+            bias: attn_bias.map(|b| b.into_primitive().tensor()),
+            heads: HeadOperands {
+                slopes: alibi_slopes.map(f32_head),
+                sinks: sinks.map(f32_head),
+            },
+            seqs: seqs.map(|s| s.into_primitive()),
+        },
     };
-    if let Some(Err(err)) =
-        B::flash_attention_plan(&query.device(), dims, query.dtype(), options, terms)
-    {
+    let terms = inputs.scores.terms();
+    if let Some(Err(err)) = B::flash_attention_plan(&device, dims, dtype, options, terms) {
         panic!("{OP}: {err}");
     }
-    let (out, lse) = B::flash_attention(
-        query.into_primitive().tensor(),
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        mask.map(|m| m.into_primitive()),
-        attn_bias.map(|b| b.into_primitive().tensor()),
-        alibi_slopes.map(|s| s.cast(DType::F32).into_primitive().tensor()),
-        sinks.map(|s| s.cast(DType::F32).into_primitive().tensor()),
-        seqs.map(|s| s.into_primitive()),
-        options,
-    );
+    let (out, lse) = B::flash_attention(inputs, options);
     (
         Tensor::from_primitive(TensorPrimitive::Float(out)),
         Tensor::from_primitive(TensorPrimitive::Float(lse)),

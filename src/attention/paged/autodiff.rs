@@ -16,92 +16,101 @@ fn untracked<B: FlashBackend, C: CheckpointStrategy>(
     Autodiff::<B, C>::from_inner(t)
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The primitives of `B` inside a bundle of `Autodiff<B, C>`'s (none is tracked here).
+fn inner_cache<B: FlashBackend, C: CheckpointStrategy>(
+    cache: KvCache<Autodiff<B, C>>,
+) -> KvCache<B> {
+    KvCache {
+        key: inner::<B, C>(cache.key),
+        value: inner::<B, C>(cache.value),
+        table: cache.table,
+        lengths: cache.lengths,
+    }
+}
+
+fn inner_heads<B: FlashBackend, C: CheckpointStrategy>(
+    heads: HeadOperands<Autodiff<B, C>>,
+) -> HeadOperands<B> {
+    HeadOperands {
+        slopes: heads.slopes.map(inner::<B, C>),
+        sinks: heads.sinks.map(inner::<B, C>),
+    }
+}
+
+fn inner_new<B: FlashBackend, C: CheckpointStrategy>(new: NewKeys<Autodiff<B, C>>) -> NewKeys<B> {
+    NewKeys {
+        key: inner::<B, C>(new.key),
+        value: inner::<B, C>(new.value),
+    }
+}
+
+fn inner_rope<B: FlashBackend, C: CheckpointStrategy>(
+    rope: Option<RopeArgs<Autodiff<B, C>>>,
+) -> Option<RopeArgs<B>> {
+    rope.map(|r| RopeArgs {
+        cos: inner::<B, C>(r.cos),
+        sin: inner::<B, C>(r.sin),
+        interleaved: r.interleaved,
+        query: r.query.map(inner::<B, C>),
+    })
+}
+
+fn untracked_appended<B: FlashBackend, C: CheckpointStrategy>(
+    appended: Appended<B>,
+) -> Appended<Autodiff<B, C>> {
+    Appended {
+        key: untracked::<B, C>(appended.key),
+        value: untracked::<B, C>(appended.value),
+        query: appended.query.map(untracked::<B, C>),
+    }
+}
+
 pub(crate) fn decode<B: FlashBackend, C: CheckpointStrategy>(
     query: FloatTensor<Autodiff<B, C>>,
-    key: FloatTensor<Autodiff<B, C>>,
-    value: FloatTensor<Autodiff<B, C>>,
-    table: Option<IntTensor<B>>,
-    lengths: IntTensor<B>,
-    slopes: Option<FloatTensor<Autodiff<B, C>>>,
-    sinks: Option<FloatTensor<Autodiff<B, C>>>,
+    cache: KvCache<Autodiff<B, C>>,
+    heads: HeadOperands<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> Pair<Autodiff<B, C>> {
     let (out, lse) = B::flash_decode(
         inner::<B, C>(query),
-        inner::<B, C>(key),
-        inner::<B, C>(value),
-        table,
-        lengths,
-        slopes.map(inner::<B, C>),
-        sinks.map(inner::<B, C>),
+        inner_cache::<B, C>(cache),
+        inner_heads::<B, C>(heads),
         options,
     );
     (untracked::<B, C>(out), untracked::<B, C>(lse))
 }
 
 pub(crate) fn append<B: FlashBackend, C: CheckpointStrategy>(
-    key: FloatTensor<Autodiff<B, C>>,
-    value: FloatTensor<Autodiff<B, C>>,
-    table: Option<IntTensor<B>>,
-    lengths: IntTensor<B>,
-    key_new: FloatTensor<Autodiff<B, C>>,
-    value_new: FloatTensor<Autodiff<B, C>>,
+    cache: KvCache<Autodiff<B, C>>,
+    new: NewKeys<Autodiff<B, C>>,
     rope: Option<RopeArgs<Autodiff<B, C>>>,
 ) -> Appended<Autodiff<B, C>> {
-    let rope = rope.map(|r| RopeArgs {
-        cos: inner::<B, C>(r.cos),
-        sin: inner::<B, C>(r.sin),
-        interleaved: r.interleaved,
-        query: r.query.map(inner::<B, C>),
-    });
     let out = B::flash_kv_append(
-        inner::<B, C>(key),
-        inner::<B, C>(value),
-        table,
-        lengths,
-        inner::<B, C>(key_new),
-        inner::<B, C>(value_new),
-        rope,
+        inner_cache::<B, C>(cache),
+        inner_new::<B, C>(new),
+        inner_rope::<B, C>(rope),
     );
-    Appended {
-        key: untracked::<B, C>(out.key),
-        value: untracked::<B, C>(out.value),
-        query: out.query.map(untracked::<B, C>),
-    }
+    untracked_appended::<B, C>(out)
 }
 
 pub(crate) fn append_decode<B: FlashBackend, C: CheckpointStrategy>(
-    (key, value, table, lengths, lengths_after): AppendCaches<Autodiff<B, C>>,
-    (key_new, value_new, query, rope): AppendRows<Autodiff<B, C>>,
-    slopes: Option<FloatTensor<Autodiff<B, C>>>,
-    sinks: Option<FloatTensor<Autodiff<B, C>>>,
+    cache: KvCache<Autodiff<B, C>>,
+    lengths_after: IntTensor<Autodiff<B, C>>,
+    new: NewKeys<Autodiff<B, C>>,
+    query: FloatTensor<Autodiff<B, C>>,
+    rope: Option<RopeArgs<Autodiff<B, C>>>,
+    heads: HeadOperands<Autodiff<B, C>>,
     options: FlashAttentionOptions,
 ) -> AppendDecoded<Autodiff<B, C>> {
-    let rope = rope.map(|r| RopeArgs {
-        cos: inner::<B, C>(r.cos),
-        sin: inner::<B, C>(r.sin),
-        interleaved: r.interleaved,
-        query: None,
-    });
     let (appended, out, lse) = B::flash_append_decode(
-        inner::<B, C>(key),
-        inner::<B, C>(value),
-        table,
-        lengths,
+        inner_cache::<B, C>(cache),
         lengths_after,
-        inner::<B, C>(key_new),
-        inner::<B, C>(value_new),
+        inner_new::<B, C>(new),
         inner::<B, C>(query),
-        rope,
-        slopes.map(inner::<B, C>),
-        sinks.map(inner::<B, C>),
+        inner_rope::<B, C>(rope),
+        inner_heads::<B, C>(heads),
         options,
     );
-    let appended = Appended {
-        key: untracked::<B, C>(appended.key),
-        value: untracked::<B, C>(appended.value),
-        query: appended.query.map(untracked::<B, C>),
-    };
+    let appended = untracked_appended::<B, C>(appended);
     (appended, untracked::<B, C>(out), untracked::<B, C>(lse))
 }

@@ -32,21 +32,15 @@ pub(super) fn slots(
 /// The composed decoding: each sequence's keys gathered (lengths and table read to the host),
 /// then the composed attention per sequence ([`AttentionBackend::flash_decode`]'s provided
 /// body).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn composed_decode<B: AttentionBackend>(
+pub(crate) fn decode<B: AttentionBackend>(
     query: FloatTensor<B>,
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
-    table: Option<IntTensor<B>>,
-    lengths: IntTensor<B>,
-    slopes: Option<FloatTensor<B>>,
-    sinks: Option<FloatTensor<B>>,
+    cache: KvCache<B>,
+    heads: HeadOperands<B>,
     options: FlashAttentionOptions,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let query = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(query));
-    let key = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(key));
-    let value = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(value));
-    let lengths = host_ints::<B, 1>(lengths);
+    let float4 = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+    let (query, key, value) = (float4(query), float4(cache.key), float4(cache.value));
+    let lengths = host_ints::<B, 1>(cache.lengths);
     let batch = query.dims()[0];
     let device = query.device();
     let gather = |pool: &Tensor<B, 4>,
@@ -67,7 +61,7 @@ pub(crate) fn composed_decode<B: AttentionBackend>(
             None => pool.clone().slice([b..b + 1, 0..pool.dims()[1], 0..len]),
         }
     };
-    let table = table.map(|t| {
+    let table = cache.table.map(|t| {
         let width = Tensor::<B, 2, Int>::from_primitive(t.clone()).dims()[1];
         (host_ints::<B, 2>(t), width)
     });
@@ -93,17 +87,16 @@ pub(crate) fn composed_decode<B: AttentionBackend>(
         let q = query.clone().narrow(0, b, 1);
         let k = gather(&key, b, len, &table);
         let v = gather(&value, b, len, &table);
-        let (out, lse) = B::flash_attention(
-            q.into_primitive().tensor(),
-            k.into_primitive().tensor(),
-            v.into_primitive().tensor(),
-            None,
-            None,
-            slopes.clone(),
-            sinks.clone(),
-            None,
-            options,
-        );
+        let inputs = AttentionInputs {
+            query: q.into_primitive().tensor(),
+            key: k.into_primitive().tensor(),
+            value: v.into_primitive().tensor(),
+            scores: ScoreOperands {
+                heads: heads.clone(),
+                ..ScoreOperands::default()
+            },
+        };
+        let (out, lse) = B::flash_attention(inputs, options);
         outs.push(Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(out)));
         lses.push(Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(lse)));
     }
@@ -169,19 +162,16 @@ pub(super) fn rotate<B: Backend>(
 /// The composed append: the lengths (and table) read to the host, RoPE from stock ops, the rows
 /// written with `select_assign` (pools) or `slice_assign` (contiguous caches)
 /// ([`AttentionBackend::flash_kv_append`]'s provided body).
-pub(crate) fn composed_append<B: Backend>(
-    key: FloatTensor<B>,
-    value: FloatTensor<B>,
-    table: Option<IntTensor<B>>,
-    lengths: IntTensor<B>,
-    key_new: FloatTensor<B>,
-    value_new: FloatTensor<B>,
+pub(crate) fn append<B: Backend>(
+    cache: KvCache<B>,
+    new: NewKeys<B>,
     rope: Option<RopeArgs<B>>,
 ) -> Appended<B> {
     let float4 = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
-    let (key, value) = (float4(key), float4(value));
-    let (mut key_new, value_new) = (float4(key_new), float4(value_new));
-    let lengths = host_ints::<B, 1>(lengths);
+    let (key, value) = (float4(cache.key), float4(cache.value));
+    let (mut key_new, value_new) = (float4(new.key), float4(new.value));
+    let lengths = host_ints::<B, 1>(cache.lengths);
+    let table = cache.table;
     let mut query = None;
     if let Some(r) = rope {
         let float2 = |t| Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(t));
@@ -232,4 +222,41 @@ pub(crate) fn composed_append<B: Backend>(
         value: write(value, value_new).into_primitive().tensor(),
         query: query.map(|q| q.into_primitive().tensor()),
     }
+}
+
+/// The append, then decoding the appended caches ([`AttentionBackend::flash_append_decode`]'s
+/// provided body): `B`'s two ops, the query rotated by the append where `rope` is given.
+pub(crate) fn append_decode<B: AttentionBackend>(
+    cache: KvCache<B>,
+    lengths_after: IntTensor<B>,
+    new: NewKeys<B>,
+    query: FloatTensor<B>,
+    rope: Option<RopeArgs<B>>,
+    heads: HeadOperands<B>,
+    options: FlashAttentionOptions,
+) -> AppendDecoded<B> {
+    // With RoPE the append rotates the query too, and the rotated one attends.
+    let (rope, plain) = match rope {
+        Some(r) => (
+            Some(RopeArgs {
+                query: Some(query),
+                ..r
+            }),
+            None,
+        ),
+        None => (None, Some(query)),
+    };
+    let table = cache.table.clone();
+    let appended = B::flash_kv_append(cache, new, rope);
+    let query = plain
+        .or_else(|| appended.query.clone())
+        .expect("the append returns the rotated query");
+    let cache = KvCache {
+        key: appended.key.clone(),
+        value: appended.value.clone(),
+        table,
+        lengths: lengths_after,
+    };
+    let (out, lse) = B::flash_decode(query, cache, heads, options);
+    (appended, out, lse)
 }

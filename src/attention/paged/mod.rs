@@ -22,6 +22,7 @@ use burn::tensor::{
     ops::{FloatTensor, IntTensor},
 };
 
+use super::operands::{AttentionInputs, HeadOperands, KvCache, NewKeys, ScoreOperands};
 use super::{FlashAttentionOptions, HeadTerms, OP, check_per_head};
 use crate::{AttentionBackend, FlashBackend};
 
@@ -30,29 +31,9 @@ pub(crate) mod composed;
 pub mod rope;
 pub mod table;
 
-pub(crate) use composed::{composed_append, composed_decode};
 use rope::rope_tables;
 pub use rope::{Rope, RopeArgs};
 pub use table::BlockTable;
-
-/// The caches [`AttentionBackend::flash_append_decode`] takes: `key`, `value`, the table where
-/// paged, the lengths before the append and after it.
-pub(crate) type AppendCaches<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<IntTensor<B>>,
-    IntTensor<B>,
-    IntTensor<B>,
-);
-
-/// The new rows [`AttentionBackend::flash_append_decode`] takes: keys, values, queries and the
-/// RoPE tables where given (their `query` unused).
-pub(crate) type AppendRows<B> = (
-    FloatTensor<B>,
-    FloatTensor<B>,
-    FloatTensor<B>,
-    Option<RopeArgs<B>>,
-);
 
 /// What [`AttentionBackend::flash_append_decode`] returns: the caches (and the rotated query),
 /// the output and the log-sum-exp.
@@ -171,18 +152,24 @@ pub fn attention_paged<B: FlashBackend>(
     heads: HeadTerms<B>,
     options: FlashAttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    let (slopes, sinks) = check_decode(&query, &key, &value, table, heads, options);
-    let (out, lse) = B::flash_decode(
-        query.into_primitive().tensor(),
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        Some(table.table.clone().into_primitive()),
-        table.lens.clone().into_primitive(),
-        slopes,
-        sinks,
-        options,
-    );
+    let heads = check_decode(&query, &key, &value, table, heads, options);
+    let cache = pool_cache(key, value, table);
+    let (out, lse) = B::flash_decode(query.into_primitive().tensor(), cache, heads, options);
     (float(out), float(lse))
+}
+
+/// The pools `key`, `value` read through `table`, as the backends take them.
+fn pool_cache<B: Backend>(
+    key: Tensor<B, 4>,
+    value: Tensor<B, 4>,
+    table: &BlockTable<B>,
+) -> KvCache<B> {
+    KvCache {
+        key: key.into_primitive().tensor(),
+        value: value.into_primitive().tensor(),
+        table: Some(table.table.clone().into_primitive()),
+        lengths: table.lens.clone().into_primitive(),
+    }
 }
 
 /// A float tensor of the backend's primitive.
@@ -199,7 +186,7 @@ fn check_decode<B: FlashBackend>(
     table: &BlockTable<B>,
     heads: HeadTerms<B>,
     options: FlashAttentionOptions,
-) -> (Option<FloatTensor<B>>, Option<FloatTensor<B>>) {
+) -> HeadOperands<B> {
     let heads_kv = check_pools(("query", query), key, value, table);
     let [_, heads_q, _, _] = query.dims();
     if heads_kv == 0 || !heads_q.is_multiple_of(heads_kv) {
@@ -231,7 +218,10 @@ fn check_decode<B: FlashBackend>(
     check_window_reach(table, query.dims()[2], options.window);
     let f32_terms =
         |t: Option<Tensor<B, 1>>| t.map(|t| t.cast(DType::F32).into_primitive().tensor());
-    (f32_terms(alibi_slopes), f32_terms(sinks))
+    HeadOperands {
+        slopes: f32_terms(alibi_slopes),
+        sinks: f32_terms(sinks),
+    }
 }
 
 /// Panics unless the window keeps each sequence's `seq_q` queries (its last positions) inside
@@ -294,15 +284,12 @@ pub fn append_paged<B: FlashBackend>(
         query: query.map(|q| q.into_primitive().tensor()),
         ..rope_tables(r)
     });
-    let out = B::flash_kv_append(
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        Some(table.table.clone().into_primitive()),
-        table.lens.clone().into_primitive(),
-        key_new.into_primitive().tensor(),
-        value_new.into_primitive().tensor(),
-        rope_args,
-    );
+    let cache = pool_cache(key, value, table);
+    let new = NewKeys {
+        key: key_new.into_primitive().tensor(),
+        value: value_new.into_primitive().tensor(),
+    };
+    let out = B::flash_kv_append(cache, new, rope_args);
     PagedAppend {
         key: float(out.key),
         value: float(out.value),
@@ -341,19 +328,19 @@ pub fn append_attention_paged<B: FlashBackend>(
         rope,
         Some(&query),
     );
-    let (slopes, sinks) = check_decode(&query, &key, &value, &grown, heads, options);
+    let heads = check_decode(&query, &key, &value, &grown, heads, options);
+    let cache = pool_cache(key, value, table);
+    let new = NewKeys {
+        key: key_new.into_primitive().tensor(),
+        value: value_new.into_primitive().tensor(),
+    };
     let (appended, out, lse) = B::flash_append_decode(
-        key.into_primitive().tensor(),
-        value.into_primitive().tensor(),
-        Some(table.table.clone().into_primitive()),
-        table.lens.clone().into_primitive(),
+        cache,
         grown.lens.clone().into_primitive(),
-        key_new.into_primitive().tensor(),
-        value_new.into_primitive().tensor(),
+        new,
         query.into_primitive().tensor(),
         rope.map(rope_tables),
-        slopes,
-        sinks,
+        heads,
         options,
     );
     let pools = PagedAppend {
