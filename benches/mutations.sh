@@ -6,9 +6,9 @@
 #
 # Usage, from the project root on the GPU machine, after `../shared/tools/gpu-pack --features
 # cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
-# attention_backward --test nn` here (the `dq-*` cases, mutations of the opt-in bulk-reduce
-# `dQ`, need `--features cuda,mutants,hopper-bulk-dq` and also run the kernels crate's
-# `hopper_backward` test: `-p burn-flash -p burn-flash-kernels ... --test hopper_backward`):
+# attention_backward --test nn` here (the `dq-*` cases, mutations of the Hopper backward's
+# bulk-reduce `dQ`, also run the kernels crate's `hopper_backward` test: `-p burn-flash -p
+# burn-flash-kernels ... --test hopper_backward`):
 #   benches/mutations.sh [JOBS]
 # `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
 # so that a call after a change to a few kernels runs their mutations beside the CUDA suite.

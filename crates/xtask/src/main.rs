@@ -16,9 +16,9 @@
 //! (`nvidia-cuda-nvrtc`, `nvidia-cuda-runtime`, [`CUDA_WHEELS`]) into a cache folder
 //! ([`cuda_home`]) with pip, once. With `BURN_FLASH_MUTATION` set it builds the check with the
 //! kernels' deliberate bugs (`--features mutants`); `cargo xtask cuda-check --mutations` runs
-//! each of the check's own mutations and fails unless every one is caught. `--bulk-dq` builds
-//! it with the kernels' opt-in `hopper-bulk-dq` feature (the Hopper backward's bulk-reduce `dQ`
-//! path: `cargo xtask cuda-check --bulk-dq --arch sm_90a --filter Hopper` checks its variants).
+//! each of the check's own mutations and fails unless every one is caught. `--atomic-dq` builds
+//! it with the kernels' `hopper-atomic-dq` feature (the Hopper backward's former per-thread `dQ`
+//! reductions: `cargo xtask cuda-check --atomic-dq --arch sm_90a --filter Hopper`).
 
 use std::{
     path::Path,
@@ -257,9 +257,13 @@ fn cuda_check(rest: &[String]) -> ExitCode {
     ];
     let mutations = rest.iter().any(|a| a == "--mutations");
     let mutants = mutations || std::env::var_os("BURN_FLASH_MUTATION").is_some();
-    let bulk_dq = rest.iter().any(|a| a == "--bulk-dq");
-    let rest: Vec<String> = rest.iter().filter(|a| *a != "--bulk-dq").cloned().collect();
-    let features: Vec<&str> = [(mutants, "mutants"), (bulk_dq, "hopper-bulk-dq")]
+    let atomic_dq = rest.iter().any(|a| a == "--atomic-dq");
+    let rest: Vec<String> = rest
+        .iter()
+        .filter(|a| *a != "--atomic-dq")
+        .cloned()
+        .collect();
+    let features: Vec<&str> = [(mutants, "mutants"), (atomic_dq, "hopper-atomic-dq")]
         .into_iter()
         .filter_map(|(on, name)| on.then_some(name))
         .collect();

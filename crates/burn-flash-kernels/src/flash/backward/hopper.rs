@@ -1,9 +1,9 @@
 //! The attention backward on Hopper (sm_90a), FlashAttention-3's schedule: one block per 128
 //! keys keeps `K`, `V` in shared memory and `dK`, `dV` in registers while a producer warpgroup
 //! streams `Q`, `dO` and the rows' statistics through TMA; two consumer warpgroups compute the
-//! five products on `wgmma` and add `dQ` into an f32 accumulator with vector reductions per
-//! thread, or (feature `hopper-bulk-dq`, [`dq_tiled`]) through shared memory and one TMA bulk
-//! reduce per consumer and step. A
+//! five products on `wgmma` and add `dQ` into an f32 accumulator through shared memory and one
+//! TMA bulk reduce per consumer and step ([`dq_tiled`]; at `D` 256, or with the
+//! `hopper-atomic-dq` feature, with vector reductions per thread). A
 //! prepass (`δ`, the base-2 log-sum-exp, the accumulator zeroed) runs before and a conversion
 //! (`dQ` in the element type) after. The sources are `hopper.cu` and `hopper_rows.cu` next to
 //! this file, on the wrappers of `crate::hopper` (`sm90.cuh`) and the score helpers of
@@ -160,11 +160,11 @@ pub fn tile(dims: AttentionDims) -> Tile {
 
 /// Whether the consumers add `dQ` through shared memory and one TMA bulk reduce per 64 × 64
 /// tile (FlashAttention-3's path) into an accumulator tiled in their order (`hopper_rows.cu`,
-/// `dq_offset`), rather than with vector reductions per thread into a row-major one: with the
-/// `hopper-bulk-dq` feature (opt-in until a GPU run verifies it), for every tile but the wide
-/// one (64 keys per block, [`tile`]: no shared memory left for the tiles).
+/// `dq_offset`), rather than with vector reductions per thread into a row-major one: for every
+/// tile but the wide one (64 keys per block, [`tile`]: no shared memory left for the tiles),
+/// unless the `hopper-atomic-dq` feature asks for the per-thread reductions everywhere.
 pub fn dq_tiled(config: FlashConfig) -> bool {
-    cfg!(feature = "hopper-bulk-dq") && config.block_k as usize == BLOCK_K
+    !cfg!(feature = "hopper-atomic-dq") && config.block_k as usize == BLOCK_K
 }
 
 /// Dynamic shared memory for `config`'s tile: `K` and `V` of the block (`block_k` rows × 128
