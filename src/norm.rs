@@ -4,6 +4,7 @@
 
 use burn::tensor::{
     DType, Tensor, TensorPrimitive,
+    backend::Backend,
     ops::{FloatTensor, ModuleOps},
 };
 use burn_cubecl::tensor::CubeTensor;
@@ -57,6 +58,16 @@ pub fn layer_norm<B: FlashBackend, const D: usize>(
         beta.map(|b| param(b).into_primitive().tensor()),
         epsilon,
     )))
+}
+
+/// Burn's composed layer norm ([`crate::SoftmaxBackend::flash_layer_norm`]'s provided body).
+pub(crate) fn composed<B: Backend>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: Option<FloatTensor<B>>,
+    epsilon: f64,
+) -> FloatTensor<B> {
+    B::layer_norm(x, gamma, beta, epsilon)
 }
 
 /// The kernel on `CubeBackend` ([`crate::SoftmaxBackend::flash_layer_norm`]).

@@ -10,59 +10,118 @@ use burn_flash_kernels::softmax::{
 };
 use burn_fusion::{Fusion, FusionBackend};
 
+use super::{autodiff, cube, fusion};
 use crate::FlashBackend;
+
+/// The methods an implementation passes on, written once (the trait's provided bodies are
+/// written with it too). `ops: m::<G, …>` forwards the ops to `m::forward` and `m::backward`
+/// (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the generic arguments `G, …`; `layers:
+/// m::<G, …>` the layer norm and the linear layer to `crate::norm::m` and `crate::linear::m`;
+/// `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning methods to its inner
+/// backend `B` unchanged.
+macro_rules! delegate {
+    (ops: $m:ident::<$($g:ty),+>) => {
+        /// Softmax family along `dim` of a float tensor of any rank.
+        fn flash_softmax(
+            x: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            $m::forward::<$($g),+>(x, dim, variant, options)
+        }
+
+        /// Gradient of [`SoftmaxBackend::flash_softmax`] from its output `y` and the output
+        /// gradient `dy`.
+        fn flash_softmax_backward(
+            y: FloatTensor<Self>,
+            dy: FloatTensor<Self>,
+            dim: usize,
+            variant: SoftmaxVariant,
+            options: SoftmaxOptions,
+        ) -> FloatTensor<Self> {
+            $m::backward::<$($g),+>(y, dy, dim, variant, options)
+        }
+    };
+    (layers: $m:ident::<$($g:ty),+>) => {
+        /// Layer normalisation over the last dimension ([`crate::layer_norm`]): Burn's
+        /// composed `layer_norm` by default, one kernel on CubeCL backends. Arguments are
+        /// checked by the caller.
+        fn flash_layer_norm(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: Option<FloatTensor<Self>>,
+            epsilon: f64,
+        ) -> FloatTensor<Self> {
+            crate::norm::$m::<$($g),+>(x, gamma, beta, epsilon)
+        }
+
+        /// `x·w + bias` for `x` `[M, K]`, `w` `[K, N]`, `bias` `[N]` ([`crate::linear`]):
+        /// Burn's matmul and add by default, one kernel for a few rows on CubeCL backends.
+        /// Arguments are checked by the caller.
+        fn flash_linear(
+            x: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            bias: Option<FloatTensor<Self>>,
+        ) -> FloatTensor<Self> {
+            crate::linear::$m::<$($g),+>(x, w, bias)
+        }
+    };
+    (planning: $inner:ty) => {
+        fn flash_softmax_plan(
+            device: &Self::Device,
+            shape: &[usize],
+            strides: &[usize],
+            dim: usize,
+            dtype: DType,
+            backward: bool,
+            options: SoftmaxOptions,
+        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, backward, options)
+        }
+
+        fn flash_softmax_row_limits(
+            device: &Self::Device,
+            dtype: DType,
+            options: SoftmaxOptions,
+        ) -> Option<Result<RowLimits, SoftmaxError>> {
+            <$inner>::flash_softmax_row_limits(device, dtype, options)
+        }
+    };
+}
+
+/// The provided bodies: the reference ops from stock Burn ops (the options only choose among
+/// fused kernels).
+mod composed {
+    use super::*;
+
+    pub(super) fn forward<B: Backend>(
+        x: FloatTensor<B>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        _: SoftmaxOptions,
+    ) -> FloatTensor<B> {
+        crate::softmax::reference::forward::<B>(x, dim, variant)
+    }
+
+    pub(super) fn backward<B: Backend>(
+        y: FloatTensor<B>,
+        dy: FloatTensor<B>,
+        dim: usize,
+        variant: SoftmaxVariant,
+        _: SoftmaxOptions,
+    ) -> FloatTensor<B> {
+        crate::softmax::reference::backward::<B>(y, dy, dim, variant)
+    }
+}
 
 /// The fused softmax family ([`crate::softmax()`] …).
 ///
 /// The provided method bodies are the always-correct fallback made of stock Burn ops; the
 /// CubeCL backends override them with fused kernels. Users call the free functions, not these.
 pub trait SoftmaxBackend: Backend {
-    /// Softmax family along `dim` of a float tensor of any rank.
-    fn flash_softmax(
-        x: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        let _ = options;
-        super::reference::forward::<Self>(x, dim, variant)
-    }
-
-    /// Gradient of [`SoftmaxBackend::flash_softmax`] from its output `y` and the output gradient
-    /// `dy`.
-    fn flash_softmax_backward(
-        y: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
-        dim: usize,
-        variant: SoftmaxVariant,
-        options: SoftmaxOptions,
-    ) -> FloatTensor<Self> {
-        let _ = options;
-        super::reference::backward::<Self>(y, dy, dim, variant)
-    }
-
-    /// Layer normalisation over the last dimension ([`crate::layer_norm`]): Burn's composed
-    /// `layer_norm` by default, one kernel on CubeCL backends. Arguments are checked by the
-    /// caller.
-    fn flash_layer_norm(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: Option<FloatTensor<Self>>,
-        epsilon: f64,
-    ) -> FloatTensor<Self> {
-        Self::layer_norm(x, gamma, beta, epsilon)
-    }
-
-    /// `x·w + bias` for `x` `[M, K]`, `w` `[K, N]`, `bias` `[N]` ([`crate::linear`]): Burn's
-    /// matmul and add by default, one kernel for a few rows on CubeCL backends. Arguments are
-    /// checked by the caller.
-    fn flash_linear(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        crate::linear::composed::<Self>(x, w, bias)
-    }
+    delegate!(ops: composed::<Self>);
+    delegate!(layers: composed::<Self>);
 
     /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
     /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
@@ -90,75 +149,11 @@ pub trait SoftmaxBackend: Backend {
     }
 }
 
-/// The methods an implementation passes on, written once. `ops: m::<G, …>` forwards the ops
-/// to `super::m::forward` and `super::m::backward` (`m`: `cube`, `fusion`, `autodiff`) with the
-/// generic arguments `G, …`; `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning
-/// methods to its inner backend `B` unchanged.
-macro_rules! delegate {
-    (ops: $module:ident::<$($g:ident),+>) => {
-        fn flash_softmax(
-            x: FloatTensor<Self>,
-            dim: usize,
-            variant: SoftmaxVariant,
-            options: SoftmaxOptions,
-        ) -> FloatTensor<Self> {
-            super::$module::forward::<$($g),+>(x, dim, variant, options)
-        }
-
-        fn flash_softmax_backward(
-            y: FloatTensor<Self>,
-            dy: FloatTensor<Self>,
-            dim: usize,
-            variant: SoftmaxVariant,
-            options: SoftmaxOptions,
-        ) -> FloatTensor<Self> {
-            super::$module::backward::<$($g),+>(y, dy, dim, variant, options)
-        }
-    };
-    (planning: $inner:ty) => {
-        fn flash_softmax_plan(
-            device: &Self::Device,
-            shape: &[usize],
-            strides: &[usize],
-            dim: usize,
-            dtype: DType,
-            backward: bool,
-            options: SoftmaxOptions,
-        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, backward, options)
-        }
-
-        fn flash_softmax_row_limits(
-            device: &Self::Device,
-            dtype: DType,
-            options: SoftmaxOptions,
-        ) -> Option<Result<RowLimits, SoftmaxError>> {
-            <$inner>::flash_softmax_row_limits(device, dtype, options)
-        }
-    };
-}
-
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBackend
     for CubeBackend<R, F, I, BT>
 {
     delegate!(ops: cube::<R>);
-
-    fn flash_layer_norm(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: Option<FloatTensor<Self>>,
-        epsilon: f64,
-    ) -> FloatTensor<Self> {
-        crate::norm::cube::<R, F, I, BT>(x, gamma, beta, epsilon)
-    }
-
-    fn flash_linear(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        crate::linear::cube::<R, F, I, BT>(x, w, bias)
-    }
+    delegate!(layers: cube::<R, F, I, BT>);
 
     fn flash_softmax_plan(
         device: &Self::Device,
@@ -210,24 +205,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
 
 impl<B: FusionBackend + FlashBackend> SoftmaxBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
+    delegate!(layers: fusion::<B>);
     delegate!(planning: B);
-
-    fn flash_layer_norm(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: Option<FloatTensor<Self>>,
-        epsilon: f64,
-    ) -> FloatTensor<Self> {
-        crate::norm::fusion::<B>(x, gamma, beta, epsilon)
-    }
-
-    fn flash_linear(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
-        bias: Option<FloatTensor<Self>>,
-    ) -> FloatTensor<Self> {
-        crate::linear::fusion::<B>(x, w, bias)
-    }
 }
 
 impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxBackend for Autodiff<B, C> {

@@ -10,62 +10,28 @@ use burn_flash_kernels::softmax_matmul::{
 };
 use burn_fusion::{Fusion, FusionBackend};
 
+use super::{autodiff, cube, fusion};
 use crate::FlashBackend;
 
-/// The fused `softmax(X)·V` ([`crate::softmax_matmul()`]); provided bodies as
-/// [`SoftmaxBackend`](crate::SoftmaxBackend)'s.
-pub trait SoftmaxMatmulBackend: Backend {
-    /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
-    /// `[batch or 1, d2, d3]`; the log-sum-exp (`[batch, d1]`) is what the backward needs.
-    fn flash_softmax_matmul(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        options: SoftmaxMatmulOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = options;
-        super::reference::forward::<Self>(x, v)
-    }
-
-    /// Gradients `(dx, dv)` of [`SoftmaxMatmulBackend::flash_softmax_matmul`] from its inputs, its
-    /// outputs and the output gradient `d_out`, with the forward's `options`.
-    fn flash_softmax_matmul_backward(
-        x: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        out: FloatTensor<Self>,
-        lse: FloatTensor<Self>,
-        d_out: FloatTensor<Self>,
-        options: SoftmaxMatmulOptions,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let _ = (out, lse, options);
-        super::reference::backward::<Self>(x, v, d_out)
-    }
-
-    /// The forward launch the fused `softmax(X)·V` would make (`None`: composed fallback).
-    fn flash_softmax_matmul_plan(
-        device: &Self::Device,
-        dims: SmmDims,
-        dtype: DType,
-        options: SoftmaxMatmulOptions,
-    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-        let _ = (device, dims, dtype, options);
-        None
-    }
-}
-
-/// The methods an implementation passes on, written once. `ops: m::<G, …>` forwards the ops
-/// to `super::m::forward` and `super::m::backward` (`m`: `cube`, `fusion`, `autodiff`) with the
-/// generic arguments `G, …`; `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning
-/// methods to its inner backend `B` unchanged.
+/// The methods an implementation passes on, written once (the trait's provided bodies are
+/// written with it too). `ops: m::<G, …>` forwards the ops to `m::forward` and `m::backward`
+/// (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the generic arguments `G, …`;
+/// `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning methods to its inner
+/// backend `B` unchanged.
 macro_rules! delegate {
-    (ops: $module:ident::<$($g:ident),+>) => {
+    (ops: $m:ident::<$($g:ty),+>) => {
+        /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
+        /// `[batch or 1, d2, d3]`; the log-sum-exp (`[batch, d1]`) is what the backward needs.
         fn flash_softmax_matmul(
             x: FloatTensor<Self>,
             v: FloatTensor<Self>,
             options: SoftmaxMatmulOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            super::$module::forward::<$($g),+>(x, v, options)
+            $m::forward::<$($g),+>(x, v, options)
         }
 
+        /// Gradients `(dx, dv)` of [`SoftmaxMatmulBackend::flash_softmax_matmul`] from its
+        /// inputs, its outputs and the output gradient `d_out`, with the forward's `options`.
         fn flash_softmax_matmul_backward(
             x: FloatTensor<Self>,
             v: FloatTensor<Self>,
@@ -74,7 +40,7 @@ macro_rules! delegate {
             d_out: FloatTensor<Self>,
             options: SoftmaxMatmulOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-            super::$module::backward::<$($g),+>(x, v, out, lse, d_out, options)
+            $m::backward::<$($g),+>(x, v, out, lse, d_out, options)
         }
     };
     (planning: $inner:ty) => {
@@ -87,6 +53,47 @@ macro_rules! delegate {
             <$inner>::flash_softmax_matmul_plan(device, dims, dtype, options)
         }
     };
+}
+
+/// The provided bodies: the reference ops from stock Burn ops.
+mod composed {
+    use super::*;
+
+    pub(super) fn forward<B: Backend>(
+        x: FloatTensor<B>,
+        v: FloatTensor<B>,
+        _: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<B>, FloatTensor<B>) {
+        crate::softmax_matmul::reference::forward::<B>(x, v)
+    }
+
+    pub(super) fn backward<B: Backend>(
+        x: FloatTensor<B>,
+        v: FloatTensor<B>,
+        _out: FloatTensor<B>,
+        _lse: FloatTensor<B>,
+        d_out: FloatTensor<B>,
+        _: SoftmaxMatmulOptions,
+    ) -> (FloatTensor<B>, FloatTensor<B>) {
+        crate::softmax_matmul::reference::backward::<B>(x, v, d_out)
+    }
+}
+
+/// The fused `softmax(X)·V` ([`crate::softmax_matmul()`]); provided bodies as
+/// [`SoftmaxBackend`](crate::SoftmaxBackend)'s.
+pub trait SoftmaxMatmulBackend: Backend {
+    delegate!(ops: composed::<Self>);
+
+    /// The forward launch the fused `softmax(X)·V` would make (`None`: composed fallback).
+    fn flash_softmax_matmul_plan(
+        device: &Self::Device,
+        dims: SmmDims,
+        dtype: DType,
+        options: SoftmaxMatmulOptions,
+    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
+        let _ = (device, dims, dtype, options);
+        None
+    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxMatmulBackend
