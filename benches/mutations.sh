@@ -84,6 +84,8 @@ dq-skip-tile hopper_backward.test hopper_backward_matches_f64
 dq-skip-tile hopper_backward.test hopper_causal_backward_matches_f64
 dq-bulk-no-wait hopper_backward.test hopper_backward_matches_f64
 dq-bulk-no-wait hopper_backward.test hopper_causal_backward_matches_f64
+dq-unordered hopper_backward.test hopper_deterministic_backward_bits
+dq-unordered attention_backward.test cuda::bf16::deterministic_backward
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

@@ -1,7 +1,9 @@
 //! The plan inputs of calls that do not set them: how plans use the Hopper kernels
-//! ([`HopperUse`]) and the decoding kernel's schedule ([`DecodeSchedule`]).
+//! ([`HopperUse`]), the decoding kernel's schedule ([`DecodeSchedule`]) and whether the
+//! attention backward must return the same bits on every run ([`PlanDefaults::deterministic`],
+//! PyTorch's `use_deterministic_algorithms`).
 //!
-//! A call's options win ([`crate::FlashAttentionOptions::hopper`] and `decode`,
+//! A call's options win ([`crate::FlashAttentionOptions::hopper`], `decode`, `deterministic`,
 //! [`crate::SoftmaxMatmulOptions::hopper`]); calls that cannot carry them (Burn's `attention`
 //! arguments, the `nn` modules, `softmax_matmul` without options) plan with these. The planners
 //! themselves are functions of their arguments, and the library reads no environment for them:
@@ -19,13 +21,18 @@ pub struct PlanDefaults {
     pub hopper: HopperUse,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,
+    /// The attention backward returns the same bits on every run
+    /// ([`burn_flash_kernels::attention::AttentionOptions::deterministic`]).
+    pub deterministic: bool,
 }
 
 impl PlanDefaults {
-    /// The Hopper kernels where they measured faster, the measured decoding schedule.
+    /// The Hopper kernels where they measured faster, the measured decoding schedule, the
+    /// fastest backward (deterministic or not).
     pub const STANDARD: Self = Self {
         hopper: HopperUse::Faster,
         decode: DecodeSchedule::STANDARD,
+        deterministic: false,
     };
 }
 
@@ -59,15 +66,22 @@ impl PlanDefaults {
     }
 
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
-    /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them: how the test
-    /// suites and benches read them from their environment (the library reads none).
+    /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
+    /// `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the test suites and benches read them from
+    /// their environment (the library reads none).
     pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
         let (hopper, keys, cubes) = (
             get("BURN_FLASH_HOPPER"),
             get("BURN_FLASH_DECODE_KEYS"),
             get("BURN_FLASH_DECODE_CUBES"),
         );
-        Self::from_names(hopper.as_deref(), keys.as_deref(), cubes.as_deref())
+        let mut d = Self::from_names(hopper.as_deref(), keys.as_deref(), cubes.as_deref())?;
+        d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => return Err(format!("deterministic {other:?}: 1 or 0")),
+        };
+        Ok(d)
     }
 }
 

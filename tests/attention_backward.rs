@@ -241,6 +241,8 @@ struct Setup {
     /// Query and key lengths of a packed variable-length batch through [`attention_varlen`]
     /// (`q` then `[1, Hq, Σ lengths_q, D]`).
     packed: Option<(Vec<usize>, Vec<usize>)>,
+    /// [`FlashAttentionOptions::deterministic`] set (else the plan defaults').
+    deterministic: bool,
 }
 
 impl Setup {
@@ -263,6 +265,7 @@ impl Setup {
             alibi: false,
             sinks: false,
             packed: None,
+            deterministic: false,
         }
     }
 }
@@ -357,6 +360,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             quiet: setup.quiet,
             kernel: setup.kernel,
             window: setup.window,
+            deterministic: setup.deterministic.then_some(true),
             ..setup.options.into()
         },
         dtype,
@@ -1382,6 +1386,145 @@ fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let _ = device;
 }
 
+/// The bytes of `dQ`, `dK`, `dV` of `Σ attention(q, k, v) ⊙ g` under `options`.
+fn gradient_bytes<B: FlashBackend>(
+    [q, k, v, g]: [&Tensor<B, 4>; 4],
+    options: FlashAttentionOptions,
+) -> [Vec<u8>; 3] {
+    let [q, k, v] = [q, k, v].map(|t| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad());
+    let g = Tensor::<A<B>, 4>::from_inner(g.clone());
+    let (out, _) = attention_with_lse(q.clone(), k.clone(), v.clone(), None, None, options);
+    let grads = (out * g).sum().backward();
+    [&q, &k, &v].map(|t| {
+        let grad = t.grad(&grads).expect("gradient");
+        grad.into_data().as_bytes().to_vec()
+    })
+}
+
+/// The deterministic backward ([`FlashAttentionOptions::deterministic`]): gradients within the
+/// f64 rule, and the same inputs twice give the same bits of `dQ`, `dK` and `dV`. On CUDA the
+/// calls put many key blocks' `dQ` adds into each row block (the Hopper backward orders them
+/// where the device has it; the plan keeps the deterministic call on the backward it takes
+/// without the option): D 64 (whose two consumer warpgroups add into one tile), D 128 causal
+/// with `Sq < Sk`, a window with GQA; at D 256 the Hopper backward is not taken. Elsewhere
+/// every backward is deterministic by construction, and the bits are compared all the same.
+fn deterministic_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    // (q, key/value heads, Sk, causal, window)
+    type Call = ([usize; 4], usize, usize, bool, Option<(usize, usize)>);
+    let calls: Vec<Call> = if cuda {
+        vec![
+            ([2, 4, 700, 64], 2, 1300, false, None),
+            ([1, 4, 900, 128], 2, 1000, true, None),
+            ([2, 4, 1000, 128], 1, 1000, false, Some((300, 100))),
+        ]
+    } else {
+        vec![([1, 2, 70, 32], 1, 150, true, None)]
+    };
+    for (q, kv_heads, seq_k, causal, window) in calls {
+        let context = format!("deterministic q {q:?} Sk {seq_k} causal {causal} {window:?}");
+        let mut setup = Setup::new(q, kv_heads, seq_k, q[3]);
+        setup.options.is_causal = causal;
+        setup.window = window;
+        setup.deterministic = true;
+        check::<B>(&setup, dtype, &context);
+
+        let dims = AttentionDims {
+            batch: q[0],
+            heads_q: q[1],
+            heads_kv: kv_heads,
+            seq_q: q[2],
+            seq_k,
+            head_dim: q[3],
+            value_dim: q[3],
+        };
+        let options = |deterministic| {
+            forward_kernel(
+                FlashAttentionOptions {
+                    window,
+                    deterministic: Some(deterministic),
+                    ..setup.options.into()
+                },
+                dtype,
+            )
+        };
+        let plan = |deterministic| {
+            attention_backward_plan::<B>(
+                device,
+                dims,
+                dtype.into(),
+                options(deterministic),
+                false,
+                false,
+            )
+            .map(|p| p.expect("the call plans").kernel)
+        };
+        assert_eq!(
+            plan(true),
+            plan(false),
+            "{context}: the same backward with the option"
+        );
+
+        let [b, hq, sq, d] = q;
+        let inputs = [
+            random::<B, 4>(q, -1.0, 1.0, dtype, device),
+            random::<B, 4>([b, kv_heads, seq_k, d], -1.0, 1.0, dtype, device),
+            random::<B, 4>([b, kv_heads, seq_k, d], -1.0, 1.0, dtype, device),
+            random::<B, 4>([b, hq, sq, d], -1.0, 1.0, dtype, device),
+        ];
+        let [q_in, k_in, v_in, g_in] = &inputs;
+        let first = gradient_bytes([q_in, k_in, v_in, g_in], options(true));
+        let second = gradient_bytes([q_in, k_in, v_in, g_in], options(true));
+        sync::<B>(device);
+        for (n, name) in ["dq", "dk", "dv"].iter().enumerate() {
+            let differ = first[n]
+                .iter()
+                .zip(&second[n])
+                .filter(|(x, y)| x != y)
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{context}: {name} differs in {differ} bytes between runs"
+            );
+        }
+        if let Some(kernel) = plan(true) {
+            let ran: Vec<_> = recent_backward_launches()
+                .into_iter()
+                .filter(|l| l.dims == dims)
+                .map(|l| l.kernel)
+                .collect();
+            assert!(
+                !ran.is_empty() && ran.iter().all(|&k| k == kernel),
+                "{context}: planned {kernel:?}, launched {ran:?}"
+            );
+        }
+    }
+    if cuda && dtype != FloatDType::F32 {
+        // D 256: the Hopper backward adds dQ per thread there, so the option leaves it.
+        let dims = AttentionDims {
+            batch: 1,
+            heads_q: 2,
+            heads_kv: 2,
+            seq_q: 300,
+            seq_k: 300,
+            head_dim: 256,
+            value_dim: 256,
+        };
+        let options = FlashAttentionOptions {
+            deterministic: Some(true),
+            ..Default::default()
+        };
+        let plan = attention_backward_plan::<B>(device, dims, dtype.into(), options, false, false)
+            .expect("a CUDA backend plans")
+            .expect("the call plans");
+        assert_ne!(
+            plan.kernel,
+            AttentionBackwardKernel::Hopper,
+            "deterministic D 256: not the Hopper backward"
+        );
+    }
+}
+
 macro_rules! backward_suite {
     ($module:ident, $backend:ty, $dtype:expr) => {
         backward_suite!($module, $backend, $dtype, [many_heads]);
@@ -1406,7 +1549,8 @@ macro_rules! backward_suite {
                 windows_and_alibi,
                 attention_sinks,
                 varlen,
-                many_seeds
+                many_seeds,
+                deterministic_backward
                 $(, $extra)*
             ]
         );
@@ -1437,6 +1581,7 @@ mod wgpu {
             dropout_mask,
             cooperative_backward,
             many_seeds,
+            deterministic_backward,
         ]
     );
 }

@@ -38,6 +38,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         window: options.window,
         hopper: options.hopper.unwrap_or(defaults.hopper),
         decode: options.decode.unwrap_or(defaults.decode),
+        deterministic: options.deterministic.unwrap_or(defaults.deterministic),
     }
 }
 

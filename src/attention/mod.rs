@@ -133,6 +133,11 @@ pub struct FlashAttentionOptions {
     pub hopper: Option<HopperUse>,
     /// The decoding kernel's schedule (`None`: [`crate::plan_defaults`]'s).
     pub decode: Option<DecodeSchedule>,
+    /// The backward returns the same bits on every run (`None`: [`crate::plan_defaults`]'s):
+    /// on Hopper its `dQ` adds run in a fixed order, at a cost (RESULTS.md); every other
+    /// backward is deterministic anyway
+    /// ([`burn_flash_kernels::attention::AttentionOptions::deterministic`]).
+    pub deterministic: Option<bool>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

@@ -56,12 +56,15 @@ pub enum Mutation {
     /// `Q`/`dO` in the backward) without waiting for the consumers to release it (the
     /// pipeline's empty-barrier waits dropped).
     HopperNoWait,
-    /// `dq-skip-tile`: the Hopper backward's second consumer warpgroup never issues the bulk
-    /// reduce of its `dQ` tile (head dim 128: columns 64–127; 64: its keys' share).
+    /// `dq-skip-tile`: the Hopper backward's `dQ` writer never issues the bulk reduce of the
+    /// second consumer warpgroup's tile (head dim 128: columns 64–127; 64: its keys' share).
     DqSkipTile,
-    /// `dq-bulk-no-wait`: the Hopper backward's consumers refill a `dQ` tile in shared memory
-    /// without waiting for the bulk reduce that read it two steps before (a race).
+    /// `dq-bulk-no-wait`: the Hopper backward's `dQ` writer hands a tile back to its consumer
+    /// without waiting for the bulk reduce to have read it (a race).
     DqBulkNoWait,
+    /// `dq-unordered`: the deterministic Hopper backward's `dQ` writer adds without waiting
+    /// for its turn (the key blocks' adds in any order: different bits from run to run).
+    DqUnordered,
     /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
     /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
@@ -119,6 +122,7 @@ impl Mutation {
             Self::HopperNoWait => "hopper-no-wait",
             Self::DqSkipTile => "dq-skip-tile",
             Self::DqBulkNoWait => "dq-bulk-no-wait",
+            Self::DqUnordered => "dq-unordered",
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
             Self::VarlenFirstRow => "varlen-first-row",
@@ -165,6 +169,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::HopperNoWait,
             Mutation::DqSkipTile,
             Mutation::DqBulkNoWait,
+            Mutation::DqUnordered,
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
             Mutation::VarlenFirstRow,
@@ -268,6 +273,11 @@ pub fn dq_skip_tile() -> bool {
 /// [`Mutation::DqBulkNoWait`] is active.
 pub fn dq_bulk_no_wait() -> bool {
     active(Mutation::DqBulkNoWait)
+}
+
+/// [`Mutation::DqUnordered`] is active.
+pub fn dq_unordered() -> bool {
+    active(Mutation::DqUnordered)
 }
 
 /// [`Mutation::ZeroDk`] is active.

@@ -359,6 +359,73 @@ fn hopper_causal_backward_matches_f64() {
     }
 }
 
+/// The deterministic option ([`AttentionOptions::deterministic`]): the plan keeps the Hopper
+/// backward, a small call meets [`check`]'s rule, and at sizes where 16–32 key blocks add into
+/// each 64-row block of `dQ` (D 64, whose two consumers add into one tile; D 128 causal with
+/// `Sq < Sk`; grouped-query heads) two runs give the same bits of `dQ`, `dK` and `dV`, within a
+/// few ulps of the default (unordered) backward's. The `dq-unordered` mutation must fail it.
+///
+/// [`AttentionOptions::deterministic`]: burn_flash_kernels::attention::AttentionOptions::deterministic
+#[test]
+fn hopper_deterministic_backward_bits() {
+    let client = common::hopper_client("the Hopper backward tests");
+    let seed = common::seed();
+    check(
+        &client,
+        Case {
+            deterministic: true,
+            causal: true,
+            ..Case::new(1, 4, 2, 300, 333, 64, 64)
+        },
+        seed.wrapping_add(200),
+    );
+    let cases = [
+        Case {
+            deterministic: true,
+            ..Case::new(2, 8, 4, 1500, 2048, 64, 64)
+        },
+        Case {
+            deterministic: true,
+            causal: true,
+            ..Case::new(1, 8, 2, 2048, 4096, 128, 128)
+        },
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        let inputs = Inputs::new(&c, seed.wrapping_add(300 + i as u64));
+        for half in [Half::Bf16, Half::F16] {
+            let (first, kernel, _) = run(&client, &c, half, &inputs, None, 0);
+            assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{c:?} {half:?}");
+            let (second, _, _) = run(&client, &c, half, &inputs, None, 0);
+            let unordered = Case {
+                deterministic: false,
+                ..c
+            };
+            let (default, _, _) = run(&client, &unordered, half, &inputs, None, 0);
+            for (name, a, b, base) in [
+                ("dQ", &first.dq, &second.dq, &default.dq),
+                ("dK", &first.dk, &second.dk, &default.dk),
+                ("dV", &first.dv, &second.dv, &default.dv),
+            ] {
+                let differ = a
+                    .iter()
+                    .zip(b)
+                    .filter(|(x, y)| x.to_bits() != y.to_bits())
+                    .count();
+                let diff = max_error(a, base);
+                println!(
+                    "{c:?} {half:?} {name}: {differ} of {} differ between runs, |ordered − default| {diff:.2e}",
+                    a.len()
+                );
+                assert_eq!(differ, 0, "{c:?} {half:?} {name}: runs differ");
+                assert!(
+                    diff <= 8.0 * half.half_ulp() * max_abs(base).max(1.0),
+                    "{c:?} {half:?} {name}: |ordered − default| = {diff:e}"
+                );
+            }
+        }
+    }
+}
+
 /// The measured shapes (B 4, H 16, D 128; S 4096 causal or not, S 1024; D 64 and 256 at S 4096): the
 /// Hopper gradients equal the `mma` backward's to a few ulps of the largest, and both times
 /// are printed (wall time per backward call over 10 calls, TFLOP/s counting 2.5 × the forward).

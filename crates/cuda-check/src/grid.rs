@@ -429,6 +429,21 @@ fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                             },
                         );
                     }
+                    // The deterministic Hopper backward (ordered dQ adds): plain, causal, packed.
+                    if kernel == Hopper && !f.bias && !f.mask && !f.dropout {
+                        let o = AttentionOptions {
+                            deterministic: true,
+                            ..o
+                        };
+                        push(
+                            calls,
+                            format!("{name} deterministic bwd"),
+                            kernel_archs(kernel, archs),
+                            move |c| {
+                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                            },
+                        );
+                    }
                 }
             }
         }

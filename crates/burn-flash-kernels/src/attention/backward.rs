@@ -109,8 +109,11 @@ impl AttentionBackwardPlan {
     /// (`config.head_dim` columns): `O(Sq·D)`, never `Sq × Sk`.
     pub fn scratch_bytes(&self, dims: AttentionDims) -> usize {
         match self.kernel {
+            // δ, the base-2 lse and the accumulator per row; a counter per 64 rows
+            // (deterministic).
             AttentionBackwardKernel::Hopper => {
                 hopper::padded_rows(dims) * (2 + self.config.head_dim as usize) * 4
+                    + hopper::padded_rows(dims) / hopper::BLOCK_Q * 4
             }
             _ => (dims.batch * dims.heads_q * dims.seq_q).max(1) * 4,
         }
@@ -206,6 +209,16 @@ fn hopper_reason<R: Runtime>(
         .filter(|&k| k != super::AttentionKernel::Hopper)
     {
         return Some(format!("the forward is forced onto {kernel:?}"));
+    }
+    let ordered = hopper::dq_tiled(FlashConfig::new(
+        ScoreSource::QueryKey,
+        options.rules(features),
+        hopper::tile(dims),
+    ));
+    if options.deterministic && !ordered {
+        return Some(
+            "the Hopper backward adds dQ in a fixed order (deterministic) at head dims up to 128, without the hopper-atomic-dq feature".into(),
+        );
     }
     options
         .hopper

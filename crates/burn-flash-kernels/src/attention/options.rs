@@ -184,6 +184,12 @@ pub struct AttentionOptions {
     pub hopper: HopperUse,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,
+    /// The backward returns the same bits on every run. Every backward but the Hopper one is
+    /// deterministic by construction (each gradient element is summed by one cube in a fixed
+    /// order); the Hopper backward adds `dQ` from every key block into an f32 accumulator, and
+    /// with this set it adds in key-block order (at a cost, RESULTS.md) — at head dims up to
+    /// 128; wider calls take the `mma.sync` backward.
+    pub deterministic: bool,
 }
 
 impl Default for AttentionOptions {
@@ -200,6 +206,7 @@ impl Default for AttentionOptions {
             window: None,
             hopper: HopperUse::Faster,
             decode: DecodeSchedule::STANDARD,
+            deterministic: false,
         }
     }
 }

@@ -123,6 +123,30 @@ template <int N> __device__ __forceinline__ void bulk_wait() {
     asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
 }
 
+// Orders this thread's async-proxy (TMA) global accesses with its generic ones: after a
+// completed bulk group and before a release, or after an acquire and before a bulk op.
+__device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ---- ordering between blocks -------------------------------------------------------------------
+
+// Waits until the counter at `p` (GPU scope, acquire) equals `value`.
+__device__ __forceinline__ void wait_count(const u32* p, u32 value) {
+    u32 seen;
+    while (true) {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(p) : "memory");
+        if (seen == value) break;
+        __nanosleep(32);
+    }
+}
+
+// Adds 1 to the counter at `p` (GPU scope, release: what this thread wrote before is seen by
+// whoever acquires the new value).
+__device__ __forceinline__ void count_release(u32* p) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(map)) : "memory");
 }

@@ -171,6 +171,8 @@ pub struct Case {
     pub causal: bool,
     pub softcap: Option<f32>,
     pub bshd: bool,
+    /// [`AttentionOptions::deterministic`].
+    pub deterministic: bool,
 }
 
 impl Case {
@@ -186,6 +188,7 @@ impl Case {
             causal: false,
             softcap: None,
             bshd: false,
+            deterministic: false,
         }
     }
 
@@ -199,6 +202,7 @@ impl Case {
             softcap: self.softcap,
             causal: self.causal,
             kernel,
+            deterministic: self.deterministic,
             ..Default::default()
         }
     }

@@ -22,12 +22,20 @@
 //      With D = 128 each consumer computes 64 of dQ's columns from all 128 keys; with D = 64
 //      each computes all columns from its own 64 keys (both add into the accumulator).
 //      DQ_BULK (a host define; head dims up to 128): each consumer stores its 64 × 64 f32
-//      tile of dQ to shared memory in its threads' order (`store_dq`: conflict-free 16-byte stores) and one
-//      thread adds the whole 16 KB to the accumulator with one TMA bulk reduce
-//      (`cp.reduce.async.bulk .add.f32`), FlashAttention-3's dQ path: the accumulator holds
-//      each 64-row block as tiles in that order (hopper_rows.cu, `dq_offset`). Two buffers
-//      per consumer alternate by step parity; the issuing thread lets at most one reduce
-//      still read its source before the next step's barrier.
+//      tile of dQ to shared memory in its threads' order (`store_dq`: conflict-free 16-byte
+//      stores) and arrives on the tile's "full" mbarrier; the producer's second warp, the dQ
+//      writer, adds each tile to the accumulator with one TMA bulk reduce
+//      (`cp.reduce.async.bulk .add.f32`) and, once the reduce has read it, arrives on its
+//      "empty" mbarrier: FlashAttention-3's dQ path, with no reduce issued or waited for by
+//      the consumers. The accumulator holds each 64-row block as tiles in that order
+//      (hopper_rows.cu, `dq_offset`). Two tiles per consumer alternate by step parity.
+//      DETERMINISTIC (with DQ_BULK): the adds into each 64-row block of dQ happen in the order
+//      of the key blocks, so that every run sums in the same order (the same bits): the
+//      writer of key block n waits until the block's counter (`dq_lock`, zeroed by the
+//      prepass) has counted the key blocks before n that visit those rows, adds its
+//      consumers' tiles one after the other, waits until the adds are performed, and counts
+//      one more (FlashAttention-3's deterministic mode). A block waits only on blocks of lower
+//      index (key blocks are the grid's x), which start earlier.
 //      Otherwise (WIDE always): the consumers add dQ with vector reductions
 //      (`red.add.v2.f32`) per thread, into a row-major accumulator.
 //    - WIDE (a head dim of 256): a block holds 64 keys, and both consumers compute Sᵀ and dPᵀ
@@ -88,6 +96,9 @@
 #define DQ_BYTES (4 * DQ_TILE_BYTES)
 #else
 #define DQ_BYTES 0
+#endif
+#if DETERMINISTIC && !DQ_BULK
+#error "DETERMINISTIC orders the bulk reduces of DQ_BULK"
 #endif
 // The columns of dK and dV a consumer accumulates (WIDE: half of each), and the first
 // 64-column atom of consumer c's; the first of the keys it computes with.
@@ -159,6 +170,58 @@ __device__ __forceinline__ int first_row_past(const u32* seqs, const BwdParams& 
         else lo = mid + 1;
     }
     return lo;
+}
+#endif
+
+// The row blocks first … end − 1 with a row that sees a key of key block `n` (both ends grow
+// with n).
+struct RowBlocks {
+    int first, end;
+};
+
+__device__ __forceinline__ RowBlocks row_blocks(const u32* seqs, const BwdParams& p, int n) {
+    const int n0 = n * BLOCK_N;
+    const int diag = (int)p.seq_k - (int)p.seq_q;
+    RowBlocks r;
+    r.first = 0;
+    r.end = ((int)p.seq_q + BLOCK_M - 1) / BLOCK_M;
+#if CAUSAL
+    // The first row block with a row that sees key n0.
+    r.first = max(0, n0 - diag) / BLOCK_M;
+#endif
+#if WINDOW
+    // Rows i see keys i + diag − left ..= i + diag + right: from the first row whose window
+    // reaches key n0 to the last whose window starts at or before the block's last key.
+    r.first = max(r.first, max(0, n0 - diag - (int)p.window_right) / BLOCK_M);
+    {
+        const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.window_left;
+        r.end = last_row < 0 ? 0 : min(r.end, last_row / BLOCK_M + 1);
+    }
+#endif
+#if VARLEN
+    // The rows that see one of the block's keys: from the first whose range ends after n0 to
+    // the last whose range starts at or before the block's last key.
+    {
+        const int last_key = min(n0 + BLOCK_N, (int)p.seq_k) - 1;
+        r.first = first_row_past(seqs, p, n0, true) / BLOCK_M;
+        r.end = (first_row_past(seqs, p, last_key, false) + BLOCK_M - 1) / BLOCK_M;
+    }
+#endif
+    return r;
+}
+
+#if DETERMINISTIC
+// How many key blocks before `n` visit row block `m`, which `n` visits: those from the first
+// whose row blocks end after m (the ends grow with the block, and every block before n starts
+// at or before n's first row block).
+__device__ __forceinline__ u32 visitors_before(const u32* seqs, const BwdParams& p, int m, int n) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (row_blocks(seqs, p, mid).end > m) hi = mid;
+        else lo = mid + 1;
+    }
+    return (u32)(n - lo);
 }
 #endif
 
@@ -284,6 +347,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                            unsigned short* __restrict__ ds,
                            const float* __restrict__ slopes,
                            const u32* __restrict__ seqs,
+                           u32* __restrict__ dq_lock,
                            const __grid_constant__ BwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -305,36 +369,18 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #define SDELTA(s) (SLSE(s) + ROWS_BYTES)
 #define FULL(s) (bars + 8u + 8u * (s))
 #define EMPTY(s) (bars + 8u + 8u * STAGES + 8u * (s))
+// DQ_BULK: consumer c's dQ tile of step parity `slot`, and its barriers.
+#define SDQ(slot, c) (sdq + (slot) * 2u * DQ_TILE_BYTES + (c) * DQ_TILE_BYTES)
+#define DQ_FULL(slot, c) (bars + 8u + 16u * STAGES + 16u * (slot) + 8u * (c))
+#define DQ_EMPTY(slot, c) (bars + 40u + 16u * STAGES + 16u * (slot) + 8u * (c))
 
     const u32 tid = threadIdx.x;
     const u32 head_kv = blockIdx.y, batch = blockIdx.z;
     const int n0 = (int)blockIdx.x * BLOCK_N;
     // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
     const int diag = (int)p.seq_k - (int)p.seq_q;
-    const int m_blocks = ((int)p.seq_q + BLOCK_M - 1) / BLOCK_M;
-    int m_first = 0, m_end = m_blocks;
-#if CAUSAL
-    // The first row block with a row that sees key n0.
-    m_first = max(0, n0 - diag) / BLOCK_M;
-#endif
-#if WINDOW
-    // Rows i see keys i + diag − left ..= i + diag + right: from the first row whose window
-    // reaches key n0 to the last whose window starts at or before the block's last key.
-    m_first = max(m_first, max(0, n0 - diag - (int)p.window_right) / BLOCK_M);
-    {
-        const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.window_left;
-        m_end = last_row < 0 ? 0 : min(m_blocks, last_row / BLOCK_M + 1);
-    }
-#endif
-#if VARLEN
-    // The rows that see one of the block's keys: from the first whose range ends after n0 to
-    // the last whose range starts at or before the block's last key.
-    {
-        const int last_key = min(n0 + BLOCK_N, (int)p.seq_k) - 1;
-        m_first = first_row_past(seqs, p, n0, true) / BLOCK_M;
-        m_end = (first_row_past(seqs, p, last_key, false) + BLOCK_M - 1) / BLOCK_M;
-    }
-#endif
+    const RowBlocks visited = row_blocks(seqs, p, (int)blockIdx.x);
+    const int m_first = visited.first, m_end = visited.end;
     const int per_head = max(0, m_end - m_first);
     const int steps = per_head * (int)p.group;
 
@@ -346,6 +392,17 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             // One arrival per consumer warp.
             mbar_init(EMPTY(s), 8);
         }
+#if DQ_BULK
+#pragma unroll
+        for (u32 slot = 0; slot < 2; ++slot) {
+#pragma unroll
+            for (u32 c = 0; c < 2; ++c) {
+                // Every thread of the consumer, once its part of the tile is stored; the writer.
+                mbar_init(DQ_FULL(slot, c), 128);
+                mbar_init(DQ_EMPTY(slot, c), 1);
+            }
+        }
+#endif
         mbar_init_fence();
     }
     __syncthreads();
@@ -389,6 +446,47 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 bulk_load(SDELTA(s), delta + row, ROWS_BYTES, FULL(s));
             }
         }
+#if DQ_BULK
+        else if (tid == 32u && steps > 0) {
+            // ---- dQ writer ----
+            for (int it = 0; it < steps; ++it) {
+                const int m = m_first + it % per_head;
+                const u32 head = head_kv * p.group + (u32)(it / per_head);
+                const u32 slot = (u32)it % 2u, phase = ((u32)it / 2u) & 1u;
+                const u64 row = ((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m * BLOCK_M;
+                float* dq_rows = dq_acc + row * HEAD_DIM;
+#if DETERMINISTIC
+                u32* lock = dq_lock + row / BLOCK_M;
+                wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));
+                fence_proxy_async_global();
+#endif
+#pragma unroll
+                for (u32 c = 0; c < 2; ++c) {
+                    mbar_wait(DQ_FULL(slot, c), phase);
+                    // Rows past Sq add zeros to the accumulator's padding (their weights are 0).
+                    bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u),
+                                        SDQ(slot, c), DQ_TILE_BYTES);
+                    bulk_commit();
+#if DETERMINISTIC && HEAD_DIM == 64
+                    // Both consumers add into the same tile: the first add performed first.
+                    bulk_wait<0>();
+#endif
+                }
+#if DETERMINISTIC
+                bulk_wait<0>();
+                fence_proxy_async_global();
+                count_release(lock);
+#else
+                bulk_wait_read<0>();
+#endif
+                mbar_arrive(DQ_EMPTY(slot, 0));
+                mbar_arrive(DQ_EMPTY(slot, 1));
+            }
+            // Every reduce performed before the block ends (the conversion reads the
+            // accumulator).
+            bulk_wait<0>();
+        }
+#endif
         return;
     }
 
@@ -444,6 +542,11 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         const u32 head = head_kv * p.group + (u32)(it / per_head);
         const u32 s = it % STAGES, phase = (it / STAGES) & 1;
         mbar_wait(FULL(s), phase);
+#if DQ_BULK
+        // The dQ tile of this step's parity, once the writer's reduce of two steps ago has read
+        // it (waited here, where few registers are live, rather than before the store).
+        if (it >= 2) mbar_wait(DQ_EMPTY((u32)it % 2u, c), ((u32)it / 2u - 1u) & 1u);
+#endif
         wgmma_fence();
         issue_keys_rows<HEAD_DIM>(st, sk, SQ(s), c);
         wgmma_commit();
@@ -599,7 +702,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // Both consumers' dSᵀ are in shared memory (the buffer of this step's parity: the one
         // of the step before last was read before either consumer arrived here last step).
         named_sync(1, 256);
+#if !DQ_BULK
         float* dq_rows = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
+#endif
 #if WRITE_DS
         unsigned short* ds_rows = ds + (u64)batch * p.ds_stride_b + (u64)head * p.ds_stride_h
                                   + (u64)m0 * p.ds_stride_s + (u64)n0 * p.ds_stride_k;
@@ -656,28 +761,15 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dq);
         release(EMPTY(s), lane);
 #if DQ_BULK
-        // The tile of this step's parity: the reduce that read it two steps ago finished
-        // reading before its issuing thread reached this step's named barrier 1.
-        const u32 dq_buf = sdq + (u32)(it % 2) * 2u * DQ_TILE_BYTES + c * DQ_TILE_BYTES;
-        store_dq(dq_buf, dq, t);
+        // The tile of this step's parity (free since the step began), then the writer's turn.
+        store_dq(SDQ((u32)it % 2u, c), dq, t);
         fence_proxy_async();
-        named_sync(2u + c, 128);
-        if (t == 0u) {
-            // Rows past Sq add zeros to the accumulator's padding (their weights are 0).
-            bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u), dq_buf,
-                                DQ_TILE_BYTES);
-            bulk_commit();
-            bulk_wait_read<1>();
-        }
+        mbar_arrive(DQ_FULL((u32)it % 2u, c));
 #else
         add_dq(dq_rows, dq, (int)p.seq_q - m0, HEAD_DIM == 128 ? 64u * c : 0u, warp, lane);
 #endif
 #endif
     }
-#if DQ_BULK
-    // Every reduce performed before the block ends (the conversion reads the accumulator).
-    if (t == 0u) bulk_wait<0>();
-#endif
 
     // dK (scaled: the scores are scale·q·k) and dV of this thread's keys, from the consumer's
     // first column.

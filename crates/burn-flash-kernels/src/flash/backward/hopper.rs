@@ -49,9 +49,10 @@ pub fn padded_rows(dims: AttentionDims) -> usize {
 const ROWS_PER_BLOCK: usize = 8;
 
 /// Warp-specialised (384 threads, `setmaxnreg`): one block per SM. Known spills: the masked,
-/// biased and dropout variants (RESULTS §15).
+/// biased and dropout variants (RESULTS §15; 432 B stored and loaded at most since the `dQ`
+/// writer warp, s43, against 404 before).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
-pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 428);
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 432);
 
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_backward";
@@ -101,20 +102,26 @@ pub struct Variant {
     pub write_ds: bool,
     /// `dQ` through shared memory and TMA bulk reduces ([`dq_tiled`]).
     pub dq_bulk: bool,
+    /// The bulk reduces into each row block in key-block order: the same bits every run
+    /// ([`AttentionOptions::deterministic`]; only with `dq_bulk`).
+    pub deterministic: bool,
     /// The score rules.
     pub rules: ScoreRules,
 }
 
 impl Variant {
     /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16,
-    /// writing `dS` where `write_ds`.
-    pub fn new(config: FlashConfig, bf16: bool, write_ds: bool) -> Self {
+    /// writing `dS` where `write_ds`, in key-block order where `deterministic` (which the
+    /// plan asks only where [`dq_tiled`]).
+    pub fn new(config: FlashConfig, bf16: bool, write_ds: bool, deterministic: bool) -> Self {
+        let dq_bulk = dq_tiled(config);
         Self {
             bf16,
             head_dim: config.head_dim,
             value_dim: config.value_dim,
             write_ds,
-            dq_bulk: dq_tiled(config),
+            dq_bulk,
+            deterministic: deterministic && dq_bulk,
             rules: config.rules,
         }
     }
@@ -123,13 +130,14 @@ impl Variant {
     #[cfg(feature = "cuda")]
     fn defines(self) -> String {
         format!(
-            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define WRITE_DS {}\n#define DQ_BULK {}\n{}",
+            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define WRITE_DS {}\n#define DQ_BULK {}\n#define DETERMINISTIC {}\n{}",
             if self.bf16 { "bf16" } else { "f16" },
             u32::from(self.bf16),
             self.head_dim,
             self.value_dim,
             u32::from(self.write_ds),
             u32::from(self.dq_bulk),
+            u32::from(self.deterministic),
             self.rules.defines(),
         )
     }
@@ -170,8 +178,8 @@ pub fn dq_tiled(config: FlashConfig) -> bool {
 /// Dynamic shared memory for `config`'s tile: `K` and `V` of the block (`block_k` rows × 128
 /// bytes per 64 columns), two `dSᵀ` buffers (`block_k` × 64 × 2 bytes), [`STAGES`] slots of
 /// `Q` and `dO` (64 rows) and of the rows' statistics (2 × 256 bytes), where [`dq_tiled`] two
-/// 16 KiB `dQ` tiles per consumer, the barriers, and 1 KiB to align the swizzle atoms: 226 KiB
-/// at head dim 128, 210 KiB at head dims of 256.
+/// 16 KiB `dQ` tiles per consumer, the barriers (13 mbarriers), and 1 KiB to align the swizzle
+/// atoms: 226 KiB at head dim 128, 210 KiB at head dims of 256.
 pub fn shared_bytes(config: FlashConfig) -> usize {
     let (d, dv) = (
         config.head_dim as usize / 64,
@@ -188,7 +196,7 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
         + 2 * keys * BLOCK_Q * 2
         + STAGES * (row_atom * (d + dv) + 512)
         + dq_tiles
-        + 64
+        + 128
 }
 
 /// Whether the plan picks the Hopper backward for a call it can run with `features` under
@@ -262,13 +270,19 @@ pub unsafe fn launch<R: CudaCompiled>(
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(config, bf16, t.ds.is_some());
+    let variant = Variant::new(config, bf16, t.ds.is_some(), options.deterministic);
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = padded_rows(dims);
     let lse2 = client.empty(rows * 4);
     let delta = client.empty(rows * 4);
     let dq_acc = client.empty(rows * acc_dim * 4);
+    // One counter per 64-row block of dQ, zeroed by the prepass (deterministic variants only).
+    let dq_lock = client.empty(if variant.deterministic {
+        rows / BLOCK_Q * 4
+    } else {
+        4
+    });
 
     let (rows_source, rows_hash) = crate::hopper::mutated(
         ROWS_SOURCE,
@@ -288,9 +302,10 @@ pub unsafe fn launch<R: CudaCompiled>(
     );
     let tiled = dq_tiled(config);
     let rows_defines = format!(
-        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n#define DQ_TILED {}\n",
+        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n#define DQ_TILED {}\n#define DETERMINISTIC {}\n",
         u32::from(bf16),
-        u32::from(tiled)
+        u32::from(tiled),
+        u32::from(variant.deterministic)
     );
     let strides = |s: &[usize]| s.iter().map(|&x| x as u64).collect::<Vec<_>>();
     let mut rows_params = strides(t.out.strides);
@@ -310,7 +325,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             entry,
             CubeDim::new_1d(32 * ROWS_PER_BLOCK as u32),
             0,
-            acc_dim as u64 | u64::from(tiled) << 16,
+            acc_dim as u64 | u64::from(tiled) << 16 | u64::from(variant.deterministic) << 17,
         )
         .with_defines(rows_defines.clone())
     };
@@ -356,7 +371,12 @@ pub unsafe fn launch<R: CudaCompiled>(
                 "bulk_reduce_add_f32(dq_rows +",
                 "if (c == 0u) bulk_reduce_add_f32(dq_rows +",
             ),
-            (mutation::dq_bulk_no_wait(), "bulk_wait_read<1>();", ""),
+            (mutation::dq_bulk_no_wait(), "bulk_wait_read<0>();", ""),
+            (
+                mutation::dq_unordered(),
+                "wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));",
+                "",
+            ),
             (
                 mutation::ds_skipped_rows(),
                 "dst[(u64)r * p.ds_stride_s] = 0;",
@@ -441,6 +461,7 @@ pub unsafe fn launch<R: CudaCompiled>(
                 lse2.clone().binding(),
                 delta.clone().binding(),
                 dq_acc.clone().binding(),
+                dq_lock.clone().binding(),
             ],
             rows_params.clone(),
         );
@@ -459,6 +480,7 @@ pub unsafe fn launch<R: CudaCompiled>(
                 // Absent slopes or sequences are never read: `lse` (f32) stands in.
                 t.slopes.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
                 t.seqs.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
+                dq_lock.binding(),
             ],
             params,
         );

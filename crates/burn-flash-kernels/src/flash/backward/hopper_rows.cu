@@ -4,7 +4,8 @@
 // 64-row steps.
 //
 // The host prepends ELEM_BF16 (0 | 1), ACC_DIM (64 | 128 | 256: the accumulator's columns, the
-// head dim rounded up) and DQ_TILED (0 | 1: the layout below).
+// head dim rounded up), DQ_TILED (0 | 1: the layout below) and DETERMINISTIC (0 | 1: the
+// prepass zeroes the backward's counter of each 64-row block, `dq_lock`).
 //
 // The accumulator is f32, ACC_DIM columns per row. DQ_TILED (the backward's DQ_BULK): each
 // block of 64 rows is ACC_DIM / 64 tiles of 64 × 64 in the order the backward's consumers
@@ -40,12 +41,14 @@ __device__ __forceinline__ u64 dq_offset(u64 row, u32 col) {
 
 // Per row: δ = Σ dO ⊙ O (f32), lse₂ = lse · log2(e) (+inf for a row without a visible key or
 // past Sq: its weights are 0), and the row's ACC_DIM floats of the dQ accumulator zeroed (in
-// either layout, the rows of a block zero the block).
+// either layout, the rows of a block zero the block); DETERMINISTIC: the first row of a 64-row
+// block zeroes the block's counter.
 extern "C" __global__ void __launch_bounds__(256)
 burn_flash_hopper_backward_rows(const unsigned short* __restrict__ out,
                                 const unsigned short* __restrict__ d_out,
                                 const float* __restrict__ lse, float* __restrict__ lse2,
                                 float* __restrict__ delta, float* __restrict__ dq_acc,
+                                u32* __restrict__ dq_lock,
                                 const __grid_constant__ RowsParams p)
 {
     const u64 r = (u64)blockIdx.x * 8u + threadIdx.x / 32u;
@@ -72,6 +75,9 @@ burn_flash_hopper_backward_rows(const unsigned short* __restrict__ out,
         }
         delta[r] = sum;
         lse2[r] = l2;
+#if DETERMINISTIC
+        if (s % 64u == 0u) dq_lock[r / 64u] = 0u;
+#endif
     }
     float2* acc = reinterpret_cast<float2*>(dq_acc + r * ACC_DIM);
 #pragma unroll
