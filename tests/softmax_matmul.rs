@@ -789,15 +789,21 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(
         (false, true) => mma,
         (false, false) => plain,
     };
+    // Hopper off (the suite's `BURN_FLASH_HOPPER=off`, or no sm_90): said in the options, as
+    // the library's plan defaults say it for calls without them.
+    let base = SoftmaxMatmulOptions {
+        hopper: (!hopper).then_some(false),
+        ..Default::default()
+    };
     let forced = SoftmaxMatmulOptions {
         blocks: Some((64, 16)),
-        ..Default::default()
+        ..base
     };
     let units = SoftmaxMatmulOptions {
         path: Some(SmmPath::Units),
-        ..Default::default()
+        ..base
     };
-    let default = SoftmaxMatmulOptions::default();
+    let default = base;
     // (dtype, [batch, d1, d2, d3], x transposed, options, kernel)
     let cases = [
         (
@@ -969,7 +975,11 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(
                 (&[batch, d1, d2], &[d1 * d2, d2, 1]),
                 (&v_shape, &[d2 * d3, d3, 1]),
             ],
-            Default::default(),
+            // Hopper off where the suite switches it off (or there is no sm_90).
+            SoftmaxMatmulOptions {
+                hopper: (!hopper).then_some(false),
+                ..Default::default()
+            },
         )
         .expect("plans")
         .path;

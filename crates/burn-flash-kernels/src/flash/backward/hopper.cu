@@ -210,6 +210,20 @@ __device__ __forceinline__ RowBlocks row_blocks(const u32* seqs, const BwdParams
     return r;
 }
 
+// The row block of step `it` (of `per_head` per query head, from `m_first` to `m_end` − 1).
+// REVERSE walks each head's row blocks from the last: deterministic causal calls, where every
+// key block's last row block is the same one (the last), so that the blocks adding in turn
+// reach each row block at the same step instead of each waiting for its predecessor to walk
+// down to its first (the diagonal's) row block.
+#if DETERMINISTIC && CAUSAL && !WINDOW && !VARLEN
+#define REVERSE 1
+#else
+#define REVERSE 0
+#endif
+__device__ __forceinline__ int step_row_block(int it, int m_first, int m_end, int per_head) {
+    return REVERSE ? m_end - 1 - it % per_head : m_first + it % per_head;
+}
+
 #if DETERMINISTIC
 // How many key blocks before `n` visit row block `m`, which `n` visits: those from the first
 // whose row blocks end after m (the ends grow with the block, and every block before n starts
@@ -426,7 +440,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 tma_load_4d(sv + a * KV_ATOM, &tv, kv_full, 64 * a, n0, head_kv, batch);
             }
             for (int it = 0; it < steps; ++it) {
-                const int m = m_first + it % per_head;
+                const int m = step_row_block(it, m_first, m_end, per_head);
                 const u32 head = head_kv * p.group + (u32)(it / per_head);
                 const u32 s = it % STAGES, use = it / STAGES;
                 if (it >= STAGES) mbar_wait(EMPTY(s), (use - 1u) & 1u);
@@ -447,44 +461,79 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             }
         }
 #if DQ_BULK
-        else if (tid == 32u && steps > 0) {
-            // ---- dQ writer ----
+        else if (tid / 32u == 1u && steps > 0) {
+            // ---- dQ writer: lane 0 (and, summing two tiles, the whole warp) ----
+            const u32 lane = tid % 32u;
             for (int it = 0; it < steps; ++it) {
-                const int m = m_first + it % per_head;
+                const int m = step_row_block(it, m_first, m_end, per_head);
                 const u32 head = head_kv * p.group + (u32)(it / per_head);
                 const u32 slot = (u32)it % 2u, phase = ((u32)it / 2u) & 1u;
                 const u64 row = ((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m * BLOCK_M;
                 float* dq_rows = dq_acc + row * HEAD_DIM;
+#if DETERMINISTIC && HEAD_DIM == 64
+                // Both consumers' tiles hold the same rows and columns: the warp adds the
+                // second into the first in shared memory (one order, before the turn is
+                // waited for), and one reduce adds the sum.
+                mbar_wait(DQ_FULL(slot, 0), phase);
+                mbar_wait(DQ_FULL(slot, 1), phase);
+#pragma unroll 1
+                for (u32 i = lane; i < DQ_TILE_BYTES / 16u; i += 32u) {
+                    const u32 a = SDQ(slot, 0) + 16u * i, b = SDQ(slot, 1) + 16u * i;
+                    float x0, x1, x2, x3, y0, y1, y2, y3;
+                    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(x0), "=f"(x1), "=f"(x2), "=f"(x3) : "r"(a) : "memory");
+                    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                                 : "=f"(y0), "=f"(y1), "=f"(y2), "=f"(y3) : "r"(b) : "memory");
+                    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};"
+                                 :: "r"(a), "f"(x0 + y0), "f"(x1 + y1), "f"(x2 + y2), "f"(x3 + y3)
+                                 : "memory");
+                }
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0u) {
+                    u32* lock = dq_lock + row / BLOCK_M;
+                    wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));
+                    fence_proxy_async_global();
+                    bulk_reduce_add_f32(dq_rows, SDQ(slot, 0), DQ_TILE_BYTES);
+                    bulk_commit();
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    count_release(lock);
+                    mbar_arrive(DQ_EMPTY(slot, 0));
+                    mbar_arrive(DQ_EMPTY(slot, 1));
+                }
+                __syncwarp();
+#else
+                if (lane == 0u) {
 #if DETERMINISTIC
-                u32* lock = dq_lock + row / BLOCK_M;
-                wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));
-                fence_proxy_async_global();
+                    u32* lock = dq_lock + row / BLOCK_M;
+                    wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));
+                    fence_proxy_async_global();
 #endif
 #pragma unroll
-                for (u32 c = 0; c < 2; ++c) {
-                    mbar_wait(DQ_FULL(slot, c), phase);
-                    // Rows past Sq add zeros to the accumulator's padding (their weights are 0).
-                    bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u),
-                                        SDQ(slot, c), DQ_TILE_BYTES);
-                    bulk_commit();
-#if DETERMINISTIC && HEAD_DIM == 64
-                    // Both consumers add into the same tile: the first add performed first.
-                    bulk_wait<0>();
-#endif
-                }
+                    for (u32 c = 0; c < 2; ++c) {
+                        mbar_wait(DQ_FULL(slot, c), phase);
+                        // Rows past Sq add zeros to the accumulator's padding (their weights
+                        // are 0).
+                        bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u),
+                                            SDQ(slot, c), DQ_TILE_BYTES);
+                        bulk_commit();
+                    }
 #if DETERMINISTIC
-                bulk_wait<0>();
-                fence_proxy_async_global();
-                count_release(lock);
+                    bulk_wait<0>();
+                    fence_proxy_async_global();
+                    count_release(lock);
 #else
-                bulk_wait_read<0>();
+                    bulk_wait_read<0>();
 #endif
-                mbar_arrive(DQ_EMPTY(slot, 0));
-                mbar_arrive(DQ_EMPTY(slot, 1));
+                    mbar_arrive(DQ_EMPTY(slot, 0));
+                    mbar_arrive(DQ_EMPTY(slot, 1));
+                }
+#endif
             }
             // Every reduce performed before the block ends (the conversion reads the
             // accumulator).
-            bulk_wait<0>();
+            if (lane == 0u) bulk_wait<0>();
         }
 #endif
         return;
@@ -538,7 +587,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 
     if (steps > 0) mbar_wait(kv_full, 0);
     for (int it = 0; it < steps; ++it) {
-        const int m0 = (m_first + it % per_head) * BLOCK_M;
+        const int m0 = step_row_block(it, m_first, m_end, per_head) * BLOCK_M;
         const u32 head = head_kv * p.group + (u32)(it / per_head);
         const u32 s = it % STAGES, phase = (it / STAGES) & 1;
         mbar_wait(FULL(s), phase);
