@@ -100,6 +100,10 @@
 #if DETERMINISTIC && !DQ_BULK
 #error "DETERMINISTIC orders the bulk reduces of DQ_BULK"
 #endif
+// DQ_WRITER: the producer's second warp issues the reduces (head dim 128, or deterministic);
+// at head dim 64 without order each consumer's first thread issues its own, which measured
+// faster there (the writer cost 6–12 % of the causal backward, RESULTS §5.0).
+#define DQ_WRITER (DQ_BULK && (HEAD_DIM == 128 || DETERMINISTIC))
 // The columns of dK and dV a consumer accumulates (WIDE: half of each), and the first
 // 64-column atom of consumer c's; the first of the keys it computes with.
 #if WIDE
@@ -460,7 +464,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 bulk_load(SDELTA(s), delta + row, ROWS_BYTES, FULL(s));
             }
         }
-#if DQ_BULK
+#if DQ_WRITER
         else if (tid / 32u == 1u && steps > 0) {
             // ---- dQ writer: lane 0 (and, summing two tiles, the whole warp) ----
             const u32 lane = tid % 32u;
@@ -591,7 +595,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         const u32 head = head_kv * p.group + (u32)(it / per_head);
         const u32 s = it % STAGES, phase = (it / STAGES) & 1;
         mbar_wait(FULL(s), phase);
-#if DQ_BULK
+#if DQ_WRITER
         // The dQ tile of this step's parity, once the writer's reduce of two steps ago has read
         // it (waited here, where few registers are live, rather than before the store).
         if (it >= 2) mbar_wait(DQ_EMPTY((u32)it % 2u, c), ((u32)it / 2u - 1u) & 1u);
@@ -751,7 +755,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // Both consumers' dSᵀ are in shared memory (the buffer of this step's parity: the one
         // of the step before last was read before either consumer arrived here last step).
         named_sync(1, 256);
-#if !DQ_BULK
+#if !DQ_WRITER
         float* dq_rows = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
 #endif
 #if WRITE_DS
@@ -809,16 +813,34 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
-#if DQ_BULK
+#if DQ_WRITER
         // The tile of this step's parity (free since the step began), then the writer's turn.
         store_dq(SDQ((u32)it % 2u, c), dq, t);
         fence_proxy_async();
         mbar_arrive(DQ_FULL((u32)it % 2u, c));
+#elif DQ_BULK
+        // The tile of this step's parity: the reduce that read it two steps ago finished
+        // reading before its issuing thread reached this step's named barrier 1.
+        store_dq(SDQ((u32)it % 2u, c), dq, t);
+        fence_proxy_async();
+        named_sync(2u + c, 128);
+        if (t == 0u) {
+            // Rows past Sq add zeros to the accumulator's padding (their weights are 0).
+            bulk_reduce_add_f32(dq_rows + (HEAD_DIM == 128 ? 4096u * c : 0u), SDQ((u32)it % 2u, c),
+                                DQ_TILE_BYTES);
+            bulk_commit();
+            bulk_wait_read<1>();
+        }
 #else
         add_dq(dq_rows, dq, (int)p.seq_q - m0, HEAD_DIM == 128 ? 64u * c : 0u, warp, lane);
 #endif
 #endif
     }
+
+#if DQ_BULK && !DQ_WRITER
+    // Every reduce performed before the block ends (the conversion reads the accumulator).
+    if (t == 0u) bulk_wait<0>();
+#endif
 
     // dK (scaled: the scores are scale·q·k) and dV of this thread's keys, from the consumer's
     // first column.
