@@ -50,8 +50,8 @@ pub type Un<R, BT> = CubeBackend<R, f32, i32, BT>;
 pub type Fu<R, BT> = Fusion<CubeBackend<R, f32, i32, BT>>;
 
 /// The plan inputs the GPU scripts set through the environment (`BURN_FLASH_HOPPER`,
-/// `BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`), made the process's plan defaults: every
-/// bench calls this first (the library reads no environment).
+/// `BURN_FLASH_DECODE_KEYS`, `BURN_FLASH_DECODE_CUBES`, `BURN_FLASH_DETERMINISTIC`), made the
+/// process's plan defaults: every bench calls this first (the library reads no environment).
 pub fn plan_inputs_from_env() {
     let d = burn_flash::PlanDefaults::from_settings(|name| std::env::var(name).ok())
         .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
