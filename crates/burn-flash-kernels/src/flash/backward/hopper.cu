@@ -24,7 +24,9 @@
 //      DQ_BULK (a host define; head dims up to 128): each consumer stores its 64 × 64 f32
 //      tile of dQ to shared memory in its threads' order (`store_dq`: conflict-free 16-byte
 //      stores) and arrives on the tile's "full" mbarrier; the producer's second warp, the dQ
-//      writer, adds each tile to the accumulator with one TMA bulk reduce
+//      writer (DQ_WRITER: head dim 128, or DETERMINISTIC; at head dim 64 each consumer's first
+//      thread issues its own reduce after a named barrier), adds each tile to the accumulator
+//      with one TMA bulk reduce
 //      (`cp.reduce.async.bulk .add.f32`) and, once the reduce has read it, arrives on its
 //      "empty" mbarrier: FlashAttention-3's dQ path, with no reduce issued or waited for by
 //      the consumers. The accumulator holds each 64-row block as tiles in that order
@@ -33,9 +35,11 @@
 //      of the key blocks, so that every run sums in the same order (the same bits): the
 //      writer of key block n waits until the block's counter (`dq_lock`, zeroed by the
 //      prepass) has counted the key blocks before n that visit those rows, adds its
-//      consumers' tiles one after the other, waits until the adds are performed, and counts
-//      one more (FlashAttention-3's deterministic mode). A block waits only on blocks of lower
-//      index (key blocks are the grid's x), which start earlier.
+//      consumers' tiles (at D = 64, where both hold the same rows and columns, summed in shared
+//      memory first), waits until the adds are performed, and counts one more
+//      (FlashAttention-3's deterministic mode); causal calls walk the row blocks from the last
+//      (REVERSE). A block waits only on blocks of lower index (key blocks are the grid's x),
+//      which start earlier.
 //      Otherwise (WIDE always): the consumers add dQ with vector reductions
 //      (`red.add.v2.f32`) per thread, into a row-major accumulator.
 //    - WIDE (a head dim of 256): a block holds 64 keys, and both consumers compute Sᵀ and dPᵀ
