@@ -833,10 +833,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .filter(|l| l.mask == mask)
             .map(|l| l.kernel)
             .collect();
-        assert!(
-            !kernels.is_empty() && kernels.iter().all(|&k| k == want),
-            "mask {mask}: planned {want:?}, launched {kernels:?}"
-        );
+        assert_launched(&kernels, want, &format!("mask {mask}"));
     }
 
     // f16/bf16 at head dim 64 on the matrix units: the same kernels.
@@ -1386,6 +1383,14 @@ fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let _ = device;
 }
 
+/// Asserts that `ran` (the backward launches of one call shape) is not empty and all `want`.
+fn assert_launched(ran: &[AttentionBackwardKernel], want: AttentionBackwardKernel, context: &str) {
+    assert!(
+        !ran.is_empty() && ran.iter().all(|&k| k == want),
+        "{context}: planned {want:?}, launched {ran:?}"
+    );
+}
+
 /// The bytes of `dQ`, `dK`, `dV` of `Σ attention(q, k, v) ⊙ g` under `options`.
 fn gradient_bytes<B: FlashBackend>(
     [q, k, v, g]: [&Tensor<B, 4>; 4],
@@ -1493,10 +1498,7 @@ fn deterministic_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType
                 .filter(|l| l.dims == dims)
                 .map(|l| l.kernel)
                 .collect();
-            assert!(
-                !ran.is_empty() && ran.iter().all(|&k| k == kernel),
-                "{context}: planned {kernel:?}, launched {ran:?}"
-            );
+            assert_launched(&ran, kernel, &context);
         }
     }
     if cuda && dtype != FloatDType::F32 {
