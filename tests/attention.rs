@@ -1148,6 +1148,22 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             AttentionKernel::MatrixUnits
         };
         assert_eq!(masked.kernel, want);
+        // A bias whose rows TMA loads as tiles (`Sk` a multiple of 8) takes the Hopper forward;
+        // one read per element keeps the `mma` kernel unless the run forces Hopper.
+        let biased = |seq_k| {
+            let dims = AttentionDims { seq_k, ..dims(64) };
+            let terms = ScoreTerms {
+                bias: true,
+                ..Default::default()
+            };
+            attention_plan_with::<B>(device, dims, dtype.into(), Default::default(), terms)
+                .unwrap()
+                .unwrap()
+        };
+        let tiles = biased(328);
+        assert_eq!(tiles.kernel, AttentionKernel::Hopper, "bias as tiles");
+        assert!(tiles.config.rules.bias);
+        assert_eq!(biased(330).kernel, want, "bias read per element");
         // D 64 on Hopper: three consumer warpgroups of 64 rows and the producer.
         assert_eq!((default.config.block_q, default.units), (192, 512));
         // Head dims over 128 on Hopper: rounded up to 256, 64 keys per step.
@@ -1389,6 +1405,74 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             dtype,
             &format!(
                 "Sq {sq} Sk {sk} causal {causal} window {window:?} alibi {alibi} mask+bias {terms}"
+            ),
+        );
+    }
+}
+
+/// Biases the Hopper forward loads by TMA as tiles (unit key stride, rows of whole 16 bytes of
+/// their own) through every kernel the device runs: `[1, H, Sq, Sk]`, `[B, 1, Sq, Sk]` and
+/// `[B, H, Sq, Sk]`, several key blocks with the last one partial and row blocks past `Sq`
+/// (read as zeros), with causal, softcap, ALiBi and a padding mask.
+fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    let (nb, hq, hkv, d) = (2, 4, 2, 64);
+    // (Sq, Sk, bias batches, bias heads, causal, softcap, ALiBi, padding mask)
+    let cases = [
+        (200, 328, false, true, false, false, false, false),
+        (130, 264, true, false, true, true, false, true),
+        (70, 136, true, true, false, false, true, false),
+    ];
+    // Off CUDA (lavapipe in CI) the first case only: the rules of the others run there in
+    // `masks_and_biases` and `windows_and_alibi`.
+    let cases = match cuda {
+        true => &cases[..],
+        false => &cases[..1],
+    };
+    for &(sq, sk, batches, heads, causal, softcap, alibi, padding) in cases {
+        let options: FlashAttentionOptions = AttentionModuleOptions {
+            is_causal: causal,
+            softcap: softcap.then_some(6.0),
+            ..Default::default()
+        }
+        .into();
+        let dims = AttentionDims {
+            batch: nb,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: sq,
+            seq_k: sk,
+            head_dim: d,
+            value_dim: d,
+        };
+        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
+        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let shape = [
+            if batches { nb } else { 1 },
+            if heads { hq } else { 1 },
+            sq,
+            sk,
+        ];
+        let bias = rand4::<B>(shape, 2.0, dtype, device);
+        let mask = padding
+            .then(|| bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 9 * b + 5 >= sk));
+        let slopes = alibi.then(|| random::<B, 1>([hq], 0.02, 0.5, FloatDType::F32, device));
+        let heads_terms = HeadTerms {
+            alibi_slopes: slopes,
+            sinks: None,
+        };
+        on_every_kernel(
+            device,
+            dims,
+            (q, k, v),
+            mask,
+            Some(bias),
+            heads_terms,
+            options,
+            dtype,
+            &format!(
+                "bias {shape:?}: causal {causal} softcap {softcap} alibi {alibi} mask {padding}"
             ),
         );
     }
@@ -2375,6 +2459,7 @@ macro_rules! attention_suite {
                 cooperative_matrix_kernel,
                 masked_score_and_quiet,
                 windows_and_alibi,
+                bias_tiles,
                 attention_sinks,
                 varlen,
                 varlen_bad_input,

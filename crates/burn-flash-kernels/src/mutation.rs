@@ -65,6 +65,9 @@ pub enum Mutation {
     /// `dq-unordered`: the deterministic Hopper backward's `dQ` writer adds without waiting
     /// for its turn (the key blocks' adds in any order: different bits from run to run).
     DqUnordered,
+    /// `bias-block`: the Hopper forward loads the bias tile of the wrong key block (block
+    /// `j ^ 1` for block `j`) into a step's slot.
+    BiasBlock,
     /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
     /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
@@ -123,6 +126,7 @@ impl Mutation {
             Self::DqSkipTile => "dq-skip-tile",
             Self::DqBulkNoWait => "dq-bulk-no-wait",
             Self::DqUnordered => "dq-unordered",
+            Self::BiasBlock => "bias-block",
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
             Self::VarlenFirstRow => "varlen-first-row",
@@ -170,6 +174,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DqSkipTile,
             Mutation::DqBulkNoWait,
             Mutation::DqUnordered,
+            Mutation::BiasBlock,
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
             Mutation::VarlenFirstRow,
@@ -184,7 +189,8 @@ pub fn chosen_name() -> Option<&'static str> {
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
-            "BURN_FLASH_MUTATION={name}: not one of zero-dx, drop-delta, no-rescale, causal-top-left, zero-dq, gqa-modulo, dropout-fresh-mask, fill-grad, quiet-off, stage-head-start, dx-narrow-blocks, keep-fragments, zero-dk, wgmma-strides, hopper-no-wait, dq-skip-tile, dq-bulk-no-wait, ds-skipped-rows, window-right, varlen-first-row, paged-lookup, drop-split, biased-norm, skip-k-lane, forced-spill, register-budget, hopper-syntax, uncounted-barriers"
+            "BURN_FLASH_MUTATION={name}: not one of {}",
+            known.map(Mutation::name).join(", ")
         );
         eprintln!("burn-flash: kernels built with the mutation `{name}`");
         Some(name)
@@ -278,6 +284,11 @@ pub fn dq_bulk_no_wait() -> bool {
 /// [`Mutation::DqUnordered`] is active.
 pub fn dq_unordered() -> bool {
     active(Mutation::DqUnordered)
+}
+
+/// [`Mutation::BiasBlock`] is active.
+pub fn bias_block() -> bool {
+    active(Mutation::BiasBlock)
 }
 
 /// [`Mutation::ZeroDk`] is active.

@@ -382,6 +382,11 @@ pub fn launch_attention_backward<R: Runtime>(
         ]) && super::starts_aligned(&[&t.q, &t.k, &t.v, &t.d_out]),
         mask: t.mask.is_some(),
         bias: t.bias.is_some(),
+        bias_tiles: t
+            .bias
+            .as_ref()
+            .zip(bias_strides.as_deref())
+            .is_some_and(|(b, s)| super::bias_tiles(b, s)),
         alibi: t.slopes.is_some(),
         sinks: false,
         varlen: t.seqs.is_some(),

@@ -4,7 +4,8 @@ use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use super::options::{
     AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions, AttentionPlan,
-    attention_dims, broadcast_strides, check_seqs, expect_shape, rows_aligned, starts_aligned,
+    attention_dims, bias_tiles, broadcast_strides, check_seqs, expect_shape, rows_aligned,
+    starts_aligned,
 };
 use super::plan::plan_attention;
 use crate::flash::FlashTensors;
@@ -70,6 +71,10 @@ pub fn launch_attention<R: Runtime>(
         ]) && starts_aligned(&[&q, &k, &v, &out]),
         mask: mask.is_some(),
         bias: bias.is_some(),
+        bias_tiles: bias
+            .as_ref()
+            .zip(bias_strides.as_deref())
+            .is_some_and(|(b, s)| bias_tiles(b, s)),
         alibi: slopes.is_some(),
         sinks: sinks.is_some(),
         varlen: seqs.is_some(),

@@ -250,6 +250,9 @@ pub struct AttentionFeatures {
     pub mask: bool,
     /// A bias is given (backward: or `dS` is asked for).
     pub bias: bool,
+    /// The bias's rows can be loaded as tiles by TMA ([`bias_tiles`]): the Hopper forward
+    /// then reads it from shared memory instead of per element from global memory.
+    pub bias_tiles: bool,
     /// ALiBi slopes are given.
     pub alibi: bool,
     /// Attention-sink logits are given (forward only: the backward kernels read the stored
@@ -410,6 +413,18 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
             && shape[3].is_multiple_of(8)
             && strides[..3].iter().all(|s| s.is_multiple_of(8))
     })
+}
+
+/// Whether a bias with `strides` over `[B, Hq, Sq, Sk]` (0 along broadcast dimensions,
+/// [`broadcast_strides`]) can be loaded by TMA a tile of rows × keys at a time: unit key
+/// stride, rows of their own (not broadcast), every other stride a multiple of 8 elements
+/// (16 bytes of a 16-bit type) and the buffer starting on 16 bytes.
+pub fn bias_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
+    strides.len() == 4
+        && strides[3] == 1
+        && strides[2] != 0
+        && strides[..3].iter().all(|s| s.is_multiple_of(8))
+        && starts_aligned(&[bias])
 }
 
 /// Whether each buffer starts on 16 bytes, as 16-byte row loads (and TMA) need.

@@ -199,7 +199,10 @@ pub fn plan_attention<R: Runtime>(
             tiled::shared_bytes(config, tiled::planes(client)),
         ),
         AttentionKernel::Units => (units::UNITS, units::shared_bytes(config)),
-        AttentionKernel::Hopper => (hopper::units(config), hopper::shared_bytes(config)),
+        AttentionKernel::Hopper => (
+            hopper::units(config),
+            hopper::shared_bytes(config, hopper::bias_tiles(config, features)),
+        ),
         AttentionKernel::SplitDecode => unreachable!("the decoding kernel is planned above"),
     };
     let hw = &client.properties().hardware;

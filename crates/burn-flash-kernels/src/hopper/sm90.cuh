@@ -47,6 +47,14 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 
+// A 32-bit word of shared memory at `addr`; volatile, so that it stays after the barrier wait
+// that made a TMA write of it visible.
+__device__ __forceinline__ u32 lds_u32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+
 // ---- named barriers ----------------------------------------------------------------------
 
 __device__ __forceinline__ void named_sync(u32 id, u32 threads) {

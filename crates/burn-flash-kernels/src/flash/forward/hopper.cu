@@ -35,6 +35,12 @@
 // window and keys past the end hidden; DROPOUT multiplies each weight by 0 or 1/(1 − p) after the row sums took it, with
 // the keep decisions of dropout.rs (Threefry-2×32-20 keyed by the seed and (batch, head),
 // counter (key, query position)).
+// BIAS_TILES (with BIAS): the producer loads the bias of each step's BLOCK_M rows × BLOCK_N keys
+// by TMA into the step's slot beside K (64-key atoms, 128-byte swizzled, rows past Sq and keys
+// past Sk read as zeros), and the consumers read it from shared memory in the accumulator
+// layout (a 16-byte chunk per 8 keys, 8 rows of a warp's load in 8 different chunks: no bank
+// conflicts); the K slot is released after the softmax has read the bias. Without it the bias
+// is read from global memory per element (biases whose rows TMA cannot load).
 //
 // GIVEN (1) is softmax(X)·V, the given-score case: X `[batch, d1, d2]` takes the place of the
 // scores, so there is no Q and no Q·Kᵀ. The slots that hold K hold a 128-row × BLOCK_N-column
@@ -61,6 +67,11 @@
 #define K_BYTES (D_ATOMS * KV_ATOM)
 #endif
 #define V_BYTES (V_ATOMS * KV_ATOM)
+#if BIAS && BIAS_TILES && !GIVEN
+#define B_BYTES ((BLOCK_N / 64) * ATOM_BYTES)
+#else
+#define B_BYTES 0
+#endif
 #define S_REGS (BLOCK_N / 2)
 #define O_REGS (VALUE_DIM / 2)
 
@@ -81,7 +92,8 @@ struct FwdParams {
     float inv_keep;                  // dropout: 1 / (1 − p)
     u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
     u32 window_left, window_right;   // WINDOW
-    u32 n_seqs, unused;              // VARLEN: packed sequences
+    u32 n_seqs;                      // VARLEN: packed sequences
+    u32 bias_planes;                 // BIAS_TILES: bit 0 the bias has batches, bit 1 heads
 };
 
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
@@ -171,6 +183,7 @@ struct ScoreRows {
     int lo[2], hi[2];      // VARLEN: each row's keys
     int full_lo, full_hi;  // VARLEN: the keys all the consumer's rows see
     int dk[2];             // each row's diagonal key (ALIBI)
+    u32 tile_row;          // BIAS_TILES: the thread's first row within the block
     float slope_log2;  // ALIBI: −slope · log2(e)
     u32 lane;
     float scale_log2, cap_inv_scale, cap_log2, fill_log2;
@@ -235,7 +248,7 @@ __device__ __forceinline__ bool hidden_key(const ScoreRows& rows, int key, int r
 // rescales what came before (applied here to the row sums, by the caller to O), the weights.
 __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)[2],
                                                float (&l_r)[2], float (&corr)[2],
-                                               const ScoreRows& rows, int j) {
+                                               const ScoreRows& rows, int j, u32 sb) {
     const int key0 = j * BLOCK_N;
     const bool edge = edge_block(rows, key0);
 #if !SOFTCAP && !MASK && !BIAS && !ALIBI
@@ -292,12 +305,22 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if ALIBI
         x = fmaf(rows.slope_log2, fabsf(dist0[(i / 2) % 2] - (float)(8 * (i / 4) + (i % 2))), x);
 #endif
-#if MASK || BIAS
+#if B_BYTES
+        {
+            // Registers i and i + 1 are two adjacent keys of one row: one 32-bit word.
+            const u32 row = rows.tile_row + 8u * (u32)((i / 2) % 2);
+            const u32 chunk = (u32)(i / 4) % 8u;
+            const u32 word = lds_u32(sb + (u32)(i / 32) * ATOM_BYTES + row * 128u
+                                     + ((chunk ^ (row % 8u)) << 4) + 4u * (rows.lane % 4u));
+            x += LOG2E * elem_to_f32((unsigned short)(i % 2 ? word >> 16 : word & 0xffffu));
+        }
+#endif
+#if MASK || (BIAS && !B_BYTES)
         {
             const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
             const int row = rows.row0 + 8 * ((i / 2) % 2);
             if (row < rows.seq_q && key < rows.seq_k) {
-#if BIAS
+#if BIAS && !B_BYTES
                 x += LOG2E * elem_to_f32(rows.bias[(u64)row * rows.bias_stride_s
                                                    + (u64)key * rows.bias_stride_k]);
 #endif
@@ -360,7 +383,8 @@ __device__ __forceinline__ void pack_weights(u32 (&pa)[BLOCK_N / 16][4], const f
 
 extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
-                          const __grid_constant__ TmaMap tv, const unsigned short* q_buffer,
+                          const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tb,
+                          const unsigned short* q_buffer,
                           const unsigned short* k_buffer, const unsigned short* v_buffer,
                           unsigned short* __restrict__ out, float* __restrict__ lse,
                           const unsigned short* __restrict__ mask,
@@ -377,7 +401,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     const u32 sq = base;
     const u32 sk = sq + Q_BYTES;
     const u32 sv = sk + STAGES * K_BYTES;
-    const u32 bars = sv + STAGES * V_BYTES;
+    const u32 sb = sv + STAGES * V_BYTES;
+    const u32 bars = sb + STAGES * B_BYTES;
     const u32 q_full = bars;
 #define K_FULL(s) (bars + 8u + 8u * (s))
 #define V_FULL(s) (bars + 8u + 8u * STAGES + 8u * (s))
@@ -453,6 +478,11 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         if (tid == 0 && steps > 0) {
             tma_prefetch_map(&tk);
             tma_prefetch_map(&tv);
+#if B_BYTES
+            tma_prefetch_map(&tb);
+            const int bias_batch = (p.bias_planes & 1u) ? (int)batch : 0;
+            const int bias_head = (p.bias_planes & 2u) ? (int)head : 0;
+#endif
 #if GIVEN
             const u32 k_batch = batch * p.x_batch, v_batch = batch * p.v_batch;
 #else
@@ -469,7 +499,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 const u32 s = i % STAGES;
                 const u32 use = i / STAGES;
                 if (i >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
-                mbar_arrive_expect_tx(K_FULL(s), K_BYTES);
+                mbar_arrive_expect_tx(K_FULL(s), K_BYTES + B_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
 #if GIVEN
@@ -481,6 +511,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                                 j * BLOCK_N, head_kv, k_batch);
 #endif
                 }
+#if B_BYTES
+                // The bias of rows m0 … and block j's keys, beside K (same barriers).
+#pragma unroll
+                for (int a = 0; a < BLOCK_N / 64; ++a) {
+                    tma_load_4d(sb + s * B_BYTES + a * ATOM_BYTES, &tb, K_FULL(s),
+                                j * BLOCK_N + 64 * a, m0, bias_head, bias_batch);
+                }
+#endif
                 if (i >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
                 mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
 #pragma unroll
@@ -508,6 +546,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.first_row = first_row;
     rows.row0 = row0;
     rows.lane = lane;
+    rows.tile_row = 64u * c + 16u * warp + lane / 4u;
     rows.diag = diag;
     rows.seq_k = (int)p.seq_k;
     rows.scale_log2 = p.scale_log2;
@@ -575,7 +614,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         mbar_wait(K_FULL(0), 0);
         load_scores(sc, sk, c, warp, lane);
         release(K_EMPTY(0), lane);
-        online_softmax(sc, m_r, l_r, corr, rows, j0);
+        online_softmax(sc, m_r, l_r, corr, rows, j0, 0u);
         pack_weights(pa, sc);
         for (int i = 1; i < steps; ++i) {
             const u32 s = i % STAGES, phase = (i / STAGES) & 1;
@@ -589,7 +628,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             mbar_wait(K_FULL(s), phase);
             load_scores(sc, sk + s * K_BYTES, c, warp, lane);
             release(K_EMPTY(s), lane);
-            online_softmax(sc, m_r, l_r, corr, rows, j0 + i);
+            online_softmax(sc, m_r, l_r, corr, rows, j0 + i, 0u);
             wgmma_wait<0>();
             wgmma_hold(o);
             release(V_EMPTY(sp), lane);
@@ -607,8 +646,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         turn_end(c);
         wgmma_wait<0>();
         wgmma_hold(sc);
+#if !B_BYTES
         release(K_EMPTY(0), lane);
-        online_softmax(sc, m_r, l_r, corr, rows, j0);
+#endif
+        online_softmax(sc, m_r, l_r, corr, rows, j0, sb);
+#if B_BYTES
+        // The bias was read from the slot: it may be refilled.
+        release(K_EMPTY(0), lane);
+#endif
         pack_weights(pa, sc);
         // Step i: S = Q·Kᵀ of its block is issued before O += P·V of step i − 1's, and the
         // softmax of step i runs while that product is in flight (FlashAttention-3's
@@ -627,8 +672,13 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             turn_end(c);
             wgmma_wait<1>();
             wgmma_hold(sc);
+#if !B_BYTES
             release(K_EMPTY(s), lane);
-            online_softmax(sc, m_r, l_r, corr, rows, j0 + i);
+#endif
+            online_softmax(sc, m_r, l_r, corr, rows, j0 + i, sb + s * B_BYTES);
+#if B_BYTES
+            release(K_EMPTY(s), lane);
+#endif
             wgmma_wait<0>();
             wgmma_hold(o);
             release(V_EMPTY(sp), lane);

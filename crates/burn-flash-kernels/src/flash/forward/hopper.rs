@@ -88,11 +88,15 @@ pub struct Variant {
     pub given: bool,
     /// The score rules.
     pub rules: ScoreRules,
+    /// With a bias: it is loaded by TMA into each step's slot ([`bias_tiles`]), not read per
+    /// element.
+    pub bias_tiles: bool,
 }
 
 impl Variant {
-    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16.
-    pub fn new(config: FlashConfig, bf16: bool) -> Self {
+    /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16, its
+    /// bias (if any) loaded by TMA where `bias_tiles` ([`bias_tiles`]).
+    pub fn new(config: FlashConfig, bf16: bool, bias_tiles: bool) -> Self {
         Self {
             bf16,
             block_q: config.block_q,
@@ -101,6 +105,7 @@ impl Variant {
             value_dim: config.value_dim,
             given: config.source == ScoreSource::Given,
             rules: config.rules,
+            bias_tiles: bias_tiles && config.rules.bias && config.source == ScoreSource::QueryKey,
         }
     }
 
@@ -108,7 +113,7 @@ impl Variant {
     #[cfg(feature = "cuda")]
     fn defines(self) -> String {
         format!(
-            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define GIVEN {}\n{}",
+            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define GIVEN {}\n#define BIAS_TILES {}\n{}",
             if self.bf16 { "bf16" } else { "f16" },
             u32::from(self.bf16),
             self.block_q,
@@ -116,6 +121,7 @@ impl Variant {
             self.head_dim,
             self.value_dim,
             u32::from(self.given),
+            u32::from(self.bias_tiles),
             self.rules.defines(),
         )
     }
@@ -180,10 +186,18 @@ fn rounded(dim: usize) -> u32 {
     }
 }
 
+/// Whether the Hopper forward of `config` loads its bias by TMA: a bias is read and
+/// `features` says its rows can be loaded as tiles ([`crate::attention::bias_tiles`]).
+pub fn bias_tiles(config: FlashConfig, features: AttentionFeatures) -> bool {
+    config.rules.bias && features.bias_tiles && config.source == ScoreSource::QueryKey
+}
+
 /// Dynamic shared memory for `config`'s tile: `Q` (none with given scores), [`STAGES`] slots of
-/// `K` (or `X`) and `V` (128 bytes per row per 64 columns: `Q` and `X` have [`BLOCK_Q`] rows,
-/// `K` and `V` `block_k`), the barriers, and 1 KiB to align the swizzle atoms.
-pub fn shared_bytes(config: FlashConfig) -> usize {
+/// `K` (or `X`), `V` and, where the bias comes by TMA (`bias_tiles`, [`bias_tiles`]), the
+/// bias's `block_q × block_k` (128 bytes per row per 64 columns: `Q`, `X` and the bias have
+/// `block_q` rows, `K` and `V` `block_k`), the barriers, and 1 KiB to align the swizzle atoms.
+/// At `D` 128 with a bias that is 225 KiB of the H100's and H200's 227.
+pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
     let (d, dv) = (
         config.head_dim as usize / 64,
         config.value_dim as usize / 64,
@@ -195,14 +209,20 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
     } else {
         (d * rows_atom, d * keys_atom)
     };
-    1024 + q + STAGES * (k + dv * keys_atom) + 128
+    let bias = if bias_tiles {
+        (config.block_k as usize / 64) * rows_atom
+    } else {
+        0
+    };
+    1024 + q + STAGES * (k + dv * keys_atom + bias) + 128
 }
 
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
-/// `hopper`: under [`HopperUse::Faster`], without a mask or a bias (it reads those per
-/// element; RESULTS.md §4.2).
+/// `hopper`: under [`HopperUse::Faster`], without a mask, and with a bias only where it comes
+/// by TMA ([`bias_tiles`]; read per element, masks and biases measured slower than on the
+/// `mma.sync` kernel, RESULTS.md §4.2).
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
-    hopper.wanted(!features.mask && !features.bias)
+    hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -284,6 +304,11 @@ fn hand_written<R: CudaCompiled>(
                 "last_row + diag + (int)p.window_right + 1);",
             ),
             (
+                crate::mutation::bias_block(),
+                "j * BLOCK_N + 64 * a, m0, bias_head, bias_batch);",
+                "(j ^ 1) * BLOCK_N + 64 * a, m0, bias_head, bias_batch);",
+            ),
+            (
                 crate::mutation::forced_spill(),
                 "    regs_claim<240>();",
                 "    regs_claim<176>();",
@@ -362,7 +387,13 @@ pub unsafe fn launch<R: CudaCompiled>(
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(plan.config, bf16);
+    let tiles = bias.is_some_and(|(b, strides)| crate::attention::bias_tiles(b, strides));
+    let variant = Variant::new(plan.config, bf16, tiles);
+    debug_assert_eq!(
+        plan.shared_bytes,
+        shared_bytes(plan.config, variant.bias_tiles),
+        "the plan and the launch see the same bias"
+    );
     let kernel = hand_written(client, variant, plan.units, plan.shared_bytes);
     let log2e = core::f32::consts::LOG2_E;
     let cap = options.softcap.unwrap_or(1.0);
@@ -394,15 +425,29 @@ pub unsafe fn launch<R: CudaCompiled>(
     params.push(words(left, right));
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = seqs.map_or(0, |s| s.shape[0] / 2 - 1);
-    params.push(words(n_seqs as u32, 0));
+    // The bias's TMA view and which of its batch and head coordinates are read.
+    let bias_view = bias
+        .filter(|_| variant.bias_tiles)
+        .map(|(_, strides)| bias_view(strides, dims));
+    let planes = bias_view.as_ref().map_or(0, |(_, _, planes)| *planes);
+    params.push(words(n_seqs as u32, planes));
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
+    let block_q = plan.config.block_q as usize;
     let maps = vec![
-        tensor_map(q, dtype, plan.config.block_q as usize),
+        tensor_map(q, dtype, block_q),
         tensor_map(k, dtype, plan.config.block_k as usize),
         tensor_map(v, dtype, plan.config.block_k as usize),
+        // The bias's rows × 64 keys; without one `Q`'s map stands in, never read.
+        match (&bias_view, bias) {
+            (Some((shape, strides, _)), Some((b, _))) => {
+                tensor_map(&view(b, shape, strides), dtype, block_q)
+            }
+            _ => tensor_map(q, dtype, block_q),
+        },
     ];
-    // SAFETY: the loads stay inside `q`, `k`, `v` (TMA clips every box to the shapes given),
+    // SAFETY: the loads stay inside `q`, `k`, `v` and a bias by TMA (TMA clips every box to the
+    // shapes given, the bias's view describes its buffer: `bias_view`),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
     // strides checked by the caller); block (m, h, b) writes rows 128m .. 128m + 127 below `Sq` of `out[b, h]` and `lse[b, h]`,
     // columns below `Dv`, through the strides given.
@@ -423,6 +468,32 @@ pub unsafe fn launch<R: CudaCompiled>(
             params,
         );
     }
+}
+
+/// A bias with `strides` over `[B, Hq, Sq, Sk]` (a [`crate::attention::bias_tiles`] one) as the
+/// 4-D tensor its TMA map reads: broadcast batch or head dimensions of size 1 (read at
+/// coordinate 0) with the strides of a contiguous layout, which the map encoder accepts, and
+/// the kernel's `bias_planes` word (bit 0: batches read, bit 1: heads).
+#[cfg(feature = "cuda")]
+fn bias_view(strides: &[usize], dims: AttentionDims) -> ([usize; 4], [usize; 4], u32) {
+    let (batched, headed) = (strides[0] != 0, strides[1] != 0);
+    let plane = dims.seq_q * strides[2];
+    let heads = if headed { dims.heads_q } else { 1 };
+    (
+        [
+            if batched { dims.batch } else { 1 },
+            heads,
+            dims.seq_q,
+            dims.seq_k,
+        ],
+        [
+            if batched { strides[0] } else { heads * plane },
+            if headed { strides[1] } else { plane },
+            strides[2],
+            1,
+        ],
+        u32::from(batched) | (u32::from(headed) << 1),
+    )
 }
 
 /// A 3-D tensor `[batch, rows, cols]` as the 4-D `[batch, 1, rows, cols]` its TMA map reads,
@@ -481,8 +552,8 @@ pub unsafe fn launch_given<R: CudaCompiled>(
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(config, bf16);
-    let kernel = hand_written(client, variant, units, shared_bytes(config));
+    let variant = Variant::new(config, bf16, false);
+    let kernel = hand_written(client, variant, units, shared_bytes(config, false));
     let (d1, d2, d3) = (x.shape[1], x.shape[2], v.shape[2]);
     let log2e = core::f32::consts::LOG2_E;
     let (x_shape, x_strides, x_batched) = tma_view(x);
@@ -510,11 +581,12 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     params.push(0);
     let (cx, cy, cz) = cubes;
     let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
-    // The `Q` map is not read with given scores: `X`'s stands in.
+    // The `Q` and bias maps are not read with given scores: `X`'s stands in.
     let maps = vec![
         tensor_map(&x4, dtype, BLOCK_Q),
         tensor_map(&x4, dtype, BLOCK_Q),
         tensor_map(&v4, dtype, config.block_k as usize),
+        tensor_map(&x4, dtype, BLOCK_Q),
     ];
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
