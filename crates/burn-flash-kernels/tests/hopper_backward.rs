@@ -451,17 +451,8 @@ fn hopper_deterministic_backward_bits() {
 fn hopper_backward_at_size() {
     let client = common::hopper_client("the Hopper backward tests");
     let seed = common::seed();
-    for (s, d, causal) in [
-        (4096, 128, false),
-        (4096, 128, true),
-        (4096, 64, false),
-        (1024, 128, false),
-        (4096, 256, false),
-    ] {
-        let c = Case {
-            causal,
-            ..Case::new(4, 16, 16, s, s, d, d)
-        };
+    for c in common::at_size_cases() {
+        let (s, d, causal) = (c.sq, c.d, c.causal);
         let inputs = Inputs::new(&c, seed);
         for half in [Half::F16, Half::Bf16] {
             let (hopper, kernel, ms) = run(&client, &c, half, &inputs, None, 10);
@@ -474,11 +465,7 @@ fn hopper_backward_at_size() {
                 Some(AttentionKernel::MatrixUnits),
                 10,
             );
-            let flops = 2.5
-                * 4.0
-                * (c.b * c.hq * c.sq * c.sk * c.d) as f64
-                * if causal { 0.5 } else { 1.0 };
-            let tflops = |ms: f64| flops / (ms * 1e-3) / 1e12;
+            let tflops = |ms: f64| c.tflops(ms, 2.5);
             print!(
                 "S {s} D {d} causal {causal} {half:?}: hopper {ms:.3} ms ({:.1} TFLOP/s), mma {ms_mma:.3} ms ({:.1} TFLOP/s)",
                 tflops(ms),

@@ -156,6 +156,23 @@ pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The measured shapes of the at-size tests (B 4, H 16; S 4096 with D 128, causal or not,
+/// D 64 and D 256; S 1024 with D 128).
+pub fn at_size_cases() -> impl Iterator<Item = Case> {
+    [
+        (4096, 128, false),
+        (4096, 128, true),
+        (4096, 64, false),
+        (1024, 128, false),
+        (4096, 256, false),
+    ]
+    .into_iter()
+    .map(|(s, d, causal)| Case {
+        causal,
+        ..Case::new(4, 16, 16, s, s, d, d)
+    })
+}
+
 /// One attention call of the Hopper tests: sizes and options; `bshd`: the query-side tensors
 /// (`q`, `out`, and in the backward `dO`, `dQ`) stored `[B, S, H, D]` and passed as permuted
 /// views.
@@ -190,6 +207,14 @@ impl Case {
             bshd: false,
             deterministic: false,
         }
+    }
+
+    /// TFLOP/s of `passes` forwards' worth of work in `ms` milliseconds (4·B·H·Sq·Sk·D, half
+    /// under causal; a backward is 2.5 forwards).
+    pub fn tflops(&self, ms: f64, passes: f64) -> f64 {
+        let causal = if self.causal { 0.5 } else { 1.0 };
+        let flops = passes * 4.0 * (self.b * self.hq * self.sq * self.sk * self.d) as f64;
+        flops * causal / (ms * 1e-3) / 1e12
     }
 
     pub fn scale(&self) -> f64 {
