@@ -231,6 +231,18 @@ pub fn capped(raw: f32, scale: f32, softcap: f32, #[comptime] c: FlashConfig) ->
     s
 }
 
+/// The softcap's derivative at a [`capped()`] score `s`: `1 − (s/c)²` under a softcap `c`, else
+/// 1 (what the backward multiplies `dS` by on its way to `q·k`).
+#[cube]
+pub fn cap_slope(s: f32, softcap: f32, #[comptime] c: FlashConfig) -> f32 {
+    let mut slope = 1.0f32;
+    if comptime!(c.rules.softcap) {
+        let t = s / softcap;
+        slope = 1.0f32 - t * t;
+    }
+    slope
+}
+
 /// The second half of [`score()`]: `s` plus the row's bias at `key` and its ALiBi term
 /// `−slope·|i + Sk − Sq − key|` (`s` itself without either).
 #[cube]

@@ -35,7 +35,7 @@ use crate::flash::forward::cmma::{
 };
 use crate::flash::keys::row_range;
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+    RowRefs, add_bias, cap_slope, capped, filled, live_score, new_refs, set_row, visible,
 };
 
 mod dkv;
@@ -205,10 +205,7 @@ fn weight<F: Float>(
     let mut s = raw;
     if comptime!(!c.given()) {
         let sc = capped(raw, args.scale, args.softcap, c);
-        if comptime!(c.rules.softcap) {
-            let t = sc / args.softcap;
-            fac = 1.0f32 - t * t;
-        }
+        fac = cap_slope(sc, args.softcap, c);
         s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
         s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
     }

@@ -15,7 +15,7 @@ use crate::flash::block::{PairBlock, pair_block, pair_group, span_positions};
 use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{NV8, step_scores};
 use crate::flash::keys::{row_range, sees};
-use crate::flash::scores::{alibi_term, capped};
+use crate::flash::scores::{alibi_term, cap_slope, capped};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::{commit_next, wait_step};
 
@@ -398,11 +398,7 @@ fn key_weight<F: Float, NV: Size>(
     let bq = comptime!(c.block_k as usize);
     let sc = capped(raw, scale, softcap, c);
     let mut x = sc;
-    let mut fac = scale;
-    if comptime!(c.rules.softcap) {
-        let t = sc / softcap;
-        fac = scale * (1.0f32 - t * t);
-    }
+    let mut fac = scale * cap_slope(sc, softcap, c);
     let mut ok = key <= key_last;
     // 0 where a masked key took the fill score (a constant: no dS).
     let mut gate = 1.0f32;

@@ -11,7 +11,9 @@ use crate::flash::config::FlashConfig;
 use crate::flash::forward::mma::{
     CHUNK, KvRows, NV8, advance_kv, end_step, key_of, start_kv, step_scores,
 };
-use crate::flash::scores::{add_bias, capped, filled, live_score, new_refs, set_row, visible};
+use crate::flash::scores::{
+    add_bias, cap_slope, capped, filled, live_score, new_refs, set_row, visible,
+};
 use crate::fragment::{MMA_M, MMA_N, PLANE, V_PAD, zero_accumulators};
 use crate::staging::wait_step;
 
@@ -239,10 +241,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                         let sc = capped(raw[n as usize], scale, softcap, c);
                         x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
                         x = filled::<F>(mask, &refs, h, x, key, seq_k, c);
-                        if comptime!(c.rules.softcap) {
-                            let t = sc / softcap;
-                            fac = scale * (1.0f32 - t * t);
-                        }
+                        fac = scale * cap_slope(sc, softcap, c);
                         ok = ok && visible::<F>(mask, &refs, h, key, seq_q, seq_k, c, true);
                     }
                     let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);

@@ -36,7 +36,7 @@ use crate::flash::block::{
 use crate::flash::config::FlashConfig;
 use crate::flash::keys::row_range;
 use crate::flash::scores::{
-    RowRefs, add_bias, capped, filled, live_score, new_refs, set_row, visible,
+    RowRefs, add_bias, cap_slope, capped, filled, live_score, new_refs, set_row, visible,
 };
 
 /// An f32 4-vector, the unit of the shared tiles.

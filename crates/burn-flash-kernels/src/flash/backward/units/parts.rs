@@ -323,11 +323,7 @@ pub(super) fn rebuild<F: Float>(
             let at = (i * rj + j) as usize;
             let key = j0 + (tx + GRID * j) as usize;
             let sc = capped(w.raw[at], args.scale, softcap, c);
-            let mut fac = 1.0f32;
-            if comptime!(c.rules.softcap) {
-                let t = sc / softcap;
-                fac = 1.0f32 - t * t;
-            }
+            let fac = cap_slope(sc, softcap, c);
             let s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
             let s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
             let ok = rw.ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
