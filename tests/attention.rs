@@ -17,6 +17,14 @@ use burn_flash::{
 use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
 
+/// What one case's checks compare with: the exact output and log-sum-exp, and the naive
+/// model's output in the call's dtype.
+struct References {
+    want: Vec<f64>,
+    want_lse: Vec<f64>,
+    naive: Vec<f64>,
+}
+
 /// Row-major f64 copies of one call's inputs, and the reference output.
 struct Case {
     q: Vec<f64>,
@@ -52,6 +60,55 @@ impl Case {
     /// log-sum-exp of the scores (−inf for a row without one; quiet: `ln(1 + Σ e^s)`, 0).
     fn reference(&self) -> (Vec<f64>, Vec<f64>) {
         self.model(EXACT)
+    }
+
+    /// A hash of everything the references read: calls of one case through several kernels
+    /// share one computation of them ([`Case::references`]).
+    fn fingerprint(&self, dtype: FloatDType) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        let values = |h: &mut std::collections::hash_map::DefaultHasher, v: &[f64]| {
+            v.iter().for_each(|x| x.to_bits().hash(h))
+        };
+        values(&mut h, &self.q);
+        values(&mut h, &self.k);
+        values(&mut h, &self.v);
+        (self.q_dims, self.k_dims, self.dv, self.quiet, self.window).hash(&mut h);
+        self.mask.hash(&mut h);
+        if let Some((b, dims)) = &self.bias {
+            values(&mut h, b);
+            dims.hash(&mut h);
+        }
+        for v in [&self.slopes, &self.sinks].into_iter().flatten() {
+            values(&mut h, v);
+        }
+        self.packed.hash(&mut h);
+        format!("{:?} {:?} {dtype:?}", self.options, self.fill).hash(&mut h);
+        h.finish()
+    }
+
+    /// The exact reference (output, log-sum-exp) and the naive model's output in `dtype`,
+    /// computed once for consecutive calls of the same case (the last case's are kept).
+    fn references(&self, dtype: FloatDType) -> std::rc::Rc<References> {
+        thread_local! {
+            static LAST: std::cell::RefCell<Option<(u64, std::rc::Rc<References>)>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        let key = self.fingerprint(dtype);
+        LAST.with_borrow_mut(|last| match last {
+            Some((k, refs)) if *k == key => refs.clone(),
+            _ => {
+                let (want, want_lse) = self.reference();
+                let (naive, _) = self.model(naive(dtype));
+                let refs = std::rc::Rc::new(References {
+                    want,
+                    want_lse,
+                    naive,
+                });
+                *last = Some((key, refs.clone()));
+                refs
+            }
+        })
     }
 
     /// [`Case::reference`] under rounding `r`: with [`naive`], what a naive implementation in
@@ -353,7 +410,7 @@ fn check_call<B: FlashBackend>(
     sync::<B>(&device);
     let got = read(out);
     let got_lse = read(lse);
-    let (want, want_lse) = case.reference();
+    let refs = case.references(dtype);
     let ctx = format!(
         "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {} packed {:?}",
         case.q_dims,
@@ -368,7 +425,6 @@ fn check_call<B: FlashBackend>(
     // device rounds in places a naive implementation need not (TF32 matmuls on CUDA) and not
     // in others (f32 softmax), so the 2×-naive rule measured against it could collapse to its
     // floor or widen.
-    let (naive, _) = case.model(naive(dtype));
     let _ = (q, k, v, mask, bias);
     // Softmax·V in f32 over Sk terms, scores rounded to the dtype: a few ulps of the largest
     // output in f32, one rounding in f16/bf16 (where the naive error is dominated by storage).
@@ -376,8 +432,8 @@ fn check_call<B: FlashBackend>(
         FloatDType::F32 => (sk as f64 / 16.0).max(4.0),
         _ => 1.0,
     };
-    assert_within_naive(&got, &naive, &want, dtype, floor, &ctx);
-    check_lse(&got_lse, &want_lse, dtype, &ctx);
+    assert_within_naive(&got, &refs.naive, &refs.want, dtype, floor, &ctx);
+    check_lse(&got_lse, &refs.want_lse, dtype, &ctx);
     got
 }
 
