@@ -98,6 +98,9 @@ pub enum Mutation {
     /// `hopper-syntax`: a semicolon of the Hopper forward's source is dropped, a syntax error
     /// NVRTC reports (`cargo xtask cuda-check`).
     HopperSyntax,
+    /// `dropped-parameter`: the Hopper forward's source leaves out the pointer to its bias map's
+    /// buffer, so every argument after it lands one parameter early (`cargo xtask cuda-check`).
+    DroppedParameter,
     /// `uncounted-barriers`: the `mma.sync` forward's plan leaves its two barriers out of its
     /// shared memory, so a D 256 plan on sm_86 / sm_89 asks 16 bytes over the device's limit
     /// (`cargo xtask cuda-check`).
@@ -138,6 +141,7 @@ impl Mutation {
             Self::RegisterBudget => "register-budget",
             Self::HopperSyntax => "hopper-syntax",
             Self::UncountedBarriers => "uncounted-barriers",
+            Self::DroppedParameter => "dropped-parameter",
         }
     }
 }
@@ -186,6 +190,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::RegisterBudget,
             Mutation::HopperSyntax,
             Mutation::UncountedBarriers,
+            Mutation::DroppedParameter,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -359,4 +364,9 @@ pub fn hopper_syntax() -> bool {
 /// [`Mutation::UncountedBarriers`] is active.
 pub fn uncounted_barriers() -> bool {
     active(Mutation::UncountedBarriers)
+}
+
+/// [`Mutation::DroppedParameter`] is active.
+pub fn dropped_parameter() -> bool {
+    active(Mutation::DroppedParameter)
 }

@@ -193,7 +193,7 @@ fn ensure_nvrtc() -> Result<std::path::PathBuf, String> {
 
 /// The check's own mutations: each must make `cuda-check` fail on the calls given, with the
 /// message given in its output.
-const CHECK_MUTATIONS: [(&str, &[&str], &str); 4] = [
+const CHECK_MUTATIONS: [(&str, &[&str], &str); 5] = [
     (
         "forced-spill",
         &[
@@ -233,6 +233,16 @@ const CHECK_MUTATIONS: [(&str, &[&str], &str); 4] = [
             "attention MatrixUnits f16 D256/256 plain fwd",
         ],
         "of shared memory; the device has",
+    ),
+    (
+        "dropped-parameter",
+        &[
+            "--arch",
+            "sm_90a",
+            "--filter",
+            "attention Hopper f16 D128/128 plain fwd",
+        ],
+        "parameters; `burn_flash_hopper_forward` takes",
     ),
 ];
 

@@ -64,8 +64,57 @@ pub struct TargetLaunch {
     /// Cubes launched.
     pub cubes: (u32, u32, u32),
     /// What the context would refuse before NVRTC: cube dim, units or shared memory over the
-    /// device's limits, or a compilation error of cubecl's CUDA compiler.
+    /// device's limits, or a compilation error of cubecl's CUDA compiler; or what the launch
+    /// would get wrong: arguments bound against an entry point that takes another number of
+    /// parameters ([`arguments`]).
     pub refused: Option<String>,
+}
+
+/// The kernel parameters `cubecl-cuda` passes for `args` (its server's launch and
+/// `CudaContext::execute_task`): each TMA map by value, then a pointer to each map's buffer,
+/// then one per buffer, then the scalars and metadata — with grid constants always a struct by
+/// value (and a pointer to the dynamic metadata where there is some), else a pointer where there
+/// are any.
+pub fn arguments(args: &KernelArguments, grid_constants: bool) -> usize {
+    let info = &args.info;
+    let info_params = if grid_constants {
+        1 + usize::from(info.dynamic_metadata_offset < info.data.len())
+    } else {
+        usize::from(!info.data.is_empty())
+    };
+    2 * args.tensor_maps.len() + args.buffers.len() + info_params
+}
+
+/// The number of parameters of `entry`'s definition in a CUDA `source` (`None` where it is not
+/// found): the top-level commas of its parameter list, comments left out.
+pub fn entry_parameters(source: &str, entry: &str) -> Option<usize> {
+    let code: String = source
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let at = code
+        .match_indices(entry)
+        .map(|(i, _)| i + entry.len())
+        .find(|&i| code[i..].trim_start().starts_with('('))?;
+    let list = &code[at..];
+    let open = list.find('(')?;
+    let (mut depth, mut commas, mut empty) = (0usize, 0usize, true);
+    for ch in list[open..].chars() {
+        match ch {
+            '(' | '<' | '[' | '{' => depth += 1,
+            ')' | '>' | ']' | '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(if empty { 0 } else { commas + 1 });
+                }
+            }
+            ',' if depth == 1 => commas += 1,
+            c if depth >= 1 && !c.is_whitespace() => empty = false,
+            _ => {}
+        }
+    }
+    None
 }
 
 static LAUNCHES: Mutex<Vec<TargetLaunch>> = Mutex::new(Vec::new());
@@ -310,11 +359,27 @@ impl ComputeServer for TargetServer {
         &mut self,
         kernel: Self::Kernel,
         count: CubeCount,
-        _: KernelArguments,
+        args: KernelArguments,
         mode: ExecutionMode,
         _: StreamId,
     ) {
         let mut launch = self.compile(kernel.as_ref(), mode);
+        if launch.refused.is_none() {
+            let bound = arguments(&args, self.options.supports_features.grid_constants);
+            match entry_parameters(&launch.source, &launch.entry) {
+                Some(taken) if taken != bound => {
+                    launch.refused = Some(format!(
+                        "the launch binds {bound} parameters; `{}` takes {taken}",
+                        launch.entry
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    launch.refused =
+                        Some(format!("no definition of `{}` in its source", launch.entry));
+                }
+            }
+        }
         launch.cubes = match count {
             CubeCount::Static(x, y, z) => (x, y, z),
             CubeCount::Dynamic(_) => (0, 0, 0),

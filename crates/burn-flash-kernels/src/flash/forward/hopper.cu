@@ -384,8 +384,9 @@ __device__ __forceinline__ void pack_weights(u32 (&pa)[BLOCK_N / 16][4], const f
 extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                           const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tb,
-                          const unsigned short* q_buffer,
-                          const unsigned short* k_buffer, const unsigned short* v_buffer,
+                          // The maps' buffers (the launch binds one per map; not read).
+                          const unsigned short* q_buffer, const unsigned short* k_buffer,
+                          const unsigned short* v_buffer, const unsigned short* b_buffer,
                           unsigned short* __restrict__ out, float* __restrict__ lse,
                           const unsigned short* __restrict__ mask,
                           const unsigned short* __restrict__ bias,

@@ -314,6 +314,11 @@ fn hand_written<R: CudaCompiled>(
                 "    regs_claim<176>();",
             ),
             (
+                crate::mutation::dropped_parameter(),
+                "const unsigned short* v_buffer, const unsigned short* b_buffer,",
+                "const unsigned short* v_buffer,",
+            ),
+            (
                 crate::mutation::hopper_syntax(),
                 "const int diag = (int)p.seq_k - (int)p.seq_q;",
                 "const int diag = (int)p.seq_k - (int)p.seq_q",
