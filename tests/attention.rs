@@ -1204,22 +1204,32 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             AttentionKernel::MatrixUnits
         };
         assert_eq!(masked.kernel, want);
-        // A bias whose rows TMA loads as tiles (`Sk` a multiple of 8) takes the Hopper forward;
-        // one read per element keeps the `mma` kernel unless the run forces Hopper.
-        let biased = |seq_k| {
+        // A bias keeps the `mma` kernel unless the run forces Hopper (its load by TMA has not
+        // run on a GPU yet); forced, a bias whose rows TMA loads as tiles (`Sk` a multiple of
+        // 8) takes two slots of shared memory beside `K`, one read per element none.
+        let biased = |seq_k, kernel| {
             let dims = AttentionDims { seq_k, ..dims(64) };
             let terms = ScoreTerms {
                 bias: true,
                 ..Default::default()
             };
-            attention_plan_with::<B>(device, dims, dtype.into(), Default::default(), terms)
+            let options = FlashAttentionOptions {
+                kernel,
+                ..Default::default()
+            };
+            attention_plan_with::<B>(device, dims, dtype.into(), options, terms)
                 .unwrap()
                 .unwrap()
         };
-        let tiles = biased(328);
-        assert_eq!(tiles.kernel, AttentionKernel::Hopper, "bias as tiles");
-        assert!(tiles.config.rules.bias);
-        assert_eq!(biased(330).kernel, want, "bias read per element");
+        assert_eq!(biased(328, None).kernel, want, "bias as tiles");
+        assert_eq!(biased(330, None).kernel, want, "bias read per element");
+        let (tiles, per_element) = (
+            biased(328, Some(AttentionKernel::Hopper)),
+            biased(330, Some(AttentionKernel::Hopper)),
+        );
+        assert!(tiles.config.rules.bias && per_element.config.rules.bias);
+        // D 64: 192-row blocks, 2 slots of 192 rows × 128 keys × 2 bytes.
+        assert_eq!(tiles.shared_bytes, per_element.shared_bytes + 2 * 192 * 256);
         // D 64 on Hopper: three consumer warpgroups of 64 rows and the producer.
         assert_eq!((default.config.block_q, default.units), (192, 512));
         // Head dims over 128 on Hopper: rounded up to 256, 64 keys per step.

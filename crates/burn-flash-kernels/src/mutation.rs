@@ -98,7 +98,7 @@ pub enum Mutation {
     /// `hopper-syntax`: a semicolon of the Hopper forward's source is dropped, a syntax error
     /// NVRTC reports (`cargo xtask cuda-check`).
     HopperSyntax,
-    /// `dropped-parameter`: the Hopper forward's source leaves out the pointer to its bias map's
+    /// `dropped-parameter`: the Hopper forward's source leaves out the pointer to its `K` map's
     /// buffer, so every argument after it lands one parameter early (`cargo xtask cuda-check`).
     DroppedParameter,
     /// `uncounted-barriers`: the `mma.sync` forward's plan leaves its two barriers out of its

@@ -85,28 +85,86 @@ pub fn arguments(args: &KernelArguments, grid_constants: bool) -> usize {
     2 * args.tensor_maps.len() + args.buffers.len() + info_params
 }
 
+/// The lines of a CUDA `source` the preprocessor keeps, comments left out, each with whether
+/// that is certain: `#if NAME` / `#else` / `#endif` are followed where `NAME` is a
+/// `#define NAME <integer>` seen before (as the variants' defines are); the lines under any
+/// other condition are kept on both branches and marked uncertain.
+fn preprocessed(source: &str) -> Vec<(&str, bool)> {
+    let mut values = std::collections::HashMap::new();
+    // Per open `#if`: whether its lines are kept, and whether that is known.
+    let mut stack: Vec<(bool, bool)> = Vec::new();
+    let mut lines = Vec::new();
+    for line in source.lines() {
+        let code = line.split("//").next().unwrap_or("");
+        let active = stack.iter().all(|&(kept, _)| kept);
+        let certain = stack.iter().all(|&(_, known)| known);
+        let directive = code.trim_start().strip_prefix('#').map(str::trim_start);
+        match directive.map(|d| d.split_once(char::is_whitespace).unwrap_or((d, ""))) {
+            Some(("if", cond)) => {
+                let value = cond
+                    .trim()
+                    .parse::<i64>()
+                    .ok()
+                    .or_else(|| values.get(cond.trim()).copied());
+                stack.push(value.map_or((true, false), |v| (v != 0, true)));
+            }
+            Some(("ifdef" | "ifndef", _)) => stack.push((true, false)),
+            Some(("elif", _)) => {
+                if let Some(top) = stack.last_mut() {
+                    *top = (true, false);
+                }
+            }
+            Some(("else", _)) => {
+                if let Some(top) = stack.last_mut() {
+                    top.0 = !top.0 || !top.1;
+                }
+            }
+            Some(("endif", _)) => {
+                stack.pop();
+            }
+            Some(("define", rest)) if active => {
+                let mut words = rest.split_whitespace();
+                if let (Some(name), Some(value)) = (words.next(), words.next()) {
+                    match value.parse::<i64>() {
+                        Ok(v) if certain => {
+                            values.insert(name, v);
+                        }
+                        _ => {
+                            values.remove(name);
+                        }
+                    }
+                }
+            }
+            Some(_) => {}
+            None if active => lines.push((code, certain)),
+            None => {}
+        }
+    }
+    lines
+}
+
 /// The number of parameters of `entry`'s definition in a CUDA `source` (`None` where it is not
-/// found): the top-level commas of its parameter list, comments left out.
+/// found, or its parameter list lies under a condition [`preprocessed`] cannot follow): the
+/// top-level commas of its parameter list, comments and the lines the preprocessor drops left
+/// out.
 pub fn entry_parameters(source: &str, entry: &str) -> Option<usize> {
-    let code: String = source
-        .lines()
-        .map(|l| l.split("//").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n");
+    let lines = preprocessed(source);
+    let code: String = lines.iter().map(|(l, _)| *l).collect::<Vec<_>>().join("\n");
     let at = code
         .match_indices(entry)
         .map(|(i, _)| i + entry.len())
         .find(|&i| code[i..].trim_start().starts_with('('))?;
-    let list = &code[at..];
-    let open = list.find('(')?;
+    let open = at + code[at..].find('(')?;
     let (mut depth, mut commas, mut empty) = (0usize, 0usize, true);
-    for ch in list[open..].chars() {
+    let mut close = None;
+    for (i, ch) in code[open..].char_indices() {
         match ch {
             '(' | '<' | '[' | '{' => depth += 1,
             ')' | '>' | ']' | '}' => {
                 depth -= 1;
                 if depth == 0 {
-                    return Some(if empty { 0 } else { commas + 1 });
+                    close = Some(open + i);
+                    break;
                 }
             }
             ',' if depth == 1 => commas += 1,
@@ -114,7 +172,16 @@ pub fn entry_parameters(source: &str, entry: &str) -> Option<usize> {
             _ => {}
         }
     }
-    None
+    let close = close?;
+    // The line numbers of the list's first and last characters: all of them certain.
+    let (first, last) = (
+        code[..open].matches('\n').count(),
+        code[..close].matches('\n').count(),
+    );
+    lines[first..=last]
+        .iter()
+        .all(|&(_, certain)| certain)
+        .then_some(if empty { 0 } else { commas + 1 })
 }
 
 static LAUNCHES: Mutex<Vec<TargetLaunch>> = Mutex::new(Vec::new());
@@ -375,8 +442,10 @@ impl ComputeServer for TargetServer {
                 }
                 Some(_) => {}
                 None => {
-                    launch.refused =
-                        Some(format!("no definition of `{}` in its source", launch.entry));
+                    launch.refused = Some(format!(
+                        "the parameters of `{}` not found in its source (or under a condition the check cannot follow)",
+                        launch.entry
+                    ));
                 }
             }
         }
@@ -418,4 +487,23 @@ impl ComputeServer for TargetServer {
     }
 
     fn allocation_mode(&mut self, _: MemoryAllocationMode, _: StreamId) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::entry_parameters;
+
+    /// Parameters are counted on the lines the preprocessor keeps under the variant's integer
+    /// defines; a list under a condition the check cannot follow is not counted.
+    #[test]
+    fn entry_parameters_follow_the_defines() {
+        let body = "extern \"C\" __global__ void k(const Map a, // one, (two)\n#if EXTRA\n const Map b,\n#endif\n float* c, const __grid_constant__ P p) {}\n";
+        let with = |define: &str| format!("{define}#define N 3\n{body}");
+        assert_eq!(entry_parameters(&with("#define EXTRA 1\n"), "k"), Some(4));
+        assert_eq!(entry_parameters(&with("#define EXTRA 0\n"), "k"), Some(3));
+        assert_eq!(entry_parameters(&with("#define EXTRA (1)\n"), "k"), None);
+        assert_eq!(entry_parameters(&with(""), "other"), None);
+        let empty = "#if A && B\n#define X 1\n#endif\nextern \"C\" __global__ void k() {}\n";
+        assert_eq!(entry_parameters(empty, "k"), Some(0));
+    }
 }

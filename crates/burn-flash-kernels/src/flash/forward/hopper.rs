@@ -218,11 +218,11 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 }
 
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
-/// `hopper`: under [`HopperUse::Faster`], without a mask, and with a bias only where it comes
-/// by TMA ([`bias_tiles`]; read per element, masks and biases measured slower than on the
-/// `mma.sync` kernel, RESULTS.md §4.2).
+/// `hopper`: under [`HopperUse::Faster`], without a mask or a bias (read per element, they
+/// measured slower than on the `mma.sync` kernel, RESULTS.md §4.2). A bias by TMA
+/// ([`bias_tiles`]) has not run on a GPU yet: [`HopperUse::Always`] takes it.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
-    hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
+    hopper.wanted(!features.mask && !features.bias)
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -315,8 +315,8 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::dropped_parameter(),
-                "const unsigned short* v_buffer, const unsigned short* b_buffer,",
-                "const unsigned short* v_buffer,",
+                "const unsigned short* k_buffer,\n",
+                "\n",
             ),
             (
                 crate::mutation::hopper_syntax(),
@@ -439,18 +439,15 @@ pub unsafe fn launch<R: CudaCompiled>(
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
     let block_q = plan.config.block_q as usize;
-    let maps = vec![
+    let mut maps = vec![
         tensor_map(q, dtype, block_q),
         tensor_map(k, dtype, plan.config.block_k as usize),
         tensor_map(v, dtype, plan.config.block_k as usize),
-        // The bias's rows × 64 keys; without one `Q`'s map stands in, never read.
-        match (&bias_view, bias) {
-            (Some((shape, strides, _)), Some((b, _))) => {
-                tensor_map(&view(b, shape, strides), dtype, block_q)
-            }
-            _ => tensor_map(q, dtype, block_q),
-        },
     ];
+    // The bias's rows × 64 keys (a variant with `BIAS_TILES` takes a fourth map).
+    if let (Some((shape, strides, _)), Some((b, _))) = (&bias_view, bias) {
+        maps.push(tensor_map(&view(b, shape, strides), dtype, block_q));
+    }
     // SAFETY: the loads stay inside `q`, `k`, `v` and a bias by TMA (TMA clips every box to the
     // shapes given, the bias's view describes its buffer: `bias_view`),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
@@ -586,12 +583,11 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     params.push(0);
     let (cx, cy, cz) = cubes;
     let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
-    // The `Q` and bias maps are not read with given scores: `X`'s stands in.
+    // The `Q` map is not read with given scores: `X`'s stands in.
     let maps = vec![
         tensor_map(&x4, dtype, BLOCK_Q),
         tensor_map(&x4, dtype, BLOCK_Q),
         tensor_map(&v4, dtype, config.block_k as usize),
-        tensor_map(&x4, dtype, BLOCK_Q),
     ];
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
