@@ -416,7 +416,7 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
 }
 
 /// Whether a bias with `strides` over `[B, Hq, Sq, Sk]` (0 along broadcast dimensions,
-/// [`broadcast_strides`]) can be loaded by TMA a tile of rows × keys at a time: unit key
+/// `broadcast_strides`) can be loaded by TMA a tile of rows × keys at a time: unit key
 /// stride, rows of their own (not broadcast), every other stride a multiple of 8 elements
 /// (16 bytes of a 16-bit type) and the buffer starting on 16 bytes.
 pub fn bias_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {

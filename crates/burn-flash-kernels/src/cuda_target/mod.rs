@@ -144,7 +144,7 @@ fn preprocessed(source: &str) -> Vec<(&str, bool)> {
 }
 
 /// The number of parameters of `entry`'s definition in a CUDA `source` (`None` where it is not
-/// found, or its parameter list lies under a condition [`preprocessed`] cannot follow): the
+/// found, or its parameter list lies under a condition `preprocessed` cannot follow): the
 /// top-level commas of its parameter list, comments and the lines the preprocessor drops left
 /// out.
 pub fn entry_parameters(source: &str, entry: &str) -> Option<usize> {
