@@ -1400,6 +1400,31 @@ fn on_every_kernel<B: FlashBackend>(
     }
 }
 
+/// `q`, `k`, `v` of one call.
+type Qkv<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
+
+/// The sizes of a dense call of `[B, Hq, Hkv, Sq, Sk, D]` (`Dv = D`), and its `q`, `k`, `v`
+/// drawn fresh.
+fn dense_inputs<B: FlashBackend>(
+    [nb, hq, hkv, sq, sk, d]: [usize; 6],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> (AttentionDims, Qkv<B>) {
+    let dims = AttentionDims {
+        batch: nb,
+        heads_q: hq,
+        heads_kv: hkv,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        value_dim: d,
+    };
+    let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
+    let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+    let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+    (dims, (q, k, v))
+}
+
 /// Sliding windows (against an explicit band in the reference) and ALiBi from slopes (against
 /// the materialised term), through every kernel the device runs: windows on both sides, causal
 /// windows with `Sq < Sk` and `Sq > Sk` (rows that see nothing give zeros), a window wider than
@@ -1435,23 +1460,12 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             }
             .into()
         };
-        let dims = AttentionDims {
-            batch: nb,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: sq,
-            seq_k: sk,
-            head_dim: d,
-            value_dim: d,
-        };
+        let (dims, (q, k, v)) = dense_inputs::<B>([nb, hq, hkv, sq, sk, d], dtype, device);
         let kernels = runnable_kernels::<B>(device, dims, dtype, options);
         if cuda && dtype != FloatDType::F32 {
             assert!(kernels.contains(&Some(AttentionKernel::MatrixUnits)));
             assert!(kernels.contains(&Some(AttentionKernel::CooperativeMatrix)));
         }
-        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
-        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
-        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
         let slopes = alibi.then(|| random::<B, 1>([hq], 0.02, 0.5, FloatDType::F32, device));
         let mask = terms
             .then(|| bool_mask::<B, 4>([nb, 1, 1, sk], device, |[b, _, _, j]| j + 7 * b + 3 >= sk));
@@ -1502,18 +1516,7 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             ..Default::default()
         }
         .into();
-        let dims = AttentionDims {
-            batch: nb,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: sq,
-            seq_k: sk,
-            head_dim: d,
-            value_dim: d,
-        };
-        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
-        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
-        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let (dims, (q, k, v)) = dense_inputs::<B>([nb, hq, hkv, sq, sk, d], dtype, device);
         let shape = [
             if batches { nb } else { 1 },
             if heads { hq } else { 1 },
@@ -1575,18 +1578,7 @@ fn attention_sinks<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             }
             .into()
         };
-        let dims = AttentionDims {
-            batch: nb,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: sq,
-            seq_k: sk,
-            head_dim: d,
-            value_dim: d,
-        };
-        let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
-        let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
-        let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
+        let (dims, (q, k, v)) = dense_inputs::<B>([nb, hq, hkv, sq, sk, d], dtype, device);
         let sinks = random::<B, 1>([hq], lo, hi, FloatDType::F32, device);
         // Batch 1 masks every key of rows 3 and 5.
         let mask = masked.then(|| {
