@@ -352,7 +352,7 @@ fn bench<R: CubeRuntime, BT: BoolElement>(device: R::Device, runtime: RuntimeNam
                     unit_vectors: Some(k),
                     ..Default::default()
                 };
-                let cube = Un::<R, BT>::flash_softmax_plan(
+                let cube = burn_flash::softmax_plan::<Un<R, BT>>(
                     &device,
                     &[m, n],
                     &[n, 1],

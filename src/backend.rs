@@ -1,7 +1,8 @@
 //! The backend extension: the ops burn-flash adds to a Burn backend, one trait per op, each
 //! next to its op ([`SoftmaxBackend`] in `softmax/backend.rs`, [`SoftmaxMatmulBackend`] in
 //! `softmax_matmul/backend.rs`, [`AttentionBackend`] in `attention/backend.rs`);
-//! [`FlashBackend`] is all three.
+//! [`FlashBackend`] is all three. What the fused kernels would launch comes from one
+//! [`Planner`](crate::Planner) per device (`SoftmaxBackend::flash_planner`).
 //!
 //! Each trait is implemented for
 //! - `CubeBackend<R, F, I, BT>` for every CubeCL runtime (one impl serves CUDA and wgpu): our

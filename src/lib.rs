@@ -28,6 +28,7 @@ mod linear;
 pub mod nn;
 mod norm;
 mod plan_defaults;
+mod planner;
 pub mod softmax;
 pub mod softmax_matmul;
 
@@ -47,9 +48,11 @@ pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use linear::linear;
 pub use norm::layer_norm;
 pub use plan_defaults::{PlanDefaults, plan_defaults, set_plan_defaults};
+pub use planner::Planner;
 pub use softmax::backend::SoftmaxBackend;
 pub use softmax::{
-    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_with,
+    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, log_softmax, quiet_softmax, softmax, softmax_plan,
+    softmax_row_limits, softmax_with,
 };
 pub use softmax_matmul::backend::SoftmaxMatmulBackend;
 pub use softmax_matmul::{

@@ -61,7 +61,7 @@ fn row_limits<B: FlashBackend>(
     device: &B::Device,
     dtype: FloatDType,
 ) -> Option<burn_flash::RowLimits> {
-    B::flash_softmax_row_limits(device, dtype.into(), SoftmaxOptions::default())
+    burn_flash::softmax_row_limits::<B>(device, dtype.into(), SoftmaxOptions::default())
         .map(|r| r.expect("row limits"))
 }
 
@@ -256,9 +256,16 @@ fn far_below_zero<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             _ => vec![100, 3000],
         };
         for n in lengths {
-            let planned =
-                B::flash_softmax_plan(device, &[5, n], &[n, 1], 1, dtype.into(), false, opts)
-                    .expect("fused backend");
+            let planned = burn_flash::softmax_plan::<B>(
+                device,
+                &[5, n],
+                &[n, 1],
+                1,
+                dtype.into(),
+                false,
+                opts,
+            )
+            .expect("fused backend");
             if tier == SoftmaxTier::Exchange && planned.is_err() {
                 // Refused where cubes may not wait on each other: `exchange_tier_refused`.
                 continue;
@@ -373,7 +380,7 @@ fn flat_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let plan = |shape: &[usize], strides: &[usize], backward: bool| {
         let dim = shape.len() - 1;
         let opts = SoftmaxOptions::default();
-        B::flash_softmax_plan(device, shape, strides, dim, dtype.into(), backward, opts)
+        burn_flash::softmax_plan::<B>(device, shape, strides, dim, dtype.into(), backward, opts)
             .expect("fused backend")
             .expect("plan")
     };
@@ -400,7 +407,7 @@ fn flat_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         (SoftmaxTier::Cube, limits.plane + 8),
         (SoftmaxTier::Split, limits.plane + 8),
     ];
-    if B::flash_softmax_plan(
+    if burn_flash::softmax_plan::<B>(
         device,
         &[2, 64],
         &[64, 1],
@@ -470,7 +477,7 @@ fn unit_vectors_spread_rows<B: FlashBackend>(device: &B::Device, dtype: FloatDTy
             unit_vectors: k,
             ..Default::default()
         };
-        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts)
+        burn_flash::softmax_plan::<B>(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts)
             .expect("fused backend")
     };
     let n = (limits.plane + 8).next_multiple_of(8);
@@ -521,7 +528,7 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 unit_vectors: None,
             };
             matches!(
-                B::flash_softmax_row_limits(device, dtype.into(), opts),
+                burn_flash::softmax_row_limits::<B>(device, dtype.into(), opts),
                 Some(Ok(_))
             )
         })
@@ -536,7 +543,7 @@ fn forced_tiers_agree<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             plane_ops,
             unit_vectors: None,
         };
-        let limits = B::flash_softmax_row_limits(device, dtype.into(), opts)
+        let limits = burn_flash::softmax_row_limits::<B>(device, dtype.into(), opts)
             .unwrap()
             .unwrap();
         // Lengths every tier can run forward and backward: up to the plane tier's backward
@@ -573,7 +580,7 @@ fn tier_choice_follows_limits<B: FlashBackend>(device: &B::Device, dtype: FloatD
     let limits = row_limits::<B>(device, dtype).expect("a fused backend reports its limits");
     let plan = |shape: [usize; 2], strides: [usize; 2], backward: bool| {
         let opts = SoftmaxOptions::default();
-        B::flash_softmax_plan(device, &shape, &strides, 1, dtype.into(), backward, opts)
+        burn_flash::softmax_plan::<B>(device, &shape, &strides, 1, dtype.into(), backward, opts)
             .expect("fused backend")
             .expect("plan")
             .tier
@@ -625,7 +632,7 @@ fn fast_exp_choice<B: FlashBackend>(device: &B::Device, cuda: bool) {
         for n in [100, 5000, 1 << 20] {
             for backward in [false, true] {
                 let opts = SoftmaxOptions::default();
-                let plan = B::flash_softmax_plan(
+                let plan = burn_flash::softmax_plan::<B>(
                     device,
                     &[4, n],
                     &[n, 1],
@@ -656,7 +663,7 @@ fn kept_exponentials<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             unit_vectors,
             ..Default::default()
         };
-        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
+        burn_flash::softmax_plan::<B>(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
             .expect("fused backend")
             .expect("plan")
     };
@@ -748,7 +755,7 @@ fn exchange_tier<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             plane_ops: None,
             unit_vectors: None,
         };
-        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
+        burn_flash::softmax_plan::<B>(device, &[4, n], &[n, 1], 1, dtype.into(), backward, opts)
             .expect("fused backend")
     };
     for (backward, cube) in [(false, limits.cube), (true, limits.backward_cube)] {
@@ -838,7 +845,7 @@ fn exchange_tier_refused<B: FlashBackend>(device: &B::Device, dtype: FloatDType)
         unit_vectors: None,
     };
     let plan = |tier| {
-        B::flash_softmax_plan(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts(tier))
+        burn_flash::softmax_plan::<B>(device, &[4, n], &[n, 1], 1, dtype.into(), false, opts(tier))
             .expect("fused backend")
     };
     assert_eq!(plan(None).unwrap().tier, SoftmaxTier::Split);

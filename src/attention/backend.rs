@@ -3,20 +3,14 @@
 //! ([`crate::FlashBackend`] lists the backends).
 
 use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
-use burn::tensor::{
-    DType,
-    ops::{FloatTensor, IntTensor},
-};
+use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_flash_kernels::attention::{
-    AttentionBackwardPlan, AttentionDims, AttentionError, AttentionPlan,
-};
 use burn_fusion::{Fusion, FusionBackend};
 
 use super::operands::{AttentionInputs, HeadOperands, KvCache, NewKeys};
 use super::paged::{AppendDecoded, Appended, RopeArgs};
 use super::paged::{autodiff as paged_autodiff, composed as paged_composed};
-use super::{AttentionGrads, FlashAttentionOptions, ScoreTerms};
+use super::{AttentionGrads, FlashAttentionOptions};
 use super::{autodiff, composed, cube, fusion};
 use crate::{FlashBackend, SoftmaxMatmulBackend};
 
@@ -25,8 +19,7 @@ use crate::{FlashBackend, SoftmaxMatmulBackend};
 /// backward to `m::{forward, backward}` (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the
 /// generic arguments `G, …`; `forward: m::<G, …>` the forward alone; `paged: m::<G, …>`
 /// decoding and the append to `m::{decode, append}`; `append_decode: m::<G, …>` the two as one
-/// op to `m::append_decode`; `planning: B` a wrapper's (`Fusion`, `Autodiff`) planning methods
-/// to its inner backend `B` unchanged.
+/// op to `m::append_decode`. The plans are [`crate::planner::Planner`]'s.
 macro_rules! delegate {
     (ops: $m:ident::<$($g:ty),+>) => {
         delegate!(forward: $m::<$($g),+>);
@@ -111,27 +104,6 @@ macro_rules! delegate {
             )
         }
     };
-    (planning: $inner:ty) => {
-        fn flash_attention_plan(
-            device: &Self::Device,
-            dims: AttentionDims,
-            dtype: DType,
-            options: FlashAttentionOptions,
-            terms: ScoreTerms,
-        ) -> Option<Result<AttentionPlan, AttentionError>> {
-            <$inner>::flash_attention_plan(device, dims, dtype, options, terms)
-        }
-
-        fn flash_attention_backward_plan(
-            device: &Self::Device,
-            dims: AttentionDims,
-            dtype: DType,
-            options: FlashAttentionOptions,
-            terms: ScoreTerms,
-        ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-            <$inner>::flash_attention_backward_plan(device, dims, dtype, options, terms)
-        }
-    };
 }
 
 /// Fused attention ([`crate::attention()`]); provided bodies as
@@ -141,32 +113,6 @@ pub trait AttentionBackend: SoftmaxMatmulBackend {
     delegate!(ops: composed::<Self>);
     delegate!(paged: paged_composed::<Self>);
     delegate!(append_decode: paged_composed::<Self>);
-
-    /// The launch the fused attention backward would make for contiguous tensors, with or
-    /// without a `mask` and a `bias`, tracked or not (`None`: composed fallback).
-    fn flash_attention_backward_plan(
-        device: &Self::Device,
-        dims: AttentionDims,
-        dtype: DType,
-        options: FlashAttentionOptions,
-        terms: ScoreTerms,
-    ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-        let _ = (device, dims, dtype, options, terms);
-        None
-    }
-
-    /// The launch the fused attention would make for contiguous tensors, with or without a
-    /// mask and a bias (`None`: this backend uses the composed fallback).
-    fn flash_attention_plan(
-        device: &Self::Device,
-        dims: AttentionDims,
-        dtype: DType,
-        options: FlashAttentionOptions,
-        terms: ScoreTerms,
-    ) -> Option<Result<AttentionPlan, AttentionError>> {
-        let _ = (device, dims, dtype, options, terms);
-        None
-    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionBackend
@@ -174,37 +120,12 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> AttentionB
 {
     delegate!(ops: cube::<R, F, I, BT>);
     delegate!(paged: cube::<R, F, I, BT>);
-
-    fn flash_attention_backward_plan(
-        device: &Self::Device,
-        dims: AttentionDims,
-        dtype: DType,
-        options: FlashAttentionOptions,
-        terms: ScoreTerms,
-    ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-        let client = R::client(device);
-        Some(super::cube::backward_plan(
-            &client, dims, dtype, options, terms,
-        ))
-    }
-
-    fn flash_attention_plan(
-        device: &Self::Device,
-        dims: AttentionDims,
-        dtype: DType,
-        options: FlashAttentionOptions,
-        terms: ScoreTerms,
-    ) -> Option<Result<AttentionPlan, AttentionError>> {
-        let client = R::client(device);
-        Some(super::cube::plan(&client, dims, dtype, options, terms))
-    }
 }
 
 impl<B: FusionBackend + FlashBackend> AttentionBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
     delegate!(paged: fusion::<B>);
     delegate!(append_decode: fusion::<B>);
-    delegate!(planning: B);
 }
 
 /// The forward runs `B`'s attention and keeps its inputs, output and `lse`; the backward
@@ -214,5 +135,4 @@ impl<B: FlashBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C>
     delegate!(forward: autodiff::<B, C>);
     delegate!(paged: paged_autodiff::<B, C>);
     delegate!(append_decode: paged_autodiff::<B, C>);
-    delegate!(planning: B);
 }

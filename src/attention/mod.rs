@@ -322,7 +322,9 @@ pub(crate) fn attention_checked<B: FlashBackend>(
         },
     };
     let terms = inputs.scores.terms();
-    if let Some(Err(err)) = B::flash_attention_plan(&device, dims, dtype, options, terms) {
+    if let Some(planner) = B::flash_planner(&device)
+        && let Err(err) = planner.attention(dims, dtype, options, terms)
+    {
         panic!("{OP}: {err}");
     }
     let (out, lse) = B::flash_attention(inputs, options);
@@ -399,7 +401,7 @@ pub fn attention_plan_with<B: FlashBackend>(
     options: FlashAttentionOptions,
     terms: ScoreTerms,
 ) -> Option<Result<AttentionPlan, AttentionError>> {
-    B::flash_attention_plan(device, dims, dtype, options, terms)
+    B::flash_planner(device).map(|p| p.attention(dims, dtype, options, terms))
 }
 
 /// The launch the fused attention backward would make on `device` for contiguous tensors of
@@ -434,7 +436,7 @@ pub fn attention_backward_plan_with<B: FlashBackend>(
     options: FlashAttentionOptions,
     terms: ScoreTerms,
 ) -> Option<Result<AttentionBackwardPlan, AttentionError>> {
-    B::flash_attention_backward_plan(device, dims, dtype, options, terms)
+    B::flash_planner(device).map(|p| p.attention_backward(dims, dtype, options, terms))
 }
 
 /// The scale of the scores: the option, or `1/√D`.
@@ -442,6 +444,21 @@ pub(crate) fn scale_of(options: &AttentionModuleOptions, head_dim: usize) -> f64
     options
         .scale
         .unwrap_or_else(|| 1.0 / (head_dim as f64).sqrt())
+}
+
+/// Checks the score scalars of `options` (the scale finite, the softcap positive and finite);
+/// panics naming `op` and the option otherwise.
+pub(crate) fn check_scalars(op: &str, options: &AttentionModuleOptions) {
+    if let Some(cap) = options.softcap
+        && !(cap > 0.0 && cap.is_finite())
+    {
+        panic!("{op}: `softcap` must be positive and finite, got {cap}");
+    }
+    if let Some(scale) = options.scale
+        && !scale.is_finite()
+    {
+        panic!("{op}: `scale` must be finite, got {scale}");
+    }
 }
 
 /// Checks every argument of [`attention`] and returns the call's sizes; panics with a message
@@ -522,16 +539,7 @@ pub fn check_attention<B: Backend>(
             panic!("{OP}: `{name}` is on {other:?}, `query` on {device:?}");
         }
     }
-    if let Some(cap) = options.softcap
-        && !(cap > 0.0 && cap.is_finite())
-    {
-        panic!("{OP}: `softcap` must be positive and finite, got {cap}");
-    }
-    if let Some(scale) = options.scale
-        && !scale.is_finite()
-    {
-        panic!("{OP}: `scale` must be finite, got {scale}");
-    }
+    check_scalars(OP, &options);
     AttentionDims {
         batch,
         heads_q,

@@ -3,22 +3,20 @@
 //! ([`crate::FlashBackend`] lists the backends).
 
 use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
-use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn::tensor::{backend::Backend, ops::FloatTensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_flash_kernels::softmax::{
-    RowLimits, SoftmaxError, SoftmaxOptions, SoftmaxPlan, SoftmaxVariant,
-};
+use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxVariant};
 use burn_fusion::{Fusion, FusionBackend};
 
 use super::{autodiff, cube, fusion};
 use crate::FlashBackend;
+use crate::planner::{CubePlanner, Planner};
 
 /// The methods an implementation passes on, written once (the trait's provided bodies are
 /// written with it too). `ops: m::<G, …>` forwards the ops to `m::forward` and `m::backward`
 /// (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the generic arguments `G, …`; `layers:
 /// m::<G, …>` the layer norm and the linear layer to `crate::norm::m` and `crate::linear::m`;
-/// `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning methods to its inner
-/// backend `B` unchanged.
+/// `planning: B` hands out a wrapper's (`Fusion`, `Autodiff`) inner backend `B`'s planner.
 macro_rules! delegate {
     (ops: $m:ident::<$($g:ty),+>) => {
         /// Softmax family along `dim` of a float tensor of any rank.
@@ -68,24 +66,8 @@ macro_rules! delegate {
         }
     };
     (planning: $inner:ty) => {
-        fn flash_softmax_plan(
-            device: &Self::Device,
-            shape: &[usize],
-            strides: &[usize],
-            dim: usize,
-            dtype: DType,
-            backward: bool,
-            options: SoftmaxOptions,
-        ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-            <$inner>::flash_softmax_plan(device, shape, strides, dim, dtype, backward, options)
-        }
-
-        fn flash_softmax_row_limits(
-            device: &Self::Device,
-            dtype: DType,
-            options: SoftmaxOptions,
-        ) -> Option<Result<RowLimits, SoftmaxError>> {
-            <$inner>::flash_softmax_row_limits(device, dtype, options)
+        fn flash_planner(device: &Self::Device) -> Option<Box<dyn Planner>> {
+            <$inner>::flash_planner(device)
         }
     };
 }
@@ -123,28 +105,10 @@ pub trait SoftmaxBackend: Backend {
     delegate!(ops: composed::<Self>);
     delegate!(layers: composed::<Self>);
 
-    /// The launch the fused softmax (or its `backward`) would make for tensors of `shape` and
-    /// `strides` (`None`: this backend has no fused kernel and uses the composed fallback).
-    fn flash_softmax_plan(
-        device: &Self::Device,
-        shape: &[usize],
-        strides: &[usize],
-        dim: usize,
-        dtype: DType,
-        backward: bool,
-        options: SoftmaxOptions,
-    ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-        let _ = (device, shape, strides, dim, dtype, backward, options);
-        None
-    }
-
-    /// Longest rows of the register tiers on `device` (`None` without fused kernels).
-    fn flash_softmax_row_limits(
-        device: &Self::Device,
-        dtype: DType,
-        options: SoftmaxOptions,
-    ) -> Option<Result<RowLimits, SoftmaxError>> {
-        let _ = (device, dtype, options);
+    /// The planner of the fused kernels on `device` ([`Planner`]; `None`: this backend has
+    /// no fused kernel and runs the composed fallbacks).
+    fn flash_planner(device: &Self::Device) -> Option<Box<dyn Planner>> {
+        let _ = device;
         None
     }
 }
@@ -155,51 +119,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxBac
     delegate!(ops: cube::<R>);
     delegate!(layers: cube::<R, F, I, BT>);
 
-    fn flash_softmax_plan(
-        device: &Self::Device,
-        shape: &[usize],
-        strides: &[usize],
-        dim: usize,
-        dtype: DType,
-        backward: bool,
-        options: SoftmaxOptions,
-    ) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
-        let client = R::client(device);
-        // What the op does with a non-contiguous softmax dim and few rows: relay out first.
-        let relaid;
-        let strides = if super::cube::relayout_first(shape, strides, dim, &options) {
-            relaid = super::cube::dim_last_strides(shape, dim);
-            &relaid[..]
-        } else {
-            strides
-        };
-        let tensors: &[&[usize]] = if backward {
-            &[strides, strides, strides]
-        } else {
-            &[strides, strides]
-        };
-        Some(burn_flash_kernels::softmax::plan_softmax(
-            &client,
-            shape,
-            tensors,
-            dim,
-            dtype.into(),
-            SoftmaxVariant::Softmax,
-            options,
-        ))
-    }
-
-    fn flash_softmax_row_limits(
-        device: &Self::Device,
-        dtype: DType,
-        options: SoftmaxOptions,
-    ) -> Option<Result<RowLimits, SoftmaxError>> {
-        let client = R::client(device);
-        Some(burn_flash_kernels::softmax::row_limits(
-            &client,
-            dtype.into(),
-            options,
-        ))
+    fn flash_planner(device: &Self::Device) -> Option<Box<dyn Planner>> {
+        Some(Box::new(CubePlanner::<R>::new(device)))
     }
 }
 

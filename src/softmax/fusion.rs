@@ -61,8 +61,8 @@ fn validate<B: FusionBackend + FlashBackend>(
     let dims: Vec<usize> = x.shape.iter().copied().collect();
     let strides = super::cube::dim_last_strides(&dims, dim);
     let device = x.client.device().clone();
-    if let Some(Err(err)) =
-        B::flash_softmax_plan(&device, &dims, &strides, dim, x.dtype, backward, options)
+    if let Some(planner) = B::flash_planner(&device)
+        && let Err(err) = planner.softmax(&dims, &strides, dim, x.dtype, backward, options)
     {
         panic!("burn_flash::{op}: {err}");
     }

@@ -10,7 +10,8 @@ pub(crate) mod cube;
 pub(crate) mod fusion;
 pub mod reference;
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use burn_flash_kernels::softmax::{SoftmaxOptions, SoftmaxTier, SoftmaxVariant};
 
 use crate::FlashBackend;
@@ -85,6 +86,31 @@ pub fn softmax_with<const D: usize, B: FlashBackend>(
     check_dim(variant_name(variant), dim, D);
     let y = B::flash_softmax(tensor.into_primitive().tensor(), dim, variant, options);
     Tensor::from_primitive(TensorPrimitive::Float(y))
+}
+
+/// The launch the fused softmax (or its `backward`) would make on `device` along `dim` of
+/// tensors of `shape` and `strides` (`None`: the backend runs the composed fallback, e.g.
+/// NdArray; under `Autodiff<B>`, `B`'s plan).
+pub fn softmax_plan<B: FlashBackend>(
+    device: &B::Device,
+    shape: &[usize],
+    strides: &[usize],
+    dim: usize,
+    dtype: DType,
+    backward: bool,
+    options: SoftmaxOptions,
+) -> Option<Result<SoftmaxPlan, SoftmaxError>> {
+    B::flash_planner(device).map(|p| p.softmax(shape, strides, dim, dtype, backward, options))
+}
+
+/// The longest rows each register tier of the fused softmax takes on `device` (`None`: the
+/// backend has no fused kernels).
+pub fn softmax_row_limits<B: FlashBackend>(
+    device: &B::Device,
+    dtype: DType,
+    options: SoftmaxOptions,
+) -> Option<Result<RowLimits, SoftmaxError>> {
+    B::flash_planner(device).map(|p| p.softmax_row_limits(dtype, options))
 }
 
 /// [`softmax_with`] with the default options.

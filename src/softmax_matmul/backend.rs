@@ -3,11 +3,9 @@
 //! and `Autodiff` ([`crate::FlashBackend`] lists the backends).
 
 use burn::backend::{Autodiff, autodiff::checkpoint::strategy::CheckpointStrategy};
-use burn::tensor::{DType, backend::Backend, ops::FloatTensor};
+use burn::tensor::{backend::Backend, ops::FloatTensor};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
-use burn_flash_kernels::softmax_matmul::{
-    SmmDims, SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
-};
+use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 use burn_fusion::{Fusion, FusionBackend};
 
 use super::{autodiff, cube, fusion};
@@ -15,9 +13,8 @@ use crate::FlashBackend;
 
 /// The methods an implementation passes on, written once (the trait's provided bodies are
 /// written with it too). `ops: m::<G, …>` forwards the ops to `m::forward` and `m::backward`
-/// (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the generic arguments `G, …`;
-/// `planning: B` forwards a wrapper's (`Fusion`, `Autodiff`) planning methods to its inner
-/// backend `B` unchanged.
+/// (`m`: `composed`, `cube`, `fusion`, `autodiff`) with the generic arguments `G, …`. Its plan
+/// is [`crate::planner::Planner::softmax_matmul`].
 macro_rules! delegate {
     (ops: $m:ident::<$($g:ty),+>) => {
         /// `(softmax(x)·v, logsumexp(x))` for `x` of shape `[batch, d1, d2]` and `v` of shape
@@ -41,16 +38,6 @@ macro_rules! delegate {
             options: SoftmaxMatmulOptions,
         ) -> (FloatTensor<Self>, FloatTensor<Self>) {
             $m::backward::<$($g),+>(x, v, out, lse, d_out, options)
-        }
-    };
-    (planning: $inner:ty) => {
-        fn flash_softmax_matmul_plan(
-            device: &Self::Device,
-            dims: SmmDims,
-            dtype: DType,
-            options: SoftmaxMatmulOptions,
-        ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-            <$inner>::flash_softmax_matmul_plan(device, dims, dtype, options)
         }
     };
 }
@@ -83,45 +70,18 @@ mod composed {
 /// [`SoftmaxBackend`](crate::SoftmaxBackend)'s.
 pub trait SoftmaxMatmulBackend: Backend {
     delegate!(ops: composed::<Self>);
-
-    /// The forward launch the fused `softmax(X)·V` would make (`None`: composed fallback).
-    fn flash_softmax_matmul_plan(
-        device: &Self::Device,
-        dims: SmmDims,
-        dtype: DType,
-        options: SoftmaxMatmulOptions,
-    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-        let _ = (device, dims, dtype, options);
-        None
-    }
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> SoftmaxMatmulBackend
     for CubeBackend<R, F, I, BT>
 {
     delegate!(ops: cube::<R>);
-
-    fn flash_softmax_matmul_plan(
-        device: &Self::Device,
-        dims: SmmDims,
-        dtype: DType,
-        options: SoftmaxMatmulOptions,
-    ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-        use burn_flash_kernels::softmax_matmul::{contiguous_row_vector, plan_softmax_matmul};
-        let client = R::client(device);
-        let dtype = dtype.into();
-        // Contiguous tensors: the layout Burn gives new tensors.
-        let vector = contiguous_row_vector(dims, dtype);
-        Some(plan_softmax_matmul(&client, dims, dtype, vector, options))
-    }
 }
 
 impl<B: FusionBackend + FlashBackend> SoftmaxMatmulBackend for Fusion<B> {
     delegate!(ops: fusion::<B>);
-    delegate!(planning: B);
 }
 
 impl<B: FlashBackend, C: CheckpointStrategy> SoftmaxMatmulBackend for Autodiff<B, C> {
     delegate!(ops: autodiff::<B, C>);
-    delegate!(planning: B);
 }

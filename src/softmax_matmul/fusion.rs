@@ -67,7 +67,9 @@ fn validate<B: FusionBackend + FlashBackend>(
     super::check_dtypes(x.dtype, v.dtype);
     let dims = dims_of(&x.shape, &v.shape);
     let device = x.client.device().clone();
-    if let Some(Err(err)) = B::flash_softmax_matmul_plan(&device, dims, x.dtype, options) {
+    if let Some(planner) = B::flash_planner(&device)
+        && let Err(err) = planner.softmax_matmul(dims, x.dtype, options)
+    {
         panic!("burn_flash::softmax_matmul: {err}");
     }
 }

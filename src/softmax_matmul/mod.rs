@@ -18,7 +18,7 @@ pub use burn_flash_kernels::softmax_matmul::{
     SoftmaxMatmulPlan,
 };
 
-use crate::SoftmaxMatmulBackend;
+use crate::{FlashBackend, SoftmaxMatmulBackend};
 
 /// `softmax(x, D − 1)·v` in one fused op: `x` is `[..batch, d1, d2]`, `v` is `[..batch, d2, d3]`
 /// (the same leading dims) or `[d2, d3]` (one `v` shared by every batch), the result
@@ -73,18 +73,14 @@ pub fn softmax_matmul_with<B: SoftmaxMatmulBackend, const D: usize, const DV: us
 /// The plan the fused forward would run for contiguous `x` of shape `[..batch, d1, d2]` and `v`
 /// with `d3` columns on `device`: the kernel ([`SmmForwardKernel`]), its tiles and grid
 /// (`None`: the backend uses the composed fallback).
-pub fn softmax_matmul_plan<B: SoftmaxMatmulBackend>(
+pub fn softmax_matmul_plan<B: FlashBackend>(
     device: &B::Device,
     dims: SmmDims,
     dtype: DType,
     options: SoftmaxMatmulOptions,
 ) -> Option<Result<SoftmaxMatmulPlan, SoftmaxMatmulError>> {
-    B::flash_softmax_matmul_plan(
-        device,
-        dims,
-        dtype,
-        crate::plan_defaults::softmax_matmul_options(options),
-    )
+    let options = crate::plan_defaults::softmax_matmul_options(options);
+    B::flash_planner(device).map(|p| p.softmax_matmul(dims, dtype, options))
 }
 
 /// Checks the arguments and flattens them to `[batch, d1, d2]` and `[1 or batch, d2, d3]`;
