@@ -111,8 +111,8 @@ fn module_options<B: Backend>(
     FlashAttentionOptions {
         module: burn::tensor::ops::AttentionModuleOptions {
             scale: Some(1.0 / (d_head as f64).sqrt()),
-            softcap: None,
             is_causal: causal,
+            ..Default::default()
         },
         masked_score: Some(min_float),
         quiet,

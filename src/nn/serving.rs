@@ -290,8 +290,8 @@ impl<B: FlashBackend> ServingLayer<B> {
         let mha = &self.layer.mha;
         let module = burn::tensor::ops::AttentionModuleOptions {
             scale: Some(1.0 / (mha.d_k as f64).sqrt()),
-            softcap: None,
             is_causal: true,
+            ..Default::default()
         };
         FlashAttentionOptions {
             module,

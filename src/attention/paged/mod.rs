@@ -205,16 +205,7 @@ fn check_decode<B: FlashBackend>(
     if options.dropout.is_some_and(|d| d.prob > 0.0) {
         panic!("{OP}: paged attention applies no dropout (an inference op)");
     }
-    if let Some(cap) = options.module.softcap
-        && !(cap > 0.0 && cap.is_finite())
-    {
-        panic!("{OP}: `softcap` must be positive and finite, got {cap}");
-    }
-    if let Some(scale) = options.module.scale
-        && !scale.is_finite()
-    {
-        panic!("{OP}: `scale` must be finite, got {scale}");
-    }
+    super::check_scalars(OP, &options.module);
     check_window_reach(table, query.dims()[2], options.window);
     let f32_terms =
         |t: Option<Tensor<B, 1>>| t.map(|t| t.cast(DType::F32).into_primitive().tensor());

@@ -360,7 +360,7 @@ pub fn flash_decode<F: Float, NV: Size>(
             #[unroll]
             for t in 0..kpg {
                 let key = j0 + t * groups + g;
-                let mut s = capped(sc[r * kpg + t], args.scale, args.softcap, c);
+                let mut s = capped(sc[r * kpg + t], &args, c);
                 if comptime!(c.rules.alibi) {
                     s -= slope[r] * f32::abs(f32::cast_from(key) - diag[r]);
                 }

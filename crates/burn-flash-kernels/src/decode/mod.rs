@@ -27,7 +27,7 @@ use crate::attention::options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
     DecodeSchedule, attention_dims, validate,
 };
-use crate::flash::args::{ForwardOutputsLaunch, ScoreArgsLaunch};
+use crate::flash::args::ForwardOutputsLaunch;
 use crate::flash::config::{FlashConfig, ScoreSource, Tile};
 use crate::tensor::TensorRef;
 use append::{AppendConfig, AppendSourcesLaunch, AppendTargetsLaunch};
@@ -427,16 +427,8 @@ pub(crate) unsafe fn launch_planned<R: Runtime>(
     } else {
         2
     };
-    let scalars = options.scalars();
-    let (left, right) = scalars.window_args();
-    let dropout = crate::flash::args::DropoutLaunch::new(0u32, 0u32, 0u32, 1.0f32);
-    let args = ScoreArgsLaunch::new(
-        scalars.scale,
-        scalars.softcap.unwrap_or(1.0),
-        dropout,
-        left,
-        right,
-    );
+    // The decoding kernel reads no dropout (its rules have none).
+    let args = options.scalars().arg::<R>();
     let count = CubeCount::Static(
         plan.cubes.0 as u32,
         plan.cubes.1 as u32,

@@ -211,33 +211,32 @@ pub fn score<F: Float>(
     raw: f32,
     key: usize,
     seq_k: usize,
-    scale: f32,
-    softcap: f32,
+    args: &ScoreArgs,
     #[comptime] c: FlashConfig,
 ) -> f32 {
-    let s = capped(raw, scale, softcap, c);
+    let s = capped(raw, args, c);
     let s = add_bias::<F>(bias, refs, slot, s, key, seq_k, c);
     filled::<F>(mask, refs, slot, s, key, seq_k, c)
 }
 
-/// The first half of [`score()`]: `q·k` scaled and (with a softcap) capped. The backward reads
-/// the softcap's derivative `1 − (s/c)²` from it.
+/// The first half of [`score()`]: `q·k` scaled and (with a softcap) capped, the scalars from
+/// `args`. The backward reads the softcap's derivative `1 − (s/c)²` from it ([`cap_slope()`]).
 #[cube]
-pub fn capped(raw: f32, scale: f32, softcap: f32, #[comptime] c: FlashConfig) -> f32 {
-    let mut s = raw * scale;
+pub fn capped(raw: f32, args: &ScoreArgs, #[comptime] c: FlashConfig) -> f32 {
+    let mut s = raw * args.scale;
     if comptime!(c.rules.softcap) {
-        s = soft_cap(s, softcap);
+        s = soft_cap(s, args.softcap);
     }
     s
 }
 
-/// The softcap's derivative at a [`capped()`] score `s`: `1 − (s/c)²` under a softcap `c`, else
-/// 1 (what the backward multiplies `dS` by on its way to `q·k`).
+/// The softcap's derivative at a [`capped()`] score `s`: `1 − (s/c)²` under a softcap `c`
+/// (`args.softcap`), else 1 (what the backward multiplies `dS` by on its way to `q·k`).
 #[cube]
-pub fn cap_slope(s: f32, softcap: f32, #[comptime] c: FlashConfig) -> f32 {
+pub fn cap_slope(s: f32, args: &ScoreArgs, #[comptime] c: FlashConfig) -> f32 {
     let mut slope = 1.0f32;
     if comptime!(c.rules.softcap) {
-        let t = s / softcap;
+        let t = s / args.softcap;
         slope = 1.0f32 - t * t;
     }
     slope

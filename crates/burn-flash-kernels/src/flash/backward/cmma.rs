@@ -204,8 +204,8 @@ fn weight<F: Float>(
     let mut fac = 1.0f32;
     let mut s = raw;
     if comptime!(!c.given()) {
-        let sc = capped(raw, args.scale, args.softcap, c);
-        fac = cap_slope(sc, args.softcap, c);
+        let sc = capped(raw, args, c);
+        fac = cap_slope(sc, args, c);
         s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
         s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
     }

@@ -394,11 +394,11 @@ fn key_weight<F: Float, NV: Size>(
 ) -> KeyWeight {
     let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (seq_q, seq_k, batch) = (blk.seq_q, blk.seq_k, blk.batch);
-    let (scale, softcap) = (args.scale, args.softcap);
+    let scale = args.scale;
     let bq = comptime!(c.block_k as usize);
-    let sc = capped(raw, scale, softcap, c);
+    let sc = capped(raw, args, c);
     let mut x = sc;
-    let mut fac = scale * cap_slope(sc, softcap, c);
+    let mut fac = scale * cap_slope(sc, args, c);
     let mut ok = key <= key_last;
     // 0 where a masked key took the fill score (a constant: no dS).
     let mut gate = 1.0f32;

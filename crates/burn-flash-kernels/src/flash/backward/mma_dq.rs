@@ -54,7 +54,7 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
     let units = comptime!(rows_per_cube / MMA_M * PLANE);
     let given = comptime!(c.given());
     let drop = args.dropout;
-    let (scale, softcap) = (args.scale, args.softcap);
+    let scale = args.scale;
     let chunks = comptime!(c.block_k / CHUNK);
     let d_ldv = comptime!((c.head_dim + V_PAD) as usize / NV8);
     let v_ldv = comptime!((c.value_dim + V_PAD) as usize / NV8);
@@ -238,10 +238,10 @@ pub fn flash_backward_dq_mma<F: Float, NV: Size, ND: Size>(
                         fac = 1.0f32;
                         ok = ok && key < seq_k;
                     } else {
-                        let sc = capped(raw[n as usize], scale, softcap, c);
+                        let sc = capped(raw[n as usize], &args, c);
                         x = add_bias::<F>(bias, &refs, h, sc, key, seq_k, c);
                         x = filled::<F>(mask, &refs, h, x, key, seq_k, c);
-                        fac = scale * cap_slope(sc, softcap, c);
+                        fac = scale * cap_slope(sc, &args, c);
                         ok = ok && visible::<F>(mask, &refs, h, key, seq_q, seq_k, c, true);
                     }
                     let p = select(ok, f32::exp(x - row_lse[h]), 0.0f32);

@@ -343,7 +343,6 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (out, lse) = (&mut outputs.out, &mut outputs.lse);
-    let (scale, softcap) = (args.scale, args.softcap);
     let drop = args.dropout;
     let given = comptime!(c.given());
     let nv = NV::value();
@@ -543,18 +542,8 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
                 #[unroll]
                 for e in 0..nv {
                     let raw = ss[s_at + r * sl as usize + first + e];
-                    sv[g * nv + e] = score::<F>(
-                        mask,
-                        bias,
-                        &refs,
-                        0,
-                        raw,
-                        j0 + first + e,
-                        seq_k,
-                        scale,
-                        softcap,
-                        c,
-                    );
+                    sv[g * nv + e] =
+                        score::<F>(mask, bias, &refs, 0, raw, j0 + first + e, seq_k, &args, c);
                 }
             }
             #[unroll]

@@ -47,7 +47,7 @@ use cubecl::{
 };
 
 use crate::dropout::keep_weight;
-use crate::flash::args::{Dropout, ForwardOutputs, ScoreArgs, ScoreInputs};
+use crate::flash::args::{ForwardOutputs, ScoreArgs, ScoreInputs};
 use crate::flash::block::{cube_block, cube_group};
 use crate::flash::config::FlashConfig;
 use crate::flash::online::{
@@ -224,15 +224,14 @@ fn step<F: Float, NV: Size>(
     l_mma: &mut Sequence<Array<Vector<f32, Const<2>>>>,
     j0: usize,
     seqs: (usize, usize),
-    params: (f32, f32),
-    drop: &Dropout,
+    args: &ScoreArgs,
     pairs: &Array<usize>,
     #[comptime] c: FlashConfig,
     #[comptime] bounds: bool,
 ) {
     let (k_buf, v_buf) = kv_buf;
     let (seq_q, seq_k) = seqs;
-    let (scale, softcap) = params;
+    let drop = &args.dropout;
     let def = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let quad = (lane % 4) as usize;
@@ -284,7 +283,7 @@ fn step<F: Float, NV: Size>(
                     let key = j0 + key_of(j, quad, n, c);
                     let mut x = vec[n as usize];
                     if comptime!(!c.given()) {
-                        x = score::<F>(mask, bias, refs, slot, x, key, seq_k, scale, softcap, c);
+                        x = score::<F>(mask, bias, refs, slot, x, key, seq_k, args, c);
                     }
                     let ok = visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, bounds);
                     vec[n as usize] = select(ok, x, f32::min_value());
@@ -492,8 +491,6 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
     let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (out, lse) = (&mut outputs.out, &mut outputs.lse);
     let units = comptime!((c.block_q / (MMA_M * c.row_tiles)) * PLANE);
-    let drop = args.dropout;
-    let (scale, softcap) = (args.scale, args.softcap);
     let given = comptime!(c.given());
     let k_len = comptime!(c.block_k as usize * (c.head_dim + V_PAD) as usize / NV8);
     let v_len = comptime!(c.block_k as usize * (c.value_dim + V_PAD) as usize / NV8);
@@ -601,8 +598,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
                 &mut l_mma,
                 j0,
                 (seq_q, seq_k),
-                (scale, softcap),
-                &drop,
+                &args,
                 &pairs,
                 c,
                 false,
@@ -623,8 +619,7 @@ pub fn flash_forward_mma<F: Float, NV: Size, NO: Size>(
                 &mut l_mma,
                 j0,
                 (seq_q, seq_k),
-                (scale, softcap),
-                &drop,
+                &args,
                 &pairs,
                 c,
                 true,

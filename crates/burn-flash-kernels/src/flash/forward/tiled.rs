@@ -396,7 +396,6 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (out, lse) = (&mut outputs.out, &mut outputs.lse);
-    let (scale, softcap) = (args.scale, args.softcap);
     let given = comptime!(c.given());
     let ro = comptime!(roles(c));
     let ku = comptime!(ro.keys as usize);
@@ -519,7 +518,7 @@ pub fn flash_forward_tiled<F: Float, NV: Size>(
                     let key = j0 + ku * kg as usize + n;
                     let mut x = s[i * ku + n];
                     if comptime!(!given) {
-                        x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
+                        x = score::<F>(mask, bias, &refs, i, x, key, seq_k, &args, c);
                     }
                     let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
                         && (full || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));

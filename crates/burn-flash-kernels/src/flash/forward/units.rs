@@ -140,7 +140,6 @@ pub fn flash_forward_units<F: Float>(
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
     let (out, lse) = (&mut outputs.out, &mut outputs.lse);
-    let (scale, softcap) = (args.scale, args.softcap);
     let drop = args.dropout;
     let given = comptime!(c.given());
     let v_chunks = comptime!(c.value_dim / V_CHUNK);
@@ -269,7 +268,7 @@ pub fn flash_forward_units<F: Float>(
                 let at = i * keys_u as usize + cc;
                 let mut x = sacc[at];
                 if comptime!(!given) {
-                    x = score::<F>(mask, bias, &refs, i, x, key, seq_k, scale, softcap, c);
+                    x = score::<F>(mask, bias, &refs, i, x, key, seq_k, &args, c);
                 }
                 let ok = visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, false)
                     && (full || visible::<F>(mask, &refs, i, key, seq_q, seq_k, c, true));

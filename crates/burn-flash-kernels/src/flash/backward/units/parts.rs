@@ -314,7 +314,7 @@ pub(super) fn rebuild<F: Float>(
 ) {
     let (mask, bias, refs) = (&inputs.mask, &inputs.bias, &rw.refs);
     let (seq_q, seq_k) = (blk.seq_q, blk.seq_k);
-    let (softcap, drop) = (args.softcap, &args.dropout);
+    let drop = &args.dropout;
     #[unroll]
     for i in 0..ri {
         let slot = i as usize;
@@ -322,8 +322,8 @@ pub(super) fn rebuild<F: Float>(
         for j in 0..rj {
             let at = (i * rj + j) as usize;
             let key = j0 + (tx + GRID * j) as usize;
-            let sc = capped(w.raw[at], args.scale, softcap, c);
-            let fac = cap_slope(sc, softcap, c);
+            let sc = capped(w.raw[at], args, c);
+            let fac = cap_slope(sc, args, c);
             let s = add_bias::<F>(bias, refs, slot, sc, key, seq_k, c);
             let s = filled::<F>(mask, refs, slot, s, key, seq_k, c);
             let ok = rw.ok[slot] && visible::<F>(mask, refs, slot, key, seq_q, seq_k, c, true);
