@@ -218,11 +218,11 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 }
 
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
-/// `hopper`: under [`HopperUse::Faster`], without a mask or a bias (read per element, they
-/// measured slower than on the `mma.sync` kernel, RESULTS.md §4.2). A bias by TMA
-/// ([`bias_tiles`]) has not run on a GPU yet: [`HopperUse::Always`] takes it.
+/// `hopper`: under [`HopperUse::Faster`], without a mask, and without a bias unless TMA loads
+/// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0). A mask, or a
+/// bias read per element, measured slower than on the `mma.sync` kernel (§4.2).
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
-    hopper.wanted(!features.mask && !features.bias)
+    hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
