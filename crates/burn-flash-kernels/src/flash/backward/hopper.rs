@@ -67,11 +67,13 @@ const ROWS_ENTRY: &str = "burn_flash_hopper_backward_rows";
 #[cfg(feature = "cuda")]
 const DQ_ENTRY: &str = "burn_flash_hopper_backward_dq";
 
-/// The CUDA source of the main kernel: the instruction wrappers, the score helpers, the kernel.
+/// The CUDA source of the main kernel: the instruction wrappers, the score helpers, the kernel's
+/// tile, parameters and helpers, the kernel.
 #[cfg(feature = "cuda")]
 pub const SOURCE: &str = concat!(
     include_str!("../../hopper/sm90.cuh"),
     include_str!("../scores.cuh"),
+    include_str!("hopper.cuh"),
     include_str!("hopper.cu")
 );
 
