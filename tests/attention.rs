@@ -995,15 +995,7 @@ fn head_dims<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         );
     }
     let d = burn_flash::attention::MAX_HEAD_DIM + 32;
-    let dims = AttentionDims {
-        batch: 1,
-        heads_q: 1,
-        heads_kv: 1,
-        seq_q: 4,
-        seq_k: 4,
-        head_dim: d,
-        value_dim: d,
-    };
+    let dims = dense_dims([1, 1, 1, 4, 4, d]);
     let fused = attention_plan::<B>(device, dims, dtype.into(), Default::default()).is_some();
     if fused {
         let q = rand4::<B>([1, 1, 4, d], 1.0, dtype, device);
@@ -1086,15 +1078,7 @@ fn empty_dims<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 /// elsewhere; a forced matrix-unit kernel where it cannot run is refused before any launch,
 /// naming the reason.
 fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
-    let dims = |d: usize| AttentionDims {
-        batch: 2,
-        heads_q: 4,
-        heads_kv: 2,
-        seq_q: 70,
-        seq_k: 90,
-        head_dim: d,
-        value_dim: d,
-    };
+    let dims = |d: usize| dense_dims([2, 4, 2, 70, 90, d]);
     let plan = |d: usize, kernel: Option<AttentionKernel>| {
         let options = FlashAttentionOptions {
             kernel,
@@ -1407,14 +1391,9 @@ fn on_every_kernel<B: FlashBackend>(
 /// `q`, `k`, `v` of one call.
 type Qkv<B> = (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>);
 
-/// The sizes of a dense call of `[B, Hq, Hkv, Sq, Sk, D]` (`Dv = D`), and its `q`, `k`, `v`
-/// drawn fresh.
-fn dense_inputs<B: FlashBackend>(
-    [nb, hq, hkv, sq, sk, d]: [usize; 6],
-    dtype: FloatDType,
-    device: &B::Device,
-) -> (AttentionDims, Qkv<B>) {
-    let dims = AttentionDims {
+/// The sizes of a dense call of `[B, Hq, Hkv, Sq, Sk, D]` (`Dv = D`).
+fn dense_dims([nb, hq, hkv, sq, sk, d]: [usize; 6]) -> AttentionDims {
+    AttentionDims {
         batch: nb,
         heads_q: hq,
         heads_kv: hkv,
@@ -1422,7 +1401,17 @@ fn dense_inputs<B: FlashBackend>(
         seq_k: sk,
         head_dim: d,
         value_dim: d,
-    };
+    }
+}
+
+/// [`dense_dims`] of a dense call, and its `q`, `k`, `v` drawn fresh.
+fn dense_inputs<B: FlashBackend>(
+    sizes: [usize; 6],
+    dtype: FloatDType,
+    device: &B::Device,
+) -> (AttentionDims, Qkv<B>) {
+    let [nb, hq, hkv, sq, sk, d] = sizes;
+    let dims = dense_dims(sizes);
     let q = rand4::<B>([nb, hq, sq, d], 1.0, dtype, device);
     let k = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
     let v = rand4::<B>([nb, hkv, sk, d], 1.0, dtype, device);
@@ -1679,15 +1668,7 @@ fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             }
             .into()
         };
-        let dims = AttentionDims {
-            batch: 1,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: tq,
-            seq_k: tk,
-            head_dim: d,
-            value_dim: d,
-        };
+        let dims = dense_dims([1, hq, hkv, tq, tk, d]);
         let terms = ScoreTerms {
             varlen: true,
             ..Default::default()
@@ -1823,15 +1804,7 @@ fn varlen_bad_input<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 fn masked_score_and_quiet<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let (nb, hq, hkv, sq, sk, d) = (2, 4, 2, 37, 70, 32);
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
-    let dims = AttentionDims {
-        batch: nb,
-        heads_q: hq,
-        heads_kv: hkv,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: d,
-        value_dim: d,
-    };
+    let dims = dense_dims([nb, hq, hkv, sq, sk, d]);
     let kernels = runnable_kernels::<B>(device, dims, dtype, Default::default());
     if cuda && dtype != FloatDType::F32 {
         assert!(kernels.contains(&Some(AttentionKernel::MatrixUnits)));
