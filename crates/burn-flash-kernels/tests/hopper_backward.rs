@@ -20,6 +20,8 @@ use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
 
+const WHAT: &str = "the Hopper backward tests";
+
 /// `q`, `k`, `v`, `dO` in `[B, H, S, D]` order.
 struct Inputs {
     q: Vec<f32>,
@@ -332,20 +334,13 @@ fn check(client: &Client, c: Case, seed: u64) {
 /// leave partial row and key blocks, grouped-query heads, softcap, `[B, S, H, D]` strides.
 #[test]
 fn hopper_backward_matches_f64() {
-    let client = common::hopper_client("the Hopper backward tests");
-    let seed = common::seed();
-    let cases = common::grid();
-    for (i, c) in cases.into_iter().enumerate() {
-        check(&client, c, seed.wrapping_add(i as u64));
-    }
+    common::check_cases(WHAT, common::grid(), 0, check);
 }
 
 /// Causal calls, bottom-right aligned: `Sq = Sk`, `Sq < Sk`, and `Sq > Sk` (rows without a key
 /// give nothing), small shapes below one block.
 #[test]
 fn hopper_causal_backward_matches_f64() {
-    let client = common::hopper_client("the Hopper backward tests");
-    let seed = common::seed();
     let small = [
         Case {
             causal: true,
@@ -353,10 +348,12 @@ fn hopper_causal_backward_matches_f64() {
         },
         Case::new(2, 2, 1, 5, 3, 16, 24),
     ];
-    let cases = common::causal_grid().into_iter().chain(small);
-    for (i, c) in cases.into_iter().enumerate() {
-        check(&client, c, seed.wrapping_add(100 + i as u64));
-    }
+    common::check_cases(
+        WHAT,
+        common::causal_grid().into_iter().chain(small),
+        100,
+        check,
+    );
 }
 
 /// Small deterministic calls ([`AttentionOptions::deterministic`]) meet [`check`]'s rule: D 64
@@ -366,9 +363,7 @@ fn hopper_causal_backward_matches_f64() {
 /// [`AttentionOptions::deterministic`]: burn_flash_kernels::attention::AttentionOptions::deterministic
 #[test]
 fn hopper_deterministic_backward_matches_f64() {
-    let client = common::hopper_client("the Hopper backward tests");
-    let seed = common::seed();
-    for (i, c) in [
+    let cases = [
         Case {
             deterministic: true,
             causal: true,
@@ -378,12 +373,8 @@ fn hopper_deterministic_backward_matches_f64() {
             deterministic: true,
             ..Case::new(2, 4, 1, 130, 300, 128, 128)
         },
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        check(&client, c, seed.wrapping_add(200 + i as u64));
-    }
+    ];
+    common::check_cases(WHAT, cases, 200, check);
 }
 
 /// The deterministic option ([`AttentionOptions::deterministic`]): the plan keeps the Hopper
@@ -395,7 +386,7 @@ fn hopper_deterministic_backward_matches_f64() {
 /// [`AttentionOptions::deterministic`]: burn_flash_kernels::attention::AttentionOptions::deterministic
 #[test]
 fn hopper_deterministic_backward_bits() {
-    let client = common::hopper_client("the Hopper backward tests");
+    let client = common::hopper_client(WHAT);
     let seed = common::seed();
     let cases = [
         Case {
@@ -444,47 +435,30 @@ fn hopper_deterministic_backward_bits() {
     }
 }
 
-/// The measured shapes (B 4, H 16, D 128; S 4096 causal or not, S 1024; D 64 and 256 at S 4096): the
-/// Hopper gradients equal the `mma` backward's to a few ulps of the largest, and both times
-/// are printed (wall time per backward call over 10 calls, TFLOP/s counting 2.5 × the forward).
+/// The measured shapes ([`common::at_size_cases`]): the Hopper gradients equal the `mma`
+/// backward's to a few ulps of the largest, and both times are printed (wall time per backward
+/// call over 10 calls, TFLOP/s counting 2.5 × the forward).
 #[test]
 fn hopper_backward_at_size() {
-    let client = common::hopper_client("the Hopper backward tests");
-    let seed = common::seed();
-    for c in common::at_size_cases() {
-        let (s, d, causal) = (c.sq, c.d, c.causal);
-        let inputs = Inputs::new(&c, seed);
-        for half in [Half::F16, Half::Bf16] {
-            let (hopper, kernel, ms) = run(&client, &c, half, &inputs, None, 10);
-            assert_eq!(kernel, AttentionBackwardKernel::Hopper);
-            let (mma, _, ms_mma) = run(
-                &client,
-                &c,
-                half,
-                &inputs,
-                Some(AttentionKernel::MatrixUnits),
-                10,
-            );
-            let tflops = |ms: f64| c.tflops(ms, 2.5);
-            print!(
-                "S {s} D {d} causal {causal} {half:?}: hopper {ms:.3} ms ({:.1} TFLOP/s), mma {ms_mma:.3} ms ({:.1} TFLOP/s)",
-                tflops(ms),
-                tflops(ms_mma)
-            );
-            for (name, got, base) in [
-                ("dQ", &hopper.dq, &mma.dq),
-                ("dK", &hopper.dk, &mma.dk),
-                ("dV", &hopper.dv, &mma.dv),
-            ] {
-                let diff = max_error(got, base);
-                let scale = max_abs(base);
-                print!(", {name} |hopper − mma| {diff:.2e} of {scale:.2e}");
-                assert!(
-                    diff <= 8.0 * half.half_ulp() * scale.max(1.0),
-                    "causal {causal} {half:?} {name}: |hopper − mma| = {diff:e} (largest {scale:e})"
-                );
-            }
-            println!();
+    common::at_size(WHAT, 2.5, true, Inputs::new, |client, c, half, inputs| {
+        let (hopper, kernel, hopper_ms) = run(client, c, half, inputs, None, 10);
+        assert_eq!(kernel, AttentionBackwardKernel::Hopper);
+        let (mma, _, mma_ms) = run(
+            client,
+            c,
+            half,
+            inputs,
+            Some(AttentionKernel::MatrixUnits),
+            10,
+        );
+        common::AtSize {
+            hopper_ms,
+            mma_ms,
+            outputs: vec![
+                ("dQ", hopper.dq, mma.dq),
+                ("dK", hopper.dk, mma.dk),
+                ("dV", hopper.dv, mma.dv),
+            ],
         }
-    }
+    });
 }

@@ -16,6 +16,8 @@ use cubecl::prelude::*;
 
 type Client = ComputeClient<CudaRuntime>;
 
+const WHAT: &str = "the Hopper forward tests";
+
 /// Strides of a `[B, H, S, D]` view of memory stored `[B, S, H, D]`.
 fn bshd_strides(shape: [usize; 4]) -> Vec<usize> {
     let [_, h, s, d] = shape;
@@ -267,70 +269,44 @@ fn check(client: &Client, c: Case, seed: u64) {
 /// read and written through `[B, S, H, D]` strides.
 #[test]
 fn hopper_forward_matches_f64() {
-    let client = common::hopper_client("the Hopper forward tests");
-    let seed = common::seed();
-    let cases = common::grid();
-    for (i, c) in cases.into_iter().enumerate() {
-        check(&client, c, seed.wrapping_add(i as u64));
-    }
+    common::check_cases(WHAT, common::grid(), 0, check);
 }
 
 /// Causal calls, bottom-right aligned: `Sq = Sk`, `Sq < Sk`, and `Sq > Sk`, whose first
 /// `Sq − Sk` rows see no key (zeros, `lse = −inf`).
 #[test]
 fn hopper_causal_forward_matches_f64() {
-    let client = common::hopper_client("the Hopper forward tests");
-    let seed = common::seed();
-    let cases = common::causal_grid();
-    for (i, c) in cases.into_iter().enumerate() {
-        check(&client, c, seed.wrapping_add(100 + i as u64));
-    }
+    common::check_cases(WHAT, common::causal_grid(), 100, check);
 }
 
-/// The measured shapes (B 4, H 16; S 4096 with D 128, causal or not, D 64 and D 256; S 1024
-/// with D 128): the Hopper output equals the `mma` kernel's to a few output ulps, and both times are
-/// printed (wall time per call over 20 calls).
+/// The measured shapes ([`common::at_size_cases`]): the Hopper output equals the `mma`
+/// kernel's to a few output ulps, and both times are printed (wall time per call over 20
+/// calls).
 #[test]
 fn hopper_forward_at_size() {
-    let client = common::hopper_client("the Hopper forward tests");
-    let seed = common::seed();
-    for c in common::at_size_cases() {
-        let (s, d, causal) = (c.sq, c.d, c.causal);
-        let inputs = Inputs::new(&c, seed);
-        for half in [Half::F16, Half::Bf16] {
-            let hopper = run(&client, &c, half, &inputs, None, 20);
-            let mma = run(
-                &client,
-                &c,
-                half,
-                &inputs,
-                Some(AttentionKernel::MatrixUnits),
-                20,
-            );
-            assert_eq!(hopper.plan.kernel, AttentionKernel::Hopper);
-            let diff = max_error(&hopper.out, &mma.out);
-            let tflops = |ms: f64| c.tflops(ms, 1.0);
-            println!(
-                "S {s} D {d} causal {causal} {half:?}: hopper {:.3} ms ({:.1} TFLOP/s), mma {:.3} ms ({:.1} TFLOP/s), max |hopper − mma| {diff:.3e}",
-                hopper.millis,
-                tflops(hopper.millis),
-                mma.millis,
-                tflops(mma.millis)
-            );
-            assert!(
-                diff <= 8.0 * half.half_ulp(),
-                "causal {causal} {half:?}: |hopper − mma| = {diff:e}"
-            );
+    common::at_size(WHAT, 1.0, false, Inputs::new, |client, c, half, inputs| {
+        let hopper = run(client, c, half, inputs, None, 20);
+        let mma = run(
+            client,
+            c,
+            half,
+            inputs,
+            Some(AttentionKernel::MatrixUnits),
+            20,
+        );
+        assert_eq!(hopper.plan.kernel, AttentionKernel::Hopper);
+        common::AtSize {
+            hopper_ms: hopper.millis,
+            mma_ms: mma.millis,
+            outputs: vec![("out", hopper.out, mma.out)],
         }
-    }
+    });
 }
 
 /// Shapes below one TMA box (`Sq` 17 under causal, head dims 8 and 32, whose boxes reach past
 /// the rows), against f64 and the `mma` kernel.
 #[test]
 fn hopper_forward_small_shapes() {
-    let client = common::hopper_client("the Hopper forward tests");
-    let seed = common::seed();
     let cases = [
         Case {
             causal: true,
@@ -339,9 +315,7 @@ fn hopper_forward_small_shapes() {
         Case::new(1, 2, 2, 37, 70, 8, 8),
         Case::new(2, 2, 1, 5, 3, 16, 24),
     ];
-    for (i, c) in cases.into_iter().enumerate() {
-        check(&client, c, seed.wrapping_add(200 + i as u64));
-    }
+    common::check_cases(WHAT, cases, 200, check);
 }
 
 /// Inputs written on one thread and the forward launched from another (Burn's streams follow
@@ -352,7 +326,7 @@ fn hopper_forward_across_threads() {
     let c = Case::new(1, 2, 2, 200, 300, 64, 64);
     let inputs = Inputs::new(&c, seed);
     let (want, _) = reference(&c, &inputs);
-    let client = common::hopper_client("the Hopper forward tests");
+    let client = common::hopper_client(WHAT);
     let encode = |v: &[f32]| -> Vec<u8> {
         v.iter()
             .flat_map(|&x| Half::F16.bits(x).to_le_bytes())

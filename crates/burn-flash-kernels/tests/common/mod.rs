@@ -173,6 +173,70 @@ pub fn at_size_cases() -> impl Iterator<Item = Case> {
     })
 }
 
+/// Runs `check` on each case with the run's seed plus `offset + i` (`what`: the tests, for the
+/// client's message).
+pub fn check_cases(
+    what: &str,
+    cases: impl IntoIterator<Item = Case>,
+    offset: u64,
+    check: impl Fn(&ComputeClient<CudaRuntime>, Case, u64),
+) {
+    let client = hopper_client(what);
+    let seed = seed();
+    for (i, c) in cases.into_iter().enumerate() {
+        check(&client, c, seed.wrapping_add(offset + i as u64));
+    }
+}
+
+/// One measured shape and type of an at-size test: the Hopper kernel's and the `mma` kernel's
+/// time per call and their outputs, by name.
+pub struct AtSize {
+    pub hopper_ms: f64,
+    pub mma_ms: f64,
+    pub outputs: Vec<(&'static str, Vec<f64>, Vec<f64>)>,
+}
+
+/// The at-size harness: for each of [`at_size_cases`] in both 16-bit types, `run` times the
+/// Hopper and `mma` kernels; their times are printed (TFLOP/s counting `passes` × the forward)
+/// and each output of the Hopper kernel must equal the `mma` kernel's within 8 half-ulps
+/// (`relative`: of the larger of 1 and the output's largest magnitude).
+pub fn at_size<I>(
+    what: &str,
+    passes: f64,
+    relative: bool,
+    inputs: impl Fn(&Case, u64) -> I,
+    run: impl Fn(&ComputeClient<CudaRuntime>, &Case, Half, &I) -> AtSize,
+) {
+    let client = hopper_client(what);
+    let seed = seed();
+    for c in at_size_cases() {
+        let (s, d, causal) = (c.sq, c.d, c.causal);
+        let inputs = inputs(&c, seed);
+        for half in [Half::F16, Half::Bf16] {
+            let r = run(&client, &c, half, &inputs);
+            let tflops = |ms: f64| c.tflops(ms, passes);
+            print!(
+                "S {s} D {d} causal {causal} {half:?}: hopper {:.3} ms ({:.1} TFLOP/s), mma {:.3} ms ({:.1} TFLOP/s)",
+                r.hopper_ms,
+                tflops(r.hopper_ms),
+                r.mma_ms,
+                tflops(r.mma_ms)
+            );
+            for (name, got, base) in &r.outputs {
+                let diff = max_error(got, base);
+                let scale = base.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                print!(", {name} |hopper − mma| {diff:.2e} of {scale:.2e}");
+                let unit = if relative { scale.max(1.0) } else { 1.0 };
+                assert!(
+                    diff <= 8.0 * half.half_ulp() * unit,
+                    "causal {causal} {half:?} {name}: |hopper − mma| = {diff:e} (largest {scale:e})"
+                );
+            }
+            println!();
+        }
+    }
+}
+
 /// One attention call of the Hopper tests: sizes and options; `bshd`: the query-side tensors
 /// (`q`, `out`, and in the backward `dO`, `dQ`) stored `[B, S, H, D]` and passed as permuted
 /// views.
