@@ -124,6 +124,28 @@ impl Scalars {
         )
     }
 
+    /// The words of the hand-written kernels' `ScoreScalars` (`flash/scores.cuh`), in its
+    /// order: the scale and softcap in base 2, the fill score of masked keys (`fill`, which
+    /// only `FILL` variants read), the dropout's seed, threshold and `1 / (1 − p)`, the window.
+    #[cfg(feature = "cuda")]
+    pub fn hopper_words(&self, fill: Option<f32>) -> [u64; 5] {
+        let words = crate::hopper::words;
+        let log2e = core::f32::consts::LOG2_E;
+        let cap = self.softcap.unwrap_or(1.0);
+        let d = self.dropout.unwrap_or(DropoutParams::new(0.0, 0));
+        let (left, right) = self.window_args();
+        [
+            words((self.scale * log2e).to_bits(), (self.scale / cap).to_bits()),
+            words(
+                (cap * log2e).to_bits(),
+                (fill.unwrap_or(0.0) * log2e).to_bits(),
+            ),
+            words(d.seed_lo, d.seed_hi),
+            words(d.threshold, d.inv_keep_bits),
+            words(left, right),
+        ]
+    }
+
     /// The window's `(left, right)` as the kernels read them: each clamped to
     /// [`WINDOW_MAX`] (wider sees every key of any sequence a kernel takes, and the kernels'
     /// `pos + Sk + right + 1` stays within 32 bits); `(0, 0)` without a window (never read).

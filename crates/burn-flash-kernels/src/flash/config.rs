@@ -72,7 +72,8 @@ impl ScoreRules {
     /// rule, `FILL` for a mask whose keys take the fill score (its value is a runtime scalar,
     /// so calls that differ only in it share a compiled kernel). Written once for every
     /// hand-written kernel (`crate::hopper`); a kernel ignores the rules it does not take.
-    pub fn defines(&self) -> String {
+    #[cfg(feature = "cuda")]
+    pub fn defines(&self) -> crate::hopper::Defines {
         [
             ("CAUSAL", self.causal),
             ("SOFTCAP", self.softcap),
@@ -86,9 +87,10 @@ impl ScoreRules {
             ("SINKS", self.sinks),
             ("VARLEN", self.varlen),
         ]
-        .iter()
-        .map(|(name, on)| format!("#define {name} {}\n", u32::from(*on)))
-        .collect()
+        .into_iter()
+        .fold(crate::hopper::Defines::empty(), |d, (name, on)| {
+            d.word(name, on)
+        })
     }
 }
 

@@ -9,6 +9,20 @@ typedef unsigned long long u64;
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
 
+// The score scalars of a call, in the order of the host's words (args.rs,
+// `Scalars::hopper_words`): one struct in every kernel's parameters, so that a new scalar is
+// written here and there only.
+struct ScoreScalars {
+    float scale_log2;    // scale · log2(e)
+    float cap_inv_scale; // scale / c (SOFTCAP)
+    float cap_log2;      // c · log2(e) (SOFTCAP)
+    float fill_log2;     // masked_score · log2(e) (FILL)
+    u32 seed_lo, seed_hi;           // DROPOUT: the seed
+    u32 threshold;                  // DROPOUT: a weight is kept when its word is at least this
+    float inv_keep;                 // DROPOUT: 1 / (1 − p)
+    u32 window_left, window_right;  // WINDOW
+};
+
 // Threefry-2×32-20 of counter (c0, c1) under key (k0, k1), the first word (dropout.rs).
 __device__ __forceinline__ u32 threefry(u32 c0, u32 c1, u32 k0, u32 k1) {
     const u32 rot[8] = {13, 15, 26, 6, 17, 29, 16, 24};

@@ -84,6 +84,48 @@ pub const fn source_hash(text: &str) -> u64 {
     hash
 }
 
+/// The `#define`s a hand-written kernel's variant is compiled with, one `#define NAME value`
+/// line each: the element type's (`WG_ELEM`, the `wgmma` type name; `ELEM_BF16`), then the
+/// variant's words and flags in the order given. Its [`Defines::key`] is the variant's id: the
+/// defines are all that varies between a source's variants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Defines(String);
+
+impl Defines {
+    /// The element type's lines: bf16, else f16.
+    pub fn elem(bf16: bool) -> Self {
+        let name = if bf16 { "bf16" } else { "f16" };
+        Self(format!("#define WG_ELEM \"{name}\"\n")).word("ELEM_BF16", bf16)
+    }
+
+    /// No line yet (the score rules' own list, [`crate::flash::ScoreRules::defines`]).
+    pub fn empty() -> Self {
+        Self(String::new())
+    }
+
+    /// Adds `#define name value` (a flag as 0 or 1).
+    pub fn word(mut self, name: &str, value: impl Into<u32>) -> Self {
+        self.0 += &format!("#define {name} {}\n", value.into());
+        self
+    }
+
+    /// Adds the score rules' lines ([`crate::flash::ScoreRules::defines`]).
+    pub fn rules(mut self, rules: &crate::flash::ScoreRules) -> Self {
+        self.0 += rules.defines().text();
+        self
+    }
+
+    /// The lines.
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+
+    /// The variant's id: [`source_hash`] of the lines.
+    pub fn key(&self) -> u64 {
+        source_hash(&self.0)
+    }
+}
+
 /// `source` with every active mutation of `edits` (`(active, from, to)`: `from` replaced by
 /// `to`) applied, and its [`source_hash`]; unchanged (with `hash`) when none is active. Only
 /// `--features mutants` builds ever activate one; the mutated text is leaked once per launch

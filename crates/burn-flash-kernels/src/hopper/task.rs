@@ -85,9 +85,9 @@ impl<R: CudaCompiled> HandWritten<R> {
     }
 
     /// The same kernel compiled with `defines` in front of its source.
-    pub fn with_defines(mut self, defines: String) -> Self {
-        self.source_hash ^= super::source_hash(&defines).rotate_left(1);
-        self.defines = defines;
+    pub fn with_defines(mut self, defines: &super::Defines) -> Self {
+        self.source_hash ^= defines.key().rotate_left(1);
+        self.defines = defines.text().to_owned();
         self
     }
 

@@ -267,8 +267,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         edge = edge || keys_c + 63 > m0 + diag;
 #endif
 #if WINDOW
-        edge = edge || keys_c + 63 > m0 + diag + (int)p.window_right
-               || keys_c < m0 + BLOCK_M - 1 + diag - (int)p.window_left;
+        edge = edge || keys_c + 63 > m0 + diag + (int)p.s.window_right
+               || keys_c < m0 + BLOCK_M - 1 + diag - (int)p.s.window_left;
 #endif
 #if VARLEN
         // Some row of the step does not see all of the consumer's 64 keys: its last row's
@@ -280,7 +280,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         const float slope_log2 = -LOG2E * slopes[head];
 #endif
 #if DROPOUT
-        const u32 seed_key1 = p.seed_hi ^ ((seed_base + head) * 0x9E3779B9u);
+        const u32 seed_key1 = p.s.seed_hi ^ ((seed_base + head) * 0x9E3779B9u);
 #endif
 #if MASK
         const unsigned short* mask_h =
@@ -296,15 +296,15 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             const int col = 8 * (i / 4) + 2 * (int)(lane % 4u) + (i % 2);
             const int key = key0 + 8 * ((i / 2) % 2);
 #if SOFTCAP
-            const float th = tanhf(st[i] * p.cap_inv_scale);
+            const float th = tanhf(st[i] * p.s.cap_inv_scale);
 #endif
             // Whether the score depends on q·k (not a masked key's fill score).
             bool live = true;
 #if MASK || BIAS || ALIBI
 #if SOFTCAP
-            float x = p.cap_log2 * th;
+            float x = p.s.cap_log2 * th;
 #else
-            float x = st[i] * p.scale_log2;
+            float x = st[i] * p.s.scale_log2;
 #endif
             {
                 const int row = m0 + col;
@@ -322,16 +322,16 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                     if (mask_h[(u64)row * p.mask_stride_s + (u64)key * p.mask_stride_k]
                         & 0x7fffu) {
                         live = false;
-                        x = FILL ? p.fill_log2 : NEG_INF;
+                        x = FILL ? p.s.fill_log2 : NEG_INF;
                     }
 #endif
                 }
             }
             float pv = ex2(x - lse_s[col]);
 #elif SOFTCAP
-            float pv = ex2(fmaf(p.cap_log2, th, -lse_s[col]));
+            float pv = ex2(fmaf(p.s.cap_log2, th, -lse_s[col]));
 #else
-            float pv = ex2(fmaf(st[i], p.scale_log2, -lse_s[col]));
+            float pv = ex2(fmaf(st[i], p.s.scale_log2, -lse_s[col]));
 #endif
             if (edge) {
 #if VARLEN
@@ -343,8 +343,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 hidden = hidden || key > m0 + col + diag;
 #endif
 #if WINDOW
-                hidden = hidden || key > m0 + col + diag + (int)p.window_right
-                         || key < m0 + col + diag - (int)p.window_left;
+                hidden = hidden || key > m0 + col + diag + (int)p.s.window_right
+                         || key < m0 + col + diag - (int)p.s.window_left;
 #endif
 #endif
                 if (hidden) pv = 0.0f;
@@ -355,9 +355,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             float keep_factor = live ? pv : 0.0f;
 #endif
 #if DROPOUT
-            const u32 word = threefry((u32)key, (u32)(m0 + col), p.seed_lo, seed_key1);
-            const bool kept = word >= p.threshold;
-            dq[i] = kept ? pv * p.inv_keep : 0.0f;
+            const u32 word = threefry((u32)key, (u32)(m0 + col), p.s.seed_lo, seed_key1);
+            const bool kept = word >= p.s.threshold;
+            dq[i] = kept ? pv * p.s.inv_keep : 0.0f;
             if (!kept) keep_factor = -keep_factor;
 #else
             dq[i] = pv;
@@ -384,7 +384,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             const int col = 8 * (i / 4) + 2 * (int)(lane % 4u) + (i % 2);
 #if DROPOUT
             const bool kept = !(__float_as_uint(st[i]) >> 31);
-            dpt[i] = fabsf(st[i]) * (kept ? dpt[i] * p.inv_keep - delta_s[col] : -delta_s[col]);
+            dpt[i] = fabsf(st[i]) * (kept ? dpt[i] * p.s.inv_keep - delta_s[col] : -delta_s[col]);
 #else
             dpt[i] = st[i] * (dpt[i] - delta_s[col]);
 #endif

@@ -144,26 +144,21 @@ struct BwdParams {
     u32 seq_q, seq_k;
     u32 rows_pad, heads_q; // rows_pad: Sq rounded up to BLOCK_M, the row count of lse₂, δ, dQ
     u32 group, head_dim;
-    u32 value_dim, window_left; // window_left: WINDOW
-    float scale_log2;    // scale · log2(e)
-    float cap_inv_scale; // scale / c (softcap)
-    float cap_log2;      // c · log2(e) (softcap)
+    u32 value_dim;
     float scale;         // dK = scale · dSᵀ·Q
-    u32 seed_lo, seed_hi, threshold; // dropout
-    float inv_keep;                  // dropout: 1 / (1 − p)
-    float fill_log2;                 // masked_score · log2(e) (FILL)
-    u32 window_right;                // WINDOW
+    ScoreScalars s;
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
     u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
     u32 n_seqs, unused;                                     // VARLEN: packed sequences
 };
+static_assert(sizeof(BwdParams) == 8 * PARAM_WORDS, "the host's words (hopper.rs, PARAM_WORDS)");
 
 #if VARLEN
 // The keys of query row `row` of a packed call (scores.cuh's packed_range under this call's
 // causal mask and window).
 __device__ __forceinline__ PackedRange row_keys(const u32* seqs, const BwdParams& p, int row) {
-    return packed_range(seqs, (int)p.n_seqs, row, CAUSAL, WINDOW, p.window_left, p.window_right);
+    return packed_range(seqs, (int)p.n_seqs, row, CAUSAL, WINDOW, p.s.window_left, p.s.window_right);
 }
 
 // The first query row (or Sq) whose key range ends after `key` (`by_end`), or starts after it
@@ -200,9 +195,9 @@ __device__ __forceinline__ RowBlocks row_blocks(const u32* seqs, const BwdParams
 #if WINDOW
     // Rows i see keys i + diag − left ..= i + diag + right: from the first row whose window
     // reaches key n0 to the last whose window starts at or before the block's last key.
-    r.first = max(r.first, max(0, n0 - diag - (int)p.window_right) / BLOCK_M);
+    r.first = max(r.first, max(0, n0 - diag - (int)p.s.window_right) / BLOCK_M);
     {
-        const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.window_left;
+        const int last_row = min(n0 + BLOCK_N, (int)p.seq_k) - 1 - diag + (int)p.s.window_left;
         r.end = last_row < 0 ? 0 : min(r.end, last_row / BLOCK_M + 1);
     }
 #endif

@@ -22,13 +22,11 @@ use cubecl::prelude::*;
 use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, BackwardTensors};
-#[cfg(feature = "cuda")]
-use crate::dropout::DropoutParams;
 use crate::flash::{FlashConfig, ScoreRules, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
-use crate::hopper::words;
+use crate::hopper::{Defines, words};
 
 /// Query rows per step.
 pub const BLOCK_Q: usize = 64;
@@ -56,6 +54,11 @@ pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::
 
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_backward";
+
+/// Words of the main kernel's parameter struct (`BwdParams`, which the source asserts); every
+/// launch passes exactly these.
+#[cfg(feature = "cuda")]
+const PARAM_WORDS: usize = 30;
 
 /// The per-row pre- and post-passes (`δ`, the log-sum-exp in base 2, `dQ` in the element
 /// type) stream: a full SM.
@@ -128,26 +131,17 @@ impl Variant {
         }
     }
 
-    /// The `#define`s the source is compiled with.
+    /// The `#define`s the source is compiled with; their key is the variant's id.
     #[cfg(feature = "cuda")]
-    fn defines(self) -> String {
-        format!(
-            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define WRITE_DS {}\n#define DQ_BULK {}\n#define DETERMINISTIC {}\n{}",
-            if self.bf16 { "bf16" } else { "f16" },
-            u32::from(self.bf16),
-            self.head_dim,
-            self.value_dim,
-            u32::from(self.write_ds),
-            u32::from(self.dq_bulk),
-            u32::from(self.deterministic),
-            self.rules.defines(),
-        )
-    }
-
-    /// The variant's id: a hash of its `#define`s, which are all that varies between variants.
-    #[cfg(feature = "cuda")]
-    fn key(self) -> u64 {
-        crate::hopper::source_hash(&self.defines())
+    fn defines(self) -> Defines {
+        Defines::elem(self.bf16)
+            .word("HEAD_DIM", self.head_dim)
+            .word("VALUE_DIM", self.value_dim)
+            .word("WRITE_DS", self.write_ds)
+            .word("DQ_BULK", self.dq_bulk)
+            .word("DETERMINISTIC", self.deterministic)
+            .word("PARAM_WORDS", PARAM_WORDS as u32)
+            .rules(&self.rules)
     }
 }
 
@@ -303,12 +297,11 @@ pub unsafe fn launch<R: CudaCompiled>(
         ],
     );
     let tiled = dq_tiled(config);
-    let rows_defines = format!(
-        "#define ELEM_BF16 {}\n#define ACC_DIM {acc_dim}\n#define DQ_TILED {}\n#define DETERMINISTIC {}\n",
-        u32::from(bf16),
-        u32::from(tiled),
-        u32::from(variant.deterministic)
-    );
+    let rows_defines = Defines::empty()
+        .word("ELEM_BF16", bf16)
+        .word("ACC_DIM", acc_dim as u32)
+        .word("DQ_TILED", tiled)
+        .word("DETERMINISTIC", variant.deterministic);
     let strides = |s: &[usize]| s.iter().map(|&x| x as u64).collect::<Vec<_>>();
     let mut rows_params = strides(t.out.strides);
     rows_params.extend(strides(t.d_out.strides));
@@ -329,7 +322,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             0,
             acc_dim as u64 | u64::from(tiled) << 16 | u64::from(variant.deterministic) << 17,
         )
-        .with_defines(rows_defines.clone())
+        .with_defines(&rows_defines)
     };
 
     let (source, hash) = crate::hopper::mutated(
@@ -360,8 +353,8 @@ pub unsafe fn launch<R: CudaCompiled>(
             (mutation::fill_grad(), "live = false;", "live = true;"),
             (
                 mutation::window_right(),
-                "hidden = hidden || key > m0 + col + diag + (int)p.window_right",
-                "hidden = hidden || key > m0 + col + diag + (int)p.window_right + 1",
+                "hidden = hidden || key > m0 + col + diag + (int)p.s.window_right",
+                "hidden = hidden || key > m0 + col + diag + (int)p.s.window_right + 1",
             ),
             (
                 mutation::varlen_first_row(),
@@ -386,6 +379,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             ),
         ],
     );
+    let defines = variant.defines();
     let kernel = HandWritten::new_hashed(
         client,
         source,
@@ -393,30 +387,16 @@ pub unsafe fn launch<R: CudaCompiled>(
         ENTRY,
         CubeDim::new_1d(units),
         shared,
-        variant.key(),
+        defines.key(),
     )
-    .with_defines(variant.defines());
-    let log2e = core::f32::consts::LOG2_E;
-    let cap = options.softcap.unwrap_or(1.0);
+    .with_defines(&defines);
     let mut params = strides(t.dk.strides);
     params.extend(strides(t.dv.strides));
     params.push(words(dims.seq_q as u32, dims.seq_k as u32));
     params.push(words(rows_pad as u32, dims.heads_q as u32));
     params.push(words(dims.group() as u32, dims.head_dim as u32));
-    let (left, right) = options.scalars().window_args();
-    params.push(words(dims.value_dim as u32, left));
-    params.push(words(
-        (options.scale * log2e).to_bits(),
-        (options.scale / cap).to_bits(),
-    ));
-    params.push(words((cap * log2e).to_bits(), options.scale.to_bits()));
-    let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
-    params.push(words(dropout.seed_lo, dropout.seed_hi));
-    params.push(words(dropout.threshold, dropout.inv_keep_bits));
-    params.push(words(
-        (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
-        right,
-    ));
+    params.push(words(dims.value_dim as u32, options.scale.to_bits()));
+    params.extend(options.scalars().hopper_words(options.masked_score));
     let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
         t.mask.as_ref().zip(mask_strides),
         t.bias.as_ref().zip(bias_strides),
@@ -437,6 +417,11 @@ pub unsafe fn launch<R: CudaCompiled>(
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
     params.push(words(n_seqs as u32, 0));
+    assert_eq!(
+        params.len(),
+        PARAM_WORDS,
+        "the Hopper backward's parameter words"
+    );
     let maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
         tensor_map(&t.k, dtype, config.block_k as usize),

@@ -16,7 +16,7 @@ use cubecl::prelude::*;
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
-use crate::hopper::words;
+use crate::hopper::{Defines, words};
 #[cfg(feature = "cuda")]
 use crate::tensor::TensorRef;
 
@@ -46,16 +46,6 @@ pub const SOURCE: &str = concat!(
 
 #[cfg(feature = "cuda")]
 const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
-
-/// The element type's `#define`s.
-#[cfg(feature = "cuda")]
-fn defines(bf16: bool) -> String {
-    format!(
-        "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n",
-        if bf16 { "bf16" } else { "f16" },
-        u32::from(bf16)
-    )
-}
 
 /// Dynamic shared memory of the `dX` kernel: the `X` tile, [`STAGES`] slots of a 64-column chunk of `dO`
 /// ([`BLOCK_ROWS`] rows) and of `V` ([`BLOCK_KEYS`] rows), the barriers, and 1 KiB to align the
@@ -125,7 +115,7 @@ pub unsafe fn launch<R: CudaCompiled>(
         shared_bytes(),
         u64::from(bf16),
     )
-    .with_defines(defines(bf16));
+    .with_defines(&Defines::elem(bf16));
     let (batch, d1, d2, d3) = (x.shape[0], x.shape[1], x.shape[2], v.shape[2]);
     let (x_shape, x_strides, x_batched) = tma_view(x);
     let (v_shape, v_strides, v_batched) = tma_view(v);
@@ -244,7 +234,7 @@ pub unsafe fn launch_dv<R: CudaCompiled>(
         dv_shared_bytes(),
         u64::from(bf16),
     )
-    .with_defines(defines(bf16));
+    .with_defines(&Defines::elem(bf16));
     let (batch, d1, d2, d3) = (x.shape[0], x.shape[1], x.shape[2], d_out.shape[2]);
     let dv_batch = dv.shape[0];
     let (x_shape, x_strides, x_batched) = tma_view(x);

@@ -84,19 +84,14 @@ struct FwdParams {
     u64 lse_stride_b, lse_stride_h, lse_stride_s;
     u32 seq_q, seq_k;
     u32 group, value_dim;
-    float scale_log2;    // scale · log2(e)
-    float cap_inv_scale; // scale / c (softcap)
-    float cap_log2;      // c · log2(e) (softcap)
-    float fill_log2;     // masked_score · log2(e) (FILL)
+    ScoreScalars s;
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
-    u32 seed_lo, seed_hi, threshold; // dropout
-    float inv_keep;                  // dropout: 1 / (1 − p)
     u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
-    u32 window_left, window_right;   // WINDOW
     u32 n_seqs;                      // VARLEN: packed sequences
     u32 bias_planes;                 // BIAS_TILES: bit 0 the bias has batches, bit 1 heads
 };
+static_assert(sizeof(FwdParams) == 8 * PARAM_WORDS, "the host's words (hopper.rs, PARAM_WORDS)");
 
 // Consumer `c` waits for its turn to issue products, and passes the turn on once issued.
 __device__ __forceinline__ void turn_begin(u32 c) {
@@ -188,9 +183,7 @@ struct ScoreRows {
     u32 tile_row;          // BIAS_TILES: the thread's first row within the block
     float slope_log2;  // ALIBI: −slope · log2(e)
     u32 lane;
-    float scale_log2, cap_inv_scale, cap_log2, fill_log2;
-    u32 seed_lo, seed_key1, threshold;
-    float inv_keep;
+    ScoreScalars s;    // the call's, the dropout seed's high word mixed with the (batch, head)
     const unsigned short* mask;
     const unsigned short* bias;
     u64 mask_stride_s, mask_stride_k, bias_stride_s, bias_stride_k;
@@ -201,8 +194,8 @@ __device__ __forceinline__ float dropped(float w, const ScoreRows& rows, int key
 #if DROPOUT
     const int key = key0 + 8 * (i / 4) + 2 * (int)(rows.lane % 4u) + (i % 2);
     const int row = rows.row0 + 8 * ((i / 2) % 2);
-    const u32 word = threefry((u32)key, (u32)row, rows.seed_lo, rows.seed_key1);
-    return word >= rows.threshold ? w * rows.inv_keep : 0.0f;
+    const u32 word = threefry((u32)key, (u32)row, rows.s.seed_lo, rows.s.seed_hi);
+    return word >= rows.s.threshold ? w * rows.s.inv_keep : 0.0f;
 #else
     return w;
 #endif
@@ -254,7 +247,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
     const int key0 = j * BLOCK_N;
     const bool edge = edge_block(rows, key0);
 #if !SOFTCAP && !MASK && !BIAS && !ALIBI
-    if (rows.scale_log2 > 0.0f) {
+    if (rows.s.scale_log2 > 0.0f) {
         // A positive scale keeps the order of the scores: the maximum is taken on the raw
         // products and the scale folded into the exponent's FMA.
         if (edge) {
@@ -272,7 +265,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         for (int r = 0; r < 2; ++r) {
             raw[r] = fmaxf(raw[r], __shfl_xor_sync(0xffffffffu, raw[r], 1));
             raw[r] = fmaxf(raw[r], __shfl_xor_sync(0xffffffffu, raw[r], 2));
-            const float mx = fmaxf(m_r[r], raw[r] * rows.scale_log2);
+            const float mx = fmaxf(m_r[r], raw[r] * rows.s.scale_log2);
             shift[r] = mx == NEG_INF ? 0.0f : mx;
             corr[r] = ex2(m_r[r] - shift[r]);
             m_r[r] = mx;
@@ -280,7 +273,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
         }
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
-            const float w = ex2(fmaf(sc[i], rows.scale_log2, -shift[(i / 2) % 2]));
+            const float w = ex2(fmaf(sc[i], rows.s.scale_log2, -shift[(i / 2) % 2]));
             l_r[(i / 2) % 2] += w;
             sc[i] = dropped(w, rows, key0, i);
         }
@@ -300,9 +293,9 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
 #if SOFTCAP
-        float x = rows.cap_log2 * tanhf(sc[i] * rows.cap_inv_scale);
+        float x = rows.s.cap_log2 * tanhf(sc[i] * rows.s.cap_inv_scale);
 #else
-        float x = sc[i] * rows.scale_log2;
+        float x = sc[i] * rows.s.scale_log2;
 #endif
 #if ALIBI
         x = fmaf(rows.slope_log2, fabsf(dist0[(i / 2) % 2] - (float)(8 * (i / 4) + (i % 2))), x);
@@ -329,7 +322,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if MASK
                 const unsigned short m =
                     rows.mask[(u64)row * rows.mask_stride_s + (u64)key * rows.mask_stride_k];
-                if (m & 0x7fffu) x = FILL ? rows.fill_log2 : NEG_INF;
+                if (m & 0x7fffu) x = FILL ? rows.s.fill_log2 : NEG_INF;
 #endif
             }
         }
@@ -443,9 +436,9 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         // From the first row's first key to the last row's last (both grow with the row).
         const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
         const PackedRange first = packed_range(seqs, (int)p.n_seqs, m0, CAUSAL, WINDOW,
-                                               p.window_left, p.window_right);
+                                               p.s.window_left, p.s.window_right);
         const PackedRange last = packed_range(seqs, (int)p.n_seqs, last_row, CAUSAL, WINDOW,
-                                              p.window_left, p.window_right);
+                                              p.s.window_left, p.s.window_right);
         j0 = first.lo / BLOCK_N;
         n_blocks = max((last.hi + BLOCK_N - 1) / BLOCK_N, j0);
     }
@@ -457,8 +450,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         last_key = min(last_key, last_row + diag);
 #endif
 #if WINDOW
-        last_key = min(last_key, last_row + diag + (int)p.window_right);
-        j0 = max(m0 + diag - (int)p.window_left, 0) / BLOCK_N;
+        last_key = min(last_key, last_row + diag + (int)p.s.window_right);
+        j0 = max(m0 + diag - (int)p.s.window_left, 0) / BLOCK_N;
 #endif
         n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BLOCK_N + 1);
         n_blocks = max(n_blocks, j0);
@@ -559,10 +552,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.tile_row = 64u * c + 16u * warp + lane / 4u;
     rows.diag = diag;
     rows.seq_k = (int)p.seq_k;
-    rows.scale_log2 = p.scale_log2;
-    rows.cap_inv_scale = p.cap_inv_scale;
-    rows.cap_log2 = p.cap_log2;
-    rows.fill_log2 = p.fill_log2;
+    rows.s = p.s;
     rows.seq_q = (int)p.seq_q;
     rows.mask = mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
     rows.bias = bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
@@ -570,8 +560,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     rows.mask_stride_k = p.mask_stride_k;
     rows.bias_stride_s = p.bias_stride_s;
     rows.bias_stride_k = p.bias_stride_k;
-    rows.left = (int)p.window_left;
-    rows.right = (int)p.window_right;
+    rows.left = (int)p.s.window_left;
+    rows.right = (int)p.s.window_right;
 #pragma unroll
     for (int r = 0; r < 2; ++r) rows.dk[r] = row0 + 8 * r + diag;
 #if VARLEN
@@ -580,7 +570,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const PackedRange k = packed_range(seqs, (int)p.n_seqs, min(row0 + 8 * r, last),
-                                               CAUSAL, WINDOW, p.window_left, p.window_right);
+                                               CAUSAL, WINDOW, p.s.window_left, p.s.window_right);
             rows.lo[r] = k.lo;
             rows.hi[r] = k.hi;
             rows.dk[r] = k.diag;
@@ -588,17 +578,14 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
         // Every row of the consumer sees the keys from its last row's first to its first
         // row's last.
         rows.full_lo = packed_range(seqs, (int)p.n_seqs, min(first_row + 63, last), CAUSAL,
-                                    WINDOW, p.window_left, p.window_right).lo;
+                                    WINDOW, p.s.window_left, p.s.window_right).lo;
         rows.full_hi = packed_range(seqs, (int)p.n_seqs, min(first_row, last), CAUSAL, WINDOW,
-                                    p.window_left, p.window_right).hi;
+                                    p.s.window_left, p.s.window_right).hi;
     }
 #endif
     rows.slope_log2 = ALIBI ? -LOG2E * slopes[head] : 0.0f;
-    rows.seed_lo = p.seed_lo;
     // The second key word: the seed's high word mixed with the (batch, head) pair.
-    rows.seed_key1 = p.seed_hi ^ ((batch * gridDim.y + head) * 0x9E3779B9u);
-    rows.threshold = p.threshold;
-    rows.inv_keep = p.inv_keep;
+    rows.s.seed_hi = p.s.seed_hi ^ ((batch * gridDim.y + head) * 0x9E3779B9u);
 
     float o[O_REGS];
 #pragma unroll

@@ -23,12 +23,12 @@ use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
-use crate::dropout::DropoutParams;
+use crate::flash::Scalars;
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 #[cfg(feature = "cuda")]
 use crate::hopper::task::{HandWritten, tensor_map};
 #[cfg(feature = "cuda")]
-use crate::hopper::words;
+use crate::hopper::{Defines, words};
 #[cfg(feature = "cuda")]
 use crate::tensor::TensorRef;
 
@@ -55,6 +55,11 @@ pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::
 
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_forward";
+
+/// Words of the kernel's parameter struct (`FwdParams`, which the source asserts); every
+/// launch passes exactly these.
+#[cfg(feature = "cuda")]
+const PARAM_WORDS: usize = 23;
 
 /// The CUDA source: the instruction wrappers, then the kernel.
 #[cfg(feature = "cuda")]
@@ -109,27 +114,18 @@ impl Variant {
         }
     }
 
-    /// The `#define`s the source is compiled with.
+    /// The `#define`s the source is compiled with; their key is the variant's id.
     #[cfg(feature = "cuda")]
-    fn defines(self) -> String {
-        format!(
-            "#define WG_ELEM \"{}\"\n#define ELEM_BF16 {}\n#define BLOCK_M {}\n#define BLOCK_N {}\n#define HEAD_DIM {}\n#define VALUE_DIM {}\n#define GIVEN {}\n#define BIAS_TILES {}\n{}",
-            if self.bf16 { "bf16" } else { "f16" },
-            u32::from(self.bf16),
-            self.block_q,
-            self.block_k,
-            self.head_dim,
-            self.value_dim,
-            u32::from(self.given),
-            u32::from(self.bias_tiles),
-            self.rules.defines(),
-        )
-    }
-
-    /// The variant's id: a hash of its `#define`s, which are all that varies between variants.
-    #[cfg(feature = "cuda")]
-    fn key(self) -> u64 {
-        crate::hopper::source_hash(&self.defines())
+    fn defines(self) -> Defines {
+        Defines::elem(self.bf16)
+            .word("BLOCK_M", self.block_q)
+            .word("BLOCK_N", self.block_k)
+            .word("HEAD_DIM", self.head_dim)
+            .word("VALUE_DIM", self.value_dim)
+            .word("GIVEN", self.given)
+            .word("BIAS_TILES", self.bias_tiles)
+            .word("PARAM_WORDS", PARAM_WORDS as u32)
+            .rules(&self.rules)
     }
 }
 
@@ -295,13 +291,13 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::window_right(),
-                "rows.right = (int)p.window_right;",
-                "rows.right = (int)p.window_right + 1;",
+                "rows.right = (int)p.s.window_right;",
+                "rows.right = (int)p.s.window_right + 1;",
             ),
             (
                 crate::mutation::window_right(),
-                "last_row + diag + (int)p.window_right);",
-                "last_row + diag + (int)p.window_right + 1);",
+                "last_row + diag + (int)p.s.window_right);",
+                "last_row + diag + (int)p.s.window_right + 1);",
             ),
             (
                 crate::mutation::bias_block(),
@@ -325,6 +321,7 @@ fn hand_written<R: CudaCompiled>(
             ),
         ],
     );
+    let defines = variant.defines();
     HandWritten::new_hashed(
         client,
         source,
@@ -332,9 +329,9 @@ fn hand_written<R: CudaCompiled>(
         ENTRY,
         CubeDim::new_1d(units),
         shared_bytes,
-        variant.key(),
+        defines.key(),
     )
-    .with_defines(variant.defines())
+    .with_defines(&defines)
 }
 
 /// A mask or bias as the Hopper forward reads it: the buffer, and its strides over
@@ -400,8 +397,6 @@ pub unsafe fn launch<R: CudaCompiled>(
         "the plan and the launch see the same bias"
     );
     let kernel = hand_written(client, variant, plan.units, plan.shared_bytes);
-    let log2e = core::f32::consts::LOG2_E;
-    let cap = options.softcap.unwrap_or(1.0);
     let mut params = vec![
         out.strides[0] as u64,
         out.strides[1] as u64,
@@ -411,23 +406,11 @@ pub unsafe fn launch<R: CudaCompiled>(
         lse.strides[2] as u64,
         words(dims.seq_q as u32, dims.seq_k as u32),
         words(dims.group() as u32, dims.value_dim as u32),
-        words(
-            (options.scale * log2e).to_bits(),
-            (options.scale / cap).to_bits(),
-        ),
-        words(
-            (cap * log2e).to_bits(),
-            (options.masked_score.unwrap_or(0.0) * log2e).to_bits(),
-        ),
     ];
+    params.extend(options.scalars().hopper_words(options.masked_score));
     let [mask_handle, bias_handle] = bind_terms(mask, bias, out, &mut params);
-    let dropout = options.dropout.unwrap_or(DropoutParams::new(0.0, 0));
-    params.push(words(dropout.seed_lo, dropout.seed_hi));
-    params.push(words(dropout.threshold, dropout.inv_keep_bits));
     // The batch words of given scores, not read.
     params.push(0);
-    let (left, right) = options.scalars().window_args();
-    params.push(words(left, right));
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = seqs.map_or(0, |s| s.shape[0] / 2 - 1);
     // The bias's TMA view and which of its batch and head coordinates are read.
@@ -467,9 +450,20 @@ pub unsafe fn launch<R: CudaCompiled>(
                 sinks.unwrap_or(lse).handle.clone().binding(),
                 seqs.unwrap_or(lse).handle.clone().binding(),
             ],
-            params,
+            checked(params),
         );
     }
+}
+
+/// `params` after checking they are the kernel's [`PARAM_WORDS`].
+#[cfg(feature = "cuda")]
+fn checked(params: Vec<u64>) -> Vec<u64> {
+    assert_eq!(
+        params.len(),
+        PARAM_WORDS,
+        "the Hopper forward's parameter words"
+    );
+    params
 }
 
 /// A bias with `strides` over `[B, Hq, Sq, Sk]` (a [`crate::attention::bias_tiles`] one) as the
@@ -557,7 +551,6 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     let variant = Variant::new(config, bf16, false);
     let kernel = hand_written(client, variant, units, shared_bytes(config, false));
     let (d1, d2, d3) = (x.shape[1], x.shape[2], v.shape[2]);
-    let log2e = core::f32::consts::LOG2_E;
     let (x_shape, x_strides, x_batched) = tma_view(x);
     let (v_shape, v_strides, v_batched) = tma_view(v);
     let x4 = view(x, &x_shape, &x_strides);
@@ -571,15 +564,13 @@ pub unsafe fn launch_given<R: CudaCompiled>(
         lse.strides[1] as u64,
         words(d1 as u32, d2 as u32),
         words(1, d3 as u32),
-        // Scale 1; the softcap and fill words are not read.
-        words(log2e.to_bits(), 1f32.to_bits()),
-        words(log2e.to_bits(), 0),
     ];
-    // No mask, bias or dropout: zero strides and words.
-    params.extend([0; 8 + 2]);
+    // Scale 1 and no other rule ([`Scalars::GIVEN`]).
+    params.extend(Scalars::GIVEN.hopper_words(None));
+    // No mask or bias: zero strides.
+    params.extend([0; 8]);
     params.push(words(u32::from(x_batched), u32::from(v_batched)));
-    // No window and no packed sequences: their words are not read.
-    params.push(0);
+    // No packed sequences: the word is not read.
     params.push(0);
     let (cx, cy, cz) = cubes;
     let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
@@ -607,7 +598,7 @@ pub unsafe fn launch_given<R: CudaCompiled>(
                 lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
             ],
-            params,
+            checked(params),
         );
     }
 }
