@@ -27,6 +27,27 @@
 //!   helpers, `cp.async` double buffering); [`tiling`]: the register-tiled product of the
 //!   plain-unit kernels; [`reduce`]: the row reductions of the softmax kernels.
 
+/// Runs `$body` with `$cuda` bound to `$client` as the client of a CUDA-compiled runtime
+/// (`hopper::with_cuda_client!`), then returns `$ret`: the launch of a plan that took a
+/// hand-written kernel, which a plan takes on CUDA clients only (a panic on any other, and
+/// unreachable in builds without CUDA).
+macro_rules! launch_hand_written {
+    ($client:expr, |$cuda:ident| $body:expr, $ret:expr) => {{
+        #[cfg(feature = "cuda")]
+        {
+            let launched = $crate::hopper::with_cuda_client!($client, |$cuda| $body);
+            assert!(
+                launched.is_some(),
+                "the plan takes a hand-written kernel on CUDA clients only"
+            );
+            return $ret;
+        }
+        #[cfg(not(feature = "cuda"))]
+        unreachable!("the plan takes a hand-written kernel on CUDA clients only");
+    }};
+}
+pub(crate) use launch_hand_written;
+
 pub mod attention;
 pub mod cache;
 pub mod decode;
@@ -55,9 +76,9 @@ pub mod mutation;
 #[allow(missing_docs)]
 pub mod norm;
 pub mod occupancy;
-// `#[cube]` expands every function into undocumented helper items.
 pub mod softmax;
 pub mod softmax_matmul;
+// `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
 pub mod staging;
 pub mod tensor;

@@ -178,56 +178,13 @@ pub fn plan_attention_backward<R: Runtime>(
     features: AttentionFeatures,
     options: &AttentionOptions,
 ) -> Result<AttentionBackwardPlan, AttentionError> {
-    plan_backward(client, dims, dtype, features, options, false)
+    plan_attention_backward_writing(client, dims, dtype, features, options, false)
 }
 
 /// [`plan_attention_backward`] for a call that writes `dS` where `write_ds` (a tracked bias,
 /// whose gradient sums it): every kernel writes it, the Hopper backward only without a softcap
 /// ([`hopper::takes_ds`]).
 pub fn plan_attention_backward_writing<R: Runtime>(
-    client: &ComputeClient<R>,
-    dims: AttentionDims,
-    dtype: StorageType,
-    features: AttentionFeatures,
-    options: &AttentionOptions,
-    write_ds: bool,
-) -> Result<AttentionBackwardPlan, AttentionError> {
-    plan_backward(client, dims, dtype, features, options, write_ds)
-}
-
-/// Why the Hopper backward does not run a call (`None`: it does): switched off, another
-/// forward kernel forced, or [`hopper::unavailable`].
-fn hopper_reason<R: Runtime>(
-    client: &ComputeClient<R>,
-    dims: AttentionDims,
-    dtype: StorageType,
-    features: AttentionFeatures,
-    options: &AttentionOptions,
-) -> Option<String> {
-    if let Some(kernel) = options
-        .kernel
-        .filter(|&k| k != super::AttentionKernel::Hopper)
-    {
-        return Some(format!("the forward is forced onto {kernel:?}"));
-    }
-    let ordered = hopper::dq_tiled(FlashConfig::new(
-        ScoreSource::QueryKey,
-        options.rules(features),
-        hopper::tile(dims),
-    ));
-    if options.deterministic && !ordered {
-        return Some(
-            "the Hopper backward adds dQ in a fixed order (deterministic) at head dims up to 128, without the hopper-atomic-dq feature".into(),
-        );
-    }
-    options
-        .hopper
-        .switched_off()
-        .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
-}
-
-/// [`plan_attention_backward`] for a call that writes `dS` where `write_ds`.
-fn plan_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,
     dtype: StorageType,
@@ -335,6 +292,37 @@ fn plan_backward<R: Runtime>(
     })
 }
 
+/// Why the Hopper backward does not run a call (`None`: it does): switched off, another
+/// forward kernel forced, or [`hopper::unavailable`].
+fn hopper_reason<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+) -> Option<String> {
+    if let Some(kernel) = options
+        .kernel
+        .filter(|&k| k != super::AttentionKernel::Hopper)
+    {
+        return Some(format!("the forward is forced onto {kernel:?}"));
+    }
+    let ordered = hopper::dq_tiled(FlashConfig::new(
+        ScoreSource::QueryKey,
+        options.rules(features),
+        hopper::tile(dims),
+    ));
+    if options.deterministic && !ordered {
+        return Some(
+            "the Hopper backward adds dQ in a fixed order (deterministic) at head dims up to 128, without the hopper-atomic-dq feature".into(),
+        );
+    }
+    options
+        .hopper
+        .switched_off()
+        .or_else(|| hopper::unavailable(super::sm90(client), dims, dtype, features))
+}
+
 /// Writes the gradients of [`super::launch_attention`] (same `options`) into `t.dq`, `t.dk`,
 /// `t.dv` (and `t.ds`). Returns the plan that ran; nothing is launched when an error is
 /// returned. Needs [`AttentionBackwardPlan::scratch_bytes`] of scratch (`δ`; on Hopper also
@@ -391,21 +379,22 @@ pub fn launch_attention_backward<R: Runtime>(
         sinks: false,
         varlen: t.seqs.is_some(),
     };
-    let plan = plan_backward(client, dims, dtype, features, options, t.ds.is_some())?;
+    let plan =
+        plan_attention_backward_writing(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;
     let rows = pairs * dims.group() * dims.seq_q;
     if pairs == 0 {
         return Ok(plan);
     }
     if plan.kernel == AttentionBackwardKernel::Hopper {
-        #[cfg(feature = "cuda")]
-        {
-            // SAFETY: the shapes were checked above and describe the buffers; the plan took
-            // the Hopper backward, so `hopper::unavailable` found nothing against this call
-            // (rows and starts aligned, non-empty sequences) and a `ds` comes without a
-            // softcap (`hopper::takes_ds`); the mask and bias strides were checked against
-            // `[B, Hq, Sq, Sk]`, `ds`'s shape is `[B, Hq, Sq, Sk]`.
-            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
+        // SAFETY: the shapes were checked above and describe the buffers; the plan took the
+        // Hopper backward, so `hopper::unavailable` found nothing against this call (rows and
+        // starts aligned, non-empty sequences) and a `ds` comes without a softcap
+        // (`hopper::takes_ds`); the mask and bias strides were checked against
+        // `[B, Hq, Sq, Sk]`, `ds`'s shape is `[B, Hq, Sq, Sk]`.
+        crate::launch_hand_written!(
+            client,
+            |cuda| unsafe {
                 hopper::launch(
                     cuda,
                     &t,
@@ -417,22 +406,16 @@ pub fn launch_attention_backward<R: Runtime>(
                     hopper::UNITS,
                     hopper::shared_bytes(plan.config),
                     plan.dkv_cubes,
-                )
-            });
-            assert!(
-                launched.is_some(),
-                "the plan takes the Hopper backward on CUDA clients only"
-            );
-            record_launch(BackwardLaunch {
-                dims,
-                kernel: plan.kernel,
-                mask: t.mask.is_some(),
-                ds: t.ds.is_some(),
-            });
-            return Ok(plan);
-        }
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("the plan takes the Hopper backward on CUDA clients only");
+                );
+                record_launch(BackwardLaunch {
+                    dims,
+                    kernel: plan.kernel,
+                    mask: t.mask.is_some(),
+                    ds: t.ds.is_some(),
+                });
+            },
+            Ok(plan)
+        );
     }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| Operand {
         handle: t.handle.clone(),

@@ -106,21 +106,19 @@ pub fn launch_attention<R: Runtime>(
         return Ok(plan);
     }
     let Some(flash_kernel) = plan.kernel.flash_kernel() else {
-        #[cfg(feature = "cuda")]
-        {
-            let mask = mask.as_ref().zip(mask_strides.as_deref());
-            let bias = bias.as_ref().zip(bias_strides.as_deref());
-            // SAFETY: the shapes were checked above and describe the buffers; the plan took
-            // the Hopper kernel, so `hopper::unavailable` found nothing against this call, and
-            // `aligned` includes the buffers' 16-byte starts.
-            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
+        // SAFETY: the shapes were checked above and describe the buffers; the plan took the
+        // Hopper kernel, so `hopper::unavailable` found nothing against this call, and
+        // `aligned` includes the buffers' 16-byte starts.
+        crate::launch_hand_written!(
+            client,
+            |cuda| unsafe {
                 hopper::launch(
                     cuda,
                     &q,
                     &k,
                     &v,
-                    mask,
-                    bias,
+                    mask.as_ref().zip(mask_strides.as_deref()),
+                    bias.as_ref().zip(bias_strides.as_deref()),
                     slopes.as_ref(),
                     sinks.as_ref(),
                     seqs.as_ref(),
@@ -131,15 +129,9 @@ pub fn launch_attention<R: Runtime>(
                     options,
                     &plan,
                 )
-            });
-            assert!(
-                launched.is_some(),
-                "the plan takes the Hopper kernel on CUDA clients only"
-            );
-            return Ok(plan);
-        }
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+            },
+            Ok(plan)
+        );
     };
     let count = CubeCount::Static(
         plan.cubes.0 as u32,

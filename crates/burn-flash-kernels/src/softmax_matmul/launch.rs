@@ -119,12 +119,12 @@ pub fn launch_softmax_matmul<R: Runtime>(
         return Ok(plan);
     }
     if plan.kernel == SmmForwardKernel::Hopper {
-        #[cfg(feature = "cuda")]
-        {
-            // SAFETY: `dims_of` checked the shapes, which describe the buffers; the plan took
-            // the Hopper kernel, so `hopper_unavailable` found nothing against this call (TMA
-            // layout, non-empty tensors, grid limits).
-            let launched = crate::hopper::with_cuda_client!(client, |cuda| unsafe {
+        // SAFETY: `dims_of` checked the shapes, which describe the buffers; the plan took the
+        // Hopper kernel, so `hopper_unavailable` found nothing against this call (TMA layout,
+        // non-empty tensors, grid limits).
+        crate::launch_hand_written!(
+            client,
+            |cuda| unsafe {
                 crate::flash::forward::hopper::launch_given(
                     cuda,
                     &x,
@@ -136,15 +136,9 @@ pub fn launch_softmax_matmul<R: Runtime>(
                     plan.units,
                     plan.cubes,
                 )
-            });
-            assert!(
-                launched.is_some(),
-                "the plan takes the Hopper kernel on CUDA clients only"
-            );
-            return Ok(plan);
-        }
-        #[cfg(not(feature = "cuda"))]
-        unreachable!("the plan takes the Hopper kernel on CUDA clients only");
+            },
+            Ok(plan)
+        );
     }
     let flash_kernel = plan
         .kernel
@@ -346,12 +340,12 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     unsafe {
         let delta = launch_delta(client, &operands.out, &operands.d_out, rows, dtype);
         if plan.path == SmmBackwardPath::Hopper {
-            #[cfg(feature = "cuda")]
-            {
-                // The plan took the Hopper kernels: `hopper_unavailable` found nothing against
-                // `x`, `v`, `d_out`, `dx`, `dv` (16-byte rows and starts, no size 0), and
-                // `delta` holds `batch · d1` rows.
-                let launched = crate::hopper::with_cuda_client!(client, |cuda| {
+            // The plan took the Hopper kernels: `hopper_unavailable` found nothing against
+            // `x`, `v`, `d_out`, `dx`, `dv` (16-byte rows and starts, no size 0), and `delta`
+            // holds `batch · d1` rows.
+            crate::launch_hand_written!(
+                client,
+                |cuda| {
                     crate::flash::backward::hopper_given::launch(
                         cuda,
                         &x,
@@ -365,15 +359,9 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                     crate::flash::backward::hopper_given::launch_dv(
                         cuda, &x, &d_out, &lse, &dv, dtype,
                     );
-                });
-                assert!(
-                    launched.is_some(),
-                    "the plan takes the Hopper kernels on CUDA clients only"
-                );
-                return Ok(());
-            }
-            #[cfg(not(feature = "cuda"))]
-            unreachable!("the plan takes the Hopper kernels on CUDA clients only");
+                },
+                Ok(())
+            );
         }
         launch_backward_with_delta(
             client,
