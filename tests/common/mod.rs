@@ -491,7 +491,9 @@ pub fn panic_message(f: impl FnOnce()) -> String {
         .unwrap_or_default()
 }
 
-/// One `#[test]` per listed suite function, instantiated for one backend and dtype.
+/// One `#[test]` per listed suite function, instantiated for one backend and dtype. Each test
+/// ends with the device idle: work still queued (a test that only checks refusals reads
+/// nothing back) must finish, and fail the test if it fails, before the process may exit.
 #[allow(unused_macros)]
 macro_rules! suite {
     ($module:ident, $backend:ty, $dtype:expr, [$($test:ident),* $(,)?]) => {
@@ -503,6 +505,8 @@ macro_rules! suite {
                     common::plan_inputs();
                     let device = Default::default();
                     super::$test::<$backend>(&device, $dtype);
+                    <$backend as burn::tensor::backend::Backend>::sync(&device)
+                        .expect("the device's work at the end of the test");
                 }
             )*
         }
