@@ -68,12 +68,11 @@ impl ScoreRules {
         varlen: false,
     };
 
-    /// The rules as the hand-written CUDA kernels read them: one `#define NAME 0|1` line per
-    /// rule, `FILL` for a mask whose keys take the fill score (its value is a runtime scalar,
-    /// so calls that differ only in it share a compiled kernel). Written once for every
-    /// hand-written kernel (`crate::hopper`); a kernel ignores the rules it does not take.
-    #[cfg(feature = "cuda")]
-    pub fn defines(&self) -> crate::hopper::Defines {
+    /// The rules as the hand-written CUDA kernels read them, a `#define NAME 0|1` each
+    /// (`crate::hopper::Defines::rules`): `FILL` for a mask whose keys take the fill score (its
+    /// value is a runtime scalar, so calls that differ only in it share a compiled kernel). A
+    /// kernel ignores the rules it does not take.
+    pub fn flags(&self) -> [(&'static str, bool); 11] {
         [
             ("CAUSAL", self.causal),
             ("SOFTCAP", self.softcap),
@@ -87,10 +86,6 @@ impl ScoreRules {
             ("SINKS", self.sinks),
             ("VARLEN", self.varlen),
         ]
-        .into_iter()
-        .fold(crate::hopper::Defines::empty(), |d, (name, on)| {
-            d.word(name, on)
-        })
     }
 }
 

@@ -98,7 +98,7 @@ impl Defines {
         Self(format!("#define WG_ELEM \"{name}\"\n")).word("ELEM_BF16", bf16)
     }
 
-    /// No line yet (the score rules' own list, [`crate::flash::ScoreRules::defines`]).
+    /// No line yet (a source without an element type's `wgmma`).
     pub fn empty() -> Self {
         Self(String::new())
     }
@@ -109,10 +109,12 @@ impl Defines {
         self
     }
 
-    /// Adds the score rules' lines ([`crate::flash::ScoreRules::defines`]).
-    pub fn rules(mut self, rules: &crate::flash::ScoreRules) -> Self {
-        self.0 += rules.defines().text();
-        self
+    /// Adds a line per score rule ([`crate::flash::ScoreRules::flags`]), in its order.
+    pub fn rules(self, rules: &crate::flash::ScoreRules) -> Self {
+        rules
+            .flags()
+            .into_iter()
+            .fold(self, |d, (name, on)| d.word(name, on))
     }
 
     /// The lines.

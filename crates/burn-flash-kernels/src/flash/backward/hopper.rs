@@ -94,7 +94,7 @@ const ROWS_SOURCE_HASH: u64 = crate::hopper::source_hash(ROWS_SOURCE);
 
 /// One compiled variant of the main kernel: the plan's tile and score rules, the element type,
 /// whether `dS` is written ([`takes_ds`]) and how `dQ` is added ([`dq_tiled`]). Its `#define`s
-/// are the tile's and [`ScoreRules::defines`]; its id is a hash of them.
+/// are the tile's and [`ScoreRules::flags`]; its id is a hash of them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
     /// bf16 (else f16).

@@ -74,7 +74,7 @@ pub const SOURCE: &str = concat!(
 const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 
 /// One compiled variant of the kernel: the plan's tile and score rules, the element type and
-/// the score source. Its `#define`s are the tile's and [`ScoreRules::defines`]; its id is a
+/// the score source. Its `#define`s are the tile's and [`ScoreRules::flags`]; its id is a
 /// hash of them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Variant {
