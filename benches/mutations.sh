@@ -87,6 +87,8 @@ dq-bulk-no-wait hopper_backward.test hopper_causal_backward_matches_f64
 dq-unordered hopper_backward.test hopper_deterministic_backward_bits
 bias-block attention.test cuda::bf16::bias_tiles
 bias-block attention.test cuda::f16::bias_tiles
+bias-block-bwd attention_backward.test cuda::bf16::hopper_bias_tiles
+bias-block-bwd attention_backward.test cuda::f16::hopper_bias_tiles
 dq-unordered attention_backward.test cuda::bf16::deterministic_backward
 EOF
 )

@@ -241,6 +241,9 @@ struct Setup {
     bias: Option<[usize; 4]>,
     /// The bias is tracked (its gradient is checked, and the backward writes `dS` for it).
     bias_tracked: bool,
+    /// The bias is the swap of a `[.., Sk, Sq]` tensor: keys strided, rows that TMA cannot
+    /// load (the Hopper kernels read it per element).
+    bias_transposed: bool,
     options: AttentionModuleOptions,
     strided: bool,
     dropout: Option<AttentionDropout>,
@@ -273,6 +276,7 @@ impl Setup {
             mask: None,
             bias: None,
             bias_tracked: true,
+            bias_transposed: false,
             options: AttentionModuleOptions::default(),
             strided: false,
             dropout: None,
@@ -320,8 +324,11 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     let mask = setup
         .mask
         .map(|(dims, f)| bool_mask::<A<B>, 4>(dims, &device, f));
-    let bias = setup.bias.map(|dims| {
-        let bias = random::<A<B>, 4>(dims, -1.0, 1.0, dtype, &device);
+    let bias = setup.bias.map(|[b, h, sq, sk]| {
+        let bias = match setup.bias_transposed {
+            true => random::<A<B>, 4>([b, h, sk, sq], -1.0, 1.0, dtype, &device).swap_dims(2, 3),
+            false => random::<A<B>, 4>([b, h, sq, sk], -1.0, 1.0, dtype, &device),
+        };
         if setup.bias_tracked {
             bias.require_grad()
         } else {
@@ -1167,16 +1174,10 @@ fn cooperative_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType) 
     check::<B>(&setup, dtype, "cooperative: D 128, several blocks");
 }
 
-/// The Hopper backward writing `dS` for a tracked bias, with the forward's kernel forced onto
-/// Hopper (the plan keeps bias calls on the `mma.sync` backward): several key blocks and query
-/// steps; causal with `Sq > Sk`, whose second key block skips the first two query blocks (their
-/// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score with dropout;
-/// D 192 (rounded up to 256: the wide kernel, 64 keys per block). Each call's launch is checked: the Hopper
-/// backward writing `dS`, and the `mma.sync` one under a softcap. Where the device has no
-/// Hopper kernels, the forced kernel must be refused with an error before any launch.
-/// (CUDA's suites only.)
+/// Whether the Hopper kernels can be forced on this device for `dtype`; where they cannot,
+/// that forcing them is refused with an error before any launch.
 #[cfg(feature = "cuda")]
-fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+fn hopper_forced_available<B: FlashBackend>(device: &B::Device, dtype: FloatDType) -> bool {
     let probe = AttentionDims {
         batch: 2,
         heads_q: 4,
@@ -1196,47 +1197,71 @@ fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let text = err.to_string();
         assert!(text.contains("Hopper") || text.contains("sm_90"), "{text}");
         eprintln!("no Hopper kernels on this device: {text}");
+        return false;
+    }
+    true
+}
+
+/// Checks `setup`'s gradients with the forward's kernel forced onto Hopper (the backward
+/// follows it), then that every backward launch of its sizes ran `want` (with a tracked bias,
+/// the launches that wrote `dS`), with the bias loaded by TMA as tiles where `tiles` says so.
+#[cfg(feature = "cuda")]
+fn check_forced<B: FlashBackend>(
+    setup: &mut Setup,
+    dtype: FloatDType,
+    context: &str,
+    want: AttentionBackwardKernel,
+    tiles: Option<bool>,
+) {
+    setup.kernel = Some(AttentionKernel::Hopper);
+    let dims = AttentionDims {
+        batch: setup.q[0],
+        heads_q: setup.q[1],
+        heads_kv: setup.kv_heads,
+        seq_q: setup.q[2],
+        seq_k: setup.seq_k,
+        head_dim: setup.q[3],
+        value_dim: setup.dv,
+    };
+    check::<B>(setup, dtype, context);
+    let ds = setup.bias.is_some() && setup.bias_tracked;
+    let ran: Vec<_> = recent_backward_launches()
+        .into_iter()
+        .filter(|l| l.dims == dims && l.ds == ds)
+        .collect();
+    assert!(
+        !ran.is_empty()
+            && ran
+                .iter()
+                .all(|l| l.kernel == want && tiles.is_none_or(|t| l.bias_tiles == t)),
+        "{context}: want {want:?} (bias tiles {tiles:?}), launched {ran:?}"
+    );
+}
+
+/// The Hopper backward writing `dS` for a tracked bias, with the forward's kernel forced onto
+/// Hopper (the plan keeps bias calls on the `mma.sync` backward): several key blocks and query
+/// steps; causal with `Sq > Sk`, whose second key block skips the first two query blocks (their
+/// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score with dropout;
+/// D 192 (rounded up to 256: the wide kernel, 64 keys per block). Each call's launch is checked:
+/// the Hopper backward writing `dS`, and the `mma.sync` one under a softcap. Where the device
+/// has no Hopper kernels, the forced kernel must be refused with an error before any launch.
+/// (CUDA's suites only.)
+#[cfg(feature = "cuda")]
+fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    if !hopper_forced_available::<B>(device, dtype) {
         return;
     }
-    let run = |setup: &mut Setup, context: &str, want: AttentionBackwardKernel| {
-        setup.kernel = Some(AttentionKernel::Hopper);
-        let dims = AttentionDims {
-            batch: setup.q[0],
-            heads_q: setup.q[1],
-            heads_kv: setup.kv_heads,
-            seq_q: setup.q[2],
-            seq_k: setup.seq_k,
-            head_dim: setup.q[3],
-            value_dim: setup.dv,
-        };
-        check::<B>(setup, dtype, context);
-        let ran: Vec<_> = recent_backward_launches()
-            .into_iter()
-            .filter(|l| l.dims == dims && l.ds)
-            .map(|l| l.kernel)
-            .collect();
-        assert!(
-            !ran.is_empty() && ran.iter().all(|&k| k == want),
-            "{context}: want {want:?}, launched {ran:?}"
-        );
-    };
     let hopper = AttentionBackwardKernel::Hopper;
     let mut setup = Setup::new([2, 4, 200, 64], 2, 150, 64);
     setup.bias = Some([1, 4, 200, 150]);
     setup.options.is_causal = true;
-    run(
-        &mut setup,
-        "Hopper dS: causal Sq 200 Sk 150, bias [1, H, Sq, Sk]",
-        hopper,
-    );
+    let context = "Hopper dS: causal Sq 200 Sk 150, bias [1, H, Sq, Sk]";
+    check_forced::<B>(&mut setup, dtype, context, hopper, None);
     let mut setup = Setup::new([2, 4, 70, 128], 2, 300, 96);
     setup.mask = Some(([2, 1, 1, 300], |[b, _, _, j]| j + 40 * b >= 290));
     setup.bias = Some([2, 4, 70, 300]);
-    run(
-        &mut setup,
-        "Hopper dS: GQA, padding mask, D 128 Dv 96",
-        hopper,
-    );
+    let context = "Hopper dS: GQA, padding mask, D 128 Dv 96";
+    check_forced::<B>(&mut setup, dtype, context, hopper, None);
     setup.mask = Some(([2, 4, 70, 300], |[b, h, i, j]| {
         i == 3 || (b + h + i + j) % 3 == 0
     }));
@@ -1245,21 +1270,64 @@ fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         prob: 0.2,
         seed: 11,
     });
-    run(&mut setup, "Hopper dS: fill 0.5, dropout", hopper);
+    let context = "Hopper dS: fill 0.5, dropout";
+    check_forced::<B>(&mut setup, dtype, context, hopper, None);
     let mut setup = Setup::new([1, 2, 90, 192], 2, 140, 128);
     setup.bias = Some([1, 2, 90, 140]);
     setup.options.is_causal = true;
-    run(&mut setup, "Hopper dS: wide, D 192, causal", hopper);
+    let context = "Hopper dS: wide, D 192, causal";
+    check_forced::<B>(&mut setup, dtype, context, hopper, None);
     // Sizes of its own (the launches are told apart by their dims), D ≤ 128 for `mma.sync`.
     let mut setup = Setup::new([1, 2, 90, 64], 2, 140, 64);
     setup.bias = Some([1, 2, 90, 140]);
     setup.options.is_causal = true;
     setup.options.softcap = Some(5.0);
-    run(
-        &mut setup,
-        "Hopper forced, dS under a softcap: mma.sync",
-        AttentionBackwardKernel::MatrixUnits,
-    );
+    let context = "Hopper forced, dS under a softcap: mma.sync";
+    let mma = AttentionBackwardKernel::MatrixUnits;
+    check_forced::<B>(&mut setup, dtype, context, mma, None);
+}
+
+/// Biases through the Hopper backward (forced, as the plan keeps biases on the `mma.sync`
+/// one): rows of whole 16 bytes load by TMA per step into the `dSᵀ` buffer of the step's
+/// parity — `[1, H, Sq, Sk]` tracked at D 64 over three key blocks, the last of 8 keys (its
+/// second 64-key atom wholly past `Sk`, read as zeros) and rows past `Sq`; `[B, 1, Sq, Sk]`
+/// untracked at D 128, causal, with a padding mask; `[B, H, Sq, Sk]` tracked with ALiBi and
+/// dropout; the wide kernel (D 192: both consumers read one 64-key tile) causal — and a bias
+/// with strided keys, read per element. Each launch is checked: the Hopper backward, the bias
+/// by TMA or not as said. (CUDA's suites only.)
+#[cfg(feature = "cuda")]
+fn hopper_bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    if !hopper_forced_available::<B>(device, dtype) {
+        return;
+    }
+    let hopper = AttentionBackwardKernel::Hopper;
+    let mut setup = Setup::new([2, 4, 200, 64], 2, 264, 64);
+    setup.bias = Some([1, 4, 200, 264]);
+    let context = "bias tiles: D 64, [1, H, Sq, Sk] tracked, Sk 264";
+    check_forced::<B>(&mut setup, dtype, context, hopper, Some(true));
+    let mut setup = Setup::new([2, 4, 130, 128], 2, 136, 128);
+    setup.bias = Some([2, 1, 130, 136]);
+    setup.bias_tracked = false;
+    setup.options.is_causal = true;
+    setup.mask = Some(([2, 1, 1, 136], |[b, _, _, j]| j + 9 * b + 5 >= 136));
+    let context = "bias tiles: D 128 causal, [B, 1, Sq, Sk] untracked, padding mask";
+    check_forced::<B>(&mut setup, dtype, context, hopper, Some(true));
+    let mut setup = Setup::new([2, 4, 70, 128], 2, 200, 128);
+    setup.bias = Some([2, 4, 70, 200]);
+    setup.alibi = true;
+    setup.dropout = Some(AttentionDropout { prob: 0.2, seed: 5 });
+    let context = "bias tiles: D 128, [B, H, Sq, Sk] tracked, ALiBi, dropout";
+    check_forced::<B>(&mut setup, dtype, context, hopper, Some(true));
+    let mut setup = Setup::new([1, 2, 90, 192], 2, 144, 128);
+    setup.bias = Some([1, 2, 90, 144]);
+    setup.options.is_causal = true;
+    let context = "bias tiles: wide D 192 causal, tracked";
+    check_forced::<B>(&mut setup, dtype, context, hopper, Some(true));
+    let mut setup = Setup::new([2, 4, 100, 64], 2, 136, 64);
+    setup.bias = Some([1, 4, 100, 136]);
+    setup.bias_transposed = true;
+    let context = "bias per element: D 64, keys strided, tracked";
+    check_forced::<B>(&mut setup, dtype, context, hopper, Some(false));
 }
 
 /// The backward suite; `[extra]` replaces the default extra test, the 70 400-head case.
@@ -1621,8 +1689,18 @@ mod cuda {
     use super::*;
     type C = burn::backend::Cuda;
     backward_suite!(f32, C, FloatDType::F32);
-    backward_suite!(f16, C, FloatDType::F16, [many_heads, hopper_tracked_bias]);
-    backward_suite!(bf16, C, FloatDType::BF16, [many_heads, hopper_tracked_bias]);
+    backward_suite!(
+        f16,
+        C,
+        FloatDType::F16,
+        [many_heads, hopper_tracked_bias, hopper_bias_tiles]
+    );
+    backward_suite!(
+        bf16,
+        C,
+        FloatDType::BF16,
+        [many_heads, hopper_tracked_bias, hopper_bias_tiles]
+    );
 }
 
 #[cfg(feature = "ndarray")]

@@ -68,6 +68,9 @@ pub enum Mutation {
     /// `bias-block`: the Hopper forward loads the bias tile of the wrong key block (block
     /// `j ^ 1` for block `j`) into a step's slot.
     BiasBlock,
+    /// `bias-block-bwd`: the Hopper backward loads the bias tile of the wrong key block (block
+    /// `n ^ 1` for block `n`) into a step's `dSᵀ` buffer.
+    BiasBlockBwd,
     /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
     /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
@@ -130,6 +133,7 @@ impl Mutation {
             Self::DqBulkNoWait => "dq-bulk-no-wait",
             Self::DqUnordered => "dq-unordered",
             Self::BiasBlock => "bias-block",
+            Self::BiasBlockBwd => "bias-block-bwd",
             Self::DsSkippedRows => "ds-skipped-rows",
             Self::WindowRight => "window-right",
             Self::VarlenFirstRow => "varlen-first-row",
@@ -179,6 +183,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DqBulkNoWait,
             Mutation::DqUnordered,
             Mutation::BiasBlock,
+            Mutation::BiasBlockBwd,
             Mutation::DsSkippedRows,
             Mutation::WindowRight,
             Mutation::VarlenFirstRow,
@@ -309,6 +314,11 @@ pub fn wgmma_strides() -> bool {
 /// [`Mutation::HopperNoWait`] is active.
 pub fn hopper_no_wait() -> bool {
     active(Mutation::HopperNoWait)
+}
+
+/// [`Mutation::BiasBlockBwd`] is active.
+pub fn bias_block_bwd() -> bool {
+    active(Mutation::BiasBlockBwd)
 }
 
 /// [`Mutation::DsSkippedRows`] is active.

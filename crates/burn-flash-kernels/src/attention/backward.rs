@@ -65,6 +65,9 @@ pub struct BackwardLaunch {
     pub mask: bool,
     /// Whether `dS` (a tracked bias's gradient) was written.
     pub ds: bool,
+    /// Whether the bias was loaded as tiles by TMA (the Hopper backward,
+    /// [`hopper::Variant::bias_tiles`]) rather than read per element.
+    pub bias_tiles: bool,
 }
 
 /// The most recent backward launches of this process (at most 64, oldest first), as they
@@ -395,7 +398,7 @@ pub fn launch_attention_backward<R: Runtime>(
         crate::launch_hand_written!(
             client,
             |cuda| unsafe {
-                hopper::launch(
+                let bias_tiles = hopper::launch(
                     cuda,
                     &t,
                     dims,
@@ -412,6 +415,7 @@ pub fn launch_attention_backward<R: Runtime>(
                     kernel: plan.kernel,
                     mask: t.mask.is_some(),
                     ds: t.ds.is_some(),
+                    bias_tiles,
                 });
             },
             Ok(plan)
@@ -498,6 +502,7 @@ pub fn launch_attention_backward<R: Runtime>(
         kernel: plan.kernel,
         mask: t.mask.is_some(),
         ds: write_ds,
+        bias_tiles: false,
     });
     Ok(plan)
 }

@@ -55,6 +55,13 @@ __device__ __forceinline__ u32 lds_u32(u32 addr) {
     return v;
 }
 
+// A 16-bit element of shared memory at `addr` (volatile, as `lds_u32`).
+__device__ __forceinline__ unsigned short lds_u16(u32 addr) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr) : "memory");
+    return v;
+}
+
 // ---- named barriers ----------------------------------------------------------------------
 
 __device__ __forceinline__ void named_sync(u32 id, u32 threads) {

@@ -4,8 +4,15 @@
 extern "C" __global__ void __launch_bounds__(384, 1)
 burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                            const __grid_constant__ TmaMap tv, const __grid_constant__ TmaMap tdo,
+#if BIAS_TILES
+                           const __grid_constant__ TmaMap tb,
+#endif
+                           // The maps' buffers (the launch binds one per map; not read).
                            const unsigned short* q_buffer, const unsigned short* k_buffer,
                            const unsigned short* v_buffer, const unsigned short* do_buffer,
+#if BIAS_TILES
+                           const unsigned short* b_buffer,
+#endif
                            const float* __restrict__ lse2, const float* __restrict__ delta,
                            float* __restrict__ dq_acc, unsigned short* __restrict__ dk,
                            unsigned short* __restrict__ dv,
@@ -83,6 +90,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             tma_prefetch_map(&tk);
             tma_prefetch_map(&tv);
             tma_prefetch_map(&tdo);
+#if BIAS_TILES
+            tma_prefetch_map(&tb);
+            const int bias_batch = (p.bias_planes & 1u) ? (int)batch : 0;
+#endif
             mbar_arrive_expect_tx(kv_full, K_BYTES + V_BYTES);
 #pragma unroll
             for (int a = 0; a < D_ATOMS; ++a) {
@@ -97,7 +108,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 const u32 head = head_kv * p.group + (u32)(it / per_head);
                 const u32 s = it % STAGES, use = it / STAGES;
                 if (it >= STAGES) mbar_wait(EMPTY(s), (use - 1u) & 1u);
-                mbar_arrive_expect_tx(FULL(s), Q_BYTES + DO_BYTES + 2 * ROWS_BYTES);
+                mbar_arrive_expect_tx(FULL(s), Q_BYTES + DO_BYTES + 2 * ROWS_BYTES + B_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
                     tma_load_4d(SQ(s) + a * ROW_ATOM, &tq, FULL(s), 64 * a, m * BLOCK_M, head,
@@ -111,6 +122,17 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                 const u64 row = ((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m * BLOCK_M;
                 bulk_load(SLSE(s), lse2 + row, ROWS_BYTES, FULL(s));
                 bulk_load(SDELTA(s), delta + row, ROWS_BYTES, FULL(s));
+#if BIAS_TILES
+                // The bias of the step's rows and the block's keys, into the dSᵀ buffer of the
+                // step's parity (free: step it − 2's consumers released slot s after their dQ
+                // products and dS copies read it).
+                const int bias_head = (p.bias_planes & 2u) ? (int)head : 0;
+#pragma unroll
+                for (int a = 0; a < BLOCK_N / 64; ++a) {
+                    tma_load_4d(sds + (u32)(it % 2) * DS_BYTES + a * ROW_ATOM, &tb, FULL(s),
+                                n0 + 64 * a, m * BLOCK_M, bias_head, bias_batch);
+                }
+#endif
             }
         }
 #if DQ_WRITER
@@ -286,7 +308,10 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         const unsigned short* mask_h =
             mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
 #endif
-#if BIAS
+#if BIAS_TILES
+        // The step's bias tile (the dSᵀ buffer of its parity): this consumer's 64 keys' atom.
+        const u32 sb = sds + (u32)(it % 2) * DS_BYTES + (KEY_OFF(c) / 64u) * ROW_ATOM;
+#elif BIAS
         const unsigned short* bias_h =
             bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
 #endif
@@ -306,10 +331,20 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #else
             float x = st[i] * p.s.scale_log2;
 #endif
+#if BIAS_TILES
+            // Row `col` of the tile, key 16·warp + lane / 4 + 8·((i / 2) % 2) of the atom: 16-byte
+            // chunk 2·warp + (i / 2) % 2, swizzled by the row (zeros past Sq and Sk).
+            {
+                const u32 chunk = 2u * warp + (u32)((i / 2) % 2);
+                x += LOG2E * elem_to_f32(lds_u16(sb + (u32)col * 128u
+                                                 + ((chunk ^ ((u32)col % 8u)) << 4)
+                                                 + 2u * (lane / 4u)));
+            }
+#endif
             {
                 const int row = m0 + col;
                 if (row < (int)p.seq_q && key < (int)p.seq_k) {
-#if BIAS
+#if BIAS && !BIAS_TILES
                     x += LOG2E * elem_to_f32(bias_h[(u64)row * p.bias_stride_s
                                                     + (u64)key * p.bias_stride_k]);
 #endif
@@ -391,6 +426,15 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         }
         pack_slices(pds, dpt);
         const u32 buf = sds + (u32)(it % 2) * DS_BYTES;
+#if BIAS_TILES && WIDE
+        // Every thread of both consumers has read the bias tile that dSᵀ overwrites (each
+        // stores half of the query columns of all 64 keys).
+        named_sync(1, 256);
+#elif BIAS_TILES
+        // Every thread of this consumer has read its keys' bias atom, which its dSᵀ rows
+        // overwrite (the same 64 keys: the same 8 KiB of the buffer).
+        named_sync(2u + c, 128);
+#endif
         store_ds(buf, pds, c, warp, lane);
         fence_proxy_async();
         wgmma_fence();

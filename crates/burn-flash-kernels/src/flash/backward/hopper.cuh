@@ -62,6 +62,17 @@
 // blocks a key block visits. A key that took the fill score has a constant score: its weight reaches dV,
 // its dS reaches neither dQ nor dK.
 //
+// BIAS_TILES (0 | 1, with BIAS; the host sets it where TMA can load the bias's rows): the
+// producer loads each step's bias, BLOCK_M query rows × BLOCK_N keys in 64-key atoms with the
+// 128-byte swizzle (rows past Sq and keys past Sk read as zeros), on the step's full barrier
+// into the dSᵀ buffer of the step's parity — free by then: the stage's empty barrier, which the
+// producer waited for, completes after step it − 2's dQ products and dS copies read that
+// buffer. The consumers read it in the P loop (a warp's 32 loads of a register touch 16
+// distinct banks: no conflict) instead of one global load per score, and a named barrier per
+// consumer (both consumers when WIDE, whose dSᵀ halves interleave) separates its last bias
+// read from its first dSᵀ store over the same bytes (the tile's rows are query rows, dSᵀ's
+// keys). Without it a bias is read from global memory per element.
+//
 // WRITE_DS (0 | 1; never with SOFTCAP): dS = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), a tracked bias's gradient, is
 // also written to `ds` [B, Hq, Sq, Sk] through its strides. Without a softcap the dSᵀ tile the
 // consumers store for dQ is exactly that (in the element type, 0 for a hidden key and for a
@@ -90,6 +101,16 @@
 #define DO_BYTES (V_ATOMS * ROW_ATOM)
 #define ROWS_BYTES (BLOCK_M * 4)
 #define DS_BYTES (BLOCK_N * BLOCK_M * 2)
+// BIAS_TILES (from the host, with BIAS): the step's bias tile by TMA into the dSᵀ buffer of
+// the step's parity, which is the Q/dO stage's (two stages).
+#if BIAS_TILES
+#if !BIAS || STAGES != 2
+#error "BIAS_TILES reads a bias into the dS buffer of the step's stage (two stages)"
+#endif
+#define B_BYTES DS_BYTES
+#else
+#define B_BYTES 0
+#endif
 // DQ_BULK (from the host, never with WIDE): dQ through shared memory and TMA bulk reduces, a
 // consumer's 64 × 64 f32 tile, two per consumer (step parity).
 #if DQ_BULK && WIDE
@@ -150,7 +171,8 @@ struct BwdParams {
     u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k;
     u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k;
     u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
-    u32 n_seqs, unused;                                     // VARLEN: packed sequences
+    u32 n_seqs;                                             // VARLEN: packed sequences
+    u32 bias_planes; // BIAS_TILES: bit 0 the bias has batches, bit 1 heads (else coordinate 0)
 };
 static_assert(sizeof(BwdParams) == 8 * PARAM_WORDS, "the host's words (hopper.rs, PARAM_WORDS)");
 

@@ -11,8 +11,9 @@
 //!
 //! Variants ([`Variant`]): element type × `D` (64, 128, 256: the head dims rounded up; with
 //! one of them 256 the other at least 128, 64 keys per block) × `Dv` × causal,
-//! softcap, mask (hiding or filling), bias, dropout, written `dS` (a tracked bias's gradient,
-//! [`Variant::write_ds`]). Not taken: `dS` under a softcap ([`takes_ds`]) and what
+//! softcap, mask (hiding or filling), bias (loaded per step by TMA where its rows allow,
+//! [`Variant::bias_tiles`]; else read per element), dropout, written `dS` (a tracked bias's
+//! gradient, [`Variant::write_ds`]). Not taken: `dS` under a softcap ([`takes_ds`]) and what
 //! [`unavailable`] names; the plan then runs the `mma.sync` backward.
 
 #[cfg(feature = "cuda")]
@@ -110,6 +111,9 @@ pub struct Variant {
     /// The bulk reduces into each row block in key-block order: the same bits every run
     /// ([`AttentionOptions::deterministic`]; only with `dq_bulk`).
     pub deterministic: bool,
+    /// The bias is loaded per step by TMA into the `dSᵀ` buffer of the step's parity, not
+    /// read per element (a bias whose rows TMA can load, [`crate::attention::bias_tiles`]).
+    pub bias_tiles: bool,
     /// The score rules.
     pub rules: ScoreRules,
 }
@@ -117,8 +121,14 @@ pub struct Variant {
 impl Variant {
     /// The variant the plan's `config` (tile and score rules) compiles, in `bf16` or f16,
     /// writing `dS` where `write_ds`, in key-block order where `deterministic` (which the
-    /// plan asks only where [`dq_tiled`]).
-    pub fn new(config: FlashConfig, bf16: bool, write_ds: bool, deterministic: bool) -> Self {
+    /// plan asks only where [`dq_tiled`]), loading its bias by TMA where `bias_tiles`.
+    pub fn new(
+        config: FlashConfig,
+        bf16: bool,
+        write_ds: bool,
+        deterministic: bool,
+        bias_tiles: bool,
+    ) -> Self {
         let dq_bulk = dq_tiled(config);
         Self {
             bf16,
@@ -127,6 +137,7 @@ impl Variant {
             write_ds,
             dq_bulk,
             deterministic: deterministic && dq_bulk,
+            bias_tiles: bias_tiles && config.rules.bias,
             rules: config.rules,
         }
     }
@@ -140,6 +151,7 @@ impl Variant {
             .word("WRITE_DS", self.write_ds)
             .word("DQ_BULK", self.dq_bulk)
             .word("DETERMINISTIC", self.deterministic)
+            .word("BIAS_TILES", self.bias_tiles)
             .word("PARAM_WORDS", PARAM_WORDS as u32)
             .rules(&self.rules)
     }
@@ -196,9 +208,10 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
 }
 
 /// Whether the plan picks the Hopper backward for a call it can run with `features` under
-/// `hopper`: under [`HopperUse::Faster`], every call but one with a bias — it reads the bias
-/// per element, and measured slower than the `mma.sync` backward with a full `[1, H, S, S]`
-/// bias (RESULTS.md §5.2) while faster with a mask.
+/// `hopper`: under [`HopperUse::Faster`], every call but one with a bias — read per element,
+/// it measured slower than the `mma.sync` backward with a full `[1, H, S, S]` bias (RESULTS.md
+/// §5.2) while faster with a mask. The bias by TMA ([`Variant::bias_tiles`], s47) has not run
+/// on a GPU yet: it is taken only under [`HopperUse::Always`] until a run measures it.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
     hopper.wanted(!features.bias)
 }
@@ -246,7 +259,7 @@ pub fn unavailable(
 /// plan's grid (`config`'s variant, `units`, shared memory), then `dQ`. `t` was checked by the
 /// caller (shapes, [`unavailable`] `None`; a `ds` only where [`takes_ds`]); `mask_strides` and
 /// `bias_strides` are those of `t.mask` and `t.bias` over `[B, Hq, Sq, Sk]`, 0 along broadcast
-/// dimensions.
+/// dimensions. Returns whether the bias came by TMA ([`Variant::bias_tiles`]).
 ///
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
@@ -262,11 +275,25 @@ pub unsafe fn launch<R: CudaCompiled>(
     units: u32,
     shared: usize,
     cubes: (usize, usize, usize),
-) {
+) -> bool {
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let variant = Variant::new(config, bf16, t.ds.is_some(), options.deterministic);
+    // The bias's TMA view, where its rows can be loaded as tiles, and which of its batch and
+    // head coordinates are read.
+    let bias_view = t
+        .bias
+        .as_ref()
+        .zip(bias_strides)
+        .filter(|(b, strides)| crate::attention::bias_tiles(b, strides))
+        .map(|(_, strides)| crate::flash::forward::hopper::bias_view(strides, dims));
+    let variant = Variant::new(
+        config,
+        bf16,
+        t.ds.is_some(),
+        options.deterministic,
+        bias_view.is_some(),
+    );
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = padded_rows(dims);
@@ -373,6 +400,11 @@ pub unsafe fn launch<R: CudaCompiled>(
                 "",
             ),
             (
+                mutation::bias_block_bwd(),
+                "n0 + 64 * a, m * BLOCK_M, bias_head, bias_batch);",
+                "(n0 ^ BLOCK_N) + 64 * a, m * BLOCK_M, bias_head, bias_batch);",
+            ),
+            (
                 mutation::ds_skipped_rows(),
                 "dst[(u64)r * p.ds_stride_s] = 0;",
                 "dst[(u64)r * p.ds_stride_s] = 0x4000;",
@@ -416,23 +448,30 @@ pub unsafe fn launch<R: CudaCompiled>(
     };
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
-    params.push(words(n_seqs as u32, 0));
+    let planes = bias_view.as_ref().map_or(0, |(_, _, planes)| *planes);
+    params.push(words(n_seqs as u32, planes));
     assert_eq!(
         params.len(),
         PARAM_WORDS,
         "the Hopper backward's parameter words"
     );
-    let maps = vec![
+    let mut maps = vec![
         tensor_map(&t.q, dtype, BLOCK_Q),
         tensor_map(&t.k, dtype, config.block_k as usize),
         tensor_map(&t.v, dtype, config.block_k as usize),
         tensor_map(&t.d_out, dtype, BLOCK_Q),
     ];
+    // The bias's 64 rows × 64 keys (a variant with `BIAS_TILES` takes a fifth map).
+    if let (Some((shape, strides, _)), Some(b)) = (&bias_view, &t.bias) {
+        let view = crate::flash::forward::hopper::view(b, shape, strides);
+        maps.push(tensor_map(&view, dtype, BLOCK_Q));
+    }
     let (x, y, z) = cubes;
     // SAFETY: the per-row kernels touch rows below `rows` of the scratch buffers (allocated
     // here for exactly those) and, through the strides given, positions below `Sq` and columns
     // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
-    // `q`, `k`, `v`, `dO` (TMA clips every box to the shapes) and the scratch rows of its
+    // `q`, `k`, `v`, `dO`, a bias by TMA (TMA clips every box to the shapes; the bias's view
+    // describes its buffer) and the scratch rows of its
     // (batch, head) pairs; block (n, h, b) writes its `block_k` keys below `Sk` of
     // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`, and (with `ds`) those keys of
     // `dS[b, h·group ..][rows below Sq]` through `ds`'s strides. The mask and bias reads stay in
@@ -477,4 +516,5 @@ pub unsafe fn launch<R: CudaCompiled>(
             rows_params,
         );
     }
+    variant.bias_tiles
 }

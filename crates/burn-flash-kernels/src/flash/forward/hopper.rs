@@ -471,7 +471,7 @@ fn checked(params: Vec<u64>) -> Vec<u64> {
 /// coordinate 0) with the strides of a contiguous layout, which the map encoder accepts, and
 /// the kernel's `bias_planes` word (bit 0: batches read, bit 1: heads).
 #[cfg(feature = "cuda")]
-fn bias_view(strides: &[usize], dims: AttentionDims) -> ([usize; 4], [usize; 4], u32) {
+pub(crate) fn bias_view(strides: &[usize], dims: AttentionDims) -> ([usize; 4], [usize; 4], u32) {
     let (batched, headed) = (strides[0] != 0, strides[1] != 0);
     let plane = dims.seq_q * strides[2];
     let heads = if headed { dims.heads_q } else { 1 };
