@@ -247,6 +247,15 @@ pub fn softmax_backward_ref(
     (dx, terms)
 }
 
+/// With `BURN_FLASH_MARGINS` set, prints a passing check's worst error as a share of what it
+/// allows (1 fails), so that a run shows which tolerances random inputs come close to.
+pub fn report_margin(share: f64, context: &str) {
+    // (NaN: an empty comparison.)
+    if !share.is_nan() && std::env::var_os("BURN_FLASH_MARGINS").is_some() {
+        eprintln!("margin {share:.3}: {context}");
+    }
+}
+
 /// Asserts `got ≈ want` element-wise: NaN where and only where the reference is NaN, exact
 /// infinities, finite values within `tol`.
 pub fn assert_close(got: &[f64], want: &[f64], tol: Tol, context: &str) {
@@ -272,6 +281,7 @@ pub fn assert_close(got: &[f64], want: &[f64], tol: Tol, context: &str) {
             }
         }
     }
+    report_margin(worst.0, context);
 }
 
 /// Rows (along `dim`) of a softmax output sum to 1 and every value is in [0, 1].
@@ -411,6 +421,7 @@ pub fn assert_within_naive(
         .unzip();
     let e_naive = max_err(&n_kept, &w_kept);
     let floor = floor_ulps * eps(dtype) * max_abs(want);
+    report_margin(e_fused / (2.0 * e_naive + floor), context);
     assert!(
         e_fused <= 2.0 * e_naive + floor,
         "{context}: error {e_fused:e} > 2 × naive error {e_naive:e} + floor {floor:e} \
@@ -436,6 +447,7 @@ pub fn assert_rows_close(
     let n = shape[dim];
     let inner: usize = shape[dim + 1..].iter().product();
     let outer: usize = shape[..dim].iter().product();
+    let mut worst = 0.0f64;
     for o in 0..outer {
         for i in 0..inner {
             let idx = |j: usize| (o * n + j) * inner + i;
@@ -443,6 +455,9 @@ pub fn assert_rows_close(
             let allowed = rel * row_scale;
             for j in 0..n {
                 let (g, w) = (got[idx(j)], want[idx(j)]);
+                if allowed > 0.0 {
+                    worst = worst.max((g - w).abs() / allowed);
+                }
                 assert!(
                     (g - w).abs() <= allowed,
                     "{context}: row ({o}, {i}) element {j}: got {g:e}, want {w:e}; allowed \
@@ -451,6 +466,7 @@ pub fn assert_rows_close(
             }
         }
     }
+    report_margin(worst, context);
 }
 
 /// The forward kernel the suite's calls ask for: the plan's (`None`), unless the GPU run sets
