@@ -421,7 +421,10 @@ pub fn assert_within_naive(
         .unzip();
     let e_naive = max_err(&n_kept, &w_kept);
     let floor = floor_ulps * eps(dtype) * max_abs(want);
-    report_margin(e_fused / (2.0 * e_naive + floor), context);
+    report_margin(
+        e_fused / (2.0 * e_naive + floor),
+        &format!("{context} (error {e_fused:.2e}, naive {e_naive:.2e}, floor {floor:.2e})"),
+    );
     assert!(
         e_fused <= 2.0 * e_naive + floor,
         "{context}: error {e_fused:e} > 2 × naive error {e_naive:e} + floor {floor:e} \
