@@ -58,6 +58,28 @@ impl Problem {
         self.x[(b * self.d1 + i) * self.d2 + j]
     }
 
+    /// The most steps of 16 columns, after a row's first, that raise the row's running maximum
+    /// (over the rows): the rescales of an online softmax with the smallest column block.
+    fn max_raises(&self) -> usize {
+        let mut most = 0;
+        for b in 0..self.batch {
+            for i in 0..self.d1 {
+                let mut m = f64::NEG_INFINITY;
+                let mut raises = 0;
+                for (k, j0) in (0..self.d2).step_by(16).enumerate() {
+                    let step = (j0..(j0 + 16).min(self.d2)).map(|j| self.x_at(b, i, j));
+                    let step_max = step.fold(f64::NEG_INFINITY, f64::max);
+                    if step_max > m {
+                        raises += usize::from(k > 0 && m.is_finite());
+                        m = step_max;
+                    }
+                }
+                most = most.max(raises);
+            }
+        }
+        most
+    }
+
     fn v_at(&self, b: usize, j: usize, c: usize) -> f64 {
         let b = if self.shared_v { 0 } else { b };
         self.v[(b * self.d2 + j) * self.d3 + c]
@@ -145,11 +167,14 @@ fn check_forward<B: FlashBackend, const D: usize, const DV: usize>(
         let naive = read(naive);
         // In f16/bf16 both errors are dominated by the storage rounding and one rounding of the
         // largest output is floor enough. In f32 both are accumulation errors of a few ulps, and
-        // the fused kernel adds one rounding of `O` and `l` per online step that rescales (up to
-        // one per 16 columns): the floor allows that many ulps (CI saw 27 ulps against a naive 13
-        // at d2 = 4099 on lavapipe).
+        // the fused kernel adds one rounding of `O` and `l` per online step (up to one per 16
+        // columns: CI saw 27 ulps against a naive 13 at d2 = 4099 on lavapipe), and per step
+        // that raises the row's maximum the device `exp` of the rescale `e^(−Δ)`, which a GPU
+        // may compute to `3 + 2Δ` ulp (Vulkan's rule) on a share `≤ e^(−Δ)` of the output: at
+        // most 6 roundings per raise (s47's rehearsal: 5.8e-7 against 2 × 2.1e-7 + 1.2e-7 at
+        // blocks (64, 16), d2 40, scores ±8, seed 16528432086463601507).
         let floor_ulps = match dtype {
-            FloatDType::F32 => (p.d2 as f64 / 16.0).max(2.0),
+            FloatDType::F32 => (p.d2 as f64 / 16.0).max(2.0) + 6.0 * p.max_raises() as f64,
             _ => 1.0,
         };
         assert_within_naive(&got, &naive, &want, dtype, floor_ulps, &ctx);
