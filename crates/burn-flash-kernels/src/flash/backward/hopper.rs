@@ -279,20 +279,20 @@ pub unsafe fn launch<R: CudaCompiled>(
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    // The bias's TMA view, where its rows can be loaded as tiles, and which of its batch and
-    // head coordinates are read.
-    let bias_view = t
+    // The bias's TMA map (64 rows × 64 keys), where its rows can be loaded as tiles, and which
+    // of its batch and head coordinates are read.
+    let bias_map = t
         .bias
         .as_ref()
         .zip(bias_strides)
         .filter(|(b, strides)| crate::attention::bias_tiles(b, strides))
-        .map(|(_, strides)| crate::flash::forward::hopper::bias_view(strides, dims));
+        .map(|term| crate::flash::forward::hopper::bias_map(term, dims, dtype, BLOCK_Q));
     let variant = Variant::new(
         config,
         bf16,
         t.ds.is_some(),
         options.deterministic,
-        bias_view.is_some(),
+        bias_map.is_some(),
     );
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
@@ -448,7 +448,7 @@ pub unsafe fn launch<R: CudaCompiled>(
     };
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
-    let planes = bias_view.as_ref().map_or(0, |(_, _, planes)| *planes);
+    let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
     assert_eq!(
         params.len(),
@@ -462,10 +462,7 @@ pub unsafe fn launch<R: CudaCompiled>(
         tensor_map(&t.d_out, dtype, BLOCK_Q),
     ];
     // The bias's 64 rows × 64 keys (a variant with `BIAS_TILES` takes a fifth map).
-    if let (Some((shape, strides, _)), Some(b)) = (&bias_view, &t.bias) {
-        let view = crate::flash::forward::hopper::view(b, shape, strides);
-        maps.push(tensor_map(&view, dtype, BLOCK_Q));
-    }
+    maps.extend(bias_map.map(|(map, _)| map));
     let (x, y, z) = cubes;
     // SAFETY: the per-row kernels touch rows below `rows` of the scratch buffers (allocated
     // here for exactly those) and, through the strides given, positions below `Sq` and columns

@@ -413,26 +413,24 @@ pub unsafe fn launch<R: CudaCompiled>(
     params.push(0);
     // The packed sequences: `[2·(n + 1)]` cumulative lengths.
     let n_seqs = seqs.map_or(0, |s| s.shape[0] / 2 - 1);
-    // The bias's TMA view and which of its batch and head coordinates are read.
-    let bias_view = bias
+    // The bias's TMA map and which of its batch and head coordinates are read.
+    let block_q = plan.config.block_q as usize;
+    let bias_map = bias
         .filter(|_| variant.bias_tiles)
-        .map(|(_, strides)| bias_view(strides, dims));
-    let planes = bias_view.as_ref().map_or(0, |(_, _, planes)| *planes);
+        .map(|term| bias_map(term, dims, dtype, block_q));
+    let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
     let (x, y, z) = plan.cubes;
     let count = CubeCount::Static(x as u32, y as u32, z as u32);
-    let block_q = plan.config.block_q as usize;
     let mut maps = vec![
         tensor_map(q, dtype, block_q),
         tensor_map(k, dtype, plan.config.block_k as usize),
         tensor_map(v, dtype, plan.config.block_k as usize),
     ];
     // The bias's rows × 64 keys (a variant with `BIAS_TILES` takes a fourth map).
-    if let (Some((shape, strides, _)), Some((b, _))) = (&bias_view, bias) {
-        maps.push(tensor_map(&view(b, shape, strides), dtype, block_q));
-    }
+    maps.extend(bias_map.map(|(map, _)| map));
     // SAFETY: the loads stay inside `q`, `k`, `v` and a bias by TMA (TMA clips every box to the
-    // shapes given, the bias's view describes its buffer: `bias_view`),
+    // shapes given, the bias's view describes its buffer: `bias_map`),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
     // strides checked by the caller); block (m, h, b) writes rows 128m .. 128m + 127 below `Sq` of `out[b, h]` and `lse[b, h]`,
     // columns below `Dv`, through the strides given.
@@ -466,29 +464,37 @@ fn checked(params: Vec<u64>) -> Vec<u64> {
     params
 }
 
-/// A bias with `strides` over `[B, Hq, Sq, Sk]` (a [`crate::attention::bias_tiles`] one) as the
-/// 4-D tensor its TMA map reads: broadcast batch or head dimensions of size 1 (read at
-/// coordinate 0) with the strides of a contiguous layout, which the map encoder accepts, and
-/// the kernel's `bias_planes` word (bit 0: batches read, bit 1: heads).
+/// The TMA map of a bias `(b, strides)` over `[B, Hq, Sq, Sk]` (a
+/// [`crate::attention::bias_tiles`] one), boxes of `rows` × 64 keys, and the Hopper kernels'
+/// `bias_planes` word (bit 0: batches read, bit 1: heads). The map reads the bias as a 4-D
+/// tensor whose broadcast batch or head dimensions have size 1 (read at coordinate 0) and the
+/// strides of a contiguous layout, which the map encoder accepts.
 #[cfg(feature = "cuda")]
-pub(crate) fn bias_view(strides: &[usize], dims: AttentionDims) -> ([usize; 4], [usize; 4], u32) {
+pub(crate) fn bias_map(
+    (b, strides): ScoreTerm<'_>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    rows: usize,
+) -> (cubecl::server::TensorMapBinding, u32) {
     let (batched, headed) = (strides[0] != 0, strides[1] != 0);
     let plane = dims.seq_q * strides[2];
     let heads = if headed { dims.heads_q } else { 1 };
+    let shape = [
+        if batched { dims.batch } else { 1 },
+        heads,
+        dims.seq_q,
+        dims.seq_k,
+    ];
+    let view_strides = [
+        if batched { strides[0] } else { heads * plane },
+        if headed { strides[1] } else { plane },
+        strides[2],
+        1,
+    ];
+    let planes = u32::from(batched) | (u32::from(headed) << 1);
     (
-        [
-            if batched { dims.batch } else { 1 },
-            heads,
-            dims.seq_q,
-            dims.seq_k,
-        ],
-        [
-            if batched { strides[0] } else { heads * plane },
-            if headed { strides[1] } else { plane },
-            strides[2],
-            1,
-        ],
-        u32::from(batched) | (u32::from(headed) << 1),
+        tensor_map(&view(b, &shape, &view_strides), dtype, rows),
+        planes,
     )
 }
 
