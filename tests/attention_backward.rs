@@ -174,7 +174,12 @@ impl Case {
                     if let Some(sink) = sink {
                         l = (r.acc)(l + (sink - m).exp());
                     }
-                    row_budget = row_budget.max(weight_rel((r.lse)(m + l.ln()), m));
+                    // A row whose weights all vanish (quiet softmax over only a fill score far
+                    // below 0: `l` overflows, lse is +∞) adds no weight error to any sum.
+                    let lse = (r.lse)(m + l.ln());
+                    if lse.is_finite() {
+                        row_budget = row_budget.max(weight_rel(lse, m));
+                    }
                     let p: Vec<f64> = (0..sk)
                         .map(|j| match vis[j] {
                             true => (r.store)((s[j] - (r.lse)(m + l.ln())).exp()),
@@ -797,14 +802,15 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     if hopper {
         // A mask takes the Hopper backward too.
         assert_eq!(launch(&masked), launch(&plain));
-        // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward could
-        // take it, but the plan keeps the `mma.sync` one (per-element bias reads measured
-        // slower), unless the run forces Hopper (`hopper_tracked_bias` forces the kernel).
+        // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward where TMA
+        // loads its rows as tiles (Sk 72: rows of 144 bytes), else the `mma.sync` one
+        // (per-element bias reads measured slower; Sk 70: rows of 140 bytes), unless the run
+        // forces Hopper.
         let always = common::plan_inputs().hopper == burn_flash::HopperUse::Always;
-        for tracked in [true, false] {
+        for (seq_k, tracked) in [(70, true), (70, false), (72, true), (72, false)] {
             let biased = attention_backward_plan_with::<A<B>>(
                 device,
-                dims,
+                AttentionDims { seq_k, ..dims },
                 dtype.into(),
                 options,
                 ScoreTerms {
@@ -818,12 +824,12 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert!(biased.config.rules.bias);
             assert_eq!(
                 biased.kernel,
-                if always {
+                if always || seq_k == 72 {
                     AttentionBackwardKernel::Hopper
                 } else {
                     AttentionBackwardKernel::MatrixUnits
                 },
-                "bias tracked: {tracked}"
+                "Sk {seq_k}, bias tracked: {tracked}"
             );
         }
     } else if matrix {
@@ -1257,7 +1263,7 @@ fn check_forced<B: FlashBackend>(
 }
 
 /// The Hopper backward writing `dS` for a tracked bias, with the forward's kernel forced onto
-/// Hopper (the plan keeps bias calls on the `mma.sync` backward): several key blocks and query
+/// Hopper (the plan takes it only for biases TMA loads as tiles): several key blocks and query
 /// steps; causal with `Sq > Sk`, whose second key block skips the first two query blocks (their
 /// `dS` rows are written as zeros); GQA with a padding mask; burn-nn's fill score with dropout;
 /// D 192 (rounded up to 256: the wide kernel, 64 keys per block). Each call's launch is checked:
@@ -1305,8 +1311,8 @@ fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     check_forced::<B>(&mut setup, dtype, context, mma, None);
 }
 
-/// Biases through the Hopper backward (forced, as the plan keeps biases on the `mma.sync`
-/// one): rows of whole 16 bytes load by TMA per step into the `dSᵀ` buffer of the step's
+/// Biases through the Hopper backward (forced, so that every case runs it whichever kernel the
+/// plan would take): rows of whole 16 bytes load by TMA per step into the `dSᵀ` buffer of the step's
 /// parity — `[1, H, Sq, Sk]` tracked at D 64 over three key blocks, the last of 8 keys (its
 /// second 64-key atom wholly past `Sk`, read as zeros) and rows past `Sq`; `[B, 1, Sq, Sk]`
 /// untracked at D 128, causal, with a padding mask; `[B, H, Sq, Sk]` tracked with ALiBi and

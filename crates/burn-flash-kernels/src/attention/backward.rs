@@ -43,7 +43,8 @@ pub enum AttentionBackwardKernel {
     /// dims over 128) writing `dK`, `dV` (and `dS`) and adding `dQ` into the f32 accumulator,
     /// then `dQ` in the element type.
     /// Planned on sm_90 unless [`HopperUse::Off`](super::HopperUse::Off), another forward kernel is forced, or
-    /// the call has a bias ([`hopper::preferred`]: slower there, unless `=always`).
+    /// the call has a bias TMA cannot load as tiles ([`hopper::preferred`]: slower there, unless
+    /// `=always`).
     Hopper,
 }
 

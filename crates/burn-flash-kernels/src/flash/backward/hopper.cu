@@ -315,6 +315,12 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         const unsigned short* bias_h =
             bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
 #endif
+#if ALIBI && !VARLEN
+        // The thread's first score's `row + diag − key`, as f32: register i's is a constant
+        // 8·(i / 4) + i % 2 − 8·((i / 2) % 2) further (exact below 2²⁴), so each score's
+        // distance is one FADD rather than an integer-to-float conversion.
+        const float dist0 = (float)(m0 + diag - key0 + 2 * (int)(lane % 4u));
+#endif
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
             // Register i: key key0 + 8·((i / 2) % 2), query row m0 + col.
@@ -351,7 +357,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #if ALIBI && VARLEN
                     x += slope_log2 * fabsf((float)(row_keys(seqs, p, row).diag - key));
 #elif ALIBI
-                    x += slope_log2 * fabsf((float)(row + diag - key));
+                    x += slope_log2
+                         * fabsf(dist0 + (float)(8 * (i / 4) + (i % 2) - 8 * ((i / 2) % 2)));
 #endif
 #if MASK
                     if (mask_h[(u64)row * p.mask_stride_s + (u64)key * p.mask_stride_k]

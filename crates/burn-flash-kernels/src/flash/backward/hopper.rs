@@ -208,12 +208,13 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
 }
 
 /// Whether the plan picks the Hopper backward for a call it can run with `features` under
-/// `hopper`: under [`HopperUse::Faster`], every call but one with a bias — read per element,
-/// it measured slower than the `mma.sync` backward with a full `[1, H, S, S]` bias (RESULTS.md
-/// §5.2) while faster with a mask. The bias by TMA ([`Variant::bias_tiles`], s47) has not run
-/// on a GPU yet: it is taken only under [`HopperUse::Always`] until a run measures it.
+/// `hopper`: under [`HopperUse::Faster`], every call but one with a bias TMA cannot load as
+/// tiles. With the bias by TMA ([`Variant::bias_tiles`]) the training step with a full
+/// `[1, H, S, S]` bias runs 2.0–2.5× the `mma.sync` backward's, tracked or not (RESULTS.md
+/// §5.0); read per element it measured slower than `mma.sync` (§5.2), so such biases (rows
+/// broadcast, keys strided, rows not 16-byte multiples) keep the `mma.sync` backward.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
-    hopper.wanted(!features.bias)
+    hopper.wanted(!features.bias || features.bias_tiles)
 }
 
 /// Whether the Hopper backward takes a call that writes `dS` (a tracked bias's gradient) with
