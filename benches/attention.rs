@@ -954,6 +954,7 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
                 mask: cfg.masked.is_some(),
                 bias: cfg.bias.is_some() && !cfg.alibi,
                 bias_tracked: cfg.bias_tracked,
+                bias_rows_broadcast: cfg.bias.is_some_and(|s| s[2] == 1),
                 alibi: cfg.alibi,
                 sinks: false,
                 varlen: false,

@@ -803,11 +803,18 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         // A mask takes the Hopper backward too.
         assert_eq!(launch(&masked), launch(&plain));
         // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward where TMA
-        // loads its rows as tiles (Sk 72: rows of 144 bytes), else the `mma.sync` one
-        // (per-element bias reads measured slower; Sk 70: rows of 140 bytes), unless the run
-        // forces Hopper.
+        // loads its rows as tiles (Sk 72: rows of 144 bytes) or where the rows are broadcast
+        // (read per element from cache), else the `mma.sync` one (a full bias read per element
+        // measured slower; Sk 70: rows of 140 bytes), unless the run forces Hopper.
         let always = common::plan_inputs().hopper == burn_flash::HopperUse::Always;
-        for (seq_k, tracked) in [(70, true), (70, false), (72, true), (72, false)] {
+        for (seq_k, broadcast, tracked) in [
+            (70, false, true),
+            (70, false, false),
+            (72, false, true),
+            (72, false, false),
+            (70, true, true),
+            (70, true, false),
+        ] {
             let biased = attention_backward_plan_with::<A<B>>(
                 device,
                 AttentionDims { seq_k, ..dims },
@@ -816,6 +823,7 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 ScoreTerms {
                     bias: true,
                     bias_tracked: tracked,
+                    bias_rows_broadcast: broadcast,
                     ..Default::default()
                 },
             )
@@ -824,12 +832,12 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert!(biased.config.rules.bias);
             assert_eq!(
                 biased.kernel,
-                if always || seq_k == 72 {
+                if always || seq_k == 72 || broadcast {
                     AttentionBackwardKernel::Hopper
                 } else {
                     AttentionBackwardKernel::MatrixUnits
                 },
-                "Sk {seq_k}, bias tracked: {tracked}"
+                "Sk {seq_k}, rows broadcast: {broadcast}, bias tracked: {tracked}"
             );
         }
     } else if matrix {
@@ -894,6 +902,27 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .collect();
         assert_launched(&kernels, want, &format!("mask {mask}"));
     }
+    // A tracked bias broadcast along the rows (Sq 99: sizes of their own): the kernel the plan
+    // names for it (the Hopper backward on sm_90, reading it per element).
+    let rows = AttentionDims { seq_q: 99, ..dims };
+    let terms = ScoreTerms {
+        bias: true,
+        bias_tracked: true,
+        bias_rows_broadcast: true,
+        ..Default::default()
+    };
+    let want = attention_backward_plan_with::<A<B>>(device, rows, dtype.into(), options, terms)
+        .expect("plan")
+        .expect("plan");
+    let mut setup = Setup::new([3, 8, 99, 72], 2, 70, 40);
+    setup.bias = Some([3, 1, 1, 70]);
+    check::<B>(&setup, dtype, "planned kernels, bias [B, 1, 1, Sk]");
+    let kernels: Vec<_> = recent_backward_launches()
+        .into_iter()
+        .filter(|l| l.dims == rows)
+        .map(|l| l.kernel)
+        .collect();
+    assert_launched(&kernels, want.kernel, "bias [B, 1, 1, Sk]");
 
     // f16/bf16 at head dim 64 on the matrix units: the same kernels.
     if matrix {

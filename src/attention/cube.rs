@@ -42,14 +42,16 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
     }
 }
 
-/// Contiguous tensors of `dims` with the score terms `terms` (a bias with rows of its own).
+/// Contiguous tensors of `dims` with the score terms `terms`.
 fn features(dims: AttentionDims, terms: ScoreTerms) -> AttentionFeatures {
+    let broadcast = terms.bias && terms.bias_rows_broadcast;
     AttentionFeatures {
         aligned: dims.head_dim.is_multiple_of(8) && dims.value_dim.is_multiple_of(8),
         mask: terms.mask,
         bias: terms.bias,
         // A contiguous bias with rows of its own: TMA loads it where its rows are 16 bytes.
-        bias_tiles: terms.bias && dims.seq_k.is_multiple_of(8),
+        bias_tiles: terms.bias && !broadcast && dims.seq_k.is_multiple_of(8),
+        bias_rows_broadcast: broadcast,
         alibi: terms.alibi,
         sinks: terms.sinks,
         varlen: terms.varlen,

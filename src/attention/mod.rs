@@ -372,6 +372,9 @@ pub struct ScoreTerms {
     pub bias: bool,
     /// The bias is tracked (meaningless without one).
     pub bias_tracked: bool,
+    /// The bias is broadcast along the query rows (`[·, ·, 1, Sk]`; meaningless without one);
+    /// otherwise it has rows of its own.
+    pub bias_rows_broadcast: bool,
     /// ALiBi slopes are given.
     pub alibi: bool,
     /// Attention sinks are given.
@@ -420,6 +423,7 @@ pub fn attention_backward_plan<B: FlashBackend>(
         mask,
         bias,
         bias_tracked: bias,
+        bias_rows_broadcast: false,
         alibi: false,
         sinks: false,
         varlen: false,

@@ -4,6 +4,7 @@
 //! in each place that reads it.
 
 use burn::tensor::{
+    TensorMetadata,
     backend::Backend,
     ops::{BoolTensor, FloatTensor, IntTensor},
 };
@@ -60,6 +61,7 @@ impl<B: Backend> ScoreOperands<B> {
             mask: self.mask.is_some(),
             bias: self.bias.is_some(),
             bias_tracked: false,
+            bias_rows_broadcast: self.bias.as_ref().is_some_and(|b| b.shape()[2] == 1),
             alibi: self.heads.slopes.is_some(),
             sinks: self.heads.sinks.is_some(),
             varlen: self.seqs.is_some(),

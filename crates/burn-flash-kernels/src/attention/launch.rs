@@ -75,6 +75,7 @@ pub fn launch_attention<R: Runtime>(
             .as_ref()
             .zip(bias_strides.as_deref())
             .is_some_and(|(b, s)| bias_tiles(b, s)),
+        bias_rows_broadcast: bias_strides.as_ref().is_some_and(|s| s[2] == 0),
         alibi: slopes.is_some(),
         sinks: sinks.is_some(),
         varlen: seqs.is_some(),

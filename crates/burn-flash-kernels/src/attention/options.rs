@@ -253,6 +253,9 @@ pub struct AttentionFeatures {
     /// The bias's rows can be loaded as tiles by TMA ([`bias_tiles`]): the Hopper forward
     /// then reads it from shared memory instead of per element from global memory.
     pub bias_tiles: bool,
+    /// The bias is broadcast along the query rows (`[·, ·, 1, Sk]`, stride 0 along `Sq`): every
+    /// row of a head reads the same keys' values, which per-element reads find in cache.
+    pub bias_rows_broadcast: bool,
     /// ALiBi slopes are given.
     pub alibi: bool,
     /// Attention-sink logits are given (forward only: the backward kernels read the stored
