@@ -211,7 +211,7 @@ pub fn shared_bytes(config: FlashConfig) -> usize {
 /// `hopper`: under [`HopperUse::Faster`], every call but one with a bias of rows of its own
 /// that TMA cannot load as tiles. With the bias by TMA ([`Variant::bias_tiles`]) the training
 /// step with a full `[1, H, S, S]` bias runs 1.8–2.5× the `mma.sync` backward's, tracked or
-/// not; a bias broadcast along the rows (`[1, H, 1, S]`), read per element from cache, 1.2–1.7×
+/// not; a bias broadcast along the rows (`[1, H, 1, S]`), read per element from cache, 1.4–1.75×
 /// (RESULTS.md §5.2, H100). A full bias read per element (keys strided, rows not whole 16
 /// bytes) measured 19 % slower than `mma.sync` (§5.2, H200) and keeps the `mma.sync` backward.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
