@@ -1486,15 +1486,19 @@ fn windows_and_alibi<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 /// Biases the Hopper forward loads by TMA as tiles (unit key stride, rows of whole 16 bytes of
 /// their own) through every kernel the device runs: `[1, H, Sq, Sk]`, `[B, 1, Sq, Sk]` and
 /// `[B, H, Sq, Sk]`, several key blocks with the last one partial and row blocks past `Sq`
-/// (read as zeros), with causal, softcap, ALiBi and a padding mask.
+/// (read as zeros), with causal, softcap, ALiBi and a padding mask; and biases broadcast along
+/// the rows, which it loads as one row of keys per step (`[B, 1, 1, Sk]` causal over a partial
+/// last key block, `[1, H, 1, Sk]` with ALiBi).
 fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let cuda = format!("{device:?}").to_lowercase().contains("cuda");
     let (nb, hq, hkv, d) = (2, 4, 2, 64);
-    // (Sq, Sk, bias batches, bias heads, causal, softcap, ALiBi, padding mask)
+    // (Sq, Sk, bias batches, bias heads, bias rows, causal, softcap, ALiBi, padding mask)
     let cases = [
-        (200, 328, false, true, false, false, false, false),
-        (130, 264, true, false, true, true, false, true),
-        (70, 136, true, true, false, false, true, false),
+        (200, 328, false, true, true, false, false, false, false),
+        (130, 264, true, false, true, true, true, false, true),
+        (70, 136, true, true, true, false, false, true, false),
+        (150, 200, true, false, false, true, false, false, false),
+        (90, 264, false, true, false, false, true, true, true),
     ];
     // Off CUDA (lavapipe in CI) the first case only: the rules of the others run there in
     // `masks_and_biases` and `windows_and_alibi`.
@@ -1502,7 +1506,7 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         true => &cases[..],
         false => &cases[..1],
     };
-    for &(sq, sk, batches, heads, causal, softcap, alibi, padding) in cases {
+    for &(sq, sk, batches, heads, rows, causal, softcap, alibi, padding) in cases {
         let options: FlashAttentionOptions = AttentionModuleOptions {
             is_causal: causal,
             softcap: softcap.then_some(6.0),
@@ -1513,7 +1517,7 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         let shape = [
             if batches { nb } else { 1 },
             if heads { hq } else { 1 },
-            sq,
+            if rows { sq } else { 1 },
             sk,
         ];
         let bias = rand4::<B>(shape, 2.0, dtype, device);

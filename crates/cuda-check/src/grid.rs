@@ -102,6 +102,8 @@ pub struct Features {
     mask: bool,
     fill: bool,
     bias: bool,
+    /// The bias is broadcast along the rows (`[1, Hq, 1, Sk]`).
+    rows: bool,
     softcap: bool,
     quiet: bool,
     dropout: bool,
@@ -120,6 +122,7 @@ impl Features {
             (self.mask, "mask"),
             (self.fill, "fill"),
             (self.bias, "bias"),
+            (self.rows, "rows"),
             (self.softcap, "softcap"),
             (self.quiet, "quiet"),
             (self.dropout, "dropout"),
@@ -173,6 +176,12 @@ fn feature_sets(all: bool) -> Vec<Features> {
         },
         Features {
             varlen: true,
+            causal: true,
+            ..none
+        },
+        Features {
+            bias: true,
+            rows: true,
             causal: true,
             ..none
         },
@@ -252,7 +261,9 @@ impl AttentionCall {
             k: t(&[b, hkv, s.seq_k, s.d], dtype),
             v: t(&[b, hkv, s.seq_k, s.dv], dtype),
             mask: f.mask.then(|| t(&[b, 1, s.seq_q, s.seq_k], dtype)),
-            bias: f.bias.then(|| t(&[1, hq, s.seq_q, s.seq_k], dtype)),
+            bias: f
+                .bias
+                .then(|| t(&[1, hq, if f.rows { 1 } else { s.seq_q }, s.seq_k], dtype)),
             slopes: f.alibi.then(|| t(&[hq], F32)),
             sinks: f.sinks.then(|| t(&[hq], F32)),
             seqs: f.varlen.then(|| t(&[2 * 3], U32)),

@@ -42,7 +42,7 @@ pub use launch::launch_attention;
 pub use options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
     AttentionPlan, BackwardTensors, DecodeSchedule, HopperUse, MAX_HEAD_DIM, attention_dims,
-    bias_tiles, check_seqs, rows_aligned, starts_aligned, validate,
+    bias_row_tiles, bias_tiles, check_seqs, rows_aligned, starts_aligned, validate,
 };
 pub(crate) use plan::sm90;
 pub use plan::{cmma_tile, mma_tile, plan_attention, units_tile};

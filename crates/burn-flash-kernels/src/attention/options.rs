@@ -251,7 +251,9 @@ pub struct AttentionFeatures {
     /// A bias is given (backward: or `dS` is asked for).
     pub bias: bool,
     /// The bias's rows can be loaded as tiles by TMA ([`bias_tiles`]): the Hopper forward
-    /// then reads it from shared memory instead of per element from global memory.
+    /// then reads it from shared memory instead of per element from global memory. (A bias
+    /// broadcast along the rows, [`bias_row_tiles`], is not counted: its one-row load has not
+    /// run on a GPU, so the plan does not pick the Hopper forward for it.)
     pub bias_tiles: bool,
     /// The bias is broadcast along the query rows (`[·, ·, 1, Sk]`, stride 0 along `Sq`): every
     /// row of a head reads the same keys' values, which per-element reads find in cache.
@@ -427,6 +429,18 @@ pub fn bias_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
         && strides[3] == 1
         && strides[2] != 0
         && strides[..3].iter().all(|s| s.is_multiple_of(8))
+        && starts_aligned(&[bias])
+}
+
+/// Whether a bias with `strides` over `[B, Hq, Sq, Sk]` is broadcast along the rows and TMA can
+/// load its one row of keys per batch and head ([`bias_tiles`]'s rules otherwise): unit key
+/// stride, stride 0 along the rows, batch and head strides multiples of 8 elements, the buffer
+/// starting on 16 bytes.
+pub fn bias_row_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
+    strides.len() == 4
+        && strides[3] == 1
+        && strides[2] == 0
+        && strides[..2].iter().all(|s| s.is_multiple_of(8))
         && starts_aligned(&[bias])
 }
 

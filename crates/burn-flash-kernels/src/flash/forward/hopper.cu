@@ -41,6 +41,9 @@
 // layout (a 16-byte chunk per 8 keys, 8 rows of a warp's load in 8 different chunks: no bank
 // conflicts); the K slot is released after the softmax has read the bias. Without it the bias
 // is read from global memory per element (biases whose rows TMA cannot load).
+// BIAS_ROW (with BIAS_TILES): the bias is broadcast along the rows (`[·, ·, 1, Sk]`): each step
+// loads one 128-byte row per 64-key atom (its map's box is one row high), which every row of
+// the block reads at tile row 0 (unswizzled: row 0 of an atom).
 //
 // GIVEN (1) is softmax(X)·V, the given-score case: X `[batch, d1, d2]` takes the place of the
 // scores, so there is no Q and no Q·Kᵀ. The slots that hold K hold a 128-row × BLOCK_N-column
@@ -73,6 +76,12 @@
 #define B_BYTES ((BLOCK_N / 64) * ATOM_BYTES)
 #else
 #define B_BYTES 0
+#endif
+// The bytes a step's bias load brings (the slot holds B_BYTES).
+#if BIAS_ROW
+#define B_TX ((BLOCK_N / 64) * 128)
+#else
+#define B_TX B_BYTES
 #endif
 #define S_REGS (BLOCK_N / 2)
 #define O_REGS (VALUE_DIM / 2)
@@ -303,7 +312,11 @@ __device__ __forceinline__ void online_softmax(float (&sc)[S_REGS], float (&m_r)
 #if B_BYTES
         {
             // Registers i and i + 1 are two adjacent keys of one row: one 32-bit word.
+#if BIAS_ROW
+            const u32 row = 0u;
+#else
             const u32 row = rows.tile_row + 8u * (u32)((i / 2) % 2);
+#endif
             const u32 chunk = (u32)(i / 4) % 8u;
             const u32 word = lds_u32(sb + (u32)(i / 32) * ATOM_BYTES + row * 128u
                                      + ((chunk ^ (row % 8u)) << 4) + 4u * (rows.lane % 4u));
@@ -485,6 +498,8 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             tma_prefetch_map(&tb);
             const int bias_batch = (p.bias_planes & 1u) ? (int)batch : 0;
             const int bias_head = (p.bias_planes & 2u) ? (int)head : 0;
+            // The bias's row coordinate: the block's first row, or the one row (BIAS_ROW).
+            const int bias_m = BIAS_ROW ? 0 : m0;
 #endif
 #if GIVEN
             const u32 k_batch = batch * p.x_batch, v_batch = batch * p.v_batch;
@@ -502,7 +517,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 const u32 s = i % STAGES;
                 const u32 use = i / STAGES;
                 if (i >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
-                mbar_arrive_expect_tx(K_FULL(s), K_BYTES + B_BYTES);
+                mbar_arrive_expect_tx(K_FULL(s), K_BYTES + B_TX);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
 #if GIVEN
@@ -515,11 +530,12 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #endif
                 }
 #if B_BYTES
-                // The bias of rows m0 … and block j's keys, beside K (same barriers).
+                // The bias of rows m0 … (or its one row) and block j's keys, beside K (same
+                // barriers).
 #pragma unroll
                 for (int a = 0; a < BLOCK_N / 64; ++a) {
                     tma_load_4d(sb + s * B_BYTES + a * ATOM_BYTES, &tb, K_FULL(s),
-                                j * BLOCK_N + 64 * a, m0, bias_head, bias_batch);
+                                j * BLOCK_N + 64 * a, bias_m, bias_head, bias_batch);
                 }
 #endif
                 if (i >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);

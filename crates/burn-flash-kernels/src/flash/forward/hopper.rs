@@ -96,6 +96,9 @@ pub struct Variant {
     /// With a bias: it is loaded by TMA into each step's slot ([`bias_tiles`]), not read per
     /// element.
     pub bias_tiles: bool,
+    /// With `bias_tiles`: the bias is broadcast along the rows, and each step loads one row of
+    /// keys that every row reads ([`crate::attention::bias_row_tiles`]).
+    pub bias_row: bool,
 }
 
 impl Variant {
@@ -111,6 +114,16 @@ impl Variant {
             given: config.source == ScoreSource::Given,
             rules: config.rules,
             bias_tiles: bias_tiles && config.rules.bias && config.source == ScoreSource::QueryKey,
+            bias_row: false,
+        }
+    }
+
+    /// This variant with its bias's rows broadcast (`row`, with `bias_tiles`): one row of keys
+    /// loaded per step.
+    pub fn with_bias_row(self, row: bool) -> Self {
+        Self {
+            bias_row: row && self.bias_tiles,
+            ..self
         }
     }
 
@@ -124,6 +137,7 @@ impl Variant {
             .word("VALUE_DIM", self.value_dim)
             .word("GIVEN", self.given)
             .word("BIAS_TILES", self.bias_tiles)
+            .word("BIAS_ROW", self.bias_row)
             .word("PARAM_WORDS", PARAM_WORDS as u32)
             .rules(&self.rules)
     }
@@ -216,7 +230,9 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
 /// `hopper`: under [`HopperUse::Faster`], without a mask, and without a bias unless TMA loads
 /// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0). A mask, or a
-/// bias read per element, measured slower than on the `mma.sync` kernel (§4.2).
+/// bias read per element, measured slower than on the `mma.sync` kernel (§4.2, §5.2). A bias
+/// broadcast along the rows loaded as one row per step ([`Variant::bias_row`], s48) has not
+/// run on a GPU: only a forced Hopper forward takes it.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
     hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
 }
@@ -301,8 +317,8 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::bias_block(),
-                "j * BLOCK_N + 64 * a, m0, bias_head, bias_batch);",
-                "(j ^ 1) * BLOCK_N + 64 * a, m0, bias_head, bias_batch);",
+                "j * BLOCK_N + 64 * a, bias_m, bias_head, bias_batch);",
+                "(j ^ 1) * BLOCK_N + 64 * a, bias_m, bias_head, bias_batch);",
             ),
             (
                 crate::mutation::forced_spill(),
@@ -390,7 +406,8 @@ pub unsafe fn launch<R: CudaCompiled>(
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let tiles = bias.is_some_and(|(b, strides)| crate::attention::bias_tiles(b, strides));
-    let variant = Variant::new(plan.config, bf16, tiles);
+    let row = bias.is_some_and(|(b, strides)| crate::attention::bias_row_tiles(b, strides));
+    let variant = Variant::new(plan.config, bf16, tiles || row).with_bias_row(row);
     debug_assert_eq!(
         plan.shared_bytes,
         shared_bytes(plan.config, variant.bias_tiles),
@@ -468,7 +485,9 @@ fn checked(params: Vec<u64>) -> Vec<u64> {
 /// [`crate::attention::bias_tiles`] one), boxes of `rows` × 64 keys, and the Hopper kernels'
 /// `bias_planes` word (bit 0: batches read, bit 1: heads). The map reads the bias as a 4-D
 /// tensor whose broadcast batch or head dimensions have size 1 (read at coordinate 0) and the
-/// strides of a contiguous layout, which the map encoder accepts.
+/// strides of a contiguous layout, which the map encoder accepts. A bias broadcast along the
+/// rows ([`crate::attention::bias_row_tiles`], the forward's `BIAS_ROW`) is read as one row of
+/// keys per batch and head, in boxes one row high.
 #[cfg(feature = "cuda")]
 pub(crate) fn bias_map(
     (b, strides): ScoreTerm<'_>,
@@ -477,18 +496,23 @@ pub(crate) fn bias_map(
     rows: usize,
 ) -> (cubecl::server::TensorMapBinding, u32) {
     let (batched, headed) = (strides[0] != 0, strides[1] != 0);
-    let plane = dims.seq_q * strides[2];
+    // Rows broadcast: one row, whose stride (never stepped) is a whole number of 16 bytes.
+    let (seq_q, row_stride, rows) = match strides[2] {
+        0 => (1, dims.seq_k.next_multiple_of(8), 1),
+        s => (dims.seq_q, s, rows),
+    };
+    let plane = seq_q * row_stride;
     let heads = if headed { dims.heads_q } else { 1 };
     let shape = [
         if batched { dims.batch } else { 1 },
         heads,
-        dims.seq_q,
+        seq_q,
         dims.seq_k,
     ];
     let view_strides = [
         if batched { strides[0] } else { heads * plane },
         if headed { strides[1] } else { plane },
-        strides[2],
+        row_stride,
         1,
     ];
     let planes = u32::from(batched) | (u32::from(headed) << 1);
