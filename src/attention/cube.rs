@@ -52,6 +52,7 @@ fn features(dims: AttentionDims, terms: ScoreTerms) -> AttentionFeatures {
         // A contiguous bias with rows of its own: TMA loads it where its rows are 16 bytes.
         bias_tiles: terms.bias && !broadcast && dims.seq_k.is_multiple_of(8),
         bias_rows_broadcast: broadcast,
+        bias_row_tiles: broadcast && dims.seq_k.is_multiple_of(8),
         alibi: terms.alibi,
         sinks: terms.sinks,
         varlen: terms.varlen,

@@ -379,6 +379,11 @@ pub fn launch_attention_backward<R: Runtime>(
             .as_ref()
             .zip(bias_strides.as_deref())
             .is_some_and(|(b, s)| super::bias_tiles(b, s)),
+        bias_row_tiles: t
+            .bias
+            .as_ref()
+            .zip(bias_strides.as_deref())
+            .is_some_and(|(b, s)| super::bias_row_tiles(b, s)),
         bias_rows_broadcast: bias_strides.as_ref().is_some_and(|s| s[2] == 0),
         alibi: t.slopes.is_some(),
         sinks: false,

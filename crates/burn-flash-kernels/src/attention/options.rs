@@ -251,10 +251,13 @@ pub struct AttentionFeatures {
     /// A bias is given (backward: or `dS` is asked for).
     pub bias: bool,
     /// The bias's rows can be loaded as tiles by TMA ([`bias_tiles`]): the Hopper forward
-    /// then reads it from shared memory instead of per element from global memory. (A bias
-    /// broadcast along the rows, [`bias_row_tiles`], is not counted: its one-row load has not
-    /// run on a GPU, so the plan does not pick the Hopper forward for it.)
+    /// then reads it from shared memory instead of per element from global memory.
     pub bias_tiles: bool,
+    /// The bias is broadcast along the rows and TMA can load its one row of keys
+    /// ([`bias_row_tiles`]): a Hopper forward loads it per step into the bias slot (`BIAS_ROW`).
+    /// Its one-row load has not run on a GPU, so the plan does not prefer the Hopper forward
+    /// for it; a forced one takes it (and the plan sizes its shared memory).
+    pub bias_row_tiles: bool,
     /// The bias is broadcast along the query rows (`[·, ·, 1, Sk]`, stride 0 along `Sq`): every
     /// row of a head reads the same keys' values, which per-element reads find in cache.
     pub bias_rows_broadcast: bool,

@@ -197,9 +197,12 @@ fn rounded(dim: usize) -> u32 {
 }
 
 /// Whether the Hopper forward of `config` loads its bias by TMA: a bias is read and
-/// `features` says its rows can be loaded as tiles ([`crate::attention::bias_tiles`]).
+/// `features` says TMA can load it, as tiles ([`crate::attention::bias_tiles`]) or as one
+/// broadcast row ([`crate::attention::bias_row_tiles`]).
 pub fn bias_tiles(config: FlashConfig, features: AttentionFeatures) -> bool {
-    config.rules.bias && features.bias_tiles && config.source == ScoreSource::QueryKey
+    config.rules.bias
+        && (features.bias_tiles || features.bias_row_tiles)
+        && config.source == ScoreSource::QueryKey
 }
 
 /// Dynamic shared memory for `config`'s tile: `Q` (none with given scores), [`STAGES`] slots of
