@@ -373,22 +373,11 @@ pub fn launch_attention_backward<R: Runtime>(
             (t.d_out.shape, t.d_out.strides),
         ]) && super::starts_aligned(&[&t.q, &t.k, &t.v, &t.d_out]),
         mask: t.mask.is_some(),
-        bias: t.bias.is_some(),
-        bias_tiles: t
-            .bias
-            .as_ref()
-            .zip(bias_strides.as_deref())
-            .is_some_and(|(b, s)| super::bias_tiles(b, s)),
-        bias_row_tiles: t
-            .bias
-            .as_ref()
-            .zip(bias_strides.as_deref())
-            .is_some_and(|(b, s)| super::bias_row_tiles(b, s)),
-        bias_rows_broadcast: bias_strides.as_ref().is_some_and(|s| s[2] == 0),
         alibi: t.slopes.is_some(),
-        sinks: false,
         varlen: t.seqs.is_some(),
-    };
+        ..Default::default()
+    }
+    .with_bias(t.bias.as_ref().zip(bias_strides.as_deref()));
     let plan =
         plan_attention_backward_writing(client, dims, dtype, features, options, t.ds.is_some())?;
     let pairs = dims.batch * dims.heads_kv;

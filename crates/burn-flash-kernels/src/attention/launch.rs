@@ -4,8 +4,7 @@ use cubecl::{CubeCount, CubeDim, prelude::*};
 
 use super::options::{
     AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions, AttentionPlan,
-    attention_dims, bias_row_tiles, bias_tiles, broadcast_strides, check_seqs, expect_shape,
-    rows_aligned, starts_aligned,
+    attention_dims, broadcast_strides, check_seqs, expect_shape, rows_aligned, starts_aligned,
 };
 use super::plan::plan_attention;
 use crate::flash::FlashTensors;
@@ -70,20 +69,12 @@ pub fn launch_attention<R: Runtime>(
             (out.shape, out.strides),
         ]) && starts_aligned(&[&q, &k, &v, &out]),
         mask: mask.is_some(),
-        bias: bias.is_some(),
-        bias_tiles: bias
-            .as_ref()
-            .zip(bias_strides.as_deref())
-            .is_some_and(|(b, s)| bias_tiles(b, s)),
-        bias_row_tiles: bias
-            .as_ref()
-            .zip(bias_strides.as_deref())
-            .is_some_and(|(b, s)| bias_row_tiles(b, s)),
-        bias_rows_broadcast: bias_strides.as_ref().is_some_and(|s| s[2] == 0),
         alibi: slopes.is_some(),
         sinks: sinks.is_some(),
         varlen: seqs.is_some(),
-    };
+        ..Default::default()
+    }
+    .with_bias(bias.as_ref().zip(bias_strides.as_deref()));
     let plan = plan_attention(client, dims, dtype, features, options)?;
     if dims.out_shape().contains(&0) {
         return Ok(plan);

@@ -428,23 +428,36 @@ pub fn rows_aligned(tensors: &[(&[usize], &[usize])]) -> bool {
 /// stride, rows of their own (not broadcast), every other stride a multiple of 8 elements
 /// (16 bytes of a 16-bit type) and the buffer starting on 16 bytes.
 pub fn bias_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
+    tma_loads_bias(bias, strides) && strides[2] != 0
+}
+
+/// Whether a bias with `strides` over `[B, Hq, Sq, Sk]` is broadcast along the rows (stride 0)
+/// and TMA can load its one row of keys per batch and head: [`bias_tiles`]'s other rules.
+pub fn bias_row_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
+    tma_loads_bias(bias, strides) && strides[2] == 0
+}
+
+/// What TMA needs of a bias over `[B, Hq, Sq, Sk]` with `strides`: unit key stride, every other
+/// stride a multiple of 8 elements (0, a broadcast dimension, is one), a 16-byte start.
+fn tma_loads_bias(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
     strides.len() == 4
         && strides[3] == 1
-        && strides[2] != 0
         && strides[..3].iter().all(|s| s.is_multiple_of(8))
         && starts_aligned(&[bias])
 }
 
-/// Whether a bias with `strides` over `[B, Hq, Sq, Sk]` is broadcast along the rows and TMA can
-/// load its one row of keys per batch and head ([`bias_tiles`]'s rules otherwise): unit key
-/// stride, stride 0 along the rows, batch and head strides multiples of 8 elements, the buffer
-/// starting on 16 bytes.
-pub fn bias_row_tiles(bias: &TensorRef<'_>, strides: &[usize]) -> bool {
-    strides.len() == 4
-        && strides[3] == 1
-        && strides[2] == 0
-        && strides[..2].iter().all(|s| s.is_multiple_of(8))
-        && starts_aligned(&[bias])
+impl AttentionFeatures {
+    /// `self` with the bias fields of a call's bias (its strides over `[B, Hq, Sq, Sk]`, from
+    /// `broadcast_strides`), or of none.
+    pub fn with_bias(self, bias: Option<(&TensorRef<'_>, &[usize])>) -> Self {
+        Self {
+            bias: bias.is_some(),
+            bias_tiles: bias.is_some_and(|(b, s)| bias_tiles(b, s)),
+            bias_row_tiles: bias.is_some_and(|(b, s)| bias_row_tiles(b, s)),
+            bias_rows_broadcast: bias.is_some_and(|(_, s)| s[2] == 0),
+            ..self
+        }
+    }
 }
 
 /// Whether each buffer starts on 16 bytes, as 16-byte row loads (and TMA) need.
