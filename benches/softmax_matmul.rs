@@ -274,6 +274,7 @@ const NO_HOPPER: Impl = Impl::Flash(SoftmaxMatmulOptions {
     blocks: None,
     path: None,
     hopper: Some(false),
+    schedule: burn_flash::TileSchedule::Planned,
 });
 
 fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {

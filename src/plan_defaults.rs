@@ -1,5 +1,6 @@
 //! The plan inputs of calls that do not set them: how plans use the Hopper kernels
-//! ([`HopperUse`]), the decoding kernel's schedule ([`DecodeSchedule`]) and whether the
+//! ([`HopperUse`]), how the Hopper forward's blocks take its tiles ([`TileSchedule`]), the
+//! decoding kernel's schedule ([`DecodeSchedule`]) and whether the
 //! attention backward must return the same bits on every run ([`PlanDefaults::deterministic`],
 //! PyTorch's `use_deterministic_algorithms`).
 //!
@@ -11,7 +12,7 @@
 
 use std::sync::RwLock;
 
-use burn_flash_kernels::attention::{DecodeSchedule, HopperUse};
+use burn_flash_kernels::attention::{DecodeSchedule, HopperUse, TileSchedule};
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 
 /// The process's plan inputs for calls that leave them unset.
@@ -19,6 +20,8 @@ use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 pub struct PlanDefaults {
     /// How plans use the Hopper kernels.
     pub hopper: HopperUse,
+    /// How the Hopper forward's blocks take its tiles.
+    pub schedule: TileSchedule,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,
     /// The attention backward returns the same bits on every run
@@ -31,6 +34,7 @@ impl PlanDefaults {
     /// fastest backward (deterministic or not).
     pub const STANDARD: Self = Self {
         hopper: HopperUse::Faster,
+        schedule: TileSchedule::Planned,
         decode: DecodeSchedule::STANDARD,
         deterministic: false,
     };
@@ -67,7 +71,8 @@ impl PlanDefaults {
 
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
-    /// `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the test suites and benches read them from
+    /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]) and `BURN_FLASH_DETERMINISTIC`
+    /// (`1` or `0`): how the test suites and benches read them from
     /// their environment (the library reads none).
     pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
         let (hopper, keys, cubes) = (
@@ -76,6 +81,11 @@ impl PlanDefaults {
             get("BURN_FLASH_DECODE_CUBES"),
         );
         let mut d = Self::from_names(hopper.as_deref(), keys.as_deref(), cubes.as_deref())?;
+        if let Some(name) = get("BURN_FLASH_PERSISTENT") {
+            d.schedule = TileSchedule::from_name(&name).ok_or_else(|| {
+                format!("tile schedule {name:?}: planned, off, on or a number of blocks")
+            })?;
+        }
         d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
             None | Some("0") => false,
             Some("1") => true,
@@ -107,11 +117,83 @@ pub fn plan_defaults() -> PlanDefaults {
 /// `options` with an unset Hopper choice taken from the defaults: [`HopperUse::Off`] keeps the
 /// call off the Hopper kernels (forward and backward); the other uses leave it to the plan.
 pub(crate) fn softmax_matmul_options(options: SoftmaxMatmulOptions) -> SoftmaxMatmulOptions {
-    match (options.hopper, plan_defaults().hopper) {
+    let defaults = plan_defaults();
+    let options = match options.schedule {
+        TileSchedule::Planned => SoftmaxMatmulOptions {
+            schedule: defaults.schedule,
+            ..options
+        },
+        _ => options,
+    };
+    match (options.hopper, defaults.hopper) {
         (None, HopperUse::Off) => SoftmaxMatmulOptions {
             hopper: Some(false),
             ..options
         },
         _ => options,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The settings a suite reads name the plan inputs; a bad one is refused with its name.
+    #[test]
+    fn settings_name_the_plan_inputs() {
+        let read = |pairs: &[(&str, &str)]| {
+            let pairs: Vec<(String, String)> = pairs
+                .iter()
+                .map(|&(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            PlanDefaults::from_settings(|name| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.clone())
+            })
+        };
+        assert_eq!(read(&[]), Ok(PlanDefaults::STANDARD));
+        for (name, schedule) in [
+            ("planned", TileSchedule::Planned),
+            ("off", TileSchedule::PerTile),
+            ("0", TileSchedule::PerTile),
+            ("on", TileSchedule::Persistent),
+            ("1", TileSchedule::Persistent),
+            ("3", TileSchedule::Blocks(3)),
+        ] {
+            let d = read(&[("BURN_FLASH_PERSISTENT", name)]).expect(name);
+            assert_eq!(d.schedule, schedule, "{name}");
+            assert_eq!(d.hopper, HopperUse::Faster, "{name}");
+        }
+        let d = read(&[
+            ("BURN_FLASH_HOPPER", "off"),
+            ("BURN_FLASH_DETERMINISTIC", "1"),
+        ])
+        .expect("valid");
+        assert_eq!((d.hopper, d.deterministic), (HopperUse::Off, true));
+        for (key, value) in [
+            ("BURN_FLASH_PERSISTENT", "many"),
+            ("BURN_FLASH_HOPPER", "sometimes"),
+            ("BURN_FLASH_DETERMINISTIC", "yes"),
+        ] {
+            let err = read(&[(key, value)]).expect_err(value);
+            assert!(err.contains(value), "{key}={value}: {err}");
+        }
+    }
+
+    /// Blocks of a launch: every tile its own block, persistent blocks no more than the SMs
+    /// or the tiles, and at least one.
+    #[test]
+    fn tile_schedules_count_blocks() {
+        let (tiles, sms) = (512, 132);
+        assert_eq!(TileSchedule::PerTile.blocks(tiles, sms, true), 512);
+        assert_eq!(TileSchedule::Planned.blocks(tiles, sms, false), 512);
+        assert_eq!(TileSchedule::Planned.blocks(tiles, sms, true), 132);
+        assert_eq!(TileSchedule::Persistent.blocks(tiles, sms, false), 132);
+        assert_eq!(TileSchedule::Persistent.blocks(40, sms, false), 40);
+        assert_eq!(TileSchedule::Blocks(3).blocks(tiles, sms, false), 3);
+        assert_eq!(TileSchedule::Blocks(900).blocks(tiles, sms, false), 512);
+        assert_eq!(TileSchedule::Persistent.blocks(0, 0, false), 1);
     }
 }

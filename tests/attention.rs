@@ -10,9 +10,9 @@ use burn::tensor::{
 };
 use burn_flash::{
     AttentionKernel, BlockTable, FlashAttentionOptions, FlashBackend, HeadOperands, HeadTerms,
-    KvCache, Rope, ScoreTerms, VarlenBatch, attention, attention::AttentionDims, attention_plan,
-    attention_plan_with, attention_varlen, attention_with_alibi, attention_with_heads,
-    attention_with_lse,
+    KvCache, Rope, ScoreTerms, TileSchedule, VarlenBatch, attention, attention::AttentionDims,
+    attention_plan, attention_plan_with, attention_varlen, attention_with_alibi,
+    attention_with_heads, attention_with_lse,
 };
 use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
 use common::*;
@@ -1544,6 +1544,101 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     }
 }
 
+/// The Hopper forward's tile schedules ([`TileSchedule`]): one block per tile, persistent (one
+/// block per SM), and 1, 3 and 7 persistent blocks taking many tiles each in rounds — every
+/// output checked against the reference and bit-identical to one block per tile (a tile's
+/// arithmetic does not depend on the block that runs it): D 64 (192-row tiles), causal with
+/// `Sq > Sk` (tiles without keys, whose `Q` still comes) under GQA, D 256 (64 keys per step)
+/// with a bias loaded by TMA. Where the Hopper forward cannot run, the schedule leaves the plan
+/// as it was.
+fn tile_schedules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let schedules = [
+        TileSchedule::PerTile,
+        TileSchedule::Persistent,
+        TileSchedule::Blocks(1),
+        TileSchedule::Blocks(3),
+        TileSchedule::Blocks(7),
+    ];
+    // ([B, Hq, Hkv, Sq, Sk, D], causal, bias)
+    let cases = [
+        ([2, 4, 2, 300, 260, 64], false, false),
+        ([2, 3, 1, 400, 200, 128], true, false),
+        ([1, 2, 1, 200, 264, 256], false, true),
+    ];
+    for (sizes, causal, biased) in cases {
+        let [nb, hq, _, sq, sk, _] = sizes;
+        let base: FlashAttentionOptions = AttentionModuleOptions {
+            is_causal: causal,
+            ..Default::default()
+        }
+        .into();
+        let dims = dense_dims(sizes);
+        let terms = ScoreTerms {
+            bias: biased,
+            ..Default::default()
+        };
+        let plan = |options: FlashAttentionOptions| {
+            attention_plan_with::<B>(device, dims, dtype.into(), options, terms)
+        };
+        let hopper = FlashAttentionOptions {
+            kernel: Some(AttentionKernel::Hopper),
+            ..base
+        };
+        if !plan(hopper).is_some_and(|p| p.is_ok()) {
+            let planned = plan(base).map(|p| p.map_err(|e| e.to_string()));
+            for schedule in schedules {
+                let options = FlashAttentionOptions {
+                    schedule: Some(schedule),
+                    ..base
+                };
+                let with = plan(options).map(|p| p.map_err(|e| e.to_string()));
+                assert_eq!(with, planned, "{sizes:?}: {schedule:?} changed the plan");
+            }
+            continue;
+        }
+        let (_, (q, k, v)) = dense_inputs::<B>(sizes, dtype, device);
+        let bias = biased.then(|| rand4::<B>([1, hq, sq, sk], 2.0, dtype, device));
+        let mut per_tile: Option<Vec<f64>> = None;
+        for schedule in schedules {
+            let options = FlashAttentionOptions {
+                schedule: Some(schedule),
+                ..hopper
+            };
+            let p = plan(options).expect("fused").expect("plans");
+            let tiles = sq.div_ceil(p.config.block_q as usize) * hq * nb;
+            let blocks = p.cubes.0;
+            let context = format!(
+                "{sizes:?} causal {causal} bias {biased}: {schedule:?}, {blocks} of {tiles} tiles"
+            );
+            assert_eq!(p.cubes, (blocks, 1, 1), "{context}");
+            match schedule {
+                TileSchedule::PerTile => assert_eq!(blocks, tiles, "{context}"),
+                TileSchedule::Blocks(b) => assert_eq!(blocks, b.min(tiles), "{context}"),
+                _ => assert!((1..=tiles).contains(&blocks), "{context}"),
+            }
+            let out = check_with(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                None,
+                bias.clone(),
+                options,
+                dtype,
+                &context,
+            );
+            match &per_tile {
+                None => per_tile = Some(out),
+                Some(want) => assert!(
+                    want.iter()
+                        .zip(&out)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{context}: not the bits of one block per tile"
+                ),
+            }
+        }
+    }
+}
+
 /// Attention sinks (gpt-oss's per-head logit in every row's denominator) against the composed
 /// reference, through every kernel the device runs: with a causal window (gpt-oss's local
 /// layers), with quiet softmax, with a padding mask that hides whole rows (zeros, lse = the
@@ -2502,6 +2597,7 @@ macro_rules! attention_suite {
                 masked_score_and_quiet,
                 windows_and_alibi,
                 bias_tiles,
+                tile_schedules,
                 attention_sinks,
                 varlen,
                 varlen_bad_input,

@@ -9,7 +9,8 @@ use burn::backend::Autodiff;
 use burn::tensor::{DType, FloatDType, Tensor, activation, backend::Backend};
 use burn_flash::kernels::softmax_matmul::{BLOCK_SIZES, SmmDims, SmmForwardKernel, SmmPath};
 use burn_flash::{
-    FlashBackend, SoftmaxMatmulOptions, softmax_matmul, softmax_matmul_plan, softmax_matmul_with,
+    FlashBackend, SoftmaxMatmulOptions, TileSchedule, softmax_matmul, softmax_matmul_plan,
+    softmax_matmul_with,
 };
 use common::*;
 
@@ -530,9 +531,10 @@ fn every_path<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 }
 
 /// `hopper: Some(true)` runs the Hopper kernel where the device can (an sm_90 GPU through CUDA,
-/// f16/bf16, 16-byte rows: values against the reference, with two row blocks, three column
-/// tiles and three steps, all partial) and is refused with the reason elsewhere; `Some(false)`
-/// never runs it; forcing it with forced blocks or plain units is refused.
+/// f16/bf16, 16-byte rows: values against the reference, with two row blocks, one 256-column
+/// tile and five 64-key steps, all partial; one block per tile and 1 and 3 persistent blocks)
+/// and is refused with the reason elsewhere; `Some(false)` never runs it; forcing it with forced
+/// blocks or plain units is refused.
 fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let dims = SmmDims {
         batch: 2,
@@ -544,6 +546,7 @@ fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         hopper,
         blocks,
         path,
+        ..Default::default()
     };
     let on = with(Some(true), None, None);
     let Some(plan) = softmax_matmul_plan::<B>(device, dims, dtype.into(), on) else {
@@ -560,7 +563,22 @@ fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             );
             let x = rand3::<B>([2, 130, 264], 8.0, dtype, device);
             let v = rand3::<B>([2, 264, 136], 1.0, dtype, device);
-            check_forward(x, v, on, dtype, "Hopper forced");
+            check_forward(x.clone(), v.clone(), on, dtype, "Hopper forced");
+            // 4 tiles (one 256-column tile × 2 row blocks × 2 batches): one block each, or 1
+            // and 3 persistent blocks taking them in rounds.
+            for (schedule, blocks) in [
+                (TileSchedule::PerTile, 4),
+                (TileSchedule::Blocks(1), 1),
+                (TileSchedule::Blocks(3), 3),
+            ] {
+                let options = SoftmaxMatmulOptions { schedule, ..on };
+                let plan = softmax_matmul_plan::<B>(device, dims, dtype.into(), options)
+                    .expect("fused")
+                    .expect("plans");
+                assert_eq!(plan.cubes, (blocks, 1, 1), "{schedule:?}");
+                let context = format!("Hopper forced, {schedule:?}");
+                check_forward(x.clone(), v.clone(), options, dtype, &context);
+            }
         }
         Err(err) => {
             let reason = err.to_string();

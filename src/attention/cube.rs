@@ -37,6 +37,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         quiet: options.quiet,
         window: options.window,
         hopper: options.hopper.unwrap_or(defaults.hopper),
+        schedule: options.schedule.unwrap_or(defaults.schedule),
         decode: options.decode.unwrap_or(defaults.decode),
         deterministic: options.deterministic.unwrap_or(defaults.deterministic),
     }

@@ -52,7 +52,7 @@ pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
-    AttentionPlan, BackwardLaunch, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
+    AttentionPlan, BackwardLaunch, DecodeSchedule, HopperUse, MAX_HEAD_DIM, TileSchedule,
     recent_backward_launches,
 };
 
@@ -131,6 +131,8 @@ pub struct FlashAttentionOptions {
     pub window: Option<(usize, usize)>,
     /// How the plan uses the Hopper kernels (`None`: [`crate::plan_defaults`]'s).
     pub hopper: Option<HopperUse>,
+    /// How the Hopper forward's blocks take its tiles (`None`: [`crate::plan_defaults`]'s).
+    pub schedule: Option<TileSchedule>,
     /// The decoding kernel's schedule (`None`: [`crate::plan_defaults`]'s).
     pub decode: Option<DecodeSchedule>,
     /// The backward returns the same bits on every run (`None`: [`crate::plan_defaults`]'s):

@@ -108,6 +108,9 @@ pub enum Mutation {
     /// shared memory, so a D 256 plan on sm_86 / sm_89 asks 16 bytes over the device's limit
     /// (`cargo xtask cuda-check`).
     UncountedBarriers,
+    /// `q-early`: the persistent Hopper forward's producer loads a tile's `Q` without waiting
+    /// for the consumers' last `Q·Kᵀ` of the block's previous tile.
+    QEarly,
 }
 
 impl Mutation {
@@ -146,6 +149,7 @@ impl Mutation {
             Self::HopperSyntax => "hopper-syntax",
             Self::UncountedBarriers => "uncounted-barriers",
             Self::DroppedParameter => "dropped-parameter",
+            Self::QEarly => "q-early",
         }
     }
 }
@@ -196,6 +200,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::HopperSyntax,
             Mutation::UncountedBarriers,
             Mutation::DroppedParameter,
+            Mutation::QEarly,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -314,6 +319,11 @@ pub fn wgmma_strides() -> bool {
 /// [`Mutation::HopperNoWait`] is active.
 pub fn hopper_no_wait() -> bool {
     active(Mutation::HopperNoWait)
+}
+
+/// [`Mutation::QEarly`] is active.
+pub fn q_early() -> bool {
+    active(Mutation::QEarly)
 }
 
 /// [`Mutation::BiasBlockBwd`] is active.

@@ -59,6 +59,52 @@ impl AttentionKernel {
     }
 }
 
+/// How the Hopper forward's blocks take its tiles (a block of query rows of one head and
+/// batch; with given scores, of rows and output columns of one batch). A plan input like
+/// [`HopperUse`]: the test suites and benches set it (from `BURN_FLASH_PERSISTENT`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum TileSchedule {
+    /// The plan's ([`crate::flash::forward::hopper::persistent`]).
+    #[default]
+    Planned,
+    /// One block per tile: the hardware hands the tiles to the SMs as blocks finish.
+    PerTile,
+    /// Persistent: one block per SM (fewer where the tiles are fewer), each taking the tiles in
+    /// rounds, so that a tile's epilogue runs under the loads of the block's next one.
+    Persistent,
+    /// Persistent with this many blocks (at least 1, at most the tiles): how the test suites
+    /// make every block run many tiles on small shapes.
+    Blocks(usize),
+}
+
+impl TileSchedule {
+    /// The schedule a name stands for: `planned`, `off` or `0` (one block per tile), `on` or
+    /// `1` (persistent), or a number of blocks above 1; `None` for any other.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "planned" => Some(Self::Planned),
+            "off" | "0" => Some(Self::PerTile),
+            "on" | "1" => Some(Self::Persistent),
+            n => match n.parse::<usize>() {
+                Ok(b) if b > 1 => Some(Self::Blocks(b)),
+                _ => None,
+            },
+        }
+    }
+
+    /// The blocks of a launch over `tiles` tiles on a device of `sms` multiprocessors, where
+    /// the plan would run persistent blocks if `planned` (at least 1).
+    pub fn blocks(self, tiles: usize, sms: usize, planned: bool) -> usize {
+        let tiles = tiles.max(1);
+        match self {
+            Self::Planned if planned => tiles.min(sms.max(1)),
+            Self::Planned | Self::PerTile => tiles,
+            Self::Persistent => tiles.min(sms.max(1)),
+            Self::Blocks(b) => tiles.min(b.max(1)),
+        }
+    }
+}
+
 /// How a plan uses the Hopper kernels (sm_90) for the calls they can run. A plan input like
 /// every other option, so that one call plans the same way in every process; the test suites
 /// and benches set it (from `BURN_FLASH_HOPPER`, which the library never reads).
@@ -182,6 +228,8 @@ pub struct AttentionOptions {
     pub window: Option<(usize, usize)>,
     /// How the plan uses the Hopper kernels.
     pub hopper: HopperUse,
+    /// How the Hopper forward's blocks take its tiles.
+    pub schedule: TileSchedule,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,
     /// The backward returns the same bits on every run. Every backward but the Hopper one is
@@ -205,6 +253,7 @@ impl Default for AttentionOptions {
             quiet: false,
             window: None,
             hopper: HopperUse::Faster,
+            schedule: TileSchedule::Planned,
             decode: DecodeSchedule::STANDARD,
             deterministic: false,
         }

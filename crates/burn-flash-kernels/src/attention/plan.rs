@@ -223,12 +223,11 @@ pub fn plan_attention<R: Runtime>(
         (dims.batch * dims.heads_kv).max(1),
     );
     let cubes = if kernel == AttentionKernel::Hopper {
-        // One block per `block_q` query rows of each (query head, batch).
-        (
-            dims.seq_q.div_ceil(config.block_q as usize).max(1),
-            dims.heads_q,
-            dims.batch,
-        )
+        // Blocks over the tiles of `block_q` query rows of each (query head, batch): one per
+        // tile, or persistent ones taking them in rounds.
+        let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;
+        let tiles = hopper::tiles(dims, config);
+        (hopper::blocks(tiles, sms, options.schedule), 1, 1)
     } else {
         crate::flash::block::fold_grid(unfolded.0, unfolded.1, unfolded.2, hw.max_cube_count)
             .ok_or(AttentionError::TooLarge { cubes: unfolded })?

@@ -134,7 +134,7 @@ pub fn launch_softmax_matmul<R: Runtime>(
                     dtype,
                     plan.config,
                     plan.units,
-                    plan.cubes,
+                    plan.cubes.0,
                 )
             },
             Ok(plan)

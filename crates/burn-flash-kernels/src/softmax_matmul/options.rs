@@ -80,6 +80,8 @@ pub struct SoftmaxMatmulOptions {
     /// Force the Hopper kernel ([`SmmForwardKernel::Hopper`]) on (an error where it cannot run
     /// this call) or off; the default takes it wherever it can run.
     pub hopper: Option<bool>,
+    /// How the Hopper kernel's blocks take its tiles.
+    pub schedule: crate::attention::TileSchedule,
 }
 
 /// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.

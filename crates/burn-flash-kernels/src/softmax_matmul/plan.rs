@@ -224,11 +224,11 @@ pub fn plan_softmax_matmul_for<R: Runtime>(
     };
     if hopper {
         let config = given(hopper::given_tile(dims.d3));
-        let cubes = (
-            dims.d3.div_ceil(config.value_dim as usize),
-            dims.d1.div_ceil(hopper::BLOCK_Q),
-            dims.batch,
-        );
+        // Blocks over the tiles of output columns, rows and batches: one per tile, or
+        // persistent ones taking them in rounds.
+        let sms = hw.num_streaming_multiprocessors.unwrap_or(1) as usize;
+        let tiles = hopper::given_tiles(dims.d1, dims.d3, dims.batch, config);
+        let cubes = (hopper::blocks(tiles, sms, options.schedule), 1, 1);
         return Ok(SoftmaxMatmulPlan {
             kernel: SmmForwardKernel::Hopper,
             config,

@@ -1,8 +1,12 @@
 // Attention forward on Hopper (sm_90a): FlashAttention-3's schedule, written as CUDA C++ with
 // inline PTX (../../hopper/sm90.cuh) and launched through cubecl's client (hopper.rs).
 //
-// One block computes BLOCK_M query rows of one (batch, query head), 64 per consumer warpgroup
-// (128: two consumers, 384 threads; 192 at head dims of 64: three, 512 threads):
+// A tile is BLOCK_M query rows of one (batch, query head), 64 per consumer warpgroup (128: two
+// consumers, 384 threads; 192 at head dims of 64: three, 512 threads). The grid is 1-D and its
+// blocks take the tiles in rounds (`round_tile`, `tile_place`): one round where the host launches
+// a block per tile, several where it launches one block per SM (persistent), so that a tile's
+// epilogue runs while the producer already loads the next tile's Q, K and V; the pipeline's
+// barriers, slots and product turns run on from tile to tile. Per tile:
 // - warpgroup 0 is the producer: it gives its registers back (setmaxnreg) and one thread issues
 //   TMA loads: Q once, then K and V blocks of 128 keys into a ring of STAGES slots, each slot
 //   guarded by a "full" barrier (TMA transactions) and an "empty" barrier (the consumers);
@@ -99,6 +103,9 @@ struct FwdParams {
     u32 x_batch, v_batch;            // GIVEN: 1, or 0 where X or V has one batch for all
     u32 n_seqs;                      // VARLEN: packed sequences
     u32 bias_planes;                 // BIAS_TILES: bit 0 the bias has batches, bit 1 heads
+    u32 tiles_x, tiles_y;            // the tiles (see `fwd_tile`): row blocks × heads × batches,
+    u32 tiles_z;                     // or column tiles × row blocks × batches (GIVEN)
+    u32 chunk;                       // CAUSAL: (batch, head) planes per chunk (`tile_place`)
 };
 static_assert(sizeof(FwdParams) == 8 * PARAM_WORDS, "the host's words (hopper.rs, PARAM_WORDS)");
 
@@ -389,6 +396,108 @@ __device__ __forceinline__ void pack_weights(u32 (&pa)[BLOCK_N / 16][4], const f
     }
 }
 
+// One tile of the launch: a block of BLOCK_M query rows of one (batch, head) — or with GIVEN, a
+// block of rows and VALUE_DIM output columns of one batch — and its key blocks j0 … j0 + steps − 1.
+struct FwdTile {
+    u32 head, batch, head_kv, col0;
+    int m0, j0, steps;
+};
+
+// Where tile `t` of the tiles_x × tiles_y × tiles_z the host counts: (row block, head, batch), row
+// blocks fastest (the blocks running at once share their heads' keys and values through L2), or
+// with CAUSAL the row blocks longest (last) first within chunks of heads, so that blocks taken in
+// order (by the hardware, or by a persistent block's rounds) run the longest rows first; with GIVEN (column tile, row block, batch), the column tiles of one row block
+// adjacent (they read the same X through L2).
+struct TilePlace {
+    u32 m_block, head, batch, col0;
+};
+
+__device__ __forceinline__ TilePlace tile_place(u32 t, const FwdParams& p) {
+    TilePlace at;
+#if GIVEN
+    at.m_block = (t / p.tiles_x) % p.tiles_y;
+    at.head = 0u;
+    at.batch = t / (p.tiles_x * p.tiles_y);
+    at.col0 = (t % p.tiles_x) * VALUE_DIM;
+#elif CAUSAL
+    // Chunks of `chunk` (batch, head) planes, chunk after chunk; in a chunk the row blocks
+    // outermost, longest first. The blocks running at once then read the keys and values of
+    // about one chunk's planes, which the host sizes to fit in L2.
+    const u32 per_chunk = p.chunk * p.tiles_x;
+    const u32 first = t / per_chunk * p.chunk;
+    const u32 width = min(p.chunk, p.tiles_y * p.tiles_z - first);
+    const u32 r = t % per_chunk;
+    const u32 plane = first + r % width;
+    at.m_block = p.tiles_x - 1u - r / width;
+    at.head = plane % p.tiles_y;
+    at.batch = plane / p.tiles_y;
+    at.col0 = 0u;
+#else
+    at.m_block = t % p.tiles_x;
+    at.head = (t / p.tiles_x) % p.tiles_y;
+    at.batch = t / (p.tiles_x * p.tiles_y);
+    at.col0 = 0u;
+#endif
+    return at;
+}
+
+// Tile `t`'s place and its key blocks.
+__device__ __forceinline__ FwdTile fwd_tile(u32 t, const FwdParams& p, const u32* seqs) {
+    FwdTile f;
+    const TilePlace at = tile_place(t, p);
+    f.head = at.head;
+    f.batch = at.batch;
+    f.col0 = at.col0;
+    f.head_kv = f.head / p.group;
+    const int m0 = (int)(at.m_block * BLOCK_M);
+    f.m0 = m0;
+    // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
+    const int diag = (int)p.seq_k - (int)p.seq_q;
+    // Key blocks j0 … n_blocks − 1: all of them, but up to the last row's diagonal (causal)
+    // or window end, and from the first row's window start.
+    int n_blocks = ((int)p.seq_k + BLOCK_N - 1) / BLOCK_N;
+    int j0 = 0;
+#if VARLEN
+    {
+        // From the first row's first key to the last row's last (both grow with the row).
+        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
+        const PackedRange first = packed_range(seqs, (int)p.n_seqs, m0, CAUSAL, WINDOW,
+                                               p.s.window_left, p.s.window_right);
+        const PackedRange last = packed_range(seqs, (int)p.n_seqs, last_row, CAUSAL, WINDOW,
+                                              p.s.window_left, p.s.window_right);
+        j0 = first.lo / BLOCK_N;
+        n_blocks = max((last.hi + BLOCK_N - 1) / BLOCK_N, j0);
+    }
+#elif CAUSAL || WINDOW
+    {
+        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
+        int last_key = (int)p.seq_k - 1;
+#if CAUSAL
+        last_key = min(last_key, last_row + diag);
+#endif
+#if WINDOW
+        last_key = min(last_key, last_row + diag + (int)p.s.window_right);
+        j0 = max(m0 + diag - (int)p.s.window_left, 0) / BLOCK_N;
+#endif
+        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BLOCK_N + 1);
+        n_blocks = max(n_blocks, j0);
+    }
+#endif
+    f.j0 = j0;
+    // Steps of the pipeline: block j0 + i at step i.
+    f.steps = n_blocks - j0;
+    return f;
+}
+
+// The tile a block runs in its round `r`: the grid's blocks take the tiles in order, round
+// after round (one round where the grid is every tile; a persistent grid, one block per SM,
+// strides over them). With CAUSAL, odd rounds run backwards over the grid, so that a block that
+// took a long tile takes a short one next (the tiles come longest first).
+__device__ __forceinline__ u32 round_tile(u32 r) {
+    const u32 b = CAUSAL && (r & 1u) ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
+    return r * gridDim.x + b;
+}
+
 extern "C" __global__ void __launch_bounds__(128 * (CONSUMERS + 1), 1)
 burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_constant__ TmaMap tk,
                           const __grid_constant__ TmaMap tv,
@@ -424,54 +533,13 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #define V_FULL(s) (bars + 8u + 8u * STAGES + 8u * (s))
 #define K_EMPTY(s) (bars + 8u + 16u * STAGES + 8u * (s))
 #define V_EMPTY(s) (bars + 8u + 24u * STAGES + 8u * (s))
+    // The consumers have issued and completed their last Q·Kᵀ of a tile: Q may be refilled.
+    const u32 q_empty = bars + 8u + 32u * STAGES;
 
     const u32 tid = threadIdx.x;
-#if GIVEN
-    // Column tiles of one row block are adjacent blocks: they read the same X through L2.
-    const u32 m_block = blockIdx.y, head = 0u, batch = blockIdx.z;
-    const u32 col0 = blockIdx.x * VALUE_DIM;
-#else
-    // Causal blocks run the longest rows first.
-    const u32 m_block = CAUSAL ? gridDim.x - 1u - blockIdx.x : blockIdx.x;
-    const u32 head = blockIdx.y, batch = blockIdx.z;
-    const u32 col0 = 0u;
-#endif
-    const u32 head_kv = head / p.group;
-    const int m0 = (int)(m_block * BLOCK_M);
+    const u32 n_tiles = p.tiles_x * p.tiles_y * p.tiles_z;
     // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
     const int diag = (int)p.seq_k - (int)p.seq_q;
-    // Key blocks j0 … n_blocks − 1: all of them, but up to the last row's diagonal (causal)
-    // or window end, and from the first row's window start.
-    int n_blocks = ((int)p.seq_k + BLOCK_N - 1) / BLOCK_N;
-    int j0 = 0;
-#if VARLEN
-    {
-        // From the first row's first key to the last row's last (both grow with the row).
-        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
-        const PackedRange first = packed_range(seqs, (int)p.n_seqs, m0, CAUSAL, WINDOW,
-                                               p.s.window_left, p.s.window_right);
-        const PackedRange last = packed_range(seqs, (int)p.n_seqs, last_row, CAUSAL, WINDOW,
-                                              p.s.window_left, p.s.window_right);
-        j0 = first.lo / BLOCK_N;
-        n_blocks = max((last.hi + BLOCK_N - 1) / BLOCK_N, j0);
-    }
-#elif CAUSAL || WINDOW
-    {
-        const int last_row = min(m0 + BLOCK_M, (int)p.seq_q) - 1;
-        int last_key = (int)p.seq_k - 1;
-#if CAUSAL
-        last_key = min(last_key, last_row + diag);
-#endif
-#if WINDOW
-        last_key = min(last_key, last_row + diag + (int)p.s.window_right);
-        j0 = max(m0 + diag - (int)p.s.window_left, 0) / BLOCK_N;
-#endif
-        n_blocks = last_key < 0 ? 0 : min(n_blocks, last_key / BLOCK_N + 1);
-        n_blocks = max(n_blocks, j0);
-    }
-#endif
-    // Steps of the pipeline: block j0 + i at step i.
-    const int steps = n_blocks - j0;
 
     if (tid == 0) {
         mbar_init(q_full, 1);
@@ -483,6 +551,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             mbar_init(K_EMPTY(s), 4 * CONSUMERS);
             mbar_init(V_EMPTY(s), 4 * CONSUMERS);
         }
+        mbar_init(q_empty, 4 * CONSUMERS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -491,59 +560,74 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     if (wg == 0) {
         // ---- producer ----
         regs_release<24>();
-        if (tid == 0 && steps > 0) {
+        if (tid == 0) {
             tma_prefetch_map(&tk);
             tma_prefetch_map(&tv);
 #if B_BYTES
             tma_prefetch_map(&tb);
-            const int bias_batch = (p.bias_planes & 1u) ? (int)batch : 0;
-            const int bias_head = (p.bias_planes & 2u) ? (int)head : 0;
-            // The bias's row coordinate: the block's first row, or the one row (BIAS_ROW).
-            const int bias_m = BIAS_ROW ? 0 : m0;
+#endif
+#if !GIVEN
+            tma_prefetch_map(&tq);
+#endif
+            // Steps issued so far: the ring's slot and phase continue from tile to tile.
+            u32 g = 0u;
+            for (u32 round = 0u;; ++round) {
+                const u32 tile = round_tile(round);
+                if (tile >= n_tiles) break;
+                const FwdTile f = fwd_tile(tile, p, seqs);
+#if B_BYTES
+                const int bias_batch = (p.bias_planes & 1u) ? (int)f.batch : 0;
+                const int bias_head = (p.bias_planes & 2u) ? (int)f.head : 0;
+                // The bias's row coordinate: the block's first row, or the one row (BIAS_ROW).
+                const int bias_m = BIAS_ROW ? 0 : f.m0;
 #endif
 #if GIVEN
-            const u32 k_batch = batch * p.x_batch, v_batch = batch * p.v_batch;
+                const u32 k_batch = f.batch * p.x_batch, v_batch = f.batch * p.v_batch;
 #else
-            const u32 k_batch = batch, v_batch = batch;
-            tma_prefetch_map(&tq);
-            mbar_arrive_expect_tx(q_full, Q_BYTES);
-#pragma unroll
-            for (int a = 0; a < D_ATOMS; ++a) {
-                tma_load_4d(sq + a * ATOM_BYTES, &tq, q_full, 64 * a, m0, head, batch);
-            }
-#endif
-            for (int i = 0; i < steps; ++i) {
-                const int j = j0 + i;
-                const u32 s = i % STAGES;
-                const u32 use = i / STAGES;
-                if (i >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
-                mbar_arrive_expect_tx(K_FULL(s), K_BYTES + B_TX);
+                const u32 k_batch = f.batch, v_batch = f.batch;
+                // Q of the previous round's tile is free once every consumer's last Q·Kᵀ on it
+                // landed. Every round loads one (a tile without keys too: its consumers wait for
+                // it and release it at once), so that the round's parity is Q's phase.
+                if (round > 0u) mbar_wait(q_empty, (round - 1u) & 1u);
+                mbar_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
+                    tma_load_4d(sq + a * ATOM_BYTES, &tq, q_full, 64 * a, f.m0, f.head, f.batch);
+                }
+#endif
+                for (int i = 0; i < f.steps; ++i, ++g) {
+                    const int j = f.j0 + i;
+                    const u32 s = g % STAGES;
+                    const u32 use = g / STAGES;
+                    if (g >= STAGES) mbar_wait(K_EMPTY(s), (use - 1u) & 1u);
+                    mbar_arrive_expect_tx(K_FULL(s), K_BYTES + B_TX);
+#pragma unroll
+                    for (int a = 0; a < D_ATOMS; ++a) {
 #if GIVEN
-                    // X rows m0 …, columns of block j.
-                    tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s),
-                                j * BLOCK_N + 64 * a, m0, 0, k_batch);
+                        // X rows m0 …, columns of block j.
+                        tma_load_4d(sk + s * K_BYTES + a * ATOM_BYTES, &tk, K_FULL(s),
+                                    j * BLOCK_N + 64 * a, f.m0, 0, k_batch);
 #else
-                    tma_load_4d(sk + s * K_BYTES + a * KV_ATOM, &tk, K_FULL(s), 64 * a,
-                                j * BLOCK_N, head_kv, k_batch);
+                        tma_load_4d(sk + s * K_BYTES + a * KV_ATOM, &tk, K_FULL(s), 64 * a,
+                                    j * BLOCK_N, f.head_kv, k_batch);
 #endif
-                }
+                    }
 #if B_BYTES
-                // The bias of rows m0 … (or its one row) and block j's keys, beside K (same
-                // barriers).
+                    // The bias of rows m0 … (or its one row) and block j's keys, beside K (same
+                    // barriers).
 #pragma unroll
-                for (int a = 0; a < BLOCK_N / 64; ++a) {
-                    tma_load_4d(sb + s * B_BYTES + a * ATOM_BYTES, &tb, K_FULL(s),
-                                j * BLOCK_N + 64 * a, bias_m, bias_head, bias_batch);
-                }
+                    for (int a = 0; a < BLOCK_N / 64; ++a) {
+                        tma_load_4d(sb + s * B_BYTES + a * ATOM_BYTES, &tb, K_FULL(s),
+                                    j * BLOCK_N + 64 * a, bias_m, bias_head, bias_batch);
+                    }
 #endif
-                if (i >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
-                mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
+                    if (g >= STAGES) mbar_wait(V_EMPTY(s), (use - 1u) & 1u);
+                    mbar_arrive_expect_tx(V_FULL(s), V_BYTES);
 #pragma unroll
-                for (int a = 0; a < V_ATOMS; ++a) {
-                    tma_load_4d(sv + s * V_BYTES + a * KV_ATOM, &tv, V_FULL(s),
-                                (int)col0 + 64 * a, j * BLOCK_N, head_kv, v_batch);
+                    for (int a = 0; a < V_ATOMS; ++a) {
+                        tma_load_4d(sv + s * V_BYTES + a * KV_ATOM, &tv, V_FULL(s),
+                                    (int)f.col0 + 64 * a, j * BLOCK_N, f.head_kv, v_batch);
+                    }
                 }
             }
         }
@@ -558,212 +642,235 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #endif
     const u32 c = wg - 1u;
     const u32 t = tid % 128u, warp = t / 32u, lane = t % 32u;
-    // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`).
-    const int first_row = m0 + 64 * (int)c;
-    const int row0 = first_row + 16 * (int)warp + (int)(lane / 4u);
-    ScoreRows rows;
-    rows.first_row = first_row;
-    rows.row0 = row0;
-    rows.lane = lane;
-    rows.tile_row = 64u * c + 16u * warp + lane / 4u;
-    rows.diag = diag;
-    rows.seq_k = (int)p.seq_k;
-    rows.s = p.s;
-    rows.seq_q = (int)p.seq_q;
-    rows.mask = mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
-    rows.bias = bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
-    rows.mask_stride_s = p.mask_stride_s;
-    rows.mask_stride_k = p.mask_stride_k;
-    rows.bias_stride_s = p.bias_stride_s;
-    rows.bias_stride_k = p.bias_stride_k;
-    rows.left = (int)p.s.window_left;
-    rows.right = (int)p.s.window_right;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) rows.dk[r] = row0 + 8 * r + diag;
-#if VARLEN
-    {
-        const int last = (int)p.seq_q - 1;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const PackedRange k = packed_range(seqs, (int)p.n_seqs, min(row0 + 8 * r, last),
-                                               CAUSAL, WINDOW, p.s.window_left, p.s.window_right);
-            rows.lo[r] = k.lo;
-            rows.hi[r] = k.hi;
-            rows.dk[r] = k.diag;
-        }
-        // Every row of the consumer sees the keys from its last row's first to its first
-        // row's last.
-        rows.full_lo = packed_range(seqs, (int)p.n_seqs, min(first_row + 63, last), CAUSAL,
-                                    WINDOW, p.s.window_left, p.s.window_right).lo;
-        rows.full_hi = packed_range(seqs, (int)p.n_seqs, min(first_row, last), CAUSAL, WINDOW,
-                                    p.s.window_left, p.s.window_right).hi;
-    }
-#endif
-    rows.slope_log2 = ALIBI ? -LOG2E * slopes[head] : 0.0f;
-    // The second key word: the seed's high word mixed with the (batch, head) pair.
-    rows.s.seed_hi = p.s.seed_hi ^ ((batch * gridDim.y + head) * 0x9E3779B9u);
-
-    float o[O_REGS];
-#pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o[i] = 0.0f;
-    float sc[S_REGS];
-#pragma unroll
-    for (int i = 0; i < S_REGS; ++i) sc[i] = 0.0f;
-    u32 pa[BLOCK_N / 16][4];
-    float m_r[2] = {NEG_INF, NEG_INF};
-    float l_r[2] = {0.0f, 0.0f};
-    float corr[2];
-
 #if PINGPONG
     // The consumers take turns issuing their products (consumer c waits on named barrier
     // 1 + c, which its predecessor arrives at), so that one warpgroup's softmax runs while
-    // another's products occupy the tensor cores. The last consumer opens the first turn.
+    // another's products occupy the tensor cores. The last consumer opens the first turn; the
+    // turns run on from tile to tile.
     if (c == CONSUMERS - 1) named_arrive(1, 256);
 #endif
-    if (steps > 0) {
+    // Steps consumed so far: the ring's slot and phase continue from tile to tile.
+    u32 g = 0u;
+    for (u32 round = 0u;; ++round) {
+        const u32 tile = round_tile(round);
+        if (tile >= n_tiles) break;
+        const FwdTile f = fwd_tile(tile, p, seqs);
+        const u32 head = f.head, batch = f.batch, col0 = f.col0;
+        const int m0 = f.m0, j0 = f.j0, steps = f.steps;
+        // This thread's rows: row0 and row0 + 8 (the accumulator layout of `wgmma`).
+        const int first_row = m0 + 64 * (int)c;
+        const int row0 = first_row + 16 * (int)warp + (int)(lane / 4u);
+        ScoreRows rows;
+        rows.first_row = first_row;
+        rows.row0 = row0;
+        rows.lane = lane;
+        rows.tile_row = 64u * c + 16u * warp + lane / 4u;
+        rows.diag = diag;
+        rows.seq_k = (int)p.seq_k;
+        rows.s = p.s;
+        rows.seq_q = (int)p.seq_q;
+        rows.mask = mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
+        rows.bias = bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
+        rows.mask_stride_s = p.mask_stride_s;
+        rows.mask_stride_k = p.mask_stride_k;
+        rows.bias_stride_s = p.bias_stride_s;
+        rows.bias_stride_k = p.bias_stride_k;
+        rows.left = (int)p.s.window_left;
+        rows.right = (int)p.s.window_right;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) rows.dk[r] = row0 + 8 * r + diag;
+#if VARLEN
+        {
+            const int last = (int)p.seq_q - 1;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const PackedRange k = packed_range(seqs, (int)p.n_seqs, min(row0 + 8 * r, last),
+                                                   CAUSAL, WINDOW, p.s.window_left, p.s.window_right);
+                rows.lo[r] = k.lo;
+                rows.hi[r] = k.hi;
+                rows.dk[r] = k.diag;
+            }
+            // Every row of the consumer sees the keys from its last row's first to its first
+            // row's last.
+            rows.full_lo = packed_range(seqs, (int)p.n_seqs, min(first_row + 63, last), CAUSAL,
+                                        WINDOW, p.s.window_left, p.s.window_right).lo;
+            rows.full_hi = packed_range(seqs, (int)p.n_seqs, min(first_row, last), CAUSAL, WINDOW,
+                                        p.s.window_left, p.s.window_right).hi;
+        }
+#endif
+        rows.slope_log2 = ALIBI ? -LOG2E * slopes[head] : 0.0f;
+        // The second key word: the seed's high word mixed with the (batch, head) pair.
+        rows.s.seed_hi = p.s.seed_hi ^ ((batch * p.tiles_y + head) * 0x9E3779B9u);
+
+        float o[O_REGS];
+#pragma unroll
+        for (int i = 0; i < O_REGS; ++i) o[i] = 0.0f;
+        float sc[S_REGS];
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) sc[i] = 0.0f;
+        u32 pa[BLOCK_N / 16][4];
+        float m_r[2] = {NEG_INF, NEG_INF};
+        float l_r[2] = {0.0f, 0.0f};
+        float corr[2];
+
+        if (steps > 0) {
 #if GIVEN
-        // Block 0's scores and weights; then per block j, O += P·V of block j − 1 is issued
-        // and block j's scores are read and turned into weights while it runs.
-        mbar_wait(K_FULL(0), 0);
-        load_scores(sc, sk, c, warp, lane);
-        release(K_EMPTY(0), lane);
-        online_softmax(sc, m_r, l_r, corr, rows, j0, 0u);
-        pack_weights(pa, sc);
-        for (int i = 1; i < steps; ++i) {
-            const u32 s = i % STAGES, phase = (i / STAGES) & 1;
-            const u32 sp = (i - 1) % STAGES, phase_p = ((i - 1) / STAGES) & 1;
-            mbar_wait(V_FULL(sp), phase_p);
-            turn_begin(c);
-            wgmma_fence();
-            issue_pv(o, pa, sv + sp * V_BYTES);
-            wgmma_commit();
-            turn_end(c);
-            mbar_wait(K_FULL(s), phase);
-            load_scores(sc, sk + s * K_BYTES, c, warp, lane);
-            release(K_EMPTY(s), lane);
-            online_softmax(sc, m_r, l_r, corr, rows, j0 + i, 0u);
-            wgmma_wait<0>();
-            wgmma_hold(o);
-            release(V_EMPTY(sp), lane);
-            rescale(o, corr);
+            // Block 0's scores and weights; then per block j, O += P·V of block j − 1 is issued
+            // and block j's scores are read and turned into weights while it runs.
+            mbar_wait(K_FULL(g % STAGES), (g / STAGES) & 1u);
+            load_scores(sc, sk + (g % STAGES) * K_BYTES, c, warp, lane);
+            release(K_EMPTY(g % STAGES), lane);
+            online_softmax(sc, m_r, l_r, corr, rows, j0, 0u);
             pack_weights(pa, sc);
-        }
+            for (int i = 1; i < steps; ++i) {
+                const u32 gi = g + (u32)i, s = gi % STAGES, phase = (gi / STAGES) & 1u;
+                const u32 sp = (gi - 1u) % STAGES, phase_p = ((gi - 1u) / STAGES) & 1u;
+                mbar_wait(V_FULL(sp), phase_p);
+                turn_begin(c);
+                wgmma_fence();
+                issue_pv(o, pa, sv + sp * V_BYTES);
+                wgmma_commit();
+                turn_end(c);
+                mbar_wait(K_FULL(s), phase);
+                load_scores(sc, sk + s * K_BYTES, c, warp, lane);
+                release(K_EMPTY(s), lane);
+                online_softmax(sc, m_r, l_r, corr, rows, j0 + i, 0u);
+                wgmma_wait<0>();
+                wgmma_hold(o);
+                release(V_EMPTY(sp), lane);
+                rescale(o, corr);
+                pack_weights(pa, sc);
+            }
 #else
-        mbar_wait(q_full, 0);
-        // Block 0: S = Q·K₀ᵀ, then its weights.
-        mbar_wait(K_FULL(0), 0);
-        turn_begin(c);
-        wgmma_fence();
-        issue_qk(sc, sq, sk, c);
-        wgmma_commit();
-        turn_end(c);
-        wgmma_wait<0>();
-        wgmma_hold(sc);
-#if !B_BYTES
-        release(K_EMPTY(0), lane);
-#endif
-        online_softmax(sc, m_r, l_r, corr, rows, j0, sb);
-#if B_BYTES
-        // The bias was read from the slot: it may be refilled.
-        release(K_EMPTY(0), lane);
-#endif
-        pack_weights(pa, sc);
-        // Step i: S = Q·Kᵀ of its block is issued before O += P·V of step i − 1's, and the
-        // softmax of step i runs while that product is in flight (FlashAttention-3's
-        // intra-warpgroup overlap); O is rescaled once the product has landed.
-        for (int i = 1; i < steps; ++i) {
-            const u32 s = i % STAGES, phase = (i / STAGES) & 1;
-            const u32 sp = (i - 1) % STAGES, phase_p = ((i - 1) / STAGES) & 1;
-            mbar_wait(K_FULL(s), phase);
+            mbar_wait(q_full, round & 1u);
+            // Block 0: S = Q·K₀ᵀ, then its weights.
+            const u32 s0 = g % STAGES;
+            mbar_wait(K_FULL(s0), (g / STAGES) & 1u);
             turn_begin(c);
             wgmma_fence();
-            issue_qk(sc, sq, sk + s * K_BYTES, c);
-            wgmma_commit();
-            mbar_wait(V_FULL(sp), phase_p);
-            issue_pv(o, pa, sv + sp * V_BYTES);
+            issue_qk(sc, sq, sk + s0 * K_BYTES, c);
             wgmma_commit();
             turn_end(c);
-            wgmma_wait<1>();
+            wgmma_wait<0>();
             wgmma_hold(sc);
+            // The tile's last Q·Kᵀ has landed: Q may be refilled with the next tile's.
+            if (steps == 1) release(q_empty, lane);
 #if !B_BYTES
-            release(K_EMPTY(s), lane);
+            release(K_EMPTY(s0), lane);
 #endif
-            online_softmax(sc, m_r, l_r, corr, rows, j0 + i, sb + s * B_BYTES);
+            online_softmax(sc, m_r, l_r, corr, rows, j0, sb + s0 * B_BYTES);
 #if B_BYTES
-            release(K_EMPTY(s), lane);
+            // The bias was read from the slot: it may be refilled.
+            release(K_EMPTY(s0), lane);
 #endif
+            pack_weights(pa, sc);
+            // Step i: S = Q·Kᵀ of its block is issued before O += P·V of step i − 1's, and the
+            // softmax of step i runs while that product is in flight (FlashAttention-3's
+            // intra-warpgroup overlap); O is rescaled once the product has landed.
+            for (int i = 1; i < steps; ++i) {
+                const u32 gi = g + (u32)i, s = gi % STAGES, phase = (gi / STAGES) & 1u;
+                const u32 sp = (gi - 1u) % STAGES, phase_p = ((gi - 1u) / STAGES) & 1u;
+                mbar_wait(K_FULL(s), phase);
+                turn_begin(c);
+                wgmma_fence();
+                issue_qk(sc, sq, sk + s * K_BYTES, c);
+                wgmma_commit();
+                mbar_wait(V_FULL(sp), phase_p);
+                issue_pv(o, pa, sv + sp * V_BYTES);
+                wgmma_commit();
+                turn_end(c);
+                wgmma_wait<1>();
+                wgmma_hold(sc);
+                if (i == steps - 1) release(q_empty, lane);
+#if !B_BYTES
+                release(K_EMPTY(s), lane);
+#endif
+                online_softmax(sc, m_r, l_r, corr, rows, j0 + i, sb + s * B_BYTES);
+#if B_BYTES
+                release(K_EMPTY(s), lane);
+#endif
+                wgmma_wait<0>();
+                wgmma_hold(o);
+                release(V_EMPTY(sp), lane);
+                rescale(o, corr);
+                pack_weights(pa, sc);
+            }
+#endif
+            // The last block's O += P·V.
+            const u32 gl = g + (u32)steps - 1u;
+            const u32 sl = gl % STAGES, phase_l = (gl / STAGES) & 1u;
+            mbar_wait(V_FULL(sl), phase_l);
+            turn_begin(c);
+            wgmma_fence();
+            issue_pv(o, pa, sv + sl * V_BYTES);
+            wgmma_commit();
+            turn_end(c);
             wgmma_wait<0>();
             wgmma_hold(o);
-            release(V_EMPTY(sp), lane);
-            rescale(o, corr);
-            pack_weights(pa, sc);
+            release(V_EMPTY(sl), lane);
+            g += (u32)steps;
+        }
+#if !GIVEN
+        else {
+            // No keys: the round's Q came all the same.
+            mbar_wait(q_full, round & 1u);
+            release(q_empty, lane);
         }
 #endif
-        // The last block's O += P·V.
-        const u32 sl = (steps - 1) % STAGES, phase_l = ((steps - 1) / STAGES) & 1;
-        mbar_wait(V_FULL(sl), phase_l);
-        turn_begin(c);
-        wgmma_fence();
-        issue_pv(o, pa, sv + sl * V_BYTES);
-        wgmma_commit();
-        turn_end(c);
-        wgmma_wait<0>();
-        wgmma_hold(o);
-        release(V_EMPTY(sl), lane);
+
+        // The row sums (4 lanes per row), the output and the log-sum-exp.
+        const u64 out_base = (u64)batch * p.out_stride_b + (u64)head * p.out_stride_h;
+        const u64 lse_base = (u64)batch * p.lse_stride_b + (u64)head * p.lse_stride_h;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float l = l_r[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int row = row0 + 8 * r;
+            if (row < (int)p.seq_q) {
+#if QUIET
+                // Quiet softmax divides by 1 + Σ e^s: the 1 is e^(−m) against the row's reference.
+                float total = l + ex2(-m_r[r]);
+#else
+                float total = l;
+#endif
+#if SINKS
+                // The head's sink logit joins the denominator: e^sink against the reference.
+                const float sink_log2 = LOG2E * sinks[head];
+                total += ex2(sink_log2 - m_r[r]);
+#endif
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                unsigned short* dst = out + out_base + (u64)row * p.out_stride_s + col0;
+#pragma unroll
+                for (int i = 0; i < O_REGS / 4; ++i) {
+                    const u32 col = 8u * i + 2u * (lane % 4u);
+                    if (col0 + col < p.value_dim) {
+                        *reinterpret_cast<u32*>(dst + col) =
+                            pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
+                    }
+                }
+                if (lane % 4u == 0u && col0 == 0u) {
+                    float row_lse = l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
+#if QUIET
+                    // ln(1 + Σ e^s) = softplus(lse), without overflow.
+                    row_lse = fmaxf(row_lse, 0.0f) + log1pf(expf(-fabsf(row_lse)));
+#endif
+#if SINKS
+                    {
+                        // ln(e^lse + e^sink), without overflow.
+                        const float sink = sinks[head];
+                        const float hi = fmaxf(row_lse, sink), lo = fminf(row_lse, sink);
+                        row_lse = hi + log1pf(expf(lo - hi));
+                    }
+#endif
+                    lse[lse_base + (u64)row * p.lse_stride_s] = row_lse;
+                }
+            }
+        }
     }
 #if PINGPONG
     // Consumes the last consumer's last arrival.
     if (c == 0) named_sync(1, 256);
 #endif
-
-    // The row sums (4 lanes per row), the output and the log-sum-exp.
-    const u64 out_base = (u64)batch * p.out_stride_b + (u64)head * p.out_stride_h;
-    const u64 lse_base = (u64)batch * p.lse_stride_b + (u64)head * p.lse_stride_h;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_r[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const int row = row0 + 8 * r;
-        if (row < (int)p.seq_q) {
-#if QUIET
-            // Quiet softmax divides by 1 + Σ e^s: the 1 is e^(−m) against the row's reference.
-            float total = l + ex2(-m_r[r]);
-#else
-            float total = l;
-#endif
-#if SINKS
-            // The head's sink logit joins the denominator: e^sink against the reference.
-            const float sink_log2 = LOG2E * sinks[head];
-            total += ex2(sink_log2 - m_r[r]);
-#endif
-            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-            unsigned short* dst = out + out_base + (u64)row * p.out_stride_s + col0;
-#pragma unroll
-            for (int i = 0; i < O_REGS / 4; ++i) {
-                const u32 col = 8u * i + 2u * (lane % 4u);
-                if (col0 + col < p.value_dim) {
-                    *reinterpret_cast<u32*>(dst + col) =
-                        pack2(o[4 * i + 2 * r] * inv, o[4 * i + 2 * r + 1] * inv);
-                }
-            }
-            if (lane % 4u == 0u && col0 == 0u) {
-                float row_lse = l > 0.0f ? (m_r[r] + log2f(l)) * 0.6931471805599453f : NEG_INF;
-#if QUIET
-                // ln(1 + Σ e^s) = softplus(lse), without overflow.
-                row_lse = fmaxf(row_lse, 0.0f) + log1pf(expf(-fabsf(row_lse)));
-#endif
-#if SINKS
-                {
-                    // ln(e^lse + e^sink), without overflow.
-                    const float sink = sinks[head];
-                    const float hi = fmaxf(row_lse, sink), lo = fminf(row_lse, sink);
-                    row_lse = hi + log1pf(expf(lo - hi));
-                }
-#endif
-                lse[lse_base + (u64)row * p.lse_stride_s] = row_lse;
-            }
-        }
-    }
 #endif
 }

@@ -5,6 +5,10 @@
 //! of `crate::hopper` (`sm90.cuh`); it is compiled by cubecl-cuda's NVRTC and launched through
 //! the caller's client (`crate::hopper::task::HandWritten`, CUDA builds).
 //!
+//! Blocks take tiles (a block of query rows of one head and batch, [`tiles`]) in rounds: one
+//! block per tile, or persistent blocks, one per SM, whose next tile's loads run under the
+//! previous tile's epilogue ([`blocks`], [`TileSchedule`]; the plan's default is persistent).
+//!
 //! Variants ([`Variant`]): element type (f16, bf16) × `D` (64, 128, 256: the head dims rounded
 //! up) × `Dv` (64, 128, 256) × the score rules (causal, softcap, mask, fill score, bias, quiet,
 //! dropout), each compiled on first use; a head dim of 256 takes 64 keys per step. What it
@@ -19,7 +23,7 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
+use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse, TileSchedule};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, AttentionPlan};
 #[cfg(feature = "cuda")]
@@ -49,9 +53,11 @@ pub fn units(config: FlashConfig) -> u32 {
 }
 
 /// One producer and two (three at D 64) consumer warpgroups, `setmaxnreg` 24 / 240 (160):
-/// one block per SM.
+/// one block per SM. Known spills since the tile loop (s49): 16 B stored and loaded at D 64
+/// (160 registers per consumer thread) and in masked, biased variants — the loop's per-tile
+/// values (round, steps so far, the tile's place) held through the steps.
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
-pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 32);
 
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_hopper_forward";
@@ -59,7 +65,7 @@ const ENTRY: &str = "burn_flash_hopper_forward";
 /// Words of the kernel's parameter struct (`FwdParams`, which the source asserts); every
 /// launch passes exactly these.
 #[cfg(feature = "cuda")]
-const PARAM_WORDS: usize = 23;
+const PARAM_WORDS: usize = 25;
 
 /// The CUDA source: the instruction wrappers, then the kernel.
 #[cfg(feature = "cuda")]
@@ -196,6 +202,50 @@ fn rounded(dim: usize) -> u32 {
     }
 }
 
+/// The tiles of an attention forward of `dims` with `config`'s rows per block: (row blocks,
+/// query heads, batches), the kernel's `tiles_x`, `tiles_y`, `tiles_z`.
+pub fn tiles(dims: AttentionDims, config: FlashConfig) -> (usize, usize, usize) {
+    (
+        dims.seq_q.div_ceil(config.block_q as usize).max(1),
+        dims.heads_q,
+        dims.batch,
+    )
+}
+
+/// The tiles of `softmax(X)·V` of `d1` rows and `d3` output columns per batch with `config`
+/// ([`given_tile`]): (column tiles, row blocks, batches).
+pub fn given_tiles(
+    d1: usize,
+    d3: usize,
+    batch: usize,
+    config: FlashConfig,
+) -> (usize, usize, usize) {
+    (
+        d3.div_ceil(config.value_dim as usize).max(1),
+        d1.div_ceil(config.block_q as usize).max(1),
+        batch,
+    )
+}
+
+/// Bytes of keys and values the causal tile order keeps in L2 at once: half an H100's or
+/// H200's 50 MiB.
+pub const CAUSAL_L2_BYTES: usize = 24 << 20;
+
+/// The (batch, head) planes per chunk of the causal tile order (the kernel's `tile_place`): as
+/// many as keep their keys and values within [`CAUSAL_L2_BYTES`] (at least one). The row
+/// blocks of a chunk run longest first; ordering every plane's longest first instead measured
+/// 7–10 % slower at S 4096 (s49: the blocks running at once read 132 different heads from HBM).
+pub fn causal_chunk(dims: AttentionDims, elem_size: usize) -> usize {
+    let plane = dims.seq_k * (dims.head_dim + dims.value_dim) * elem_size;
+    (CAUSAL_L2_BYTES / plane.max(1)).clamp(1, (dims.batch * dims.heads_q).max(1))
+}
+
+/// Blocks of a launch over `tiles` on a device of `sms` multiprocessors under `schedule`
+/// ([`TileSchedule::Planned`]: persistent, one block per SM).
+pub fn blocks(tiles: (usize, usize, usize), sms: usize, schedule: TileSchedule) -> usize {
+    schedule.blocks(tiles.0 * tiles.1 * tiles.2, sms, true)
+}
+
 /// Whether the Hopper forward of `config` loads its bias by TMA: a bias is read and
 /// `features` says TMA can load it, as tiles ([`crate::attention::bias_tiles`]) or as one
 /// broadcast row ([`crate::attention::bias_row_tiles`]).
@@ -232,7 +282,7 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
 /// `hopper`: under [`HopperUse::Faster`], without a mask, and without a bias unless TMA loads
-/// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0). A mask, or a
+/// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0.1). A mask, or a
 /// bias read per element, measured slower than on the `mma.sync` kernel (§4.2, §5.2). A bias
 /// broadcast along the rows loaded as one row per step ([`Variant::bias_row`], s48) has not
 /// run on a GPU: only a forced Hopper forward takes it.
@@ -260,8 +310,8 @@ pub fn unavailable(
         "the Hopper forward takes head dims up to 256"
     } else if !features.aligned {
         "the Hopper forward reads rows through TMA: unit stride along the head dim, head dims and strides multiples of 8 elements"
-    } else if dims.heads_q > 65_535 || dims.batch > 65_535 {
-        "the Hopper forward launches one block row per head and batch: at most 65535 each"
+    } else if dims.seq_q.div_ceil(64) * dims.heads_q * dims.batch > i32::MAX as usize {
+        "the Hopper forward counts its tiles (row blocks × heads × batches) in 31 bits"
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
         "the Hopper forward indexes positions with 32-bit integers"
     } else {
@@ -300,8 +350,13 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::hopper_no_wait(),
-                "if (i >= STAGES) mbar_wait(",
+                "if (g >= STAGES) mbar_wait(",
                 "if (false) mbar_wait(",
+            ),
+            (
+                crate::mutation::q_early(),
+                "if (round > 0u) mbar_wait(q_empty,",
+                "if (false) mbar_wait(q_empty,",
             ),
             (
                 crate::mutation::varlen_first_row(),
@@ -384,7 +439,7 @@ pub(crate) fn bind_terms(
 /// with an optional `mask` and `bias` (shapes checked by the caller, [`unavailable`] `None`
 /// for this call, buffers starting on 16 bytes ([`crate::attention::starts_aligned`])), as
 /// `plan` says: its config's tile and score rules pick the [`Variant`], its units, shared
-/// memory and cubes make the launch.
+/// memory and cubes (`(blocks, 1, 1)` over the [`tiles`]) make the launch.
 ///
 /// # Safety
 /// The shapes and strides describe the buffers.
@@ -408,9 +463,9 @@ pub unsafe fn launch<R: CudaCompiled>(
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let tiles = bias.is_some_and(|(b, strides)| crate::attention::bias_tiles(b, strides));
+    let by_tiles = bias.is_some_and(|(b, strides)| crate::attention::bias_tiles(b, strides));
     let row = bias.is_some_and(|(b, strides)| crate::attention::bias_row_tiles(b, strides));
-    let variant = Variant::new(plan.config, bf16, tiles || row).with_bias_row(row);
+    let variant = Variant::new(plan.config, bf16, by_tiles || row).with_bias_row(row);
     debug_assert_eq!(
         plan.shared_bytes,
         shared_bytes(plan.config, variant.bias_tiles),
@@ -440,8 +495,11 @@ pub unsafe fn launch<R: CudaCompiled>(
         .map(|term| bias_map(term, dims, dtype, block_q));
     let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
-    let (x, y, z) = plan.cubes;
-    let count = CubeCount::Static(x as u32, y as u32, z as u32);
+    let (tx, ty, tz) = tiles(dims, plan.config);
+    let chunk = causal_chunk(dims, dtype.size());
+    params.extend([words(tx as u32, ty as u32), words(tz as u32, chunk as u32)]);
+    // The plan's blocks, each taking tiles in rounds (`fwd_tile`, `round_tile`).
+    let count = CubeCount::Static(plan.cubes.0 as u32, 1, 1);
     let mut maps = vec![
         tensor_map(q, dtype, block_q),
         tensor_map(k, dtype, plan.config.block_k as usize),
@@ -452,8 +510,9 @@ pub unsafe fn launch<R: CudaCompiled>(
     // SAFETY: the loads stay inside `q`, `k`, `v` and a bias by TMA (TMA clips every box to the
     // shapes given, the bias's view describes its buffer: `bias_map`),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
-    // strides checked by the caller); block (m, h, b) writes rows 128m .. 128m + 127 below `Sq` of `out[b, h]` and `lse[b, h]`,
-    // columns below `Dv`, through the strides given.
+    // strides checked by the caller); tile (m, h, b) writes rows `block_q`·m .. below `Sq` of
+    // `out[b, h]` and `lse[b, h]`, columns below `Dv`, through the strides given, and each tile
+    // is one block's in one round (`round_tile` covers 0 .. tiles once over the blocks).
     unsafe {
         kernel.launch_with_maps(
             count,
@@ -559,8 +618,8 @@ pub(crate) fn view<'a>(
 
 /// Launches `softmax(X)·V` on `client`: `out` (`[batch, d1, d3]`) and `lse` (`[batch, d1]`,
 /// f32) of `x` (`[batch or 1, d1, d2]`) and `v` (`[batch or 1, d2, d3]`), as the plan says:
-/// `config` (from [`given_tile`]) picks the [`Variant`], `units` and `cubes` (output column
-/// tiles, row blocks, batch) make the launch. The caller checked the shapes, that `d1`, `d2`,
+/// `config` (from [`given_tile`]) picks the [`Variant`], `units` and `blocks` (over the
+/// [`given_tiles`]) make the launch. The caller checked the shapes, that `d1`, `d2`,
 /// `d3` are not 0, and what `crate::softmax_matmul::hopper_unavailable` checks: rows and row
 /// strides of 16 bytes, starts on 16 bytes, nonzero row strides.
 ///
@@ -577,7 +636,7 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     dtype: StorageType,
     config: FlashConfig,
     units: u32,
-    cubes: (usize, usize, usize),
+    blocks: usize,
 ) {
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
@@ -605,8 +664,9 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     params.push(words(u32::from(x_batched), u32::from(v_batched)));
     // No packed sequences: the word is not read.
     params.push(0);
-    let (cx, cy, cz) = cubes;
-    let count = CubeCount::Static(cx as u32, cy as u32, cz as u32);
+    let (tx, ty, tz) = given_tiles(d1, d3, out.shape[0], config);
+    params.extend([words(tx as u32, ty as u32), words(tz as u32, 0)]);
+    let count = CubeCount::Static(blocks as u32, 1, 1);
     // The `Q` map is not read with given scores: `X`'s stands in.
     let maps = vec![
         tensor_map(&x4, dtype, BLOCK_Q),
@@ -614,7 +674,7 @@ pub unsafe fn launch_given<R: CudaCompiled>(
         tensor_map(&v4, dtype, config.block_k as usize),
     ];
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
-    // views describe the caller's buffers); block (t, m, b) writes rows 128m .. 128m + 127
+    // views describe the caller's buffers); tile (t, m, b) writes rows 128m .. 128m + 127
     // below `d1` of `out[b]` and `lse[b]` (`lse` only for t = 0), columns `VALUE_DIM`·t .. below
     // `d3`, through the strides given. The mask, bias, slopes, sinks and sequences stand-ins
     // (`out`, `lse`) are never read.
