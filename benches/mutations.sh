@@ -90,6 +90,9 @@ bias-block attention.test cuda::f16::bias_tiles
 bias-block-bwd attention_backward.test cuda::bf16::hopper_bias_tiles
 bias-block-bwd attention_backward.test cuda::f16::hopper_bias_tiles
 dq-unordered attention_backward.test cuda::bf16::deterministic_backward
+q-early attention.test cuda::bf16::tile_schedules
+q-early attention.test cuda::f16::tile_schedules
+hopper-no-wait attention.test cuda::bf16::tile_schedules
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

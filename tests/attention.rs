@@ -1584,7 +1584,7 @@ fn tile_schedules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             kernel: Some(AttentionKernel::Hopper),
             ..base
         };
-        if !plan(hopper).is_some_and(|p| p.is_ok()) {
+        if plan(hopper).is_none_or(|p| p.is_err()) {
             let planned = plan(base).map(|p| p.map_err(|e| e.to_string()));
             for schedule in schedules {
                 let options = FlashAttentionOptions {

@@ -64,7 +64,7 @@ impl AttentionKernel {
 /// [`HopperUse`]: the test suites and benches set it (from `BURN_FLASH_PERSISTENT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TileSchedule {
-    /// The plan's ([`crate::flash::forward::hopper::persistent`]).
+    /// The plan's: persistent ([`crate::flash::forward::hopper::blocks`]).
     #[default]
     Planned,
     /// One block per tile: the hardware hands the tiles to the SMs as blocks finish.
