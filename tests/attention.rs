@@ -1548,7 +1548,8 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 /// block per SM), and 1, 3 and 7 persistent blocks taking many tiles each in rounds — every
 /// output checked against the reference and bit-identical to one block per tile (a tile's
 /// arithmetic does not depend on the block that runs it): D 64 (192-row tiles), causal with
-/// `Sq > Sk` (tiles without keys, whose `Q` still comes) under GQA, D 256 (64 keys per step)
+/// `Sq > Sk` (tiles without keys, whose `Q` still comes) under GQA (6 heads: under `Blocks`,
+/// 3 chunks of the causal order), D 256 (64 keys per step)
 /// with a bias loaded by TMA. Where the Hopper forward cannot run, the schedule leaves the plan
 /// as it was.
 fn tile_schedules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {

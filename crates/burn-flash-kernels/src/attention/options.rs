@@ -72,8 +72,9 @@ pub enum TileSchedule {
     /// Persistent: one block per SM (fewer where the tiles are fewer), each taking the tiles in
     /// rounds, so that a tile's epilogue runs under the loads of the block's next one.
     Persistent,
-    /// Persistent with this many blocks (at least 1, at most the tiles): how the test suites
-    /// make every block run many tiles on small shapes.
+    /// Persistent with this many blocks (at least 1, at most the tiles), causal tiles in chunks
+    /// of two heads ([`crate::flash::forward::hopper::TEST_CHUNK`]): how the test suites make
+    /// every block run many tiles, and causal calls several chunks, on small shapes.
     Blocks(usize),
 }
 
