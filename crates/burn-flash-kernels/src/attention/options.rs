@@ -375,7 +375,9 @@ pub struct AttentionPlan {
     /// Shared memory per cube, in bytes.
     pub shared_bytes: usize,
     /// Cubes along `(x, y, z)` = (column tiles of `Dv`, row blocks of `G·Sq`, `B·Hkv`), the
-    /// last two folded so that any `B·Hkv` runs ([`crate::flash::block::fold_grid`]).
+    /// last two folded so that any `B·Hkv` runs ([`crate::flash::block::fold_grid`]); the
+    /// Hopper forward's is `(blocks, 1, 1)`, blocks taking its tiles in rounds
+    /// ([`crate::flash::forward::hopper::blocks`]).
     pub cubes: (usize, usize, usize),
     /// Why the matrix units do not run this call (`None`: they do, or could).
     pub matrix_units: Option<MatrixUnitsUnavailable>,

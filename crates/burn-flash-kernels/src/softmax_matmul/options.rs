@@ -178,7 +178,9 @@ pub struct SoftmaxMatmulPlan {
     pub vector: usize,
     /// Units per cube.
     pub units: u32,
-    /// Cubes: (output column tiles, row blocks, batch), the grid of the launch.
+    /// Cubes: (output column tiles, row blocks, batch), the grid of the launch; the Hopper
+    /// kernel's is `(blocks, 1, 1)`, blocks taking its tiles in rounds
+    /// ([`crate::flash::forward::hopper::blocks`]).
     pub cubes: (usize, usize, usize),
     /// Why the matrix units do not run this call (`None`: they do, or could).
     pub matrix_units: Option<MatrixUnitsUnavailable>,
