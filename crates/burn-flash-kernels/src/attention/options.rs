@@ -305,7 +305,8 @@ pub struct AttentionFeatures {
     pub bias_tiles: bool,
     /// The bias is broadcast along the rows and TMA can load its one row of keys
     /// ([`bias_row_tiles`]): a Hopper forward loads it per step into the bias slot (`BIAS_ROW`).
-    /// Its one-row load has not run on a GPU, so the plan does not prefer the Hopper forward
+    /// Its one-row load passed the forced-Hopper tests on an H100 (s49) but its speed against
+    /// the `mma.sync` forward is unmeasured, so the plan does not prefer the Hopper forward
     /// for it; a forced one takes it (and the plan sizes its shared memory).
     pub bias_row_tiles: bool,
     /// The bias is broadcast along the query rows (`[·, ·, 1, Sk]`, stride 0 along `Sq`): every

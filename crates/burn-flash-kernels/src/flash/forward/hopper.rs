@@ -288,8 +288,9 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 /// `hopper`: under [`HopperUse::Faster`], without a mask, and without a bias unless TMA loads
 /// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0.1). A mask, or a
 /// bias read per element, measured slower than on the `mma.sync` kernel (§4.2, §5.2). A bias
-/// broadcast along the rows loaded as one row per step ([`Variant::bias_row`], s48) has not
-/// run on a GPU: only a forced Hopper forward takes it.
+/// broadcast along the rows loaded as one row per step ([`Variant::bias_row`], s48) passed its
+/// forced tests on an H100 (s49) but its speed is unmeasured: only a forced Hopper forward
+/// takes it.
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
     hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
 }
