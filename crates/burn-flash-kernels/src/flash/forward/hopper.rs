@@ -234,7 +234,8 @@ pub const CAUSAL_L2_BYTES: usize = 24 << 20;
 /// The (batch, head) planes per chunk of the causal tile order (the kernel's `tile_place`): as
 /// many as keep their keys and values within [`CAUSAL_L2_BYTES`] (at least one). The row
 /// blocks of a chunk run longest first; ordering every plane's longest first instead measured
-/// 7–10 % slower at S 4096 (s49: the blocks running at once read 132 different heads from HBM).
+/// slower at long sequences (the blocks running at once read as many heads' keys and values
+/// from HBM; RESULTS.md §4.0).
 pub fn causal_chunk(dims: AttentionDims, elem_size: usize) -> usize {
     let plane = dims.seq_k * (dims.head_dim + dims.value_dim) * elem_size;
     (CAUSAL_L2_BYTES / plane.max(1)).clamp(1, (dims.batch * dims.heads_q).max(1))
