@@ -161,6 +161,9 @@ mod tests {
             ("on", TileSchedule::Persistent),
             ("1", TileSchedule::Persistent),
             ("3", TileSchedule::Blocks(3)),
+            ("dynamic", TileSchedule::Dynamic),
+            ("d1", TileSchedule::DynamicBlocks(1)),
+            ("d3", TileSchedule::DynamicBlocks(3)),
         ] {
             let d = read(&[("BURN_FLASH_PERSISTENT", name)]).expect(name);
             assert_eq!(d.schedule, schedule, "{name}");
@@ -174,6 +177,8 @@ mod tests {
         assert_eq!((d.hopper, d.deterministic), (HopperUse::Off, true));
         for (key, value) in [
             ("BURN_FLASH_PERSISTENT", "many"),
+            ("BURN_FLASH_PERSISTENT", "d0"),
+            ("BURN_FLASH_PERSISTENT", "dx"),
             ("BURN_FLASH_HOPPER", "sometimes"),
             ("BURN_FLASH_DETERMINISTIC", "yes"),
         ] {
@@ -195,5 +200,10 @@ mod tests {
         assert_eq!(TileSchedule::Blocks(3).blocks(tiles, sms, false), 3);
         assert_eq!(TileSchedule::Blocks(900).blocks(tiles, sms, false), 512);
         assert_eq!(TileSchedule::Persistent.blocks(0, 0, false), 1);
+        assert_eq!(TileSchedule::Dynamic.blocks(tiles, sms, false), 132);
+        assert_eq!(TileSchedule::DynamicBlocks(3).blocks(tiles, sms, false), 3);
+        assert_eq!(TileSchedule::DynamicBlocks(900).blocks(2, sms, false), 2);
+        assert!(TileSchedule::Dynamic.dynamic() && TileSchedule::DynamicBlocks(2).dynamic());
+        assert!(!TileSchedule::Planned.dynamic() && !TileSchedule::Blocks(2).dynamic());
     }
 }

@@ -1191,10 +1191,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         // A bias whose rows TMA loads as tiles (`Sk` a multiple of 8) takes the Hopper kernel
         // and two slots of shared memory beside `K`; one read per element keeps the `mma`
         // kernel unless the run forces Hopper.
-        let biased = |seq_k, kernel| {
+        let biased_rows = |seq_k, kernel, bias_rows_broadcast| {
             let dims = AttentionDims { seq_k, ..dims(64) };
             let terms = ScoreTerms {
                 bias: true,
+                bias_rows_broadcast,
                 ..Default::default()
             };
             let options = FlashAttentionOptions {
@@ -1205,6 +1206,19 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 .unwrap()
                 .unwrap()
         };
+        let biased = |seq_k, kernel| biased_rows(seq_k, kernel, false);
+        // A bias broadcast along the rows (`[·, ·, 1, Sk]`) is loaded one row per step where
+        // TMA can (`Sk` a multiple of 8), else read per element.
+        assert_eq!(
+            biased_rows(328, None, true).kernel,
+            AttentionKernel::Hopper,
+            "row bias by TMA"
+        );
+        assert_eq!(
+            biased_rows(330, None, true).kernel,
+            want,
+            "row bias per element"
+        );
         assert_eq!(
             biased(328, None).kernel,
             AttentionKernel::Hopper,
@@ -1545,7 +1559,8 @@ fn bias_tiles<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 }
 
 /// The Hopper forward's tile schedules ([`TileSchedule`]): one block per tile, persistent (one
-/// block per SM), and 1, 3 and 7 persistent blocks taking many tiles each in rounds — every
+/// block per SM), and 1, 3 and 7 persistent blocks taking many tiles each in rounds, in static
+/// rounds and from the dynamic counter (its first round the blocks' own tiles) — every
 /// output checked against the reference and bit-identical to one block per tile (a tile's
 /// arithmetic does not depend on the block that runs it): D 64 (192-row tiles), causal with
 /// `Sq > Sk` (tiles without keys, whose `Q` still comes) under GQA (6 heads: under `Blocks`,
@@ -1559,6 +1574,10 @@ fn tile_schedules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         TileSchedule::Blocks(1),
         TileSchedule::Blocks(3),
         TileSchedule::Blocks(7),
+        TileSchedule::Dynamic,
+        TileSchedule::DynamicBlocks(1),
+        TileSchedule::DynamicBlocks(3),
+        TileSchedule::DynamicBlocks(7),
     ];
     // ([B, Hq, Hkv, Sq, Sk, D], causal, bias)
     let cases = [
@@ -1614,7 +1633,9 @@ fn tile_schedules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert_eq!(p.cubes, (blocks, 1, 1), "{context}");
             match schedule {
                 TileSchedule::PerTile => assert_eq!(blocks, tiles, "{context}"),
-                TileSchedule::Blocks(b) => assert_eq!(blocks, b.min(tiles), "{context}"),
+                TileSchedule::Blocks(b) | TileSchedule::DynamicBlocks(b) => {
+                    assert_eq!(blocks, b.min(tiles), "{context}")
+                }
                 _ => assert!((1..=tiles).contains(&blocks), "{context}"),
             }
             let out = check_with(

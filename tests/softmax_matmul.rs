@@ -565,11 +565,13 @@ fn hopper_option<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             let v = rand3::<B>([2, 264, 136], 1.0, dtype, device);
             check_forward(x.clone(), v.clone(), on, dtype, "Hopper forced");
             // 4 tiles (one 256-column tile × 2 row blocks × 2 batches): one block each, or 1
-            // and 3 persistent blocks taking them in rounds.
+            // and 3 persistent blocks taking them in rounds (a dynamic schedule, attention's
+            // only, runs as a static one).
             for (schedule, blocks) in [
                 (TileSchedule::PerTile, 4),
                 (TileSchedule::Blocks(1), 1),
                 (TileSchedule::Blocks(3), 3),
+                (TileSchedule::DynamicBlocks(3), 3),
             ] {
                 let options = SoftmaxMatmulOptions { schedule, ..on };
                 let plan = softmax_matmul_plan::<B>(device, dims, dtype.into(), options)

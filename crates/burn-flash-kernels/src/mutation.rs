@@ -111,6 +111,9 @@ pub enum Mutation {
     /// `q-early`: the persistent Hopper forward's producer loads a tile's `Q` without waiting
     /// for the consumers' last `Q·Kᵀ` of the block's previous tile.
     QEarly,
+    /// `tile-offset`: the dynamic Hopper forward's counter hands out tiles from 0 rather than
+    /// after the first round's: the first round's tiles run twice, the last ones never.
+    TileOffset,
 }
 
 impl Mutation {
@@ -150,6 +153,7 @@ impl Mutation {
             Self::UncountedBarriers => "uncounted-barriers",
             Self::DroppedParameter => "dropped-parameter",
             Self::QEarly => "q-early",
+            Self::TileOffset => "tile-offset",
         }
     }
 }
@@ -201,6 +205,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::UncountedBarriers,
             Mutation::DroppedParameter,
             Mutation::QEarly,
+            Mutation::TileOffset,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -324,6 +329,11 @@ pub fn hopper_no_wait() -> bool {
 /// [`Mutation::QEarly`] is active.
 pub fn q_early() -> bool {
     active(Mutation::QEarly)
+}
+
+/// [`Mutation::TileOffset`] is active.
+pub fn tile_offset() -> bool {
+    active(Mutation::TileOffset)
 }
 
 /// [`Mutation::BiasBlockBwd`] is active.

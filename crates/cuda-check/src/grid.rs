@@ -7,7 +7,8 @@
 //! (64, 128, 256, and odd sizes that round up), each dtype. `all = true` crosses them.
 
 use burn_flash_kernels::attention::{
-    AttentionKernel, AttentionOptions, BackwardTensors, launch_attention, launch_attention_backward,
+    AttentionKernel, AttentionOptions, BackwardTensors, TileSchedule, launch_attention,
+    launch_attention_backward,
 };
 use burn_flash_kernels::copy::launch_copy;
 use burn_flash_kernels::cuda_target::{Arch, TargetRuntime};
@@ -422,6 +423,19 @@ fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                         kernel_archs(kernel, archs),
                         move |c| AttentionCall::new(c, s, f, dtype).forward(c, dtype, &o),
                     );
+                    // The Hopper forward whose tiles come from a counter: plain and causal.
+                    if kernel == Hopper && k <= 1 {
+                        let o = AttentionOptions {
+                            schedule: TileSchedule::Dynamic,
+                            ..o
+                        };
+                        push(
+                            calls,
+                            format!("{name} dynamic fwd"),
+                            kernel_archs(kernel, archs),
+                            move |c| AttentionCall::new(c, s, f, dtype).forward(c, dtype, &o),
+                        );
+                    }
                     // Backward: no sinks (they are forward-only); `dS` with a bias.
                     if f.sinks || (kernel == Tiled) {
                         continue;

@@ -64,7 +64,8 @@ impl AttentionKernel {
 /// [`HopperUse`]: the test suites and benches set it (from `BURN_FLASH_PERSISTENT`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TileSchedule {
-    /// The plan's: persistent ([`crate::flash::forward::hopper::blocks`]).
+    /// The plan's: persistent ([`crate::flash::forward::hopper::blocks`]), the tiles in
+    /// static rounds.
     #[default]
     Planned,
     /// One block per tile: the hardware hands the tiles to the SMs as blocks finish.
@@ -76,18 +77,33 @@ pub enum TileSchedule {
     /// of two heads ([`crate::flash::forward::hopper::TEST_CHUNK`]): how the test suites make
     /// every block run many tiles, and causal calls several chunks, on small shapes.
     Blocks(usize),
+    /// Persistent, one block per SM, each block's tiles after its first taken from a counter
+    /// as it finishes them (FlashAttention-3's dynamic scheduler), causal tiles each head's
+    /// longest first: the blocks end together whatever the tiles' lengths. Attention only
+    /// (`softmax(X)·V` runs it as [`TileSchedule::Persistent`]).
+    Dynamic,
+    /// [`TileSchedule::Dynamic`] with this many blocks (at least 1, at most the tiles): the
+    /// test suites' way to make a few blocks share many tiles through the counter.
+    DynamicBlocks(usize),
 }
 
 impl TileSchedule {
     /// The schedule a name stands for: `planned`, `off` or `0` (one block per tile), `on` or
-    /// `1` (persistent), or a number of blocks above 1; `None` for any other.
+    /// `1` (persistent), a number of blocks above 1, `dynamic`, or `d` and a number of blocks
+    /// (`d3`: dynamic, 3 blocks); `None` for any other.
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "planned" => Some(Self::Planned),
             "off" | "0" => Some(Self::PerTile),
             "on" | "1" => Some(Self::Persistent),
-            n => match n.parse::<usize>() {
-                Ok(b) if b > 1 => Some(Self::Blocks(b)),
+            "dynamic" => Some(Self::Dynamic),
+            n => match (n.strip_prefix('d'), n.parse::<usize>()) {
+                (Some(d), _) => d
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&b| b > 0)
+                    .map(Self::DynamicBlocks),
+                (None, Ok(b)) if b > 1 => Some(Self::Blocks(b)),
                 _ => None,
             },
         }
@@ -100,9 +116,15 @@ impl TileSchedule {
         match self {
             Self::Planned if planned => tiles.min(sms.max(1)),
             Self::Planned | Self::PerTile => tiles,
-            Self::Persistent => tiles.min(sms.max(1)),
-            Self::Blocks(b) => tiles.min(b.max(1)),
+            Self::Persistent | Self::Dynamic => tiles.min(sms.max(1)),
+            Self::Blocks(b) | Self::DynamicBlocks(b) => tiles.min(b.max(1)),
         }
+    }
+
+    /// Whether an attention forward's blocks take their tiles from a counter
+    /// ([`TileSchedule::Dynamic`]).
+    pub fn dynamic(self) -> bool {
+        matches!(self, Self::Dynamic | Self::DynamicBlocks(_))
     }
 }
 

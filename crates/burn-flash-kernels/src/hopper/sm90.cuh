@@ -55,6 +55,11 @@ __device__ __forceinline__ u32 lds_u32(u32 addr) {
     return v;
 }
 
+// Stores a 32-bit word to shared memory at `addr`.
+__device__ __forceinline__ void sts_u32(u32 addr, u32 v) {
+    asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+}
+
 // A 16-bit element of shared memory at `addr` (volatile, as `lds_u32`).
 __device__ __forceinline__ unsigned short lds_u16(u32 addr) {
     unsigned short v;

@@ -6,7 +6,9 @@
 // blocks take the tiles in rounds (`round_tile`, `tile_place`): one round where the host launches
 // a block per tile, several where it launches one block per SM (persistent), so that a tile's
 // epilogue runs while the producer already loads the next tile's Q, K and V; the pipeline's
-// barriers, slots and product turns run on from tile to tile. Per tile:
+// barriers, slots and product turns run on from tile to tile. With DYNAMIC (persistent causal
+// calls) a block's tiles after its first come from a counter as it finishes them, so that the
+// blocks end together whatever the tiles' lengths. Per tile:
 // - warpgroup 0 is the producer: it gives its registers back (setmaxnreg) and one thread issues
 //   TMA loads: Q once, then K and V blocks of 128 keys into a ring of STAGES slots, each slot
 //   guarded by a "full" barrier (TMA transactions) and an "empty" barrier (the consumers);
@@ -89,6 +91,11 @@
 #endif
 #define S_REGS (BLOCK_N / 2)
 #define O_REGS (VALUE_DIM / 2)
+// DYNAMIC: the blocks take their tiles after the first from a counter (`tile_counter`), handed
+// to the consumers with each round's Q; given scores have no Q and keep the static rounds.
+#if DYNAMIC && GIVEN
+#error "DYNAMIC tiles come with Q: not with given scores"
+#endif
 
 
 // The scalars, in the order of the host's words (hopper.rs, `params`).
@@ -517,6 +524,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                           const float* __restrict__ slopes,
                           const float* __restrict__ sinks,
                           const u32* __restrict__ seqs,
+                          u32* __restrict__ tile_counter,
                           const __grid_constant__ FwdParams p)
 {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -535,6 +543,9 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #define V_EMPTY(s) (bars + 8u + 24u * STAGES + 8u * (s))
     // The consumers have issued and completed their last Q·Kᵀ of a tile: Q may be refilled.
     const u32 q_empty = bars + 8u + 32u * STAGES;
+    // DYNAMIC: the tile of round r (slot r % 2), written by the producer before it arrives on
+    // Q's barrier of that round (the arrival releases it; the consumers' wait acquires it).
+#define TILE_SLOT(r) (bars + 96u + 4u * ((r) & 1u))
 
     const u32 tid = threadIdx.x;
     const u32 n_tiles = p.tiles_x * p.tiles_y * p.tiles_z;
@@ -571,9 +582,33 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #endif
             // Steps issued so far: the ring's slot and phase continue from tile to tile.
             u32 g = 0u;
+#if DYNAMIC
+            u32 tile = blockIdx.x;
+#endif
             for (u32 round = 0u;; ++round) {
+#if DYNAMIC
+                // The first round's tiles are the blocks' own; each later tile is the next of
+                // the launch's counter (zeroed by the host), so blocks that finish early take
+                // more. The slot written here was read two rounds ago: the consumers read it
+                // before they released that round's Q, which this thread waited for last round.
+                if (round > 0u) tile = gridDim.x + atomicAdd(tile_counter, 1u);
+                sts_u32(TILE_SLOT(round), tile);
+#else
                 const u32 tile = round_tile(round);
-                if (tile >= n_tiles) break;
+#endif
+#if !GIVEN
+                // Q of the previous round's tile is free once every consumer's last Q·Kᵀ on it
+                // landed. Every round loads one (a tile without keys too: its consumers wait for
+                // it and release it at once), so that the round's parity is Q's phase.
+                if (round > 0u) mbar_wait(q_empty, (round - 1u) & 1u);
+#endif
+                if (tile >= n_tiles) {
+#if DYNAMIC
+                    // None left: the consumers read that from the slot, on Q's barrier.
+                    mbar_arrive(q_full);
+#endif
+                    break;
+                }
                 const FwdTile f = fwd_tile(tile, p, seqs);
 #if B_BYTES
                 const int bias_batch = (p.bias_planes & 1u) ? (int)f.batch : 0;
@@ -585,10 +620,6 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 const u32 k_batch = f.batch * p.x_batch, v_batch = f.batch * p.v_batch;
 #else
                 const u32 k_batch = f.batch, v_batch = f.batch;
-                // Q of the previous round's tile is free once every consumer's last Q·Kᵀ on it
-                // landed. Every round loads one (a tile without keys too: its consumers wait for
-                // it and release it at once), so that the round's parity is Q's phase.
-                if (round > 0u) mbar_wait(q_empty, (round - 1u) & 1u);
                 mbar_arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
                 for (int a = 0; a < D_ATOMS; ++a) {
@@ -652,7 +683,13 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
     // Steps consumed so far: the ring's slot and phase continue from tile to tile.
     u32 g = 0u;
     for (u32 round = 0u;; ++round) {
+#if DYNAMIC
+        // The round's tile comes with its Q.
+        mbar_wait(q_full, round & 1u);
+        const u32 tile = lds_u32(TILE_SLOT(round));
+#else
         const u32 tile = round_tile(round);
+#endif
         if (tile >= n_tiles) break;
         const FwdTile f = fwd_tile(tile, p, seqs);
         const u32 head = f.head, batch = f.batch, col0 = f.col0;
@@ -742,7 +779,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
                 pack_weights(pa, sc);
             }
 #else
-            mbar_wait(q_full, round & 1u);
+            if (!DYNAMIC) mbar_wait(q_full, round & 1u);
             // Block 0: S = Q·K₀ᵀ, then its weights.
             const u32 s0 = g % STAGES;
             mbar_wait(K_FULL(s0), (g / STAGES) & 1u);
@@ -813,7 +850,7 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
 #if !GIVEN
         else {
             // No keys: the round's Q came all the same.
-            mbar_wait(q_full, round & 1u);
+            if (!DYNAMIC) mbar_wait(q_full, round & 1u);
             release(q_empty, lane);
         }
 #endif

@@ -105,6 +105,9 @@ pub struct Variant {
     /// With `bias_tiles`: the bias is broadcast along the rows, and each step loads one row of
     /// keys that every row reads ([`crate::attention::bias_row_tiles`]).
     pub bias_row: bool,
+    /// The blocks take their tiles after the first from a counter ([`TileSchedule::Dynamic`];
+    /// not with given scores).
+    pub dynamic: bool,
 }
 
 impl Variant {
@@ -121,6 +124,16 @@ impl Variant {
             rules: config.rules,
             bias_tiles: bias_tiles && config.rules.bias && config.source == ScoreSource::QueryKey,
             bias_row: false,
+            dynamic: false,
+        }
+    }
+
+    /// This variant with its tiles handed out by a counter where `dynamic` (not with given
+    /// scores).
+    pub fn with_dynamic(self, dynamic: bool) -> Self {
+        Self {
+            dynamic: dynamic && !self.given,
+            ..self
         }
     }
 
@@ -144,6 +157,7 @@ impl Variant {
             .word("GIVEN", self.given)
             .word("BIAS_TILES", self.bias_tiles)
             .word("BIAS_ROW", self.bias_row)
+            .word("DYNAMIC", self.dynamic)
             .word("PARAM_WORDS", PARAM_WORDS as u32)
             .rules(&self.rules)
     }
@@ -287,13 +301,14 @@ pub fn shared_bytes(config: FlashConfig, bias_tiles: bool) -> usize {
 
 /// Whether the plan picks the Hopper forward for a call it can run with `features` under
 /// `hopper`: under [`HopperUse::Faster`], without a mask, and without a bias unless TMA loads
-/// it as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0.1). A mask, or a
-/// bias read per element, measured slower than on the `mma.sync` kernel (§4.2, §5.2). A bias
-/// broadcast along the rows loaded as one row per step ([`Variant::bias_row`], s48) passed its
-/// forced tests on an H100 (s49) but its speed is unmeasured: only a forced Hopper forward
-/// takes it.
+/// it: as tiles ([`bias_tiles`]: 2.2–2.5× the `mma.sync` kernel, RESULTS.md §4.0.1) or, broadcast
+/// along the rows, as one row per step ([`Variant::bias_row`]: about 2× the `mma.sync` kernel,
+/// §4.0.1). A mask, or a bias read per element, measured slower than on the `mma.sync` kernel
+/// (§4.2, §5.2).
 pub fn preferred(features: AttentionFeatures, hopper: HopperUse) -> bool {
-    hopper.wanted(!features.mask && (!features.bias || features.bias_tiles))
+    hopper.wanted(
+        !features.mask && (!features.bias || features.bias_tiles || features.bias_row_tiles),
+    )
 }
 
 /// Why the Hopper forward cannot run a call (`None`: it can). `hopper` says whether the device
@@ -363,6 +378,11 @@ fn hand_written<R: CudaCompiled>(
                 crate::mutation::q_early(),
                 "if (round > 0u) mbar_wait(q_empty,",
                 "if (false) mbar_wait(q_empty,",
+            ),
+            (
+                crate::mutation::tile_offset(),
+                "tile = gridDim.x + atomicAdd(tile_counter, 1u);",
+                "tile = atomicAdd(tile_counter, 1u);",
             ),
             (
                 crate::mutation::varlen_first_row(),
@@ -471,7 +491,9 @@ pub unsafe fn launch<R: CudaCompiled>(
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     let by_tiles = bias.is_some_and(|(b, strides)| crate::attention::bias_tiles(b, strides));
     let row = bias.is_some_and(|(b, strides)| crate::attention::bias_row_tiles(b, strides));
-    let variant = Variant::new(plan.config, bf16, by_tiles || row).with_bias_row(row);
+    let variant = Variant::new(plan.config, bf16, by_tiles || row)
+        .with_bias_row(row)
+        .with_dynamic(options.schedule.dynamic());
     debug_assert_eq!(
         plan.shared_bytes,
         shared_bytes(plan.config, variant.bias_tiles),
@@ -505,6 +527,9 @@ pub unsafe fn launch<R: CudaCompiled>(
     let chunk = match options.schedule {
         // The suites' schedule: their small shapes cross chunk boundaries too.
         TileSchedule::Blocks(_) => TEST_CHUNK,
+        // Blocks that take the next tile as they finish balance any order: each head's
+        // longest first, few heads' keys and values read at once.
+        _ if variant.dynamic => 1,
         _ => causal_chunk(dims, dtype.size()),
     };
     params.extend([words(tx as u32, ty as u32), words(tz as u32, chunk as u32)]);
@@ -517,12 +542,16 @@ pub unsafe fn launch<R: CudaCompiled>(
     ];
     // The bias's rows × 64 keys (a variant with `BIAS_TILES` takes a fourth map).
     maps.extend(bias_map.map(|(map, _)| map));
+    // The counter of tiles handed out after the first round (`DYNAMIC`), zero at the start.
+    let counter = variant.dynamic.then(|| client.create_from_slice(&[0u8; 4]));
     // SAFETY: the loads stay inside `q`, `k`, `v` and a bias by TMA (TMA clips every box to the
     // shapes given, the bias's view describes its buffer: `bias_map`),
     // and the mask and bias reads inside theirs (rows below `Sq`, keys below `Sk`, through the
     // strides checked by the caller); tile (m, h, b) writes rows `block_q`·m .. below `Sq` of
     // `out[b, h]` and `lse[b, h]`, columns below `Dv`, through the strides given, and each tile
-    // is one block's in one round (`round_tile` covers 0 .. tiles once over the blocks).
+    // is one block's in one round (`round_tile` covers 0 .. tiles once over the blocks; with
+    // `DYNAMIC` the first round's tiles are the blocks' and the counter hands out each later
+    // tile once).
     unsafe {
         kernel.launch_with_maps(
             count,
@@ -536,6 +565,8 @@ pub unsafe fn launch<R: CudaCompiled>(
                 slopes.unwrap_or(lse).handle.clone().binding(),
                 sinks.unwrap_or(lse).handle.clone().binding(),
                 seqs.unwrap_or(lse).handle.clone().binding(),
+                // Not read without `DYNAMIC`.
+                counter.unwrap_or_else(|| lse.handle.clone()).binding(),
             ],
             checked(params),
         );
@@ -686,8 +717,8 @@ pub unsafe fn launch_given<R: CudaCompiled>(
     // SAFETY: the loads stay inside `x` and `v` (TMA clips every box to the shapes given, the
     // views describe the caller's buffers); tile (t, m, b) writes rows 128m .. 128m + 127
     // below `d1` of `out[b]` and `lse[b]` (`lse` only for t = 0), columns `VALUE_DIM`·t .. below
-    // `d3`, through the strides given. The mask, bias, slopes, sinks and sequences stand-ins
-    // (`out`, `lse`) are never read.
+    // `d3`, through the strides given. The mask, bias, slopes, sinks, sequences and counter
+    // stand-ins (`out`, `lse`) are never read.
     unsafe {
         kernel.launch_with_maps(
             count,
@@ -697,6 +728,7 @@ pub unsafe fn launch_given<R: CudaCompiled>(
                 lse.handle.clone().binding(),
                 out.handle.clone().binding(),
                 out.handle.clone().binding(),
+                lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
                 lse.handle.clone().binding(),
