@@ -556,21 +556,45 @@ pub unsafe fn launch<R: CudaCompiled>(
         kernel.launch_with_maps(
             count,
             maps,
-            vec![
-                out.handle.clone().binding(),
-                lse.handle.clone().binding(),
-                mask_handle.binding(),
-                bias_handle.binding(),
-                // Absent slopes, sinks or sequences are never read: `lse` (f32) stands in.
-                slopes.unwrap_or(lse).handle.clone().binding(),
-                sinks.unwrap_or(lse).handle.clone().binding(),
-                seqs.unwrap_or(lse).handle.clone().binding(),
-                // Not read without `DYNAMIC`.
-                counter.unwrap_or_else(|| lse.handle.clone()).binding(),
-            ],
+            buffers(
+                out,
+                lse,
+                [mask_handle, bias_handle],
+                [
+                    slopes.map(|t| t.handle.clone()),
+                    sinks.map(|t| t.handle.clone()),
+                    seqs.map(|t| t.handle.clone()),
+                    // Read only with `DYNAMIC`.
+                    counter,
+                ],
+            ),
             checked(params),
         );
     }
+}
+
+/// The kernel's buffers after its maps: `out`, `lse`, the mask and the bias (or their
+/// stand-ins, [`bind_terms`]), then the ALiBi slopes, the sinks, the packed sequences and the
+/// tile counter, an absent one of which is never read and bound as `lse` (f32).
+#[cfg(feature = "cuda")]
+fn buffers(
+    out: &TensorRef<'_>,
+    lse: &TensorRef<'_>,
+    [mask, bias]: [cubecl::server::Handle; 2],
+    optional: [Option<cubecl::server::Handle>; 4],
+) -> Vec<cubecl::server::Binding> {
+    let mut buffers = vec![
+        out.handle.clone().binding(),
+        lse.handle.clone().binding(),
+        mask.binding(),
+        bias.binding(),
+    ];
+    buffers.extend(
+        optional
+            .into_iter()
+            .map(|h| h.unwrap_or_else(|| lse.handle.clone()).binding()),
+    );
+    buffers
 }
 
 /// `params` after checking they are the kernel's [`PARAM_WORDS`].
@@ -723,16 +747,12 @@ pub unsafe fn launch_given<R: CudaCompiled>(
         kernel.launch_with_maps(
             count,
             maps,
-            vec![
-                out.handle.clone().binding(),
-                lse.handle.clone().binding(),
-                out.handle.clone().binding(),
-                out.handle.clone().binding(),
-                lse.handle.clone().binding(),
-                lse.handle.clone().binding(),
-                lse.handle.clone().binding(),
-                lse.handle.clone().binding(),
-            ],
+            buffers(
+                out,
+                lse,
+                [out.handle.clone(), out.handle.clone()],
+                [None, None, None, None],
+            ),
             checked(params),
         );
     }
