@@ -95,6 +95,7 @@ q-early attention.test cuda::f16::tile_schedules
 hopper-no-wait attention.test cuda::bf16::tile_schedules
 tile-offset attention.test cuda::bf16::tile_schedules
 tile-offset attention.test cuda::f16::tile_schedules
+defer-wrong-buffer attention_backward.test cuda::bf16::backward_overlaps
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

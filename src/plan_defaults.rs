@@ -12,7 +12,7 @@
 
 use std::sync::RwLock;
 
-use burn_flash_kernels::attention::{DecodeSchedule, HopperUse, TileSchedule};
+use burn_flash_kernels::attention::{BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule};
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 
 /// The process's plan inputs for calls that leave them unset.
@@ -27,6 +27,8 @@ pub struct PlanDefaults {
     /// The attention backward returns the same bits on every run
     /// ([`burn_flash_kernels::attention::AttentionOptions::deterministic`]).
     pub deterministic: bool,
+    /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
+    pub backward_overlap: BackwardOverlap,
 }
 
 impl PlanDefaults {
@@ -37,6 +39,7 @@ impl PlanDefaults {
         schedule: TileSchedule::Planned,
         decode: DecodeSchedule::STANDARD,
         deterministic: false,
+        backward_overlap: BackwardOverlap::Planned,
     };
 }
 
@@ -71,8 +74,9 @@ impl PlanDefaults {
 
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
-    /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]) and `BURN_FLASH_DETERMINISTIC`
-    /// (`1` or `0`): how the test suites and benches read them from
+    /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]), `BURN_FLASH_BWD_OVERLAP`
+    /// ([`BackwardOverlap::from_name`]) and `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the
+    /// test suites and benches read them from
     /// their environment (the library reads none).
     pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
         let (hopper, keys, cubes) = (
@@ -84,6 +88,11 @@ impl PlanDefaults {
         if let Some(name) = get("BURN_FLASH_PERSISTENT") {
             d.schedule = TileSchedule::from_name(&name).ok_or_else(|| {
                 format!("tile schedule {name:?}: planned, off, on or a number of blocks")
+            })?;
+        }
+        if let Some(name) = get("BURN_FLASH_BWD_OVERLAP") {
+            d.backward_overlap = BackwardOverlap::from_name(&name).ok_or_else(|| {
+                format!("backward overlap {name:?}: planned, lockstep, deferred or staggered")
             })?;
         }
         d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
@@ -175,12 +184,21 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!((d.hopper, d.deterministic), (HopperUse::Off, true));
+        for (name, overlap) in [
+            ("lockstep", BackwardOverlap::Lockstep),
+            ("deferred", BackwardOverlap::Deferred),
+            ("staggered", BackwardOverlap::Staggered),
+        ] {
+            let d = read(&[("BURN_FLASH_BWD_OVERLAP", name)]).expect(name);
+            assert_eq!(d.backward_overlap, overlap, "{name}");
+        }
         for (key, value) in [
             ("BURN_FLASH_PERSISTENT", "many"),
             ("BURN_FLASH_PERSISTENT", "d0"),
             ("BURN_FLASH_PERSISTENT", "dx"),
             ("BURN_FLASH_HOPPER", "sometimes"),
             ("BURN_FLASH_DETERMINISTIC", "yes"),
+            ("BURN_FLASH_BWD_OVERLAP", "sometimes"),
         ] {
             let err = read(&[(key, value)]).expect_err(value);
             assert!(err.contains(value), "{key}={value}: {err}");

@@ -11,8 +11,8 @@ mod common;
 use burn::backend::Autodiff;
 use burn::tensor::{FloatDType, Tensor, ops::AttentionModuleOptions};
 use burn_flash::{
-    AttentionBackwardKernel, AttentionDropout, AttentionKernel, FlashAttentionOptions,
-    FlashBackend, HeadTerms, ScoreTerms, VarlenBatch,
+    AttentionBackwardKernel, AttentionDropout, AttentionKernel, BackwardOverlap,
+    FlashAttentionOptions, FlashBackend, HeadTerms, ScoreTerms, VarlenBatch,
     attention::{AttentionDims, recent_backward_launches},
     attention_backward_plan, attention_backward_plan_with, attention_varlen, attention_with_heads,
     attention_with_lse,
@@ -283,6 +283,8 @@ struct Setup {
     packed: Option<(Vec<usize>, Vec<usize>)>,
     /// [`FlashAttentionOptions::deterministic`] set (else the plan defaults').
     deterministic: bool,
+    /// [`FlashAttentionOptions::backward_overlap`] (the plan defaults' where `None`).
+    overlap: Option<BackwardOverlap>,
 }
 
 impl Setup {
@@ -307,6 +309,7 @@ impl Setup {
             sinks: false,
             packed: None,
             deterministic: false,
+            overlap: None,
         }
     }
 }
@@ -405,6 +408,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             kernel: setup.kernel,
             window: setup.window,
             deterministic: setup.deterministic.then_some(true),
+            backward_overlap: setup.overlap,
             ..setup.options.into()
         },
         dtype,
@@ -1555,6 +1559,69 @@ fn gradient_bytes<B: FlashBackend>(
     })
 }
 
+/// The Hopper backward's consumer overlaps ([`BackwardOverlap`]): each step's `dQ` issued in the
+/// next step, and the consumers staggered half a step, checked against the reference like the
+/// lockstep schedule, at head dim 128 (the calls that take them): GQA with rows past the last
+/// full block, causal with `Sq > Sk` (key blocks whose first row blocks see none of their
+/// keys), a padding mask with dropout. The Hopper backward runs them on sm_90 (the plan does not
+/// change with the option); elsewhere the option changes nothing and one small call checks so.
+fn backward_overlaps<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    #[cfg(feature = "cuda")]
+    let hopper = cuda && dtype != FloatDType::F32 && hopper_forced_available::<B>(device, dtype);
+    #[cfg(not(feature = "cuda"))]
+    let hopper = false;
+    let overlaps = [
+        BackwardOverlap::Lockstep,
+        BackwardOverlap::Deferred,
+        BackwardOverlap::Staggered,
+    ];
+    for overlap in overlaps {
+        let mut cases = vec![Setup::new([1, 2, 70, 32], 1, 90, 32)];
+        if cuda {
+            let mut causal = Setup::new([1, 4, 700, 128], 1, 520, 128);
+            causal.options.is_causal = true;
+            let mut masked = Setup::new([2, 2, 300, 128], 2, 330, 128);
+            masked.mask = Some(([2, 1, 1, 330], |[b, _, _, j]| j + 40 * b + 7 >= 330));
+            masked.dropout = Some(AttentionDropout {
+                prob: 0.2,
+                seed: fresh_seed(),
+            });
+            cases = vec![Setup::new([2, 4, 300, 128], 2, 520, 128), causal, masked];
+        }
+        for mut setup in cases {
+            setup.overlap = Some(overlap);
+            let context = format!(
+                "{overlap:?}: q {:?} Sk {} causal {} mask {} dropout {}",
+                setup.q,
+                setup.seq_k,
+                setup.options.is_causal,
+                setup.mask.is_some(),
+                setup.dropout.is_some()
+            );
+            check::<B>(&setup, dtype, &context);
+            if hopper && setup.q[3] == 128 {
+                let [batch, heads_q, seq_q, head_dim] = setup.q;
+                let dims = AttentionDims {
+                    batch,
+                    heads_q,
+                    heads_kv: setup.kv_heads,
+                    seq_q,
+                    seq_k: setup.seq_k,
+                    head_dim,
+                    value_dim: setup.dv,
+                };
+                let ran: Vec<_> = recent_backward_launches()
+                    .into_iter()
+                    .filter(|l| l.dims == dims)
+                    .map(|l| l.kernel)
+                    .collect();
+                assert_launched(&ran, AttentionBackwardKernel::Hopper, &context);
+            }
+        }
+    }
+}
+
 /// The deterministic backward ([`FlashAttentionOptions::deterministic`]): gradients within the
 /// f64 rule, and the same inputs twice give the same bits of `dQ`, `dK` and `dV`. On CUDA the
 /// calls put many key blocks' `dQ` adds into each row block (the Hopper backward orders them
@@ -1701,7 +1768,8 @@ macro_rules! backward_suite {
                 attention_sinks,
                 varlen,
                 many_seeds,
-                deterministic_backward
+                deterministic_backward,
+                backward_overlaps
                 $(, $extra)*
             ]
         );

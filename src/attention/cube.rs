@@ -40,6 +40,9 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         schedule: options.schedule.unwrap_or(defaults.schedule),
         decode: options.decode.unwrap_or(defaults.decode),
         deterministic: options.deterministic.unwrap_or(defaults.deterministic),
+        backward_overlap: options
+            .backward_overlap
+            .unwrap_or(defaults.backward_overlap),
     }
 }
 

@@ -52,8 +52,8 @@ pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
-    AttentionPlan, BackwardLaunch, DecodeSchedule, HopperUse, MAX_HEAD_DIM, TileSchedule,
-    recent_backward_launches,
+    AttentionPlan, BackwardLaunch, BackwardOverlap, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
+    TileSchedule, recent_backward_launches,
 };
 
 /// The gradients of one attention call
@@ -140,6 +140,9 @@ pub struct FlashAttentionOptions {
     /// backward is deterministic anyway
     /// ([`burn_flash_kernels::attention::AttentionOptions::deterministic`]).
     pub deterministic: Option<bool>,
+    /// How the Hopper backward's consumers meet over a step's `dSᵀ` (`None`:
+    /// [`crate::plan_defaults`]'s).
+    pub backward_overlap: Option<BackwardOverlap>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

@@ -16,12 +16,14 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 /// ([`burn_flash::set_plan_defaults`]) on first use; every suite test calls it first (the
 /// library itself reads no environment). `BURN_FLASH_HOPPER`: `off`, `always` or `faster` (the
 /// default); `BURN_FLASH_DECODE_KEYS` (4, 8, 16) and `BURN_FLASH_DECODE_CUBES` (1–64): the
-/// decoding schedule; `BURN_FLASH_DETERMINISTIC` (`1`, `0`): the deterministic backward.
+/// decoding schedule; `BURN_FLASH_DETERMINISTIC` (`1`, `0`): the deterministic backward;
+/// `BURN_FLASH_PERSISTENT` and `BURN_FLASH_BWD_OVERLAP`: the Hopper kernels' schedules
+/// ([`burn_flash::PlanDefaults::from_settings`]).
 pub fn plan_inputs() -> burn_flash::PlanDefaults {
     static SET: std::sync::OnceLock<burn_flash::PlanDefaults> = std::sync::OnceLock::new();
     *SET.get_or_init(|| {
         let d = burn_flash::PlanDefaults::from_settings(|name| std::env::var(name).ok())
-            .unwrap_or_else(|e| panic!("BURN_FLASH_HOPPER / BURN_FLASH_DECODE_*: {e}"));
+            .unwrap_or_else(|e| panic!("BURN_FLASH_* plan inputs: {e}"));
         burn_flash::set_plan_defaults(d);
         d
     })

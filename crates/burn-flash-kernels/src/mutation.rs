@@ -114,6 +114,9 @@ pub enum Mutation {
     /// `tile-offset`: the dynamic Hopper forward's counter hands out tiles from 0 rather than
     /// after the first round's: the first round's tiles run twice, the last ones never.
     TileOffset,
+    /// `defer-wrong-buffer`: the Hopper backward with `dQ` deferred by a step reads the `dSᵀ`
+    /// buffer of the current step for the previous step's `dQ`.
+    DeferWrongBuffer,
 }
 
 impl Mutation {
@@ -154,6 +157,7 @@ impl Mutation {
             Self::DroppedParameter => "dropped-parameter",
             Self::QEarly => "q-early",
             Self::TileOffset => "tile-offset",
+            Self::DeferWrongBuffer => "defer-wrong-buffer",
         }
     }
 }
@@ -206,6 +210,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::DroppedParameter,
             Mutation::QEarly,
             Mutation::TileOffset,
+            Mutation::DeferWrongBuffer,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -334,6 +339,11 @@ pub fn q_early() -> bool {
 /// [`Mutation::TileOffset`] is active.
 pub fn tile_offset() -> bool {
     active(Mutation::TileOffset)
+}
+
+/// [`Mutation::DeferWrongBuffer`] is active.
+pub fn defer_wrong_buffer() -> bool {
+    active(Mutation::DeferWrongBuffer)
 }
 
 /// [`Mutation::BiasBlockBwd`] is active.

@@ -7,8 +7,8 @@
 //! (64, 128, 256, and odd sizes that round up), each dtype. `all = true` crosses them.
 
 use burn_flash_kernels::attention::{
-    AttentionKernel, AttentionOptions, BackwardTensors, TileSchedule, launch_attention,
-    launch_attention_backward,
+    AttentionKernel, AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule,
+    launch_attention, launch_attention_backward,
 };
 use burn_flash_kernels::copy::launch_copy;
 use burn_flash_kernels::cuda_target::{Arch, TargetRuntime};
@@ -453,6 +453,24 @@ fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                                 AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, f.ds)
                             },
                         );
+                    }
+                    // The Hopper backward with dQ deferred by a step, and staggered: plain and
+                    // causal (head dim 128 takes them; the others compile as lockstep).
+                    if kernel == Hopper && k <= 1 {
+                        for overlap in [BackwardOverlap::Deferred, BackwardOverlap::Staggered] {
+                            let o = AttentionOptions {
+                                backward_overlap: overlap,
+                                ..o
+                            };
+                            push(
+                                calls,
+                                format!("{name} {} bwd", format!("{overlap:?}").to_lowercase()),
+                                kernel_archs(kernel, archs),
+                                move |c| {
+                                    AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                                },
+                            );
+                        }
                     }
                     // The deterministic Hopper backward (ordered dQ adds): plain, causal, packed.
                     if kernel == Hopper && !f.bias && !f.mask && !f.dropout {

@@ -128,6 +128,46 @@ impl TileSchedule {
     }
 }
 
+/// How the Hopper backward's two consumer warpgroups meet over a step's `dSᵀ`, whose halves
+/// both read for `dQ`: at head dim 128 with the `dQ` writer warp (no bias loaded by TMA, no
+/// written `dS`, not deterministic); other calls run `Lockstep`. A plan input like
+/// [`TileSchedule`]: the test suites and benches set it (from `BURN_FLASH_BWD_OVERLAP`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum BackwardOverlap {
+    /// The plan's: `Lockstep`.
+    #[default]
+    Planned,
+    /// Both consumers meet at a named barrier in every step, then issue the step's `dQ`.
+    Lockstep,
+    /// Each step's `dQ` is issued in the next step, after its `dK`; a consumer waits only for
+    /// the other to have finished the step before, so they may run up to a step apart.
+    Deferred,
+    /// `Deferred`, with the second consumer started half a step behind the first.
+    Staggered,
+}
+
+impl BackwardOverlap {
+    /// The overlap a name stands for: `planned`, `lockstep`, `deferred` or `staggered`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "planned" => Some(Self::Planned),
+            "lockstep" => Some(Self::Lockstep),
+            "deferred" => Some(Self::Deferred),
+            "staggered" => Some(Self::Staggered),
+            _ => None,
+        }
+    }
+
+    /// Whether a call that can take them defers `dQ` by a step, and staggers the consumers.
+    pub fn deferred_staggered(self) -> (bool, bool) {
+        match self {
+            Self::Planned | Self::Lockstep => (false, false),
+            Self::Deferred => (true, false),
+            Self::Staggered => (true, true),
+        }
+    }
+}
+
 /// How a plan uses the Hopper kernels (sm_90) for the calls they can run. A plan input like
 /// every other option, so that one call plans the same way in every process; the test suites
 /// and benches set it (from `BURN_FLASH_HOPPER`, which the library never reads).
@@ -261,6 +301,8 @@ pub struct AttentionOptions {
     /// with this set it adds in key-block order (at a cost, RESULTS.md) — at head dims up to
     /// 128; wider calls take the `mma.sync` backward.
     pub deterministic: bool,
+    /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
+    pub backward_overlap: BackwardOverlap,
 }
 
 impl Default for AttentionOptions {
@@ -279,6 +321,7 @@ impl Default for AttentionOptions {
             schedule: TileSchedule::Planned,
             decode: DecodeSchedule::STANDARD,
             deterministic: false,
+            backward_overlap: BackwardOverlap::Planned,
         }
     }
 }

@@ -261,15 +261,23 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #endif
 
     if (steps > 0) mbar_wait(kv_full, 0);
+#if STAGGER
+    // Consumer 1 starts half a step behind consumer 0 (which arrives after its first dV).
+    if (steps > 0 && c == 1u) named_sync(STAGGER_BAR, 256);
+#endif
     for (int it = 0; it < steps; ++it) {
         const int m0 = step_row_block(it, m_first, m_end, per_head) * BLOCK_M;
         const u32 head = head_kv * p.group + (u32)(it / per_head);
         const u32 s = it % STAGES, phase = (it / STAGES) & 1;
         mbar_wait(FULL(s), phase);
 #if DQ_WRITER
-        // The dQ tile of this step's parity, once the writer's reduce of two steps ago has read
-        // it (waited here, where few registers are live, rather than before the store).
-        if (it >= 2) mbar_wait(DQ_EMPTY((u32)it % 2u, c), ((u32)it / 2u - 1u) & 1u);
+        // The dQ tile this step stores (step it's; with DEFER_DQ step it − 1's), once the
+        // writer's reduce of the tile two steps before has read it (waited here, where few
+        // registers are live, rather than before the store).
+        {
+            const int q = DEFER_DQ ? it - 1 : it;
+            if (q >= 2) mbar_wait(DQ_EMPTY((u32)q % 2u, c), ((u32)q / 2u - 1u) & 1u);
+        }
 #endif
         wgmma_fence();
         issue_keys_rows<HEAD_DIM>(st, sk, SQ(s), c);
@@ -416,6 +424,9 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                      1u);
         }
         wgmma_commit();
+#if STAGGER
+        if (it == 0 && c == 0u) named_arrive(STAGGER_BAR, 256);
+#endif
 
         // dPᵀ has landed (dV may still run): dSᵀ = Pᵀ ⊙ (dPᵀ ⊙ Z − δ), packed, stored for dQ,
         // and dK += dSᵀ·Q issued.
@@ -442,6 +453,11 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // overwrite (the same 64 keys: the same 8 KiB of the buffer).
         named_sync(2u + c, 128);
 #endif
+#if DEFER_DQ
+        // The other consumer has finished step it − 1: its dSᵀ(it − 1) is stored, and its
+        // dQ(it − 2), the last read of this buffer, has landed.
+        if (it >= 1) named_sync(DONE_BAR(1u - c, (u32)(it - 1) % 2u), 256);
+#endif
         store_ds(buf, pds, c, warp, lane);
         fence_proxy_async();
         wgmma_fence();
@@ -452,9 +468,11 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
                      1u);
         }
         wgmma_commit();
+#if !DEFER_DQ
         // Both consumers' dSᵀ are in shared memory (the buffer of this step's parity: the one
         // of the step before last was read before either consumer arrived here last step).
         named_sync(1, 256);
+#endif
 #if !DQ_WRITER
         float* dq_rows = dq_acc + (((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0) * HEAD_DIM;
 #endif
@@ -485,14 +503,11 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
             if (h == D_ATOMS / 2 - 1) release(EMPTY(s), lane);
             add_dq(dq_rows, dq, (int)p.seq_q - m0, 64u * a, warp, lane);
         }
+#elif DEFER_DQ
+        // dQ of step it − 1 (its buffer, the other parity's: both halves stored).
+        if (it >= 1) issue_dq_128(dq, sds + (u32)((it - 1) % 2) * DS_BYTES, sk, c);
 #elif HEAD_DIM == 128
-        // dQ[:, 64c .. 64c + 63] = dS·K[:, 64c ..]: all 128 keys, 16 per step.
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            const u64 da = desc_sw128(buf + kk * 2048u, DS_BYTES, 1024);
-            const u64 db = desc_sw128(sk + c * KV_ATOM + kk * 2048u, KV_ATOM, 1024);
-            wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
-        }
+        issue_dq_128(dq, buf, sk, c);
 #else
         // dQ (+)= dS[:, keys of c]·K[keys of c, :]: this consumer's 64 keys.
 #pragma unroll
@@ -513,7 +528,16 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
         release(EMPTY(s), lane);
-#if DQ_WRITER
+#if DEFER_DQ
+        // Step it − 1's tile (its parity's, free since the step began), then the writer's turn;
+        // then the other consumer may store into the buffer this step's dQ read.
+        if (it >= 1) {
+            store_dq(SDQ((u32)(it - 1) % 2u, c), dq, t);
+            fence_proxy_async();
+            mbar_arrive(DQ_FULL((u32)(it - 1) % 2u, c));
+        }
+        named_arrive(DONE_BAR(c, (u32)it % 2u), 256);
+#elif DQ_WRITER
         // The tile of this step's parity (free since the step began), then the writer's turn.
         store_dq(SDQ((u32)it % 2u, c), dq, t);
         fence_proxy_async();
@@ -536,6 +560,25 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
 #endif
 #endif
     }
+
+#if DEFER_DQ
+    // The last step's dQ, once the other consumer's half of its dSᵀ is stored.
+    if (steps > 0) {
+        const int last = steps - 1;
+        named_sync(DONE_BAR(1u - c, (u32)last % 2u), 256);
+        wgmma_fence();
+        issue_dq_128(dq, sds + (u32)(last % 2) * DS_BYTES, sk, c);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_hold(dv_acc);
+        wgmma_hold(dk_acc);
+        wgmma_hold(dq);
+        if (last >= 2) mbar_wait(DQ_EMPTY((u32)last % 2u, c), ((u32)last / 2u - 1u) & 1u);
+        store_dq(SDQ((u32)last % 2u, c), dq, t);
+        fence_proxy_async();
+        mbar_arrive(DQ_FULL((u32)last % 2u, c));
+    }
+#endif
 
 #if DQ_BULK && !DQ_WRITER
     // Every reduce performed before the block ends (the conversion reads the accumulator).

@@ -129,6 +129,26 @@
 // at head dim 64 without order each consumer's first thread issues its own, which measured
 // faster there (the writer cost 6–12 % of the causal backward, RESULTS §5.0).
 #define DQ_WRITER (DQ_BULK && (HEAD_DIM == 128 || DETERMINISTIC))
+// DEFER_DQ (0 | 1, from the host; with the dQ writer at head dim 128, without BIAS_TILES,
+// WRITE_DS or DETERMINISTIC): step it's dQ products are issued in step it + 1, after that
+// step's dK, so that the consumers no longer meet at a named barrier in every step. Before
+// storing dSᵀ(it) a consumer waits (bar.sync) for the other to have finished step it − 1 —
+// which stored dSᵀ(it − 1), the other half of what dQ(it − 1) reads, and last read the buffer
+// dSᵀ(it) overwrites (dQ(it − 2)) — and at the end of each step it arrives (bar.arrive) on its
+// own barrier of the step's parity (DONE_BAR): the consumers may run up to a step apart, one's
+// elementwise work under the other's products. After the loop each consumer issues the last
+// step's dQ. STAGGER (0 | 1, with DEFER_DQ): consumer 1 starts once consumer 0 has issued its
+// first dV, half a step behind (FlashAttention-3's forward staggers its consumers so).
+#if DEFER_DQ && (!DQ_WRITER || HEAD_DIM != 128 || WIDE || BIAS_TILES || WRITE_DS || DETERMINISTIC)
+#error "DEFER_DQ: the dQ writer at head dim 128, without BIAS_TILES, WRITE_DS or DETERMINISTIC"
+#endif
+#if STAGGER && !DEFER_DQ
+#error "STAGGER needs DEFER_DQ"
+#endif
+// Consumer c's end-of-step barrier of parity p (named barriers 4 … 7; 1 is the dSᵀ exchange,
+// 2 + c a consumer's own, 8 the stagger).
+#define DONE_BAR(c, p) (4u + 2u * (c) + (p))
+#define STAGGER_BAR 8u
 // The columns of dK and dV a consumer accumulates (WIDE: half of each), and the first
 // 64-column atom of consumer c's; the first of the keys it computes with.
 #if WIDE
@@ -344,6 +364,17 @@ __device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int ro
 // Stores a consumer's 64 × 64 f32 tile of dQ at `buf` in thread order: registers 4j … 4j + 3 of
 // thread `t` at byte 16·(128j + t). Consecutive threads fill consecutive 16 bytes (no bank
 // conflict), and the tile is the accumulator's (hopper_rows.cu, `dq_offset`).
+// Issues dQ[:, 64c .. 64c + 63] = dS·K[:, 64c ..] at head dim 128: the dSᵀ tile in `buf` (all
+// 128 keys, read MN-major) against consumer c's 64-column atom of K, 16 keys per product.
+__device__ __forceinline__ void issue_dq_128(float (&dq)[32], u32 buf, u32 sk, u32 c) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+        const u64 da = desc_sw128(buf + kk * 2048u, DS_BYTES, 1024);
+        const u64 db = desc_sw128(sk + c * KV_ATOM + kk * 2048u, KV_ATOM, 1024);
+        wgmma_ss_n64_tt(dq, da, db, kk > 0 ? 1u : 0u);
+    }
+}
+
 __device__ __forceinline__ void store_dq(u32 buf, const float (&dq)[32], u32 t) {
 #pragma unroll
     for (u32 j = 0; j < 8; ++j) {

@@ -20,7 +20,7 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::options::{AttentionDims, AttentionFeatures, HopperUse};
+use crate::attention::options::{AttentionDims, AttentionFeatures, BackwardOverlap, HopperUse};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, BackwardTensors};
 use crate::flash::{FlashConfig, ScoreRules, Tile};
@@ -114,6 +114,10 @@ pub struct Variant {
     /// The bias is loaded per step by TMA into the `dSᵀ` buffer of the step's parity, not
     /// read per element (a bias whose rows TMA can load, [`crate::attention::bias_tiles`]).
     pub bias_tiles: bool,
+    /// Each step's `dQ` is issued in the next step (`DEFER_DQ`, [`Variant::with_overlap`]).
+    pub defer_dq: bool,
+    /// With `defer_dq`: the second consumer starts half a step behind the first (`STAGGER`).
+    pub stagger: bool,
     /// The score rules.
     pub rules: ScoreRules,
 }
@@ -138,7 +142,26 @@ impl Variant {
             dq_bulk,
             deterministic: deterministic && dq_bulk,
             bias_tiles: bias_tiles && config.rules.bias,
+            defer_dq: false,
+            stagger: false,
             rules: config.rules,
+        }
+    }
+
+    /// This variant with its consumers meeting over `dSᵀ` as `overlap` says, where it can:
+    /// the `dQ` writer at head dim 128, no bias by TMA, no written `dS`, not deterministic.
+    pub fn with_overlap(self, overlap: BackwardOverlap) -> Self {
+        let can = self.dq_bulk
+            && self.head_dim == 128
+            && self.value_dim <= 128
+            && !self.bias_tiles
+            && !self.write_ds
+            && !self.deterministic;
+        let (defer_dq, stagger) = overlap.deferred_staggered();
+        Self {
+            defer_dq: can && defer_dq,
+            stagger: can && stagger,
+            ..self
         }
     }
 
@@ -152,6 +175,8 @@ impl Variant {
             .word("DQ_BULK", self.dq_bulk)
             .word("DETERMINISTIC", self.deterministic)
             .word("BIAS_TILES", self.bias_tiles)
+            .word("DEFER_DQ", self.defer_dq)
+            .word("STAGGER", self.stagger)
             .word("PARAM_WORDS", PARAM_WORDS as u32)
             .rules(&self.rules)
     }
@@ -295,7 +320,8 @@ pub unsafe fn launch<R: CudaCompiled>(
         t.ds.is_some(),
         options.deterministic,
         bias_map.is_some(),
-    );
+    )
+    .with_overlap(options.backward_overlap);
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = padded_rows(dims);
@@ -396,6 +422,11 @@ pub unsafe fn launch<R: CudaCompiled>(
                 "if (c == 0u) bulk_reduce_add_f32(dq_rows +",
             ),
             (mutation::dq_bulk_no_wait(), "bulk_wait_read<0>();", ""),
+            (
+                mutation::defer_wrong_buffer(),
+                "issue_dq_128(dq, sds + (u32)((it - 1) % 2) * DS_BYTES, sk, c);",
+                "issue_dq_128(dq, buf, sk, c);",
+            ),
             (
                 mutation::dq_unordered(),
                 "wait_count(lock, visitors_before(seqs, p, m, (int)blockIdx.x));",
