@@ -93,8 +93,8 @@ dq-unordered attention_backward.test cuda::bf16::deterministic_backward
 q-early attention.test cuda::bf16::tile_schedules
 q-early attention.test cuda::f16::tile_schedules
 hopper-no-wait attention.test cuda::bf16::tile_schedules
-tile-offset attention.test cuda::bf16::tile_schedules
-tile-offset attention.test cuda::f16::tile_schedules
+tile-skip attention.test cuda::bf16::tile_schedules
+tile-skip attention.test cuda::f16::tile_schedules
 defer-wrong-buffer attention_backward.test cuda::bf16::backward_overlaps
 EOF
 )

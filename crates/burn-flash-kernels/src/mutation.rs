@@ -111,9 +111,9 @@ pub enum Mutation {
     /// `q-early`: the persistent Hopper forward's producer loads a tile's `Q` without waiting
     /// for the consumers' last `Q·Kᵀ` of the block's previous tile.
     QEarly,
-    /// `tile-offset`: the dynamic Hopper forward's counter hands out tiles from 0 rather than
-    /// after the first round's: the first round's tiles run twice, the last ones never.
-    TileOffset,
+    /// `tile-skip`: the dynamic Hopper forward's counter hands out every other tile: half of
+    /// the tiles after the first round never run.
+    TileSkip,
     /// `defer-wrong-buffer`: the Hopper backward with `dQ` deferred by a step reads the `dSᵀ`
     /// buffer of the current step for the previous step's `dQ`.
     DeferWrongBuffer,
@@ -156,7 +156,7 @@ impl Mutation {
             Self::UncountedBarriers => "uncounted-barriers",
             Self::DroppedParameter => "dropped-parameter",
             Self::QEarly => "q-early",
-            Self::TileOffset => "tile-offset",
+            Self::TileSkip => "tile-skip",
             Self::DeferWrongBuffer => "defer-wrong-buffer",
         }
     }
@@ -209,7 +209,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::UncountedBarriers,
             Mutation::DroppedParameter,
             Mutation::QEarly,
-            Mutation::TileOffset,
+            Mutation::TileSkip,
             Mutation::DeferWrongBuffer,
         ];
         assert!(
@@ -336,9 +336,9 @@ pub fn q_early() -> bool {
     active(Mutation::QEarly)
 }
 
-/// [`Mutation::TileOffset`] is active.
-pub fn tile_offset() -> bool {
-    active(Mutation::TileOffset)
+/// [`Mutation::TileSkip`] is active.
+pub fn tile_skip() -> bool {
+    active(Mutation::TileSkip)
 }
 
 /// [`Mutation::DeferWrongBuffer`] is active.

@@ -65,7 +65,8 @@ impl AttentionKernel {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TileSchedule {
     /// The plan's: persistent ([`crate::flash::forward::hopper::blocks`]), the tiles in
-    /// static rounds.
+    /// static rounds, or from the counter for causal and windowed calls with 128-row tiles
+    /// ([`crate::flash::forward::hopper::dynamic`]).
     #[default]
     Planned,
     /// One block per tile: the hardware hands the tiles to the SMs as blocks finish.
@@ -121,8 +122,8 @@ impl TileSchedule {
         }
     }
 
-    /// Whether an attention forward's blocks take their tiles from a counter
-    /// ([`TileSchedule::Dynamic`]).
+    /// Whether this schedule asks for the tiles from a counter ([`TileSchedule::Dynamic`]; the
+    /// plan's own choice: [`crate::flash::forward::hopper::dynamic`]).
     pub fn dynamic(self) -> bool {
         matches!(self, Self::Dynamic | Self::DynamicBlocks(_))
     }

@@ -265,6 +265,22 @@ pub fn blocks(tiles: (usize, usize, usize), sms: usize, schedule: TileSchedule) 
     schedule.blocks(tiles.0 * tiles.1 * tiles.2, sms, true)
 }
 
+/// Whether the forward of `config` takes its tiles after the first round from the counter
+/// (`DYNAMIC`) under `schedule`: where asked ([`TileSchedule::Dynamic`]), and under the plan's
+/// schedule for causal or windowed calls with 128-row tiles, whose tiles' lengths differ and
+/// leave statically scheduled blocks idle (s50 c2: +10–13 % over static rounds at D 128, +3–5 %
+/// over one block per tile). Not with given scores; at head dims of 64 (192-row tiles) static
+/// rounds measured faster (18–20 %: short tiles expose the counter's fetch), RESULTS.md §4.0.
+pub fn dynamic(config: FlashConfig, schedule: TileSchedule) -> bool {
+    config.source == ScoreSource::QueryKey
+        && match schedule {
+            TileSchedule::Planned => {
+                (config.rules.causal || config.rules.window) && config.block_q == BLOCK_Q as u32
+            }
+            schedule => schedule.dynamic(),
+        }
+}
+
 /// Whether the Hopper forward of `config` loads its bias by TMA: a bias is read and
 /// `features` says TMA can load it, as tiles ([`crate::attention::bias_tiles`]) or as one
 /// broadcast row ([`crate::attention::bias_row_tiles`]).
@@ -380,9 +396,9 @@ fn hand_written<R: CudaCompiled>(
                 "if (false) mbar_wait(q_empty,",
             ),
             (
-                crate::mutation::tile_offset(),
+                crate::mutation::tile_skip(),
                 "tile = gridDim.x + atomicAdd(tile_counter, 1u);",
-                "tile = atomicAdd(tile_counter, 1u);",
+                "tile = gridDim.x + atomicAdd(tile_counter, 2u);",
             ),
             (
                 crate::mutation::varlen_first_row(),
@@ -493,7 +509,7 @@ pub unsafe fn launch<R: CudaCompiled>(
     let row = bias.is_some_and(|(b, strides)| crate::attention::bias_row_tiles(b, strides));
     let variant = Variant::new(plan.config, bf16, by_tiles || row)
         .with_bias_row(row)
-        .with_dynamic(options.schedule.dynamic());
+        .with_dynamic(dynamic(plan.config, options.schedule));
     debug_assert_eq!(
         plan.shared_bytes,
         shared_bytes(plan.config, variant.bias_tiles),
