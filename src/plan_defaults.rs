@@ -87,7 +87,9 @@ impl PlanDefaults {
         let mut d = Self::from_names(hopper.as_deref(), keys.as_deref(), cubes.as_deref())?;
         if let Some(name) = get("BURN_FLASH_PERSISTENT") {
             d.schedule = TileSchedule::from_name(&name).ok_or_else(|| {
-                format!("tile schedule {name:?}: planned, off, on or a number of blocks")
+                format!(
+                    "tile schedule {name:?}: planned, off, on, a number of blocks, dynamic or dN"
+                )
             })?;
         }
         if let Some(name) = get("BURN_FLASH_BWD_OVERLAP") {

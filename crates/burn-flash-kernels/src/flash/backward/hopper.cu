@@ -276,7 +276,7 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // registers are live, rather than before the store).
         {
             const int q = DEFER_DQ ? it - 1 : it;
-            if (q >= 2) mbar_wait(DQ_EMPTY((u32)q % 2u, c), ((u32)q / 2u - 1u) & 1u);
+            dq_tile_wait(DQ_EMPTY((u32)q % 2u, c), q);
         }
 #endif
         wgmma_fence();
@@ -532,16 +532,12 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         // Step it − 1's tile (its parity's, free since the step began), then the writer's turn;
         // then the other consumer may store into the buffer this step's dQ read.
         if (it >= 1) {
-            store_dq(SDQ((u32)(it - 1) % 2u, c), dq, t);
-            fence_proxy_async();
-            mbar_arrive(DQ_FULL((u32)(it - 1) % 2u, c));
+            dq_tile_give(SDQ((u32)(it - 1) % 2u, c), DQ_FULL((u32)(it - 1) % 2u, c), dq, t);
         }
         named_arrive(DONE_BAR(c, (u32)it % 2u), 256);
 #elif DQ_WRITER
         // The tile of this step's parity (free since the step began), then the writer's turn.
-        store_dq(SDQ((u32)it % 2u, c), dq, t);
-        fence_proxy_async();
-        mbar_arrive(DQ_FULL((u32)it % 2u, c));
+        dq_tile_give(SDQ((u32)it % 2u, c), DQ_FULL((u32)it % 2u, c), dq, t);
 #elif DQ_BULK
         // The tile of this step's parity: the reduce that read it two steps ago finished
         // reading before its issuing thread reached this step's named barrier 1.
@@ -573,10 +569,8 @@ burn_flash_hopper_backward(const __grid_constant__ TmaMap tq, const __grid_const
         wgmma_hold(dv_acc);
         wgmma_hold(dk_acc);
         wgmma_hold(dq);
-        if (last >= 2) mbar_wait(DQ_EMPTY((u32)last % 2u, c), ((u32)last / 2u - 1u) & 1u);
-        store_dq(SDQ((u32)last % 2u, c), dq, t);
-        fence_proxy_async();
-        mbar_arrive(DQ_FULL((u32)last % 2u, c));
+        dq_tile_wait(DQ_EMPTY((u32)last % 2u, c), last);
+        dq_tile_give(SDQ((u32)last % 2u, c), DQ_FULL((u32)last % 2u, c), dq, t);
     }
 #endif
 

@@ -385,6 +385,20 @@ __device__ __forceinline__ void store_dq(u32 buf, const float (&dq)[32], u32 t) 
     }
 }
 
+// DQ_WRITER: waits until the writer's reduce has read the dQ tile of step q − 2, whose slot
+// (`empty`, the step parity's) step q's tile takes (steps 0 and 1 find their slots free).
+__device__ __forceinline__ void dq_tile_wait(u32 empty, int q) {
+    if (q >= 2) mbar_wait(empty, ((u32)q / 2u - 1u) & 1u);
+}
+
+// DQ_WRITER: stores this consumer's dQ tile into `buf`, makes it visible to the async proxy
+// and hands it to the writer (`full`, 128 arrivals).
+__device__ __forceinline__ void dq_tile_give(u32 buf, u32 full, const float (&dq)[32], u32 t) {
+    store_dq(buf, dq, t);
+    fence_proxy_async();
+    mbar_arrive(full);
+}
+
 #if WRITE_DS
 // Copies a step's dSᵀ tile (BLOCK_N keys × BLOCK_M query rows in `buf`, as store_ds wrote it)
 // to `dst` (dS at the step's first row and the block's first key): rows below `rows`, keys
