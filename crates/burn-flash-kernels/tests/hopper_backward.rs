@@ -13,10 +13,9 @@ use burn_flash_kernels::attention::{
     AttentionBackwardKernel, AttentionKernel, BackwardTensors, launch_attention,
     launch_attention_backward,
 };
-use common::{Case, Half, contiguous, draw, max_error, t};
+use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 
 type Client = ComputeClient<CudaRuntime>;
 
@@ -47,70 +46,6 @@ struct Grads {
     dq: Vec<f64>,
     dk: Vec<f64>,
     dv: Vec<f64>,
-}
-
-/// Offsets of the elements of `shape` in `[B, H, S, D]` order, through `strides`.
-fn offsets(shape: [usize; 4], strides: &[usize]) -> Vec<usize> {
-    let mut out = Vec::with_capacity(shape.iter().product());
-    for b in 0..shape[0] {
-        for h in 0..shape[1] {
-            for s in 0..shape[2] {
-                for d in 0..shape[3] {
-                    out.push(b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]);
-                }
-            }
-        }
-    }
-    out
-}
-
-/// A buffer holding `values` (in `[B, H, S, D]` order) laid out through `strides`.
-fn upload(
-    client: &Client,
-    half: Half,
-    values: &[f32],
-    shape: [usize; 4],
-    strides: &[usize],
-) -> Handle {
-    let places = offsets(shape, strides);
-    let len = places.iter().max().map_or(0, |&m| m + 1);
-    let mut mem = vec![0u16; len.max(1)];
-    for (&x, &at) in values.iter().zip(&places) {
-        mem[at] = half.bits(x);
-    }
-    client.create_from_slice(&mem.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<_>>())
-}
-
-/// A buffer for `shape` through `strides`, poisoned with 0x7fc0 (NaN in f16 and bf16).
-fn poisoned(client: &Client, shape: [usize; 4], strides: &[usize]) -> Handle {
-    let len = offsets(shape, strides)
-        .into_iter()
-        .max()
-        .map_or(0, |m| m + 1);
-    client.create_from_slice(
-        &vec![0x7fc0u16; len.max(1)]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect::<Vec<_>>(),
-    )
-}
-
-fn download(
-    client: &Client,
-    half: Half,
-    handle: Handle,
-    shape: [usize; 4],
-    strides: &[usize],
-) -> Vec<f64> {
-    let bytes = client.read_one(handle).expect("reads a gradient");
-    let mem: Vec<u16> = bytes
-        .chunks_exact(2)
-        .map(|p| u16::from_le_bytes([p[0], p[1]]))
-        .collect();
-    offsets(shape, strides)
-        .into_iter()
-        .map(|at| half.value(mem[at]))
-        .collect()
 }
 
 /// The forward (the plan's kernel) and then the backward with `kernel` forced for the plan
@@ -182,17 +117,7 @@ fn run(
         )
         .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
     };
-    let plan = backward();
-    let mut millis = 0.0;
-    if repeats > 0 {
-        cubecl::future::block_on(client.sync()).expect("syncs");
-        let start = std::time::Instant::now();
-        for _ in 0..repeats {
-            backward();
-        }
-        cubecl::future::block_on(client.sync()).expect("syncs");
-        millis = start.elapsed().as_secs_f64() * 1e3 / repeats as f64;
-    }
+    let (plan, millis) = timed(client, repeats, backward);
     let grads = Grads {
         dq: download(client, half, dq_h, qs, &q_st),
         dk: download(client, half, dk_h, ks, &k_st),

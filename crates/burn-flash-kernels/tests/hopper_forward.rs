@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Case, Half, contiguous, draw, max_error, t};
+use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
 
 use burn_flash_kernels::attention::{AttentionKernel, AttentionPlan, launch_attention};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
@@ -17,12 +17,6 @@ use cubecl::prelude::*;
 type Client = ComputeClient<CudaRuntime>;
 
 const WHAT: &str = "the Hopper forward tests";
-
-/// Strides of a `[B, H, S, D]` view of memory stored `[B, S, H, D]`.
-fn bshd_strides(shape: [usize; 4]) -> Vec<usize> {
-    let [_, h, s, d] = shape;
-    vec![s * h * d, d, h * d, 1]
-}
 
 struct Inputs {
     q: Vec<f32>,
@@ -49,11 +43,6 @@ struct Outputs {
     millis: f64,
 }
 
-/// Element `[b, h, s, d]` of a tensor with `strides`.
-fn at(strides: &[usize], b: usize, h: usize, s: usize, d: usize) -> usize {
-    b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]
-}
-
 /// Runs the case (`repeats` timed launches after one warm-up when `repeats > 0`); returns the
 /// outputs in `[B, Hq, Sq, Dv]` order.
 fn run(
@@ -64,50 +53,21 @@ fn run(
     kernel: Option<AttentionKernel>,
     repeats: usize,
 ) -> Outputs {
-    let q_shape = [c.b, c.hq, c.sq, c.d];
-    let k_shape = [c.b, c.hkv, c.sk, c.d];
-    let v_shape = [c.b, c.hkv, c.sk, c.dv];
-    let out_shape = [c.b, c.hq, c.sq, c.dv];
+    let (q_shape, k_shape, v_shape, out_shape) =
+        (c.q_shape(), c.k_shape(), c.v_shape(), c.out_shape());
     let lse_shape = [c.b, c.hq, c.sq];
-    let q_strides = if c.bshd {
-        bshd_strides(q_shape)
-    } else {
-        contiguous(&q_shape)
-    };
-    let out_strides = if c.bshd {
-        bshd_strides(out_shape)
-    } else {
-        contiguous(&out_shape)
-    };
+    let (q_strides, out_strides) = (c.query_strides(q_shape), c.query_strides(out_shape));
     let (k_strides, v_strides, lse_strides) = (
         contiguous(&k_shape),
         contiguous(&v_shape),
         contiguous(&lse_shape),
     );
-    // `inputs` are in `[B, H, S, D]` order; lay `q` out through its strides.
-    let mut q_mem = vec![0u16; inputs.q.len()];
-    for b in 0..c.b {
-        for h in 0..c.hq {
-            for s in 0..c.sq {
-                for d in 0..c.d {
-                    let src = ((b * c.hq + h) * c.sq + s) * c.d + d;
-                    q_mem[at(&q_strides, b, h, s, d)] = half.bits(inputs.q[src]);
-                }
-            }
-        }
-    }
-    let bytes = |v: &[u16]| -> Vec<u8> { v.iter().flat_map(|x| x.to_le_bytes()).collect() };
-    let encode =
-        |v: &[f32]| -> Vec<u8> { bytes(&v.iter().map(|&x| half.bits(x)).collect::<Vec<_>>()) };
-    let q_h = client.create_from_slice(&bytes(&q_mem));
-    let k_h = client.create_from_slice(&encode(&inputs.k));
-    let v_h = client.create_from_slice(&encode(&inputs.v));
-    let n_out: usize = out_shape.iter().product();
-    let n_lse: usize = lse_shape.iter().product();
-    // Poisoned with 0x7fc0, a NaN in f16 and in bf16.
-    let out_h = client.create_from_slice(&bytes(&vec![0x7fc0u16; n_out]));
+    let q_h = upload(client, half, &inputs.q, q_shape, &q_strides);
+    let k_h = upload(client, half, &inputs.k, k_shape, &k_strides);
+    let v_h = upload(client, half, &inputs.v, v_shape, &v_strides);
+    let out_h = poisoned(client, out_shape, &out_strides);
     let lse_h = client.create_from_slice(
-        &vec![f32::NAN; n_lse]
+        &vec![f32::NAN; lse_shape.iter().product()]
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect::<Vec<_>>(),
@@ -131,33 +91,8 @@ fn run(
         )
         .unwrap_or_else(|e| panic!("{c:?} {kernel:?}: {e}"))
     };
-    let plan = launch();
-    let mut millis = 0.0;
-    if repeats > 0 {
-        cubecl::future::block_on(client.sync()).expect("syncs");
-        let start = std::time::Instant::now();
-        for _ in 0..repeats {
-            launch();
-        }
-        cubecl::future::block_on(client.sync()).expect("syncs");
-        millis = start.elapsed().as_secs_f64() * 1e3 / repeats as f64;
-    }
-    let out_bytes = client.read_one(out_h).expect("reads `out`");
-    let out_mem: Vec<u16> = out_bytes
-        .chunks_exact(2)
-        .map(|p| u16::from_le_bytes([p[0], p[1]]))
-        .collect();
-    let mut out = vec![0.0; n_out];
-    for b in 0..c.b {
-        for h in 0..c.hq {
-            for s in 0..c.sq {
-                for d in 0..c.dv {
-                    out[((b * c.hq + h) * c.sq + s) * c.dv + d] =
-                        half.value(out_mem[at(&out_strides, b, h, s, d)]);
-                }
-            }
-        }
-    }
+    let (plan, millis) = timed(client, repeats, launch);
+    let out = download(client, half, out_h, out_shape, &out_strides);
     let lse = client
         .read_one(lse_h)
         .expect("reads `lse`")

@@ -9,7 +9,7 @@ use super::options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, BackwardTensors,
     attention_dims, broadcast_strides, expect_shape, validate,
 };
-use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, mma, units};
+use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, launch_delta, mma, units};
 use crate::flash::block::fold_pairs;
 use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
@@ -481,11 +481,12 @@ pub fn launch_attention_backward<R: Runtime>(
     // are 16-byte aligned (`features.aligned`), the kernels' vector width; the grids are the
     // plan's.
     unsafe {
+        let delta = launch_delta(client, &operands.out, &operands.d_out, rows, dtype);
         launch_backward(
             client,
             schedule,
             &operands,
-            rows,
+            &delta,
             (dims.seq_k > 0).then_some(plan.dkv_cubes),
             (rows > 0).then_some(plan.dq_cubes),
             options.scalars(),

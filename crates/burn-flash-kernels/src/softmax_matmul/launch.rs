@@ -10,7 +10,7 @@ use super::options::{
 use super::plan::{
     check_dtype, plan_softmax_matmul_backward_for, plan_softmax_matmul_for, row_vector,
 };
-use crate::flash::backward::{Schedule, launch_backward_with_delta, launch_delta};
+use crate::flash::backward::{Schedule, launch_backward, launch_delta};
 use crate::flash::forward::launch_forward;
 use crate::flash::{BackwardOperands, FlashTensors, Operand, Scalars};
 use crate::tensor::TensorRef;
@@ -363,7 +363,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                 Ok(())
             );
         }
-        launch_backward_with_delta(
+        launch_backward(
             client,
             schedule,
             &operands,

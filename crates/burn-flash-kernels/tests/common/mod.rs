@@ -142,6 +142,92 @@ pub fn t<'a>(handle: &'a Handle, shape: &'a [usize], strides: &'a [usize]) -> Te
     }
 }
 
+/// Offsets of the elements of `shape` in `[B, H, S, D]` order, through `strides`.
+pub fn offsets(shape: [usize; 4], strides: &[usize]) -> Vec<usize> {
+    let mut out = Vec::with_capacity(shape.iter().product());
+    for b in 0..shape[0] {
+        for h in 0..shape[1] {
+            for s in 0..shape[2] {
+                for d in 0..shape[3] {
+                    out.push(b * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The length in elements of a buffer holding `shape` through `strides` (at least 1).
+fn span(shape: [usize; 4], strides: &[usize]) -> usize {
+    offsets(shape, strides)
+        .into_iter()
+        .max()
+        .map_or(1, |m| m + 1)
+}
+
+fn le_bytes(words: &[u16]) -> Vec<u8> {
+    words.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// A buffer holding `values` (in `[B, H, S, D]` order) as `half`, laid out through `strides`.
+pub fn upload(
+    client: &ComputeClient<CudaRuntime>,
+    half: Half,
+    values: &[f32],
+    shape: [usize; 4],
+    strides: &[usize],
+) -> Handle {
+    let mut mem = vec![0u16; span(shape, strides)];
+    for (&x, at) in values.iter().zip(offsets(shape, strides)) {
+        mem[at] = half.bits(x);
+    }
+    client.create_from_slice(&le_bytes(&mem))
+}
+
+/// A 16-bit buffer for `shape` through `strides`, poisoned with 0x7fc0 (NaN in f16 and bf16).
+pub fn poisoned(
+    client: &ComputeClient<CudaRuntime>,
+    shape: [usize; 4],
+    strides: &[usize],
+) -> Handle {
+    client.create_from_slice(&le_bytes(&vec![0x7fc0u16; span(shape, strides)]))
+}
+
+/// The values of a `half` buffer holding `shape` through `strides`, in `[B, H, S, D]` order.
+pub fn download(
+    client: &ComputeClient<CudaRuntime>,
+    half: Half,
+    handle: Handle,
+    shape: [usize; 4],
+    strides: &[usize],
+) -> Vec<f64> {
+    let bytes = client.read_one(handle).expect("reads a 16-bit buffer");
+    offsets(shape, strides)
+        .into_iter()
+        .map(|at| half.value(u16::from_le_bytes([bytes[2 * at], bytes[2 * at + 1]])))
+        .collect()
+}
+
+/// `call` once, then (where `repeats > 0`) `repeats` times between two syncs: its first
+/// result and the wall milliseconds per timed call (0 where untimed).
+pub fn timed<T>(
+    client: &ComputeClient<CudaRuntime>,
+    repeats: usize,
+    call: impl Fn() -> T,
+) -> (T, f64) {
+    let first = call();
+    if repeats == 0 {
+        return (first, 0.0);
+    }
+    cubecl::future::block_on(client.sync()).expect("syncs");
+    let start = std::time::Instant::now();
+    for _ in 0..repeats {
+        call();
+    }
+    cubecl::future::block_on(client.sync()).expect("syncs");
+    (first, start.elapsed().as_secs_f64() * 1e3 / repeats as f64)
+}
+
 /// The largest `|got − want|` (a NaN counts as infinite).
 pub fn max_error(got: &[f64], want: &[f64]) -> f64 {
     got.iter()

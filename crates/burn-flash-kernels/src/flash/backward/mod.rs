@@ -173,41 +173,16 @@ impl Schedule<'_> {
     }
 }
 
-/// Runs the backward: `δ` ([`flash_delta()`], into a scratch of one f32 per query row; `rows`
-/// query rows, `B·Hq·Sq`), then the schedule's dK/dV kernel on `dkv_cubes` and its dQ kernel on
-/// `dq_cubes` (none: not launched), both with configuration `c` (the dQ kernel's; the tiled
-/// given-score products take none).
+/// Runs the backward from `δ` ([`launch_delta`] of `t`: one f32 per query row, `B·Hq·Sq`):
+/// the schedule's dK/dV kernel on `dkv_cubes` and its dQ kernel on `dq_cubes` (none: not
+/// launched), both with configuration `c` (the dQ kernel's; the tiled given-score products
+/// take none).
 ///
 /// # Safety
 /// As the schedule's launcher: [`units::launch()`], [`units_given::launch()`],
-/// [`cmma::launch()`], `launch_mma()`.
+/// [`cmma::launch()`], `launch_mma()`; `delta` is [`launch_delta`] of `t`.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn launch_backward<R: Runtime>(
-    client: &ComputeClient<R>,
-    schedule: Schedule<'_>,
-    t: &BackwardOperands,
-    rows: usize,
-    dkv_cubes: Option<(usize, usize, usize)>,
-    dq_cubes: Option<(usize, usize, usize)>,
-    scalars: Scalars,
-    c: FlashConfig,
-    dtype: StorageType,
-) {
-    // SAFETY: the caller's.
-    unsafe {
-        let delta = launch_delta(client, &t.out, &t.d_out, rows, dtype);
-        launch_backward_with_delta(
-            client, schedule, t, &delta, dkv_cubes, dq_cubes, scalars, c, dtype,
-        );
-    }
-}
-
-/// [`launch_backward`] with `δ` computed by the caller ([`launch_delta`]).
-///
-/// # Safety
-/// As [`launch_backward`]; `delta` is [`launch_delta`] of `t`.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn launch_backward_with_delta<R: Runtime>(
     client: &ComputeClient<R>,
     schedule: Schedule<'_>,
     t: &BackwardOperands,
