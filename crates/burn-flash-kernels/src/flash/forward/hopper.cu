@@ -583,21 +583,15 @@ burn_flash_hopper_forward(const __grid_constant__ TmaMap tq, const __grid_consta
             // Steps issued so far: the ring's slot and phase continue from tile to tile.
             u32 g = 0u;
 #if DYNAMIC
-            // The first round's tiles are the blocks' own; each later tile is the next of the
-            // launch's counter (zeroed by the host), so blocks that finish early take more. A
-            // round's fetch is issued once the round before has its tile (its result is first
-            // read a round later, so the atomic's round trip runs under that round's loads).
             u32 tile = blockIdx.x;
-            u32 next = gridDim.x + atomicAdd(tile_counter, 1u);
 #endif
             for (u32 round = 0u;; ++round) {
 #if DYNAMIC
-                if (round > 0u) {
-                    tile = next;
-                    if (tile < n_tiles) next = gridDim.x + atomicAdd(tile_counter, 1u);
-                }
-                // The slot written here was read two rounds ago: the consumers read it before
-                // they released that round's Q, which this thread waited for last round.
+                // The first round's tiles are the blocks' own; each later tile is the next of
+                // the launch's counter (zeroed by the host), so blocks that finish early take
+                // more. The slot written here was read two rounds ago: the consumers read it
+                // before they released that round's Q, which this thread waited for last round.
+                if (round > 0u) tile = gridDim.x + atomicAdd(tile_counter, 1u);
                 sts_u32(TILE_SLOT(round), tile);
 #else
                 const u32 tile = round_tile(round);

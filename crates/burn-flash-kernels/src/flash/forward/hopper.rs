@@ -397,8 +397,8 @@ fn hand_written<R: CudaCompiled>(
             ),
             (
                 crate::mutation::tile_skip(),
-                "next = gridDim.x + atomicAdd(tile_counter, 1u);",
-                "next = gridDim.x + atomicAdd(tile_counter, 2u);",
+                "tile = gridDim.x + atomicAdd(tile_counter, 1u);",
+                "tile = gridDim.x + atomicAdd(tile_counter, 2u);",
             ),
             (
                 crate::mutation::varlen_first_row(),
