@@ -133,6 +133,8 @@ impl TileSchedule {
 /// both read for `dQ`: at head dim 128 with the `dQ` writer warp (no bias loaded by TMA, no
 /// written `dS`, not deterministic); other calls run `Lockstep`. A plan input like
 /// [`TileSchedule`]: the test suites and benches set it (from `BURN_FLASH_BWD_OVERLAP`).
+/// `Deferred` and `Staggered` measured 7–8 % slower than `Lockstep` (RESULTS.md §5.0): kept as
+/// experiments, not a speed option.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum BackwardOverlap {
     /// The plan's: `Lockstep`.
