@@ -157,12 +157,9 @@ pub fn offsets(shape: [usize; 4], strides: &[usize]) -> Vec<usize> {
     out
 }
 
-/// The length in elements of a buffer holding `shape` through `strides` (at least 1).
-fn span(shape: [usize; 4], strides: &[usize]) -> usize {
-    offsets(shape, strides)
-        .into_iter()
-        .max()
-        .map_or(1, |m| m + 1)
+/// The length in elements of a buffer holding the element offsets `places` (at least 1).
+fn span(places: &[usize]) -> usize {
+    places.iter().max().map_or(1, |m| m + 1)
 }
 
 fn le_bytes(words: &[u16]) -> Vec<u8> {
@@ -177,8 +174,9 @@ pub fn upload(
     shape: [usize; 4],
     strides: &[usize],
 ) -> Handle {
-    let mut mem = vec![0u16; span(shape, strides)];
-    for (&x, at) in values.iter().zip(offsets(shape, strides)) {
+    let places = offsets(shape, strides);
+    let mut mem = vec![0u16; span(&places)];
+    for (&x, &at) in values.iter().zip(&places) {
         mem[at] = half.bits(x);
     }
     client.create_from_slice(&le_bytes(&mem))
@@ -190,7 +188,7 @@ pub fn poisoned(
     shape: [usize; 4],
     strides: &[usize],
 ) -> Handle {
-    client.create_from_slice(&le_bytes(&vec![0x7fc0u16; span(shape, strides)]))
+    client.create_from_slice(&le_bytes(&vec![0x7fc0u16; span(&offsets(shape, strides))]))
 }
 
 /// The values of a `half` buffer holding `shape` through `strides`, in `[B, H, S, D]` order.
