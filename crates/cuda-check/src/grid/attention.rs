@@ -1,104 +1,22 @@
-//! The calls whose launches the check compiles: each is a real call of a public launch
-//! function of `burn-flash-kernels` on a [`TargetRuntime`] client, so the plan, the kernel
-//! and its comptime configuration are the ones a GPU of that architecture would get.
-//!
-//! [`calls`] with `all = false` is the representative grid CI compiles: every kernel family
-//! on each architecture it targets, every score feature at least once, every head-dim class
-//! (64, 128, 256, and odd sizes that round up), each dtype. `all = true` crosses them.
+//! Attention calls (each kernel path × dtype × head-dim class × feature set, forward and
+//! backward) and decoding calls (split-KV over contiguous and paged caches, the cache appends).
 
 use burn_flash_kernels::attention::{
     AttentionKernel, AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule,
     launch_attention, launch_attention_backward,
 };
-use burn_flash_kernels::copy::launch_copy;
-use burn_flash_kernels::cuda_target::{Arch, TargetRuntime};
 use burn_flash_kernels::decode::{
     AppendTensors, DecodeTensors, Paged, Rope, launch_append, launch_decode,
 };
 use burn_flash_kernels::dropout::DropoutParams;
-use burn_flash_kernels::linear::{LinearTensors, launch_linear_rows};
-use burn_flash_kernels::norm::{LayerNormTensors, launch_layer_norm};
-use burn_flash_kernels::softmax::{
-    SoftmaxOptions, SoftmaxTier, SoftmaxVariant, launch_softmax, launch_softmax_backward,
-};
-use burn_flash_kernels::softmax_matmul::{
-    SmmPath, SoftmaxMatmulOptions, launch_softmax_matmul, launch_softmax_matmul_backward,
-};
-use burn_flash_kernels::tensor::TensorRef;
-use cubecl::ir::{ElemType, FloatKind, UIntKind};
+use cubecl::ir::FloatKind;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
 
-/// A client of one target architecture.
-pub type Client = ComputeClient<TargetRuntime>;
-
-/// A call's body: launches on a client, or the error the launch function returned.
-type Body = Box<dyn Fn(&Client) -> Result<(), String>>;
-
-/// One call of the grid.
-pub struct Call {
-    /// What it is, e.g. `attention fwd MatrixUnits f16 D128 causal`.
-    pub name: String,
-    run: Body,
-}
-
-impl Call {
-    /// Makes the call on `client` (its launches are recorded by the target runtime).
-    pub fn run(&self, client: &Client) -> Result<(), String> {
-        (self.run)(client)
-    }
-}
-
-/// A tensor on a target device: its buffer (never read), shape and pitched strides.
-struct Owned {
-    handle: Handle,
-    shape: Vec<usize>,
-    strides: Vec<usize>,
-}
-
-impl Owned {
-    fn new(client: &Client, shape: &[usize], dtype: StorageType) -> Self {
-        let layout = client.empty_tensor(shape.into(), dtype.size());
-        Self {
-            handle: layout.memory,
-            shape: shape.to_vec(),
-            strides: layout.strides.to_vec(),
-        }
-    }
-
-    fn r(&self) -> TensorRef<'_> {
-        TensorRef {
-            handle: &self.handle,
-            shape: &self.shape,
-            strides: &self.strides,
-        }
-    }
-}
-
-fn float(kind: FloatKind) -> StorageType {
-    StorageType::Scalar(ElemType::Float(kind))
-}
-
-const F32: StorageType = StorageType::Scalar(ElemType::Float(FloatKind::F32));
-const U32: StorageType = StorageType::Scalar(ElemType::UInt(UIntKind::U32));
-
-fn dtype_name(kind: FloatKind) -> &'static str {
-    match kind {
-        FloatKind::F16 => "f16",
-        FloatKind::BF16 => "bf16",
-        _ => "f32",
-    }
-}
-
-/// Every float dtype with `all`, else `few`.
-fn dtypes(all: bool, few: &'static [FloatKind]) -> &'static [FloatKind] {
-    const ALL: [FloatKind; 3] = [FloatKind::F32, FloatKind::F16, FloatKind::BF16];
-    if all { &ALL } else { few }
-}
+use super::{Arch, Call, Client, F32, Owned, U32, dtype_name, dtypes, float, push};
 
 /// The score features of an attention call.
 #[derive(Clone, Copy, Default, Debug)]
-pub struct Features {
+struct Features {
     causal: bool,
     mask: bool,
     fill: bool,
@@ -345,23 +263,8 @@ fn kernel_archs(kernel: AttentionKernel, archs: &[Arch]) -> Vec<Arch> {
         .collect()
 }
 
-fn push(
-    calls: &mut Vec<Call>,
-    name: String,
-    archs: Vec<Arch>,
-    run: impl Fn(&Client) -> Result<(), String> + 'static,
-) {
-    // A call is made on the architectures its kernel targets.
-    if !archs.is_empty() {
-        calls.push(Call {
-            name,
-            run: Box::new(run),
-        });
-    }
-}
-
 /// Attention forward and backward: each kernel path × dtype × head dims × feature sets.
-fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
     use AttentionKernel::*;
     // Head-dim classes: (D, Dv). Odd sizes round up inside the kernels.
     let dims_all: &[(usize, usize)] = &[
@@ -523,7 +426,7 @@ impl Cache {
 
 /// Decoding: split-KV over a contiguous cache (planned and forced), paged, with ALiBi and
 /// sinks; appends with and without RoPE.
-fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+pub(super) fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
     let kinds = dtypes(all, &[FloatKind::F16, FloatKind::F32]);
     for &kind in kinds {
         let dtype = float(kind);
@@ -638,203 +541,4 @@ fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
             }
         }
     }
-}
-
-/// The softmax family: each tier × variant × direction, at a width the tier takes.
-fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    let kinds = dtypes(all, &[FloatKind::F32, FloatKind::BF16]);
-    for &kind in kinds {
-        let dtype = float(kind);
-        for (tier, width, dim) in [
-            (SoftmaxTier::Plane, 512, 1),
-            (SoftmaxTier::Cube, 8192, 1),
-            (SoftmaxTier::Split, 65_536, 1),
-            (SoftmaxTier::Exchange, 65_536, 1),
-            (SoftmaxTier::Strided, 64, 0),
-        ] {
-            for variant in [
-                SoftmaxVariant::Softmax,
-                SoftmaxVariant::LogSoftmax,
-                SoftmaxVariant::QuietSoftmax,
-            ] {
-                if !all && kind != FloatKind::F32 && variant != SoftmaxVariant::Softmax {
-                    continue;
-                }
-                let shape = if dim == 1 { [32, width] } else { [width, 96] };
-                let name = format!(
-                    "softmax {tier:?} {variant:?} {} {shape:?} dim {dim}",
-                    dtype_name(kind)
-                );
-                let o = SoftmaxOptions {
-                    tier: Some(tier),
-                    ..Default::default()
-                };
-                push(calls, format!("{name} fwd"), archs.to_vec(), move |c| {
-                    let x = Owned::new(c, &shape, dtype);
-                    let y = Owned::new(c, &shape, dtype);
-                    launch_softmax(c, x.r(), y.r(), dim, dtype, variant, o)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                });
-                push(calls, format!("{name} bwd"), archs.to_vec(), move |c| {
-                    let y = Owned::new(c, &shape, dtype);
-                    let dy = Owned::new(c, &shape, dtype);
-                    let dx = Owned::new(c, &shape, dtype);
-                    launch_softmax_backward(c, y.r(), dy.r(), dx.r(), dim, dtype, variant, o)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                });
-            }
-        }
-    }
-}
-
-/// `softmax(X)·V`: each path (plain units, matrix units, Hopper) × dtype × value widths.
-fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    for (path, hopper, kinds) in [
-        (SmmPath::Units, false, vec![FloatKind::F32]),
-        (
-            SmmPath::MatrixUnits,
-            false,
-            vec![FloatKind::F16, FloatKind::BF16],
-        ),
-        (SmmPath::MatrixUnits, true, vec![FloatKind::BF16]),
-    ] {
-        let archs: Vec<Arch> = archs
-            .iter()
-            .copied()
-            .filter(|a| !hopper || a.cc == 90)
-            .collect();
-        for kind in kinds {
-            for d3 in if all {
-                vec![64, 128, 256, 512]
-            } else {
-                vec![128, 512]
-            } {
-                let dtype = float(kind);
-                let o = SoftmaxMatmulOptions {
-                    path: Some(path),
-                    hopper: Some(hopper),
-                    ..Default::default()
-                };
-                let name = format!(
-                    "softmax_matmul {path:?}{} {} d3 {d3}",
-                    if hopper { " Hopper" } else { "" },
-                    dtype_name(kind)
-                );
-                let (b, d1, d2) = (2, 300, 1024);
-                push(calls, format!("{name} fwd"), archs.clone(), move |c| {
-                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
-                    let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
-                    let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));
-                    launch_softmax_matmul(c, x.r(), v.r(), out.r(), lse.r(), dtype, o)
-                        .map(|_| ())
-                        .map_err(|e| e.to_string())
-                });
-                push(calls, format!("{name} bwd"), archs.clone(), move |c| {
-                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
-                    let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
-                    let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));
-                    let (d_out, dx, dv) = (
-                        t(&[b, d1, d3], dtype),
-                        t(&[b, d1, d2], dtype),
-                        t(&[b, d2, d3], dtype),
-                    );
-                    launch_softmax_matmul_backward(
-                        c,
-                        x.r(),
-                        v.r(),
-                        out.r(),
-                        lse.r(),
-                        d_out.r(),
-                        dx.r(),
-                        dv.r(),
-                        dtype,
-                        o,
-                    )
-                    .map_err(|e| e.to_string())
-                });
-            }
-        }
-    }
-}
-
-/// The serving pieces: the few-rows linear, the layer norm, the copy benchmarks compare with.
-fn rows(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    let kinds = dtypes(all, &[FloatKind::F32, FloatKind::BF16]);
-    for &kind in kinds {
-        let dtype = float(kind);
-        for (m, bias) in [(1, true), (16, false)] {
-            push(
-                calls,
-                format!(
-                    "linear {} M{m}{}",
-                    dtype_name(kind),
-                    if bias { " bias" } else { "" }
-                ),
-                archs.to_vec(),
-                move |c| {
-                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
-                    let (x, w, b, out) = (
-                        t(&[m, 512], dtype),
-                        t(&[512, 1536], dtype),
-                        t(&[1536], dtype),
-                        t(&[m, 1536], dtype),
-                    );
-                    let lt = LinearTensors {
-                        x: x.r(),
-                        w: w.r(),
-                        bias: bias.then(|| b.r()),
-                        out: out.r(),
-                    };
-                    launch_linear_rows(c, lt, dtype).map_err(|e| e.to_string())
-                },
-            );
-        }
-        for width in [512, 4096] {
-            push(
-                calls,
-                format!("layer_norm {} width {width}", dtype_name(kind)),
-                archs.to_vec(),
-                move |c| {
-                    let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
-                    let (x, g, b, out) = (
-                        t(&[64, width], dtype),
-                        t(&[width], dtype),
-                        t(&[width], dtype),
-                        t(&[64, width], dtype),
-                    );
-                    let lt = LayerNormTensors {
-                        x: x.r(),
-                        gamma: g.r(),
-                        beta: Some(b.r()),
-                        out: out.r(),
-                    };
-                    launch_layer_norm(c, lt, 1e-5, dtype).map_err(|e| e.to_string())
-                },
-            );
-        }
-        push(
-            calls,
-            format!("copy {}", dtype_name(kind)),
-            archs.to_vec(),
-            move |c| {
-                let len = 1 << 20;
-                let (a, b) = (c.empty(len * dtype.size()), c.empty(len * dtype.size()));
-                launch_copy(c, &a, &b, len, dtype);
-                Ok(())
-            },
-        );
-    }
-}
-
-/// Every call of the grid on `archs` (module docs).
-pub fn calls(archs: &[Arch], all: bool) -> Vec<Call> {
-    let mut calls = Vec::new();
-    attention(&mut calls, archs, all);
-    decode(&mut calls, archs, all);
-    softmax(&mut calls, archs, all);
-    softmax_matmul(&mut calls, archs, all);
-    rows(&mut calls, archs, all);
-    calls
 }
