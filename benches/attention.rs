@@ -97,8 +97,12 @@
 //! `fwd`: the forward alone (everything above). `fwd+bwd`: one training step of the attention,
 //! under `Autodiff`: `q`, `k`, `v` tracked (the mask not; the bias with `--bias-tracked`, whose
 //! gradient then sums the `dS` the backward writes, and the note says so), the forward, then
-//! `(out ⊙ g).sum().backward()` with a random `g` (Normal(0, 1)), the call returning `dQ` (the
-//! gradients stay alive until the pass's sync). FLOP = 3.5 × the forward's (FlashAttention's
+//! `(out ⊙ g).backward()` with a random `g` (Normal(0, 1)), the call returning `dQ` (the
+//! gradients stay alive until the pass's sync). Autodiff seeds the root `out ⊙ g` with ones, so
+//! the attention's output gradient is `g`, as in the SDPA peer's `out.backward(g)`; the step
+//! adds Burn's product `out ⊙ g`, the ones and the product's backward (three element-wise
+//! kernels) where the peer adds none. A loss `.sum()` would add Burn's reduction to a scalar, whose
+//! last stage is one block (RESULTS §5.0). FLOP = 3.5 × the forward's (FlashAttention's
 //! convention: the backward is 2.5 × the forward). `bwd`: derived, the `fwd+bwd` row's medians
 //! minus the `fwd` row's (wall and device), FLOP = 2.5 × the forward's; its note says so.
 //! burn-flash's training step runs its fused backward (`kernel` names the backward plan's
@@ -300,7 +304,7 @@ impl Mode {
     }
 }
 
-/// One training step (module docs): forward, `(out ⊙ g).sum().backward()`, returns `dQ`.
+/// One training step (module docs): forward, `(out ⊙ g).backward()`, returns `dQ`.
 fn train_step<B: FlashAutodiffBackend>(
     imp: Impl,
     x: &Inputs<B>,
@@ -308,7 +312,7 @@ fn train_step<B: FlashAutodiffBackend>(
     options: AttentionModuleOptions,
 ) -> Tensor<B::InnerBackend, 4> {
     let out = imp.call(x, options);
-    let grads = (out * g.clone()).sum().backward();
+    let grads = (out * g.clone()).backward();
     x.q.grad(&grads).expect("dq")
 }
 
