@@ -1123,9 +1123,10 @@ impl<R: CubeRuntime, BT: BoolElement> Bench<'_, R, BT> {
 /// The derived backward-only row of a configuration: the training step's medians minus the
 /// forward's (module docs); `None` unless both were measured.
 fn backward_row(cfg: &Config, fwd: &Row, train: &Row) -> Option<Row> {
-    let wall = train.wall_ms_median? - fwd.wall_ms_median?;
+    // Differences of 4-digit medians, rounded as the medians are.
+    let wall = sig(train.wall_ms_median? - fwd.wall_ms_median?, 4);
     let device = match (train.device_ms_median, fwd.device_ms_median) {
-        (Some(t), Some(f)) => Some(t - f),
+        (Some(t), Some(f)) => Some(sig(t - f, 4)),
         _ => None,
     };
     let flop = cfg.flop() * 2.5;
