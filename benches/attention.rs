@@ -101,8 +101,8 @@
 //! gradients stay alive until the pass's sync). Autodiff seeds the root `out ⊙ g` with ones, so
 //! the attention's output gradient is `g`, as in the SDPA peer's `out.backward(g)`; the step
 //! adds Burn's product `out ⊙ g`, the ones and the product's backward (three element-wise
-//! kernels) where the peer adds none. A loss `.sum()` would add Burn's reduction to a scalar, whose
-//! last stage is one block (RESULTS §5.0). FLOP = 3.5 × the forward's (FlashAttention's
+//! kernels) where the peer adds none. A loss `.sum()` would add Burn's reduction to a scalar,
+//! whose last stage is one block (RESULTS §5.0). FLOP = 3.5 × the forward's (FlashAttention's
 //! convention: the backward is 2.5 × the forward). `bwd`: derived, the `fwd+bwd` row's medians
 //! minus the `fwd` row's (wall and device), FLOP = 2.5 × the forward's; its note says so.
 //! burn-flash's training step runs its fused backward (`kernel` names the backward plan's
