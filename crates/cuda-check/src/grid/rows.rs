@@ -1,4 +1,5 @@
-//! Row kernels: the softmax family, `softmax(X)·V`, and the serving pieces (linear, layer norm, copy).
+//! Row kernels: the softmax family, `softmax(X)·V`, and the serving pieces (the few-rows
+//! linear, the layer norm, the copy benchmarks compare with).
 
 use burn_flash_kernels::copy::launch_copy;
 use burn_flash_kernels::linear::{LinearTensors, launch_linear_rows};
