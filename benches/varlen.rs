@@ -21,7 +21,8 @@
 //!
 //! FLOP: each row's own useful work, `Σ_b 4·H·l_b²·D` (halved when causal) for `varlen`,
 //! `padded` and `burn-padded` (so their TFLOP/s compare as time), `4·B·H·S²·D` for `dense`;
-//! ×3.5 for a training step (forward + backward). Timing: `common::measure` (3 warm-up calls,
+//! ×3.5 for a training step (the forward, then `(out ⊙ g).backward()` with a random `g`, as the
+//! attention bench's step). Timing: `common::measure` (3 warm-up calls,
 //! `--passes` passes of calls lasting ≥ 10 ms between two syncs, the median per call) on
 //! Fusion (`wall_ms_median`), and the same op on the bare `CubeBackend` inside
 //! `ComputeClient::profile` for `device_ms_median`.
@@ -165,6 +166,8 @@ struct Call<B: Backend> {
     v: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
     batch: Option<VarlenBatch<B>>,
+    /// The output's gradient in a training step (Normal(0, 1), the output's shape).
+    g: Tensor<B, 4>,
 }
 
 impl<B: FlashBackend> Call<B> {
@@ -199,6 +202,7 @@ impl<B: FlashBackend> Call<B> {
             v: random(),
             mask,
             batch,
+            g: random(),
         }
     }
 
@@ -420,13 +424,13 @@ fn bench<R: CubeRuntime, BT: BoolElement>(runtime: RuntimeName, cli: &Cli) {
                             let twin =
                                 Call::<Ad<Un<R, BT>>>::new(imp, &lengths, &cfg, &device).tracked();
                             let step = |c: &Call<Ad<Fu<R, BT>>>| {
-                                let grads = c.run(imp, causal).sum().backward();
+                                let grads = (c.run(imp, causal) * c.g.clone()).backward();
                                 c.q.grad(&grads).expect("dq")
                             };
                             let mut twin = Twin {
                                 client: &client,
                                 call: || {
-                                    let grads = twin.run(imp, causal).sum().backward();
+                                    let grads = (twin.run(imp, causal) * twin.g.clone()).backward();
                                     twin.q.grad(&grads).expect("dq")
                                 },
                             };
