@@ -166,8 +166,6 @@ struct Call<B: Backend> {
     v: Tensor<B, 4>,
     mask: Option<Tensor<B, 4, Bool>>,
     batch: Option<VarlenBatch<B>>,
-    /// The output's gradient in a training step (Normal(0, 1), the output's shape).
-    g: Tensor<B, 4>,
 }
 
 impl<B: FlashBackend> Call<B> {
@@ -202,8 +200,13 @@ impl<B: FlashBackend> Call<B> {
             v: random(),
             mask,
             batch,
-            g: random(),
         }
+    }
+
+    /// A training step's output gradient: Normal(0, 1) in the output's shape (`q`'s).
+    fn output_grad(&self, cfg: &Cfg, device: &B::Device) -> Tensor<B, 4> {
+        Tensor::<B, 4>::random(self.q.shape(), Distribution::Normal(0.0, 1.0), device)
+            .cast(cfg.dtype)
     }
 
     fn tracked(mut self) -> Self {
@@ -423,14 +426,16 @@ fn bench<R: CubeRuntime, BT: BoolElement>(runtime: RuntimeName, cli: &Cli) {
                                 Call::<Ad<Fu<R, BT>>>::new(imp, &lengths, &cfg, &device).tracked();
                             let twin =
                                 Call::<Ad<Un<R, BT>>>::new(imp, &lengths, &cfg, &device).tracked();
+                            let g = call.output_grad(&cfg, &device);
+                            let twin_g = twin.output_grad(&cfg, &device);
                             let step = |c: &Call<Ad<Fu<R, BT>>>| {
-                                let grads = (c.run(imp, causal) * c.g.clone()).backward();
+                                let grads = (c.run(imp, causal) * g.clone()).backward();
                                 c.q.grad(&grads).expect("dq")
                             };
                             let mut twin = Twin {
                                 client: &client,
                                 call: || {
-                                    let grads = (twin.run(imp, causal) * twin.g.clone()).backward();
+                                    let grads = (twin.run(imp, causal) * twin_g.clone()).backward();
                                     twin.q.grad(&grads).expect("dq")
                                 },
                             };
