@@ -48,9 +48,26 @@ struct Grads {
     dv: Vec<f64>,
 }
 
-/// The forward (the plan's kernel) and then the backward with `kernel` forced for the plan
-/// (`None`: the plan's choice); `repeats > 0` times that many backward calls after one. Returns
-/// the gradients, the backward kernel and the wall milliseconds per backward call.
+/// Elements added at the end of each row of `out` and of `dQ`: buffers that neither TMA nor the
+/// row kernels' wide loads and paired stores can take on every row (the per-row kernels read
+/// `out` and write `dQ`; `q`, `k`, `v`, `dO` keep their TMA layouts).
+#[derive(Clone, Copy)]
+struct RowPads {
+    out: usize,
+    dq: usize,
+}
+
+impl RowPads {
+    const NONE: Self = Self { out: 0, dq: 0 };
+}
+
+/// `[B, H, S, D]` row-major strides with `pad` elements after each row.
+fn padded(shape: [usize; 4], pad: usize) -> Vec<usize> {
+    let row = shape[3] + pad;
+    vec![shape[1] * shape[2] * row, shape[2] * row, row, 1]
+}
+
+/// [`run_with`] without row pads.
 fn run(
     client: &Client,
     c: &Case,
@@ -59,16 +76,40 @@ fn run(
     kernel: Option<AttentionKernel>,
     repeats: usize,
 ) -> (Grads, AttentionBackwardKernel, f64) {
+    run_with(client, c, half, inputs, kernel, repeats, RowPads::NONE)
+}
+
+/// The forward (the plan's kernel) and then the backward with `kernel` forced for the plan
+/// (`None`: the plan's choice); `repeats > 0` times that many backward calls after one; `out`
+/// and `dQ` laid out with `pads` (rows padded where nonzero, else the case's strides). Returns
+/// the gradients, the backward kernel and the wall milliseconds per backward call.
+fn run_with(
+    client: &Client,
+    c: &Case,
+    half: Half,
+    inputs: &Inputs,
+    kernel: Option<AttentionKernel>,
+    repeats: usize,
+    pads: RowPads,
+) -> (Grads, AttentionBackwardKernel, f64) {
     let dtype = half.dtype();
     let (qs, ks, vs, os) = (c.q_shape(), c.k_shape(), c.v_shape(), c.out_shape());
-    let (q_st, o_st) = (c.query_strides(qs), c.query_strides(os));
+    let (q_st, do_st) = (c.query_strides(qs), c.query_strides(os));
+    let o_st = match pads.out {
+        0 => do_st.clone(),
+        pad => padded(os, pad),
+    };
+    let dq_st = match pads.dq {
+        0 => q_st.clone(),
+        pad => padded(qs, pad),
+    };
     let (k_st, v_st) = (contiguous(&ks), contiguous(&vs));
     let lse_shape = [c.b, c.hq, c.sq];
     let lse_st = contiguous(&lse_shape);
     let q_h = upload(client, half, &inputs.q, qs, &q_st);
     let k_h = upload(client, half, &inputs.k, ks, &k_st);
     let v_h = upload(client, half, &inputs.v, vs, &v_st);
-    let do_h = upload(client, half, &inputs.d_out, os, &o_st);
+    let do_h = upload(client, half, &inputs.d_out, os, &do_st);
     let out_h = poisoned(client, os, &o_st);
     let lse_h = client.empty(lse_shape.iter().product::<usize>() * 4);
     launch_attention(
@@ -88,7 +129,7 @@ fn run(
     )
     .unwrap_or_else(|e| panic!("{c:?} forward: {e}"));
     let (dq_h, dk_h, dv_h) = (
-        poisoned(client, qs, &q_st),
+        poisoned(client, qs, &dq_st),
         poisoned(client, ks, &k_st),
         poisoned(client, vs, &v_st),
     );
@@ -106,8 +147,8 @@ fn run(
                 seqs: None,
                 out: t(&out_h, &os, &o_st),
                 lse: t(&lse_h, &lse_shape, &lse_st),
-                d_out: t(&do_h, &os, &o_st),
-                dq: t(&dq_h, &qs, &q_st),
+                d_out: t(&do_h, &os, &do_st),
+                dq: t(&dq_h, &qs, &dq_st),
                 dk: t(&dk_h, &ks, &k_st),
                 dv: t(&dv_h, &vs, &v_st),
                 ds: None,
@@ -119,7 +160,7 @@ fn run(
     };
     let (plan, millis) = timed(client, repeats, backward);
     let grads = Grads {
-        dq: download(client, half, dq_h, qs, &q_st),
+        dq: download(client, half, dq_h, qs, &dq_st),
         dk: download(client, half, dk_h, ks, &k_st),
         dv: download(client, half, dv_h, vs, &v_st),
     };
@@ -210,10 +251,16 @@ fn max_abs(v: &[f64]) -> f64 {
 /// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value
 /// (head dims over 128: twice the plain-unit backward's plus a whole half-ulp).
 fn check(client: &Client, c: Case, seed: u64) {
+    check_with(client, c, seed, RowPads::NONE);
+}
+
+/// [`check`] with the Hopper backward's `out` and `dQ` laid out with `pads` (the `mma`
+/// baseline's unpadded).
+fn check_with(client: &Client, c: Case, seed: u64, pads: RowPads) {
     let inputs = Inputs::new(&c, seed);
     let want = reference(&c, &inputs);
     for half in [Half::F16, Half::Bf16] {
-        let (hopper, kernel, _) = run(client, &c, half, &inputs, None, 0);
+        let (hopper, kernel, _) = run_with(client, &c, half, &inputs, None, 0, pads);
         assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{c:?} {half:?}");
         let (mma, kernel, _) = run(
             client,
@@ -279,6 +326,30 @@ fn hopper_causal_backward_matches_f64() {
         100,
         check,
     );
+}
+
+/// The per-row kernels' layouts (`hopper_rows.cu`): `out` rows of `Dv + 2` elements (every
+/// other row's `O` not 8-byte aligned: `δ` by single elements there, by 4-element loads on the
+/// others) and `dQ` rows of `D + 1` (every other row's pairs not 4-byte aligned: single
+/// stores), `dQ` rows past `Sq` inside a 16-row group (the second row of a warp's pair), a head
+/// dim below the accumulator's columns (96 of 128), the tiled and the deterministic
+/// accumulators.
+#[test]
+fn hopper_backward_row_layouts() {
+    let pads = RowPads { out: 2, dq: 1 };
+    let cases = [
+        Case::new(2, 4, 2, 200, 150, 128, 128),
+        Case::new(1, 2, 1, 77, 130, 96, 72),
+        Case::new(1, 2, 2, 40, 64, 64, 64),
+        Case {
+            deterministic: true,
+            causal: true,
+            ..Case::new(1, 2, 1, 100, 120, 64, 64)
+        },
+    ];
+    common::check_cases(WHAT, cases, 400, |client, c, seed| {
+        check_with(client, c, seed, pads)
+    });
 }
 
 /// Small deterministic calls ([`AttentionOptions::deterministic`]) meet [`check`]'s rule: D 64

@@ -30,7 +30,7 @@
 //      (`cp.reduce.async.bulk .add.f32`) and, once the reduce has read it, arrives on its
 //      "empty" mbarrier: FlashAttention-3's dQ path, with no reduce issued or waited for by
 //      the consumers. The accumulator holds each 64-row block as tiles in that order
-//      (hopper_rows.cu, `dq_offset`). Two tiles per consumer alternate by step parity.
+//      (hopper_rows.cu, its header). Two tiles per consumer alternate by step parity.
 //      DETERMINISTIC (with DQ_BULK): the adds into each 64-row block of dQ happen in the order
 //      of the key blocks, so that every run sums in the same order (the same bits): the
 //      writer of key block n waits until the block's counter (`dq_lock`, zeroed by the
@@ -363,7 +363,7 @@ __device__ __forceinline__ void add_dq(float* acc, const float (&dq)[32], int ro
 
 // Stores a consumer's 64 × 64 f32 tile of dQ at `buf` in thread order: registers 4j … 4j + 3 of
 // thread `t` at byte 16·(128j + t). Consecutive threads fill consecutive 16 bytes (no bank
-// conflict), and the tile is the accumulator's (hopper_rows.cu, `dq_offset`).
+// conflict), and the tile is the accumulator's (hopper_rows.cu, its header).
 // Issues dQ[:, 64c .. 64c + 63] = dS·K[:, 64c ..] at head dim 128: the dSᵀ tile in `buf` (all
 // 128 keys, read MN-major) against consumer c's 64-column atom of K, 16 keys per product.
 __device__ __forceinline__ void issue_dq_128(float (&dq)[32], u32 buf, u32 sk, u32 c) {

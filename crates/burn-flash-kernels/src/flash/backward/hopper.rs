@@ -46,6 +46,9 @@ pub fn padded_rows(dims: AttentionDims) -> usize {
 /// Rows per block of the per-row kernels (one warp each).
 #[cfg(feature = "cuda")]
 const ROWS_PER_BLOCK: usize = 8;
+/// Rows of `dQ` per block of its conversion (two a warp: `hopper_rows.cu`).
+#[cfg(feature = "cuda")]
+const DQ_ROWS_PER_BLOCK: usize = 16;
 
 /// Warp-specialised (384 threads, `setmaxnreg`): one block per SM. Known spills: the masked,
 /// biased and dropout variants (RESULTS §15; 432 B stored and loaded at most since the `dQ`
@@ -201,7 +204,7 @@ pub fn tile(dims: AttentionDims) -> Tile {
 
 /// Whether the consumers add `dQ` through shared memory and one TMA bulk reduce per 64 × 64
 /// tile (FlashAttention-3's path) into an accumulator tiled in their order (`hopper_rows.cu`,
-/// `dq_offset`), rather than with vector reductions per thread into a row-major one: for every
+/// its header), rather than with vector reductions per thread into a row-major one: for every
 /// tile but the wide one (64 keys per block, [`tile`]: no shared memory left for the tiles),
 /// unless the `hopper-atomic-dq` feature asks for the per-thread reductions everywhere.
 pub fn dq_tiled(config: FlashConfig) -> bool {
@@ -346,8 +349,8 @@ pub unsafe fn launch<R: CudaCompiled>(
             ),
             (
                 mutation::zero_dq(),
-                "f32_to_elem(dq_acc[dq_offset(r, col)] * p.scale)",
-                "f32_to_elem(0.0f)",
+                "const float scale = p.scale;",
+                "const float scale = 0.0f;",
             ),
         ],
     );
@@ -541,7 +544,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             params,
         );
         row_kernel(DQ_ENTRY).launch(
-            row_blocks,
+            CubeCount::Static(rows.div_ceil(DQ_ROWS_PER_BLOCK) as u32, 1, 1),
             vec![dq_acc.binding(), t.dq.handle.clone().binding()],
             rows_params,
         );
