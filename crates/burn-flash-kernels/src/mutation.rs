@@ -117,6 +117,9 @@ pub enum Mutation {
     /// `defer-wrong-buffer`: the Hopper backward with `dQ` deferred by a step reads the `dSᵀ`
     /// buffer of the current step for the previous step's `dQ`.
     DeferWrongBuffer,
+    /// `kv-early`: the persistent Hopper backward's producer loads a tile's `K` and `V` without
+    /// waiting for the consumers' last products of the block's previous tile.
+    KvEarly,
 }
 
 impl Mutation {
@@ -158,6 +161,7 @@ impl Mutation {
             Self::QEarly => "q-early",
             Self::TileSkip => "tile-skip",
             Self::DeferWrongBuffer => "defer-wrong-buffer",
+            Self::KvEarly => "kv-early",
         }
     }
 }
@@ -211,6 +215,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::QEarly,
             Mutation::TileSkip,
             Mutation::DeferWrongBuffer,
+            Mutation::KvEarly,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -344,6 +349,11 @@ pub fn tile_skip() -> bool {
 /// [`Mutation::DeferWrongBuffer`] is active.
 pub fn defer_wrong_buffer() -> bool {
     active(Mutation::DeferWrongBuffer)
+}
+
+/// [`Mutation::KvEarly`] is active.
+pub fn kv_early() -> bool {
+    active(Mutation::KvEarly)
 }
 
 /// [`Mutation::BiasBlockBwd`] is active.

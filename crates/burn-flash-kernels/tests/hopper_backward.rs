@@ -10,7 +10,7 @@
 mod common;
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionKernel, BackwardTensors, launch_attention,
+    AttentionBackwardKernel, AttentionKernel, BackwardTensors, TileSchedule, launch_attention,
     launch_attention_backward,
 };
 use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
@@ -350,6 +350,51 @@ fn hopper_backward_row_layouts() {
     common::check_cases(WHAT, cases, 400, |client, c, seed| {
         check_with(client, c, seed, pads)
     });
+}
+
+/// The persistent backward ([`TileSchedule::Blocks`], [`TileSchedule::Persistent`]): blocks
+/// that run many tiles in rounds give the per-tile backward's `dK` and `dV` bit for bit (each
+/// tile's arithmetic is the same) and its `dQ` within a few ulps (the adds into the accumulator
+/// come in another order), on head dims 64, 128 and 256, causal and grouped-query calls, with
+/// partial key blocks and rows that see no key. The `kv-early` mutation must fail it.
+#[test]
+fn hopper_persistent_backward() {
+    let client = common::hopper_client(WHAT);
+    let seed = common::seed();
+    let cases = [
+        Case::new(2, 4, 2, 300, 700, 128, 128),
+        Case {
+            causal: true,
+            ..Case::new(2, 4, 1, 900, 500, 128, 128)
+        },
+        Case::new(1, 6, 3, 260, 520, 64, 64),
+        Case {
+            causal: true,
+            ..Case::new(1, 4, 4, 333, 333, 256, 256)
+        },
+    ];
+    for (i, c) in cases.into_iter().enumerate() {
+        let inputs = Inputs::new(&c, seed.wrapping_add(500 + i as u64));
+        for half in [Half::Bf16, Half::F16] {
+            let (per_tile, kernel, _) = run(&client, &c, half, &inputs, None, 0);
+            assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{c:?} {half:?}");
+            for schedule in [TileSchedule::Blocks(3), TileSchedule::Persistent] {
+                let p = Case { schedule, ..c };
+                let (got, kernel, _) = run(&client, &p, half, &inputs, None, 0);
+                assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{p:?} {half:?}");
+                for (name, a, b) in [("dK", &got.dk, &per_tile.dk), ("dV", &got.dv, &per_tile.dv)] {
+                    let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+                    assert_eq!(differ, 0, "{p:?} {half:?} {name}: {differ} values differ from one block per tile");
+                }
+                let diff = max_error(&got.dq, &per_tile.dq);
+                println!("{p:?} {half:?}: dK, dV equal; |dQ − per tile| {diff:.2e}");
+                assert!(
+                    diff <= 4.0 * half.half_ulp() * max_abs(&per_tile.dq).max(1e-3),
+                    "{p:?} {half:?} dQ: |persistent − per tile| = {diff:e}"
+                );
+            }
+        }
+    }
 }
 
 /// Small deterministic calls ([`AttentionOptions::deterministic`]) meet [`check`]'s rule: D 64

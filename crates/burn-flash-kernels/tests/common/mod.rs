@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use burn_flash_kernels::attention::{AttentionKernel, AttentionOptions};
+use burn_flash_kernels::attention::{AttentionKernel, AttentionOptions, TileSchedule};
 use burn_flash_kernels::tensor::TensorRef;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
@@ -338,6 +338,8 @@ pub struct Case {
     pub bshd: bool,
     /// [`AttentionOptions::deterministic`].
     pub deterministic: bool,
+    /// [`AttentionOptions::schedule`].
+    pub schedule: TileSchedule,
 }
 
 impl Case {
@@ -354,6 +356,7 @@ impl Case {
             softcap: None,
             bshd: false,
             deterministic: false,
+            schedule: TileSchedule::Planned,
         }
     }
 
@@ -376,6 +379,7 @@ impl Case {
             causal: self.causal,
             kernel,
             deterministic: self.deterministic,
+            schedule: self.schedule,
             ..Default::default()
         }
     }

@@ -375,6 +375,22 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                             );
                         }
                     }
+                    // The persistent Hopper backward (blocks taking tiles in rounds): plain and
+                    // causal.
+                    if kernel == Hopper && k <= 1 {
+                        let o = AttentionOptions {
+                            schedule: TileSchedule::Persistent,
+                            ..o
+                        };
+                        push(
+                            calls,
+                            format!("{name} persistent bwd"),
+                            kernel_archs(kernel, archs),
+                            move |c| {
+                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                            },
+                        );
+                    }
                     // The deterministic Hopper backward (ordered dQ adds): plain, causal, packed.
                     if kernel == Hopper && !f.bias && !f.mask && !f.dropout {
                         let o = AttentionOptions {

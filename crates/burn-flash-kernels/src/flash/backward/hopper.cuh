@@ -193,6 +193,7 @@ struct BwdParams {
     u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k; // WRITE_DS
     u32 n_seqs;                                             // VARLEN: packed sequences
     u32 bias_planes; // BIAS_TILES: bit 0 the bias has batches, bit 1 heads (else coordinate 0)
+    u32 tiles, tiles_pad; // PERSISTENT: key blocks · Hkv · B
 };
 static_assert(sizeof(BwdParams) == 8 * PARAM_WORDS, "the host's words (hopper.rs, PARAM_WORDS)");
 
@@ -253,6 +254,54 @@ __device__ __forceinline__ RowBlocks row_blocks(const u32* seqs, const BwdParams
     }
 #endif
     return r;
+}
+
+// The tiles a block runs: with PERSISTENT the tiles blockIdx.x, + gridDim.x, … below p.tiles
+// (numbered key block fastest, then key/value head, then batch: each head's longest causal
+// tiles first), otherwise its own (blockIdx.x, y, z). The roles loop over the same tiles and
+// count their steps across them (g), so the ring's stages and the step parities (dSᵀ buffer,
+// dQ tile, bias tile) run on from one tile to the next; K and V are loaded once the consumers
+// have released the last tile's (KV_EMPTY), under that tile's epilogue.
+#if PERSISTENT
+#if DETERMINISTIC || DEFER_DQ
+#error "PERSISTENT: not with DETERMINISTIC or DEFER_DQ"
+#endif
+#define FIRST_TILE blockIdx.x
+#define TILE_END p.tiles
+#define TILE_STEP gridDim.x
+#else
+#define FIRST_TILE 0u
+#define TILE_END 1u
+#define TILE_STEP 1u
+#endif
+
+// A tile's key block n (its first key n0), heads and batch, and the steps it walks: the row
+// blocks first … end − 1 of each of the group's query heads.
+struct TileWork {
+    int n0, m_first, m_end, per_head, steps;
+    u32 head_kv, batch;
+};
+
+__device__ __forceinline__ TileWork tile_work(const u32* seqs, const BwdParams& p, u32 tile) {
+    int n;
+    TileWork w;
+#if PERSISTENT
+    const u32 blocks = (p.seq_k + BLOCK_N - 1u) / BLOCK_N, heads_kv = p.heads_q / p.group;
+    n = (int)(tile % blocks);
+    w.head_kv = (tile / blocks) % heads_kv;
+    w.batch = tile / blocks / heads_kv;
+#else
+    n = (int)blockIdx.x;
+    w.head_kv = blockIdx.y;
+    w.batch = blockIdx.z;
+#endif
+    w.n0 = n * BLOCK_N;
+    const RowBlocks visited = row_blocks(seqs, p, n);
+    w.m_first = visited.first;
+    w.m_end = visited.end;
+    w.per_head = max(0, w.m_end - w.m_first);
+    w.steps = w.per_head * (int)p.group;
+    return w;
 }
 
 // The row block of step `it` (of `per_head` per query head, from `m_first` to `m_end` − 1).

@@ -20,7 +20,9 @@
 use crate::hopper::CudaCompiled;
 use cubecl::prelude::*;
 
-use crate::attention::options::{AttentionDims, AttentionFeatures, BackwardOverlap, HopperUse};
+use crate::attention::options::{
+    AttentionDims, AttentionFeatures, BackwardOverlap, HopperUse, TileSchedule,
+};
 #[cfg(feature = "cuda")]
 use crate::attention::options::{AttentionOptions, BackwardTensors};
 use crate::flash::{FlashConfig, ScoreRules, Tile};
@@ -62,7 +64,7 @@ const ENTRY: &str = "burn_flash_hopper_backward";
 /// Words of the main kernel's parameter struct (`BwdParams`, which the source asserts); every
 /// launch passes exactly these.
 #[cfg(feature = "cuda")]
-const PARAM_WORDS: usize = 30;
+const PARAM_WORDS: usize = 31;
 
 /// The per-row pre- and post-passes (`δ`, the log-sum-exp in base 2, `dQ` in the element
 /// type) stream: a full SM.
@@ -121,6 +123,8 @@ pub struct Variant {
     pub defer_dq: bool,
     /// With `defer_dq`: the second consumer starts half a step behind the first (`STAGGER`).
     pub stagger: bool,
+    /// Blocks run several tiles in rounds (`PERSISTENT`, [`Variant::with_schedule`]).
+    pub persistent: bool,
     /// The score rules.
     pub rules: ScoreRules,
 }
@@ -147,6 +151,7 @@ impl Variant {
             bias_tiles: bias_tiles && config.rules.bias,
             defer_dq: false,
             stagger: false,
+            persistent: false,
             rules: config.rules,
         }
     }
@@ -168,6 +173,22 @@ impl Variant {
         }
     }
 
+    /// This variant with persistent blocks where `schedule` asks for them
+    /// ([`TileSchedule::Persistent`], `Blocks`, `Dynamic`, `DynamicBlocks`: static rounds in
+    /// each) and it can take them: not deterministic (a block waits for the key blocks before
+    /// its own), not deferring `dQ`, `tiles` numbered in 32 bits. The plan's schedule keeps
+    /// one block per tile: the persistent backward has not been measured faster yet.
+    pub fn with_schedule(self, schedule: TileSchedule, tiles: usize) -> Self {
+        let asked = !matches!(schedule, TileSchedule::Planned | TileSchedule::PerTile);
+        Self {
+            persistent: asked
+                && !self.deterministic
+                && !self.defer_dq
+                && u32::try_from(tiles).is_ok(),
+            ..self
+        }
+    }
+
     /// The `#define`s the source is compiled with; their key is the variant's id.
     #[cfg(feature = "cuda")]
     fn defines(self) -> Defines {
@@ -180,6 +201,7 @@ impl Variant {
             .word("BIAS_TILES", self.bias_tiles)
             .word("DEFER_DQ", self.defer_dq)
             .word("STAGGER", self.stagger)
+            .word("PERSISTENT", self.persistent)
             .word("PARAM_WORDS", PARAM_WORDS as u32)
             .rules(&self.rules)
     }
@@ -324,7 +346,8 @@ pub unsafe fn launch<R: CudaCompiled>(
         options.deterministic,
         bias_map.is_some(),
     )
-    .with_overlap(options.backward_overlap);
+    .with_overlap(options.backward_overlap)
+    .with_schedule(options.schedule, cubes.0 * cubes.1 * cubes.2);
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = padded_rows(dims);
@@ -405,7 +428,7 @@ pub unsafe fn launch<R: CudaCompiled>(
             ),
             (
                 mutation::hopper_no_wait(),
-                "if (it >= STAGES) mbar_wait(",
+                "if (g >= STAGES) mbar_wait(",
                 "if (false) mbar_wait(",
             ),
             (mutation::fill_grad(), "live = false;", "live = true;"),
@@ -427,8 +450,13 @@ pub unsafe fn launch<R: CudaCompiled>(
             (mutation::dq_bulk_no_wait(), "bulk_wait_read<0>();", ""),
             (
                 mutation::defer_wrong_buffer(),
-                "issue_dq_128(dq, sds + (u32)((it - 1) % 2) * DS_BYTES, sk, c);",
+                "issue_dq_128(dq, sds + (u32)((g - 1) % 2) * DS_BYTES, sk, c);",
                 "issue_dq_128(dq, buf, sk, c);",
+            ),
+            (
+                mutation::kv_early(),
+                "if (kv_use > 0) mbar_wait(KV_EMPTY,",
+                "if (false) mbar_wait(KV_EMPTY,",
             ),
             (
                 mutation::dq_unordered(),
@@ -486,6 +514,8 @@ pub unsafe fn launch<R: CudaCompiled>(
     let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
     let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
+    let tiles = cubes.0 * cubes.1 * cubes.2;
+    params.push(words(tiles as u32, 0));
     assert_eq!(
         params.len(),
         PARAM_WORDS,
@@ -499,7 +529,17 @@ pub unsafe fn launch<R: CudaCompiled>(
     ];
     // The bias's 64 rows × 64 keys (a variant with `BIAS_TILES` takes a fifth map).
     maps.extend(bias_map.map(|(map, _)| map));
-    let (x, y, z) = cubes;
+    // Persistent: one block per SM (or the schedule's count), each taking tiles in rounds.
+    let (x, y, z) = if variant.persistent {
+        let sms = client
+            .properties()
+            .hardware
+            .num_streaming_multiprocessors
+            .unwrap_or(1) as usize;
+        (options.schedule.blocks(tiles, sms, true), 1, 1)
+    } else {
+        cubes
+    };
     // SAFETY: the per-row kernels touch rows below `rows` of the scratch buffers (allocated
     // here for exactly those) and, through the strides given, positions below `Sq` and columns
     // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
