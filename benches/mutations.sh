@@ -6,8 +6,8 @@
 #
 # Usage, from the project root on the GPU machine, after `../shared/tools/gpu-pack --features
 # cuda,mutants --test softmax_family --test softmax_matmul --test attention --test
-# attention_backward --test nn` here (the `dq-*` cases, mutations of the Hopper backward's
-# bulk-reduce `dQ`, also run the kernels crate's `hopper_backward` test: `-p burn-flash -p
+# attention_backward --test nn` here (the `dq-*`, `kv-early` and `zero-dq` cases, mutations of
+# the Hopper backward, also run the kernels crate's `hopper_backward` test: `-p burn-flash -p
 # burn-flash-kernels ... --test hopper_backward`):
 #   benches/mutations.sh [JOBS]
 # `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
@@ -96,6 +96,8 @@ hopper-no-wait attention.test cuda::bf16::tile_schedules
 tile-skip attention.test cuda::bf16::tile_schedules
 tile-skip attention.test cuda::f16::tile_schedules
 defer-wrong-buffer attention_backward.test cuda::bf16::backward_overlaps
+kv-early hopper_backward.test hopper_persistent_backward
+zero-dq hopper_backward.test hopper_backward_row_layouts
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

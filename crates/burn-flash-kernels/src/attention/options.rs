@@ -62,6 +62,14 @@ impl AttentionKernel {
 /// How the Hopper forward's blocks take its tiles (a block of query rows of one head and
 /// batch; with given scores, of rows and output columns of one batch). A plan input like
 /// [`HopperUse`]: the test suites and benches set it (from `BURN_FLASH_PERSISTENT`).
+///
+/// The Hopper backward's tiles (a block of keys of one key/value head and batch) run one block
+/// each under `Planned` and `PerTile`; under the others its blocks are persistent, taking the
+/// tiles in static rounds (`Persistent` and `Dynamic`: one block per SM; `Blocks(n)` and
+/// `DynamicBlocks(n)`: n blocks), each loading the next tile's `K` and `V` under the last
+/// one's epilogue ([`crate::flash::backward::hopper::Variant::with_schedule`]; not for the
+/// deterministic backward or a deferred `dQ`). The plan keeps one block per tile until the
+/// persistent backward measures faster.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum TileSchedule {
     /// The plan's: persistent ([`crate::flash::forward::hopper::blocks`]), the tiles in
@@ -294,7 +302,8 @@ pub struct AttentionOptions {
     pub window: Option<(usize, usize)>,
     /// How the plan uses the Hopper kernels.
     pub hopper: HopperUse,
-    /// How the Hopper forward's blocks take its tiles.
+    /// How the Hopper forward's blocks take its tiles, and whether the Hopper backward's are
+    /// persistent ([`TileSchedule`]).
     pub schedule: TileSchedule,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,
