@@ -383,8 +383,15 @@ fn hopper_persistent_backward() {
                 let (got, kernel, _) = run(&client, &p, half, &inputs, None, 0);
                 assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{p:?} {half:?}");
                 for (name, a, b) in [("dK", &got.dk, &per_tile.dk), ("dV", &got.dv, &per_tile.dv)] {
-                    let differ = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-                    assert_eq!(differ, 0, "{p:?} {half:?} {name}: {differ} values differ from one block per tile");
+                    let differ = a
+                        .iter()
+                        .zip(b)
+                        .filter(|(x, y)| x.to_bits() != y.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "{p:?} {half:?} {name}: {differ} values differ from one block per tile"
+                    );
                 }
                 let diff = max_error(&got.dq, &per_tile.dq);
                 println!("{p:?} {half:?}: dK, dV equal; |dQ − per tile| {diff:.2e}");
