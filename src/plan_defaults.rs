@@ -20,7 +20,7 @@ use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 pub struct PlanDefaults {
     /// How plans use the Hopper kernels.
     pub hopper: HopperUse,
-    /// How the Hopper forward's blocks take its tiles.
+    /// How the Hopper forward's blocks take its tiles (and whether the backward's are persistent).
     pub schedule: TileSchedule,
     /// The decoding kernel's schedule.
     pub decode: DecodeSchedule,

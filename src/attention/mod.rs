@@ -131,7 +131,8 @@ pub struct FlashAttentionOptions {
     pub window: Option<(usize, usize)>,
     /// How the plan uses the Hopper kernels (`None`: [`crate::plan_defaults`]'s).
     pub hopper: Option<HopperUse>,
-    /// How the Hopper forward's blocks take its tiles (`None`: [`crate::plan_defaults`]'s).
+    /// How the Hopper forward's blocks take its tiles, and whether the Hopper backward's are
+    /// persistent ([`TileSchedule`]; `None`: [`crate::plan_defaults`]'s).
     pub schedule: Option<TileSchedule>,
     /// The decoding kernel's schedule (`None`: [`crate::plan_defaults`]'s).
     pub decode: Option<DecodeSchedule>,
