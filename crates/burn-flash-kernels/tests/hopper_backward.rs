@@ -243,6 +243,14 @@ fn reference(c: &Case, x: &Inputs) -> Grads {
     g
 }
 
+/// How many values of `a` and `b` differ in their bits.
+fn bits_differ(a: &[f64], b: &[f64]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count()
+}
+
 fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
@@ -390,11 +398,7 @@ fn hopper_persistent_backward() {
                 let (got, kernel, _) = run(&client, &p, half, &inputs, None, 0);
                 assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{p:?} {half:?}");
                 for (name, a, b) in [("dK", &got.dk, &per_tile.dk), ("dV", &got.dv, &per_tile.dv)] {
-                    let differ = a
-                        .iter()
-                        .zip(b)
-                        .filter(|(x, y)| x.to_bits() != y.to_bits())
-                        .count();
+                    let differ = bits_differ(a, b);
                     assert_eq!(
                         differ, 0,
                         "{p:?} {half:?} {name}: {differ} values differ from one block per tile"
@@ -470,11 +474,7 @@ fn hopper_deterministic_backward_bits() {
                 ("dK", &first.dk, &second.dk, &default.dk),
                 ("dV", &first.dv, &second.dv, &default.dv),
             ] {
-                let differ = a
-                    .iter()
-                    .zip(b)
-                    .filter(|(x, y)| x.to_bits() != y.to_bits())
-                    .count();
+                let differ = bits_differ(a, b);
                 let diff = max_error(a, base);
                 println!(
                     "{c:?} {half:?} {name}: {differ} of {} differ between runs, |ordered − default| {diff:.2e}",

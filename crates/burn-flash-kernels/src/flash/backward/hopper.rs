@@ -333,6 +333,8 @@ pub unsafe fn launch<R: CudaCompiled>(
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
     // The bias's TMA map (64 rows × 64 keys), where its rows can be loaded as tiles, and which
     // of its batch and head coordinates are read.
+    // The grid's tiles: key blocks · key/value heads · batches.
+    let tiles = cubes.0 * cubes.1 * cubes.2;
     let bias_map = t
         .bias
         .as_ref()
@@ -347,7 +349,7 @@ pub unsafe fn launch<R: CudaCompiled>(
         bias_map.is_some(),
     )
     .with_overlap(options.backward_overlap)
-    .with_schedule(options.schedule, cubes.0 * cubes.1 * cubes.2);
+    .with_schedule(options.schedule, tiles);
     let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
     let rows = padded_rows(dims);
@@ -514,7 +516,6 @@ pub unsafe fn launch<R: CudaCompiled>(
     let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
     let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
-    let tiles = cubes.0 * cubes.1 * cubes.2;
     params.push(words(tiles as u32, 0));
     assert_eq!(
         params.len(),
