@@ -6,9 +6,11 @@
 //! otherwise prints `error: XDG_RUNTIME_DIR is invalid or not set in the environment.` on
 //! every device it opens, which reads as a failure though nothing failed.
 //!
-//! Extra arguments are passed to cargo (`cargo xtask test --features cuda`). `cargo xtask test`
-//! runs one test at a time in each test binary unless `RUST_TEST_THREADS` says otherwise (see
-//! [`TEST_THREADS`]).
+//! Extra arguments are passed to cargo (`cargo xtask test --features cuda`), those after `--` to
+//! every test binary (`cargo xtask test -- causal`). `cargo xtask test` builds every test target,
+//! then runs the tests in several processes at a time, one per group of a binary's tests
+//! ([`lanes`]: `XTASK_TEST_JOBS` processes, the cores by default), each one test at a time unless
+//! `RUST_TEST_THREADS` says otherwise (see [`TEST_THREADS`]).
 //!
 //! `cargo xtask cuda-check [ARGS]` compiles every planned CUDA kernel variant on the CPU with
 //! NVRTC and holds it to its budgets (`crates/cuda-check`; ARGS are its own, `--all` for the
@@ -19,6 +21,8 @@
 //! each of the check's own mutations and fails unless every one is caught. `--atomic-dq` builds
 //! it with the kernels' `hopper-atomic-dq` feature (the Hopper backward's former per-thread `dQ`
 //! reductions: `cargo xtask cuda-check --atomic-dq --arch sm_90a --filter Hopper`).
+
+mod lanes;
 
 use std::{
     path::Path,
@@ -85,11 +89,11 @@ fn runtime_dir() -> Option<String> {
     usable.then(|| dir.to_string_lossy().into_owned())
 }
 
-/// Test threads per test binary for `cargo xtask test` where `RUST_TEST_THREADS` is unset. The
-/// tests of a binary share one device per backend, whose Fusion and cubecl threads spin while
-/// they wait for work; run in parallel on a small CPU, they take cores from lavapipe's workers.
-/// On 2 cores (2026-11-25) `attention_backward` took 1174 s with 2 test threads and 361 s one
-/// test at a time; on CUDA one process compiles one kernel at a time whatever the threads.
+/// Test threads per test process for `cargo xtask test` where `RUST_TEST_THREADS` is unset. The
+/// tests of a process share one device per backend, and its kernels compile on one device
+/// thread whatever the test threads: on 2 cores (2026-11-25) `attention_backward` took 1174 s
+/// with 2 test threads and 361 s one test at a time. Parallelism comes from processes instead
+/// ([`lanes`]).
 const TEST_THREADS: &str = "1";
 
 fn run(program: &str, args: &[&str]) -> bool {
@@ -363,6 +367,15 @@ fn main() -> ExitCode {
     let runtime = runtime_dir();
     if let Some(dir) = &runtime {
         envs.push(("XDG_RUNTIME_DIR", dir));
+    }
+    if task == "test" {
+        // Arguments before `--` go to cargo's build, those after it to every test binary.
+        let split = rest.iter().position(|a| a == "--").unwrap_or(rest.len());
+        let mut cargo_args: Vec<String> = plan[1..].to_vec();
+        cargo_args.extend(rest[..split].iter().cloned());
+        let test_args = rest.get(split + 1..).unwrap_or_default();
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        return lanes::test(&cargo, &cargo_args, test_args, &envs);
     }
     let mut cmd = plan;
     cmd.extend(rest);
