@@ -187,6 +187,35 @@ __device__ __forceinline__ void sm80_write_keys(unsigned short* dst, const float
     }
 }
 
+// acc += A·Bᵀ for the first layout (S = Q·Kᵀ, dP = dO·Vᵀ): the warp's 32 rows (`row0`, of the
+// row-major A tile at shared `sa`) by its P1_KEYS keys (`key0`, of the [key][DIM] B tile at `sb`),
+// over DIM columns. A by pattern X, B by pattern Y, both plain (the lane address terms of the
+// kernel: `row_x`, `row_y`, `cx`, `cy`); each B fragment feeds the 2 m-tiles, each A the
+// P1_NT n-tiles.
+template <int DIM>
+__device__ __forceinline__ void sm80_rows_by_keys(float (&acc)[2][P1_NT][4], u32 sa, u32 sb,
+                                                  u32 row0, u32 key0, u32 row_x, u32 row_y,
+                                                  u32 cx, u32 cy) {
+#pragma unroll
+    for (int kk = 0; kk < DIM / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            sm80_ldsm_x4(a[mt], sa + (row0 + 16u * mt + row_x) * (DIM * 2) + (cx ^ (32u * kk)));
+        }
+#pragma unroll
+        for (int np = 0; np < P1_NT / 2; ++np) {
+            u32 b[4];
+            sm80_ldsm_x4(b, sb + (key0 + 16u * np + row_y) * (DIM * 2) + (cy ^ (32u * kk)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                sm80_mma(acc[mt][2 * np], a[mt], b[0], b[1]);
+                sm80_mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 1)
 burn_flash_sm80_backward(const unsigned short* __restrict__ q,
                          const unsigned short* __restrict__ k,
@@ -346,29 +375,9 @@ burn_flash_sm80_backward(const unsigned short* __restrict__ q,
     (sm80_swz(PS_ROW_OF(mt, h), PS_KEY_OF(nt) / 8u, SM80_PS_ROW) + 2u * (PS_KEY_OF(nt) % 8u))
 
         // ---- S = Q·Kᵀ --------------------------------------------------------------------------
-        // A = Q (rows × d, row-major: pattern X, plain), B = Kᵀ (K stored [key][d]: pattern Y,
-        // plain); each B fragment feeds the 2 m-tiles, each A the P1_NT n-tiles.
+        // A = Q (rows × d, row-major), B = Kᵀ (K stored [key][d]): `sm80_rows_by_keys`.
         if (!none) {
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    sm80_ldsm_x4(a[mt], sq + (w1_row + 16u * mt + row_x) * SM80_QK_ROW
-                                            + (cx ^ (32u * kk)));
-                }
-#pragma unroll
-                for (int np = 0; np < P1_NT / 2; ++np) {
-                    u32 b[4];
-                    sm80_ldsm_x4(b, sk + (w1_key + 16u * np + row_y) * SM80_QK_ROW
-                                        + (cy ^ (32u * kk)));
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        sm80_mma(s_acc[mt][2 * np], a[mt], b[0], b[1]);
-                        sm80_mma(s_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
+            sm80_rows_by_keys<HEAD_DIM>(s_acc, sq, sk, w1_row, w1_key, row_x, row_y, cx, cy);
         }
 
         // ---- P = 2^(S·scale·log₂e − lse₂) in place (f32, for dS), stored as 16-bit ------------
@@ -414,26 +423,7 @@ burn_flash_sm80_backward(const unsigned short* __restrict__ q,
 
         // ---- dP = dO·Vᵀ (the same patterns over Dv) -------------------------------------------
         if (!none) {
-#pragma unroll
-            for (int kk = 0; kk < VALUE_DIM / 16; ++kk) {
-                u32 a[2][4];
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    sm80_ldsm_x4(a[mt], sdo + (w1_row + 16u * mt + row_x) * SM80_VDO_ROW
-                                             + (cx ^ (32u * kk)));
-                }
-#pragma unroll
-                for (int np = 0; np < P1_NT / 2; ++np) {
-                    u32 b[4];
-                    sm80_ldsm_x4(b, sv + (w1_key + 16u * np + row_y) * SM80_VDO_ROW
-                                        + (cy ^ (32u * kk)));
-#pragma unroll
-                    for (int mt = 0; mt < 2; ++mt) {
-                        sm80_mma(dp_acc[mt][2 * np], a[mt], b[0], b[1]);
-                        sm80_mma(dp_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
+            sm80_rows_by_keys<VALUE_DIM>(dp_acc, sdo, sv, w1_row, w1_key, row_x, row_y, cx, cy);
         }
 
         // ---- dS = P ⊙ (dP − δ), stored as 16-bit -----------------------------------------------
