@@ -216,6 +216,36 @@ __device__ __forceinline__ void sm80_rows_by_keys(float (&acc)[2][P1_NT][4], u32
     }
 }
 
+// acc += Aᵀ·B for the second layout (dV += Pᵀ·dO, dK += dSᵀ·Q): the warp's 32 keys (`key0`,
+// columns of the [row][key] tile at shared `sa`: P or dS) by its NT·8 columns (`col0`, of the
+// [row][DIM] tile at `sb`: dO or Q), over the step's 64 rows. A by pattern Y transposed, B by
+// pattern X transposed; each A fragment feeds the NT n-tiles.
+template <int DIM, int NT>
+__device__ __forceinline__ void sm80_keys_by_cols(float (&acc)[2][NT][4], u32 sa, u32 sb,
+                                                  u32 key0, u32 col0, u32 row_x, u32 row_y,
+                                                  u32 cx, u32 cy) {
+#pragma unroll
+    for (int kk = 0; kk < SM80_BLOCK_M / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            sm80_ldsm_x4_t(a[mt], sa + (16u * kk + row_y) * SM80_PS_ROW
+                                      + (cy ^ ((key0 / 8u + 2u * mt) << 4)));
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            u32 b[4];
+            sm80_ldsm_x4_t(b, sb + (16u * kk + row_x) * (DIM * 2)
+                                  + (cx ^ ((col0 / 8u + 2u * np) << 4)));
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                sm80_mma(acc[mt][2 * np], a[mt], b[0], b[1]);
+                sm80_mma(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(256, 1)
 burn_flash_sm80_backward(const unsigned short* __restrict__ q,
                          const unsigned short* __restrict__ k,
@@ -449,46 +479,10 @@ burn_flash_sm80_backward(const unsigned short* __restrict__ q,
         // ---- dV += Pᵀ·dO, dK += dSᵀ·Q: the warp's 32 keys × its columns, over the 64 rows ------
         // A = Pᵀ / dSᵀ (P stored [row][key]: pattern Y, transposed), B = dO / Q (stored
         // [row][col] = [k][n]: pattern X, transposed); each A fragment feeds the n-tiles.
-#pragma unroll
-        for (int kk = 0; kk < SM80_BLOCK_M / 16; ++kk) {
-            u32 a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                sm80_ldsm_x4_t(a[mt], sp + (16u * kk + row_y) * SM80_PS_ROW
-                                          + (cy ^ ((w2_key / 8u + 2u * mt) << 4)));
-            }
-#pragma unroll
-            for (int np = 0; np < P2_VNT / 2; ++np) {
-                u32 b[4];
-                sm80_ldsm_x4_t(b, sdo + (16u * kk + row_x) * SM80_VDO_ROW
-                                      + (cx ^ ((w2_c * P2_VCOLS / 8u + 2u * np) << 4)));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    sm80_mma(dv_acc[mt][2 * np], a[mt], b[0], b[1]);
-                    sm80_mma(dv_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < SM80_BLOCK_M / 16; ++kk) {
-            u32 a[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
-                sm80_ldsm_x4_t(a[mt], sds + (16u * kk + row_y) * SM80_PS_ROW
-                                           + (cy ^ ((w2_key / 8u + 2u * mt) << 4)));
-            }
-#pragma unroll
-            for (int np = 0; np < P2_KNT / 2; ++np) {
-                u32 b[4];
-                sm80_ldsm_x4_t(b, sq + (16u * kk + row_x) * SM80_QK_ROW
-                                      + (cx ^ ((w2_c * P2_KCOLS / 8u + 2u * np) << 4)));
-#pragma unroll
-                for (int mt = 0; mt < 2; ++mt) {
-                    sm80_mma(dk_acc[mt][2 * np], a[mt], b[0], b[1]);
-                    sm80_mma(dk_acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-                }
-            }
-        }
+        sm80_keys_by_cols<VALUE_DIM, P2_VNT>(dv_acc, sp, sdo, w2_key, w2_c * P2_VCOLS, row_x,
+                                             row_y, cx, cy);
+        sm80_keys_by_cols<HEAD_DIM, P2_KNT>(dk_acc, sds, sq, w2_key, w2_c * P2_KCOLS, row_x,
+                                            row_y, cx, cy);
 
 #if STAGES == 1
         // Every warp is done with this stage's Q and dO: the next step's copies go under dQ.
