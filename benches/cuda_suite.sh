@@ -19,6 +19,7 @@ shift || true
 bin=/tmp/gpu-pack-bin
 out=/tmp/cuda-suite
 summary=${OUT:-/tmp}/cuda-suite.txt
+mkdir -p "${OUT:-/tmp}" # a caller may point OUT at a subfolder of its own
 rm -rf "$out" && mkdir -p "$out"
 binaries=("$@")
 [ ${#binaries[@]} -gt 0 ] || mapfile -t binaries < <(cd "$bin" && ls -- *.test)

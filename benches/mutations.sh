@@ -20,6 +20,7 @@ jobs=${1:-14}
 .gpu/run ls >/dev/null # unpacks the binaries once
 bin=/tmp/gpu-pack-bin
 summary=${OUT:-/tmp}/mutations.txt
+mkdir -p "${OUT:-/tmp}" # a caller may point OUT at a subfolder of its own
 # mutation, test binary, exact test name, and optionally one VAR=value for the test's process
 # (on an H100/H200 the plan gives 16-bit calls to the Hopper kernels: the `mma.sync` kernels'
 # mutations are caught with BURN_FLASH_HOPPER=off)
