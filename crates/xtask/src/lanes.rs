@@ -253,8 +253,10 @@ pub fn test(
                     let began = Instant::now();
                     let mut cmd = Command::new(&job.program);
                     cmd.args(&job.args).envs(envs.iter().copied());
+                    // As `cargo test` runs a test binary: in its package's folder, which
+                    // `CARGO_MANIFEST_DIR` names (xtask's own would leak in otherwise).
                     if let Some(dir) = &job.dir {
-                        cmd.current_dir(dir);
+                        cmd.current_dir(dir).env("CARGO_MANIFEST_DIR", dir);
                     }
                     let out = cmd.output();
                     let n = done.fetch_add(1, Ordering::Relaxed) + 1;
