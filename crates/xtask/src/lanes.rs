@@ -242,6 +242,7 @@ pub fn test(
     );
     let queue = Mutex::new(jobs.into_iter());
     let failed = Mutex::new(Vec::new());
+    let times: Mutex<Vec<(f64, String)>> = Mutex::new(Vec::new());
     let done = AtomicUsize::new(0);
     std::thread::scope(|scope| {
         for _ in 0..lanes {
@@ -285,6 +286,10 @@ pub fn test(
                         }
                     }
                     let _ = log.flush();
+                    times
+                        .lock()
+                        .unwrap()
+                        .push((began.elapsed().as_secs_f64(), job.label.clone()));
                     if !ok {
                         failed.lock().unwrap().push(job.label);
                     }
@@ -294,6 +299,15 @@ pub fn test(
     });
     let failed = failed.into_inner().unwrap();
     let secs = start.elapsed().as_secs_f64();
+    // The longest groups, for whoever balances the suites next.
+    let mut times = times.into_inner().unwrap();
+    times.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let longest: Vec<String> = times
+        .iter()
+        .take(5)
+        .map(|(t, label)| format!("{label} {t:.0} s"))
+        .collect();
+    eprintln!("xtask: longest groups: {}", longest.join(", "));
     if failed.is_empty() {
         eprintln!("xtask: every test group passed ({total} groups, {secs:.0} s)");
         ExitCode::SUCCESS
