@@ -20,7 +20,7 @@ use std::{
     io::{BufRead, BufReader, Write},
     path::PathBuf,
     process::{Command, ExitCode, Stdio},
-    sync::{Mutex, atomic::AtomicUsize, atomic::Ordering},
+    sync::Mutex,
     time::Instant,
 };
 
@@ -241,9 +241,8 @@ pub fn test(
         start.elapsed().as_secs_f64()
     );
     let queue = Mutex::new(jobs.into_iter());
-    let failed = Mutex::new(Vec::new());
-    let times: Mutex<Vec<(f64, String)>> = Mutex::new(Vec::new());
-    let done = AtomicUsize::new(0);
+    // Each finished group: its seconds, label and whether it passed.
+    let finished: Mutex<Vec<(f64, String, bool)>> = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for _ in 0..lanes {
             scope.spawn(|| {
@@ -260,21 +259,25 @@ pub fn test(
                         cmd.current_dir(dir).env("CARGO_MANIFEST_DIR", dir);
                     }
                     let out = cmd.output();
-                    let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                    let secs = began.elapsed().as_secs_f64();
                     let ok = out.as_ref().is_ok_and(|o| o.status.success());
                     let tests = match job.tests {
                         0 => String::new(),
                         1 => " (1 test)".into(),
                         t => format!(" ({t} tests)"),
                     };
+                    let n = {
+                        let mut finished = finished.lock().unwrap();
+                        finished.push((secs, job.label.clone(), ok));
+                        finished.len()
+                    };
                     // One lock for the whole block, so that groups never interleave.
                     let mut log = std::io::stdout().lock();
                     let _ = writeln!(
                         log,
-                        "xtask: [{n}/{total}] {} {}{tests} in {:.0} s",
+                        "xtask: [{n}/{total}] {} {}{tests} in {secs:.0} s",
                         if ok { "ok" } else { "FAILED" },
                         job.label,
-                        began.elapsed().as_secs_f64()
                     );
                     match &out {
                         Ok(o) => {
@@ -286,26 +289,23 @@ pub fn test(
                         }
                     }
                     let _ = log.flush();
-                    times
-                        .lock()
-                        .unwrap()
-                        .push((began.elapsed().as_secs_f64(), job.label.clone()));
-                    if !ok {
-                        failed.lock().unwrap().push(job.label);
-                    }
                 }
             });
         }
     });
-    let failed = failed.into_inner().unwrap();
     let secs = start.elapsed().as_secs_f64();
+    let mut finished = finished.into_inner().unwrap();
+    let failed: Vec<String> = finished
+        .iter()
+        .filter(|(_, _, ok)| !ok)
+        .map(|(_, label, _)| label.clone())
+        .collect();
     // The longest groups, for whoever balances the suites next.
-    let mut times = times.into_inner().unwrap();
-    times.sort_by(|a, b| b.0.total_cmp(&a.0));
-    let longest: Vec<String> = times
+    finished.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let longest: Vec<String> = finished
         .iter()
         .take(5)
-        .map(|(t, label)| format!("{label} {t:.0} s"))
+        .map(|(t, label, _)| format!("{label} {t:.0} s"))
         .collect();
     eprintln!("xtask: longest groups: {}", longest.join(", "));
     if failed.is_empty() {

@@ -331,10 +331,10 @@ pub unsafe fn launch<R: CudaCompiled>(
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    // The bias's TMA map (64 rows × 64 keys), where its rows can be loaded as tiles, and which
-    // of its batch and head coordinates are read.
     // The grid's tiles: key blocks · key/value heads · batches.
     let tiles = cubes.0 * cubes.1 * cubes.2;
+    // The bias's TMA map (64 rows × 64 keys), where its rows can be loaded as tiles, and which
+    // of its batch and head coordinates are read.
     let bias_map = t
         .bias
         .as_ref()
