@@ -99,6 +99,9 @@ tile-skip attention.test cuda::f16::tile_schedules
 defer-wrong-buffer attention_backward.test cuda::bf16::backward_overlaps
 kv-early hopper_backward.test hopper_persistent_backward
 zero-dq hopper_backward.test hopper_backward_row_layouts
+zero-dk hopper_backward.test ampere_backward_matches_f64
+ds-store-skipped hopper_backward.test ampere_backward_matches_f64
+warp-cols hopper_backward.test ampere_backward_matches_f64
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

@@ -29,6 +29,9 @@ pub struct PlanDefaults {
     pub deterministic: bool,
     /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
     pub backward_overlap: BackwardOverlap,
+    /// The backward takes the Ampere kernel where it runs the call
+    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]; opt-in).
+    pub ampere_backward: bool,
 }
 
 impl PlanDefaults {
@@ -40,6 +43,7 @@ impl PlanDefaults {
         decode: DecodeSchedule::STANDARD,
         deterministic: false,
         backward_overlap: BackwardOverlap::Planned,
+        ampere_backward: false,
     };
 }
 
@@ -75,7 +79,8 @@ impl PlanDefaults {
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
     /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]), `BURN_FLASH_BWD_OVERLAP`
-    /// ([`BackwardOverlap::from_name`]) and `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the
+    /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_DETERMINISTIC` and
+    /// `BURN_FLASH_AMPERE_BWD` (`1` or `0` each): how the
     /// test suites and benches read them from
     /// their environment (the library reads none).
     pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
@@ -97,11 +102,13 @@ impl PlanDefaults {
                 format!("backward overlap {name:?}: planned, lockstep, deferred or staggered")
             })?;
         }
-        d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
-            None | Some("0") => false,
-            Some("1") => true,
-            Some(other) => return Err(format!("deterministic {other:?}: 1 or 0")),
+        let flag = |name: &str, what: &str| match get(name).as_deref() {
+            None | Some("0") => Ok(false),
+            Some("1") => Ok(true),
+            Some(other) => Err(format!("{what} {other:?}: 1 or 0")),
         };
+        d.deterministic = flag("BURN_FLASH_DETERMINISTIC", "deterministic")?;
+        d.ampere_backward = flag("BURN_FLASH_AMPERE_BWD", "Ampere backward")?;
         Ok(d)
     }
 }
@@ -186,6 +193,9 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!((d.hopper, d.deterministic), (HopperUse::Off, true));
+        assert!(!d.ampere_backward);
+        let d = read(&[("BURN_FLASH_AMPERE_BWD", "1")]).expect("valid");
+        assert!(d.ampere_backward && !d.deterministic);
         for (name, overlap) in [
             ("lockstep", BackwardOverlap::Lockstep),
             ("deferred", BackwardOverlap::Deferred),
@@ -200,6 +210,7 @@ mod tests {
             ("BURN_FLASH_PERSISTENT", "dx"),
             ("BURN_FLASH_HOPPER", "sometimes"),
             ("BURN_FLASH_DETERMINISTIC", "yes"),
+            ("BURN_FLASH_AMPERE_BWD", "on"),
             ("BURN_FLASH_BWD_OVERLAP", "sometimes"),
         ] {
             let err = read(&[(key, value)]).expect_err(value);

@@ -144,6 +144,10 @@ pub struct FlashAttentionOptions {
     /// How the Hopper backward's consumers meet over a step's `dSᵀ` (`None`:
     /// [`crate::plan_defaults`]'s).
     pub backward_overlap: Option<BackwardOverlap>,
+    /// The backward takes the Ampere kernel (FlashAttention-2's data flow, hand-written for
+    /// CUDA sm_80+) where it runs the call (`None`: [`crate::plan_defaults`]'s, off); opt-in
+    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
+    pub ampere_backward: Option<bool>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

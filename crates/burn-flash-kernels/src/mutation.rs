@@ -47,7 +47,7 @@ pub enum Mutation {
     /// `keep-fragments`: the cooperative-matrix forward never rescales its output fragments
     /// when a row's reference maximum moves (its row sums still are).
     KeepFragments,
-    /// `zero-dk`: the cooperative-matrix and Hopper backwards write `dK = 0`.
+    /// `zero-dk`: the cooperative-matrix, Hopper and Ampere backwards write `dK = 0`.
     ZeroDk,
     /// `wgmma-strides`: the hand-written `wgmma` kernel (`hopper::door`) swaps its descriptors'
     /// leading and stride byte offsets.
@@ -120,6 +120,14 @@ pub enum Mutation {
     /// `kv-early`: the persistent Hopper backward's producer loads a tile's `K` and `V` without
     /// waiting for the consumers' last products of the block's previous tile.
     KvEarly,
+    /// `ds-store-skipped`: the Ampere backward (`flash/backward/sm80.cu`) stores only the first
+    /// 16-row tile of each warp's `dS` to shared memory; `dK` and `dQ` read what the second
+    /// tile's rows held before.
+    DsStoreSkipped,
+    /// `warp-cols`: the Ampere backward's `dQ` warps take columns `P3_COLS · (warp % 2)`
+    /// instead of `% 4` (a wrong warp tile offset: half of `dQ`'s columns added twice, half
+    /// never).
+    WarpCols,
 }
 
 impl Mutation {
@@ -162,6 +170,8 @@ impl Mutation {
             Self::TileSkip => "tile-skip",
             Self::DeferWrongBuffer => "defer-wrong-buffer",
             Self::KvEarly => "kv-early",
+            Self::DsStoreSkipped => "ds-store-skipped",
+            Self::WarpCols => "warp-cols",
         }
     }
 }
@@ -216,6 +226,8 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::TileSkip,
             Mutation::DeferWrongBuffer,
             Mutation::KvEarly,
+            Mutation::DsStoreSkipped,
+            Mutation::WarpCols,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -419,4 +431,14 @@ pub fn uncounted_barriers() -> bool {
 /// [`Mutation::DroppedParameter`] is active.
 pub fn dropped_parameter() -> bool {
     active(Mutation::DroppedParameter)
+}
+
+/// [`Mutation::DsStoreSkipped`] is active.
+pub fn ds_store_skipped() -> bool {
+    active(Mutation::DsStoreSkipped)
+}
+
+/// [`Mutation::WarpCols`] is active.
+pub fn warp_cols() -> bool {
+    active(Mutation::WarpCols)
 }

@@ -1,17 +1,18 @@
-//! The Hopper attention backward (issue 35) on the GPU, through `launch_attention_backward`
-//! with no Burn: the plan picks it on sm_90 for f16/bf16 calls without a mask or bias, and
-//! every case's `dQ`, `dK`, `dV` are checked against an f64 reference and against the
-//! `mma.sync` backward run on the same forward outputs (the Hopper error may be at most twice
-//! the `mma` error, plus a floor of a quarter of an output ulp of the largest gradient). Needs a
-//! Hopper GPU: built with `cuda`, run in the GPU suite.
+//! The hand-written attention backwards on the GPU, through `launch_attention_backward` with
+//! no Burn: the Hopper one (issue 35), which the plan picks on sm_90 for f16/bf16 calls without
+//! a mask or bias, and the Ampere one (issue 56, `ampere_*` tests: opt-in,
+//! `AttentionOptions::ampere_backward`, any sm_80+ GPU). Every case's `dQ`, `dK`, `dV` are
+//! checked against an f64 reference and against the `mma.sync` backward run on the same forward
+//! outputs (the error may be at most twice the `mma` error, plus a floor of a quarter of an
+//! output ulp of the largest gradient). Built with `cuda`, run in the GPU suite.
 
 #![cfg(feature = "cuda")]
 
 mod common;
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionKernel, BackwardTensors, TileSchedule, launch_attention,
-    launch_attention_backward,
+    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardTensors, TileSchedule,
+    launch_attention, launch_attention_backward,
 };
 use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
 use cubecl::cuda::CudaRuntime;
@@ -255,7 +256,8 @@ fn max_abs(v: &[f64]) -> f64 {
     v.iter().fold(0.0, |m, x| m.max(x.abs()))
 }
 
-/// Checks one case in both types: the plan ran the Hopper backward, and each gradient's error
+/// Checks one case in both types: the plan ran the Hopper backward (the Ampere one where
+/// `c.ampere`), and each gradient's error
 /// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value
 /// (head dims over 128: twice the plain-unit backward's plus a whole half-ulp), and at most a
 /// tenth of its largest value.
@@ -270,7 +272,12 @@ fn check_with(client: &Client, c: Case, seed: u64, pads: RowPads) {
     let want = reference(&c, &inputs);
     for half in [Half::F16, Half::Bf16] {
         let (hopper, kernel, _) = run_with(client, &c, half, &inputs, None, 0, pads);
-        assert_eq!(kernel, AttentionBackwardKernel::Hopper, "{c:?} {half:?}");
+        let expected = if c.ampere {
+            AttentionBackwardKernel::Ampere
+        } else {
+            AttentionBackwardKernel::Hopper
+        };
+        assert_eq!(kernel, expected, "{c:?} {half:?}");
         let (mma, kernel, _) = run(
             client,
             &c,
@@ -365,6 +372,99 @@ fn hopper_backward_row_layouts() {
     common::check_cases(WHAT, cases, 400, |client, c, seed| {
         check_with(client, c, seed, pads)
     });
+}
+
+/// The CUDA client of the default device, which must have the matrix units (sm_80+): what the
+/// Ampere backward runs on.
+fn ampere_client() -> Client {
+    let client = CudaRuntime::client(&cubecl::cuda::CudaDevice::default());
+    let mma = burn_flash_kernels::fragment::unavailable(&client, Half::F16.dtype(), true);
+    assert!(mma.is_none(), "the Ampere backward tests need an sm_80+ GPU: {mma:?}");
+    client
+}
+
+/// The Ampere backward (opt-in: [`AttentionOptions::ampere_backward`]) meets [`check`]'s rule
+/// on the calls it takes: head dims 64 and 128 and their rounding (96, 72, 32, 16; `Dv ≠ D`),
+/// partial row and key blocks, grouped-query heads (groups of 2 and 4), `[B, S, H, D]` strides,
+/// causal with `Sq = Sk`, `Sq < Sk` and `Sq > Sk` (rows without a key), several key blocks and
+/// many steps per block; and with `out` and `dQ` rows padded (the per-row passes' row-major
+/// accumulator). The `ds-store-skipped`, `warp-cols` and `zero-dk` mutations must fail it.
+///
+/// [`AttentionOptions::ampere_backward`]: burn_flash_kernels::attention::AttentionOptions::ampere_backward
+#[test]
+fn ampere_backward_matches_f64() {
+    let takes = |c: &Case| c.d.max(c.dv) <= 128 && c.softcap.is_none();
+    let causal = |c: Case| Case { causal: true, ..c };
+    let extra = [
+        causal(Case::new(1, 2, 2, 17, 17, 32, 32)),
+        Case::new(2, 2, 1, 5, 3, 16, 24),
+        causal(Case::new(2, 4, 1, 700, 900, 128, 128)),
+        Case::new(1, 8, 2, 300, 260, 64, 64),
+    ];
+    let cases = common::grid()
+        .into_iter()
+        .chain(common::causal_grid())
+        .filter(takes)
+        .chain(extra)
+        .map(|c| Case { ampere: true, ..c });
+    let client = ampere_client();
+    common::check_cases_on(&client, cases, 600, check);
+    let padded = [
+        Case::new(2, 4, 2, 200, 150, 128, 128),
+        causal(Case::new(1, 2, 1, 77, 130, 96, 72)),
+    ]
+    .map(|c| Case { ampere: true, ..c });
+    let pads = RowPads { out: 2, dq: 1 };
+    common::check_cases_on(&client, padded, 700, |client, c, seed| {
+        check_with(client, c, seed, pads)
+    });
+}
+
+/// What the Ampere backward does not take falls back to the planned backward, with the reason
+/// the plan can state: head dims over 128, a softcap, the deterministic option, a forced forward
+/// kernel.
+#[test]
+fn ampere_backward_declines() {
+    use burn_flash_kernels::attention::{AttentionDims, AttentionFeatures, ampere_reason};
+    let client = ampere_client();
+    let dims = |d: usize| AttentionDims {
+        batch: 1,
+        heads_q: 2,
+        heads_kv: 2,
+        seq_q: 100,
+        seq_k: 100,
+        head_dim: d,
+        value_dim: d,
+    };
+    let aligned = AttentionFeatures {
+        aligned: true,
+        ..Default::default()
+    };
+    let base = Case {
+        ampere: true,
+        ..Case::new(1, 2, 2, 100, 100, 128, 128)
+    }
+    .options(None);
+    let dtype = Half::Bf16.dtype();
+    assert_eq!(ampere_reason(&client, dims(128), dtype, aligned, &base, false), None);
+    for (what, dims, options, write_ds) in [
+        ("head dim", dims(256), base, false),
+        ("softcap", dims(128), AttentionOptions { softcap: Some(5.0), ..base }, false),
+        ("deterministic", dims(128), AttentionOptions { deterministic: true, ..base }, false),
+        ("dS", dims(128), base, true),
+    ] {
+        let reason = ampere_reason(&client, dims, dtype, aligned, &options, write_ds);
+        println!("{what}: {reason:?}");
+        assert!(reason.is_some(), "{what}: the Ampere backward took the call");
+    }
+    // A forced forward kernel keeps its own backward.
+    let c = Case {
+        ampere: true,
+        ..Case::new(1, 2, 2, 100, 100, 64, 64)
+    };
+    let inputs = Inputs::new(&c, common::seed());
+    let (_, kernel, _) = run(&client, &c, Half::Bf16, &inputs, Some(AttentionKernel::MatrixUnits), 0);
+    assert_eq!(kernel, AttentionBackwardKernel::MatrixUnits);
 }
 
 /// The persistent backward ([`TileSchedule::Blocks`], [`TileSchedule::Persistent`]): blocks

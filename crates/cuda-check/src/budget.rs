@@ -251,6 +251,7 @@ pub fn stated(name: &str) -> Option<Occupancy> {
         "flash_backward_dq" => backward::units::DQ_OCCUPANCY,
         "flash_backward_given_tiled" => backward::units_given::OCCUPANCY,
         "burn_flash_hopper_backward" => backward::hopper::OCCUPANCY,
+        "burn_flash_sm80_backward" => backward::sm80::OCCUPANCY,
         "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => {
             backward::hopper::ROWS_OCCUPANCY
         }

@@ -9,7 +9,9 @@ use super::options::{
     AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, BackwardTensors,
     attention_dims, broadcast_strides, expect_shape, validate,
 };
-use crate::flash::backward::{Schedule, cmma, hopper, launch_backward, launch_delta, mma, units};
+use crate::flash::backward::{
+    Schedule, cmma, hopper, launch_backward, launch_delta, mma, sm80, units,
+};
 use crate::flash::block::fold_pairs;
 use crate::flash::{BackwardOperands, FlashConfig, Operand, ScoreSource, Tile};
 use crate::fragment::{self, MatrixUnitsUnavailable};
@@ -46,6 +48,12 @@ pub enum AttentionBackwardKernel {
     /// the call has a bias TMA cannot load as tiles ([`hopper::preferred`]: slower there, unless
     /// `=always`).
     Hopper,
+    /// FlashAttention-2's data flow on `mma.sync` (f16/bf16 on CUDA sm_80+,
+    /// [`sm80::unavailable`]): the Hopper backward's per-row prepass, one kernel per block of
+    /// 128 keys (64 where shared memory is 99 KiB) writing `dK`, `dV` and adding `dQ` into the
+    /// f32 accumulator, then `dQ` in the element type. Only where
+    /// [`AttentionOptions::ampere_backward`] asks (opt-in until a GPU run verifies it).
+    Ampere,
 }
 
 /// Backward launches kept by [`recent_backward_launches`].
@@ -115,7 +123,7 @@ impl AttentionBackwardPlan {
         match self.kernel {
             // δ, the base-2 lse and the accumulator per row; a counter per 64 rows
             // (deterministic).
-            AttentionBackwardKernel::Hopper => {
+            AttentionBackwardKernel::Hopper | AttentionBackwardKernel::Ampere => {
                 hopper::padded_rows(dims) * (2 + self.config.head_dim as usize) * 4
                     + hopper::padded_rows(dims) / hopper::BLOCK_Q * 4
             }
@@ -234,6 +242,24 @@ pub fn plan_attention_backward_writing<R: Runtime>(
             || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
+    // The Ampere backward where asked and it runs the call.
+    let max_shared = hw.max_shared_memory_size;
+    if options.ampere_backward
+        && options.kernel.is_none()
+        && ampere_reason(client, dims, dtype, features, options, write_ds).is_none()
+        && let Some(tile) = sm80::tile(dims, max_shared)
+    {
+        let block_keys = tile.block_k as usize;
+        let rows = hopper::padded_rows(dims);
+        return Ok(AttentionBackwardPlan {
+            kernel: AttentionBackwardKernel::Ampere,
+            config: FlashConfig::new(ScoreSource::QueryKey, rules, tile),
+            block_keys,
+            dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
+            dq_cubes: (rows.div_ceil(8), 1, 1),
+            matrix_units,
+        });
+    }
     // The Hopper backward where it runs the call and is the faster one, or the forward was
     // forced onto Hopper.
     let hopper_wanted = options.kernel == Some(super::AttentionKernel::Hopper)
@@ -294,6 +320,26 @@ pub fn plan_attention_backward_writing<R: Runtime>(
         dq_cubes,
         matrix_units,
     })
+}
+
+/// Why the Ampere backward does not run a call (`None`: it does): [`sm80::unavailable`].
+pub fn ampere_reason<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    features: AttentionFeatures,
+    options: &AttentionOptions,
+    write_ds: bool,
+) -> Option<String> {
+    sm80::unavailable(
+        sm80::cuda(client),
+        fragment::unavailable(client, dtype, features.aligned),
+        dims,
+        options.rules(features),
+        options,
+        write_ds,
+        client.properties().hardware.max_shared_memory_size,
+    )
 }
 
 /// Why the Hopper backward does not run a call (`None`: it does): switched off, another
@@ -417,6 +463,25 @@ pub fn launch_attention_backward<R: Runtime>(
             Ok(plan)
         );
     }
+    if plan.kernel == AttentionBackwardKernel::Ampere {
+        // SAFETY: the shapes were checked above and describe the buffers; the plan took the
+        // Ampere backward, so `sm80::unavailable` found nothing against this call (the `mma`
+        // path's alignment, head dims up to 128, no mask, bias or `ds`, non-empty sequences).
+        crate::launch_hand_written!(
+            client,
+            |cuda| unsafe {
+                sm80::launch(cuda, &t, dims, dtype, options, plan.config, plan.dkv_cubes);
+                record_launch(BackwardLaunch {
+                    dims,
+                    kernel: plan.kernel,
+                    mask: false,
+                    ds: false,
+                    bias_tiles: false,
+                });
+            },
+            Ok(plan)
+        );
+    }
     let operand = |t: &TensorRef<'_>, strides: Option<&Vec<usize>>| Operand {
         handle: t.handle.clone(),
         shape: match strides {
@@ -474,7 +539,9 @@ pub fn launch_attention_backward<R: Runtime>(
             }),
         },
         AttentionBackwardKernel::Units => Schedule::Units { write_ds },
-        AttentionBackwardKernel::Hopper => unreachable!("launched above"),
+        AttentionBackwardKernel::Hopper | AttentionBackwardKernel::Ampere => {
+            unreachable!("launched above")
+        }
     };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); on the matrix units the rows of `q`, `k`, `v` and `dO`

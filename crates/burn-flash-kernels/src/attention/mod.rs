@@ -35,8 +35,8 @@ pub mod options;
 pub mod plan;
 
 pub use backward::{
-    AttentionBackwardKernel, AttentionBackwardPlan, BackwardLaunch, launch_attention_backward,
-    plan_attention_backward, plan_attention_backward_writing, recent_backward_launches,
+    AttentionBackwardKernel, AttentionBackwardPlan, BackwardLaunch, ampere_reason,
+    launch_attention_backward, plan_attention_backward, plan_attention_backward_writing, recent_backward_launches,
 };
 pub use launch::launch_attention;
 pub use options::{

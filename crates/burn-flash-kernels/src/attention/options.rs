@@ -315,6 +315,11 @@ pub struct AttentionOptions {
     pub deterministic: bool,
     /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
     pub backward_overlap: BackwardOverlap,
+    /// The backward takes the Ampere kernel ([`crate::flash::backward::sm80`]: FlashAttention-2's
+    /// data flow, hand-written for sm_80+) wherever it runs the call and no forward kernel is
+    /// forced, ahead of the Hopper and `mma.sync` backwards. Off by default: opt-in until a GPU
+    /// run has verified and measured it.
+    pub ampere_backward: bool,
 }
 
 impl Default for AttentionOptions {
@@ -334,6 +339,7 @@ impl Default for AttentionOptions {
             decode: DecodeSchedule::STANDARD,
             deterministic: false,
             backward_overlap: BackwardOverlap::Planned,
+            ampere_backward: false,
         }
     }
 }

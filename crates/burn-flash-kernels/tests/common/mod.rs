@@ -265,7 +265,17 @@ pub fn check_cases(
     offset: u64,
     check: impl Fn(&ComputeClient<CudaRuntime>, Case, u64),
 ) {
-    let client = hopper_client(what);
+    check_cases_on(&hopper_client(what), cases, offset, check);
+}
+
+/// [`check_cases`] on `client`.
+pub fn check_cases_on(
+    client: &ComputeClient<CudaRuntime>,
+    cases: impl IntoIterator<Item = Case>,
+    offset: u64,
+    check: impl Fn(&ComputeClient<CudaRuntime>, Case, u64),
+) {
+    let client = client.clone();
     let seed = seed();
     for (i, c) in cases.into_iter().enumerate() {
         check(&client, c, seed.wrapping_add(offset + i as u64));
@@ -340,6 +350,8 @@ pub struct Case {
     pub deterministic: bool,
     /// [`AttentionOptions::schedule`].
     pub schedule: TileSchedule,
+    /// [`AttentionOptions::ampere_backward`].
+    pub ampere: bool,
 }
 
 impl Case {
@@ -357,6 +369,7 @@ impl Case {
             bshd: false,
             deterministic: false,
             schedule: TileSchedule::Planned,
+            ampere: false,
         }
     }
 
@@ -380,6 +393,7 @@ impl Case {
             kernel,
             deterministic: self.deterministic,
             schedule: self.schedule,
+            ampere_backward: self.ampere,
             ..Default::default()
         }
     }

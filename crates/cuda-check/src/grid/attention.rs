@@ -2,7 +2,7 @@
 //! backward) and decoding calls (split-KV over contiguous and paged caches, the cache appends).
 
 use burn_flash_kernels::attention::{
-    AttentionKernel, AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule,
+    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule,
     launch_attention, launch_attention_backward,
 };
 use burn_flash_kernels::decode::{
@@ -222,7 +222,7 @@ impl AttentionCall {
         dtype: StorageType,
         o: &AttentionOptions,
         ds: bool,
-    ) -> Result<(), String> {
+    ) -> Result<AttentionBackwardKernel, String> {
         let like = |t: &Owned| Owned::new(client, &t.shape, dtype);
         let (d_out, dq, dk, dv) = (like(&self.out), like(&self.q), like(&self.k), like(&self.v));
         let full = [
@@ -249,7 +249,7 @@ impl AttentionCall {
             ds: ds.as_ref().map(Owned::r),
         };
         launch_attention_backward(client, t, dtype, o)
-            .map(|_| ())
+            .map(|plan| plan.kernel)
             .map_err(|e| e.to_string())
     }
 }
@@ -353,7 +353,9 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                             format!("{name}{} bwd", if ds { "+ds" } else { "" }),
                             kernel_archs(kernel, archs),
                             move |c| {
-                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, f.ds)
+                                AttentionCall::new(c, s, f, dtype)
+                                    .backward(c, dtype, &o, f.ds)
+                                    .map(|_| ())
                             },
                         );
                     }
@@ -370,7 +372,9 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                                 format!("{name} {} bwd", format!("{overlap:?}").to_lowercase()),
                                 kernel_archs(kernel, archs),
                                 move |c| {
-                                    AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                                    AttentionCall::new(c, s, f, dtype)
+                                        .backward(c, dtype, &o, false)
+                                        .map(|_| ())
                                 },
                             );
                         }
@@ -387,7 +391,9 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                             format!("{name} persistent bwd"),
                             kernel_archs(kernel, archs),
                             move |c| {
-                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                                AttentionCall::new(c, s, f, dtype)
+                                    .backward(c, dtype, &o, false)
+                                    .map(|_| ())
                             },
                         );
                     }
@@ -402,11 +408,59 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                             format!("{name} deterministic bwd"),
                             kernel_archs(kernel, archs),
                             move |c| {
-                                AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)
+                                AttentionCall::new(c, s, f, dtype)
+                                    .backward(c, dtype, &o, false)
+                                    .map(|_| ())
                             },
                         );
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The Ampere backward (opt-in, `AttentionOptions::ampere_backward`) on every architecture:
+/// both 16-bit types, head dims 64, 128 and 64 / 128, plain and causal (with `--all` also 80 and
+/// 32, the rounded-up head dims). Its tile follows the architecture's shared memory (128 keys
+/// on sm_80 and sm_90a, 64 on sm_86 and sm_89); a call the plan did not give it fails.
+pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    let mut dims = vec![(64, 64), (128, 128), (64, 128)];
+    if all {
+        dims.extend([(80, 80), (32, 32)]);
+    }
+    for kind in [FloatKind::F16, FloatKind::BF16] {
+        for &(d, dv) in &dims {
+            for causal in [false, true] {
+                let f = Features {
+                    causal,
+                    ..Features::default()
+                };
+                let s = Sizes {
+                    batch: 2,
+                    heads_q: 4,
+                    heads_kv: 2,
+                    seq_q: 200,
+                    seq_k: 328,
+                    d,
+                    dv,
+                };
+                let dtype = float(kind);
+                let o = AttentionOptions {
+                    ampere_backward: true,
+                    ..options(f, None)
+                };
+                let name = format!(
+                    "attention Ampere {} D{d}/{dv} {} bwd",
+                    dtype_name(kind),
+                    f.name()
+                );
+                push(calls, name, archs.to_vec(), move |c| {
+                    match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)? {
+                        AttentionBackwardKernel::Ampere => Ok(()),
+                        other => Err(format!("the plan ran {other:?}, not the Ampere backward")),
+                    }
+                });
             }
         }
     }

@@ -101,6 +101,7 @@ fn push(
 pub fn calls(archs: &[Arch], all: bool) -> Vec<Call> {
     let mut calls = Vec::new();
     attention::attention(&mut calls, archs, all);
+    attention::ampere_backward(&mut calls, archs, all);
     attention::decode(&mut calls, archs, all);
     rows::softmax(&mut calls, archs, all);
     rows::softmax_matmul(&mut calls, archs, all);

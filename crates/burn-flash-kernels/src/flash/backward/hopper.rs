@@ -67,9 +67,11 @@ const ENTRY: &str = "burn_flash_hopper_backward";
 const PARAM_WORDS: usize = 31;
 
 /// The per-row pre- and post-passes (`δ`, the log-sum-exp in base 2, `dQ` in the element
-/// type) stream: a full SM.
+/// type) stream: six blocks of 256 threads per SM (48 warps, 42 registers), which their
+/// row-major accumulator's variants need (up to 38 registers on sm_86 / sm_89; the tiled ones
+/// take 32).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
-pub const ROWS_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(8);
+pub const ROWS_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(6);
 
 #[cfg(feature = "cuda")]
 const ROWS_ENTRY: &str = "burn_flash_hopper_backward_rows";
@@ -350,63 +352,15 @@ pub unsafe fn launch<R: CudaCompiled>(
     )
     .with_overlap(options.backward_overlap)
     .with_schedule(options.schedule, tiles);
-    let acc_dim = config.head_dim as usize;
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
-    let rows = padded_rows(dims);
-    let lse2 = client.empty(rows * 4);
-    let delta = client.empty(rows * 4);
-    let dq_acc = client.empty(rows * acc_dim * 4);
-    // One counter per 64-row block of dQ, zeroed by the prepass (deterministic variants only).
-    let dq_lock = client.empty(if variant.deterministic {
-        rows / BLOCK_Q * 4
-    } else {
-        4
-    });
-
-    let (rows_source, rows_hash) = crate::hopper::mutated(
-        ROWS_SOURCE,
-        ROWS_SOURCE_HASH,
-        &[
-            (
-                mutation::drop_delta(),
-                "delta[r] = sum;",
-                "delta[r] = 0.0f;",
-            ),
-            (
-                mutation::zero_dq(),
-                "const float scale = p.scale;",
-                "const float scale = 0.0f;",
-            ),
-        ],
+    let passes = RowPasses::new(
+        client,
+        t,
+        dims,
+        options,
+        bf16,
+        (config.head_dim as usize, dq_tiled(config), variant.deterministic),
     );
-    let tiled = dq_tiled(config);
-    let rows_defines = Defines::empty()
-        .word("ELEM_BF16", bf16)
-        .word("ACC_DIM", acc_dim as u32)
-        .word("DQ_TILED", tiled)
-        .word("DETERMINISTIC", variant.deterministic);
-    let strides = |s: &[usize]| s.iter().map(|&x| x as u64).collect::<Vec<_>>();
-    let mut rows_params = strides(t.out.strides);
-    rows_params.extend(strides(t.d_out.strides));
-    rows_params.extend(strides(t.lse.strides));
-    rows_params.extend(strides(t.dq.strides));
-    rows_params.push(rows as u64);
-    rows_params.push(words(dims.heads_q as u32, dims.seq_q as u32));
-    rows_params.push(words(rows_pad as u32, dims.head_dim as u32));
-    rows_params.push(words(dims.value_dim as u32, options.scale.to_bits()));
-    let row_blocks = CubeCount::Static(rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1);
-    let row_kernel = |entry: &'static str| {
-        HandWritten::new_hashed(
-            client,
-            rows_source,
-            rows_hash,
-            entry,
-            CubeDim::new_1d(32 * ROWS_PER_BLOCK as u32),
-            0,
-            acc_dim as u64 | u64::from(tiled) << 16 | u64::from(variant.deterministic) << 17,
-        )
-        .with_defines(&rows_defines)
-    };
 
     let (source, hash) = crate::hopper::mutated(
         SOURCE,
@@ -541,37 +495,23 @@ pub unsafe fn launch<R: CudaCompiled>(
     } else {
         cubes
     };
-    // SAFETY: the per-row kernels touch rows below `rows` of the scratch buffers (allocated
-    // here for exactly those) and, through the strides given, positions below `Sq` and columns
-    // below `Dv` of `out`, `dO` and `lse`, below `D` of `dQ`. The main kernel's loads stay in
-    // `q`, `k`, `v`, `dO`, a bias by TMA (TMA clips every box to the shapes; the bias's view
-    // describes its buffer) and the scratch rows of its
-    // (batch, head) pairs; block (n, h, b) writes its `block_k` keys below `Sk` of
+    // SAFETY: the per-row passes' ([`RowPasses::prepass`], [`RowPasses::convert`]). The main
+    // kernel's loads stay in `q`, `k`, `v`, `dO`, a bias by TMA (TMA clips every box to the
+    // shapes; the bias's view describes its buffer) and the scratch rows of its (batch, head)
+    // pairs; block (n, h, b) writes its `block_k` keys below `Sk` of
     // `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`, and (with `ds`) those keys of
     // `dS[b, h·group ..][rows below Sq]` through `ds`'s strides. The mask and bias reads stay in
     // theirs: rows below `Sq`, keys below `Sk`, through the broadcast strides checked by the
     // caller.
     unsafe {
-        row_kernel(ROWS_ENTRY).launch(
-            row_blocks.clone(),
-            vec![
-                t.out.handle.clone().binding(),
-                t.d_out.handle.clone().binding(),
-                t.lse.handle.clone().binding(),
-                lse2.clone().binding(),
-                delta.clone().binding(),
-                dq_acc.clone().binding(),
-                dq_lock.clone().binding(),
-            ],
-            rows_params.clone(),
-        );
+        passes.prepass(t);
         kernel.launch_with_maps(
             CubeCount::Static(x as u32, y as u32, z as u32),
             maps,
             vec![
-                lse2.binding(),
-                delta.binding(),
-                dq_acc.clone().binding(),
+                passes.lse2.clone().binding(),
+                passes.delta.clone().binding(),
+                passes.dq_acc.clone().binding(),
                 t.dk.handle.clone().binding(),
                 t.dv.handle.clone().binding(),
                 mask_handle.binding(),
@@ -580,15 +520,160 @@ pub unsafe fn launch<R: CudaCompiled>(
                 // Absent slopes or sequences are never read: `lse` (f32) stands in.
                 t.slopes.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
                 t.seqs.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
-                dq_lock.binding(),
+                passes.dq_lock.clone().binding(),
             ],
             params,
         );
-        row_kernel(DQ_ENTRY).launch(
-            CubeCount::Static(rows.div_ceil(DQ_ROWS_PER_BLOCK) as u32, 1, 1),
-            vec![dq_acc.binding(), t.dq.handle.clone().binding()],
-            rows_params,
-        );
+        passes.convert(t);
     }
     variant.bias_tiles
+}
+
+/// Strides as the hand-written kernels' parameter words.
+#[cfg(feature = "cuda")]
+pub(crate) fn strides(s: &[usize]) -> Vec<u64> {
+    s.iter().map(|&x| x as u64).collect()
+}
+
+/// The per-row passes around a backward's main kernel (`hopper_rows.cu`) and the scratch they
+/// share with it: the prepass writes `δ` and the base-2 log-sum-exp of every row (numbered
+/// `(b·Hq + h)·rows_pad + i`, `rows_pad` = `Sq` rounded up to [`BLOCK_Q`]) and zeroes the f32
+/// `dQ` accumulator (and the deterministic counters); the conversion writes `dQ` in the element
+/// type. The Hopper backward and the Ampere backward ([`super::sm80`]) run between them.
+#[cfg(feature = "cuda")]
+pub(crate) struct RowPasses<R: CudaCompiled> {
+    client: ComputeClient<R>,
+    source: &'static str,
+    hash: u64,
+    defines: Defines,
+    variant: u64,
+    params: Vec<u64>,
+    /// Rows of the scratch ([`padded_rows`]).
+    pub rows: usize,
+    /// The base-2 log-sum-exp per row (+inf past `Sq` and for rows that see no key).
+    pub lse2: cubecl::server::Handle,
+    /// `δ = rowsum(dO ⊙ O)` per row.
+    pub delta: cubecl::server::Handle,
+    /// The f32 `dQ` accumulator: `acc_dim` columns a row, row-major or tiled ([`dq_tiled`]).
+    pub dq_acc: cubecl::server::Handle,
+    /// A counter per 64-row block of `dQ` (deterministic); 4 bytes otherwise.
+    pub dq_lock: cubecl::server::Handle,
+}
+
+#[cfg(feature = "cuda")]
+impl<R: CudaCompiled> RowPasses<R> {
+    /// The passes of a call of `dims` with `options` over `t`, in bf16 (else f16), with an
+    /// accumulator of `acc_dim` columns, tiled where `tiled`, ordered where `deterministic`.
+    pub(crate) fn new(
+        client: &ComputeClient<R>,
+        t: &BackwardTensors<'_>,
+        dims: AttentionDims,
+        options: &AttentionOptions,
+        bf16: bool,
+        (acc_dim, tiled, deterministic): (usize, bool, bool),
+    ) -> Self {
+        use crate::mutation;
+        let rows_pad = dims.seq_q.next_multiple_of(BLOCK_Q);
+        let rows = padded_rows(dims);
+        let (source, hash) = crate::hopper::mutated(
+            ROWS_SOURCE,
+            ROWS_SOURCE_HASH,
+            &[
+                (
+                    mutation::drop_delta(),
+                    "delta[r] = sum;",
+                    "delta[r] = 0.0f;",
+                ),
+                (
+                    mutation::zero_dq(),
+                    "const float scale = p.scale;",
+                    "const float scale = 0.0f;",
+                ),
+            ],
+        );
+        let defines = Defines::empty()
+            .word("ELEM_BF16", bf16)
+            .word("ACC_DIM", acc_dim as u32)
+            .word("DQ_TILED", tiled)
+            .word("DETERMINISTIC", deterministic);
+        let mut params = strides(t.out.strides);
+        params.extend(strides(t.d_out.strides));
+        params.extend(strides(t.lse.strides));
+        params.extend(strides(t.dq.strides));
+        params.push(rows as u64);
+        params.push(words(dims.heads_q as u32, dims.seq_q as u32));
+        params.push(words(rows_pad as u32, dims.head_dim as u32));
+        params.push(words(dims.value_dim as u32, options.scale.to_bits()));
+        Self {
+            client: client.clone(),
+            source,
+            hash,
+            defines,
+            variant: acc_dim as u64 | u64::from(tiled) << 16 | u64::from(deterministic) << 17,
+            params,
+            rows,
+            lse2: client.empty(rows * 4),
+            delta: client.empty(rows * 4),
+            dq_acc: client.empty(rows * acc_dim * 4),
+            dq_lock: client.empty(if deterministic {
+                rows / BLOCK_Q * 4
+            } else {
+                4
+            }),
+        }
+    }
+
+    fn kernel(&self, entry: &'static str) -> HandWritten<R> {
+        HandWritten::new_hashed(
+            &self.client,
+            self.source,
+            self.hash,
+            entry,
+            CubeDim::new_1d(32 * ROWS_PER_BLOCK as u32),
+            0,
+            self.variant,
+        )
+        .with_defines(&self.defines)
+    }
+
+    /// Launches the prepass over `t` (the tensors [`Self::new`] took).
+    ///
+    /// # Safety
+    /// `t`'s shapes and strides describe its buffers.
+    pub(crate) unsafe fn prepass(&self, t: &BackwardTensors<'_>) {
+        // SAFETY: the prepass touches rows below `rows` of the scratch (allocated for exactly
+        // those) and, through the strides given, positions below `Sq` and columns below `Dv`
+        // of `out`, `dO` and `lse` (the caller's).
+        unsafe {
+            self.kernel(ROWS_ENTRY).launch(
+                CubeCount::Static(self.rows.div_ceil(ROWS_PER_BLOCK) as u32, 1, 1),
+                vec![
+                    t.out.handle.clone().binding(),
+                    t.d_out.handle.clone().binding(),
+                    t.lse.handle.clone().binding(),
+                    self.lse2.clone().binding(),
+                    self.delta.clone().binding(),
+                    self.dq_acc.clone().binding(),
+                    self.dq_lock.clone().binding(),
+                ],
+                self.params.clone(),
+            );
+        }
+    }
+
+    /// Launches the conversion of the accumulator into `t.dq`.
+    ///
+    /// # Safety
+    /// `t.dq`'s shape and strides describe its buffer.
+    pub(crate) unsafe fn convert(&self, t: &BackwardTensors<'_>) {
+        // SAFETY: the conversion reads the accumulator's rows below `rows` and writes positions
+        // below `Sq` and columns below `D` of `dQ` through its strides (the caller's).
+        unsafe {
+            self.kernel(DQ_ENTRY).launch(
+                CubeCount::Static(self.rows.div_ceil(DQ_ROWS_PER_BLOCK) as u32, 1, 1),
+                vec![self.dq_acc.clone().binding(), t.dq.handle.clone().binding()],
+                self.params.clone(),
+            );
+        }
+    }
 }

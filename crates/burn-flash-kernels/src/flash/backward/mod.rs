@@ -27,6 +27,8 @@
 //!   CUDA's `wmma`);
 //! - [`hopper`]: Hopper's `wgmma` and TMA (f16/bf16, sm_90), hand-written CUDA launched
 //!   through cubecl's client; one kernel per key block with `dQ` accumulated by reductions.
+//! - [`sm80`]: FlashAttention-2's data flow on `mma.sync` (f16/bf16, CUDA sm_80+), hand-written
+//!   CUDA through the same door; one kernel per key block, `dQ` by reductions (opt-in).
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]
@@ -36,6 +38,7 @@ pub mod hopper_given;
 pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;
+pub mod sm80;
 pub mod units;
 pub mod units_given;
 

@@ -1,0 +1,279 @@
+//! The attention backward on Ampere and later (sm_80 … sm_90), FlashAttention-2's data flow,
+//! hand-written CUDA (`sm80.cu` next to this file, on `crate::hopper`'s `sm80.cuh` wrappers):
+//! one block of 256 threads per [`tile`]'s keys of one (batch, key/value head) keeps `K`, `V`
+//! in shared memory and `dK`, `dV` in registers while it walks the group's query rows 64 at a
+//! time; per step it computes `S` and `dP` in one warp layout (2 × 4 warps over rows × keys),
+//! stores `P` and `dS` to shared memory, accumulates `dV += Pᵀ·dO` and `dK += dSᵀ·Q` in a
+//! second (warps along the keys × along the columns, each `ldmatrix.trans` fragment feeding
+//! every n-tile of its row) and adds `dQ = dS·K` into an f32 accumulator in a third. It runs
+//! between the Hopper backward's per-row passes ([`super::hopper::RowPasses`], with a
+//! row-major accumulator). NOTES.md ("Issue 56") gives the design and the register counts.
+//!
+//! cubecl 0.10's `#[cube]` `mma` path cannot state a warp layout per product or `ldmatrix`
+//! reuse across products, which is this kernel's whole change; the `#[cube]` kernels stay
+//! wgpu's path and the tests' baseline.
+//!
+//! **Opt-in** ([`AttentionOptions::ampere_backward`](crate::attention::AttentionOptions)):
+//! no plan takes it by default until a GPU run has verified and measured it. It takes f16 and
+//! bf16, head dims up to 128 (rounded up to 64 or 128), causal and grouped-query calls;
+//! [`unavailable`] names what it does not take.
+
+#[cfg(feature = "cuda")]
+use crate::attention::options::BackwardTensors;
+use crate::attention::options::{AttentionDims, AttentionOptions};
+#[cfg(feature = "cuda")]
+use crate::flash::FlashConfig;
+use crate::flash::{ScoreRules, Tile};
+#[cfg(feature = "cuda")]
+use crate::hopper::task::HandWritten;
+#[cfg(feature = "cuda")]
+use crate::hopper::{CudaCompiled, Defines, words};
+use cubecl::prelude::*;
+
+/// Query rows per step.
+pub const BLOCK_M: usize = 64;
+/// Threads per block (8 warps).
+pub const UNITS: u32 = 256;
+
+/// 256 threads at up to 255 registers: one block per SM, no spill.
+/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+
+#[cfg(feature = "cuda")]
+const ENTRY: &str = "burn_flash_sm80_backward";
+
+/// Words of the kernel's parameter struct (`Sm80BwdParams`, which the source asserts).
+#[cfg(feature = "cuda")]
+const PARAM_WORDS: usize = 33;
+
+/// The CUDA source: the instruction wrappers, the score helpers, the kernel.
+#[cfg(feature = "cuda")]
+pub const SOURCE: &str = concat!(
+    include_str!("../../hopper/sm80.cuh"),
+    include_str!("../scores.cuh"),
+    include_str!("sm80.cu")
+);
+
+#[cfg(feature = "cuda")]
+const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
+
+/// `Q`/`dO` slots with `block_keys` keys per block: two at 128 keys, one at 64 (the tile of
+/// GPUs with 99 KiB of shared memory a block, sm_86 and sm_89).
+pub fn stages(block_keys: u32) -> u32 {
+    if block_keys == 128 { 2 } else { 1 }
+}
+
+/// Dynamic shared memory of `tile` (`sm80.cu`'s `SMEM_BYTES`): `K` and `V` of the block, `P`
+/// and `dS` (64 × keys each), and per stage `Q`, `dO` (64 rows) and the rows' `lse₂` and `δ`;
+/// 16-bit elements. D = Dv = 128: 164 864 bytes at 128 keys, 82 432 at 64.
+pub fn shared_bytes(tile: Tile) -> usize {
+    let (keys, d, dv) = (
+        tile.block_k as usize,
+        tile.head_dim as usize,
+        tile.value_dim as usize,
+    );
+    2 * keys * (d + dv) + 2 * 2 * BLOCK_M * keys + stages(tile.block_k) as usize * (2 * BLOCK_M * (d + dv) + 2 * 4 * BLOCK_M)
+}
+
+/// The tile of a call on a device with `max_shared` bytes of shared memory a block: the head
+/// dims rounded up to 64 or 128, 128 keys a block (two `Q`/`dO` stages) where that fits, else
+/// 64 (one stage); `None` where neither fits.
+pub fn tile(dims: AttentionDims, max_shared: usize) -> Option<Tile> {
+    let rounded = |dim: usize| dim.max(64).next_power_of_two() as u32;
+    [128, 64]
+        .into_iter()
+        .map(|block_k| Tile {
+            block_q: BLOCK_M as u32,
+            row_tiles: 1,
+            block_k,
+            head_dim: rounded(dims.head_dim),
+            value_dim: rounded(dims.value_dim),
+        })
+        .find(|&t| shared_bytes(t) <= max_shared)
+}
+
+/// Whether `client` is a CUDA client (a GPU's, or `cuda-check`'s stated architecture): the
+/// hand-written kernels launch on nothing else.
+pub fn cuda<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::hopper::with_cuda_client!(client, |_cuda| ()).is_some()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = client;
+        false
+    }
+}
+
+/// Why the Ampere backward cannot run a call (`None`: it can). `cuda` says whether the client
+/// is a CUDA one; `matrix_units` is the `mma` path's own answer for the device, type and
+/// alignment ([`crate::fragment::unavailable`]); `max_shared` the device's shared memory per
+/// block; `write_ds` whether the call writes `dS`.
+#[allow(clippy::too_many_arguments)]
+pub fn unavailable(
+    cuda: bool,
+    matrix_units: Option<crate::fragment::MatrixUnitsUnavailable>,
+    dims: AttentionDims,
+    rules: ScoreRules,
+    options: &AttentionOptions,
+    write_ds: bool,
+    max_shared: usize,
+) -> Option<String> {
+    // The score rules it takes: causal; quiet softmax and sinks change only the stored
+    // log-sum-exp, which the backward reads as it is.
+    let plain = ScoreRules {
+        causal: rules.causal,
+        quiet: rules.quiet,
+        sinks: rules.sinks,
+        ..ScoreRules::NONE
+    };
+    let reason = if !cuda {
+        "the Ampere backward is hand-written CUDA".to_string()
+    } else if let Some(reason) = matrix_units {
+        format!("the Ampere backward runs on the matrix units: {reason}")
+    } else if dims.head_dim > 128 || dims.value_dim > 128 {
+        "the Ampere backward takes head dims up to 128".into()
+    } else if rules != plain || write_ds {
+        "the Ampere backward takes causal and grouped-query calls only (no softcap, mask, bias, dropout, window, ALiBi or packed sequences yet)".into()
+    } else if options.deterministic {
+        "the Ampere backward adds dQ with atomics (not deterministic)".into()
+    } else if dims.seq_q == 0 || dims.seq_k == 0 {
+        "the Ampere backward takes non-empty sequences".into()
+    } else if dims.heads_kv > 65_535 || dims.batch > 65_535 {
+        "the Ampere backward launches one block row per key/value head and batch: at most 65535 each".into()
+    } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
+        "the Ampere backward indexes positions with 32-bit integers".into()
+    } else if tile(dims, max_shared).is_none() {
+        format!(
+            "the Ampere backward needs {} B of shared memory a block; the device has {max_shared}",
+            shared_bytes(Tile {
+                block_q: BLOCK_M as u32,
+                row_tiles: 1,
+                block_k: 64,
+                head_dim: 128,
+                value_dim: 128,
+            })
+        )
+    } else {
+        return None;
+    };
+    Some(reason)
+}
+
+/// Launches the backward of `dims` on `client`: the per-row prepass, the main kernel on
+/// `cubes` (key blocks of `config`'s tile, `Hkv`, `B`), then `dQ`'s conversion. `t` was
+/// checked by the caller (shapes, [`unavailable`] `None`).
+///
+/// # Safety
+/// The shapes and strides of `t` describe the buffers.
+#[cfg(feature = "cuda")]
+pub unsafe fn launch<R: CudaCompiled>(
+    client: &ComputeClient<R>,
+    t: &BackwardTensors<'_>,
+    dims: AttentionDims,
+    dtype: StorageType,
+    options: &AttentionOptions,
+    config: FlashConfig,
+    cubes: (usize, usize, usize),
+) {
+    use super::hopper::{RowPasses, strides};
+    use crate::mutation;
+    use cubecl::ir::{ElemType, FloatKind};
+    let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
+    let tile = config.tile();
+    // The accumulator is row-major, `HEAD_DIM` columns a row (`DQ_TILED 0`).
+    let passes = RowPasses::new(
+        client,
+        t,
+        dims,
+        options,
+        bf16,
+        (config.head_dim as usize, false, false),
+    );
+    let (source, hash) = crate::hopper::mutated(
+        SOURCE,
+        SOURCE_HASH,
+        &[
+            (mutation::zero_dk(), "dk_acc, p.scale, key0", "dk_acc, 0.0f, key0"),
+            (
+                mutation::ds_store_skipped(),
+                "sm80_sts_u32(sds + PS_OFF(mt, h, nt),",
+                "if (mt == 0) sm80_sts_u32(sds + PS_OFF(mt, h, nt),",
+            ),
+            (
+                mutation::warp_cols(),
+                "w3_col = P3_COLS * (warp % 4u);",
+                "w3_col = P3_COLS * (warp % 2u);",
+            ),
+            (
+                mutation::causal_top_left(),
+                "const int diag = seq_k - seq_q;",
+                "const int diag = 0;",
+            ),
+            (
+                mutation::gqa_modulo(),
+                "head_kv * p.group + (u32)(it / per_head)",
+                "head_kv + gridDim.y * (u32)(it / per_head)",
+            ),
+        ],
+    );
+    let defines = Defines::elem(bf16)
+        .word("HEAD_DIM", config.head_dim)
+        .word("VALUE_DIM", config.value_dim)
+        .word("BLOCK_N", config.block_k)
+        .word("STAGES", stages(config.block_k))
+        .word("PARAM_WORDS", PARAM_WORDS as u32)
+        .rules(&config.rules);
+    let kernel = HandWritten::new_hashed(
+        client,
+        source,
+        hash,
+        ENTRY,
+        CubeDim::new_1d(UNITS),
+        shared_bytes(tile),
+        defines.key(),
+    )
+    .with_defines(&defines);
+    let mut params = strides(t.q.strides);
+    for s in [t.k.strides, t.v.strides, t.d_out.strides, t.dk.strides, t.dv.strides] {
+        params.extend(strides(s));
+    }
+    let rows_pad = dims.seq_q.next_multiple_of(BLOCK_M);
+    params.push(words(dims.seq_q as u32, dims.seq_k as u32));
+    params.push(words(rows_pad as u32, dims.heads_q as u32));
+    params.push(words(dims.group() as u32, dims.head_dim as u32));
+    params.push(words(dims.value_dim as u32, options.scale.to_bits()));
+    params.extend(options.scalars().hopper_words(options.masked_score));
+    assert_eq!(
+        params.len(),
+        PARAM_WORDS,
+        "the Ampere backward's parameter words"
+    );
+    // SAFETY: the per-row passes' ([`RowPasses::prepass`], [`RowPasses::convert`]). The main
+    // kernel reads `q`, `k`, `v`, `dO` through their strides at positions below `Sq` / `Sk`
+    // and columns below `D` / `Dv` (rows and starts 16-byte aligned, unit stride along the head
+    // dim: `unavailable` found the `mma` path's alignment), the scratch rows of its (batch,
+    // head) pairs (rows below `rows_pad` of each), and block (n, h, b) writes its keys below
+    // `Sk` of `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`, and adds into the
+    // accumulator's rows below `Sq` of its pairs.
+    unsafe {
+        passes.prepass(t);
+        kernel.launch(
+            CubeCount::Static(cubes.0 as u32, cubes.1 as u32, cubes.2 as u32),
+            vec![
+                t.q.handle.clone().binding(),
+                t.k.handle.clone().binding(),
+                t.v.handle.clone().binding(),
+                t.d_out.handle.clone().binding(),
+                passes.lse2.clone().binding(),
+                passes.delta.clone().binding(),
+                passes.dq_acc.clone().binding(),
+                t.dk.handle.clone().binding(),
+                t.dv.handle.clone().binding(),
+            ],
+            params,
+        );
+        passes.convert(t);
+    }
+}
