@@ -13,6 +13,8 @@
 # `ONLY=REGEX` keeps the cases whose whole mutation name matches (`ONLY='paged-lookup|drop-split'`),
 # so that a call after a change to a few kernels runs their mutations beside the CUDA suite.
 # Every line (CAUGHT/PASS per test, then a verdict per mutation) goes to $OUT/mutations.txt.
+# Lines arrive in $OUT/mutations-progress.txt as each case ends (a call cut by its time guard
+# keeps what finished).
 # The CUDA check's own mutations (forced-spill, register-budget, hopper-syntax,
 # uncounted-barriers) run on the CPU: `cargo xtask cuda-check --mutations`.
 set -uo pipefail
@@ -118,7 +120,7 @@ echo "$cases" | xargs -P "$jobs" -L 1 bash -c '
   then echo "PASS $m $b $t ${3:-}"
   elif grep -q "mutation site .* is missing" "$log"; then echo "NOSITE $m $b $t ${3:-}"
   else echo "CAUGHT $m $b $t ${3:-}"; fi
-' | sort | tee "$summary"
+' | tee "${summary%.txt}-progress.txt" | sort | tee "$summary"
 survivors=0
 for m in $(echo "$cases" | cut -d' ' -f1 | sort -u); do
   if grep -q "^CAUGHT $m " "$summary"; then
