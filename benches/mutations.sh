@@ -23,9 +23,10 @@ jobs=${1:-14}
 bin=/tmp/gpu-pack-bin
 summary=${OUT:-/tmp}/mutations.txt
 mkdir -p "${OUT:-/tmp}" # a caller may point OUT at a subfolder of its own
-# mutation, test binary, exact test name, and optionally one VAR=value for the test's process
-# (on an H100/H200 the plan gives 16-bit calls to the Hopper kernels: the `mma.sync` kernels'
-# mutations are caught with BURN_FLASH_HOPPER=off)
+# mutation, test binary, exact test name, and optionally VAR=value settings for the test's
+# process, comma-separated (on an H100/H200 the plan gives 16-bit calls to the Hopper kernels:
+# the `mma.sync` kernels' mutations are caught with BURN_FLASH_HOPPER=off, and where the Ampere
+# backward would take the call, BURN_FLASH_AMPERE_BWD=off as well)
 cases=$(cat <<'EOF'
 zero-dx softmax_matmul.test cuda::f32::gradients
 zero-dx softmax_matmul.test cuda::bf16::gradients
@@ -55,7 +56,7 @@ stage-head-start attention_backward.test cuda::bf16::causal
 dx-narrow-blocks softmax_matmul.test cuda::wide_dx_rows
 dx-narrow-blocks softmax_matmul.test cuda::bf16::gradients
 dx-narrow-blocks softmax_matmul.test cuda::wide_dx_rows BURN_FLASH_HOPPER=off
-stage-head-start attention_backward.test cuda::bf16::causal BURN_FLASH_HOPPER=off
+stage-head-start attention_backward.test cuda::bf16::causal BURN_FLASH_HOPPER=off,BURN_FLASH_AMPERE_BWD=off
 fill-grad attention_backward.test cuda::bf16::masked_score_and_quiet BURN_FLASH_HOPPER=off
 no-rescale attention.test cuda::f16::cooperative_matrix_kernel
 keep-fragments attention.test cuda::f16::cooperative_matrix_kernel
@@ -104,6 +105,8 @@ zero-dq hopper_backward.test hopper_backward_row_layouts
 zero-dk hopper_backward.test ampere_backward_matches_f64
 ds-store-skipped hopper_backward.test ampere_backward_matches_f64
 warp-cols hopper_backward.test ampere_backward_matches_f64
+causal-top-left hopper_backward.test ampere_backward_matches_f64
+gqa-modulo hopper_backward.test ampere_backward_matches_f64
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')
@@ -116,7 +119,7 @@ rm -rf "$logs" && mkdir -p "$logs"
 echo "$cases" | xargs -P "$jobs" -L 1 bash -c '
   m=$0; b=$1; t=$2; log="'"$logs"'/$m-${b%.test}-${t//::/-}-${3:-plan}.log"
   [ -x "'"$bin"'/$b" ] || { echo "MISSING $m $b $t ${3:-}"; exit 0; }
-  if env ${3:+"$3"} BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
+  if env ${3:+${3//,/ }} BURN_FLASH_MUTATION=$m timeout 480 "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1
   then echo "PASS $m $b $t ${3:-}"
   elif grep -q "mutation site .* is missing" "$log"; then echo "NOSITE $m $b $t ${3:-}"
   else echo "CAUGHT $m $b $t ${3:-}"; fi

@@ -12,7 +12,9 @@
 
 use std::sync::RwLock;
 
-use burn_flash_kernels::attention::{BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule};
+use burn_flash_kernels::attention::{
+    AmpereUse, BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule,
+};
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 
 /// The process's plan inputs for calls that leave them unset.
@@ -29,9 +31,9 @@ pub struct PlanDefaults {
     pub deterministic: bool,
     /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
     pub backward_overlap: BackwardOverlap,
-    /// The backward takes the Ampere kernel where it runs the call
-    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]; opt-in).
-    pub ampere_backward: bool,
+    /// How plans use the Ampere backward
+    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
+    pub ampere_backward: AmpereUse,
 }
 
 impl PlanDefaults {
@@ -43,7 +45,7 @@ impl PlanDefaults {
         decode: DecodeSchedule::STANDARD,
         deterministic: false,
         backward_overlap: BackwardOverlap::Planned,
-        ampere_backward: false,
+        ampere_backward: AmpereUse::Faster,
     };
 }
 
@@ -79,8 +81,8 @@ impl PlanDefaults {
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
     /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]), `BURN_FLASH_BWD_OVERLAP`
-    /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_DETERMINISTIC` and
-    /// `BURN_FLASH_AMPERE_BWD` (`1` or `0` each): how the
+    /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_AMPERE_BWD` ([`AmpereUse::from_name`]) and
+    /// `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the
     /// test suites and benches read them from
     /// their environment (the library reads none).
     pub fn from_settings(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
@@ -102,13 +104,15 @@ impl PlanDefaults {
                 format!("backward overlap {name:?}: planned, lockstep, deferred or staggered")
             })?;
         }
-        let flag = |name: &str, what: &str| match get(name).as_deref() {
-            None | Some("0") => Ok(false),
-            Some("1") => Ok(true),
-            Some(other) => Err(format!("{what} {other:?}: 1 or 0")),
+        if let Some(name) = get("BURN_FLASH_AMPERE_BWD") {
+            d.ampere_backward = AmpereUse::from_name(&name)
+                .ok_or_else(|| format!("Ampere backward use {name:?}: off, always or faster"))?;
+        }
+        d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => return Err(format!("deterministic {other:?}: 1 or 0")),
         };
-        d.deterministic = flag("BURN_FLASH_DETERMINISTIC", "deterministic")?;
-        d.ampere_backward = flag("BURN_FLASH_AMPERE_BWD", "Ampere backward")?;
         Ok(d)
     }
 }
@@ -193,9 +197,16 @@ mod tests {
         ])
         .expect("valid");
         assert_eq!((d.hopper, d.deterministic), (HopperUse::Off, true));
-        assert!(!d.ampere_backward);
-        let d = read(&[("BURN_FLASH_AMPERE_BWD", "1")]).expect("valid");
-        assert!(d.ampere_backward && !d.deterministic);
+        assert_eq!(d.ampere_backward, AmpereUse::Faster);
+        for (name, use_) in [
+            ("off", AmpereUse::Off),
+            ("always", AmpereUse::Always),
+            ("1", AmpereUse::Always),
+            ("faster", AmpereUse::Faster),
+        ] {
+            let d = read(&[("BURN_FLASH_AMPERE_BWD", name)]).expect(name);
+            assert_eq!(d.ampere_backward, use_, "{name}");
+        }
         for (name, overlap) in [
             ("lockstep", BackwardOverlap::Lockstep),
             ("deferred", BackwardOverlap::Deferred),
@@ -210,7 +221,7 @@ mod tests {
             ("BURN_FLASH_PERSISTENT", "dx"),
             ("BURN_FLASH_HOPPER", "sometimes"),
             ("BURN_FLASH_DETERMINISTIC", "yes"),
-            ("BURN_FLASH_AMPERE_BWD", "on"),
+            ("BURN_FLASH_AMPERE_BWD", "sometimes"),
             ("BURN_FLASH_BWD_OVERLAP", "sometimes"),
         ] {
             let err = read(&[(key, value)]).expect_err(value);

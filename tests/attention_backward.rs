@@ -736,9 +736,22 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             },
         )
         .is_some_and(|p| p.is_ok());
+    // The Ampere backward: 16-bit CUDA calls with head dims up to 128 and no mask, bias or
+    // dropout, unless a forward kernel is forced; where the Hopper backward does not take the
+    // call, or ahead of it where the run asks (`BURN_FLASH_AMPERE_BWD=always`).
+    let ampere = cuda
+        && sixteen
+        && !cooperative_forced()
+        && match common::plan_inputs().ampere_backward {
+            burn_flash::AmpereUse::Always => true,
+            burn_flash::AmpereUse::Faster => !hopper,
+            burn_flash::AmpereUse::Off => false,
+        };
     if cuda && sixteen {
         let want = if cooperative_forced() {
             AttentionBackwardKernel::CooperativeMatrix
+        } else if ampere {
+            AttentionBackwardKernel::Ampere
         } else if hopper {
             AttentionBackwardKernel::Hopper
         } else {
@@ -750,7 +763,17 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         assert!(sixteen, "{plain:?}");
         assert_eq!(plain.kernel, AttentionBackwardKernel::CooperativeMatrix);
     }
-    if hopper {
+    if ampere {
+        // Ampere: D 72 and Dv 40 rounded up to 128 and 64; blocks of 128 keys (64 where shared
+        // memory is 99 KiB), 64 query rows per step; one block row per (key/value head, batch);
+        // the Hopper backward's per-row kernels over 3 · 8 heads of 128 padded rows.
+        let c = plain.config;
+        assert_eq!((c.head_dim, c.value_dim, c.block_q), (128, 64, 64));
+        assert!(matches!(plain.block_keys, 64 | 128), "{plain:?}");
+        assert_eq!(c.block_k as usize, plain.block_keys);
+        assert_eq!(plain.dkv_cubes, (70usize.div_ceil(plain.block_keys), 2, 3));
+        assert_eq!(plain.dq_cubes, (3 * 8 * 128 / 8, 1, 1));
+    } else if hopper {
         // Hopper: D 72 and Dv 40 rounded up to 128 and 64; blocks of 128 keys (1), 64 query
         // rows per step; one block row per (key/value head, batch); the per-row kernels over
         // 3 · 8 heads of 128 padded rows, 8 rows per block.
@@ -804,8 +827,12 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
     if hopper {
-        // A mask takes the Hopper backward too.
-        assert_eq!(launch(&masked), launch(&plain));
+        // A mask takes the Hopper backward too (not the Ampere one, which takes no mask yet).
+        if ampere {
+            assert_eq!(masked.kernel, AttentionBackwardKernel::Hopper);
+        } else {
+            assert_eq!(launch(&masked), launch(&plain));
+        }
         // A bias, tracked (`dS` written for its gradient) or not: the Hopper backward where TMA
         // loads its rows as tiles (Sk 72: rows of 144 bytes) or where the rows are broadcast
         // (read per element from cache), else the `mma.sync` one (a full bias read per element
@@ -844,11 +871,15 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 "Sk {seq_k}, rows broadcast: {broadcast}, bias tracked: {tracked}"
             );
         }
+    } else if ampere {
+        // A mask leaves the Ampere backward for the `mma.sync` one.
+        assert_eq!(masked.kernel, AttentionBackwardKernel::MatrixUnits);
     } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
     }
     if matrix {
-        // Dropout takes the plan of the same call without it (Hopper's or the matrix units').
+        // Dropout takes the plan of the same call without it (Hopper's or the matrix units'),
+        // or under the Ampere backward (no dropout yet) the masked call's kernels.
         let dropout = FlashAttentionOptions {
             dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
             ..options
@@ -858,7 +889,11 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
                 .expect("plan")
                 .expect("plan");
         assert!(dropped.config.rules.dropout);
-        assert_eq!(launch(&dropped), launch(&plain));
+        if ampere {
+            assert_eq!(dropped.kernel, masked.kernel);
+        } else {
+            assert_eq!(launch(&dropped), launch(&plain));
+        }
     } else {
         assert_eq!(masked.kernel, AttentionBackwardKernel::Units);
         let c = masked.config;
@@ -903,6 +938,9 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .iter()
             .filter(|l| l.mask == mask)
             .map(|l| l.kernel)
+            // Under the Ampere backward, dropout's launches (unmasked) take the masked call's
+            // kernels.
+            .filter(|&k| !(ampere && !mask && k == masked.kernel))
             .collect();
         assert_launched(&kernels, want, &format!("mask {mask}"));
     }
@@ -1680,9 +1718,15 @@ fn deterministic_backward<B: FlashBackend>(device: &B::Device, dtype: FloatDType
             )
             .map(|p| p.expect("the call plans").kernel)
         };
+        // The Ampere backward (opt-in) adds dQ by atomics: a deterministic call takes the `mma`
+        // backward instead.
+        let want = match plan(false) {
+            Some(AttentionBackwardKernel::Ampere) => Some(AttentionBackwardKernel::MatrixUnits),
+            other => other,
+        };
         assert_eq!(
             plan(true),
-            plan(false),
+            want,
             "{context}: the same backward with the option"
         );
 

@@ -43,9 +43,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
         backward_overlap: options
             .backward_overlap
             .unwrap_or(defaults.backward_overlap),
-        ampere_backward: options
-            .ampere_backward
-            .unwrap_or(defaults.ampere_backward),
+        ampere_backward: options.ampere_backward.unwrap_or(defaults.ampere_backward),
     }
 }
 

@@ -51,9 +51,9 @@ use burn::tensor::{
 pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError, AttentionKernel,
-    AttentionPlan, BackwardLaunch, BackwardOverlap, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
-    TileSchedule, recent_backward_launches,
+    AmpereUse, AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError,
+    AttentionKernel, AttentionPlan, BackwardLaunch, BackwardOverlap, DecodeSchedule, HopperUse,
+    MAX_HEAD_DIM, TileSchedule, recent_backward_launches,
 };
 
 /// The gradients of one attention call
@@ -144,10 +144,10 @@ pub struct FlashAttentionOptions {
     /// How the Hopper backward's consumers meet over a step's `dSᵀ` (`None`:
     /// [`crate::plan_defaults`]'s).
     pub backward_overlap: Option<BackwardOverlap>,
-    /// The backward takes the Ampere kernel (FlashAttention-2's data flow, hand-written for
-    /// CUDA sm_80+) where it runs the call (`None`: [`crate::plan_defaults`]'s, off); opt-in
-    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
-    pub ampere_backward: Option<bool>,
+    /// How the plan uses the Ampere backward (FlashAttention-2's data flow, hand-written for
+    /// CUDA sm_80+; `None`: [`crate::plan_defaults`]'s, where the Hopper backward does not take
+    /// the call) ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
+    pub ampere_backward: Option<AmpereUse>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

@@ -379,7 +379,10 @@ fn hopper_backward_row_layouts() {
 fn ampere_client() -> Client {
     let client = CudaRuntime::client(&cubecl::cuda::CudaDevice::default());
     let mma = burn_flash_kernels::fragment::unavailable(&client, Half::F16.dtype(), true);
-    assert!(mma.is_none(), "the Ampere backward tests need an sm_80+ GPU: {mma:?}");
+    assert!(
+        mma.is_none(),
+        "the Ampere backward tests need an sm_80+ GPU: {mma:?}"
+    );
     client
 }
 
@@ -446,16 +449,38 @@ fn ampere_backward_declines() {
     }
     .options(None);
     let dtype = Half::Bf16.dtype();
-    assert_eq!(ampere_reason(&client, dims(128), dtype, aligned, &base, false), None);
+    assert_eq!(
+        ampere_reason(&client, dims(128), dtype, aligned, &base, false),
+        None
+    );
     for (what, dims, options, write_ds) in [
         ("head dim", dims(256), base, false),
-        ("softcap", dims(128), AttentionOptions { softcap: Some(5.0), ..base }, false),
-        ("deterministic", dims(128), AttentionOptions { deterministic: true, ..base }, false),
+        (
+            "softcap",
+            dims(128),
+            AttentionOptions {
+                softcap: Some(5.0),
+                ..base
+            },
+            false,
+        ),
+        (
+            "deterministic",
+            dims(128),
+            AttentionOptions {
+                deterministic: true,
+                ..base
+            },
+            false,
+        ),
         ("dS", dims(128), base, true),
     ] {
         let reason = ampere_reason(&client, dims, dtype, aligned, &options, write_ds);
         println!("{what}: {reason:?}");
-        assert!(reason.is_some(), "{what}: the Ampere backward took the call");
+        assert!(
+            reason.is_some(),
+            "{what}: the Ampere backward took the call"
+        );
     }
     // A forced forward kernel keeps its own backward.
     let c = Case {
@@ -463,7 +488,14 @@ fn ampere_backward_declines() {
         ..Case::new(1, 2, 2, 100, 100, 64, 64)
     };
     let inputs = Inputs::new(&c, common::seed());
-    let (_, kernel, _) = run(&client, &c, Half::Bf16, &inputs, Some(AttentionKernel::MatrixUnits), 0);
+    let (_, kernel, _) = run(
+        &client,
+        &c,
+        Half::Bf16,
+        &inputs,
+        Some(AttentionKernel::MatrixUnits),
+        0,
+    );
     assert_eq!(kernel, AttentionBackwardKernel::MatrixUnits);
 }
 

@@ -6,7 +6,7 @@
 use cubecl::prelude::*;
 
 use super::options::{
-    AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, BackwardTensors,
+    AmpereUse, AttentionDims, AttentionError, AttentionFeatures, AttentionOptions, BackwardTensors,
     attention_dims, broadcast_strides, expect_shape, validate,
 };
 use crate::flash::backward::{
@@ -51,8 +51,9 @@ pub enum AttentionBackwardKernel {
     /// FlashAttention-2's data flow on `mma.sync` (f16/bf16 on CUDA sm_80+,
     /// [`sm80::unavailable`]): the Hopper backward's per-row prepass, one kernel per block of
     /// 128 keys (64 where shared memory is 99 KiB) writing `dK`, `dV` and adding `dQ` into the
-    /// f32 accumulator, then `dQ` in the element type. Only where
-    /// [`AttentionOptions::ampere_backward`] asks (opt-in until a GPU run verifies it).
+    /// f32 accumulator, then `dQ` in the element type. Planned where the Hopper backward does
+    /// not take the call (ahead of it under [`AmpereUse::Always`], never under
+    /// [`AmpereUse::Off`]) and no forward kernel is forced.
     Ampere,
 }
 
@@ -242,23 +243,29 @@ pub fn plan_attention_backward_writing<R: Runtime>(
             || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
-    // The Ampere backward where asked and it runs the call.
-    let max_shared = hw.max_shared_memory_size;
-    if options.ampere_backward
+    // The Ampere backward where it runs the call (no forward kernel forced): ahead of the
+    // Hopper backward under `AmpereUse::Always`, else where the Hopper backward does not take
+    // the call.
+    let ampere = (options.ampere_backward != AmpereUse::Off
         && options.kernel.is_none()
-        && ampere_reason(client, dims, dtype, features, options, write_ds).is_none()
-        && let Some(tile) = sm80::tile(dims, max_shared)
-    {
+        && ampere_reason(client, dims, dtype, features, options, write_ds).is_none())
+    .then(|| sm80::tile(dims, hw.max_shared_memory_size))
+    .flatten()
+    .map(|tile| {
         let block_keys = tile.block_k as usize;
-        let rows = hopper::padded_rows(dims);
-        return Ok(AttentionBackwardPlan {
+        AttentionBackwardPlan {
             kernel: AttentionBackwardKernel::Ampere,
             config: FlashConfig::new(ScoreSource::QueryKey, rules, tile),
             block_keys,
             dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
-            dq_cubes: (rows.div_ceil(8), 1, 1),
+            dq_cubes: (hopper::padded_rows(dims).div_ceil(8), 1, 1),
             matrix_units,
-        });
+        }
+    });
+    if options.ampere_backward == AmpereUse::Always
+        && let Some(plan) = ampere
+    {
+        return Ok(plan);
     }
     // The Hopper backward where it runs the call and is the faster one, or the forward was
     // forced onto Hopper.
@@ -277,6 +284,9 @@ pub fn plan_attention_backward_writing<R: Runtime>(
             dq_cubes: (rows.div_ceil(8), 1, 1),
             matrix_units,
         });
+    }
+    if let Some(plan) = ampere {
+        return Ok(plan);
     }
     let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {
         (Some((f, c)), _) => (

@@ -36,11 +36,12 @@ pub mod plan;
 
 pub use backward::{
     AttentionBackwardKernel, AttentionBackwardPlan, BackwardLaunch, ampere_reason,
-    launch_attention_backward, plan_attention_backward, plan_attention_backward_writing, recent_backward_launches,
+    launch_attention_backward, plan_attention_backward, plan_attention_backward_writing,
+    recent_backward_launches,
 };
 pub use launch::launch_attention;
 pub use options::{
-    AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
+    AmpereUse, AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
     AttentionPlan, BackwardOverlap, BackwardTensors, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
     TileSchedule, attention_dims, bias_row_tiles, bias_tiles, check_seqs, rows_aligned,
     starts_aligned, validate,

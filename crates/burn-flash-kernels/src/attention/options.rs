@@ -224,6 +224,35 @@ impl HopperUse {
     }
 }
 
+/// How a plan uses the Ampere backward ([`crate::flash::backward::sm80`]: FlashAttention-2's
+/// data flow, hand-written CUDA for sm_80 and later) for the calls it can run. A plan input
+/// like [`HopperUse`]; the test suites and benches set it from `BURN_FLASH_AMPERE_BWD`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum AmpereUse {
+    /// Where the Hopper backward does not take the call (sm_80–89; sm_90 with the Hopper path
+    /// off or declining): 1.2–1.6× the `mma.sync` backward there (RESULTS.md §5.0.2), which
+    /// the Hopper backward outruns on sm_90.
+    #[default]
+    Faster,
+    /// Ahead of the Hopper backward too (how the suites force it on an H100/H200).
+    Always,
+    /// Never (the escape hatch: the `mma.sync` backward takes its calls).
+    Off,
+}
+
+impl AmpereUse {
+    /// The use a name stands for: `off` or `0`, `always` or `1`, `faster` or `on` (how the
+    /// test suites and benches spell `BURN_FLASH_AMPERE_BWD`); `None` for any other.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "off" | "0" => Some(Self::Off),
+            "always" | "1" => Some(Self::Always),
+            "faster" | "on" => Some(Self::Faster),
+            _ => None,
+        }
+    }
+}
+
 /// The split-KV decoding kernel's schedule ([`crate::decode`]): a plan input, set for A/Bs of
 /// the schedule (the default is the measured best on an H200, RESULTS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -315,11 +344,9 @@ pub struct AttentionOptions {
     pub deterministic: bool,
     /// How the Hopper backward's consumers meet over a step's `dSᵀ`.
     pub backward_overlap: BackwardOverlap,
-    /// The backward takes the Ampere kernel ([`crate::flash::backward::sm80`]: FlashAttention-2's
-    /// data flow, hand-written for sm_80+) wherever it runs the call and no forward kernel is
-    /// forced, ahead of the Hopper and `mma.sync` backwards. Off by default: opt-in until a GPU
-    /// run has verified and measured it.
-    pub ampere_backward: bool,
+    /// How the plan uses the Ampere backward ([`crate::flash::backward::sm80`]) where it runs
+    /// the call and no forward kernel is forced.
+    pub ampere_backward: AmpereUse,
 }
 
 impl Default for AttentionOptions {
@@ -339,7 +366,7 @@ impl Default for AttentionOptions {
             decode: DecodeSchedule::STANDARD,
             deterministic: false,
             backward_overlap: BackwardOverlap::Planned,
-            ampere_backward: false,
+            ampere_backward: AmpereUse::Faster,
         }
     }
 }

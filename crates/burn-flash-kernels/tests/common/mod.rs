@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use burn_flash_kernels::attention::{AttentionKernel, AttentionOptions, TileSchedule};
+use burn_flash_kernels::attention::{AmpereUse, AttentionKernel, AttentionOptions, TileSchedule};
 use burn_flash_kernels::tensor::TensorRef;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
@@ -350,7 +350,7 @@ pub struct Case {
     pub deterministic: bool,
     /// [`AttentionOptions::schedule`].
     pub schedule: TileSchedule,
-    /// [`AttentionOptions::ampere_backward`].
+    /// The Ampere backward ahead of the Hopper one ([`AmpereUse::Always`]; else the default).
     pub ampere: bool,
 }
 
@@ -393,7 +393,11 @@ impl Case {
             kernel,
             deterministic: self.deterministic,
             schedule: self.schedule,
-            ampere_backward: self.ampere,
+            ampere_backward: if self.ampere {
+                AmpereUse::Always
+            } else {
+                AmpereUse::Faster
+            },
             ..Default::default()
         }
     }

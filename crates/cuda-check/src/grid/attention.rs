@@ -2,8 +2,8 @@
 //! backward) and decoding calls (split-KV over contiguous and paged caches, the cache appends).
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule,
-    launch_attention, launch_attention_backward,
+    AmpereUse, AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardOverlap,
+    BackwardTensors, TileSchedule, launch_attention, launch_attention_backward,
 };
 use burn_flash_kernels::decode::{
     AppendTensors, DecodeTensors, Paged, Rope, launch_append, launch_decode,
@@ -420,7 +420,7 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
     }
 }
 
-/// The Ampere backward (opt-in, `AttentionOptions::ampere_backward`) on every architecture:
+/// The Ampere backward (forced ahead of the Hopper one: `AmpereUse::Always`) on every architecture:
 /// both 16-bit types, head dims 64, 128 and 64 / 128, plain and causal (with `--all` also 80 and
 /// 32, the rounded-up head dims). Its tile follows the architecture's shared memory (128 keys
 /// on sm_80 and sm_90a, 64 on sm_86 and sm_89); a call the plan did not give it fails.
@@ -447,7 +447,7 @@ pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) 
                 };
                 let dtype = float(kind);
                 let o = AttentionOptions {
-                    ampere_backward: true,
+                    ampere_backward: AmpereUse::Always,
                     ..options(f, None)
                 };
                 let name = format!(
@@ -455,12 +455,17 @@ pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) 
                     dtype_name(kind),
                     f.name()
                 );
-                push(calls, name, archs.to_vec(), move |c| {
-                    match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)? {
+                push(
+                    calls,
+                    name,
+                    archs.to_vec(),
+                    move |c| match AttentionCall::new(c, s, f, dtype)
+                        .backward(c, dtype, &o, false)?
+                    {
                         AttentionBackwardKernel::Ampere => Ok(()),
                         other => Err(format!("the plan ran {other:?}, not the Ampere backward")),
-                    }
-                });
+                    },
+                );
             }
         }
     }

@@ -359,7 +359,11 @@ pub unsafe fn launch<R: CudaCompiled>(
         dims,
         options,
         bf16,
-        (config.head_dim as usize, dq_tiled(config), variant.deterministic),
+        (
+            config.head_dim as usize,
+            dq_tiled(config),
+            variant.deterministic,
+        ),
     );
 
     let (source, hash) = crate::hopper::mutated(
@@ -615,11 +619,7 @@ impl<R: CudaCompiled> RowPasses<R> {
             lse2: client.empty(rows * 4),
             delta: client.empty(rows * 4),
             dq_acc: client.empty(rows * acc_dim * 4),
-            dq_lock: client.empty(if deterministic {
-                rows / BLOCK_Q * 4
-            } else {
-                4
-            }),
+            dq_lock: client.empty(if deterministic { rows / BLOCK_Q * 4 } else { 4 }),
         }
     }
 

@@ -72,7 +72,9 @@ pub fn shared_bytes(tile: Tile) -> usize {
         tile.head_dim as usize,
         tile.value_dim as usize,
     );
-    2 * keys * (d + dv) + 2 * 2 * BLOCK_M * keys + stages(tile.block_k) as usize * (2 * BLOCK_M * (d + dv) + 2 * 4 * BLOCK_M)
+    2 * keys * (d + dv)
+        + 2 * 2 * BLOCK_M * keys
+        + stages(tile.block_k) as usize * (2 * BLOCK_M * (d + dv) + 2 * 4 * BLOCK_M)
 }
 
 /// The tile of a call on a device with `max_shared` bytes of shared memory a block: the head
@@ -195,7 +197,11 @@ pub unsafe fn launch<R: CudaCompiled>(
         SOURCE,
         SOURCE_HASH,
         &[
-            (mutation::zero_dk(), "dk_acc, p.scale, key0", "dk_acc, 0.0f, key0"),
+            (
+                mutation::zero_dk(),
+                "dk_acc, p.scale, key0",
+                "dk_acc, 0.0f, key0",
+            ),
             (
                 mutation::ds_store_skipped(),
                 "sm80_sts_u32(sds + PS_OFF(mt, h, nt),",
@@ -236,7 +242,13 @@ pub unsafe fn launch<R: CudaCompiled>(
     )
     .with_defines(&defines);
     let mut params = strides(t.q.strides);
-    for s in [t.k.strides, t.v.strides, t.d_out.strides, t.dk.strides, t.dv.strides] {
+    for s in [
+        t.k.strides,
+        t.v.strides,
+        t.d_out.strides,
+        t.dk.strides,
+        t.dv.strides,
+    ] {
         params.extend(strides(s));
     }
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_M);
