@@ -11,13 +11,14 @@
 # The summary (PASS/FAIL, seconds, test) goes to $OUT/cuda-suite.txt, every test's log to
 # $OUT/cuda-suite-logs.tar.gz (the device tool brings back few files).
 # Exits non-zero if any test failed or did not finish. `SUITE_PREFIX=wgpu::` runs the wgpu
-# tests instead (Vulkan on the GPU machine); `TEST_TIMEOUT` (seconds, default 480) bounds each.
+# tests instead (Vulkan on the GPU machine); `TEST_TIMEOUT` (seconds, default 480) bounds each;
+# `SUITE_LOGS` names the logs' folder (default /tmp/cuda-suite; suites run side by side need one each).
 set -uo pipefail
 jobs=${1:-14}
 shift || true
 .gpu/run ls >/dev/null # unpacks the binaries once
 bin=/tmp/gpu-pack-bin
-out=/tmp/cuda-suite
+out=${SUITE_LOGS:-/tmp/cuda-suite} # two suites at once need two folders
 summary=${OUT:-/tmp}/cuda-suite.txt
 mkdir -p "${OUT:-/tmp}" # a caller may point OUT at a subfolder of its own
 rm -rf "$out" && mkdir -p "$out"
@@ -36,7 +37,7 @@ xargs -P "$jobs" -L 1 bash -c '
   if timeout '"${TEST_TIMEOUT:-480}"' "'"$bin"'/$b" "$t" --exact --test-threads=1 >"$log" 2>&1; then r=PASS; else r=FAIL; fi
   echo "$r $((SECONDS - s))s $b $t"
 ' <"$list" | tee "$summary"
-tar -czf "${OUT:-/tmp}/cuda-suite-logs.tar.gz" -C /tmp cuda-suite
+tar -czf "${OUT:-/tmp}/cuda-suite-logs.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
 fails=$(grep -c '^FAIL' "$summary")
 total=$(wc -l <"$list")
 done_=$(wc -l <"$summary")
