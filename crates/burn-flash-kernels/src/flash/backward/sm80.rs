@@ -6,7 +6,7 @@
 //! stores `P` and `dS` to shared memory, accumulates `dV += Pᵀ·dO` and `dK += dSᵀ·Q` in a
 //! second (warps along the keys × along the columns, each `ldmatrix.trans` fragment feeding
 //! every n-tile of its row) and adds `dQ = dS·K` into an f32 accumulator in a third. It runs
-//! between the Hopper backward's per-row passes ([`super::hopper::RowPasses`], with a
+//! between the Hopper backward's per-row passes (`hopper::RowPasses`, with a
 //! row-major accumulator). NOTES.md ("Issue 56") gives the design and the register counts.
 //!
 //! cubecl 0.10's `#[cube]` `mma` path cannot state a warp layout per product or `ldmatrix`
