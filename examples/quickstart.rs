@@ -127,6 +127,10 @@ fn attention<B: FlashBackend>(device: &B::Device) {
                     "{:?} (hand-written CUDA for sm_90: dQ by f32 reductions)",
                     p.kernel
                 ),
+                AttentionBackwardKernel::Ampere => format!(
+                    "{:?} (hand-written CUDA for sm_80+: FlashAttention-2's data flow)",
+                    p.kernel
+                ),
                 _ => format!("{:?}", p.kernel),
             })
             .map_err(|e| e.to_string())

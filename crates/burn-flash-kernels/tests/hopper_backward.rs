@@ -1,7 +1,7 @@
 //! The hand-written attention backwards on the GPU, through `launch_attention_backward` with
 //! no Burn: the Hopper one (issue 35), which the plan picks on sm_90 for f16/bf16 calls without
-//! a mask or bias, and the Ampere one (issue 56, `ampere_*` tests: opt-in,
-//! `AttentionOptions::ampere_backward`, any sm_80+ GPU). Every case's `dQ`, `dK`, `dV` are
+//! a mask or bias, and the Ampere one (issue 56, `ampere_*` tests: forced ahead of the Hopper
+//! one by `AmpereUse::Always`, any sm_80+ GPU). Every case's `dQ`, `dK`, `dV` are
 //! checked against an f64 reference and against the `mma.sync` backward run on the same forward
 //! outputs (the error may be at most twice the `mma` error, plus a floor of a quarter of an
 //! output ulp of the largest gradient). Built with `cuda`, run in the GPU suite.
@@ -386,7 +386,7 @@ fn ampere_client() -> Client {
     client
 }
 
-/// The Ampere backward (opt-in: [`AttentionOptions::ampere_backward`]) meets [`check`]'s rule
+/// The Ampere backward (forced: [`AttentionOptions::ampere_backward`]) meets [`check`]'s rule
 /// on the calls it takes: head dims 64 and 128 and their rounding (96, 72, 32, 16; `Dv ≠ D`),
 /// partial row and key blocks, grouped-query heads (groups of 2 and 4), `[B, S, H, D]` strides,
 /// causal with `Sq = Sk`, `Sq < Sk` and `Sq > Sk` (rows without a key), several key blocks and

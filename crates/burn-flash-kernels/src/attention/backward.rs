@@ -182,8 +182,9 @@ fn mma_unavailable<R: Runtime>(
 }
 
 /// The backward launch for `dims` that writes no `dS`, without launching: the Hopper kernels
-/// on sm_90 where they take the call, else the matrix units where they take it, else plain
-/// units.
+/// on sm_90 where they take the call, else the Ampere kernel (CUDA sm_80+) where it takes it
+/// (as [`AttentionOptions::ampere_backward`] says), else the matrix units where they take it,
+/// else plain units.
 pub fn plan_attention_backward<R: Runtime>(
     client: &ComputeClient<R>,
     dims: AttentionDims,

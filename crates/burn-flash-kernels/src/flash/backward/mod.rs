@@ -28,7 +28,7 @@
 //! - [`hopper`]: Hopper's `wgmma` and TMA (f16/bf16, sm_90), hand-written CUDA launched
 //!   through cubecl's client; one kernel per key block with `dQ` accumulated by reductions.
 //! - [`sm80`]: FlashAttention-2's data flow on `mma.sync` (f16/bf16, CUDA sm_80+), hand-written
-//!   CUDA through the same door; one kernel per key block, `dQ` by reductions (opt-in).
+//!   CUDA through the same door; one kernel per key block, `dQ` by reductions.
 
 // `#[cube]` expands every function into undocumented helper items.
 #[allow(missing_docs)]

@@ -13,10 +13,10 @@
 //! reuse across products, which is this kernel's whole change; the `#[cube]` kernels stay
 //! wgpu's path and the tests' baseline.
 //!
-//! **Opt-in** ([`AttentionOptions::ampere_backward`](crate::attention::AttentionOptions)):
-//! no plan takes it by default until a GPU run has verified and measured it. It takes f16 and
-//! bf16, head dims up to 128 (rounded up to 64 or 128), causal and grouped-query calls;
-//! [`unavailable`] names what it does not take.
+//! Planned ([`AmpereUse`](crate::attention::AmpereUse)) where the Hopper backward does not take
+//! the call: f16 and bf16, head dims up to 128 (rounded up to 64 or 128), causal and
+//! grouped-query calls; [`unavailable`] names what it does not take, which keeps the `mma.sync`
+//! backward. RESULTS.md §5.0.2 has its measurements.
 
 #[cfg(feature = "cuda")]
 use crate::attention::options::BackwardTensors;
