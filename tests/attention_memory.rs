@@ -75,6 +75,7 @@ fn wgpu_forward_within_inputs_plus_output() {
 #[test]
 fn cuda_forward_within_inputs_plus_output() {
     use_exact_pool();
+    common::plan_inputs();
     let big = (4, 16, 16384, 128);
     check_backend::<burn::backend::Cuda, _>(
         (4, 16, 2048, 128),
@@ -171,11 +172,14 @@ fn wgpu_training_step_within_inputs_outputs_and_gradients() {
 }
 
 /// The shape for a training step: B 4, H 16, S 16384, D 128 in bf16 (the scores alone
-/// would be 32 GiB); the fallback's self-check at S 2048.
+/// would be 32 GiB); the fallback's self-check at S 2048. With the suite's plan inputs
+/// (`BURN_FLASH_HOPPER`, `BURN_FLASH_AMPERE_BWD`), so that each backward's scratch is checked.
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_training_step_within_inputs_outputs_and_gradients() {
     use_exact_pool();
+    // The suite's plan inputs (`BURN_FLASH_HOPPER=off`: the Ampere backward's scratch).
+    common::plan_inputs();
     check_backend::<burn::backend::Cuda, _>(
         (4, 16, 2048, 128),
         &[((4, 16, 16384, 128), FloatDType::BF16)],
