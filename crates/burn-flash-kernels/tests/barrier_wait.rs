@@ -31,7 +31,7 @@ fn staged_step(input: &Array<f32>, output: &mut Array<f32>, #[comptime] by_token
     let bar = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     sync_cube();
     let u = UNIT_POS as usize;
-    let base = CUBE_POS as usize * units;
+    let base = CUBE_POS * units;
     copy_async_checked(
         &input.slice(base + u, base + u + 1),
         &mut tile.slice_mut(u, u + 1),
