@@ -52,7 +52,7 @@
 // SMEM_BYTES = 2·BLOCK_N·(HEAD_DIM + VALUE_DIM) + 2·2·64·BLOCK_N
 //            + STAGES·(2·64·(HEAD_DIM + VALUE_DIM) + 2·4·64)
 // e.g. D = Dv = 128: 164864 bytes (161 KiB) at BLOCK_N 128 / STAGES 2, 82432 (80.5 KiB) at
-// BLOCK_N 64 / STAGES 1; D = Dv = 64: 99328 and 41216.
+// BLOCK_N 64 / STAGES 1; D = Dv = 64: 99328 and 49664.
 
 #if SOFTCAP || MASK || BIAS || ALIBI || WINDOW || VARLEN || DROPOUT
 #error "burn_flash_sm80_backward: no softcap, mask, bias, ALiBi, window, varlen or dropout yet"

@@ -289,3 +289,165 @@ pub unsafe fn launch<R: CudaCompiled>(
         passes.convert(t);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(head_dim: usize, value_dim: usize) -> AttentionDims {
+        AttentionDims {
+            batch: 2,
+            heads_q: 8,
+            heads_kv: 2,
+            seq_q: 300,
+            seq_k: 500,
+            head_dim,
+            value_dim,
+        }
+    }
+
+    /// The shared memory of `sm80.cu`'s header comment, and the tile each device class gets:
+    /// 128 keys where 164 864 B fit (an A100's 163 KiB opt-in, an H100's 227), 64 keys on
+    /// 99 KiB GPUs at D 128 (128 still fits there at D 64); the head dims rounded up to 64 or
+    /// 128; nothing where even 64 keys do not fit.
+    #[test]
+    fn tiles_follow_shared_memory() {
+        let tile = |keys: u32, d: u32, dv: u32| Tile {
+            block_q: BLOCK_M as u32,
+            row_tiles: 1,
+            block_k: keys,
+            head_dim: d,
+            value_dim: dv,
+        };
+        assert_eq!(shared_bytes(tile(128, 128, 128)), 164_864);
+        assert_eq!(shared_bytes(tile(64, 128, 128)), 82_432);
+        assert_eq!(shared_bytes(tile(128, 64, 64)), 99_328);
+        assert_eq!(shared_bytes(tile(64, 64, 64)), 49_664);
+        let (a100, h100, rtx) = (163 << 10, 227 << 10, 99 << 10);
+        for max in [a100, h100] {
+            assert_eq!(tile_of(dims(128, 128), max), Some((128, 128, 128)));
+        }
+        assert_eq!(tile_of(dims(128, 128), rtx), Some((64, 128, 128)));
+        assert_eq!(tile_of(dims(64, 64), rtx), Some((128, 64, 64)));
+        assert_eq!(tile_of(dims(72, 40), rtx), Some((64, 128, 64)));
+        assert_eq!(tile_of(dims(16, 24), a100), Some((128, 64, 64)));
+        assert_eq!(tile_of(dims(128, 128), 48 << 10), None);
+        assert_eq!(stages(128), 2);
+        assert_eq!(stages(64), 1);
+    }
+
+    fn tile_of(dims: AttentionDims, max: usize) -> Option<(u32, u32, u32)> {
+        tile(dims, max).map(|t| (t.block_k, t.head_dim, t.value_dim))
+    }
+
+    /// What the kernel takes and what it leaves to the `mma.sync` backward, each with its
+    /// reason.
+    #[test]
+    fn unavailable_names_each_limit() {
+        let base = AttentionOptions::default();
+        let causal = ScoreRules {
+            causal: true,
+            quiet: true,
+            sinks: true,
+            ..ScoreRules::NONE
+        };
+        let max = 227 << 10;
+        let ok = |rules, dims, options: &AttentionOptions, ds| {
+            unavailable(true, None, dims, rules, options, ds, max)
+        };
+        assert_eq!(ok(causal, dims(128, 128), &base, false), None);
+        assert_eq!(ok(ScoreRules::NONE, dims(64, 96), &base, false), None);
+        let refused = |reason: Option<String>, what: &str| {
+            let reason = reason.unwrap_or_else(|| panic!("{what}: taken"));
+            assert!(reason.contains("Ampere backward"), "{what}: {reason}");
+        };
+        refused(
+            unavailable(false, None, dims(64, 64), causal, &base, false, max),
+            "not CUDA",
+        );
+        refused(
+            unavailable(
+                true,
+                Some(crate::fragment::MatrixUnitsUnavailable::F32),
+                dims(64, 64),
+                causal,
+                &base,
+                false,
+                max,
+            ),
+            "f32",
+        );
+        refused(ok(causal, dims(192, 128), &base, false), "head dim 192");
+        for (what, rules) in [
+            (
+                "mask",
+                ScoreRules {
+                    mask: true,
+                    ..causal
+                },
+            ),
+            (
+                "bias",
+                ScoreRules {
+                    bias: true,
+                    ..causal
+                },
+            ),
+            (
+                "softcap",
+                ScoreRules {
+                    softcap: true,
+                    ..causal
+                },
+            ),
+            (
+                "dropout",
+                ScoreRules {
+                    dropout: true,
+                    ..causal
+                },
+            ),
+            (
+                "window",
+                ScoreRules {
+                    window: true,
+                    ..causal
+                },
+            ),
+            (
+                "alibi",
+                ScoreRules {
+                    alibi: true,
+                    ..causal
+                },
+            ),
+            (
+                "varlen",
+                ScoreRules {
+                    varlen: true,
+                    ..causal
+                },
+            ),
+        ] {
+            refused(ok(rules, dims(64, 64), &base, false), what);
+        }
+        refused(ok(causal, dims(64, 64), &base, true), "dS");
+        let deterministic = AttentionOptions {
+            deterministic: true,
+            ..base
+        };
+        refused(
+            ok(causal, dims(64, 64), &deterministic, false),
+            "deterministic",
+        );
+        let empty = AttentionDims {
+            seq_k: 0,
+            ..dims(64, 64)
+        };
+        refused(ok(causal, empty, &base, false), "empty");
+        refused(
+            unavailable(true, None, dims(128, 128), causal, &base, false, 48 << 10),
+            "shared memory",
+        );
+    }
+}
