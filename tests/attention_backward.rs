@@ -737,14 +737,15 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         )
         .is_some_and(|p| p.is_ok());
     // The Ampere backward: 16-bit CUDA calls with head dims up to 128 and no mask, bias or
-    // dropout, unless a forward kernel is forced; where the Hopper backward does not take the
-    // call, or ahead of it where the run asks (`BURN_FLASH_AMPERE_BWD=always`).
+    // dropout, unless a forward kernel is forced; by default where the Hopper backward does not
+    // take the call on the GPUs where it has run (sm_90), or anywhere, ahead of the Hopper
+    // backward, where the run asks (`BURN_FLASH_AMPERE_BWD=always`).
     let ampere = cuda
         && sixteen
         && !cooperative_forced()
         && match common::plan_inputs().ampere_backward {
             burn_flash::AmpereUse::Always => true,
-            burn_flash::AmpereUse::Faster => !hopper,
+            burn_flash::AmpereUse::Faster => !hopper && cuda_sm90(),
             burn_flash::AmpereUse::Off => false,
         };
     if cuda && sixteen {
@@ -1575,6 +1576,17 @@ fn varlen<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
 }
 
 /// Asserts that `ran` (the backward launches of one call shape) is not empty and all `want`.
+/// Whether the default CUDA device is a Hopper GPU (sm_90), whatever the plan inputs say.
+fn cuda_sm90() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        let client = <cubecl::cuda::CudaRuntime as cubecl::Runtime>::client(&Default::default());
+        burn_flash::kernels::hopper::sm90(&client)
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 fn assert_launched(ran: &[AttentionBackwardKernel], want: AttentionBackwardKernel, context: &str) {
     assert!(
         !ran.is_empty() && ran.iter().all(|&k| k == want),

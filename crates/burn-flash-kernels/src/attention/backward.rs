@@ -52,8 +52,9 @@ pub enum AttentionBackwardKernel {
     /// [`sm80::unavailable`]): the Hopper backward's per-row prepass, one kernel per block of
     /// 128 keys (64 where shared memory is 99 KiB) writing `dK`, `dV` and adding `dQ` into the
     /// f32 accumulator, then `dQ` in the element type. Planned where the Hopper backward does
-    /// not take the call (ahead of it under [`AmpereUse::Always`], never under
-    /// [`AmpereUse::Off`]) and no forward kernel is forced.
+    /// not take the call on the GPUs where it has run ([`sm80::default_on`]; everywhere under
+    /// [`AmpereUse::Always`], ahead of the Hopper backward; never under [`AmpereUse::Off`]) and
+    /// no forward kernel is forced.
     Ampere,
 }
 
@@ -245,8 +246,8 @@ pub fn plan_attention_backward_writing<R: Runtime>(
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
     // The Ampere backward where it runs the call (no forward kernel forced): ahead of the
-    // Hopper backward under `AmpereUse::Always`, else where the Hopper backward does not take
-    // the call.
+    // Hopper backward under `AmpereUse::Always`, else (`Faster`) where the Hopper backward does
+    // not take the call, on the GPUs where it has run (`sm80::default_on`).
     let ampere = (options.ampere_backward != AmpereUse::Off
         && options.kernel.is_none()
         && ampere_reason(client, dims, dtype, features, options, write_ds).is_none())
@@ -286,7 +287,10 @@ pub fn plan_attention_backward_writing<R: Runtime>(
             matrix_units,
         });
     }
-    if let Some(plan) = ampere {
+    if options.ampere_backward == AmpereUse::Faster
+        && sm80::default_on(client)
+        && let Some(plan) = ampere
+    {
         return Ok(plan);
     }
     let (kernel, config, block_keys, dkv_cubes) = match (cooperative, matrix_units) {

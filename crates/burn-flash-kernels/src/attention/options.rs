@@ -229,12 +229,14 @@ impl HopperUse {
 /// like [`HopperUse`]; the test suites and benches set it from `BURN_FLASH_AMPERE_BWD`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum AmpereUse {
-    /// Where the Hopper backward does not take the call (sm_80–89; sm_90 with the Hopper path
-    /// off or declining): 1.2–1.6× the `mma.sync` backward there (RESULTS.md §5.0.2), which
-    /// the Hopper backward outruns on sm_90.
+    /// Where the Hopper backward does not take the call, on the GPUs where it has run
+    /// ([`crate::flash::backward::sm80::default_on`]: sm_90 with the Hopper path off or
+    /// declining, 1.27–1.58× the `mma.sync` backward there, RESULTS.md §5.0.2; sm_80–89 once a
+    /// GPU run has verified their variants).
     #[default]
     Faster,
-    /// Ahead of the Hopper backward too (how the suites force it on an H100/H200).
+    /// Wherever it runs the call, ahead of the Hopper backward too (how the suites force it on
+    /// an H100/H200, and how an sm_80–89 GPU takes it today).
     Always,
     /// Never (the escape hatch: the `mma.sync` backward takes its calls).
     Off,

@@ -14,7 +14,7 @@
 //! wgpu's path and the tests' baseline.
 //!
 //! Planned ([`AmpereUse`](crate::attention::AmpereUse)) where the Hopper backward does not take
-//! the call: f16 and bf16, head dims up to 128 (rounded up to 64 or 128), causal and
+//! the call, by default on the GPUs where it has run ([`default_on`]): f16 and bf16, head dims up to 128 (rounded up to 64 or 128), causal and
 //! grouped-query calls; [`unavailable`] names what it does not take, which keeps the `mma.sync`
 //! backward. RESULTS.md §5.0.2 has its measurements.
 
@@ -106,6 +106,17 @@ pub fn cuda<R: Runtime>(client: &ComputeClient<R>) -> bool {
         let _ = client;
         false
     }
+}
+
+/// Whether [`AmpereUse::Faster`](crate::attention::AmpereUse::Faster) gives the Ampere backward
+/// the calls it takes on `client`'s device: where its variants have run on a GPU and measured
+/// faster than the `mma.sync` backward — sm_90 (H100, H200; RESULTS.md §5.0.2), where the
+/// 128-key tile and the paired `red.global.add.v2.f32` run. sm_80–89 run two variants no GPU
+/// has run yet — scalar `red.add.f32` pairs (no `.v2` there) and, with 99 KiB of shared memory,
+/// the 64-key, one-stage tile — so they take it only under `AmpereUse::Always` until a GPU
+/// run verifies those (NOTES.md, "Issue 56's kernel").
+pub fn default_on<R: Runtime>(client: &ComputeClient<R>) -> bool {
+    crate::attention::plan::sm90(client)
 }
 
 /// Why the Ampere backward cannot run a call (`None`: it can). `cuda` says whether the client
