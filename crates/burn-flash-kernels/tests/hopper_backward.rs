@@ -11,9 +11,11 @@
 mod common;
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardTensors, TileSchedule,
-    launch_attention, launch_attention_backward,
+    AttentionBackwardKernel, AttentionDims, AttentionKernel, AttentionOptions, BackwardTensors,
+    TileSchedule, launch_attention, launch_attention_backward,
 };
+use burn_flash_kernels::flash::backward::sm80;
+use burn_flash_kernels::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -135,37 +137,66 @@ fn run_with(
         poisoned(client, vs, &v_st),
     );
     let options = c.options(kernel);
-    let backward = || {
-        launch_attention_backward(
-            client,
-            BackwardTensors {
-                q: t(&q_h, &qs, &q_st),
-                k: t(&k_h, &ks, &k_st),
-                v: t(&v_h, &vs, &v_st),
-                mask: None,
-                bias: None,
-                slopes: None,
-                seqs: None,
-                out: t(&out_h, &os, &o_st),
-                lse: t(&lse_h, &lse_shape, &lse_st),
-                d_out: t(&do_h, &os, &do_st),
-                dq: t(&dq_h, &qs, &dq_st),
-                dk: t(&dk_h, &ks, &k_st),
-                dv: t(&dv_h, &vs, &v_st),
-                ds: None,
-            },
-            dtype,
-            &options,
-        )
-        .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
+    let tensors = || BackwardTensors {
+        q: t(&q_h, &qs, &q_st),
+        k: t(&k_h, &ks, &k_st),
+        v: t(&v_h, &vs, &v_st),
+        mask: None,
+        bias: None,
+        slopes: None,
+        seqs: None,
+        out: t(&out_h, &os, &o_st),
+        lse: t(&lse_h, &lse_shape, &lse_st),
+        d_out: t(&do_h, &os, &do_st),
+        dq: t(&dq_h, &qs, &dq_st),
+        dk: t(&dk_h, &ks, &k_st),
+        dv: t(&dv_h, &vs, &v_st),
+        ds: None,
     };
-    let (plan, millis) = timed(client, repeats, backward);
+    let backward = || match c.ampere_keys {
+        None => {
+            launch_attention_backward(client, tensors(), dtype, &options)
+                .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
+                .kernel
+        }
+        Some(keys) => {
+            let dims = AttentionDims {
+                batch: c.b,
+                heads_q: c.hq,
+                heads_kv: c.hkv,
+                seq_q: c.sq,
+                seq_k: c.sk,
+                head_dim: c.d,
+                value_dim: c.dv,
+            };
+            let tile = sm80::tile(dims, usize::MAX).expect("head dims up to 128");
+            let rules = ScoreRules {
+                causal: c.causal,
+                ..ScoreRules::NONE
+            };
+            let config = FlashConfig::new(
+                ScoreSource::QueryKey,
+                rules,
+                Tile {
+                    block_k: keys,
+                    ..tile
+                },
+            );
+            let cubes = (c.sk.div_ceil(keys as usize), c.hkv, c.b);
+            // SAFETY: the tensors' shapes and strides describe the buffers made above; the
+            // case is one the Ampere backward takes (head dims up to 128, causal or not, no
+            // other score term, rows 16-byte aligned).
+            unsafe { sm80::launch(client, &tensors(), dims, dtype, &options, config, cubes) };
+            AttentionBackwardKernel::Ampere
+        }
+    };
+    let (ran, millis) = timed(client, repeats, backward);
     let grads = Grads {
         dq: download(client, half, dq_h, qs, &dq_st),
         dk: download(client, half, dk_h, ks, &k_st),
         dv: download(client, half, dv_h, vs, &v_st),
     };
-    (grads, plan.kernel, millis)
+    (grads, ran, millis)
 }
 
 /// The f64 reference gradients of `sum(out ⊙ dO)`.
@@ -278,9 +309,13 @@ fn check_with(client: &Client, c: Case, seed: u64, pads: RowPads) {
             AttentionBackwardKernel::Hopper
         };
         assert_eq!(kernel, expected, "{c:?} {half:?}");
+        let planned = Case {
+            ampere_keys: None,
+            ..c
+        };
         let (mma, kernel, _) = run(
             client,
-            &c,
+            &planned,
             half,
             &inputs,
             Some(AttentionKernel::MatrixUnits),
@@ -421,6 +456,27 @@ fn ampere_backward_matches_f64() {
     common::check_cases_on(&client, padded, 700, |client, c, seed| {
         check_with(client, c, seed, pads)
     });
+}
+
+/// The Ampere backward's 64-key, one-stage tile — what the plan gives GPUs with 99 KiB of
+/// shared memory a block (sm_86, sm_89), never run before — launched directly on this GPU:
+/// [`check`]'s rule at D 128 and 64 and a rounded head dim, causal with `Sq <, > Sk`, GQA,
+/// partial key blocks, so that those GPUs' tile has run before their default takes it.
+#[test]
+fn ampere_backward_small_tile_matches_f64() {
+    let causal = |c: Case| Case { causal: true, ..c };
+    let cases = [
+        Case::new(2, 4, 2, 200, 333, 128, 128),
+        causal(Case::new(1, 4, 1, 300, 260, 64, 64)),
+        causal(Case::new(1, 2, 2, 77, 150, 96, 72)),
+        Case::new(1, 8, 2, 130, 700, 64, 128),
+    ]
+    .map(|c| Case {
+        ampere: true,
+        ampere_keys: Some(64),
+        ..c
+    });
+    common::check_cases_on(&ampere_client(), cases, 800, check);
 }
 
 /// What the Ampere backward does not take falls back to the planned backward, with the reason

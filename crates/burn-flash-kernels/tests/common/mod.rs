@@ -352,6 +352,9 @@ pub struct Case {
     pub schedule: TileSchedule,
     /// The Ampere backward ahead of the Hopper one ([`AmpereUse::Always`]; else the default).
     pub ampere: bool,
+    /// The backward launched as the Ampere kernel directly with this many keys a block (its
+    /// 64-key tile, which the plan gives GPUs with 99 KiB of shared memory, on any GPU).
+    pub ampere_keys: Option<u32>,
 }
 
 impl Case {
@@ -370,6 +373,7 @@ impl Case {
             deterministic: false,
             schedule: TileSchedule::Planned,
             ampere: false,
+            ampere_keys: None,
         }
     }
 
