@@ -288,10 +288,9 @@ fn max_abs(v: &[f64]) -> f64 {
 }
 
 /// Checks one case in both types: the plan ran the Hopper backward (the Ampere one where
-/// `c.ampere`), and each gradient's error
-/// against f64 is at most twice the `mma` backward's plus a quarter ulp of its largest value
-/// (head dims over 128: twice the plain-unit backward's plus a whole half-ulp), and at most a
-/// tenth of its largest value.
+/// `c.ampere`), and each gradient's error against f64 is at most twice the `mma` backward's
+/// plus a quarter ulp of its largest value (head dims over 128: twice the plain-unit
+/// backward's plus a whole half-ulp), and at most a tenth of its largest value.
 fn check(client: &Client, c: Case, seed: u64) {
     check_with(client, c, seed, RowPads::NONE);
 }
