@@ -247,25 +247,27 @@ pub fn plan_attention_backward_writing<R: Runtime>(
     });
     // The Ampere backward where it runs the call (no forward kernel forced): ahead of the
     // Hopper backward under `AmpereUse::Always`, else (`Faster`) where the Hopper backward does
-    // not take the call, on the GPUs where it has run (`sm80::default_on`).
-    let ampere = (options.ampere_backward != AmpereUse::Off
-        && options.kernel.is_none()
-        && ampere_reason(client, dims, dtype, features, options, write_ds).is_none())
-    .then(|| sm80::tile(dims, hw.max_shared_memory_size))
-    .flatten()
-    .map(|tile| {
-        let block_keys = tile.block_k as usize;
-        AttentionBackwardPlan {
-            kernel: AttentionBackwardKernel::Ampere,
-            config: FlashConfig::new(ScoreSource::QueryKey, rules, tile),
-            block_keys,
-            dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
-            dq_cubes: (hopper::padded_rows(dims).div_ceil(8), 1, 1),
-            matrix_units,
-        }
-    });
+    // not take the call, on the GPUs where it has run (`sm80::default_on`). Asked only where
+    // the use wants it.
+    let ampere = || {
+        (options.kernel.is_none()
+            && ampere_reason(client, dims, dtype, features, options, write_ds).is_none())
+        .then(|| sm80::tile(dims, hw.max_shared_memory_size))
+        .flatten()
+        .map(|tile| {
+            let block_keys = tile.block_k as usize;
+            AttentionBackwardPlan {
+                kernel: AttentionBackwardKernel::Ampere,
+                config: FlashConfig::new(ScoreSource::QueryKey, rules, tile),
+                block_keys,
+                dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
+                dq_cubes: (hopper::padded_rows(dims).div_ceil(8), 1, 1),
+                matrix_units,
+            }
+        })
+    };
     if options.ampere_backward == AmpereUse::Always
-        && let Some(plan) = ampere
+        && let Some(plan) = ampere()
     {
         return Ok(plan);
     }
@@ -289,7 +291,7 @@ pub fn plan_attention_backward_writing<R: Runtime>(
     }
     if options.ampere_backward == AmpereUse::Faster
         && sm80::default_on(client)
-        && let Some(plan) = ampere
+        && let Some(plan) = ampere()
     {
         return Ok(plan);
     }
