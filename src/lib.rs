@@ -44,7 +44,7 @@ pub use attention::{
 pub use backend::{FlashAutodiffBackend, FlashBackend};
 pub use burn_flash_kernels as kernels;
 pub use burn_flash_kernels::attention::{
-    AmpereUse, BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule,
+    AmpereTile, AmpereUse, BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule,
 };
 pub use burn_flash_kernels::softmax::{RowLimits, SoftmaxError, SoftmaxPlan};
 pub use linear::linear;

@@ -13,7 +13,7 @@
 use std::sync::RwLock;
 
 use burn_flash_kernels::attention::{
-    AmpereUse, BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule,
+    AmpereTile, AmpereUse, BackwardOverlap, DecodeSchedule, HopperUse, TileSchedule,
 };
 use burn_flash_kernels::softmax_matmul::SoftmaxMatmulOptions;
 
@@ -34,6 +34,9 @@ pub struct PlanDefaults {
     /// How plans use the Ampere backward
     /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
     pub ampere_backward: AmpereUse,
+    /// The Ampere backward's block shape
+    /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_tile`]).
+    pub ampere_tile: AmpereTile,
 }
 
 impl PlanDefaults {
@@ -46,6 +49,7 @@ impl PlanDefaults {
         deterministic: false,
         backward_overlap: BackwardOverlap::Planned,
         ampere_backward: AmpereUse::Faster,
+        ampere_tile: AmpereTile::Planned,
     };
 }
 
@@ -81,7 +85,8 @@ impl PlanDefaults {
     /// [`PlanDefaults::from_names`] of the settings `BURN_FLASH_HOPPER`,
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
     /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]), `BURN_FLASH_BWD_OVERLAP`
-    /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_AMPERE_BWD` ([`AmpereUse::from_name`]) and
+    /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_AMPERE_BWD` ([`AmpereUse::from_name`]),
+    /// `BURN_FLASH_AMPERE_TILE` ([`AmpereTile::from_name`]) and
     /// `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the
     /// test suites and benches read them from
     /// their environment (the library reads none).
@@ -107,6 +112,11 @@ impl PlanDefaults {
         if let Some(name) = get("BURN_FLASH_AMPERE_BWD") {
             d.ampere_backward = AmpereUse::from_name(&name)
                 .ok_or_else(|| format!("Ampere backward use {name:?}: off, always or faster"))?;
+        }
+        if let Some(name) = get("BURN_FLASH_AMPERE_TILE") {
+            d.ampere_tile = AmpereTile::from_name(&name).ok_or_else(|| {
+                format!("Ampere backward tile {name:?}: planned, wide, narrow or paired")
+            })?;
         }
         d.deterministic = match get("BURN_FLASH_DETERMINISTIC").as_deref() {
             None | Some("0") => false,
@@ -207,6 +217,16 @@ mod tests {
             let d = read(&[("BURN_FLASH_AMPERE_BWD", name)]).expect(name);
             assert_eq!(d.ampere_backward, use_, "{name}");
         }
+        assert_eq!(d.ampere_tile, AmpereTile::Planned);
+        for (name, tile) in [
+            ("planned", AmpereTile::Planned),
+            ("wide", AmpereTile::Wide),
+            ("narrow", AmpereTile::Narrow),
+            ("paired", AmpereTile::Paired),
+        ] {
+            let d = read(&[("BURN_FLASH_AMPERE_TILE", name)]).expect(name);
+            assert_eq!(d.ampere_tile, tile, "{name}");
+        }
         for (name, overlap) in [
             ("lockstep", BackwardOverlap::Lockstep),
             ("deferred", BackwardOverlap::Deferred),
@@ -222,6 +242,7 @@ mod tests {
             ("BURN_FLASH_HOPPER", "sometimes"),
             ("BURN_FLASH_DETERMINISTIC", "yes"),
             ("BURN_FLASH_AMPERE_BWD", "sometimes"),
+            ("BURN_FLASH_AMPERE_TILE", "square"),
             ("BURN_FLASH_BWD_OVERLAP", "sometimes"),
         ] {
             let err = read(&[(key, value)]).expect_err(value);

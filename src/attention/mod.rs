@@ -51,9 +51,9 @@ use burn::tensor::{
 pub use burn_flash_kernels::dropout::DropoutParams;
 
 pub use burn_flash_kernels::attention::{
-    AmpereUse, AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims, AttentionError,
-    AttentionKernel, AttentionPlan, BackwardLaunch, BackwardOverlap, DecodeSchedule, HopperUse,
-    MAX_HEAD_DIM, TileSchedule, recent_backward_launches,
+    AmpereTile, AmpereUse, AttentionBackwardKernel, AttentionBackwardPlan, AttentionDims,
+    AttentionError, AttentionKernel, AttentionPlan, BackwardLaunch, BackwardOverlap,
+    DecodeSchedule, HopperUse, MAX_HEAD_DIM, TileSchedule, recent_backward_launches,
 };
 
 /// The gradients of one attention call
@@ -148,6 +148,9 @@ pub struct FlashAttentionOptions {
     /// CUDA sm_80+; `None`: [`crate::plan_defaults`]'s, where the Hopper backward does not take
     /// the call) ([`burn_flash_kernels::attention::AttentionOptions::ampere_backward`]).
     pub ampere_backward: Option<AmpereUse>,
+    /// The Ampere backward's block shape (`None`: [`crate::plan_defaults`]'s, the measured
+    /// best) ([`burn_flash_kernels::attention::AttentionOptions::ampere_tile`]).
+    pub ampere_tile: Option<AmpereTile>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

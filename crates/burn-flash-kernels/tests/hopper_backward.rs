@@ -11,11 +11,9 @@
 mod common;
 
 use burn_flash_kernels::attention::{
-    AttentionBackwardKernel, AttentionDims, AttentionKernel, AttentionOptions, BackwardTensors,
+    AmpereTile, AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardTensors,
     TileSchedule, launch_attention, launch_attention_backward,
 };
-use burn_flash_kernels::flash::backward::sm80;
-use burn_flash_kernels::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
 use common::{Case, Half, contiguous, download, draw, max_error, poisoned, t, timed, upload};
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -153,42 +151,10 @@ fn run_with(
         dv: t(&dv_h, &vs, &v_st),
         ds: None,
     };
-    let backward = || match c.ampere_keys {
-        None => {
-            launch_attention_backward(client, tensors(), dtype, &options)
-                .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
-                .kernel
-        }
-        Some(keys) => {
-            let dims = AttentionDims {
-                batch: c.b,
-                heads_q: c.hq,
-                heads_kv: c.hkv,
-                seq_q: c.sq,
-                seq_k: c.sk,
-                head_dim: c.d,
-                value_dim: c.dv,
-            };
-            let tile = sm80::tile(dims, usize::MAX).expect("head dims up to 128");
-            let rules = ScoreRules {
-                causal: c.causal,
-                ..ScoreRules::NONE
-            };
-            let config = FlashConfig::new(
-                ScoreSource::QueryKey,
-                rules,
-                Tile {
-                    block_k: keys,
-                    ..tile
-                },
-            );
-            let cubes = (c.sk.div_ceil(keys as usize), c.hkv, c.b);
-            // SAFETY: the tensors' shapes and strides describe the buffers made above; the
-            // case is one the Ampere backward takes (head dims up to 128, causal or not, no
-            // other score term, rows 16-byte aligned).
-            unsafe { sm80::launch(client, &tensors(), dims, dtype, &options, config, cubes) };
-            AttentionBackwardKernel::Ampere
-        }
+    let backward = || {
+        launch_attention_backward(client, tensors(), dtype, &options)
+            .unwrap_or_else(|e| panic!("{c:?} {kernel:?} backward: {e}"))
+            .kernel
     };
     let (ran, millis) = timed(client, repeats, backward);
     let grads = Grads {
@@ -308,13 +274,9 @@ fn check_with(client: &Client, c: Case, seed: u64, pads: RowPads) {
             AttentionBackwardKernel::Hopper
         };
         assert_eq!(kernel, expected, "{c:?} {half:?}");
-        let planned = Case {
-            ampere_keys: None,
-            ..c
-        };
         let (mma, kernel, _) = run(
             client,
-            &planned,
+            &c,
             half,
             &inputs,
             Some(AttentionKernel::MatrixUnits),
@@ -457,30 +419,30 @@ fn ampere_backward_matches_f64() {
     });
 }
 
-/// The Ampere backward's 64-key, one-stage tile — what the plan gives GPUs with 99 KiB of
-/// shared memory a block (sm_86, sm_89), never run before — launched directly on this GPU:
-/// [`check`]'s rule at D 128 and 64 and a rounded head dim, causal with `Sq <, > Sk`, GQA,
-/// partial key blocks, so that those GPUs' tile has run before their default takes it.
+/// The Ampere backward's other block shapes, forced on this GPU ([`AmpereTile`]): `Narrow`
+/// (64 keys, one stage — what the plan gives GPUs with 99 KiB of shared memory a block,
+/// sm_86 and sm_89, at D 128) and `Paired` (64 keys, two blocks a SM at 128 registers, two
+/// stages where they fit): [`check`]'s rule at D 128 and 64 and a rounded head dim, causal
+/// with `Sq <, > Sk`, GQA, partial key blocks.
 #[test]
-fn ampere_backward_small_tile_matches_f64() {
+fn ampere_backward_shapes_match_f64() {
     let causal = |c: Case| Case { causal: true, ..c };
     let cases = [
         Case::new(2, 4, 2, 200, 333, 128, 128),
         causal(Case::new(1, 4, 1, 300, 260, 64, 64)),
         causal(Case::new(1, 2, 2, 77, 150, 96, 72)),
         Case::new(1, 8, 2, 130, 700, 64, 128),
-    ]
-    .map(|c| Case {
-        ampere: true,
-        ampere_keys: Some(64),
-        ..c
-    });
-    common::check_cases_on(&ampere_client(), cases, 800, check);
+    ];
+    for tile in [AmpereTile::Narrow, AmpereTile::Paired] {
+        let cases = cases.map(|c| Case {
+            ampere: true,
+            ampere_tile: tile,
+            ..c
+        });
+        common::check_cases_on(&ampere_client(), cases, 800, check);
+    }
 }
 
-/// What the Ampere backward does not take falls back to the planned backward, with the reason
-/// the plan can state: head dims over 128, a softcap, the deterministic option, a forced forward
-/// kernel.
 #[test]
 fn ampere_backward_declines() {
     use burn_flash_kernels::attention::{AttentionDims, AttentionFeatures, ampere_reason};

@@ -252,6 +252,7 @@ pub fn stated(name: &str) -> Option<Occupancy> {
         "flash_backward_given_tiled" => backward::units_given::OCCUPANCY,
         "burn_flash_hopper_backward" => backward::hopper::OCCUPANCY,
         "burn_flash_sm80_backward" => backward::sm80::OCCUPANCY,
+        "burn_flash_sm80_backward_paired" => backward::sm80::PAIRED_OCCUPANCY,
         "burn_flash_hopper_backward_rows" | "burn_flash_hopper_backward_dq" => {
             backward::hopper::ROWS_OCCUPANCY
         }

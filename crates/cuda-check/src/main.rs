@@ -544,12 +544,17 @@ mod tests {
             "Hopper kernels on sm_90a only"
         );
         for arch in ARCHS {
-            assert!(
-                variants
-                    .iter()
-                    .any(|v| v.launch.arch == arch && v.launch.entry == "burn_flash_sm80_backward"),
-                "{arch}: no Ampere backward"
-            );
+            for entry in [
+                "burn_flash_sm80_backward",
+                "burn_flash_sm80_backward_paired",
+            ] {
+                assert!(
+                    variants
+                        .iter()
+                        .any(|v| v.launch.arch == arch && v.launch.entry == entry),
+                    "{arch}: no {entry}"
+                );
+            }
         }
     }
 }

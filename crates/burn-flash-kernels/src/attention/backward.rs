@@ -252,13 +252,13 @@ pub fn plan_attention_backward_writing<R: Runtime>(
     let ampere = || {
         (options.kernel.is_none()
             && ampere_reason(client, dims, dtype, features, options, write_ds).is_none())
-        .then(|| sm80::tile(dims, hw.max_shared_memory_size))
+        .then(|| sm80::shape(dims, options.ampere_tile, hw.max_shared_memory_size))
         .flatten()
-        .map(|tile| {
-            let block_keys = tile.block_k as usize;
+        .map(|shape| {
+            let block_keys = shape.keys as usize;
             AttentionBackwardPlan {
                 kernel: AttentionBackwardKernel::Ampere,
-                config: FlashConfig::new(ScoreSource::QueryKey, rules, tile),
+                config: FlashConfig::new(ScoreSource::QueryKey, rules, shape.tile(dims)),
                 block_keys,
                 dkv_cubes: (dims.seq_k.div_ceil(block_keys), dims.heads_kv, dims.batch),
                 dq_cubes: (hopper::padded_rows(dims).div_ceil(8), 1, 1),
@@ -487,7 +487,19 @@ pub fn launch_attention_backward<R: Runtime>(
         crate::launch_hand_written!(
             client,
             |cuda| unsafe {
-                sm80::launch(cuda, &t, dims, dtype, options, plan.config, plan.dkv_cubes);
+                let max_shared = cuda.properties().hardware.max_shared_memory_size;
+                let shape = sm80::shape(dims, options.ampere_tile, max_shared)
+                    .expect("the plan found the Ampere backward's shape");
+                sm80::launch(
+                    cuda,
+                    &t,
+                    dims,
+                    dtype,
+                    options,
+                    plan.config,
+                    shape,
+                    plan.dkv_cubes,
+                );
                 record_launch(BackwardLaunch {
                     dims,
                     kernel: plan.kernel,

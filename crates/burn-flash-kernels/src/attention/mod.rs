@@ -41,10 +41,10 @@ pub use backward::{
 };
 pub use launch::launch_attention;
 pub use options::{
-    AmpereUse, AttentionDims, AttentionError, AttentionFeatures, AttentionKernel, AttentionOptions,
-    AttentionPlan, BackwardOverlap, BackwardTensors, DecodeSchedule, HopperUse, MAX_HEAD_DIM,
-    TileSchedule, attention_dims, bias_row_tiles, bias_tiles, check_seqs, rows_aligned,
-    starts_aligned, validate,
+    AmpereTile, AmpereUse, AttentionDims, AttentionError, AttentionFeatures, AttentionKernel,
+    AttentionOptions, AttentionPlan, BackwardOverlap, BackwardTensors, DecodeSchedule, HopperUse,
+    MAX_HEAD_DIM, TileSchedule, attention_dims, bias_row_tiles, bias_tiles, check_seqs,
+    rows_aligned, starts_aligned, validate,
 };
 pub(crate) use plan::sm90;
 pub use plan::{cmma_tile, mma_tile, plan_attention, units_tile};

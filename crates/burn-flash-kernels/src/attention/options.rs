@@ -255,6 +255,37 @@ impl AmpereUse {
     }
 }
 
+/// The block shape the Ampere backward ([`crate::flash::backward::sm80::Shape`]) runs: a plan
+/// input for A/Bs of its tiles; the suites and benches set it from `BURN_FLASH_AMPERE_TILE`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum AmpereTile {
+    /// The measured best for the call and device ([`crate::flash::backward::sm80::shape`]).
+    #[default]
+    Planned,
+    /// 128 keys a block, two `Q`/`dO` stages, one block a SM (up to 255 registers a thread):
+    /// GPUs with ~161 KiB of shared memory a block (sm_80, sm_90).
+    Wide,
+    /// 64 keys a block, one stage, one block a SM: what fits 99 KiB (sm_86, sm_89) at D 128.
+    Narrow,
+    /// 64 keys a block, two blocks a SM (128 registers a thread), two stages where two blocks
+    /// of them fit the SM's shared memory, else one.
+    Paired,
+}
+
+impl AmpereTile {
+    /// The tile a name stands for: `planned`, `wide`, `narrow` or `paired`; `None` for any
+    /// other.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "planned" => Some(Self::Planned),
+            "wide" => Some(Self::Wide),
+            "narrow" => Some(Self::Narrow),
+            "paired" => Some(Self::Paired),
+            _ => None,
+        }
+    }
+}
+
 /// The split-KV decoding kernel's schedule ([`crate::decode`]): a plan input, set for A/Bs of
 /// the schedule (the default is the measured best on an H200, RESULTS.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -349,6 +380,8 @@ pub struct AttentionOptions {
     /// How the plan uses the Ampere backward ([`crate::flash::backward::sm80`]) where it runs
     /// the call and no forward kernel is forced.
     pub ampere_backward: AmpereUse,
+    /// The Ampere backward's block shape ([`AmpereTile::Planned`]: the measured best).
+    pub ampere_tile: AmpereTile,
 }
 
 impl Default for AttentionOptions {
@@ -369,6 +402,7 @@ impl Default for AttentionOptions {
             deterministic: false,
             backward_overlap: BackwardOverlap::Planned,
             ampere_backward: AmpereUse::Faster,
+            ampere_tile: AmpereTile::Planned,
         }
     }
 }

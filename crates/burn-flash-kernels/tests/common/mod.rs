@@ -3,7 +3,9 @@
 
 #![allow(dead_code)]
 
-use burn_flash_kernels::attention::{AmpereUse, AttentionKernel, AttentionOptions, TileSchedule};
+use burn_flash_kernels::attention::{
+    AmpereTile, AmpereUse, AttentionKernel, AttentionOptions, TileSchedule,
+};
 use burn_flash_kernels::tensor::TensorRef;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::ir::{ElemType, FloatKind, StorageType};
@@ -352,9 +354,9 @@ pub struct Case {
     pub schedule: TileSchedule,
     /// The Ampere backward ahead of the Hopper one ([`AmpereUse::Always`]; else the default).
     pub ampere: bool,
-    /// The backward launched as the Ampere kernel directly with this many keys a block (its
-    /// 64-key tile, which the plan gives GPUs with 99 KiB of shared memory, on any GPU).
-    pub ampere_keys: Option<u32>,
+    /// [`AttentionOptions::ampere_tile`]: the Ampere backward's block shape (any shape that
+    /// fits this GPU, whatever its default would be).
+    pub ampere_tile: AmpereTile,
 }
 
 impl Case {
@@ -373,7 +375,7 @@ impl Case {
             deterministic: false,
             schedule: TileSchedule::Planned,
             ampere: false,
-            ampere_keys: None,
+            ampere_tile: AmpereTile::Planned,
         }
     }
 
@@ -402,6 +404,7 @@ impl Case {
             } else {
                 AmpereUse::Faster
             },
+            ampere_tile: self.ampere_tile,
             ..Default::default()
         }
     }

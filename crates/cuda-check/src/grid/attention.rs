@@ -2,8 +2,9 @@
 //! backward) and decoding calls (split-KV over contiguous and paged caches, the cache appends).
 
 use burn_flash_kernels::attention::{
-    AmpereUse, AttentionBackwardKernel, AttentionKernel, AttentionOptions, BackwardOverlap,
-    BackwardTensors, TileSchedule, launch_attention, launch_attention_backward,
+    AmpereTile, AmpereUse, AttentionBackwardKernel, AttentionDims, AttentionKernel,
+    AttentionOptions, BackwardOverlap, BackwardTensors, TileSchedule, launch_attention,
+    launch_attention_backward,
 };
 use burn_flash_kernels::decode::{
     AppendTensors, DecodeTensors, Paged, Rope, launch_append, launch_decode,
@@ -422,50 +423,70 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
 
 /// The Ampere backward (forced ahead of the Hopper one: `AmpereUse::Always`) on every architecture:
 /// both 16-bit types, head dims 64, 128 and 64 / 128, plain and causal (with `--all` also 80 and
-/// 32, the rounded-up head dims). Its tile follows the architecture's shared memory (128 keys
-/// on sm_80 and sm_90a, 64 on sm_86 and sm_89); a call the plan did not give it fails.
+/// 32, the rounded-up head dims), in each block shape (`AmpereTile`): the planned one (128 keys
+/// on sm_80 and sm_90a, 64 on sm_86 and sm_89 at D 128), `Narrow` (64 keys, one stage) and
+/// `Paired` (two blocks a SM) where two blocks fit the architecture's shared memory; a call
+/// the plan did not give it fails.
 pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    use burn_flash_kernels::flash::backward::sm80;
     let mut dims = vec![(64, 64), (128, 128), (64, 128)];
     if all {
         dims.extend([(80, 80), (32, 32)]);
     }
-    for kind in [FloatKind::F16, FloatKind::BF16] {
-        for &(d, dv) in &dims {
-            for causal in [false, true] {
-                let f = Features {
-                    causal,
-                    ..Features::default()
-                };
-                let s = Sizes {
-                    batch: 2,
-                    heads_q: 4,
-                    heads_kv: 2,
-                    seq_q: 200,
-                    seq_k: 328,
-                    d,
-                    dv,
-                };
-                let dtype = float(kind);
-                let o = AttentionOptions {
-                    ampere_backward: AmpereUse::Always,
-                    ..options(f, None)
-                };
-                let name = format!(
-                    "attention Ampere {} D{d}/{dv} {} bwd",
-                    dtype_name(kind),
-                    f.name()
-                );
-                push(
-                    calls,
-                    name,
-                    archs.to_vec(),
-                    move |c| match AttentionCall::new(c, s, f, dtype)
-                        .backward(c, dtype, &o, false)?
-                    {
-                        AttentionBackwardKernel::Ampere => Ok(()),
-                        other => Err(format!("the plan ran {other:?}, not the Ampere backward")),
-                    },
-                );
+    for tile in [AmpereTile::Planned, AmpereTile::Narrow, AmpereTile::Paired] {
+        for kind in [FloatKind::F16, FloatKind::BF16] {
+            for &(d, dv) in &dims {
+                for causal in [false, true] {
+                    let f = Features {
+                        causal,
+                        ..Features::default()
+                    };
+                    let s = Sizes {
+                        batch: 2,
+                        heads_q: 4,
+                        heads_kv: 2,
+                        seq_q: 200,
+                        seq_k: 328,
+                        d,
+                        dv,
+                    };
+                    let attention_dims = AttentionDims {
+                        batch: s.batch,
+                        heads_q: s.heads_q,
+                        heads_kv: s.heads_kv,
+                        seq_q: s.seq_q,
+                        seq_k: s.seq_k,
+                        head_dim: d,
+                        value_dim: dv,
+                    };
+                    let fitting: Vec<Arch> = archs
+                        .iter()
+                        .copied()
+                        .filter(|a| sm80::shape(attention_dims, tile, a.max_shared).is_some())
+                        .collect();
+                    if fitting.is_empty() {
+                        continue;
+                    }
+                    let dtype = float(kind);
+                    let o = AttentionOptions {
+                        ampere_backward: AmpereUse::Always,
+                        ampere_tile: tile,
+                        ..options(f, None)
+                    };
+                    let name = format!(
+                        "attention Ampere {tile:?} {} D{d}/{dv} {} bwd",
+                        dtype_name(kind),
+                        f.name()
+                    );
+                    push(calls, name, fitting, move |c| {
+                        match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)? {
+                            AttentionBackwardKernel::Ampere => Ok(()),
+                            other => {
+                                Err(format!("the plan ran {other:?}, not the Ampere backward"))
+                            }
+                        }
+                    });
+                }
             }
         }
     }

@@ -31,8 +31,11 @@
 // up; the columns past p.head_dim / p.value_dim are read as zeros and never written), CAUSAL
 // (0 | 1: key j is visible to query i when j ≤ i + Sk − Sq, bottom-right aligned as the Hopper
 // backward), BLOCK_N (128 where ~160 KiB of shared memory can be opted into — sm_80, sm_90 —,
-// 64 on sm_86 / sm_89 with 99 KiB), STAGES (2, or 1 with BLOCK_N 64: Q/dO slots) and
-// PARAM_WORDS (sizeof(Sm80BwdParams) / 8). SOFTCAP, MASK, BIAS, ALIBI, WINDOW, VARLEN and
+// 64 on sm_86 / sm_89 with 99 KiB, or 64 for two blocks a SM), STAGES (Q/dO slots: 2, the
+// next step's copies under this step's products, or 1), PAIRED (0: one block a SM, up to 255
+// registers a thread; 1: two blocks a SM, 128 registers, entry burn_flash_sm80_backward_paired —
+// the `__launch_bounds__` minimum; the host's `sm80::Shape`) and PARAM_WORDS
+// (sizeof(Sm80BwdParams) / 8). SOFTCAP, MASK, BIAS, ALIBI, WINDOW, VARLEN and
 // DROPOUT must be absent or 0 (not supported by this first version).
 //
 // Inputs: rows 16-byte aligned and the innermost (d) stride 1 (the host checks it and otherwise
@@ -246,8 +249,15 @@ __device__ __forceinline__ void sm80_keys_by_cols(float (&acc)[2][NT][4], u32 sa
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-burn_flash_sm80_backward(const unsigned short* __restrict__ q,
+// Two entry names, one per PAIRED, so that each variant's register budget is its own.
+#if PAIRED
+extern "C" __global__ void __launch_bounds__(SM80_THREADS, 2)
+burn_flash_sm80_backward_paired(
+#else
+extern "C" __global__ void __launch_bounds__(SM80_THREADS, 1)
+burn_flash_sm80_backward(
+#endif
+                         const unsigned short* __restrict__ q,
                          const unsigned short* __restrict__ k,
                          const unsigned short* __restrict__ v,
                          const unsigned short* __restrict__ d_o,

@@ -1,6 +1,6 @@
 //! The attention backward on Ampere and later (sm_80 … sm_90), FlashAttention-2's data flow,
 //! hand-written CUDA (`sm80.cu` next to this file, on `crate::hopper`'s `sm80.cuh` wrappers):
-//! one block of 256 threads per [`tile`]'s keys of one (batch, key/value head) keeps `K`, `V`
+//! one block of 256 threads per [`Shape`]'s keys of one (batch, key/value head) keeps `K`, `V`
 //! in shared memory and `dK`, `dV` in registers while it walks the group's query rows 64 at a
 //! time; per step it computes `S` and `dP` in one warp layout (2 × 4 warps over rows × keys),
 //! stores `P` and `dS` to shared memory, accumulates `dV += Pᵀ·dO` and `dK += dSᵀ·Q` in a
@@ -20,7 +20,7 @@
 
 #[cfg(feature = "cuda")]
 use crate::attention::options::BackwardTensors;
-use crate::attention::options::{AttentionDims, AttentionOptions};
+use crate::attention::options::{AmpereTile, AttentionDims, AttentionOptions};
 #[cfg(feature = "cuda")]
 use crate::flash::FlashConfig;
 use crate::flash::{ScoreRules, Tile};
@@ -35,12 +35,21 @@ pub const BLOCK_M: usize = 64;
 /// Threads per block (8 warps).
 pub const UNITS: u32 = 256;
 
-/// 256 threads at up to 255 registers: one block per SM, no spill.
+/// 256 threads at up to 255 registers: one block per SM, no spill ([`Shape::blocks`] 1).
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
 
+/// Two blocks of 256 threads per SM, 128 registers a thread ([`Shape::blocks`] 2, entry
+/// `burn_flash_sm80_backward_paired`): no spill at D 64 (128 registers), a known spill at
+/// D 128 (NVRTC 13.5: 12 + 12 B plain and 60 + 60 B causal on sm_90a's two stages, 60 + 44 B
+/// and 24 + 24 B on sm_80's one).
+pub const PAIRED_OCCUPANCY: crate::occupancy::Occupancy =
+    crate::occupancy::Occupancy::spilling(2, 120);
+
 #[cfg(feature = "cuda")]
 const ENTRY: &str = "burn_flash_sm80_backward";
+#[cfg(feature = "cuda")]
+const PAIRED_ENTRY: &str = "burn_flash_sm80_backward_paired";
 
 /// Words of the kernel's parameter struct (`Sm80BwdParams`, which the source asserts).
 #[cfg(feature = "cuda")]
@@ -57,41 +66,108 @@ pub const SOURCE: &str = concat!(
 #[cfg(feature = "cuda")]
 const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 
-/// `Q`/`dO` slots with `block_keys` keys per block: two at 128 keys, one at 64 (the tile of
-/// GPUs with 99 KiB of shared memory a block, sm_86 and sm_89).
-pub fn stages(block_keys: u32) -> u32 {
-    if block_keys == 128 { 2 } else { 1 }
+/// Shared memory the driver reserves per block (and adds to the per-block maximum to make the
+/// SM's): 1 KiB on sm_80 and later.
+const RESERVED_SHARED: usize = 1 << 10;
+
+/// A block shape of the kernel: `sm80.cu`'s `BLOCK_N`, `STAGES` and `PAIRED`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// Keys a block (its `K`, `V` tiles, kept for the whole query loop): 64 or 128.
+    pub keys: u32,
+    /// `Q`/`dO` slots: 2 (the next step's copies under this step's products) or 1.
+    pub stages: u32,
+    /// Blocks the kernel is built to share an SM with (`__launch_bounds__`' minimum): 1 (up to
+    /// 255 registers a thread) or 2 (128).
+    pub blocks: u32,
 }
 
-/// Dynamic shared memory of `tile` (`sm80.cu`'s `SMEM_BYTES`): `K` and `V` of the block, `P`
-/// and `dS` (64 × keys each), and per stage `Q`, `dO` (64 rows) and the rows' `lse₂` and `δ`;
-/// 16-bit elements. D = Dv = 128: 164 864 bytes at 128 keys, 82 432 at 64.
-pub fn shared_bytes(tile: Tile) -> usize {
-    let (keys, d, dv) = (
-        tile.block_k as usize,
-        tile.head_dim as usize,
-        tile.value_dim as usize,
-    );
-    2 * keys * (d + dv)
-        + 2 * 2 * BLOCK_M * keys
-        + stages(tile.block_k) as usize * (2 * BLOCK_M * (d + dv) + 2 * 4 * BLOCK_M)
-}
+impl Shape {
+    /// 128 keys, two stages, one block a SM ([`AmpereTile::Wide`]).
+    pub const WIDE: Self = Self {
+        keys: 128,
+        stages: 2,
+        blocks: 1,
+    };
+    /// 64 keys, one stage, one block a SM ([`AmpereTile::Narrow`]).
+    pub const NARROW: Self = Self {
+        keys: 64,
+        stages: 1,
+        blocks: 1,
+    };
 
-/// The tile of a call on a device with `max_shared` bytes of shared memory a block: the head
-/// dims rounded up to 64 or 128, 128 keys a block (two `Q`/`dO` stages) where that fits, else
-/// 64 (one stage); `None` where neither fits.
-pub fn tile(dims: AttentionDims, max_shared: usize) -> Option<Tile> {
-    let rounded = |dim: usize| dim.max(64).next_power_of_two() as u32;
-    [128, 64]
-        .into_iter()
-        .map(|block_k| Tile {
+    /// The tile of `dims` in this shape: the head dims rounded up to 64 or 128.
+    pub fn tile(self, dims: AttentionDims) -> Tile {
+        let rounded = |dim: usize| dim.max(64).next_power_of_two() as u32;
+        Tile {
             block_q: BLOCK_M as u32,
             row_tiles: 1,
-            block_k,
+            block_k: self.keys,
             head_dim: rounded(dims.head_dim),
             value_dim: rounded(dims.value_dim),
-        })
-        .find(|&t| shared_bytes(t) <= max_shared)
+        }
+    }
+
+    /// Dynamic shared memory a block of `dims` (`sm80.cu`'s `SMEM_BYTES`): `K` and `V` of the
+    /// block, `P` and `dS` (64 × keys each), and per stage `Q`, `dO` (64 rows) and the rows'
+    /// `lse₂` and `δ`; 16-bit elements. D = Dv = 128: 164 864 bytes [`WIDE`](Self::WIDE),
+    /// 82 432 [`NARROW`](Self::NARROW).
+    pub fn shared_bytes(self, dims: AttentionDims) -> usize {
+        let tile = self.tile(dims);
+        let (keys, d, dv) = (
+            self.keys as usize,
+            tile.head_dim as usize,
+            tile.value_dim as usize,
+        );
+        2 * keys * (d + dv)
+            + 2 * 2 * BLOCK_M * keys
+            + self.stages as usize * (2 * BLOCK_M * (d + dv) + 2 * 4 * BLOCK_M)
+    }
+
+    /// Whether [`blocks`](Self::blocks) blocks of `dims` fit one SM of a device with
+    /// `max_shared` bytes of shared memory a block (the SM has [`RESERVED_SHARED`] more, and
+    /// each block reserves that much).
+    pub fn fits(self, dims: AttentionDims, max_shared: usize) -> bool {
+        self.blocks as usize * (self.shared_bytes(dims) + RESERVED_SHARED)
+            <= max_shared + RESERVED_SHARED
+    }
+
+    /// The entry point of this shape's variant.
+    #[cfg(feature = "cuda")]
+    fn entry(self) -> &'static str {
+        if self.blocks == 2 {
+            PAIRED_ENTRY
+        } else {
+            ENTRY
+        }
+    }
+}
+
+/// The shape `choice` gives a call of `dims` on a device with `max_shared` bytes of shared
+/// memory a block; `None` where it does not fit. [`AmpereTile::Planned`] takes
+/// [`Shape::WIDE`] where it fits, else [`Shape::NARROW`] (the shapes a GPU run has verified
+/// as the default; RESULTS.md §5.0.2); [`AmpereTile::Paired`] two stages where two blocks of
+/// them fit, else one.
+pub fn shape(dims: AttentionDims, choice: AmpereTile, max_shared: usize) -> Option<Shape> {
+    let fits = |shape: &Shape| shape.fits(dims, max_shared);
+    let candidates: &[Shape] = match choice {
+        AmpereTile::Planned => &[Shape::WIDE, Shape::NARROW],
+        AmpereTile::Wide => &[Shape::WIDE],
+        AmpereTile::Narrow => &[Shape::NARROW],
+        AmpereTile::Paired => &[
+            Shape {
+                keys: 64,
+                stages: 2,
+                blocks: 2,
+            },
+            Shape {
+                keys: 64,
+                stages: 1,
+                blocks: 2,
+            },
+        ],
+    };
+    candidates.iter().copied().find(fits)
 }
 
 /// Whether `client` is a CUDA client (a GPU's, or `cuda-check`'s stated architecture): the
@@ -157,16 +233,21 @@ pub fn unavailable(
         "the Ampere backward launches one block row per key/value head and batch: at most 65535 each".into()
     } else if dims.seq_q > i32::MAX as usize / 2 || dims.seq_k > i32::MAX as usize / 2 {
         "the Ampere backward indexes positions with 32-bit integers".into()
-    } else if tile(dims, max_shared).is_none() {
+    } else if shape(dims, options.ampere_tile, max_shared).is_none() {
+        let least = match options.ampere_tile {
+            AmpereTile::Planned | AmpereTile::Narrow => Shape::NARROW,
+            AmpereTile::Wide => Shape::WIDE,
+            AmpereTile::Paired => Shape {
+                stages: 1,
+                blocks: 2,
+                ..Shape::NARROW
+            },
+        };
         format!(
-            "the Ampere backward needs {} B of shared memory a block; the device has {max_shared}",
-            shared_bytes(Tile {
-                block_q: BLOCK_M as u32,
-                row_tiles: 1,
-                block_k: 64,
-                head_dim: 128,
-                value_dim: 128,
-            })
+            "the Ampere backward's {:?} tile needs {} B of shared memory a block ({} a SM); the device has {max_shared} a block",
+            options.ampere_tile,
+            least.shared_bytes(dims),
+            least.blocks,
         )
     } else {
         return None;
@@ -174,9 +255,10 @@ pub fn unavailable(
     Some(reason)
 }
 
-/// Launches the backward of `dims` on `client`: the per-row prepass, the main kernel on
-/// `cubes` (key blocks of `config`'s tile, `Hkv`, `B`), then `dQ`'s conversion. `t` was
-/// checked by the caller (shapes, [`unavailable`] `None`).
+/// Launches the backward of `dims` on `client`: the per-row prepass, the main kernel in
+/// `shape` on `cubes` (key blocks of `config`'s tile — `shape`'s —, `Hkv`, `B`), then `dQ`'s
+/// conversion. `t` was checked by the caller (shapes, [`unavailable`] `None`, `shape` from
+/// [`shape`] for the device).
 ///
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
@@ -188,13 +270,18 @@ pub unsafe fn launch<R: CudaCompiled>(
     dtype: StorageType,
     options: &AttentionOptions,
     config: FlashConfig,
+    shape: Shape,
     cubes: (usize, usize, usize),
 ) {
     use super::hopper::{RowPasses, strides};
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
-    let tile = config.tile();
+    debug_assert_eq!(
+        config.tile(),
+        shape.tile(dims),
+        "the plan's tile is the shape's"
+    );
     // The accumulator is row-major, `HEAD_DIM` columns a row (`DQ_TILED 0`).
     let passes = RowPasses::new(
         client,
@@ -238,17 +325,18 @@ pub unsafe fn launch<R: CudaCompiled>(
     let defines = Defines::elem(bf16)
         .word("HEAD_DIM", config.head_dim)
         .word("VALUE_DIM", config.value_dim)
-        .word("BLOCK_N", config.block_k)
-        .word("STAGES", stages(config.block_k))
+        .word("BLOCK_N", shape.keys)
+        .word("STAGES", shape.stages)
+        .word("PAIRED", u32::from(shape.blocks == 2))
         .word("PARAM_WORDS", PARAM_WORDS as u32)
         .rules(&config.rules);
     let kernel = HandWritten::new_hashed(
         client,
         source,
         hash,
-        ENTRY,
+        shape.entry(),
         CubeDim::new_1d(UNITS),
-        shared_bytes(tile),
+        shape.shared_bytes(dims),
         defines.key(),
     )
     .with_defines(&defines);
@@ -317,38 +405,46 @@ mod tests {
         }
     }
 
-    /// The shared memory of `sm80.cu`'s header comment, and the tile each device class gets:
-    /// 128 keys where 164 864 B fit (an A100's 163 KiB opt-in, an H100's 227), 64 keys on
+    /// The shared memory of `sm80.cu`'s header comment, and the shape each device class
+    /// gets: 128 keys where 164 864 B fit (an A100's 163 KiB opt-in, an H100's 227), 64 keys on
     /// 99 KiB GPUs at D 128 (128 still fits there at D 64); the head dims rounded up to 64 or
-    /// 128; nothing where even 64 keys do not fit.
+    /// 128; two blocks a SM with two stages where two of them fit the SM (an H100 to the byte at
+    /// D 128), else one stage; nothing where even the smallest does not fit.
     #[test]
-    fn tiles_follow_shared_memory() {
-        let tile = |keys: u32, d: u32, dv: u32| Tile {
-            block_q: BLOCK_M as u32,
-            row_tiles: 1,
-            block_k: keys,
-            head_dim: d,
-            value_dim: dv,
+    fn shapes_follow_shared_memory() {
+        let d = |d: usize| dims(d, d);
+        let paired = |stages| Shape {
+            keys: 64,
+            stages,
+            blocks: 2,
         };
-        assert_eq!(shared_bytes(tile(128, 128, 128)), 164_864);
-        assert_eq!(shared_bytes(tile(64, 128, 128)), 82_432);
-        assert_eq!(shared_bytes(tile(128, 64, 64)), 99_328);
-        assert_eq!(shared_bytes(tile(64, 64, 64)), 49_664);
+        assert_eq!(Shape::WIDE.shared_bytes(d(128)), 164_864);
+        assert_eq!(Shape::NARROW.shared_bytes(d(128)), 82_432);
+        assert_eq!(Shape::WIDE.shared_bytes(d(64)), 99_328);
+        assert_eq!(Shape::NARROW.shared_bytes(d(64)), 49_664);
+        assert_eq!(paired(2).shared_bytes(d(128)), 115_712);
+        assert_eq!(paired(2).shared_bytes(d(64)), 66_560);
         let (a100, h100, rtx) = (163 << 10, 227 << 10, 99 << 10);
+        let planned = |dims, max| shape(dims, AmpereTile::Planned, max);
         for max in [a100, h100] {
-            assert_eq!(tile_of(dims(128, 128), max), Some((128, 128, 128)));
+            assert_eq!(planned(d(128), max), Some(Shape::WIDE));
         }
-        assert_eq!(tile_of(dims(128, 128), rtx), Some((64, 128, 128)));
-        assert_eq!(tile_of(dims(64, 64), rtx), Some((128, 64, 64)));
-        assert_eq!(tile_of(dims(72, 40), rtx), Some((64, 128, 64)));
-        assert_eq!(tile_of(dims(16, 24), a100), Some((128, 64, 64)));
-        assert_eq!(tile_of(dims(128, 128), 48 << 10), None);
-        assert_eq!(stages(128), 2);
-        assert_eq!(stages(64), 1);
-    }
-
-    fn tile_of(dims: AttentionDims, max: usize) -> Option<(u32, u32, u32)> {
-        tile(dims, max).map(|t| (t.block_k, t.head_dim, t.value_dim))
+        assert_eq!(planned(d(128), rtx), Some(Shape::NARROW));
+        assert_eq!(planned(d(64), rtx), Some(Shape::WIDE));
+        assert_eq!(planned(dims(72, 40), rtx), Some(Shape::NARROW));
+        assert_eq!(Shape::NARROW.tile(dims(72, 40)).head_dim, 128);
+        assert_eq!(Shape::NARROW.tile(dims(72, 40)).value_dim, 64);
+        assert_eq!(Shape::WIDE.tile(dims(16, 24)).head_dim, 64);
+        assert_eq!(planned(d(128), 48 << 10), None);
+        let paired_of = |dims, max| shape(dims, AmpereTile::Paired, max);
+        assert_eq!(paired_of(d(128), h100), Some(paired(2)));
+        assert_eq!(paired_of(d(128), h100 - 1), Some(paired(1)));
+        assert_eq!(paired_of(d(128), a100), Some(paired(1)));
+        assert_eq!(paired_of(d(64), a100), Some(paired(2)));
+        assert_eq!(paired_of(d(64), rtx), Some(paired(1)));
+        assert_eq!(paired_of(d(128), rtx), None);
+        assert_eq!(shape(d(128), AmpereTile::Wide, rtx), None);
+        assert_eq!(shape(d(128), AmpereTile::Narrow, h100), Some(Shape::NARROW));
     }
 
     /// What the kernel takes and what it leaves to the `mma.sync` backward, each with its
