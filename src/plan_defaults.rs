@@ -37,6 +37,9 @@ pub struct PlanDefaults {
     /// The Ampere backward's block shape
     /// ([`burn_flash_kernels::attention::AttentionOptions::ampere_tile`]).
     pub ampere_tile: AmpereTile,
+    /// f32 attention may run its products as TF32
+    /// ([`burn_flash_kernels::attention::AttentionOptions::tf32`]).
+    pub tf32: bool,
 }
 
 impl PlanDefaults {
@@ -50,6 +53,7 @@ impl PlanDefaults {
         backward_overlap: BackwardOverlap::Planned,
         ampere_backward: AmpereUse::Faster,
         ampere_tile: AmpereTile::Planned,
+        tf32: false,
     };
 }
 
@@ -86,7 +90,7 @@ impl PlanDefaults {
     /// `BURN_FLASH_DECODE_KEYS` and `BURN_FLASH_DECODE_CUBES` as `get` finds them, and
     /// `BURN_FLASH_PERSISTENT` ([`TileSchedule::from_name`]), `BURN_FLASH_BWD_OVERLAP`
     /// ([`BackwardOverlap::from_name`]), `BURN_FLASH_AMPERE_BWD` ([`AmpereUse::from_name`]),
-    /// `BURN_FLASH_AMPERE_TILE` ([`AmpereTile::from_name`]) and
+    /// `BURN_FLASH_AMPERE_TILE` ([`AmpereTile::from_name`]), `BURN_FLASH_TF32` (`1` or `0`) and
     /// `BURN_FLASH_DETERMINISTIC` (`1` or `0`): how the
     /// test suites and benches read them from
     /// their environment (the library reads none).
@@ -122,6 +126,11 @@ impl PlanDefaults {
             None | Some("0") => false,
             Some("1") => true,
             Some(other) => return Err(format!("deterministic {other:?}: 1 or 0")),
+        };
+        d.tf32 = match get("BURN_FLASH_TF32").as_deref() {
+            None | Some("0") => false,
+            Some("1") => true,
+            Some(other) => return Err(format!("TF32 {other:?}: 1 or 0")),
         };
         Ok(d)
     }
@@ -218,6 +227,8 @@ mod tests {
             assert_eq!(d.ampere_backward, use_, "{name}");
         }
         assert_eq!(d.ampere_tile, AmpereTile::Planned);
+        assert!(!d.tf32);
+        assert!(read(&[("BURN_FLASH_TF32", "1")]).expect("1").tf32);
         for (name, tile) in [
             ("planned", AmpereTile::Planned),
             ("wide", AmpereTile::Wide),
@@ -243,6 +254,7 @@ mod tests {
             ("BURN_FLASH_DETERMINISTIC", "yes"),
             ("BURN_FLASH_AMPERE_BWD", "sometimes"),
             ("BURN_FLASH_AMPERE_TILE", "square"),
+            ("BURN_FLASH_TF32", "on"),
             ("BURN_FLASH_BWD_OVERLAP", "sometimes"),
         ] {
             let err = read(&[(key, value)]).expect_err(value);

@@ -14,7 +14,7 @@ use burn_flash::{
     attention_plan, attention_plan_with, attention_varlen, attention_with_alibi,
     attention_with_heads, attention_with_lse,
 };
-use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
+use common::attention_ref::{EXACT, Rounding, at, naive, naive_tf32, row_sequence};
 use common::*;
 
 /// What one case's checks compare with: the exact output and log-sum-exp, and the naive
@@ -87,19 +87,21 @@ impl Case {
         h.finish()
     }
 
-    /// The exact reference (output, log-sum-exp) and the naive model's output in `dtype`,
-    /// computed once for consecutive calls of the same case (the last case's are kept).
-    fn references(&self, dtype: FloatDType) -> std::rc::Rc<References> {
+    /// The exact reference (output, log-sum-exp) and the naive model's output in `dtype` (with
+    /// `tf32`, f32 with TF32 products: [`naive_tf32`]), computed once for consecutive calls of
+    /// the same case (the last case's are kept).
+    fn references(&self, dtype: FloatDType, tf32: bool) -> std::rc::Rc<References> {
         thread_local! {
             static LAST: std::cell::RefCell<Option<(u64, std::rc::Rc<References>)>> =
                 const { std::cell::RefCell::new(None) };
         }
-        let key = self.fingerprint(dtype);
+        let key = self.fingerprint(dtype) ^ u64::from(tf32);
         LAST.with_borrow_mut(|last| match last {
             Some((k, refs)) if *k == key => refs.clone(),
             _ => {
                 let (want, want_lse) = self.reference();
-                let (naive, _) = self.model(naive(dtype));
+                let model = if tf32 { naive_tf32() } else { naive(dtype) };
+                let (naive, _) = self.model(model);
                 let refs = std::rc::Rc::new(References {
                     want,
                     want_lse,
@@ -140,8 +142,8 @@ impl Case {
                             }
                             let mut dot = 0.0;
                             for c in 0..d {
-                                let qk = self.q[at(self.q_dims, [b, h, i, c])]
-                                    * self.k[at(self.k_dims, [b, kh, j, c])];
+                                let qk = (r.operand)(self.q[at(self.q_dims, [b, h, i, c])])
+                                    * (r.operand)(self.k[at(self.k_dims, [b, kh, j, c])]);
                                 dot = (r.acc)(dot + qk);
                             }
                             let mut x = (r.store)((r.store)(dot) * scale);
@@ -202,7 +204,10 @@ impl Case {
                                 // Adds nothing (also under rounding): hidden keys.
                                 continue;
                             }
-                            o = (r.acc)(o + pj * self.v[at(v_dims, [b, kh, j, c])]);
+                            o = (r.acc)(
+                                o + (r.operand)(*pj)
+                                    * (r.operand)(self.v[at(v_dims, [b, kh, j, c])]),
+                            );
                         }
                         out[at([nb, hq, sq, dv], [b, h, i, c])] = (r.store)(o);
                     }
@@ -410,7 +415,22 @@ fn check_call<B: FlashBackend>(
     sync::<B>(&device);
     let got = read(out);
     let got_lse = read(lse);
-    let refs = case.references(dtype);
+    // f32 with TF32 products where the plan takes them (`FlashAttentionOptions::tf32`, or the
+    // run's `BURN_FLASH_TF32`): the naive model is TF32's.
+    let dims = AttentionDims {
+        batch: nb,
+        heads_q: hq,
+        heads_kv: case.k_dims[1],
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: case.q_dims[3],
+        value_dim: case.dv,
+    };
+    let tf32 = dtype == FloatDType::F32
+        && burn_flash::attention_plan::<B>(&device, dims, dtype.into(), options_run)
+            .and_then(Result::ok)
+            .is_some_and(|p| p.config.tf32);
+    let refs = case.references(dtype, tf32);
     let ctx = format!(
         "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {} packed {:?}",
         case.q_dims,
@@ -756,6 +776,94 @@ fn tiled_kernel<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         "tiled, [B, S, H, D], large logits",
     );
     sync::<B>(device);
+}
+
+/// f32 with TF32 allowed ([`FlashAttentionOptions::tf32`]): on CUDA (sm_80+) the plan runs
+/// the cooperative-matrix forward on TF32 fragments (`wmma` m16n16k8, no kernel forced), and
+/// the output stays within twice the error of a naive TF32 implementation (every product's
+/// operands rounded to TF32, f32 sums; `check_call` takes that model where the plan says TF32)
+/// — plain, causal with GQA, a mask, bias and softcap, D 128 over several key steps, `D ≠ Dv`;
+/// elsewhere (wgpu, NdArray) and for 16-bit calls the option changes nothing: the same plan as
+/// without it, the same bound.
+fn tf32_products<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 70,
+        seq_k: 90,
+        head_dim: 64,
+        value_dim: 48,
+    };
+    let tf32 = |module: AttentionModuleOptions| FlashAttentionOptions {
+        tf32: Some(true),
+        module,
+        ..Default::default()
+    };
+    let Some(plan) = attention_plan::<B>(device, dims, dtype.into(), tf32(Default::default()))
+    else {
+        return;
+    };
+    let plan = plan.expect("plan");
+    let exact = attention_plan::<B>(device, dims, dtype.into(), Default::default())
+        .expect("a planner")
+        .expect("plan");
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    if cuda && dtype == FloatDType::F32 {
+        assert_eq!(plan.kernel, AttentionKernel::CooperativeMatrix, "{plan:?}");
+        assert!(plan.config.tf32, "{plan:?}");
+        assert!(!exact.config.tf32, "{exact:?}");
+    } else {
+        assert!(!plan.config.tf32, "{plan:?}");
+        assert_eq!(plan.kernel, exact.kernel);
+    }
+    let [b, hq, hkv, sq, sk] = [2, 4, 2, 70, 90];
+    let q = rand4::<B>([b, hq, sq, 64], 1.0, dtype, device);
+    let k = rand4::<B>([b, hkv, sk, 64], 1.0, dtype, device);
+    let v = rand4::<B>([b, hkv, sk, 48], 1.0, dtype, device);
+    check_with(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        None,
+        None,
+        tf32(Default::default()),
+        dtype,
+        "TF32 plain, D 64, Dv 48",
+    );
+    let causal = AttentionModuleOptions {
+        is_causal: true,
+        scale: Some(0.3),
+        softcap: Some(5.0),
+    };
+    let mask = bool_mask::<B, 4>([b, 1, 1, sk], device, |[b, _, _, j]| j + 7 * b + 5 >= 90);
+    let bias = rand4::<B>([1, hq, sq, sk], 1.0, dtype, device);
+    check_with(
+        q,
+        k,
+        v,
+        Some(mask),
+        Some(bias),
+        tf32(causal),
+        dtype,
+        "TF32 causal, GQA, mask, bias, softcap",
+    );
+    let q = rand4::<B>([1, 2, 130, 128], 1.0, dtype, device);
+    let k = rand4::<B>([1, 2, 150, 128], 1.0, dtype, device);
+    let v = rand4::<B>([1, 2, 150, 128], 1.0, dtype, device);
+    check_with(
+        q,
+        k,
+        v,
+        None,
+        None,
+        tf32(AttentionModuleOptions {
+            is_causal: true,
+            ..Default::default()
+        }),
+        dtype,
+        "TF32 causal, D 128, several steps",
+    );
 }
 
 /// The cooperative-matrix forward, forced (the plan's choice for f16/bf16 on Vulkan through
@@ -2616,6 +2724,7 @@ macro_rules! attention_suite {
                 planned_kernels,
                 tiled_kernel,
                 cooperative_matrix_kernel,
+                tf32_products,
                 masked_score_and_quiet,
                 windows_and_alibi,
                 bias_tiles,

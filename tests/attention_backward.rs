@@ -18,7 +18,7 @@ use burn_flash::{
     attention_with_lse,
     kernels::dropout::{DropoutParams, keep},
 };
-use common::attention_ref::{EXACT, Rounding, at, naive, row_sequence};
+use common::attention_ref::{EXACT, Rounding, at, naive, naive_tf32, row_sequence};
 use common::*;
 
 type A<B> = Autodiff<B>;
@@ -90,13 +90,21 @@ impl Case {
         let scale = self.options.scale.unwrap_or(1.0 / (d as f64).sqrt());
         let v_dims = [nb, hkv, sk, dv];
         let o_dims = [nb, hq, sq, dv];
-        let dot = |a: &dyn Fn(usize) -> f64, b: &dyn Fn(usize) -> f64, n: usize| {
-            let mut s = 0.0;
-            for c in 0..n {
-                s = (r.acc)(s + a(c) * b(c));
-            }
-            (r.store)(s)
-        };
+        // A sum of products: `mm` a matrix product's (operands rounded by `r.operand`), `dot`
+        // an elementwise one's (δ).
+        let sum =
+            |a: &dyn Fn(usize) -> f64, b: &dyn Fn(usize) -> f64, n: usize, op: fn(f64) -> f64| {
+                let mut s = 0.0;
+                for c in 0..n {
+                    s = (r.acc)(s + op(a(c)) * op(b(c)));
+                }
+                (r.store)(s)
+            };
+        let mm =
+            |a: &dyn Fn(usize) -> f64, b: &dyn Fn(usize) -> f64, n: usize| sum(a, b, n, r.operand);
+        let dot =
+            |a: &dyn Fn(usize) -> f64, b: &dyn Fn(usize) -> f64, n: usize| sum(a, b, n, |x| x);
+        let op = r.operand;
         let mut dq = vec![0.0; self.q.len()];
         let mut dk = vec![0.0; self.k.len()];
         let mut dvv = vec![0.0; self.v.len()];
@@ -120,7 +128,7 @@ impl Case {
                     let mut filled = vec![false; sk];
                     for j in 0..sk {
                         let kj = |c: usize| self.k[at(self.k_dims, [b, kh, j, c])];
-                        let mut x = (r.store)(dot(&qi, &kj, d) * scale);
+                        let mut x = (r.store)(mm(&qi, &kj, d) * scale);
                         if let Some(cap) = self.options.softcap {
                             let t = (r.store)((x / cap).tanh());
                             fac[j] = 1.0 - t * t;
@@ -197,7 +205,7 @@ impl Case {
                         .collect();
                     let pj = |j: usize| (r.store)(p[j] * z[j]);
                     let out: Vec<f64> = (0..dv)
-                        .map(|c| dot(&pj, &|j| self.v[at(v_dims, [b, kh, j, c])], sk))
+                        .map(|c| mm(&pj, &|j| self.v[at(v_dims, [b, kh, j, c])], sk))
                         .collect();
                     let delta = dot(&gi, &|c| out[c], dv);
                     if let Some(sink) = sink {
@@ -212,7 +220,7 @@ impl Case {
                             continue;
                         }
                         let vj = |c: usize| self.v[at(v_dims, [b, kh, j, c])];
-                        let dp = (r.store)(dot(&gi, &vj, dv) * z[j]);
+                        let dp = (r.store)(mm(&gi, &vj, dv) * z[j]);
                         let mut ds = (r.store)(p[j] * (r.store)(dp - delta));
                         if filled[j] {
                             ds = 0.0;
@@ -224,13 +232,15 @@ impl Case {
                         let dr = (r.store)(ds * fac[j] * scale);
                         for c in 0..d {
                             let n = at(self.q_dims, [b, h, i, c]);
-                            dq[n] = (r.acc)(dq[n] + dr * self.k[at(self.k_dims, [b, kh, j, c])]);
+                            dq[n] = (r.acc)(
+                                dq[n] + op(dr) * op(self.k[at(self.k_dims, [b, kh, j, c])]),
+                            );
                             let n = at(self.k_dims, [b, kh, j, c]);
-                            dk[n] = (r.acc)(dk[n] + dr * qi(c));
+                            dk[n] = (r.acc)(dk[n] + op(dr) * op(qi(c)));
                         }
                         for c in 0..dv {
                             let n = at(v_dims, [b, kh, j, c]);
-                            dvv[n] = (r.acc)(dvv[n] + pj(j) * gi(c));
+                            dvv[n] = (r.acc)(dvv[n] + op(pj(j)) * op(gi(c)));
                         }
                     }
                 }
@@ -285,6 +295,8 @@ struct Setup {
     deterministic: bool,
     /// [`FlashAttentionOptions::backward_overlap`] (the plan defaults' where `None`).
     overlap: Option<BackwardOverlap>,
+    /// [`FlashAttentionOptions::tf32`] set (else the plan defaults').
+    tf32: bool,
 }
 
 impl Setup {
@@ -310,6 +322,7 @@ impl Setup {
             packed: None,
             deterministic: false,
             overlap: None,
+            tf32: false,
         }
     }
 }
@@ -409,6 +422,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             window: setup.window,
             deterministic: setup.deterministic.then_some(true),
             backward_overlap: setup.overlap,
+            tf32: setup.tf32.then_some(true),
             ..setup.options.into()
         },
         dtype,
@@ -456,7 +470,30 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     });
     sync::<B>(&device);
     let (mut want, budget) = case.grads(EXACT);
-    let (mut naive, _) = case.grads(naive(dtype));
+    // f32 with TF32 products where the plan takes them (the setup's option, or the run's
+    // `BURN_FLASH_TF32`): the naive model is TF32's.
+    let dims = AttentionDims {
+        batch: nb,
+        heads_q: hq,
+        heads_kv: hkv,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: d,
+        value_dim: dv,
+    };
+    let tf32 = dtype == FloatDType::F32
+        && attention_backward_plan::<A<B>>(
+            &device,
+            dims,
+            dtype.into(),
+            options,
+            setup.mask.is_some(),
+            setup.bias.is_some(),
+        )
+        .and_then(Result::ok)
+        .is_some_and(|p| p.config.tf32);
+    let model = if tf32 { naive_tf32() } else { naive(dtype) };
+    let (mut naive, _) = case.grads(model);
     if !setup.bias_tracked {
         // No bias gradient to check.
         want[3].clear();
@@ -515,6 +552,72 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
         got[3].clone(),
         got[4].clone(),
     ]
+}
+
+/// f32 with TF32 allowed ([`FlashAttentionOptions::tf32`]): on CUDA (sm_80+) the backward plan
+/// runs the cooperative-matrix kernels on TF32 fragments, and the gradients stay within twice
+/// a naive TF32 implementation's error (`check` takes that model where the plan says TF32) —
+/// plain with `D ≠ Dv`, causal GQA with a mask, tracked bias and softcap, dropout, D 128;
+/// elsewhere (wgpu, NdArray) and for 16-bit calls the option changes nothing.
+fn tf32_training<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let dims = AttentionDims {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 37,
+        seq_k: 70,
+        head_dim: 64,
+        value_dim: 32,
+    };
+    let tf32 = FlashAttentionOptions {
+        tf32: Some(true),
+        ..Default::default()
+    };
+    let Some(plan) =
+        attention_backward_plan::<A<B>>(device, dims, dtype.into(), tf32, false, false)
+    else {
+        return;
+    };
+    let plan = plan.expect("plan");
+    let cuda = format!("{device:?}").to_lowercase().contains("cuda");
+    if cuda && dtype == FloatDType::F32 {
+        assert_eq!(
+            plan.kernel,
+            AttentionBackwardKernel::CooperativeMatrix,
+            "{plan:?}"
+        );
+        assert!(plan.config.tf32, "{plan:?}");
+    } else {
+        assert!(!plan.config.tf32, "{plan:?}");
+    }
+    let mut setup = Setup::new([2, 4, 37, 64], 2, 70, 32);
+    setup.tf32 = true;
+    check::<B>(&setup, dtype, "TF32: D 64, Dv 32, GQA");
+    if cuda && dtype == FloatDType::F32 {
+        let ran: Vec<_> = recent_backward_launches()
+            .into_iter()
+            .filter(|l| l.dims == dims)
+            .map(|l| l.kernel)
+            .collect();
+        assert_launched(&ran, AttentionBackwardKernel::CooperativeMatrix, "TF32");
+    }
+    setup.mask = Some(([2, 1, 1, 70], |[b, _, _, j]| j + 9 * b + 5 >= 70));
+    setup.bias = Some([1, 4, 37, 70]);
+    setup.options = AttentionModuleOptions {
+        scale: Some(0.3),
+        softcap: Some(5.0),
+        is_causal: true,
+    };
+    check::<B>(&setup, dtype, "TF32: causal, mask, tracked bias, softcap");
+    setup.dropout = Some(AttentionDropout {
+        prob: 0.2,
+        seed: fresh_seed(),
+    });
+    check::<B>(&setup, dtype, "TF32: and dropout");
+    let mut setup = Setup::new([1, 2, 130, 128], 2, 150, 128);
+    setup.tf32 = true;
+    setup.options.is_causal = true;
+    check::<B>(&setup, dtype, "TF32: D 128, several blocks");
 }
 
 /// Odd sizes, several key and row blocks, `Sq ≠ Sk`, `Dv ≠ D`, custom scale and softcap.
@@ -1820,6 +1923,7 @@ macro_rules! backward_suite {
                 dropout_gradients,
                 dropout_mask,
                 cooperative_backward,
+                tf32_training,
                 windows_and_alibi,
                 attention_sinks,
                 varlen,

@@ -948,7 +948,8 @@ fn forward_kernels<R: burn_cubecl::cubecl::Runtime>(
         };
         let cooperative = !matrix_units
             && options.path != Some(SmmPath::Units)
-            && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s).is_some();
+            && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s, false)
+                .is_some();
         let want = if cooperative {
             K::CooperativeMatrix
         } else {
@@ -1032,7 +1033,8 @@ fn backward_paths<R: burn_cubecl::cubecl::Runtime>(
         // Vulkan driver through SPIR-V) takes them for every 16-bit case with d3 up to 128.
         let cooperative = !matrix_units
             && d3 <= 128
-            && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s).is_some();
+            && burn_flash::kernels::flash::forward::cmma::fragment(&client, dtype_s, false)
+                .is_some();
         let want = if cooperative {
             P::CooperativeMatrix
         } else {

@@ -45,6 +45,7 @@ pub(crate) fn kernel_options(options: FlashAttentionOptions, head_dim: usize) ->
             .unwrap_or(defaults.backward_overlap),
         ampere_backward: options.ampere_backward.unwrap_or(defaults.ampere_backward),
         ampere_tile: options.ampere_tile.unwrap_or(defaults.ampere_tile),
+        tf32: options.tf32.unwrap_or(defaults.tf32),
     }
 }
 

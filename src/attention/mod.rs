@@ -151,6 +151,11 @@ pub struct FlashAttentionOptions {
     /// The Ampere backward's block shape (`None`: [`crate::plan_defaults`]'s, the measured
     /// best) ([`burn_flash_kernels::attention::AttentionOptions::ampere_tile`]).
     pub ampere_tile: Option<AmpereTile>,
+    /// f32 attention may run its products on the tensor cores as TF32 (10 mantissa bits, f32
+    /// accumulators; torch's `allow_tf32`), forward and backward, on CUDA sm_80+ (`None`:
+    /// [`crate::plan_defaults`]'s, off: exact f32) — a permission: other devices stay exact
+    /// ([`burn_flash_kernels::attention::AttentionOptions::tf32`]; the error it costs: docs/usage.md).
+    pub tf32: Option<bool>,
 }
 
 /// Dropout of [`FlashAttentionOptions`]: each weight is kept with probability `1 − prob`,

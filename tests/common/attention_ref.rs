@@ -29,12 +29,13 @@ pub fn at(dims: [usize; 4], [b, h, i, j]: [usize; 4]) -> usize {
 
 /// Rounding of a model: `acc` after every addition (or multiply-add) of a sum, `store` after
 /// every stored intermediate and output, `lse` of the row log-sum-exp a backward rebuilds `P`
-/// from.
+/// from, `operand` of each operand of a matrix product (`Q·Kᵀ`, `P·V`, `dO·Vᵀ`, `dS·K`, …).
 #[derive(Clone, Copy)]
 pub struct Rounding {
     pub acc: fn(f64) -> f64,
     pub store: fn(f64) -> f64,
     pub lse: fn(f64) -> f64,
+    pub operand: fn(f64) -> f64,
 }
 
 /// No rounding: the f64 reference.
@@ -42,7 +43,29 @@ pub const EXACT: Rounding = Rounding {
     acc: |x| x,
     store: |x| x,
     lse: |x| x,
+    operand: |x| x,
 };
+
+/// `x` as f32, rounded to TF32 (10 mantissa bits) to nearest, ties away from zero: what
+/// `cvt.rna.tf32.f32` (`wmma::__float_to_tf32`) gives.
+pub fn tf32(x: f64) -> f64 {
+    let bits = (x as f32).to_bits();
+    if !(x as f32).is_finite() {
+        return x as f32 as f64;
+    }
+    f32::from_bits(bits.wrapping_add(0x1000) & !0x1fff) as f64
+}
+
+/// The naive implementation of f32 attention with TF32 products (torch's `allow_tf32`): f32
+/// sums and storage, every matrix product's operands rounded to TF32.
+pub fn naive_tf32() -> Rounding {
+    Rounding {
+        acc: to_f32,
+        store: to_f32,
+        lse: to_f32,
+        operand: tf32,
+    }
+}
 
 fn to_f32(x: f64) -> f64 {
     x as f32 as f64
@@ -57,6 +80,7 @@ pub fn naive(dtype: FloatDType) -> Rounding {
     Rounding {
         acc: to_f32,
         lse: to_f32,
+        operand: |x| x,
         store: match dtype {
             FloatDType::F16 => |x| f16::from_f64(x).to_f64(),
             FloatDType::BF16 => |x| bf16::from_f64(x).to_f64(),

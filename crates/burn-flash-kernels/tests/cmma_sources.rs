@@ -273,7 +273,7 @@ fn every_variant_compiles_to_msl() {
     let mut compiled = 0;
     for kind in [FloatKind::F16, FloatKind::BF16] {
         let dtype = float(kind);
-        let Some(f) = cmma::choose(configs.iter(), (32, 32), dtype) else {
+        let Some(f) = cmma::choose(configs.iter(), (32, 32), dtype, false) else {
             // Metal has no bf16 × bf16 → f32 simdgroup product: bf16 stays on plain units.
             assert_eq!(kind, FloatKind::BF16, "Metal offers f16 × f16 → f32");
             continue;

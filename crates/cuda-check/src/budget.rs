@@ -55,7 +55,7 @@ impl Verdict {
 /// Holds `launch`, compiled as `compiled`, to its budgets.
 pub fn judge(launch: &TargetLaunch, compiled: &Compiled) -> Verdict {
     let threads = launch.cube_dim.num_elems();
-    let stated = stated(launch.name);
+    let stated = stated_for(launch);
     let cubes = stated.map(|o| o.cubes_per_sm);
     let mut v = Verdict {
         register_budget: cubes.map(|c| register_budget(threads, c)),
@@ -227,6 +227,22 @@ pub fn compare(old: &str, rows: &[(&Variant, &(Compiled, bool), &Verdict)]) -> S
         before.len()
     );
     out
+}
+
+/// The budgets of `launch`'s kernel: [`stated`] of its name, but the cooperative-matrix
+/// backward's kernels on TF32 operands (entries `…_m_tf32_…`) state their own.
+pub fn stated_for(launch: &TargetLaunch) -> Option<Occupancy> {
+    use burn_flash_kernels::flash::backward::cmma;
+    let kernel = launch.name.split('<').next().unwrap_or(launch.name);
+    if launch.entry.contains("_m_tf32") {
+        if kernel.contains("flash_backward_dq_cmma") {
+            return Some(cmma::DQ_TF32_OCCUPANCY);
+        }
+        if kernel.contains("flash_backward_dkv_cmma") {
+            return Some(cmma::DKV_TF32_OCCUPANCY);
+        }
+    }
+    stated(launch.name)
 }
 
 /// The budgets kernel `name` states next to its definition: a `#[cube]` kernel's type name (`path::kernel_fn::Type<R>`,

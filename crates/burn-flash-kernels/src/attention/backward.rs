@@ -233,16 +233,20 @@ pub fn plan_attention_backward_writing<R: Runtime>(
         ),
     );
     let matrix_units = mma_unavailable(client, dtype, features.aligned, mma_config);
-    // Cooperative matrices: where the device has no `mma` (or the forward is forced onto them)
-    // and they take the head dims and fit the device.
-    let cooperative = crate::flash::forward::cmma::fragment(client, dtype).and_then(|f| {
+    // Cooperative matrices: where the device has no `mma` (or the forward is forced onto them,
+    // or an f32 call allows TF32 and no forward kernel is forced) and they take the head dims
+    // and fit the device.
+    let tf32 = options.tf32_for(dtype);
+    let cooperative = crate::flash::forward::cmma::fragment(client, dtype, tf32).and_then(|f| {
         let c = FlashConfig::new(
             ScoreSource::QueryKey,
             rules,
             cmma::tile(dims.head_dim, dims.value_dim, f),
-        );
+        )
+        .with_tf32(tf32);
         let wanted = options.kernel == Some(super::AttentionKernel::CooperativeMatrix)
-            || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
+            || matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }))
+            || (tf32 && options.kernel.is_none());
         (wanted && cmma::runs(client, c, f)).then_some((f, c))
     });
     // The Ampere backward where it runs the call (no forward kernel forced): ahead of the
@@ -547,31 +551,33 @@ pub fn launch_attention_backward<R: Runtime>(
         ds: operand(t.ds.as_ref().unwrap_or(&t.dq), None),
     };
     let write_ds = t.ds.is_some();
-    let schedule = match plan.kernel {
-        AttentionBackwardKernel::MatrixUnits => Schedule::MatrixUnits {
-            write_ds,
-            p_buffer: None,
-        },
-        AttentionBackwardKernel::CooperativeMatrix => Schedule::CooperativeMatrix {
-            write_ds,
-            vector: crate::flash::forward::cmma::fragment(client, dtype).map_or(1, |f| {
-                crate::flash::forward::cmma::vector(
-                    &[
-                        (t.q.shape, t.q.strides),
-                        (t.k.shape, t.k.strides),
-                        (t.v.shape, t.v.strides),
-                        (t.d_out.shape, t.d_out.strides),
-                    ],
-                    plan.config,
-                    f,
-                )
-            }),
-        },
-        AttentionBackwardKernel::Units => Schedule::Units { write_ds },
-        AttentionBackwardKernel::Hopper | AttentionBackwardKernel::Ampere => {
-            unreachable!("launched above")
-        }
-    };
+    let schedule =
+        match plan.kernel {
+            AttentionBackwardKernel::MatrixUnits => Schedule::MatrixUnits {
+                write_ds,
+                p_buffer: None,
+            },
+            AttentionBackwardKernel::CooperativeMatrix => Schedule::CooperativeMatrix {
+                write_ds,
+                vector: crate::flash::forward::cmma::fragment(client, dtype, plan.config.tf32)
+                    .map_or(1, |f| {
+                        crate::flash::forward::cmma::vector(
+                            &[
+                                (t.q.shape, t.q.strides),
+                                (t.k.shape, t.k.strides),
+                                (t.v.shape, t.v.strides),
+                                (t.d_out.shape, t.d_out.strides),
+                            ],
+                            plan.config,
+                            f,
+                        )
+                    }),
+            },
+            AttentionBackwardKernel::Units => Schedule::Units { write_ds },
+            AttentionBackwardKernel::Hopper | AttentionBackwardKernel::Ampere => {
+                unreachable!("launched above")
+            }
+        };
     // SAFETY: every index is bounds-checked against the shapes passed here, which describe the
     // caller's buffers (checked above); on the matrix units the rows of `q`, `k`, `v` and `dO`
     // are 16-byte aligned (`features.aligned`), the kernels' vector width; the grids are the

@@ -171,7 +171,7 @@ pub fn launch_attention<R: Runtime>(
         (v.shape, v.strides),
         (out.shape, out.strides),
     ];
-    let vector = match cmma::fragment(client, dtype) {
+    let vector = match cmma::fragment(client, dtype, plan.config.tf32) {
         Some(f) if plan.kernel == AttentionKernel::CooperativeMatrix => {
             cmma::vector(&rows[..3], plan.config, f)
         }

@@ -382,6 +382,12 @@ pub struct AttentionOptions {
     pub ampere_backward: AmpereUse,
     /// The Ampere backward's block shape ([`AmpereTile::Planned`]: the measured best).
     pub ampere_tile: AmpereTile,
+    /// f32 calls may run their products on the tensor cores as TF32 (10 mantissa bits, f32
+    /// accumulators; torch's `allow_tf32`): the cooperative-matrix kernels on CUDA's `wmma`
+    /// m16n16k8 (sm_80+), forward and backward, every score rule. A permission: where the
+    /// device has no TF32 fragment (wgpu, CUDA before sm_80) f32 stays exact; 16-bit calls
+    /// ignore it. Off: exact f32 on plain units.
+    pub tf32: bool,
 }
 
 impl Default for AttentionOptions {
@@ -403,11 +409,19 @@ impl Default for AttentionOptions {
             backward_overlap: BackwardOverlap::Planned,
             ampere_backward: AmpereUse::Faster,
             ampere_tile: AmpereTile::Planned,
+            tf32: false,
         }
     }
 }
 
 impl AttentionOptions {
+    /// Whether a call of `dtype` takes its products as TF32: [`AttentionOptions::tf32`] and an
+    /// f32 `dtype`.
+    pub fn tf32_for(&self, dtype: StorageType) -> bool {
+        self.tf32
+            && dtype == StorageType::Scalar(cubecl::ir::ElemType::Float(cubecl::ir::FloatKind::F32))
+    }
+
     /// The score rules of a call with these options and `features`.
     pub fn rules(&self, features: AttentionFeatures) -> ScoreRules {
         ScoreRules {

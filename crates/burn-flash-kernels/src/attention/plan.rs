@@ -73,7 +73,8 @@ pub fn plan_attention<R: Runtime>(
     }
     let rules = options.rules(features);
     let unavailable = |kernel, reason: String| AttentionError::KernelUnavailable { kernel, reason };
-    let coop = cmma::fragment(client, dtype);
+    let tf32 = options.tf32_for(dtype);
+    let coop = cmma::fragment(client, dtype, tf32);
     let tiled_config = FlashConfig::new(ScoreSource::QueryKey, rules, tiled::tile(head_dim));
     let hopper_reason = hopper_unavailable(client, dims, dtype, features, options);
     let kernel = match (options.kernel, matrix_units) {
@@ -108,6 +109,8 @@ pub fn plan_attention<R: Runtime>(
         (None, Some(MatrixUnitsUnavailable::NoMma { .. })) if coop.is_some() => {
             AttentionKernel::CooperativeMatrix
         }
+        // f32 with TF32 allowed, where the device has the fragment.
+        (None, Some(_)) if tf32 && coop.is_some() => AttentionKernel::CooperativeMatrix,
         (None, Some(_))
             if options.dropout.is_none()
                 && dims.group() * dims.seq_q > 64
@@ -136,7 +139,8 @@ pub fn plan_attention<R: Runtime>(
                 ScoreSource::QueryKey,
                 rules,
                 cmma_tile(head_dim, value_dim, f, options.block_k)?,
-            );
+            )
+            .with_tf32(tf32);
             if !cmma::fits(config, f) {
                 return Err(AttentionError::InvalidOption {
                     reason: format!(
@@ -173,13 +177,16 @@ pub fn plan_attention<R: Runtime>(
             }
         }
         // Rows per cube fall to 64, then keys per step to 16, where shared memory is short.
-        AttentionKernel::CooperativeMatrix if cmma::shared_bytes(config) > max_shared => {
+        AttentionKernel::CooperativeMatrix
+            if coop.is_some_and(|f| cmma::shared_bytes(config, f) > max_shared) =>
+        {
+            let f = coop.expect("checked above");
             let narrow = FlashConfig {
                 block_q: cmma::BLOCK_Q,
                 ..config
             };
             match options.block_k {
-                None if cmma::shared_bytes(narrow) > max_shared => FlashConfig {
+                None if cmma::shared_bytes(narrow, f) > max_shared => FlashConfig {
                     block_k: 16,
                     ..narrow
                 },
@@ -190,10 +197,9 @@ pub fn plan_attention<R: Runtime>(
     };
     let (units, shared_bytes) = match kernel {
         AttentionKernel::MatrixUnits => (mma::units(config), mma::shared_bytes(config)),
-        AttentionKernel::CooperativeMatrix => (
-            coop.map_or(0, |f| f.units(config.block_q)),
-            cmma::shared_bytes(config),
-        ),
+        AttentionKernel::CooperativeMatrix => coop.map_or((0, 0), |f| {
+            (f.units(config.block_q), cmma::shared_bytes(config, f))
+        }),
         AttentionKernel::Tiled => (
             tiled::UNITS,
             tiled::shared_bytes(config, tiled::planes(client)),

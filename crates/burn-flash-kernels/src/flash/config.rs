@@ -124,6 +124,10 @@ pub struct FlashConfig {
     pub value_dim: u32,
     /// What the call asks of its scores.
     pub rules: ScoreRules,
+    /// The matrix-unit products take f32 inputs rounded to TF32 (10 mantissa bits; the
+    /// cooperative-matrix kernels on CUDA's `wmma` m16n16k8, [`crate::flash::forward::cmma`]);
+    /// `false`: the input type as it is.
+    pub tf32: bool,
 }
 
 impl FlashConfig {
@@ -144,7 +148,13 @@ impl FlashConfig {
             head_dim,
             value_dim,
             rules,
+            tf32: false,
         }
+    }
+
+    /// This configuration with its products on TF32 where `tf32` ([`FlashConfig::tf32`]).
+    pub fn with_tf32(self, tf32: bool) -> Self {
+        Self { tf32, ..self }
     }
 
     /// The configuration's tile.

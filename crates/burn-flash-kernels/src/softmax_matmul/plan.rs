@@ -243,7 +243,7 @@ pub fn plan_softmax_matmul_for<R: Runtime>(
     // asynchronously; forced steps must be whole chunks of its loads.
     let matrix_units = fragment::unavailable(client, dtype, row_vector * dtype.size() == 16);
     // Cooperative matrices take the matrix-unit path where the manual `mma` is missing.
-    let coop = forward::cmma::fragment(client, dtype)
+    let coop = forward::cmma::fragment(client, dtype, false)
         .filter(|_| matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. })));
     let mma_why_not = if coop.is_some() {
         None
@@ -352,7 +352,7 @@ pub fn plan_softmax_matmul_for<R: Runtime>(
                 SmmForwardKernel::CooperativeMatrix => {
                     let f = coop.expect("the cooperative kernel has a fragment");
                     let fits = forward::cmma::fits(c, f);
-                    let bytes = forward::cmma::shared_bytes(c);
+                    let bytes = forward::cmma::shared_bytes(c, f);
                     (c, f.units(c.block_q), if fits { bytes } else { usize::MAX })
                 }
                 _ => (c, forward::units::UNITS, forward::units::shared_bytes(c)),
@@ -419,7 +419,7 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     let rows = batch * d1;
     // Cooperative matrices where the device has them and no `mma`, for `d3` up to their
     // accumulators' width.
-    let cooperative = forward::cmma::fragment(client, dtype).and_then(|f| {
+    let cooperative = forward::cmma::fragment(client, dtype, false).and_then(|f| {
         let c = given(backward_cmma::tile(0, d3, f));
         let wanted = matches!(matrix_units, Some(MatrixUnitsUnavailable::NoMma { .. }));
         (wanted && backward_cmma::runs(client, c, f)).then_some((f, c))

@@ -638,3 +638,48 @@ pub(super) fn decode(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
         }
     }
 }
+
+/// f32 attention with TF32 allowed (`AttentionOptions::tf32`, no kernel forced) on every
+/// architecture: the plan takes the cooperative-matrix kernels on TF32 fragments (`wmma`
+/// m16n16k8) forward and backward; head dims 64 and 128 plain and causal, and every feature
+/// set at 128 (with `--all`, every feature set at both); a backward the plan did not give the
+/// cooperative matrices fails.
+pub(super) fn tf32(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
+    let dtype = float(FloatKind::F32);
+    for (d, dv) in [(64, 64), (128, 128)] {
+        for (k, f) in feature_sets(all).into_iter().enumerate() {
+            if !all && k > 1 && d != 128 {
+                continue;
+            }
+            let s = Sizes {
+                batch: if f.varlen { 1 } else { 2 },
+                heads_q: 4,
+                heads_kv: 2,
+                seq_q: 200,
+                seq_k: 328,
+                d,
+                dv,
+            };
+            let o = AttentionOptions {
+                tf32: true,
+                ..options(f, None)
+            };
+            let name = format!("attention TF32 f32 D{d}/{dv} {}", f.name());
+            push(calls, format!("{name} fwd"), archs.to_vec(), move |c| {
+                AttentionCall::new(c, s, f, dtype).forward(c, dtype, &o)
+            });
+            if f.sinks {
+                continue;
+            }
+            push(
+                calls,
+                format!("{name} bwd"),
+                archs.to_vec(),
+                move |c| match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)? {
+                    AttentionBackwardKernel::CooperativeMatrix => Ok(()),
+                    other => Err(format!("the plan ran {other:?}, not the TF32 backward")),
+                },
+            );
+        }
+    }
+}

@@ -102,6 +102,7 @@ pub fn calls(archs: &[Arch], all: bool) -> Vec<Call> {
     let mut calls = Vec::new();
     attention::attention(&mut calls, archs, all);
     attention::ampere_backward(&mut calls, archs, all);
+    attention::tf32(&mut calls, archs, all);
     attention::decode(&mut calls, archs, all);
     rows::softmax(&mut calls, archs, all);
     rows::softmax_matmul(&mut calls, archs, all);

@@ -68,14 +68,14 @@ pub fn block_keys(f: Fragment) -> u32 {
     PLANES * f.m
 }
 
-/// Shared memory of the dQ kernel for `c` (16-bit operands), in bytes: the `Q` and `dO` tiles
+/// Shared memory of the dQ kernel for `c` on `f`'s operands, in bytes: the `Q` and `dO` tiles
 /// staged once, then a step's `K` and `V` blocks and the planes' `dR` tiles; the f32 bounce
 /// tiles.
-pub fn dq_shared_bytes(c: FlashConfig) -> usize {
-    (dq_shared_len(c) * 2 + c.block_q * (STEP + S_PAD) * 4) as usize
+pub fn dq_shared_bytes(c: FlashConfig, f: Fragment) -> usize {
+    (dq_shared_len(c) * f.operand_bytes() + c.block_q * (STEP + S_PAD) * 4) as usize
 }
 
-/// [`dq_shared_bytes`]' 16-bit elements.
+/// [`dq_shared_bytes`]' operand elements.
 fn dq_shared_len(c: FlashConfig) -> u32 {
     let (dl, vl, wl) = (c.head_dim + PAD, c.value_dim + PAD, STEP + PAD);
     (c.block_q * (dl + vl)).max(STEP * (dl + vl) + c.block_q * wl)
@@ -85,10 +85,10 @@ fn dq_shared_len(c: FlashConfig) -> u32 {
 /// the `K` and `V` tiles staged once (given scores: neither), then a step's `Q` (given scores:
 /// `X`) and `dO` rows and the planes' weight tiles; the f32 bounce tiles.
 pub fn dkv_shared_bytes(c: FlashConfig, f: Fragment) -> usize {
-    (dkv_shared_len(c, f) * 2 + block_keys(f) * (STEP + S_PAD) * 4) as usize
+    (dkv_shared_len(c, f) * f.operand_bytes() + block_keys(f) * (STEP + S_PAD) * 4) as usize
 }
 
-/// [`dkv_shared_bytes`]' 16-bit elements.
+/// [`dkv_shared_bytes`]' operand elements.
 fn dkv_shared_len(c: FlashConfig, f: Fragment) -> u32 {
     let keys = block_keys(f);
     let (dl, vl, wl) = (c.head_dim + PAD, c.value_dim + PAD, STEP + PAD);
@@ -106,7 +106,7 @@ pub fn runs<R: Runtime>(client: &ComputeClient<R>, c: FlashConfig, f: Fragment) 
     let hw = &client.properties().hardware;
     fits(c, f)
         && hw.max_units_per_cube >= PLANES * f.plane
-        && hw.max_shared_memory_size >= dq_shared_bytes(c).max(dkv_shared_bytes(c, f))
+        && hw.max_shared_memory_size >= dq_shared_bytes(c, f).max(dkv_shared_bytes(c, f))
 }
 
 /// Whether the cooperative-matrix backward takes `c` on `f`: head dims up to [`MAX_DIM`] in

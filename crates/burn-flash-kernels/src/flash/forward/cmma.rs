@@ -96,11 +96,12 @@ pub(crate) fn load_rows<F: Float, NV: Size>(
     }
 }
 
-/// Writes what [`load_rows()`] loaded into `sh` from `at`, row pitch `ld`.
+/// Writes what [`load_rows()`] loaded into `sh` from `at`, row pitch `ld`, as the operand
+/// type `M` (rounded to TF32 where `M` is; the input type itself otherwise).
 #[cube]
-pub(crate) fn store_rows<F: Float, NV: Size>(
+pub(crate) fn store_rows<F: Float, M: Float, NV: Size>(
     regs: &Array<Vector<F, NV>>,
-    sh: &mut SharedMemory<F>,
+    sh: &mut SharedMemory<M>,
     #[comptime] at: u32,
     #[comptime] ld: u32,
     #[comptime] n_rows: u32,
@@ -118,7 +119,7 @@ pub(crate) fn store_rows<F: Float, NV: Size>(
             let vec = regs[e as usize];
             #[unroll]
             for i in 0..nv {
-                sh[dst + i] = vec[i];
+                sh[dst + i] = M::cast_from(vec[i]);
             }
         }
     }
@@ -126,12 +127,12 @@ pub(crate) fn store_rows<F: Float, NV: Size>(
 
 /// Stages rows `r0 .. r0 + n_rows` of a query group (`group`; rows at and past `rows` zero) ×
 /// columns `col0 .. col0 + width` of `t` (zero at and past `col0 + cols`) into `sh` from `at`,
-/// row pitch `ld`, reading vectors of `NV`.
+/// row pitch `ld`, reading vectors of `NV`, as the operand type `M`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_group_rows<F: Float, NV: Size>(
+pub(crate) fn stage_group_rows<F: Float, M: Float, NV: Size>(
     t: &Tensor<Vector<F, NV>>,
-    sh: &mut SharedMemory<F>,
+    sh: &mut SharedMemory<M>,
     group: &QueryGroup,
     r0: usize,
     col0: usize,
@@ -158,7 +159,7 @@ pub(crate) fn stage_group_rows<F: Float, NV: Size>(
             let dst = (at + (idx / vecs) * ld) as usize + col;
             #[unroll]
             for i in 0..nv {
-                sh[dst + i] = select(ok, vec[i], F::new(0.0));
+                sh[dst + i] = select(ok, M::cast_from(vec[i]), M::new(0.0));
             }
         }
     }
@@ -331,14 +332,15 @@ pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::
 /// `bias` and `out` an element at a time. `c.head_dim` is `D` rounded up to `f.k`,
 /// `c.value_dim` the output tile, a multiple of `f.n` ([`fits`]).
 /// Grid: `(column tiles of Dv, row blocks of G·Sq, B·Hkv)`, `(plane, block_q / m)` units.
+/// `M` is the products' operand type ([`Fragment::operand`]): `F` itself, or TF32 for f32.
 #[cube(launch_unchecked)]
-pub fn flash_forward_cmma<F: Float, NV: Size>(
+pub fn flash_forward_cmma<F: Float, M: Float, NV: Size>(
     inputs: &ScoreInputs<Vector<F, NV>, F>,
     outputs: &mut ForwardOutputs<F>,
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] f: Fragment,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, M)] _dtypes: [StorageType; 2],
 ) {
     let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
@@ -387,18 +389,18 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
     let x_row = group.offset(q, row);
 
     // 32-byte aligned: every fragment's tile starts on a 32-byte boundary (`wmma`'s rule).
-    let mut sh = SharedMemory::<F>::new_aligned(comptime!(lay.len as usize), 32usize);
+    let mut sh = SharedMemory::<M>::new_aligned(comptime!(lay.len as usize), 32usize);
     let mut ss = SharedMemory::<f32>::new_aligned(comptime!(lay.s_len as usize), 32usize);
 
     // The plane's `Q` fragments, staged through shared memory [`Q_PASS`] rows at a time (the
     // planes of a pass load theirs).
-    let mut qf = Sequence::<Matrix<F>>::new();
+    let mut qf = Sequence::<Matrix<M>>::new();
     if comptime!(!given) {
         #[unroll]
         for _kc in 0..q_frags {
             // SAFETY (cubecl's): loaded below, before any use.
             qf.push(unsafe {
-                Matrix::<F>::uninitialized(MatrixIdent::A, tm, tn, tk, MatrixLayout::RowMajor)
+                Matrix::<M>::uninitialized(MatrixIdent::A, tm, tn, tk, MatrixLayout::RowMajor)
             });
         }
         let pass_rows = comptime!(c.block_q.min(Q_PASS));
@@ -406,7 +408,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         for pass in 0..comptime!(c.block_q / pass_rows) {
             let r0 = blk.row0 + (pass * pass_rows) as usize;
             // Rows of a block can span heads: each staged row finds its own offset.
-            stage_group_rows::<F, NV>(
+            stage_group_rows::<F, M, NV>(
                 q, &mut sh, &group, r0, 0, head_dim, 0u32, dl, pass_rows, c.head_dim, units,
             );
             sync_cube();
@@ -476,9 +478,9 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         let full = blk.full_step(st, c);
         // -- 1. the step's K and V blocks into shared memory, the next step's into registers --
         if comptime!(!given) {
-            store_rows::<F, NV>(&pre_k, &mut sh, k_at, dl, c.block_k, c.head_dim, units);
+            store_rows::<F, M, NV>(&pre_k, &mut sh, k_at, dl, c.block_k, c.head_dim, units);
         }
-        store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, c.block_k, c.value_dim, units);
+        store_rows::<F, M, NV>(&pre_v, &mut sh, v_at, vl, c.block_k, c.value_dim, units);
         sync_cube();
         if st + 1 < steps {
             if comptime!(!given) {
@@ -509,7 +511,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
 
         // -- 2. the scores --
         if comptime!(!given) {
-            product_abt::<F>(
+            product_abt::<M>(
                 &qf,
                 &sh,
                 &mut ss,
@@ -582,7 +584,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
                         false,
                     );
                 }
-                sh[pp_at + r * pl as usize + first + e] = F::cast_from(kept);
+                sh[pp_at + r * pl as usize + first + e] = M::cast_from(kept);
                 psum += p;
             }
         }
@@ -617,7 +619,7 @@ pub fn flash_forward_cmma<F: Float, NV: Size>(
         sync_plane();
 
         // -- 5. O += P·V --
-        product_wb::<F>(
+        product_wb::<M>(
             &o,
             &sh,
             pp_at,

@@ -102,7 +102,7 @@ pub unsafe fn launch_forward<R: Runtime>(
                 dtype,
             ),
             FlashKernel::CooperativeMatrix => {
-                let f = cmma::fragment(client, dtype)
+                let f = cmma::fragment(client, dtype, c.tf32)
                     .expect("a plan picks the cooperative matrices only where they exist");
                 cmma::flash_forward_cmma::launch_unchecked::<R>(
                     client,
@@ -114,7 +114,7 @@ pub unsafe fn launch_forward<R: Runtime>(
                     args,
                     c,
                     f,
-                    dtype,
+                    [dtype, f.operand(dtype)],
                 )
             }
             FlashKernel::Units => units::flash_forward_units::launch_unchecked::<R>(

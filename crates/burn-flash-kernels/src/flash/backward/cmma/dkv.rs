@@ -9,13 +9,20 @@ use super::*;
 pub const DKV_OCCUPANCY: crate::occupancy::Occupancy =
     crate::occupancy::Occupancy::spilling(2, 12_288);
 
+/// [`DKV_OCCUPANCY`] on TF32 operands ([`crate::attention::AttentionOptions::tf32`]): the
+/// plane's `K` and `V` fragments take twice the registers of 16-bit ones (8 columns a
+/// fragment); at D 128 NVRTC 13.5 spills up to 11 048 + 11 468 B (sm_80, causal varlen).
+/// Held by `cargo xtask cuda-check`.
+pub const DKV_TF32_OCCUPANCY: crate::occupancy::Occupancy =
+    crate::occupancy::Occupancy::spilling(2, 24_576);
+
 /// `dK` and `dV` of one block of `PLANES·m` keys (module docs); given scores: `dV` alone.
 /// `c` is the dQ kernel's configuration. Grid: `(key blocks, y, z)`, `y·z ≥ B·Hkv`;
 /// `(plane, PLANES)` units.
 #[cube(launch_unchecked)]
 // A comptime `if` stays apart from the runtime one inside it.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
+pub fn flash_backward_dkv_cmma<F: Float, M: Float, NV: Size>(
     inputs: &ScoreInputs<Vector<F, NV>, F>,
     grads: &GradInputs<Vector<F, NV>>,
     dk: &mut Tensor<F>,
@@ -23,7 +30,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     args: ScoreArgs,
     #[comptime] c: FlashConfig,
     #[comptime] f: Fragment,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, M)] _dtypes: [StorageType; 2],
 ) {
     let (q, k, v, d_out) = (&inputs.q, &inputs.k, &inputs.v, &grads.d_out);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
@@ -62,7 +69,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     let s_at = plane * f.m as usize * sl as usize;
     let pw_at = w_at + plane * f.m as usize * wl as usize;
 
-    let mut sh = SharedMemory::<F>::new_aligned(len, 32usize);
+    let mut sh = SharedMemory::<M>::new_aligned(len, 32usize);
     let mut ss = SharedMemory::<f32>::new_aligned(comptime!((keys_n * sl) as usize), 32usize);
 
     // The block's `K` and `V` rows, once, as the planes' `A` fragments (given scores: neither,
@@ -78,7 +85,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
         load_rows::<F, NV>(
             k, &mut pre_k, k_base, j0, seq_k, head_dim, keys_n, c.head_dim, units,
         );
-        store_rows::<F, NV>(&pre_k, &mut sh, 0u32, dl, keys_n, c.head_dim, units);
+        store_rows::<F, M, NV>(&pre_k, &mut sh, 0u32, dl, keys_n, c.head_dim, units);
         load_rows::<F, NV>(
             v,
             &mut pre_v,
@@ -90,7 +97,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             c.value_dim,
             units,
         );
-        store_rows::<F, NV>(
+        store_rows::<F, M, NV>(
             &pre_v,
             &mut sh,
             comptime!(keys_n * dl),
@@ -106,8 +113,8 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
     } else {
         (c.head_dim, c.value_dim)
     });
-    let kf = a_fragments::<F>(&sh, plane * f.m as usize * dl as usize, dl, k_width, f);
-    let vf = a_fragments::<F>(
+    let kf = a_fragments::<M>(&sh, plane * f.m as usize * dl as usize, dl, k_width, f);
+    let vf = a_fragments::<M>(
         &sh,
         v_at + plane * f.m as usize * vl as usize,
         vl,
@@ -134,7 +141,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
         if live_block {
             // -- the step's rows: `Q` (given: the `X` block) and `dO` --
             if comptime!(given) {
-                stage_group_rows::<F, NV>(
+                stage_group_rows::<F, M, NV>(
                     q,
                     &mut sh,
                     &group,
@@ -148,11 +155,11 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                     units,
                 );
             } else {
-                stage_group_rows::<F, NV>(
+                stage_group_rows::<F, M, NV>(
                     q, &mut sh, &group, r0, 0, head_dim, 0u32, dl, STEP, c.head_dim, units,
                 );
             }
-            stage_group_rows::<F, NV>(
+            stage_group_rows::<F, M, NV>(
                 d_out,
                 &mut sh,
                 &group,
@@ -195,7 +202,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                     raw[i] = f32::cast_from(sh[col * xl as usize + plane * f.m as usize + r]);
                 }
             } else {
-                product_abt::<F>(&kf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
+                product_abt::<M>(&kf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
                 sync_plane();
                 #[unroll]
                 for i in 0..cols_l {
@@ -206,7 +213,7 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
             // -- dPᵀ = V·dOᵀ (for dK) --
             let mut dp = Array::<f32>::new(cols_l);
             if comptime!(!given) {
-                product_abt::<F>(&vf, &sh, &mut ss, o_at, s_at, vl, sl, c.value_dim, STEP, f);
+                product_abt::<M>(&vf, &sh, &mut ss, o_at, s_at, vl, sl, c.value_dim, STEP, f);
                 sync_plane();
                 #[unroll]
                 for i in 0..cols_l {
@@ -236,18 +243,18 @@ pub fn flash_backward_dkv_cmma<F: Float, NV: Size>(
                 if comptime!(!given) {
                     g[i] = w.p * (dp[i] * w.z - row_delta[i]) * w.gate * w.fac;
                 }
-                sh[pw_at + r * wl as usize + i * lanes as usize + cl] = F::cast_from(w.p * w.z);
+                sh[pw_at + r * wl as usize + i * lanes as usize + cl] = M::cast_from(w.p * w.z);
             }
             sync_plane();
-            product_wb::<F>(&acc_dv, &sh, pw_at, o_at, wl, vl, c.value_dim, STEP, f);
+            product_wb::<M>(&acc_dv, &sh, pw_at, o_at, wl, vl, c.value_dim, STEP, f);
             if comptime!(!given) {
                 sync_plane();
                 #[unroll]
                 for i in 0..cols_l {
-                    sh[pw_at + r * wl as usize + i * lanes as usize + cl] = F::cast_from(g[i]);
+                    sh[pw_at + r * wl as usize + i * lanes as usize + cl] = M::cast_from(g[i]);
                 }
                 sync_plane();
-                product_wb::<F>(&acc_dk, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
+                product_wb::<M>(&acc_dk, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
             }
             // Every plane is done with the step's tiles before the next step stages over them.
             sync_cube();

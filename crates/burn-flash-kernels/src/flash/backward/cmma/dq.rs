@@ -7,13 +7,20 @@ use super::*;
 /// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const DQ_OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(2, 192);
 
+/// [`DQ_OCCUPANCY`] on TF32 operands ([`crate::attention::AttentionOptions::tf32`]): a TF32
+/// `A` fragment spans 8 columns where a 16-bit one spans 16, so the plane's `Q` and `dO`
+/// fragments take twice the registers; at D 128 NVRTC 13.5 spills up to 868 + 608 B
+/// (sm_90a, causal with dropout). Held by `cargo xtask cuda-check`.
+pub const DQ_TF32_OCCUPANCY: crate::occupancy::Occupancy =
+    crate::occupancy::Occupancy::spilling(2, 1536);
+
 /// `dQ` of one block of `PLANES·m` query rows (module docs), and with `write_ds` the score
 /// gradient `dS` of every (row, key) into `ds` (`[B, Hq, Sq, Sk]`; with given scores, `dX`,
 /// and no `dQ`). Grid: `(row blocks of G·Sq, y, z)`, `y·z ≥ B·Hkv`; `(plane, PLANES)` units.
 #[cube(launch_unchecked)]
 // A comptime `if` stays apart from the runtime one inside it.
 #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
+pub fn flash_backward_dq_cmma<F: Float, M: Float, NV: Size>(
     inputs: &ScoreInputs<Vector<F, NV>, F>,
     grads: &GradInputs<Vector<F, NV>>,
     dq: &mut Tensor<F>,
@@ -22,7 +29,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     #[comptime] c: FlashConfig,
     #[comptime] f: Fragment,
     #[comptime] write_ds: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, M)] _dtypes: [StorageType; 2],
 ) {
     let (q, k, v, d_out) = (&inputs.q, &inputs.k, &inputs.v, &grads.d_out);
     let (mask, bias) = (&inputs.mask, &inputs.bias);
@@ -85,16 +92,16 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
         ds_row = group.offset(ds, row);
     }
 
-    let mut sh = SharedMemory::<F>::new_aligned(len, 32usize);
+    let mut sh = SharedMemory::<M>::new_aligned(len, 32usize);
     let mut ss = SharedMemory::<f32>::new_aligned(comptime!((c.block_q * sl) as usize), 32usize);
 
     // The block's `Q` and `dO` rows, once, as the planes' `A` fragments.
     if comptime!(!given) {
-        stage_group_rows::<F, NV>(
+        stage_group_rows::<F, M, NV>(
             q, &mut sh, &group, r0, 0, head_dim, 0u32, dl, c.block_q, c.head_dim, units,
         );
     }
-    stage_group_rows::<F, NV>(
+    stage_group_rows::<F, M, NV>(
         d_out,
         &mut sh,
         &group,
@@ -109,8 +116,8 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     );
     sync_cube();
     let q_width = comptime!(if given { 0 } else { c.head_dim });
-    let qf = a_fragments::<F>(&sh, plane * f.m as usize * dl as usize, dl, q_width, f);
-    let of = a_fragments::<F>(
+    let qf = a_fragments::<M>(&sh, plane * f.m as usize * dl as usize, dl, q_width, f);
+    let of = a_fragments::<M>(
         &sh,
         o_at + plane * f.m as usize * vl as usize,
         vl,
@@ -151,9 +158,9 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
     for st in 0..steps {
         let j0 = key0 + st * bk;
         if comptime!(!given) {
-            store_rows::<F, NV>(&pre_k, &mut sh, 0u32, dl, STEP, c.head_dim, units);
+            store_rows::<F, M, NV>(&pre_k, &mut sh, 0u32, dl, STEP, c.head_dim, units);
         }
-        store_rows::<F, NV>(&pre_v, &mut sh, v_at, vl, STEP, c.value_dim, units);
+        store_rows::<F, M, NV>(&pre_v, &mut sh, v_at, vl, STEP, c.value_dim, units);
         sync_cube();
         if st + 1 < steps {
             if comptime!(!given) {
@@ -196,7 +203,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
                 }
             }
         } else {
-            product_abt::<F>(&qf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
+            product_abt::<M>(&qf, &sh, &mut ss, 0, s_at, dl, sl, c.head_dim, STEP, f);
             sync_plane();
             #[unroll]
             for gi in 0..groups {
@@ -209,7 +216,7 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
             sync_plane();
         }
         // -- dP = dO·Vᵀ --
-        product_abt::<F>(
+        product_abt::<M>(
             &of,
             &sh,
             &mut ss,
@@ -246,14 +253,14 @@ pub fn flash_backward_dq_cmma<F: Float, NV: Size>(
                     }
                 }
                 if comptime!(!given) {
-                    sh[pw_at + r * wl as usize + first + e] = F::cast_from(g * w.fac);
+                    sh[pw_at + r * wl as usize + first + e] = M::cast_from(g * w.fac);
                 }
             }
         }
         // -- dQ += dR·K --
         if comptime!(!given) {
             sync_plane();
-            product_wb::<F>(&acc, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
+            product_wb::<M>(&acc, &sh, pw_at, 0, wl, dl, c.head_dim, STEP, f);
         }
         // Every plane is done with the step's tiles before the next step stages over them.
         sync_cube();
@@ -299,8 +306,9 @@ pub unsafe fn launch<R: Runtime>(
     vector: usize,
 ) {
     let (client, t, delta, dtype) = (l.client, l.t, l.delta, l.dtype);
-    let f = fragment(client, dtype)
+    let f = fragment(client, dtype, c.tf32)
         .expect("a plan picks the cooperative matrices only where they exist");
+    let dtypes = [dtype, f.operand(dtype)];
     let dim = cubecl::CubeDim::new_2d(f.plane, PLANES);
     // SAFETY: the caller's (above).
     unsafe {
@@ -317,7 +325,7 @@ pub unsafe fn launch<R: Runtime>(
                 scalars.arg(),
                 c,
                 f,
-                dtype,
+                dtypes,
             );
         }
         if let Some(cubes) = l.dq_cubes {
@@ -334,7 +342,7 @@ pub unsafe fn launch<R: Runtime>(
                 c,
                 f,
                 write_ds,
-                dtype,
+                dtypes,
             );
         }
     }

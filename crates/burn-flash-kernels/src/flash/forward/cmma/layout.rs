@@ -4,8 +4,8 @@
 
 use super::*;
 
-/// A cooperative-matrix shape `m × n × k` with 16-bit operands and f32 accumulators, and the
-/// plane size the kernel is compiled for.
+/// A cooperative-matrix shape `m × n × k` with 16-bit operands (or f32 ones rounded to TF32)
+/// and f32 accumulators, and the plane size the kernel is compiled for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Fragment {
     /// Rows of `A` and of the accumulator.
@@ -16,6 +16,9 @@ pub struct Fragment {
     pub k: u32,
     /// Lanes per plane.
     pub plane: u32,
+    /// The operands are f32 inputs rounded to TF32 (CUDA's `wmma` m16n16k8, sm_80+): staged in
+    /// shared memory as 4-byte values; else the input's 16-bit type.
+    pub tf32: bool,
 }
 
 impl Fragment {
@@ -33,48 +36,84 @@ impl Fragment {
     pub fn units(&self, block_q: u32) -> u32 {
         self.planes(block_q) * self.plane
     }
+
+    /// Bytes of a staged operand element: 4 for TF32, else 2.
+    pub fn operand_bytes(&self) -> u32 {
+        if self.tf32 { 4 } else { 2 }
+    }
+
+    /// The kernels' operand type for inputs of `dtype`: TF32 or `dtype` itself.
+    pub fn operand(&self, dtype: StorageType) -> StorageType {
+        if self.tf32 {
+            StorageType::Scalar(ElemType::Float(FloatKind::TF32))
+        } else {
+            dtype
+        }
+    }
 }
 
-/// The fragment the device offers for operands of `dtype` (f16 or bf16) with f32
-/// accumulators ([`choose`] over the device's `cmma` configurations and plane sizes). `None`
-/// where it has none (WGSL, Mesa's lavapipe, f32).
-pub fn fragment<R: Runtime>(client: &ComputeClient<R>, dtype: StorageType) -> Option<Fragment> {
+/// The fragment the device offers for operands of `dtype` (f16 or bf16; with `tf32`, f32
+/// rounded to TF32) with f32 accumulators ([`choose`] over the device's `cmma` configurations
+/// and plane sizes). `None` where it has none (WGSL, Mesa's lavapipe, f32 without `tf32`, TF32
+/// outside CUDA sm_80+).
+pub fn fragment<R: Runtime>(
+    client: &ComputeClient<R>,
+    dtype: StorageType,
+    tf32: bool,
+) -> Option<Fragment> {
     let props = client.properties();
     let hw = &props.hardware;
     choose(
         props.features.matmul.cmma.iter(),
         (hw.plane_size_min, hw.plane_size_max),
         dtype,
+        tf32,
     )
 }
 
 /// The fragment among `configs` (a device's `cmma` configurations) for operands of `dtype`
 /// with f32 accumulators, on planes of (smallest, largest) `plane` lanes: square, 16 × 16 × 16
 /// where offered (CUDA's `wmma`, NVIDIA's and AMD's Vulkan drivers), else 8 × 8 × 8 (Metal's
-/// simdgroup matrices), with whole rows of it per plane. `None` for f32, planes of varying
-/// size, or no such configuration.
+/// simdgroup matrices), with whole rows of it per plane; with `tf32` and f32 `dtype`, TF32
+/// operands 16 × 16 × 8 (CUDA's `wmma` on sm_80+). `None` for f32 without `tf32` (or 16-bit
+/// with it), planes of varying size, or no such configuration.
 pub fn choose<'a>(
     configs: impl Iterator<Item = &'a MmaConfig>,
     plane: (u32, u32),
     dtype: StorageType,
+    tf32: bool,
 ) -> Option<Fragment> {
     let sixteen_bit = [FloatKind::F16, FloatKind::BF16]
         .into_iter()
         .any(|k| dtype == StorageType::Scalar(ElemType::Float(k)));
+    let f32_acc = StorageType::Scalar(ElemType::Float(FloatKind::F32));
     let (plane, largest) = plane;
-    if !sixteen_bit || plane != largest || plane == 0 {
+    let takes = if tf32 { dtype == f32_acc } else { sixteen_bit };
+    if !takes || plane != largest || plane == 0 {
         return None;
     }
-    let f32_acc = StorageType::Scalar(ElemType::Float(FloatKind::F32));
+    let operand = if tf32 {
+        StorageType::Scalar(ElemType::Float(FloatKind::TF32))
+    } else {
+        dtype
+    };
     configs
-        .filter(|c| c.a_type == dtype && c.b_type == dtype && c.cd_type == f32_acc)
-        .filter(|c| c.m == c.n && c.n == c.k && [8, 16].contains(&c.m))
+        .filter(|c| c.a_type == operand && c.b_type == operand && c.cd_type == f32_acc)
+        .filter(|c| {
+            let depth = if tf32 {
+                c.k == 8 && c.m == 16
+            } else {
+                c.k == c.m
+            };
+            c.m == c.n && depth && [8, 16].contains(&c.m)
+        })
         .filter(|c| plane.is_multiple_of(c.m) && c.n.is_multiple_of(plane / c.m))
         .map(|c| Fragment {
             m: c.m,
             n: c.n,
             k: c.k,
             plane,
+            tf32,
         })
         .max_by_key(|f| f.m)
 }
@@ -153,10 +192,10 @@ pub fn layout(c: FlashConfig) -> SharedLayout {
     }
 }
 
-/// Shared memory of [`flash_forward_cmma()`] for `c` and 16-bit operands, in bytes.
-pub fn shared_bytes(c: FlashConfig) -> usize {
+/// Shared memory of [`flash_forward_cmma()`] for `c` on `f`'s operands, in bytes.
+pub fn shared_bytes(c: FlashConfig, f: Fragment) -> usize {
     let lay = layout(c);
-    lay.len as usize * 2 + lay.s_len as usize * 4
+    lay.len as usize * f.operand_bytes() as usize + lay.s_len as usize * 4
 }
 
 /// Whether `c` fits the kernel on fragment `f`: 16 to [`WIDE_BLOCK_Q`] rows in whole planes, whole
