@@ -98,7 +98,7 @@ fn definition(
                 vector,
                 c,
                 f,
-                dtype,
+                [dtype, f.operand(dtype)],
             )
             .define()
         }
@@ -116,7 +116,7 @@ fn definition(
                 vector,
                 c,
                 f,
-                dtype,
+                [dtype, f.operand(dtype)],
             )
             .define()
         }
@@ -135,7 +135,7 @@ fn definition(
                 c,
                 f,
                 c.fills() || c.given(),
-                dtype,
+                [dtype, f.operand(dtype)],
             )
             .define()
         }
@@ -301,6 +301,7 @@ fn every_variant_compiles_to_cuda() {
         n: 16,
         k: 16,
         plane: 32,
+        tf32: false,
     };
     let mut compiled = 0;
     for kind in [FloatKind::F16, FloatKind::BF16] {
@@ -314,4 +315,28 @@ fn every_variant_compiles_to_cuda() {
     }
     eprintln!("{compiled} CUDA variants compiled");
     assert!(compiled > 50);
+}
+
+/// CUDA with TF32 operands (`AttentionOptions::tf32`): every variant compiles to CUDA C++ for
+/// f32 on 16 × 16 × 8 TF32 fragments, its staged operands rounded by `__float_to_tf32` (given
+/// scores too, which no plan runs on TF32: softmax·V keeps f32).
+#[cfg(feature = "cuda")]
+#[test]
+fn tf32_variants_compile_to_cuda() {
+    let f = Fragment {
+        m: 16,
+        n: 16,
+        k: 8,
+        plane: 32,
+        tf32: true,
+    };
+    let compiled = compile_all(
+        &mut cubecl::cuda::CudaCompiler::default(),
+        &CompilationOptions::default(),
+        f,
+        float(FloatKind::F32),
+        "__float_to_tf32",
+    );
+    eprintln!("{compiled} TF32 CUDA variants compiled");
+    assert!(compiled > 30);
 }
