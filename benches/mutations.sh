@@ -63,6 +63,8 @@ keep-fragments attention.test cuda::f16::cooperative_matrix_kernel
 keep-fragments attention.test cuda::bf16::cooperative_matrix_kernel
 zero-dk attention_backward.test cuda::f16::cooperative_backward
 zero-dk attention_backward.test cuda::bf16::cooperative_backward
+keep-fragments attention.test cuda::f32::tf32_products
+zero-dk attention_backward.test cuda::f32::tf32_training
 ds-skipped-rows attention_backward.test cuda::bf16::hopper_tracked_bias
 ds-skipped-rows attention_backward.test cuda::f16::hopper_tracked_bias
 window-right attention.test cuda::bf16::windows_and_alibi

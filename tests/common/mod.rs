@@ -19,6 +19,14 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 /// decoding schedule; `BURN_FLASH_DETERMINISTIC` (`1`, `0`): the deterministic backward;
 /// `BURN_FLASH_PERSISTENT` and `BURN_FLASH_BWD_OVERLAP`: the Hopper kernels' schedules
 /// ([`burn_flash::PlanDefaults::from_settings`]).
+/// Whether an f32 call on `device` takes TF32 products by the run's plan inputs
+/// (`BURN_FLASH_TF32=1`, [`plan_inputs`]) on CUDA (every GPU this project runs is sm_80+).
+pub fn tf32_by_default<D: std::fmt::Debug>(device: &D, dtype: burn::tensor::FloatDType) -> bool {
+    dtype == burn::tensor::FloatDType::F32
+        && plan_inputs().tf32
+        && format!("{device:?}").to_lowercase().contains("cuda")
+}
+
 pub fn plan_inputs() -> burn_flash::PlanDefaults {
     static SET: std::sync::OnceLock<burn_flash::PlanDefaults> = std::sync::OnceLock::new();
     *SET.get_or_init(|| {

@@ -187,10 +187,10 @@ pub fn cuda<R: Runtime>(client: &ComputeClient<R>) -> bool {
 /// Whether [`AmpereUse::Faster`](crate::attention::AmpereUse::Faster) gives the Ampere backward
 /// the calls it takes on `client`'s device: where its variants have run on a GPU and measured
 /// faster than the `mma.sync` backward — sm_90 (H100, H200; RESULTS.md §5.0.2), where the
-/// 128-key tile and the paired `red.global.add.v2.f32` run. sm_80–89 run two variants no GPU
-/// has run yet — scalar `red.add.f32` pairs (no `.v2` there) and, with 99 KiB of shared memory,
-/// the 64-key, one-stage tile — so they take it only under `AmpereUse::Always` until a GPU
-/// run verifies those (NOTES.md, "Issue 56's kernel").
+/// 128-key tile and the paired `red.global.add.v2.f32` run. sm_80–89 add `dQ` by scalar
+/// `red.add.f32` pairs (no `.v2` there), a variant no GPU has run, so they take it only under
+/// `AmpereUse::Always` until a GPU run verifies it (their 99 KiB tile, [`Shape::NARROW`], has
+/// run on an H100: RESULTS.md §5.0.3; NOTES.md, "Issue 56's kernel").
 pub fn default_on<R: Runtime>(client: &ComputeClient<R>) -> bool {
     crate::attention::plan::sm90(client)
 }
