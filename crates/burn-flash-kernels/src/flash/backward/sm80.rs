@@ -68,7 +68,7 @@ const SOURCE_HASH: u64 = crate::hopper::source_hash(SOURCE);
 
 /// Shared memory the driver reserves per block (and adds to the per-block maximum to make the
 /// SM's): 1 KiB on sm_80 and later.
-const RESERVED_SHARED: usize = 1 << 10;
+pub const RESERVED_SHARED: usize = 1 << 10;
 
 /// A block shape of the kernel: `sm80.cu`'s `BLOCK_N`, `STAGES` and `PAIRED`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
