@@ -41,7 +41,8 @@ pub(crate) fn sm90<R: Runtime>(client: &ComputeClient<R>) -> bool {
 ///
 /// Heuristic (no autotuning): the matrix units for f16/bf16 where the device has `mma`,
 /// `ldmatrix` and `cp.async` and the rows are aligned ([`mma_tile`]); cooperative matrices
-/// where it has no manual `mma` but offers a `cmma` fragment for the dtype ([`cmma_tile`]);
+/// where it has no manual `mma` but offers a `cmma` fragment for the dtype ([`cmma_tile`]),
+/// and for f32 with [`AttentionOptions::tf32`] where it offers TF32 fragments (CUDA sm_80+);
 /// plain units otherwise:
 /// the register-tiled kernel for outputs of at least 65 × 65 (`G·Sq` rows, `Dv` columns)
 /// where it fits and no dropout is asked for, else [`units_tile`].
