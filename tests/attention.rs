@@ -467,10 +467,7 @@ fn check_call<B: FlashBackend>(
         head_dim: case.q_dims[3],
         value_dim: case.dv,
     };
-    let tf32 = dtype == FloatDType::F32
-        && burn_flash::attention_plan::<B>(&device, dims, dtype.into(), options_run)
-            .and_then(Result::ok)
-            .is_some_and(|p| p.config.tf32);
+    let tf32 = tf32_forward::<B>(&device, dims, dtype, options_run);
     let refs = case.references(dtype, tf32);
     let ctx = format!(
         "{context}: q {:?} k {:?} {dtype:?} {options:?} window {:?} alibi {} sinks {} packed {:?}",

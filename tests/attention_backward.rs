@@ -483,20 +483,18 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
     };
     // Either pass on TF32 (the forward takes head dims the TF32 backward does not: its `P`
     // and output then carry TF32's rounding into an exact backward).
-    let tf32 = dtype == FloatDType::F32
-        && (attention_backward_plan::<A<B>>(
-            &device,
-            dims,
-            dtype.into(),
-            options,
-            setup.mask.is_some(),
-            setup.bias.is_some(),
-        )
-        .and_then(Result::ok)
-        .is_some_and(|p| p.config.tf32)
-            || burn_flash::attention_plan::<A<B>>(&device, dims, dtype.into(), options)
-                .and_then(Result::ok)
-                .is_some_and(|p| p.config.tf32));
+    let tf32 = tf32_forward::<A<B>>(&device, dims, dtype, options)
+        || dtype == FloatDType::F32
+            && attention_backward_plan::<A<B>>(
+                &device,
+                dims,
+                dtype.into(),
+                options,
+                setup.mask.is_some(),
+                setup.bias.is_some(),
+            )
+            .and_then(Result::ok)
+            .is_some_and(|p| p.config.tf32);
     let model = if tf32 { naive_tf32() } else { naive(dtype) };
     let (mut naive, _) = case.grads(model);
     if !setup.bias_tracked {

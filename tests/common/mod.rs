@@ -19,6 +19,21 @@ use rand::{Rng, SeedableRng, rngs::StdRng};
 /// decoding schedule; `BURN_FLASH_DETERMINISTIC` (`1`, `0`): the deterministic backward;
 /// `BURN_FLASH_PERSISTENT` and `BURN_FLASH_BWD_OVERLAP`: the Hopper kernels' schedules
 /// ([`burn_flash::PlanDefaults::from_settings`]).
+/// Whether the forward plan of an f32 call of `dims` with `options` on `device` takes TF32
+/// products (`FlashAttentionOptions::tf32`, or the run's `BURN_FLASH_TF32`): where it does, the
+/// suites' f64 checks take the naive TF32 model.
+pub fn tf32_forward<B: burn_flash::FlashBackend>(
+    device: &B::Device,
+    dims: burn_flash::attention::AttentionDims,
+    dtype: FloatDType,
+    options: burn_flash::FlashAttentionOptions,
+) -> bool {
+    dtype == FloatDType::F32
+        && burn_flash::attention_plan::<B>(device, dims, dtype.into(), options)
+            .and_then(Result::ok)
+            .is_some_and(|p| p.config.tf32)
+}
+
 /// Whether an f32 call on `device` takes TF32 products by the run's plan inputs
 /// (`BURN_FLASH_TF32=1`, [`plan_inputs`]) on CUDA (every GPU this project runs is sm_80+).
 pub fn tf32_by_default<D: std::fmt::Debug>(device: &D, dtype: burn::tensor::FloatDType) -> bool {
