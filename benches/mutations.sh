@@ -109,6 +109,11 @@ ds-store-skipped hopper_backward.test ampere_backward_matches_f64
 warp-cols hopper_backward.test ampere_backward_matches_f64
 causal-top-left hopper_backward.test ampere_backward_matches_f64
 gqa-modulo hopper_backward.test ampere_backward_matches_f64
+fill-grad attention_backward.test cuda::bf16::ampere_backward_rules
+dropout-fresh-mask attention_backward.test cuda::f16::ampere_backward_rules
+ds-tile-rows attention_backward.test cuda::bf16::ampere_backward_rules
+ds-skipped-rows attention_backward.test cuda::f16::ampere_backward_rules
+window-right attention_backward.test cuda::bf16::ampere_backward_rules
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

@@ -297,6 +297,8 @@ struct Setup {
     overlap: Option<BackwardOverlap>,
     /// [`FlashAttentionOptions::tf32`] set (else the plan defaults').
     tf32: bool,
+    /// [`FlashAttentionOptions::ampere_backward`] `Always` (else the plan defaults').
+    ampere: bool,
 }
 
 impl Setup {
@@ -323,6 +325,7 @@ impl Setup {
             deterministic: false,
             overlap: None,
             tf32: false,
+            ampere: false,
         }
     }
 }
@@ -423,6 +426,7 @@ fn check<B: FlashBackend>(setup: &Setup, dtype: FloatDType, context: &str) -> Gr
             deterministic: setup.deterministic.then_some(true),
             backward_overlap: setup.overlap,
             tf32: setup.tf32.then_some(true),
+            ampere_backward: setup.ampere.then_some(burn_flash::AmpereUse::Always),
             ..setup.options.into()
         },
         dtype,
@@ -842,10 +846,12 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             },
         )
         .is_some_and(|p| p.is_ok());
-    // The Ampere backward: 16-bit CUDA calls with head dims up to 128 and no mask, bias or
-    // dropout, unless a forward kernel is forced; by default where the Hopper backward does not
-    // take the call on the GPUs where it has run (sm_90), or anywhere, ahead of the Hopper
-    // backward, where the run asks (`BURN_FLASH_AMPERE_BWD=always`).
+    // The Ampere backward: 16-bit CUDA calls with head dims up to 128, unless a forward kernel
+    // is forced; by default where the Hopper backward does not take the call on the GPUs where
+    // it has run (sm_90), for causal and grouped-query calls (the rule sets a GPU has verified
+    // in it), or anywhere and with every score rule, ahead of the Hopper backward, where the
+    // run asks (`BURN_FLASH_AMPERE_BWD=always`).
+    let ampere_always = common::plan_inputs().ampere_backward == burn_flash::AmpereUse::Always;
     let ampere = cuda
         && sixteen
         && !cooperative_forced()
@@ -934,9 +940,9 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
         (p.kernel, p.config.tile(), p.dkv_cubes, p.dq_cubes)
     };
     if hopper {
-        // A mask takes the Hopper backward too (not the Ampere one, which takes no mask yet).
+        // A mask takes the Hopper backward too, or the Ampere one where the run forces it.
         if ampere {
-            assert_eq!(masked.kernel, AttentionBackwardKernel::Hopper);
+            assert_eq!(masked.kernel, AttentionBackwardKernel::Ampere);
         } else {
             assert_eq!(launch(&masked), launch(&plain));
         }
@@ -970,7 +976,9 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             assert!(biased.config.rules.bias);
             assert_eq!(
                 biased.kernel,
-                if always || seq_k == 72 || broadcast {
+                if ampere {
+                    AttentionBackwardKernel::Ampere
+                } else if always || seq_k == 72 || broadcast {
                     AttentionBackwardKernel::Hopper
                 } else {
                     AttentionBackwardKernel::MatrixUnits
@@ -979,14 +987,20 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             );
         }
     } else if ampere {
-        // A mask leaves the Ampere backward for the `mma.sync` one.
-        assert_eq!(masked.kernel, AttentionBackwardKernel::MatrixUnits);
+        // A mask leaves the Ampere backward for the `mma.sync` one unless the run forces it.
+        let want = if ampere_always {
+            AttentionBackwardKernel::Ampere
+        } else {
+            AttentionBackwardKernel::MatrixUnits
+        };
+        assert_eq!(masked.kernel, want);
     } else if matrix {
         assert_eq!(launch(&masked), launch(&plain));
     }
     if matrix {
         // Dropout takes the plan of the same call without it (Hopper's or the matrix units'),
-        // or under the Ampere backward (no dropout yet) the masked call's kernels.
+        // or under the Ampere backward the masked call's kernels (the Ampere backward's where
+        // the run forces it, else the `mma.sync` one's: a rule set no GPU has verified there).
         let dropout = FlashAttentionOptions {
             dropout: Some(AttentionDropout { prob: 0.1, seed: 7 }),
             ..options
@@ -1045,9 +1059,9 @@ fn planned_kernels<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             .iter()
             .filter(|l| l.mask == mask)
             .map(|l| l.kernel)
-            // Under the Ampere backward, dropout's launches (unmasked) take the masked call's
-            // kernels.
-            .filter(|&k| !(ampere && !mask && k == masked.kernel))
+            // Under the Ampere backward by default, dropout's launches (unmasked) take the
+            // masked call's kernels.
+            .filter(|&k| !(ampere && !mask && k == masked.kernel && k != plain.kernel))
             .collect();
         assert_launched(&kernels, want, &format!("mask {mask}"));
     }
@@ -1493,6 +1507,103 @@ fn hopper_tracked_bias<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
     let context = "Hopper forced, dS under a softcap: mma.sync";
     let mma = AttentionBackwardKernel::MatrixUnits;
     check_forced::<B>(&mut setup, dtype, context, mma, None);
+}
+
+/// The Ampere backward (`flash/backward/sm80.cu`, forced: `AmpereUse::Always`) with every score
+/// rule it takes, each call against the f64 reference and its launch checked (the Ampere
+/// backward, writing `dS` where the bias is tracked): softcap with causal GQA; a padding mask
+/// (hidden keys) with dropout; an element mask with burn-nn's fill score, quiet softmax and
+/// `Dv ≠ D`; a tracked `[1, H, Sq, Sk]` bias, causal with `Sq > Sk` (the rows a key block skips
+/// get zero `dS`); a bias broadcast along the rows with ALiBi and a window; a causal window with
+/// sinks; a tracked bias read through swapped strides with a mask and dropout (`dS` under
+/// dropout); packed sequences, causal, with ALiBi. Several key blocks and row steps each; D 64
+/// and 128. Where the device has no Ampere backward (before sm_80) the values alone are checked.
+/// (CUDA's 16-bit suites only.)
+#[cfg(feature = "cuda")]
+fn ampere_backward_rules<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
+    let ampere = AttentionBackwardKernel::Ampere;
+    let forced = FlashAttentionOptions {
+        ampere_backward: Some(burn_flash::AmpereUse::Always),
+        ..Default::default()
+    };
+    let dims = |setup: &Setup| AttentionDims {
+        batch: setup.q[0],
+        heads_q: setup.q[1],
+        heads_kv: setup.kv_heads,
+        seq_q: setup.q[2],
+        seq_k: setup.seq_k,
+        head_dim: setup.q[3],
+        value_dim: setup.dv,
+    };
+    let probe = Setup::new([1, 2, 64, 64], 2, 64, 64);
+    let available =
+        attention_backward_plan::<A<B>>(device, dims(&probe), dtype.into(), forced, false, false)
+            .and_then(Result::ok)
+            .is_some_and(|p| p.kernel == ampere);
+    if !available {
+        eprintln!("no Ampere backward on {device:?}: values only");
+    }
+    let seed = fresh_seed();
+    let dropout = Some(AttentionDropout { prob: 0.2, seed });
+    let mut cases = Vec::new();
+    let mut setup = Setup::new([2, 4, 150, 64], 2, 300, 64);
+    setup.options.softcap = Some(5.0);
+    setup.options.is_causal = true;
+    cases.push((setup, "softcap, causal, GQA"));
+    let mut setup = Setup::new([2, 2, 130, 128], 2, 260, 128);
+    setup.mask = Some(([2, 1, 1, 260], |[b, _, _, j]| j + 40 * b >= 250));
+    setup.dropout = dropout;
+    cases.push((setup, "padding mask, dropout"));
+    let mut setup = Setup::new([2, 4, 70, 128], 2, 300, 96);
+    setup.mask = Some(([2, 4, 70, 300], |[b, h, i, j]| {
+        i == 3 || (b + h + i + j) % 3 == 0
+    }));
+    setup.fill = Some(0.5);
+    setup.quiet = true;
+    cases.push((setup, "element mask, fill 0.5, quiet, Dv 96"));
+    let mut setup = Setup::new([2, 4, 200, 64], 2, 150, 64);
+    setup.bias = Some([1, 4, 200, 150]);
+    setup.options.is_causal = true;
+    cases.push((setup, "tracked bias, causal Sq 200 > Sk 150"));
+    let mut setup = Setup::new([1, 4, 180, 64], 2, 333, 64);
+    setup.bias = Some([1, 1, 1, 333]);
+    setup.bias_tracked = false;
+    setup.alibi = true;
+    setup.window = Some((40, 10));
+    cases.push((setup, "bias [1, 1, 1, Sk], ALiBi, window (40, 10)"));
+    let mut setup = Setup::new([1, 2, 257, 128], 1, 257, 128);
+    setup.options.is_causal = true;
+    setup.window = Some((64, 0));
+    setup.sinks = true;
+    cases.push((setup, "causal window (64, 0), sinks"));
+    let mut setup = Setup::new([2, 2, 100, 64], 1, 200, 64);
+    setup.bias = Some([2, 2, 100, 200]);
+    setup.bias_transposed = true;
+    setup.mask = Some(([2, 1, 1, 200], |[b, _, _, j]| j + 30 * b >= 185));
+    setup.dropout = dropout;
+    cases.push((setup, "tracked bias (swapped strides), mask, dropout"));
+    let (lengths_q, lengths_k) = (vec![70usize, 130, 33], vec![90usize, 130, 200]);
+    let mut setup = Setup::new([1, 4, 233, 64], 2, 420, 64);
+    setup.options.is_causal = true;
+    setup.alibi = true;
+    setup.packed = Some((lengths_q, lengths_k));
+    cases.push((setup, "packed sequences, causal, ALiBi"));
+    for (mut setup, what) in cases {
+        setup.ampere = true;
+        let context = format!("Ampere backward (seed {seed}): {what}");
+        check::<B>(&setup, dtype, &context);
+        if available {
+            let ds = setup.bias.is_some() && setup.bias_tracked;
+            let ran: Vec<_> = recent_backward_launches()
+                .into_iter()
+                .filter(|l| l.dims == dims(&setup))
+                .collect();
+            assert!(
+                !ran.is_empty() && ran.iter().all(|l| l.kernel == ampere && l.ds == ds),
+                "{context}: want the Ampere backward (dS written: {ds}), launched {ran:?}"
+            );
+        }
+    }
 }
 
 /// Biases through the Hopper backward (forced, so that every case runs it whichever kernel the
@@ -1983,13 +2094,23 @@ mod cuda {
         f16,
         C,
         FloatDType::F16,
-        [many_heads, hopper_tracked_bias, hopper_bias_tiles]
+        [
+            many_heads,
+            hopper_tracked_bias,
+            hopper_bias_tiles,
+            ampere_backward_rules
+        ]
     );
     backward_suite!(
         bf16,
         C,
         FloatDType::BF16,
-        [many_heads, hopper_tracked_bias, hopper_bias_tiles]
+        [
+            many_heads,
+            hopper_tracked_bias,
+            hopper_bias_tiles,
+            ampere_backward_rules
+        ]
     );
 }
 

@@ -71,8 +71,8 @@ pub enum Mutation {
     /// `bias-block-bwd`: the Hopper backward loads the bias tile of the wrong key block (block
     /// `n ^ 1` for block `n`) into a step's `dSᵀ` buffer.
     BiasBlockBwd,
-    /// `ds-skipped-rows`: the Hopper backward writing `dS` (a tracked bias) fills the rows a
-    /// causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
+    /// `ds-skipped-rows`: the Hopper and Ampere backwards writing `dS` (a tracked bias) fill
+    /// the rows a causal key block skips with 2 (`0x4000` in f16 and bf16) instead of 0.
     DsSkippedRows,
     /// `window-right`: a sliding window's right edge is one key too far (`j ≤ i + Sk − Sq +
     /// right + 1`), in every kernel's visibility test and key range alike.
@@ -128,6 +128,9 @@ pub enum Mutation {
     /// instead of `% 4` (a wrong warp tile offset: half of `dQ`'s columns added twice, half
     /// never).
     WarpCols,
+    /// `ds-tile-rows`: the Ampere backward writing `dS` (a tracked bias) copies row `r ^ 8` of
+    /// each step's `dS` tile to row `r` (rows swapped in pairs of 8-row groups).
+    DsTileRows,
 }
 
 impl Mutation {
@@ -172,6 +175,7 @@ impl Mutation {
             Self::KvEarly => "kv-early",
             Self::DsStoreSkipped => "ds-store-skipped",
             Self::WarpCols => "warp-cols",
+            Self::DsTileRows => "ds-tile-rows",
         }
     }
 }
@@ -228,6 +232,7 @@ pub fn chosen_name() -> Option<&'static str> {
             Mutation::KvEarly,
             Mutation::DsStoreSkipped,
             Mutation::WarpCols,
+            Mutation::DsTileRows,
         ];
         assert!(
             known.iter().any(|m| m.name() == name),
@@ -441,4 +446,9 @@ pub fn ds_store_skipped() -> bool {
 /// [`Mutation::WarpCols`] is active.
 pub fn warp_cols() -> bool {
     active(Mutation::WarpCols)
+}
+
+/// [`Mutation::DsTileRows`] is active.
+pub fn ds_tile_rows() -> bool {
+    active(Mutation::DsTileRows)
 }

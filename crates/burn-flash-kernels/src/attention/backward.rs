@@ -295,6 +295,7 @@ pub fn plan_attention_backward_writing<R: Runtime>(
     }
     if options.ampere_backward == AmpereUse::Faster
         && sm80::default_on(client)
+        && sm80::default_rules(rules, write_ds)
         && let Some(plan) = ampere()
     {
         return Ok(plan);
@@ -487,7 +488,9 @@ pub fn launch_attention_backward<R: Runtime>(
     if plan.kernel == AttentionBackwardKernel::Ampere {
         // SAFETY: the shapes were checked above and describe the buffers; the plan took the
         // Ampere backward, so `sm80::unavailable` found nothing against this call (the `mma`
-        // path's alignment, head dims up to 128, no mask, bias or `ds`, non-empty sequences).
+        // path's alignment, head dims up to 128, a `ds` only without a softcap, non-empty
+        // sequences); the mask and bias strides were checked against `[B, Hq, Sq, Sk]`, `ds`'s
+        // shape is `[B, Hq, Sq, Sk]`.
         crate::launch_hand_written!(
             client,
             |cuda| unsafe {
@@ -501,14 +504,15 @@ pub fn launch_attention_backward<R: Runtime>(
                     dtype,
                     options,
                     plan.config,
+                    (mask_strides.as_deref(), bias_strides.as_deref()),
                     shape,
                     plan.dkv_cubes,
                 );
                 record_launch(BackwardLaunch {
                     dims,
                     kernel: plan.kernel,
-                    mask: false,
-                    ds: false,
+                    mask: t.mask.is_some(),
+                    ds: t.ds.is_some(),
                     bias_tiles: false,
                 });
             },

@@ -232,7 +232,8 @@ pub enum AmpereUse {
     /// Where the Hopper backward does not take the call, on the GPUs where it has run
     /// ([`crate::flash::backward::sm80::default_on`]: sm_90 with the Hopper path off or
     /// declining, 1.27–1.58× the `mma.sync` backward there, RESULTS.md §5.0.2; sm_80–89 once a
-    /// GPU run has verified their variants).
+    /// GPU run has verified their variants), for the score rules a GPU run has verified in it
+    /// ([`crate::flash::backward::sm80::default_rules`]).
     #[default]
     Faster,
     /// Wherever it runs the call, ahead of the Hopper backward too (how the suites force it on

@@ -50,6 +50,14 @@ __device__ __forceinline__ void sm80_sts_u32(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
 }
 
+// 16 bytes of shared memory at `addr` (16-byte aligned).
+__device__ __forceinline__ uint4 sm80_lds_v4(u32 addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+    return v;
+}
+
 // ---- warp MMA -----------------------------------------------------------------------------------
 
 // d += A·B for one 16 × 8 × 16 tile (the layouts above), f32 accumulators, in place.

@@ -16,7 +16,7 @@ use cubecl::prelude::*;
 use super::{Arch, Call, Client, F32, Owned, U32, dtype_name, dtypes, float, push};
 
 /// The score features of an attention call.
-#[derive(Clone, Copy, Default, Debug)]
+#[derive(Clone, Copy, Default, Debug, PartialEq)]
 struct Features {
     causal: bool,
     mask: bool,
@@ -425,22 +425,40 @@ pub(super) fn attention(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
 /// both 16-bit types, head dims 64, 128 and 64 / 128, plain and causal (with `--all` also 80 and
 /// 32, the rounded-up head dims), in each block shape (`AmpereTile`): the planned one (128 keys
 /// on sm_80 and sm_90a, 64 on sm_86 and sm_89 at D 128), `Narrow` (64 keys, one stage) and
-/// `Paired` (two blocks a SM) where two blocks fit the architecture's shared memory; a call
-/// the plan did not give it fails.
+/// `Paired` (two blocks a SM) where two blocks fit the architecture's shared memory; and in the
+/// planned shape the grid's other score-rule sets (sinks aside: forward-only), a tracked bias's
+/// `dS` with each bias (not under a softcap) — at D 128 in bf16 (the most registers), with
+/// `--all` at every head dim in both types. A call the plan did not give it fails.
 pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
     use burn_flash_kernels::flash::backward::sm80;
     let mut dims = vec![(64, 64), (128, 128), (64, 128)];
     if all {
         dims.extend([(80, 80), (32, 32)]);
     }
+    let plain = Features::default();
+    let causal = Features {
+        causal: true,
+        ..plain
+    };
     for tile in [AmpereTile::Planned, AmpereTile::Narrow, AmpereTile::Paired] {
         for kind in [FloatKind::F16, FloatKind::BF16] {
             for &(d, dv) in &dims {
-                for causal in [false, true] {
-                    let f = Features {
-                        causal,
-                        ..Features::default()
-                    };
+                let mut sets = vec![plain, causal];
+                if tile == AmpereTile::Planned
+                    && (all || (kind == FloatKind::BF16 && d == 128 && dv == 128))
+                {
+                    for f in feature_sets(all) {
+                        let f = Features { sinks: false, ..f };
+                        if f == plain || f == causal || sets.contains(&f) {
+                            continue;
+                        }
+                        sets.push(f);
+                        if f.bias && !f.softcap {
+                            sets.push(Features { ds: true, ..f });
+                        }
+                    }
+                }
+                for f in sets {
                     let s = Sizes {
                         batch: 2,
                         heads_q: 4,
@@ -479,7 +497,7 @@ pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) 
                         f.name()
                     );
                     push(calls, name, fitting, move |c| {
-                        match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, false)? {
+                        match AttentionCall::new(c, s, f, dtype).backward(c, dtype, &o, f.ds)? {
                             AttentionBackwardKernel::Ampere => Ok(()),
                             other => {
                                 Err(format!("the plan ran {other:?}, not the Ampere backward"))

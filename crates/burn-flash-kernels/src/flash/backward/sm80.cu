@@ -35,8 +35,18 @@
 // next step's copies under this step's products, or 1), PAIRED (0: one block a SM, up to 255
 // registers a thread; 1: two blocks a SM, 128 registers, entry burn_flash_sm80_backward_paired —
 // the `__launch_bounds__` minimum; the host's `sm80::Shape`) and PARAM_WORDS
-// (sizeof(Sm80BwdParams) / 8). SOFTCAP, MASK, BIAS, ALIBI, WINDOW, VARLEN and
-// DROPOUT must be absent or 0 (not supported by this first version).
+// (sizeof(Sm80BwdParams) / 8), and the score rules of the forward (forward/hopper.cu, the Hopper
+// backward's order): SOFTCAP, MASK, FILL, BIAS, ALIBI, WINDOW, VARLEN, DROPOUT (0 | 1) — scale,
+// softcap, + bias and ALiBi, then a masked key hidden or given the fill score (a constant score:
+// its weight reaches dV, its dS nothing); causal, a window and packed sequences hide keys and
+// narrow the row blocks a key block visits; dropout regenerates the forward's mask (threefry of
+// (key, row) under the seed and the (batch, query head)), keeps P ⊙ Z / (1 − p) for dV and
+// dS = P ⊙ (dP ⊙ Z / (1 − p) − δ). The mask and bias are read per element through their
+// broadcast strides, for rows below Sq and keys below Sk.
+// WRITE_DS (0 | 1; never with SOFTCAP, whose dS tile holds dS ⊙ (1 − tanh²)): the dS tile the
+// block stores for its products is exactly dS (element type, 0 for hidden and filled keys), so
+// after the step's barrier it is copied out to `ds` [B, Hq, Sq, Sk] (a tracked bias's gradient)
+// through ds's strides; the rows of the row blocks a key block does not visit get zeros first.
 //
 // Inputs: rows 16-byte aligned and the innermost (d) stride 1 (the host checks it and otherwise
 // uses another kernel), so that a row's 8-element chunks are 16-byte `cp.async` copies; a
@@ -57,8 +67,8 @@
 // e.g. D = Dv = 128: 164864 bytes (161 KiB) at BLOCK_N 128 / STAGES 2, 82432 (80.5 KiB) at
 // BLOCK_N 64 / STAGES 1; D = Dv = 64: 99328 and 49664.
 
-#if SOFTCAP || MASK || BIAS || ALIBI || WINDOW || VARLEN || DROPOUT
-#error "burn_flash_sm80_backward: no softcap, mask, bias, ALiBi, window, varlen or dropout yet"
+#if WRITE_DS && SOFTCAP
+#error "burn_flash_sm80_backward: WRITE_DS under a softcap (the dS tile holds dS ⊙ (1 − tanh²))"
 #endif
 #if (HEAD_DIM != 64 && HEAD_DIM != 128) || (VALUE_DIM != 64 && VALUE_DIM != 128)
 #error "burn_flash_sm80_backward: HEAD_DIM and VALUE_DIM are 64 or 128"
@@ -128,9 +138,37 @@ struct Sm80BwdParams {
     u32 group, head_dim;   // group = Hq / Hkv
     u32 value_dim;
     float scale;           // dK = scale · dSᵀ·Q
-    ScoreScalars s;        // s.scale_log2 = scale · log₂e; the rest unused here
+    ScoreScalars s;        // s.scale_log2 = scale · log₂e; the rest as the rules say
+    u64 mask_stride_b, mask_stride_h, mask_stride_s, mask_stride_k; // MASK (0 where broadcast)
+    u64 bias_stride_b, bias_stride_h, bias_stride_s, bias_stride_k; // BIAS (0 where broadcast)
+    u64 ds_stride_b, ds_stride_h, ds_stride_s, ds_stride_k;         // WRITE_DS
+    u32 n_seqs, unused;                                             // VARLEN: packed sequences
 };
 static_assert(sizeof(Sm80BwdParams) == 8 * PARAM_WORDS, "the host's words (PARAM_WORDS)");
+
+#if VARLEN
+// The keys of query row `row` of a packed call (scores.cuh's packed_range under this call's
+// causal mask and window).
+__device__ __forceinline__ PackedRange sm80_row_keys(const u32* seqs, const Sm80BwdParams& p,
+                                                     int row) {
+    return packed_range(seqs, (int)p.n_seqs, row, CAUSAL, WINDOW, p.s.window_left,
+                        p.s.window_right);
+}
+
+// The first query row (or Sq) whose key range ends after `key` (`by_end`), or starts after it
+// (both ends grow with the row).
+__device__ __forceinline__ int sm80_first_row_past(const u32* seqs, const Sm80BwdParams& p,
+                                                   int key, bool by_end) {
+    int lo = 0, hi = (int)p.seq_q;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        const PackedRange r = sm80_row_keys(seqs, p, mid);
+        if ((by_end ? r.hi : r.lo) > key) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+#endif
 
 // The swizzled byte offset of row `row`, 16-byte chunk `chunk` in a tile of `row_bytes` (a
 // multiple of 128) per row.
@@ -264,6 +302,12 @@ burn_flash_sm80_backward(
                          const float* __restrict__ lse2, const float* __restrict__ delta,
                          float* __restrict__ dq_acc, unsigned short* __restrict__ dk,
                          unsigned short* __restrict__ dv,
+                         // MASK, BIAS, WRITE_DS, ALIBI (f32 per query head), VARLEN (the
+                         // cumulative lengths): stand-ins, never touched, where absent.
+                         const unsigned short* __restrict__ mask,
+                         const unsigned short* __restrict__ bias,
+                         unsigned short* __restrict__ ds, const float* __restrict__ slopes,
+                         const u32* __restrict__ seqs,
                          const __grid_constant__ Sm80BwdParams p)
 {
 #if __CUDA_ARCH__ >= 800
@@ -294,17 +338,31 @@ burn_flash_sm80_backward(
     const int n0 = (int)blockIdx.x * BLOCK_N;
     const u32 head_kv = blockIdx.y, batch = blockIdx.z;
     const int seq_q = (int)p.seq_q, seq_k = (int)p.seq_k;
-#if CAUSAL
-    // Key j is visible to query i when j <= i + diag (bottom-right aligned causal mask).
+    // Query i's diagonal key (bottom-right aligned: causal shows keys j <= i + diag, a window
+    // i + diag − left ..= i + diag + right, ALiBi adds −slope·|i + diag − j|).
     const int diag = seq_k - seq_q;
-#endif
-    // The row blocks m_first … m_end − 1 with a row that sees one of the block's keys: causal,
-    // from the first row block holding a row i >= n0 − diag (the first that sees key n0).
-    const int m_end = (seq_q + SM80_BLOCK_M - 1) / SM80_BLOCK_M;
+    // The row blocks m_first … m_end − 1 with a row that sees one of the block's keys (both
+    // ends grow with the key block): causal, from the first row block holding a row
+    // i >= n0 − diag (the first that sees key n0); a window also ends at the last row whose
+    // window starts at or before the block's last key; packed sequences, the rows whose key
+    // ranges meet the block's.
+    int m_first = 0, m_end = (seq_q + SM80_BLOCK_M - 1) / SM80_BLOCK_M;
 #if CAUSAL
-    const int m_first = max(0, n0 - diag) / SM80_BLOCK_M;
-#else
-    const int m_first = 0;
+    m_first = max(0, n0 - diag) / SM80_BLOCK_M;
+#endif
+#if WINDOW
+    m_first = max(m_first, max(0, n0 - diag - (int)p.s.window_right) / SM80_BLOCK_M);
+    {
+        const int last_row = min(n0 + BLOCK_N, seq_k) - 1 - diag + (int)p.s.window_left;
+        m_end = last_row < 0 ? 0 : min(m_end, last_row / SM80_BLOCK_M + 1);
+    }
+#endif
+#if VARLEN
+    {
+        const int last_key = min(n0 + BLOCK_N, seq_k) - 1;
+        m_first = sm80_first_row_past(seqs, p, n0, true) / SM80_BLOCK_M;
+        m_end = (sm80_first_row_past(seqs, p, last_key, false) + SM80_BLOCK_M - 1) / SM80_BLOCK_M;
+    }
 #endif
     const int per_head = max(0, m_end - m_first);
     const int steps = per_head * (int)p.group;
@@ -349,6 +407,26 @@ burn_flash_sm80_backward(
             for (int e = 0; e < 4; ++e) dk_acc[mt][nt][e] = 0.0f;
         }
     }
+
+#if WRITE_DS && (CAUSAL || WINDOW || VARLEN)
+    // The rows outside the visited row blocks see none of the block's keys: dS = 0 there, for
+    // each query head of the group (the visited rows' dS comes from the steps' tiles).
+    {
+        const int skipped = per_head > 0 ? min(m_first * SM80_BLOCK_M, seq_q) : seq_q;
+        const int resumed = per_head > 0 ? min(m_end * SM80_BLOCK_M, seq_q) : seq_q;
+        const int key = (int)(tid % (u32)BLOCK_N);
+        if (key < seq_k - n0) {
+            for (u32 h = 0; h < p.group; ++h) {
+                unsigned short* dst = ds + (u64)batch * p.ds_stride_b
+                                      + (u64)(head_kv * p.group + h) * p.ds_stride_h
+                                      + (u64)(n0 + key) * p.ds_stride_k;
+                for (int r = (int)(tid / (u32)BLOCK_N); r < seq_q; r += SM80_THREADS / BLOCK_N) {
+                    if (r < skipped || r >= resumed) dst[(u64)r * p.ds_stride_s] = 0;
+                }
+            }
+        }
+    }
+#endif
 
     if (steps > 0) {
         // K and V of the block's keys (zeros past Sk and past the head dims), with step 0's tiles
@@ -397,13 +475,31 @@ burn_flash_sm80_backward(
         }
         // The warp's tile: its first row and key (absolute); whether some of its scores are
         // hidden (the causal diagonal crosses it, or keys past Sk), or all are (products skipped).
-        const int k0w = n0 + (int)w1_key;
+        // (Every tile with `none` is an `edge` one: its scores are all hidden below.)
+        const int k0w = n0 + (int)w1_key, r0w = m0 + (int)w1_row;
         bool edge = k0w + P1_KEYS > seq_k;
         bool none = k0w >= seq_k;
 #if CAUSAL
-        const int r0w = m0 + (int)w1_row;
         edge = edge || k0w + P1_KEYS - 1 > r0w + diag;
         none = none || k0w > r0w + 31 + diag;
+#endif
+#if WINDOW
+        edge = edge || k0w + P1_KEYS - 1 > r0w + diag + (int)p.s.window_right
+               || k0w < r0w + 31 + diag - (int)p.s.window_left;
+        none = none || k0w > r0w + 31 + diag + (int)p.s.window_right
+               || k0w + P1_KEYS - 1 < r0w + diag - (int)p.s.window_left;
+#endif
+#if VARLEN
+        // Some row of the tile does not see all of its keys: the last row's first key is after
+        // the tile's first, or the first row's last before the tile's last (both ends grow with
+        // the row); none sees any: the first row's range starts after the tile, or the last's
+        // ends before it.
+        {
+            const PackedRange first = sm80_row_keys(seqs, p, min(r0w, seq_q - 1));
+            const PackedRange last = sm80_row_keys(seqs, p, min(r0w + 31, seq_q - 1));
+            edge = edge || k0w < last.lo || k0w + P1_KEYS > first.hi;
+            none = none || k0w >= last.hi || k0w + P1_KEYS <= first.lo;
+        }
 #endif
         // The thread's rows (in the step's 64) are w1_row + 16·mt + g + 8·h, its keys (in the
         // block's) w1_key + 8·nt + 2t + e; the P/dS tiles' word of (mt, h, nt) at `ps_off`.
@@ -420,42 +516,120 @@ burn_flash_sm80_backward(
             sm80_rows_by_keys<HEAD_DIM>(s_acc, sq, sk, w1_row, w1_key, row_x, row_y, cx, cy);
         }
 
-        // ---- P = 2^(S·scale·log₂e − lse₂) in place (f32, for dS), stored as 16-bit ------------
-        // Done before dP's products so that lse₂ and the mask's terms are dead by then. (If a
-        // later score rule runs out of registers: keep P as its 16 packed pairs instead of 32
-        // f32 — measured 16–18 fewer — at the cost of dS using the rounded P.)
+        // ---- P = 2^(score·log₂e − lse₂), stored as 16-bit; s_acc keeps what dS needs ---------
+        // Done before dP's products so that lse₂ and the rules' terms are dead by then. The
+        // stored weights are P (P ⊙ Z / (1 − p) under dropout: dV's operand); s_acc keeps P
+        // (P ⊙ (1 − tanh²) under a softcap; 0 where a masked key took the fill score; its sign
+        // set where dropout dropped the weight). (If a later rule runs out of registers: keep P
+        // as its 16 packed pairs instead of 32 f32 — measured 16–18 fewer — at the cost of dS
+        // using the rounded P.)
         {
-            // Key `key` (in the block's) is below Sk when key < keys_left and (causal) on or
-            // before row `row`'s (in the step's) diagonal when key ≤ row + diag_rel.
+            // Key `key` (in the block's) is below Sk when key < keys_left, and its distance
+            // from row `row`'s (in the step's) diagonal key is key − row − diag_rel.
             const int keys_left = seq_k - n0;
-#if CAUSAL
             const int diag_rel = m0 + diag - n0;
+#if ALIBI
+            const float slope_log2 = -LOG2E * slopes[head];
+#endif
+#if DROPOUT
+            // The dropout key's second word: the seed's high word mixed with (batch, query head).
+            const u32 seed_key1 = p.s.seed_hi ^ ((batch * p.heads_q + head) * 0x9E3779B9u);
+#endif
+#if MASK
+            const unsigned short* mask_h =
+                mask + (u64)batch * p.mask_stride_b + (u64)head * p.mask_stride_h;
+#endif
+#if BIAS
+            const unsigned short* bias_h =
+                bias + (u64)batch * p.bias_stride_b + (u64)head * p.bias_stride_h;
 #endif
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int row = (int)PS_ROW_OF(mt, h);
+                    const int q_row = m0 + row;
                     const float l = lse_s[row];
+#if VARLEN
+                    const PackedRange keys = sm80_row_keys(seqs, p, min(q_row, seq_q - 1));
+#endif
 #pragma unroll
                     for (int nt = 0; nt < P1_NT; ++nt) {
                         const int key = (int)PS_KEY_OF(nt);
+                        float weight[2];
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
+                            const float sv = s_acc[mt][nt][2 * h + e];
+#if SOFTCAP
+                            const float th = tanhf(sv * p.s.cap_inv_scale);
+#endif
+                            // Whether the score depends on q·k (not a masked key's fill score).
+                            bool live = true;
+#if MASK || BIAS || ALIBI
+#if SOFTCAP
+                            float x = p.s.cap_log2 * th;
+#else
+                            float x = sv * p.s.scale_log2;
+#endif
+                            if (q_row < seq_q && key + e < keys_left) {
+                                const u64 k_abs = (u64)(n0 + key + e);
+#if BIAS
+                                x += LOG2E * elem_to_f32(bias_h[(u64)q_row * p.bias_stride_s
+                                                                + k_abs * p.bias_stride_k]);
+#endif
+#if ALIBI && VARLEN
+                                x += slope_log2 * fabsf((float)(keys.diag - (int)k_abs));
+#elif ALIBI
+                                x += slope_log2 * fabsf((float)(row + diag_rel - key - e));
+#endif
+#if MASK
+                                if (mask_h[(u64)q_row * p.mask_stride_s + k_abs * p.mask_stride_k]
+                                    & 0x7fffu) {
+                                    live = false;
+                                    x = FILL ? p.s.fill_log2 : NEG_INF;
+                                }
+#endif
+                            }
                             // +inf lse₂ (a row past Sq or without a visible key) gives 0.
-                            float pv = ex2(fmaf(s_acc[mt][nt][2 * h + e], p.s.scale_log2, -l));
+                            float pv = ex2(x - l);
+#elif SOFTCAP
+                            float pv = ex2(fmaf(p.s.cap_log2, th, -l));
+#else
+                            float pv = ex2(fmaf(sv, p.s.scale_log2, -l));
+#endif
                             if (edge) {
+#if VARLEN
+                                const bool hidden = n0 + key + e < keys.lo || n0 + key + e >= keys.hi;
+#else
                                 bool hidden = key + e >= keys_left;
 #if CAUSAL
                                 hidden = hidden || key + e > row + diag_rel;
 #endif
+#if WINDOW
+                                hidden = hidden || key + e > row + diag_rel + (int)p.s.window_right
+                                         || key + e < row + diag_rel - (int)p.s.window_left;
+#endif
+#endif
                                 // (A select: a hidden score's 2^x may be +inf.)
                                 if (hidden) pv = 0.0f;
                             }
-                            s_acc[mt][nt][2 * h + e] = pv;
+#if SOFTCAP
+                            float keep = live ? pv * (1.0f - th * th) : 0.0f;
+#else
+                            float keep = live ? pv : 0.0f;
+#endif
+#if DROPOUT
+                            const u32 word = threefry((u32)(n0 + key + e), (u32)q_row, p.s.seed_lo,
+                                                      seed_key1);
+                            const bool kept = word >= p.s.threshold;
+                            weight[e] = kept ? pv * p.s.inv_keep : 0.0f;
+                            if (!kept) keep = -keep;
+#else
+                            weight[e] = pv;
+#endif
+                            s_acc[mt][nt][2 * h + e] = keep;
                         }
-                        sm80_sts_u32(sp + PS_OFF(mt, h, nt),
-                                     sm80_pack2(s_acc[mt][nt][2 * h], s_acc[mt][nt][2 * h + 1]));
+                        sm80_sts_u32(sp + PS_OFF(mt, h, nt), sm80_pack2(weight[0], weight[1]));
                     }
                 }
             }
@@ -474,9 +648,20 @@ burn_flash_sm80_backward(
                 const float d = delta_s[PS_ROW_OF(mt, h)];
 #pragma unroll
                 for (int nt = 0; nt < P1_NT; ++nt) {
-                    const float ds0 = s_acc[mt][nt][2 * h] * (dp_acc[mt][nt][2 * h] - d);
-                    const float ds1 = s_acc[mt][nt][2 * h + 1] * (dp_acc[mt][nt][2 * h + 1] - d);
-                    sm80_sts_u32(sds + PS_OFF(mt, h, nt), sm80_pack2(ds0, ds1));
+                    float dsv[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float keep = s_acc[mt][nt][2 * h + e];
+                        const float dp = dp_acc[mt][nt][2 * h + e];
+#if DROPOUT
+                        // A dropped weight's dP is 0: dS = P ⊙ (0 − δ).
+                        const bool kept = !(__float_as_uint(keep) >> 31);
+                        dsv[e] = fabsf(keep) * (kept ? dp * p.s.inv_keep - d : -d);
+#else
+                        dsv[e] = keep * (dp - d);
+#endif
+                    }
+                    sm80_sts_u32(sds + PS_OFF(mt, h, nt), sm80_pack2(dsv[0], dsv[1]));
                 }
             }
         }
@@ -485,6 +670,36 @@ burn_flash_sm80_backward(
 #undef PS_OFF
         // P and dS of the step are in shared memory.
         __syncthreads();
+#if WRITE_DS
+        // dS of the step's rows below Sq and the block's keys below Sk, 16-byte chunks of the
+        // tile (8 keys) through ds's strides: one 16-byte store where the keys are contiguous
+        // and the chunk whole and aligned, single elements otherwise.
+        {
+            unsigned short* ds_rows = ds + (u64)batch * p.ds_stride_b + (u64)head * p.ds_stride_h
+                                      + (u64)m0 * p.ds_stride_s + (u64)n0 * p.ds_stride_k;
+            const int rows = seq_q - m0, keys = seq_k - n0;
+            constexpr int CHUNKS = BLOCK_N / 8;
+#pragma unroll
+            for (int i = 0; i < SM80_BLOCK_M * CHUNKS / SM80_THREADS; ++i) {
+                const int idx = (int)tid + SM80_THREADS * i;
+                const int r = idx / CHUNKS, c = idx % CHUNKS;
+                if (r >= rows || 8 * c >= keys) continue;
+                const uint4 v = sm80_lds_v4(sds + sm80_swz((u32)r, (u32)c, SM80_PS_ROW));
+                unsigned short* at = ds_rows + (u64)r * p.ds_stride_s + (u64)(8 * c) * p.ds_stride_k;
+                if (8 * c + 8 <= keys && p.ds_stride_k == 1u && (reinterpret_cast<u64>(at) & 15u) == 0u) {
+                    *reinterpret_cast<uint4*>(at) = v;
+                } else {
+                    const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        if (8 * c + j < keys) {
+                            at[(u64)j * p.ds_stride_k] = (unsigned short)(words[j / 2] >> (16 * (j % 2)));
+                        }
+                    }
+                }
+            }
+        }
+#endif
 
         // ---- dV += Pᵀ·dO, dK += dSᵀ·Q: the warp's 32 keys × its columns, over the 64 rows ------
         // A = Pᵀ / dSᵀ (P stored [row][key]: pattern Y, transposed), B = dO / Q (stored

@@ -13,9 +13,13 @@
 //! reuse across products, which is this kernel's whole change; the `#[cube]` kernels stay
 //! wgpu's path and the tests' baseline.
 //!
-//! Planned ([`AmpereUse`](crate::attention::AmpereUse)) where the Hopper backward does not take
-//! the call, by default on the GPUs where it has run ([`default_on`]): f16 and bf16, head dims up to 128 (rounded up to 64 or 128), causal and
-//! grouped-query calls; [`unavailable`] names what it does not take, which keeps the `mma.sync`
+//! f16 and bf16, head dims up to 128 (rounded up to 64 or 128), grouped-query heads and every
+//! score rule of the Hopper backward (causal, softcap, mask hiding or filling, bias and a
+//! written `dS` — not under a softcap —, dropout, window, ALiBi, sinks, quiet softmax, packed
+//! sequences); [`unavailable`] names what it does not take. Planned
+//! ([`AmpereUse`](crate::attention::AmpereUse)) where the Hopper backward does not take the
+//! call, by default on the GPUs where it has run ([`default_on`]) and for the rule sets a GPU
+//! run has verified ([`default_rules`]); the rest under `AmpereUse::Always`, else the `mma.sync`
 //! backward. RESULTS.md §5.0.2 has its measurements.
 
 #[cfg(feature = "cuda")]
@@ -35,9 +39,11 @@ pub const BLOCK_M: usize = 64;
 /// Threads per block (8 warps).
 pub const UNITS: u32 = 256;
 
-/// 256 threads at up to 255 registers: one block per SM, no spill ([`Shape::blocks`] 1).
-/// Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
-pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::cubes(1);
+/// 256 threads at up to 255 registers: one block per SM ([`Shape::blocks`] 1). No spill
+/// without score rules; known spills with them (NVRTC 13.5, D 128, 128 keys): 20 + 24 B (mask
+/// with the fill score, causal) and 4 + 4 B (window with ALiBi) on sm_90a, 4 + 4 B (window with
+/// ALiBi) on sm_86. Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 32);
 
 /// Two blocks of 256 threads per SM, 128 registers a thread ([`Shape::blocks`] 2, entry
 /// `burn_flash_sm80_backward_paired`): no spill at D 64 (128 registers), a known spill at
@@ -53,7 +59,7 @@ const PAIRED_ENTRY: &str = "burn_flash_sm80_backward_paired";
 
 /// Words of the kernel's parameter struct (`Sm80BwdParams`, which the source asserts).
 #[cfg(feature = "cuda")]
-const PARAM_WORDS: usize = 33;
+const PARAM_WORDS: usize = 46;
 
 /// The CUDA source: the instruction wrappers, the score helpers, the kernel.
 #[cfg(feature = "cuda")]
@@ -195,6 +201,22 @@ pub fn default_on<R: Runtime>(client: &ComputeClient<R>) -> bool {
     crate::attention::plan::sm90(client)
 }
 
+/// Whether [`AmpereUse::Faster`](crate::attention::AmpereUse::Faster) gives the Ampere backward a
+/// call of `rules` (writing `dS` where `write_ds`): the rule sets a GPU run has verified in
+/// this kernel — causal and grouped-query calls (quiet softmax and sinks change only the stored
+/// log-sum-exp, which the backward reads as it is). The other rules (softcap, mask, bias and
+/// `dS`, dropout, window, ALiBi, packed sequences; s57) run under
+/// [`AmpereUse::Always`](crate::attention::AmpereUse::Always) until a GPU run verifies them.
+pub fn default_rules(rules: ScoreRules, write_ds: bool) -> bool {
+    let plain = ScoreRules {
+        causal: rules.causal,
+        quiet: rules.quiet,
+        sinks: rules.sinks,
+        ..ScoreRules::NONE
+    };
+    rules == plain && !write_ds
+}
+
 /// Why the Ampere backward cannot run a call (`None`: it can). `cuda` says whether the client
 /// is a CUDA one; `matrix_units` is the `mma` path's own answer for the device, type and
 /// alignment ([`crate::fragment::unavailable`]); `max_shared` the device's shared memory per
@@ -209,22 +231,14 @@ pub fn unavailable(
     write_ds: bool,
     max_shared: usize,
 ) -> Option<String> {
-    // The score rules it takes: causal; quiet softmax and sinks change only the stored
-    // log-sum-exp, which the backward reads as it is.
-    let plain = ScoreRules {
-        causal: rules.causal,
-        quiet: rules.quiet,
-        sinks: rules.sinks,
-        ..ScoreRules::NONE
-    };
     let reason = if !cuda {
         "the Ampere backward is hand-written CUDA".to_string()
     } else if let Some(reason) = matrix_units {
         format!("the Ampere backward runs on the matrix units: {reason}")
     } else if dims.head_dim > 128 || dims.value_dim > 128 {
         "the Ampere backward takes head dims up to 128".into()
-    } else if rules != plain || write_ds {
-        "the Ampere backward takes causal and grouped-query calls only (no softcap, mask, bias, dropout, window, ALiBi or packed sequences yet)".into()
+    } else if write_ds && rules.softcap {
+        "the Ampere backward writes no dS under a softcap (its dS tile holds dS times the softcap's derivative)".into()
     } else if options.deterministic {
         "the Ampere backward adds dQ with atomics (not deterministic)".into()
     } else if dims.seq_q == 0 || dims.seq_k == 0 {
@@ -258,11 +272,13 @@ pub fn unavailable(
 /// Launches the backward of `dims` on `client`: the per-row prepass, the main kernel in
 /// `shape` on `cubes` (key blocks of `config`'s tile — `shape`'s —, `Hkv`, `B`), then `dQ`'s
 /// conversion. `t` was checked by the caller (shapes, [`unavailable`] `None`, `shape` from
-/// [`shape`] for the device).
+/// [`shape`] for the device; a `ds` only without a softcap); `mask_strides` and `bias_strides`
+/// are those of `t.mask` and `t.bias` over `[B, Hq, Sq, Sk]`, 0 along broadcast dimensions.
 ///
 /// # Safety
 /// The shapes and strides of `t` describe the buffers.
 #[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn launch<R: CudaCompiled>(
     client: &ComputeClient<R>,
     t: &BackwardTensors<'_>,
@@ -270,6 +286,7 @@ pub unsafe fn launch<R: CudaCompiled>(
     dtype: StorageType,
     options: &AttentionOptions,
     config: FlashConfig,
+    (mask_strides, bias_strides): (Option<&[usize]>, Option<&[usize]>),
     shape: Shape,
     cubes: (usize, usize, usize),
 ) {
@@ -320,6 +337,27 @@ pub unsafe fn launch<R: CudaCompiled>(
                 "head_kv * p.group + (u32)(it / per_head)",
                 "head_kv + gridDim.y * (u32)(it / per_head)",
             ),
+            (mutation::fill_grad(), "live = false;", "live = true;"),
+            (
+                mutation::dropout_fresh_mask(),
+                "threefry((u32)(n0 + key + e), (u32)q_row,",
+                "threefry((u32)q_row, (u32)(n0 + key + e),",
+            ),
+            (
+                mutation::window_right(),
+                "key + e > row + diag_rel + (int)p.s.window_right",
+                "key + e > row + diag_rel + (int)p.s.window_right + 1",
+            ),
+            (
+                mutation::ds_tile_rows(),
+                "sm80_lds_v4(sds + sm80_swz((u32)r, (u32)c, SM80_PS_ROW))",
+                "sm80_lds_v4(sds + sm80_swz((u32)r ^ 8u, (u32)c, SM80_PS_ROW))",
+            ),
+            (
+                mutation::ds_skipped_rows(),
+                "dst[(u64)r * p.ds_stride_s] = 0;",
+                "dst[(u64)r * p.ds_stride_s] = 0x4000;",
+            ),
         ],
     );
     let defines = Defines::elem(bf16)
@@ -329,6 +367,7 @@ pub unsafe fn launch<R: CudaCompiled>(
         .word("STAGES", shape.stages)
         .word("PAIRED", u32::from(shape.blocks == 2))
         .word("PARAM_WORDS", PARAM_WORDS as u32)
+        .word("WRITE_DS", t.ds.is_some())
         .rules(&config.rules);
     let kernel = HandWritten::new_hashed(
         client,
@@ -356,6 +395,26 @@ pub unsafe fn launch<R: CudaCompiled>(
     params.push(words(dims.group() as u32, dims.head_dim as u32));
     params.push(words(dims.value_dim as u32, options.scale.to_bits()));
     params.extend(options.scalars().hopper_words(options.masked_score));
+    let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
+        t.mask.as_ref().zip(mask_strides),
+        t.bias.as_ref().zip(bias_strides),
+        &t.q,
+        &mut params,
+    );
+    // dS [B, Hq, Sq, Sk] where written; otherwise never touched, `dQ` stands in.
+    let ds_handle = match &t.ds {
+        Some(ds) => {
+            params.extend(strides(ds.strides));
+            ds.handle.clone()
+        }
+        None => {
+            params.extend([0; 4]);
+            t.dq.handle.clone()
+        }
+    };
+    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
+    let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
+    params.push(words(n_seqs as u32, 0));
     assert_eq!(
         params.len(),
         PARAM_WORDS,
@@ -365,8 +424,11 @@ pub unsafe fn launch<R: CudaCompiled>(
     // kernel reads `q`, `k`, `v`, `dO` through their strides at positions below `Sq` / `Sk`
     // and columns below `D` / `Dv` (rows and starts 16-byte aligned, unit stride along the head
     // dim: `unavailable` found the `mma` path's alignment), the scratch rows of its (batch,
-    // head) pairs (rows below `rows_pad` of each), and block (n, h, b) writes its keys below
-    // `Sk` of `dK[b, h]` and `dV[b, h]`, columns below `D` and `Dv`, and adds into the
+    // head) pairs (rows below `rows_pad` of each), the mask and bias at rows below `Sq` and keys
+    // below `Sk` through the broadcast strides checked by the caller, the slopes at its query
+    // heads and the packed lengths; block (n, h, b) writes its keys below `Sk` of `dK[b, h]`
+    // and `dV[b, h]`, columns below `D` and `Dv`, (with `ds`) those keys of
+    // `dS[b, h·group ..][rows below Sq]` through `ds`'s strides, and adds into the
     // accumulator's rows below `Sq` of its pairs.
     unsafe {
         passes.prepass(t);
@@ -382,6 +444,12 @@ pub unsafe fn launch<R: CudaCompiled>(
                 passes.dq_acc.clone().binding(),
                 t.dk.handle.clone().binding(),
                 t.dv.handle.clone().binding(),
+                mask_handle.binding(),
+                bias_handle.binding(),
+                ds_handle.binding(),
+                // Absent slopes or sequences are never read: `lse` (f32) stands in.
+                t.slopes.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
+                t.seqs.as_ref().unwrap_or(&t.lse).handle.clone().binding(),
             ],
             params,
         );
@@ -448,7 +516,7 @@ mod tests {
     }
 
     /// What the kernel takes and what it leaves to the `mma.sync` backward, each with its
-    /// reason.
+    /// reason; which rule sets the default plan gives it ([`default_rules`]).
     #[test]
     fn unavailable_names_each_limit() {
         let base = AttentionOptions::default();
@@ -536,9 +604,30 @@ mod tests {
                 },
             ),
         ] {
-            refused(ok(rules, dims(64, 64), &base, false), what);
+            // Taken (with `dS` too, but under a softcap), yet not by default: no GPU run has
+            // verified them in this kernel.
+            assert_eq!(ok(rules, dims(64, 64), &base, false), None, "{what}");
+            assert_eq!(
+                ok(rules, dims(64, 64), &base, true).is_none(),
+                !rules.softcap,
+                "{what}, dS"
+            );
+            assert!(!default_rules(rules, false), "{what}");
         }
-        refused(ok(causal, dims(64, 64), &base, true), "dS");
+        assert_eq!(ok(causal, dims(64, 64), &base, true), None, "dS");
+        assert!(default_rules(causal, false) && !default_rules(causal, true));
+        refused(
+            ok(
+                ScoreRules {
+                    softcap: true,
+                    ..causal
+                },
+                dims(64, 64),
+                &base,
+                true,
+            ),
+            "dS under a softcap",
+        );
         let deterministic = AttentionOptions {
             deterministic: true,
             ..base
