@@ -460,7 +460,7 @@ pub(super) fn ampere_backward(calls: &mut Vec<Call>, archs: &[Arch], all: bool) 
                 }
                 for f in sets {
                     let s = Sizes {
-                        batch: 2,
+                        batch: if f.varlen { 1 } else { 2 },
                         heads_q: 4,
                         heads_kv: 2,
                         seq_q: 200,
