@@ -328,6 +328,19 @@ impl Setup {
             ampere: false,
         }
     }
+
+    /// The call's sizes, as the backward launches record them.
+    fn dims(&self) -> AttentionDims {
+        AttentionDims {
+            batch: self.q[0],
+            heads_q: self.q[1],
+            heads_kv: self.kv_heads,
+            seq_q: self.q[2],
+            seq_k: self.seq_k,
+            head_dim: self.q[3],
+            value_dim: self.dv,
+        }
+    }
 }
 
 /// A random `[B, H, S, D]` tensor of `dtype`, as given or as the swap of a `[B, S, H, D]` one.
@@ -1436,15 +1449,7 @@ fn check_forced<B: FlashBackend>(
     tiles: Option<bool>,
 ) {
     setup.kernel = Some(AttentionKernel::Hopper);
-    let dims = AttentionDims {
-        batch: setup.q[0],
-        heads_q: setup.q[1],
-        heads_kv: setup.kv_heads,
-        seq_q: setup.q[2],
-        seq_k: setup.seq_k,
-        head_dim: setup.q[3],
-        value_dim: setup.dv,
-    };
+    let dims = setup.dims();
     check::<B>(setup, dtype, context);
     let ds = setup.bias.is_some() && setup.bias_tracked;
     let ran: Vec<_> = recent_backward_launches()
@@ -1526,18 +1531,9 @@ fn ampere_backward_rules<B: FlashBackend>(device: &B::Device, dtype: FloatDType)
         ampere_backward: Some(burn_flash::AmpereUse::Always),
         ..Default::default()
     };
-    let dims = |setup: &Setup| AttentionDims {
-        batch: setup.q[0],
-        heads_q: setup.q[1],
-        heads_kv: setup.kv_heads,
-        seq_q: setup.q[2],
-        seq_k: setup.seq_k,
-        head_dim: setup.q[3],
-        value_dim: setup.dv,
-    };
     let probe = Setup::new([1, 2, 64, 64], 2, 64, 64);
     let available =
-        attention_backward_plan::<A<B>>(device, dims(&probe), dtype.into(), forced, false, false)
+        attention_backward_plan::<A<B>>(device, probe.dims(), dtype.into(), forced, false, false)
             .and_then(Result::ok)
             .is_some_and(|p| p.kernel == ampere);
     if !available {
@@ -1596,7 +1592,7 @@ fn ampere_backward_rules<B: FlashBackend>(device: &B::Device, dtype: FloatDType)
             let ds = setup.bias.is_some() && setup.bias_tracked;
             let ran: Vec<_> = recent_backward_launches()
                 .into_iter()
-                .filter(|l| l.dims == dims(&setup))
+                .filter(|l| l.dims == setup.dims())
                 .collect();
             assert!(
                 !ran.is_empty() && ran.iter().all(|l| l.kernel == ampere && l.ds == ds),
@@ -1874,16 +1870,7 @@ fn backward_overlaps<B: FlashBackend>(device: &B::Device, dtype: FloatDType) {
             );
             check::<B>(&setup, dtype, &context);
             if hopper && setup.q[3] == 128 {
-                let [batch, heads_q, seq_q, head_dim] = setup.q;
-                let dims = AttentionDims {
-                    batch,
-                    heads_q,
-                    heads_kv: setup.kv_heads,
-                    seq_q,
-                    seq_k: setup.seq_k,
-                    head_dim,
-                    value_dim: setup.dv,
-                };
+                let dims = setup.dims();
                 let ran: Vec<_> = recent_backward_launches()
                     .into_iter()
                     .filter(|l| l.dims == dims)

@@ -448,30 +448,14 @@ pub unsafe fn launch<R: CudaCompiled>(
     .with_defines(&defines);
     let mut params = strides(t.dk.strides);
     params.extend(strides(t.dv.strides));
-    params.push(words(dims.seq_q as u32, dims.seq_k as u32));
-    params.push(words(rows_pad as u32, dims.heads_q as u32));
-    params.push(words(dims.group() as u32, dims.head_dim as u32));
-    params.push(words(dims.value_dim as u32, options.scale.to_bits()));
-    params.extend(options.scalars().hopper_words(options.masked_score));
-    let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
-        t.mask.as_ref().zip(mask_strides),
-        t.bias.as_ref().zip(bias_strides),
-        &t.q,
+    let ([mask_handle, bias_handle, ds_handle], n_seqs) = call_words(
+        t,
+        dims,
+        options,
+        rows_pad,
+        (mask_strides, bias_strides),
         &mut params,
     );
-    // dS [B, Hq, Sq, Sk] where written; otherwise never touched, `dQ` stands in.
-    let ds_handle = match &t.ds {
-        Some(ds) => {
-            params.extend(strides(ds.strides));
-            ds.handle.clone()
-        }
-        None => {
-            params.extend([0; 4]);
-            t.dq.handle.clone()
-        }
-    };
-    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
-    let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
     let planes = bias_map.as_ref().map_or(0, |(_, planes)| *planes);
     params.push(words(n_seqs as u32, planes));
     params.push(words(tiles as u32, 0));
@@ -531,6 +515,47 @@ pub unsafe fn launch<R: CudaCompiled>(
         passes.convert(t);
     }
     variant.bias_tiles
+}
+
+/// The parameter words both hand-written backwards (this one and [`super::sm80`]) take after
+/// their strides, in their structs' order: `Sq, Sk | rows_pad, Hq | group, D | Dv, scale`, the
+/// score scalars, then the mask's, the bias's and `dS`'s strides over `[B, Hq, Sq, Sk]` (0 where
+/// absent). Returns the mask, bias and `dS` buffers to bind (`q` or `dQ` standing in for an
+/// absent one, never touched) and the count of packed sequences (0 without).
+#[cfg(feature = "cuda")]
+pub(crate) fn call_words(
+    t: &BackwardTensors<'_>,
+    dims: AttentionDims,
+    options: &AttentionOptions,
+    rows_pad: usize,
+    (mask_strides, bias_strides): (Option<&[usize]>, Option<&[usize]>),
+    params: &mut Vec<u64>,
+) -> ([cubecl::server::Handle; 3], usize) {
+    params.push(words(dims.seq_q as u32, dims.seq_k as u32));
+    params.push(words(rows_pad as u32, dims.heads_q as u32));
+    params.push(words(dims.group() as u32, dims.head_dim as u32));
+    params.push(words(dims.value_dim as u32, options.scale.to_bits()));
+    params.extend(options.scalars().hopper_words(options.masked_score));
+    let [mask, bias] = crate::flash::forward::hopper::bind_terms(
+        t.mask.as_ref().zip(mask_strides),
+        t.bias.as_ref().zip(bias_strides),
+        &t.q,
+        params,
+    );
+    // dS [B, Hq, Sq, Sk] where written; otherwise never touched, `dQ` stands in.
+    let ds = match &t.ds {
+        Some(ds) => {
+            params.extend(strides(ds.strides));
+            ds.handle.clone()
+        }
+        None => {
+            params.extend([0; 4]);
+            t.dq.handle.clone()
+        }
+    };
+    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
+    let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
+    ([mask, bias, ds], n_seqs)
 }
 
 /// Strides as the hand-written kernels' parameter words.

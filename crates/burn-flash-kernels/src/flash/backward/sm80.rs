@@ -290,7 +290,7 @@ pub unsafe fn launch<R: CudaCompiled>(
     shape: Shape,
     cubes: (usize, usize, usize),
 ) {
-    use super::hopper::{RowPasses, strides};
+    use super::hopper::{RowPasses, call_words, strides};
     use crate::mutation;
     use cubecl::ir::{ElemType, FloatKind};
     let bf16 = dtype == StorageType::Scalar(ElemType::Float(FloatKind::BF16));
@@ -390,30 +390,14 @@ pub unsafe fn launch<R: CudaCompiled>(
         params.extend(strides(s));
     }
     let rows_pad = dims.seq_q.next_multiple_of(BLOCK_M);
-    params.push(words(dims.seq_q as u32, dims.seq_k as u32));
-    params.push(words(rows_pad as u32, dims.heads_q as u32));
-    params.push(words(dims.group() as u32, dims.head_dim as u32));
-    params.push(words(dims.value_dim as u32, options.scale.to_bits()));
-    params.extend(options.scalars().hopper_words(options.masked_score));
-    let [mask_handle, bias_handle] = crate::flash::forward::hopper::bind_terms(
-        t.mask.as_ref().zip(mask_strides),
-        t.bias.as_ref().zip(bias_strides),
-        &t.q,
+    let ([mask_handle, bias_handle, ds_handle], n_seqs) = call_words(
+        t,
+        dims,
+        options,
+        rows_pad,
+        (mask_strides, bias_strides),
         &mut params,
     );
-    // dS [B, Hq, Sq, Sk] where written; otherwise never touched, `dQ` stands in.
-    let ds_handle = match &t.ds {
-        Some(ds) => {
-            params.extend(strides(ds.strides));
-            ds.handle.clone()
-        }
-        None => {
-            params.extend([0; 4]);
-            t.dq.handle.clone()
-        }
-    };
-    // The packed sequences: `[2·(n + 1)]` cumulative lengths.
-    let n_seqs = t.seqs.as_ref().map_or(0, |s| s.shape[0] / 2 - 1);
     params.push(words(n_seqs as u32, 0));
     assert_eq!(
         params.len(),
