@@ -41,8 +41,9 @@ pub const UNITS: u32 = 256;
 
 /// 256 threads at up to 255 registers: one block per SM ([`Shape::blocks`] 1). No spill
 /// without score rules; known spills with them (NVRTC 13.5, D 128, 128 keys; bytes stored +
-/// loaded): 20 + 24 B (mask with the fill score, causal) and 4 + 4 B (window with ALiBi) on
-/// sm_90a. Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
+/// loaded; `cargo xtask cuda-check`'s grid): on sm_90a 20 + 24 B (causal, mask with the fill
+/// score, quiet), 12 + 12 B (causal, dropout), 4 + 4 B (window, ALiBi); on sm_80 12 + 12 B (mask,
+/// bias, softcap). Held by `cargo xtask cuda-check` ([`crate::occupancy`]).
 pub const OCCUPANCY: crate::occupancy::Occupancy = crate::occupancy::Occupancy::spilling(1, 48);
 
 /// Two blocks of 256 threads per SM, 128 registers a thread ([`Shape::blocks`] 2, entry
