@@ -114,6 +114,9 @@ dropout-fresh-mask attention_backward.test cuda::f16::ampere_backward_rules
 ds-tile-rows attention_backward.test cuda::bf16::ampere_backward_rules
 ds-skipped-rows attention_backward.test cuda::f16::ampere_backward_rules
 window-right attention_backward.test cuda::bf16::ampere_backward_rules
+zero-dx softmax_matmul.test cuda::ampere_gradients
+drop-delta softmax_matmul.test cuda::ampere_gradients
+warp-cols softmax_matmul.test cuda::ampere_gradients
 EOF
 )
 [ -z "${ONLY:-}" ] || cases=$(echo "$cases" | awk -v re="^(${ONLY})$" '$1 ~ re')

@@ -155,8 +155,9 @@ pub fn plan_defaults() -> PlanDefaults {
     *DEFAULTS.read().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `options` with an unset Hopper choice taken from the defaults: [`HopperUse::Off`] keeps the
-/// call off the Hopper kernels (forward and backward); the other uses leave it to the plan.
+/// `options` with an unset Hopper choice taken from the defaults ([`HopperUse::Off`] keeps the
+/// call off the Hopper kernels, forward and backward; the other uses leave it to the plan), and
+/// an unset Ampere use (`Faster`) the defaults' `ampere_backward`.
 pub(crate) fn softmax_matmul_options(options: SoftmaxMatmulOptions) -> SoftmaxMatmulOptions {
     let defaults = plan_defaults();
     let options = match options.schedule {
@@ -165,6 +166,14 @@ pub(crate) fn softmax_matmul_options(options: SoftmaxMatmulOptions) -> SoftmaxMa
             ..options
         },
         _ => options,
+    };
+    // An unset (`Faster`) Ampere use takes the process's.
+    let options = SoftmaxMatmulOptions {
+        ampere: match options.ampere {
+            AmpereUse::Faster => defaults.ampere_backward,
+            other => other,
+        },
+        ..options
     };
     match (options.hopper, defaults.hopper) {
         (None, HopperUse::Off) => SoftmaxMatmulOptions {

@@ -1285,6 +1285,60 @@ mod cuda {
         assert_eq!(mma_dx_rows(&client, small, false), DQ_ROWS);
     }
 
+    /// The Ampere backward (`sm80_given`: hand-written `mma.sync` `dX` and `dV`), forced with
+    /// `AmpereUse::Always`: the plan takes it for 16-byte rows (and not for a row that 16
+    /// bytes do not divide), and its gradients match the f64 reference within twice the
+    /// composed op's error — partial row, key and column tiles, `d3` over several chunks and
+    /// `dV` column tiles, a shared `v` summed over batches with masked rows, a tiny problem.
+    #[test]
+    fn ampere_gradients() {
+        common::plan_inputs();
+        use burn_cubecl::cubecl::Runtime;
+        use burn_flash::AmpereUse;
+        use burn_flash::kernels::softmax_matmul::{SmmBackwardPath, plan_softmax_matmul_backward};
+        let device = Default::default();
+        let client = burn_cubecl::cubecl::cuda::CudaRuntime::client(&device);
+        let options = SoftmaxMatmulOptions {
+            ampere: AmpereUse::Always,
+            ..Default::default()
+        };
+        let cases = [
+            ([2, 300, 264], [2, 264, 200], false),
+            ([3, 130, 136], [1, 136, 520], true),
+            ([2, 64, 1024], [2, 1024, 128], false),
+            ([1, 33, 8], [1, 8, 8], false),
+            ([2, 40, 64], [1, 64, 512], true),
+        ];
+        for dtype in [FloatDType::F16, FloatDType::BF16] {
+            let dtype_s = DType::from(dtype).into();
+            let path = |xs: [usize; 3], vs: [usize; 3]| {
+                let [batch, d1, d2] = xs;
+                let d3 = vs[2];
+                let v_strides = [if vs[0] == 1 { 0 } else { d2 * d3 }, d3, 1];
+                plan_softmax_matmul_backward(
+                    &client,
+                    SmmDims { batch, d1, d2, d3 },
+                    dtype_s,
+                    [
+                        (&xs, &[d1 * d2, d2, 1]),
+                        (&vs, &v_strides),
+                        (&[batch, d1, d3], &[d1 * d3, d3, 1]),
+                        (&xs, &[d1 * d2, d2, 1]),
+                        (&vs, &[d2 * d3, d3, 1]),
+                    ],
+                    options,
+                )
+                .expect("plans")
+                .path
+            };
+            assert_ne!(path([2, 70, 100], [2, 100, 80]), SmmBackwardPath::Ampere);
+            for (xs, vs, masked) in cases {
+                assert_eq!(path(xs, vs), SmmBackwardPath::Ampere, "{xs:?} {vs:?}");
+                check_gradients_with::<C>(xs, vs, masked, options, dtype, &device);
+            }
+        }
+    }
+
     /// The P-buffer plan of the matrix-unit backward: chosen at small `d2` with vector rows,
     /// not past [`P_BUFFER_MAX_D2`] nor with rows of odd length; gradients against the f64
     /// reference on both sides of the threshold (ragged `d1`, a masked case, `d3` over one

@@ -275,6 +275,7 @@ pub fn stated(name: &str) -> Option<Occupancy> {
         "burn_flash_hopper_smm_dx" | "burn_flash_hopper_smm_dv" => {
             backward::hopper_given::OCCUPANCY
         }
+        "burn_flash_sm80_smm_dx" | "burn_flash_sm80_smm_dv" => backward::sm80_given::OCCUPANCY,
         "flash_decode" => burn_flash_kernels::decode::kernel::OCCUPANCY,
         "decode_merge" => burn_flash_kernels::decode::kernel::MERGE_OCCUPANCY,
         "kv_append" => burn_flash_kernels::decode::append::OCCUPANCY,

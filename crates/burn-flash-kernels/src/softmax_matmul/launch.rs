@@ -305,8 +305,8 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
         p
     });
     let schedule = match plan.path {
-        // Both gradients by the Hopper kernels below; never launched.
-        SmmBackwardPath::Hopper => Schedule::MatrixUnits {
+        // Both gradients by the hand-written kernels below; never launched.
+        SmmBackwardPath::Hopper | SmmBackwardPath::Ampere => Schedule::MatrixUnits {
             write_ds: true,
             p_buffer: None,
         },
@@ -327,7 +327,7 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // The tiled products write dX for every row block; the flash schedules skip empty steps.
     let (dv_cubes, dx_cubes) = match plan.path {
         SmmBackwardPath::Tiled => (dv_nonempty.then_some(plan.dv_cubes), Some(plan.dx_cubes)),
-        SmmBackwardPath::Hopper => (None, None),
+        SmmBackwardPath::Hopper | SmmBackwardPath::Ampere => (None, None),
         _ => (
             (dv_nonempty && d2 > 0).then_some(plan.dv_cubes),
             (rows > 0 && d2 > 0).then_some(plan.dx_cubes),
@@ -357,6 +357,30 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
                         dtype,
                     );
                     crate::flash::backward::hopper_given::launch_dv(
+                        cuda, &x, &d_out, &lse, &dv, dtype,
+                    );
+                },
+                Ok(())
+            );
+        }
+        if plan.path == SmmBackwardPath::Ampere {
+            // The plan took the Ampere kernels: `ampere_unavailable` found nothing against the
+            // call (16-byte rows and starts of every tensor, no size 0, sm_80 and later), and
+            // `delta` holds `batch · d1` rows.
+            crate::launch_hand_written!(
+                client,
+                |cuda| {
+                    crate::flash::backward::sm80_given::launch(
+                        cuda,
+                        &x,
+                        &v,
+                        &d_out,
+                        &lse,
+                        &delta.handle,
+                        &dx,
+                        dtype,
+                    );
+                    crate::flash::backward::sm80_given::launch_dv(
                         cuda, &x, &d_out, &lse, &dv, dtype,
                     );
                 },

@@ -82,6 +82,10 @@ pub struct SoftmaxMatmulOptions {
     pub hopper: Option<bool>,
     /// How the Hopper kernel's blocks take its tiles.
     pub schedule: crate::attention::TileSchedule,
+    /// How the backward plan uses the Ampere kernels
+    /// ([`SmmBackwardPath::Ampere`]): only [`AmpereUse::Always`](crate::attention::AmpereUse)
+    /// takes them until a GPU run verifies them.
+    pub ampere: crate::attention::AmpereUse,
 }
 
 /// Why a `softmax(X)·V` launch was refused. Nothing is launched when one is returned.
@@ -222,6 +226,11 @@ pub enum SmmBackwardPath {
     /// rows and starts of `dX` and `dV` too, see
     /// [`super::plan::plan_softmax_matmul_backward_for`]).
     Hopper,
+    /// sm_80 and later: `dX` and `dV` by the hand-written `mma.sync` kernels of
+    /// [`crate::flash::backward::sm80_given`] (16-byte rows and starts of every tensor; ahead
+    /// of the Hopper kernels; only under [`AmpereUse::Always`](crate::attention::AmpereUse)
+    /// until a GPU run verifies them).
+    Ampere,
 }
 
 /// The backward launch [`super::plan_softmax_matmul_backward`] chose.

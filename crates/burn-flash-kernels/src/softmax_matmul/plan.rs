@@ -7,7 +7,9 @@ use super::options::{
     BLOCK_SIZES, SmmBackwardPath, SmmBackwardPlan, SmmDims, SmmForwardKernel, SmmPath,
     SoftmaxMatmulError, SoftmaxMatmulOptions, SoftmaxMatmulPlan,
 };
-use crate::flash::backward::{cmma as backward_cmma, hopper_given, mma, units, units_given};
+use crate::flash::backward::{
+    cmma as backward_cmma, hopper_given, mma, sm80, sm80_given, units, units_given,
+};
 use crate::flash::block::{fold_grid, fold_pairs};
 use crate::flash::forward::{self, hopper, tiled};
 use crate::flash::{FlashConfig, ScoreRules, ScoreSource, Tile};
@@ -459,8 +461,14 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
         }
         other => other,
     };
+    // dX and dV on the Ampere kernels where the use asks for them and they can run.
+    let path = if ampere_unavailable(client, dims, dtype, &layouts, tma, options).is_none() {
+        SmmBackwardPath::Ampere
+    } else {
+        path
+    };
     let (config, dv_cubes, dx_cubes) = match path {
-        SmmBackwardPath::Hopper => {
+        SmmBackwardPath::Hopper | SmmBackwardPath::Ampere => {
             let c = mma_backward_config(d3, mma::DQ_ROWS);
             // The grids are the Hopper kernels' own (below).
             (c, 0, 0)
@@ -499,18 +507,43 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
             }
             _ => row_vector(&[x, v, d_out, dx, dv], dtype).min(4),
         },
-        dv_cubes: if path == SmmBackwardPath::Hopper {
-            check_cubes(client, hopper_given::dv_cubes(v.0[0], d2, d3))?
-        } else {
-            check_cubes(client, (dv_cubes, y, z))?
+        dv_cubes: match path {
+            SmmBackwardPath::Hopper => check_cubes(client, hopper_given::dv_cubes(v.0[0], d2, d3))?,
+            SmmBackwardPath::Ampere => check_cubes(client, sm80_given::dv_cubes(v.0[0], d2, d3))?,
+            _ => check_cubes(client, (dv_cubes, y, z))?,
         },
-        dx_cubes: if path == SmmBackwardPath::Hopper {
-            check_cubes(client, hopper_given::cubes(batch, d1, d2))?
-        } else {
-            check_cubes(client, (dx_cubes, y, z))?
+        dx_cubes: match path {
+            SmmBackwardPath::Hopper => check_cubes(client, hopper_given::cubes(batch, d1, d2))?,
+            SmmBackwardPath::Ampere => check_cubes(client, sm80_given::dx_cubes(batch, d1, d2))?,
+            _ => check_cubes(client, (dx_cubes, y, z))?,
         },
         matrix_units,
     })
+}
+
+/// Why the Ampere kernels ([`SmmBackwardPath::Ampere`]) do not run a backward
+/// ([`sm80_given::unavailable`]; `None`: they do): `layouts` as the plan reads them, `tma`
+/// whether every buffer starts on 16 bytes and no row stride is 0.
+pub fn ampere_unavailable<R: Runtime>(
+    client: &ComputeClient<R>,
+    dims: SmmDims,
+    dtype: StorageType,
+    layouts: &BackwardLayouts<'_>,
+    tma: bool,
+    options: SoftmaxMatmulOptions,
+) -> Option<&'static str> {
+    let [x, v, d_out, dx, dv] = *layouts;
+    // Every buffer starts on 16 bytes, rows and strides are 16-byte multiples.
+    let rows16 = tma && row_vector(&[x, v, d_out, dx, dv], dtype) * dtype.size() == 16;
+    sm80_given::unavailable(
+        options.ampere,
+        sm80::cuda(client),
+        fragment::unavailable(client, dtype, true).is_none(),
+        dtype.size() == 2,
+        rows16,
+        dims,
+        client.properties().hardware.max_shared_memory_size,
+    )
 }
 
 /// Whether the register-tiled given-score products ([`units_given`]) run: 256 units and their

@@ -1,6 +1,7 @@
 //! Row kernels: the softmax family, `softmax(X)·V`, and the serving pieces (the few-rows
 //! linear, the layer norm, the copy benchmarks compare with).
 
+use burn_flash_kernels::attention::AmpereUse;
 use burn_flash_kernels::copy::launch_copy;
 use burn_flash_kernels::linear::{LinearTensors, launch_linear_rows};
 use burn_flash_kernels::norm::{LayerNormTensors, launch_layer_norm};
@@ -65,14 +66,22 @@ pub(super) fn softmax(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
 
 /// `softmax(X)·V`: each path (plain units, matrix units, Hopper) × dtype × value widths.
 pub(super) fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
-    for (path, hopper, kinds) in [
-        (SmmPath::Units, false, vec![FloatKind::F32]),
+    for (path, hopper, ampere, kinds) in [
+        (SmmPath::Units, false, false, vec![FloatKind::F32]),
         (
             SmmPath::MatrixUnits,
             false,
+            false,
             vec![FloatKind::F16, FloatKind::BF16],
         ),
-        (SmmPath::MatrixUnits, true, vec![FloatKind::BF16]),
+        (SmmPath::MatrixUnits, true, false, vec![FloatKind::BF16]),
+        // The Ampere backward (`sm80_given`, forced: opt-in), every arch.
+        (
+            SmmPath::MatrixUnits,
+            false,
+            true,
+            vec![FloatKind::F16, FloatKind::BF16],
+        ),
     ] {
         let archs: Vec<Arch> = archs
             .iter()
@@ -89,15 +98,23 @@ pub(super) fn softmax_matmul(calls: &mut Vec<Call>, archs: &[Arch], all: bool) {
                 let o = SoftmaxMatmulOptions {
                     path: Some(path),
                     hopper: Some(hopper),
+                    ampere: if ampere {
+                        AmpereUse::Always
+                    } else {
+                        AmpereUse::Off
+                    },
                     ..Default::default()
                 };
                 let name = format!(
-                    "softmax_matmul {path:?}{} {} d3 {d3}",
+                    "softmax_matmul {path:?}{}{} {} d3 {d3}",
                     if hopper { " Hopper" } else { "" },
+                    if ampere { " Ampere" } else { "" },
                     dtype_name(kind)
                 );
                 let (b, d1, d2) = (2, 300, 1024);
-                push(calls, format!("{name} fwd"), archs.clone(), move |c| {
+                // The Ampere rows differ from the matrix units' in the backward only.
+                let fwd_archs = if ampere { Vec::new() } else { archs.clone() };
+                push(calls, format!("{name} fwd"), fwd_archs, move |c| {
                     let t = |shape: &[usize], dt| Owned::new(c, shape, dt);
                     let (x, v) = (t(&[b, d1, d2], dtype), t(&[b, d2, d3], dtype));
                     let (out, lse) = (t(&[b, d1, d3], dtype), t(&[b, d1], F32));

@@ -39,6 +39,7 @@ pub mod mma;
 pub mod mma_dkv;
 pub mod mma_dq;
 pub mod sm80;
+pub mod sm80_given;
 pub mod units;
 pub mod units_given;
 
