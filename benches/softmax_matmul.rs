@@ -275,6 +275,7 @@ const NO_HOPPER: Impl = Impl::Flash(SoftmaxMatmulOptions {
     path: None,
     hopper: Some(false),
     schedule: burn_flash::TileSchedule::Planned,
+    ampere: burn_flash::AmpereUse::Faster,
 });
 
 fn flops(batch: usize, d1: usize, d2: usize, d3: usize) -> f64 {
