@@ -339,50 +339,22 @@ pub fn launch_softmax_matmul_backward<R: Runtime>(
     // grids are the plan's.
     unsafe {
         let delta = launch_delta(client, &operands.out, &operands.d_out, rows, dtype);
-        if plan.path == SmmBackwardPath::Hopper {
-            // The plan took the Hopper kernels: `hopper_unavailable` found nothing against
-            // `x`, `v`, `d_out`, `dx`, `dv` (16-byte rows and starts, no size 0), and `delta`
-            // holds `batch · d1` rows.
+        if matches!(plan.path, SmmBackwardPath::Hopper | SmmBackwardPath::Ampere) {
+            // The plan took the hand-written kernels: `hopper_unavailable` (Hopper) or
+            // `ampere_unavailable` (Ampere) found nothing against `x`, `v`, `d_out`, `dx`, `dv`
+            // (16-byte rows and starts, no size 0), and `delta` holds `batch · d1` rows.
             crate::launch_hand_written!(
                 client,
                 |cuda| {
-                    crate::flash::backward::hopper_given::launch(
-                        cuda,
-                        &x,
-                        &v,
-                        &d_out,
-                        &lse,
-                        &delta.handle,
-                        &dx,
-                        dtype,
-                    );
-                    crate::flash::backward::hopper_given::launch_dv(
-                        cuda, &x, &d_out, &lse, &dv, dtype,
-                    );
-                },
-                Ok(())
-            );
-        }
-        if plan.path == SmmBackwardPath::Ampere {
-            // The plan took the Ampere kernels: `ampere_unavailable` found nothing against the
-            // call (16-byte rows and starts of every tensor, no size 0, sm_80 and later), and
-            // `delta` holds `batch · d1` rows.
-            crate::launch_hand_written!(
-                client,
-                |cuda| {
-                    crate::flash::backward::sm80_given::launch(
-                        cuda,
-                        &x,
-                        &v,
-                        &d_out,
-                        &lse,
-                        &delta.handle,
-                        &dx,
-                        dtype,
-                    );
-                    crate::flash::backward::sm80_given::launch_dv(
-                        cuda, &x, &d_out, &lse, &dv, dtype,
-                    );
+                    use crate::flash::backward::{hopper_given, sm80_given};
+                    let delta = &delta.handle;
+                    if plan.path == SmmBackwardPath::Hopper {
+                        hopper_given::launch(cuda, &x, &v, &d_out, &lse, delta, &dx, dtype);
+                        hopper_given::launch_dv(cuda, &x, &d_out, &lse, &dv, dtype);
+                    } else {
+                        sm80_given::launch(cuda, &x, &v, &d_out, &lse, delta, &dx, dtype);
+                        sm80_given::launch_dv(cuda, &x, &d_out, &lse, &dv, dtype);
+                    }
                 },
                 Ok(())
             );
