@@ -1,7 +1,8 @@
 // Ampere (sm_80 … sm_90) instruction wrappers for the hand-written `mma.sync` kernels of
-// burn-flash (flash/backward/sm80.cu): `ldmatrix` (plain and transposed), warp-level
-// `mma.sync.aligned.m16n8k16` with f32 accumulators, 16-byte `cp.async` with its groups, f32
-// reductions into global memory, and packing to 16-bit pairs. Inline PTX only: no CUDA header
+// burn-flash (flash/backward/sm80.cu, sm80_given.cu): `ldmatrix` (plain and transposed),
+// warp-level `mma.sync.aligned.m16n8k16` with f32 accumulators, 16-byte `cp.async` with its
+// groups and the swizzled tile copies built on it, f32 reductions into global memory, and
+// packing to 16-bit pairs. Inline PTX only: no CUDA header
 // is included. Every name carries `sm80_`, so that this text may share a translation unit with
 // sm90.cuh (the typedefs below are the same as sm90.cuh's and scores.cuh's: C++ allows a
 // typedef to be repeated with the same type).
@@ -106,6 +107,37 @@ __device__ __forceinline__ void sm80_cp_commit() {
 // visible to this thread only: a barrier makes them visible to the block.
 template <int N> __device__ __forceinline__ void sm80_cp_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// ---- swizzled tiles ----------------------------------------------------------------------------
+
+// The swizzled byte offset of row `row`, 16-byte chunk `chunk` in a tile of `row_bytes` (a
+// multiple of 128) per row: chunk c of row r at chunk c ^ (r % 8), so that the 8 row addresses
+// of an `ldmatrix` phase and the 8 rows of a fragment's 32-bit accesses hit 32 distinct banks.
+__device__ __forceinline__ u32 sm80_swz(u32 row, u32 chunk, u32 row_bytes) {
+    return row * row_bytes + ((chunk ^ (row & 7u)) << 4);
+}
+
+// Issues the copies of a ROWS × COLS tile (COLS elements a row, 8 per chunk) from `src` (its
+// first row; row r at src + r·stride) into the swizzled tile at shared `dst`: rows at or past
+// `rows` and columns at or past `cols` are zeros. All THREADS threads of the block, ROWS·COLS/8
+// chunks.
+template <int THREADS, int ROWS, int COLS>
+__device__ __forceinline__ void sm80_load_tile(u32 dst, const unsigned short* src, u64 stride,
+                                               int rows, int cols, u32 tid) {
+    constexpr int CHUNKS = COLS / 8;
+    static_assert((ROWS * CHUNKS) % THREADS == 0, "whole rounds of chunks");
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+        const int idx = (int)tid + THREADS * i;
+        const int r = idx / CHUNKS, c = idx % CHUNKS;
+        int bytes = 2 * (cols - 8 * c);
+        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
+        if (r >= rows) bytes = 0;
+        // Nothing is read for 0 bytes; the tile's first row stays a valid address anyway.
+        const unsigned short* from = bytes > 0 ? src + (u64)r * stride + 8 * c : src;
+        sm80_cp_async(dst + sm80_swz((u32)r, (u32)c, COLS * 2), from, (u32)bytes);
+    }
 }
 
 // ---- global reductions -----------------------------------------------------------------------

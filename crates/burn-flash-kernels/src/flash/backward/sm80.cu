@@ -170,33 +170,6 @@ __device__ __forceinline__ int sm80_first_row_past(const u32* seqs, const Sm80Bw
 }
 #endif
 
-// The swizzled byte offset of row `row`, 16-byte chunk `chunk` in a tile of `row_bytes` (a
-// multiple of 128) per row.
-__device__ __forceinline__ u32 sm80_swz(u32 row, u32 chunk, u32 row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7u)) << 4);
-}
-
-// Issues the copies of a ROWS × COLS tile (COLS elements a row, 8 per chunk) from `src` (its
-// first row; row r at src + r·stride) into the swizzled tile at shared `dst`: rows at or past
-// `rows` and columns at or past `cols` are zeros. All 256 threads, ROWS·COLS/8 chunks.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void sm80_load_tile(u32 dst, const unsigned short* src, u64 stride,
-                                               int rows, int cols, u32 tid) {
-    constexpr int CHUNKS = COLS / 8;
-    static_assert((ROWS * CHUNKS) % SM80_THREADS == 0, "whole rounds of chunks");
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / SM80_THREADS; ++i) {
-        const int idx = (int)tid + SM80_THREADS * i;
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        int bytes = 2 * (cols - 8 * c);
-        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-        if (r >= rows) bytes = 0;
-        // Nothing is read for 0 bytes; the tile's first row stays a valid address anyway.
-        const unsigned short* from = bytes > 0 ? src + (u64)r * stride + 8 * c : src;
-        sm80_cp_async(dst + sm80_swz((u32)r, (u32)c, COLS * 2), from, (u32)bytes);
-    }
-}
-
 // Writes a key-major accumulator (2 m-tiles of 16 keys × NT n-tiles of 8 columns, the C
 // layout), scaled by `factor`, to a [B, H, S, D] tensor's rows `key0` … (the warp's first key;
 // keys below `seq_k`) and columns `col0` … (the warp's first; columns below `cols`).
@@ -381,9 +354,9 @@ burn_flash_sm80_backward(
                                        + (u64)m0 * p.q_stride_s;
         const unsigned short* do_rows = d_o + (u64)batch * p.do_stride_b
                                         + (u64)head * p.do_stride_h + (u64)m0 * p.do_stride_s;
-        sm80_load_tile<SM80_BLOCK_M, HEAD_DIM>(base + SM80_OFF_Q(s), q_rows, p.q_stride_s,
+        sm80_load_tile<SM80_THREADS, SM80_BLOCK_M, HEAD_DIM>(base + SM80_OFF_Q(s), q_rows, p.q_stride_s,
                                                seq_q - m0, (int)p.head_dim, tid);
-        sm80_load_tile<SM80_BLOCK_M, VALUE_DIM>(base + SM80_OFF_DO(s), do_rows, p.do_stride_s,
+        sm80_load_tile<SM80_THREADS, SM80_BLOCK_M, VALUE_DIM>(base + SM80_OFF_DO(s), do_rows, p.do_stride_s,
                                                 seq_q - m0, (int)p.value_dim, tid);
         if (tid < 32u) {
             const u64 row = ((u64)batch * p.heads_q + head) * p.rows_pad + (u64)m0;
@@ -431,8 +404,8 @@ burn_flash_sm80_backward(
     if (steps > 0) {
         // K and V of the block's keys (zeros past Sk and past the head dims), with step 0's tiles
         // in the first group.
-        sm80_load_tile<BLOCK_N, HEAD_DIM>(sk, k_blk, p.k_stride_s, seq_k - n0, (int)p.head_dim, tid);
-        sm80_load_tile<BLOCK_N, VALUE_DIM>(sv, v_blk, p.v_stride_s, seq_k - n0, (int)p.value_dim,
+        sm80_load_tile<SM80_THREADS, BLOCK_N, HEAD_DIM>(sk, k_blk, p.k_stride_s, seq_k - n0, (int)p.head_dim, tid);
+        sm80_load_tile<SM80_THREADS, BLOCK_N, VALUE_DIM>(sv, v_blk, p.v_stride_s, seq_k - n0, (int)p.value_dim,
                                            tid);
         issue_step(0, 0u);
     }

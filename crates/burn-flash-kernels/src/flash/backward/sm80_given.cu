@@ -20,8 +20,8 @@
 // The source NVRTC gets is ../../hopper/sm80.cuh, ../scores.cuh and this file, concatenated in
 // that order after the host's defines (ELEM_BF16, 0 | 1). Tiles in shared memory are rows of
 // 16-bit elements, row r's 16-byte chunk c stored at chunk c ^ (r % 8) (the XOR swizzle of
-// sm80.cu): the 8 row addresses of an `ldmatrix` phase and the 8 rows × 4 words of a pair
-// read hit 32 distinct banks.
+// sm80.cuh's `sm80_swz`, copied in by its `sm80_load_tile`): the 8 row addresses of an
+// `ldmatrix` phase and the 8 rows × 4 words of a pair read hit 32 distinct banks.
 
 #define SMG_THREADS 256
 
@@ -37,33 +37,6 @@ struct SmgParams {
     u32 d3, batches; // batches (dV): how many batches feed one dV (1, or all of them)
 };
 static_assert(sizeof(SmgParams) == 96, "the host's twelve words (sm80_given.rs, PARAM_WORDS)");
-
-// The swizzled byte offset of row `row`, 16-byte chunk `chunk` in a tile of `row_bytes` (a
-// multiple of 128) per row.
-__device__ __forceinline__ u32 smg_swz(u32 row, u32 chunk, u32 row_bytes) {
-    return row * row_bytes + ((chunk ^ (row & 7u)) << 4);
-}
-
-// Issues the copies of a ROWS × COLS tile (8 elements a chunk) from `src` (its first row; row r
-// at src + r·stride) into the swizzled tile at shared `dst`: rows at or past `rows` and columns
-// at or past `cols` are zeros. All 256 threads, ROWS·COLS/8 chunks.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void smg_load(u32 dst, const unsigned short* src, u64 stride, int rows,
-                                         int cols, u32 tid) {
-    constexpr int CHUNKS = COLS / 8;
-    static_assert((ROWS * CHUNKS) % SMG_THREADS == 0, "whole rounds of chunks");
-#pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / SMG_THREADS; ++i) {
-        const int idx = (int)tid + SMG_THREADS * i;
-        const int r = idx / CHUNKS, c = idx % CHUNKS;
-        int bytes = 2 * (cols - 8 * c);
-        bytes = bytes < 0 ? 0 : (bytes > 16 ? 16 : bytes);
-        if (r >= rows) bytes = 0;
-        // Nothing is read for 0 bytes; the tile's first row stays a valid address anyway.
-        const unsigned short* from = bytes > 0 ? src + (u64)r * stride + 8 * c : src;
-        sm80_cp_async(dst + smg_swz((u32)r, (u32)c, COLS * 2), from, (u32)bytes);
-    }
-}
 
 // A row's base-2 lse: +inf where the row has no finite score (every weight 0).
 __device__ __forceinline__ float smg_lse2(float l) {
@@ -132,9 +105,9 @@ burn_flash_sm80_smm_dx(const unsigned short* __restrict__ x,
     // Chunk `ch` into slot ch % 2; the X tile rides with the last chunk (the epilogue's only).
     auto issue = [&](int ch) {
         const u32 slot = base + (u32)(ch % 2) * DX_SLOT;
-        smg_load<128, 64>(slot, do_rows + 64 * ch, p.do_ss, d1 - m0, d3 - 64 * ch, tid);
-        smg_load<128, 64>(slot + 128u * 128u, v_keys + 64 * ch, p.v_ss, d2 - n0, d3 - 64 * ch, tid);
-        if (ch == chunks - 1) smg_load<128, 128>(base + DX_OFF_X, x_tile, p.x_ss, d1 - m0, d2 - n0, tid);
+        sm80_load_tile<SMG_THREADS, 128, 64>(slot, do_rows + 64 * ch, p.do_ss, d1 - m0, d3 - 64 * ch, tid);
+        sm80_load_tile<SMG_THREADS, 128, 64>(slot + 128u * 128u, v_keys + 64 * ch, p.v_ss, d2 - n0, d3 - 64 * ch, tid);
+        if (ch == chunks - 1) sm80_load_tile<SMG_THREADS, 128, 128>(base + DX_OFF_X, x_tile, p.x_ss, d1 - m0, d2 - n0, tid);
         sm80_cp_commit();
     };
 
@@ -194,7 +167,7 @@ burn_flash_sm80_smm_dx(const unsigned short* __restrict__ x,
             for (int nt = 0; nt < 4; ++nt) {
                 const u32 kl = key0 + 8u * nt + 2u * (u32)t;
                 const u32 xs = *reinterpret_cast<const u32*>(
-                    smg_smem + DX_OFF_X + smg_swz(r, kl / 8u, 256u) + 2u * (kl % 8u));
+                    smg_smem + DX_OFF_X + sm80_swz(r, kl / 8u, 256u) + 2u * (kl % 8u));
                 const float p0 = ex2(fmaf(elem_to_f32((unsigned short)(xs & 0xffffu)), LOG2E, -l2));
                 const float p1 = ex2(fmaf(elem_to_f32((unsigned short)(xs >> 16)), LOG2E, -l2));
                 const float g0 = p0 * (acc[mt][nt][2 * h] - dl);
@@ -254,9 +227,9 @@ burn_flash_sm80_smm_dv(const unsigned short* __restrict__ x,
         const u32 slot = base + (u32)(it % 2) * DV_SLOT;
         const u32 b = p.batches == 1u ? dv_batch : (u32)(it / per_batch);
         const int m0 = (it % per_batch) * 64;
-        smg_load<64, 128>(slot, x + (u64)b * p.x_sb + (u64)m0 * p.x_ss + n0, p.x_ss, d1 - m0,
+        sm80_load_tile<SMG_THREADS, 64, 128>(slot, x + (u64)b * p.x_sb + (u64)m0 * p.x_ss + n0, p.x_ss, d1 - m0,
                           d2 - n0, tid);
-        smg_load<64, 128>(slot + DV_TILE, d_out + (u64)b * p.do_sb + (u64)m0 * p.do_ss + c0,
+        sm80_load_tile<SMG_THREADS, 64, 128>(slot + DV_TILE, d_out + (u64)b * p.do_sb + (u64)m0 * p.do_ss + c0,
                           p.do_ss, d1 - m0, d3 - c0, tid);
         sm80_cp_commit();
         if (tid < 64u) {

@@ -282,9 +282,7 @@ mod tests {
             d3: 520,
         };
         let shared = 227 * 1024;
-        let check = |ampere, cuda, mma, sixteen, rows16, dims, shared| {
-            unavailable(ampere, cuda, mma, sixteen, rows16, dims, shared)
-        };
+        let check = unavailable;
         assert_eq!(
             check(AmpereUse::Always, true, true, true, true, dims, shared),
             None
