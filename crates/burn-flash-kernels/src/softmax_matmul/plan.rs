@@ -401,7 +401,9 @@ pub fn plan_softmax_matmul_backward<R: Runtime>(
 /// against `x`, `v`, `d_out` and `dx` (`tma`: every buffer starts on 16 bytes and no row stride
 /// is 0) and the forward's `options` do not say `hopper: Some(false)` — else plain units,
 /// register-tiled ([`units_given`]) for gradients of at least 65 × 65 where the device has its
-/// units and shared memory, else the flash schedule ([`units`]).
+/// units and shared memory, else the flash schedule ([`units`]). Ahead of all of them, the
+/// Ampere kernels ([`SmmBackwardPath::Ampere`]) wherever [`ampere_unavailable`] finds nothing
+/// (only under `AmpereUse::Always`).
 pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     client: &ComputeClient<R>,
     dims: SmmDims,
@@ -470,7 +472,7 @@ pub fn plan_softmax_matmul_backward_for<R: Runtime>(
     let (config, dv_cubes, dx_cubes) = match path {
         SmmBackwardPath::Hopper | SmmBackwardPath::Ampere => {
             let c = mma_backward_config(d3, mma::DQ_ROWS);
-            // The grids are the Hopper kernels' own (below).
+            // The grids are the hand-written kernels' own (below).
             (c, 0, 0)
         }
         SmmBackwardPath::MatrixUnits => {
