@@ -11,9 +11,12 @@
 //! A group is the tests of one binary that share the first two segments of their path
 //! (`wgpu::f16`, `ndarray::f32`, `attention::plan`): the kernels one group compiles are mostly
 //! its own (the element type is a kernel's compile-time argument), and processes share
-//! compiled kernels through the compilation cache on disk, which cubecl guards with a file
-//! lock. Groups run longest first (wgpu groups weigh ten tests each); each group's output is
+//! compiled shaders through Mesa's shader cache on disk (`$XDG_CACHE_HOME/mesa_shader_cache`:
+//! cubecl keeps no wgpu kernel on disk). Groups run longest first (wgpu groups weigh ten tests each); each group's output is
 //! printed whole when it ends, so the log reads as `cargo test`'s does, one group at a time.
+//! The summary names the longest groups and the slowest tests: with one test thread a test's
+//! time is the span between libtest's result lines, and on a cold CPU-only machine it is
+//! mostly the kernels it compiles first (RESULTS §12.1).
 
 use std::{
     collections::BTreeMap,
@@ -243,6 +246,8 @@ pub fn test(
     let queue = Mutex::new(jobs.into_iter());
     // Each finished group: its seconds, label and whether it passed.
     let finished: Mutex<Vec<(f64, String, bool)>> = Mutex::new(Vec::new());
+    // Each test that ended: its seconds and `binary path::to::test`.
+    let timed: Mutex<Vec<(f64, String)>> = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
         for _ in 0..lanes {
             scope.spawn(|| {
@@ -258,9 +263,16 @@ pub fn test(
                     if let Some(dir) = &job.dir {
                         cmd.current_dir(dir).env("CARGO_MANIFEST_DIR", dir);
                     }
-                    let out = cmd.output();
+                    let out = run_timed(cmd, began);
                     let secs = began.elapsed().as_secs_f64();
                     let ok = out.as_ref().is_ok_and(|o| o.status.success());
+                    if let Ok(o) = &out {
+                        let label = job.label.split(' ').next().unwrap_or_default();
+                        timed
+                            .lock()
+                            .unwrap()
+                            .extend(o.tests.iter().map(|(t, n)| (*t, format!("{label} {n}"))));
+                    }
                     let tests = match job.tests {
                         0 => String::new(),
                         1 => " (1 test)".into(),
@@ -308,6 +320,14 @@ pub fn test(
         .map(|(t, label, _)| format!("{label} {t:.0} s"))
         .collect();
     eprintln!("xtask: longest groups: {}", longest.join(", "));
+    let mut timed = timed.into_inner().unwrap();
+    timed.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let slowest: Vec<String> = timed
+        .iter()
+        .take(SLOWEST)
+        .map(|(t, name)| format!("{name} {t:.0} s"))
+        .collect();
+    eprintln!("xtask: slowest tests: {}", slowest.join(", "));
     if failed.is_empty() {
         eprintln!("xtask: every test group passed ({total} groups, {secs:.0} s)");
         ExitCode::SUCCESS
@@ -319,6 +339,54 @@ pub fn test(
         );
         ExitCode::FAILURE
     }
+}
+
+/// How many of the slowest tests the summary names.
+const SLOWEST: usize = 15;
+
+/// A finished test process: its status and output, and each test's seconds with its name.
+struct Timed {
+    status: std::process::ExitStatus,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    tests: Vec<(f64, String)>,
+}
+
+/// Runs a test process, timing each test by the moment libtest prints its result line
+/// (`test NAME ... ok`): with one test thread a test runs from the previous line (or the
+/// process's start) to its own.
+fn run_timed(mut cmd: Command, began: Instant) -> std::io::Result<Timed> {
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let errors = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stderr, &mut buf);
+        buf
+    });
+    let mut stdout = Vec::new();
+    let mut tests = Vec::new();
+    let mut last = began.elapsed().as_secs_f64();
+    let mut reader = BufReader::new(child.stdout.take().expect("piped stdout"));
+    let mut line = Vec::new();
+    while reader.read_until(b'\n', &mut line).unwrap_or(0) > 0 {
+        if let Some((name, _)) = String::from_utf8_lossy(&line)
+            .strip_prefix("test ")
+            .and_then(|rest| rest.split_once(" ... "))
+        {
+            let now = began.elapsed().as_secs_f64();
+            tests.push((now - last, name.to_string()));
+            last = now;
+        }
+        stdout.append(&mut line);
+    }
+    let status = child.wait()?;
+    let stderr = errors.join().unwrap_or_default();
+    Ok(Timed {
+        status,
+        stdout,
+        stderr,
+        tests,
+    })
 }
 
 #[cfg(test)]
