@@ -12,8 +12,9 @@
 //! (`wgpu::f16`, `ndarray::f32`, `attention::plan`): the kernels one group compiles are mostly
 //! its own (the element type is a kernel's compile-time argument), and processes share
 //! compiled shaders through Mesa's shader cache on disk (`$XDG_CACHE_HOME/mesa_shader_cache`:
-//! cubecl keeps no wgpu kernel on disk). Groups run longest first (wgpu groups weigh ten tests each); each group's output is
-//! printed whole when it ends, so the log reads as `cargo test`'s does, one group at a time.
+//! cubecl keeps no wgpu kernel on disk). Groups run longest first (wgpu groups weigh ten tests
+//! each); each group's output is printed whole when it ends, so the log reads as `cargo
+//! test`'s does, one group at a time.
 //! The summary names the longest groups and the slowest tests: with one test thread a test's
 //! time is the span between libtest's result lines, and on a cold CPU-only machine it is
 //! mostly the kernels it compiles first (RESULTS §12.1).
@@ -22,7 +23,7 @@ use std::{
     collections::BTreeMap,
     io::{BufRead, BufReader, Write},
     path::PathBuf,
-    process::{Command, ExitCode, Stdio},
+    process::{Command, ExitCode, Output, Stdio},
     sync::Mutex,
     time::Instant,
 };
@@ -265,13 +266,13 @@ pub fn test(
                     }
                     let out = run_timed(cmd, began);
                     let secs = began.elapsed().as_secs_f64();
-                    let ok = out.as_ref().is_ok_and(|o| o.status.success());
-                    if let Ok(o) = &out {
+                    let ok = out.as_ref().is_ok_and(|(o, _)| o.status.success());
+                    if let Ok((_, tests)) = &out {
                         let label = job.label.split(' ').next().unwrap_or_default();
                         timed
                             .lock()
                             .unwrap()
-                            .extend(o.tests.iter().map(|(t, n)| (*t, format!("{label} {n}"))));
+                            .extend(tests.iter().map(|(t, n)| (*t, format!("{label} {n}"))));
                     }
                     let tests = match job.tests {
                         0 => String::new(),
@@ -292,7 +293,7 @@ pub fn test(
                         job.label,
                     );
                     match &out {
-                        Ok(o) => {
+                        Ok((o, _)) => {
                             let _ = log.write_all(&o.stdout);
                             let _ = log.write_all(&o.stderr);
                         }
@@ -344,18 +345,10 @@ pub fn test(
 /// How many of the slowest tests the summary names.
 const SLOWEST: usize = 15;
 
-/// A finished test process: its status and output, and each test's seconds with its name.
-struct Timed {
-    status: std::process::ExitStatus,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    tests: Vec<(f64, String)>,
-}
-
 /// Runs a test process, timing each test by the moment libtest prints its result line
 /// (`test NAME ... ok`): with one test thread a test runs from the previous line (or the
-/// process's start) to its own.
-fn run_timed(mut cmd: Command, began: Instant) -> std::io::Result<Timed> {
+/// process's start) to its own. Returns the process's output and each test's seconds and name.
+fn run_timed(mut cmd: Command, began: Instant) -> std::io::Result<(Output, Vec<(f64, String)>)> {
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
     let mut stderr = child.stderr.take().expect("piped stderr");
     let errors = std::thread::spawn(move || {
@@ -379,14 +372,15 @@ fn run_timed(mut cmd: Command, began: Instant) -> std::io::Result<Timed> {
         }
         stdout.append(&mut line);
     }
+    drop(reader);
     let status = child.wait()?;
     let stderr = errors.join().unwrap_or_default();
-    Ok(Timed {
+    let output = Output {
         status,
         stdout,
         stderr,
-        tests,
-    })
+    };
+    Ok((output, tests))
 }
 
 #[cfg(test)]
